@@ -1,0 +1,220 @@
+"""The self-contained HTML report (DESIGN §4: ``DIR/report.html``): metric tables and figures, PNGs
+embedded as base64 data URIs so the single file can be mailed.
+
+``extra`` (the experiment's ``report`` dict, saved to ``DIR/report_data.json`` so ``gradleak report DIR``
+can rebuild the page) may hold:
+
+* ``figures``: ``[{"title", "path" (relative to DIR, or absolute), "caption"}]``;
+* ``figure_rows``: ``[[title or index, ...], ...]`` — figures shown side by side in one row (e.g. ground
+  truth next to reconstruction); figures in no row get a row each, after the grouped ones;
+* ``tables``: ``[{"title", "columns": [key, ...], "rows": [dict, ...], "headers": [...] (optional)}]``;
+* ``notes``: ``[str, ...]`` — paragraphs shown under the title (e.g. which LPIPS/feature backbone was used).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from gradleak.report.markdown import fmt
+
+MIME = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif", ".svg": "image/svg+xml",
+        ".webp": "image/webp"}
+
+TEMPLATE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<title>{{ title }} — gradleak report</title>
+<style>
+body { font-family: system-ui, -apple-system, Segoe UI, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; padding: 0 1em; }
+h1 { margin-bottom: .2em; } .sub { color: #666; margin-top: 0; }
+table { border-collapse: collapse; margin: .5em 0 1.5em; font-size: 14px; }
+th, td { border: 1px solid #ccc; padding: 4px 10px; text-align: left; } th { background: #f3f3f3; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.row { display: flex; flex-wrap: wrap; gap: 1.5em; align-items: flex-start; margin-bottom: 1.5em; }
+figure { margin: 0; } figure img { image-rendering: pixelated; max-width: 100%; border: 1px solid #ddd; }
+figcaption { font-size: 13px; color: #555; max-width: 40em; } figcaption b { color: #222; }
+pre { background: #f7f7f7; padding: 1em; overflow-x: auto; font-size: 13px; }
+.missing { color: #a00; }
+</style></head><body>
+<h1>{{ title }}</h1>
+<p class="sub">{% if experiment %}experiment <code>{{ experiment }}</code> · {% endif %}report written {{ written }}</p>
+{% for note in notes %}<p>{{ note }}</p>{% endfor %}
+
+<h2>Metrics</h2>
+{% if metrics %}<table><tr><th>metric</th><th>value</th></tr>
+{% for name, value in metrics %}<tr><td>{{ name }}</td><td class="num">{{ value }}</td></tr>{% endfor %}
+</table>{% else %}<p>No metrics were recorded.</p>{% endif %}
+
+{% if figure_rows %}<h2>Figures</h2>
+{% for row in figure_rows %}<div class="row">
+{% for f in row %}<figure>{% if f.src %}<img src="{{ f.src }}" alt="{{ f.title }}">{% else %}<p class="missing">image missing: {{ f.path }}</p>{% endif %}
+<figcaption><b>{{ f.title }}</b>{% if f.caption %}<br>{{ f.caption }}{% endif %}</figcaption></figure>
+{% endfor %}</div>{% endfor %}{% endif %}
+
+{% for t in tables %}<h2>{{ t.title }}</h2>
+<table><tr>{% for h in t.headers %}<th>{{ h }}</th>{% endfor %}</tr>
+{% for r in t.rows %}<tr>{% for c in r %}<td{% if c.num %} class="num"{% endif %}>{{ c.text }}</td>{% endfor %}</tr>{% endfor %}
+</table>{% endfor %}
+
+{% if timings %}<h2>Timings</h2>
+<table><tr><th>stage</th><th>seconds</th></tr>
+{% for name, value in timings %}<tr><td>{{ name }}</td><td class="num">{{ value }}</td></tr>{% endfor %}
+</table>{% endif %}
+
+{% if artifacts %}<h2>Artifacts</h2><ul>{% for a in artifacts %}<li><code>{{ a }}</code></li>{% endfor %}</ul>{% endif %}
+
+{% if environment %}<h2>Environment</h2>
+<table>{% for name, value in environment %}<tr><th>{{ name }}</th><td>{{ value }}</td></tr>{% endfor %}</table>{% endif %}
+
+<h2>Config</h2>
+<pre>{{ config }}</pre>
+</body></html>
+"""
+
+
+def _flatten(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if not isinstance(d, dict):
+        return [(prefix or "value", d)]
+    out: list[tuple[str, Any]] = []
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict):
+            out += _flatten(v, key)
+        else:
+            out.append((key, v))
+    return out
+
+
+def _text(v: Any) -> str:
+    if isinstance(v, float) and math.isinf(v):
+        return "∞" if v > 0 else "−∞"
+    if isinstance(v, float) and math.isnan(v):
+        return "NaN"
+    if isinstance(v, (list, tuple)) and len(v) <= 8 and all(isinstance(e, (int, float)) for e in v):
+        return ", ".join(_text(e) for e in v)
+    return fmt(v, 4)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _embed(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    mime = MIME.get(path.suffix.lower(), "application/octet-stream")
+    return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode('ascii')}"
+
+
+def _figure_rows(extra: dict, out_dir: Path) -> list[list[dict]]:
+    figures = []
+    for f in extra.get("figures") or []:
+        p = Path(f.get("path", ""))
+        full = p if p.is_absolute() else out_dir / p
+        figures.append({"title": str(f.get("title", p.name)), "caption": str(f.get("caption", "") or ""),
+                        "path": str(p), "src": _embed(full)})
+    by_title = {f["title"]: i for i, f in enumerate(figures)}
+    rows, used = [], set()
+    for group in extra.get("figure_rows") or []:
+        row = []
+        for ref in group:
+            i = ref if isinstance(ref, int) and not isinstance(ref, bool) else by_title.get(str(ref))
+            if i is not None and 0 <= i < len(figures):
+                row.append(figures[i])
+                used.add(i)
+        if row:
+            rows.append(row)
+    rows += [[f] for i, f in enumerate(figures) if i not in used]
+    return rows
+
+
+def _tables(extra: dict) -> list[dict]:
+    out = []
+    for t in extra.get("tables") or []:
+        rows = list(t.get("rows") or [])
+        columns = list(t.get("columns") or (list(rows[0]) if rows else []))
+        headers = list(t.get("headers") or columns)
+        out.append({"title": t.get("title", ""), "headers": headers,
+                    "rows": [[{"text": _text(r.get(c)), "num": _is_num(r.get(c))} for c in columns] for r in rows]})
+    return out
+
+
+def _yaml(config: Any) -> str:
+    try:
+        import yaml
+
+        return yaml.safe_dump(config, sort_keys=False, default_flow_style=False, allow_unicode=True).rstrip()
+    except Exception:
+        return json.dumps(config, indent=2, default=str)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, Path):
+        return str(o)
+    if hasattr(o, "tolist"):  # numpy arrays / scalars, torch tensors
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o)}")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def render_html(results: dict, out_dir: Path, extra: dict | None = None) -> str:
+    """The report page as a string (figures embedded); see :func:`write_report`."""
+    import jinja2
+
+    extra = extra or {}
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+    return env.from_string(TEMPLATE).render(
+        title=results.get("name") or "gradleak run",
+        experiment=results.get("experiment"),
+        written=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        notes=[str(n) for n in extra.get("notes") or []],
+        metrics=[(k, _text(v)) for k, v in _flatten(results.get("metrics") or {})],
+        timings=[(k, _text(v)) for k, v in _flatten(results.get("timings") or {})],
+        environment=[(k, _text(v)) for k, v in _flatten(results.get("environment") or {})],
+        artifacts=[str(a) for a in results.get("artifacts") or []],
+        config=_yaml(results.get("config") or {}),
+        figure_rows=_figure_rows(extra, Path(out_dir)),
+        tables=_tables(extra),
+    )
+
+
+def write_report(results: dict, out_dir: str | Path, extra: dict | None = None) -> Path:
+    """Write ``out_dir/report.html`` (self-contained) and ``out_dir/report_data.json`` (= ``extra``); return the HTML path.
+
+    ``results`` follows the results contract (``name``, ``config``, ``metrics``, ``timings``,
+    ``environment``, ``artifacts``); ``extra`` is described in the module docstring. Both files are
+    written atomically (temp file + ``os.replace``).
+    """
+    out = Path(out_dir)
+    extra = dict(extra or {})
+    _write_atomic(out / "report_data.json", json.dumps(extra, indent=2, default=_json_default, allow_nan=True))
+    html_path = out / "report.html"
+    _write_atomic(html_path, render_html(results, out, extra))
+    return html_path
+
+
+def rebuild_report(out_dir: str | Path) -> Path:
+    """Rebuild ``report.html`` from ``out_dir/results.json`` and ``out_dir/report_data.json`` (if present)."""
+    out = Path(out_dir)
+    results = json.loads((out / "results.json").read_text())
+    data = out / "report_data.json"
+    extra = json.loads(data.read_text()) if data.is_file() else {}
+    return write_report(results, out, extra)

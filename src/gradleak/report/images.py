@@ -1,0 +1,61 @@
+"""Image grids for reports: originals next to reconstructions, unrecovered (NaN) pixels in grey."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+UNRECOVERED_GREY = 0.5
+
+
+def grid_array(images: torch.Tensor, nrow: int = 8, padding: int = 1, pad_value: float = 1.0) -> np.ndarray:
+    """N×C×H×W images in [0, 1] → one H'×W'×3 uint8 array (NaN → grey 0.5, values clamped to [0, 1])."""
+    x = torch.as_tensor(images).detach().to("cpu", torch.float32)
+    if x.ndim == 3:
+        x = x.unsqueeze(0)
+    if x.ndim != 4 or x.shape[1] not in (1, 3, 4):
+        raise ValueError(f"save_image_grid needs N×C×H×W images with C in 1/3/4, got {tuple(x.shape)}")
+    x = torch.nan_to_num(x, nan=UNRECOVERED_GREY).clamp(0.0, 1.0)
+    if x.shape[1] == 1:
+        x = x.expand(-1, 3, -1, -1)
+    x = x[:, :3]
+    n, _, h, w = x.shape
+    nrow = max(1, min(nrow, n)) if n else 1
+    rows = max(1, math.ceil(n / nrow))
+    canvas = np.full((rows * (h + padding) + padding, nrow * (w + padding) + padding, 3), pad_value, np.float32)
+    arr = x.permute(0, 2, 3, 1).numpy()
+    for i in range(n):
+        r, c = divmod(i, nrow)
+        top, left = padding + r * (h + padding), padding + c * (w + padding)
+        canvas[top:top + h, left:left + w] = arr[i]
+    return (canvas * 255.0 + 0.5).astype(np.uint8)
+
+
+def save_image_grid(images: torch.Tensor, path: str | Path, nrow: int = 8, upscale: int = 4,
+                    padding: int = 1) -> Path:
+    """Save N×C×H×W images in [0, 1] as one PNG grid, ``nrow`` per row, each pixel drawn ``upscale``×``upscale``.
+
+    NaN pixels (unrecovered) are drawn grey (0.5); nearest-neighbour upscaling keeps 32×32 images crisp.
+    Written atomically; returns the path.
+    """
+    path = Path(path)
+    img = Image.fromarray(grid_array(images, nrow=nrow, padding=padding))
+    if upscale and upscale > 1:
+        img = img.resize((img.width * upscale, img.height * upscale), Image.NEAREST)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".png.tmp")
+    os.close(fd)
+    try:
+        img.save(tmp, format="PNG")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path

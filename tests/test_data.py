@@ -1,0 +1,177 @@
+"""gradleak.data: built-in offline sets, users' own files, and the errors that name the field."""
+
+from __future__ import annotations
+
+import gzip
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from gradleak import data
+from gradleak.data import builtin
+from gradleak.errors import BadInput, MissingAsset
+from gradleak.registry import DATASETS
+
+
+def test_registered():
+    for name in ("cifar-samples", "cifar10-samples", "cifar100-samples", "imagenet-samples", "natural-crops",
+                 "public-natural", "fashion-mnist", "image-folder", "npz"):
+        assert name in DATASETS
+
+
+def test_cifar_samples_are_40_real_images():
+    s = data.load("cifar-samples")
+    assert s.images.shape == (40, 3, 32, 32) and s.images.dtype == torch.float32
+    assert s.labels.dtype == torch.int64 and s.num_classes == 110
+    assert 0.0 <= s.images.min() and s.images.max() <= 1.0
+    assert s.images.std() > 0.1  # real photos, not constants
+    assert s.names[0] == "cifar10_00_3.png" and s.labels[0] == 3  # label = last number of the file name
+    assert s.names[20].startswith("cifar100_00_") and s.labels[20] == 49 + 10  # CIFAR-100 offset by 10
+    assert len({tuple(x.flatten()[:50].tolist()) for x in s.images}) == 40  # 40 distinct images
+    assert torch.equal(data.load("cifar-samples", n=8).images, s.images[:8])  # deterministic order
+    assert data.load("cifar10-samples").labels.max() < 10
+    assert len(data.load("cifar100-samples")) == 20
+
+
+def test_too_many_samples_names_batch_size():
+    with pytest.raises(BadInput) as err:
+        data.load("cifar-samples", n=64)
+    assert err.value.field == "data.batch_size" and "natural-crops" in str(err.value)
+
+
+def test_imagenet_samples_resize():
+    s = data.load("imagenet-samples", size=32, n=3)
+    assert s.images.shape == (3, 3, 32, 32) and s.labels.tolist() == [243, 559, 438]
+    assert data.load("imagenet-samples", size=64, n=1).images.shape == (1, 3, 64, 64)
+
+
+def test_natural_crops_any_number_and_seeded():
+    a = data.load("natural-crops", n=50, size=16, seed=3)
+    assert a.images.shape == (50, 3, 16, 16) and 0 <= a.images.min() and a.images.max() <= 1
+    assert torch.equal(a.images, data.load("natural-crops", n=50, size=16, seed=3).images)
+    assert not torch.equal(a.images, data.load("natural-crops", n=50, size=16, seed=4).images)
+
+
+def test_public_natural_disjoint_from_attacked_sets():
+    pub = data.load("public-natural", n=300, size=32, seed=0)
+    assert pub.images.shape == (300, 3, 32, 32)
+    assert not any(n.startswith(("cifar", "imagenet")) for n in pub.names)
+    attacked = torch.cat([data.load("cifar-samples").images, data.load("imagenet-samples", size=32).images])
+    d = torch.cdist(pub.images.flatten(1), attacked.flatten(1)) / (32 * 32 * 3) ** 0.5  # RMS pixel distance
+    assert d.min() > 0.02
+
+
+def test_npz_round_trip(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, size=(5, 8, 8, 3), dtype=np.uint8)
+    y = np.array([0, 1, 2, 1, 0])
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    s = data.load("npz", path=str(tmp_path / "d.npz"))
+    assert s.images.shape == (5, 3, 8, 8) and s.num_classes == 3
+    assert torch.allclose(s.images, torch.from_numpy(x.transpose(0, 3, 1, 2) / 255.0).float())
+    assert s.labels.tolist() == y.tolist()
+    np.savez(tmp_path / "f.npz", images=s.images.numpy(), labels=y)
+    assert torch.equal(data.load("npz", path=str(tmp_path / "f.npz")).images, s.images)
+
+
+def test_npz_bad_inputs(tmp_path):
+    with pytest.raises(BadInput) as err:
+        data.load("npz", path=str(tmp_path / "nope.npz"))
+    assert err.value.field == "data.path"
+    np.savez(tmp_path / "bad.npz", x=np.zeros((2, 5, 7, 9, 2)))
+    with pytest.raises(BadInput, match="shape"):
+        data.load("npz", path=str(tmp_path / "bad.npz"))
+    np.savez(tmp_path / "range.npz", x=np.full((2, 3, 4, 4), 255.0))
+    with pytest.raises(BadInput, match=r"\[0, 1\]"):
+        data.load("npz", path=str(tmp_path / "range.npz"))
+    np.savez(tmp_path / "nolabels.npz", z=np.zeros(3))
+    with pytest.raises(BadInput, match="no image array"):
+        data.load("npz", path=str(tmp_path / "nolabels.npz"))
+
+
+def test_image_folder_round_trip(tmp_path):
+    rng = np.random.default_rng(1)
+    originals = {}
+    for cls in ("cat", "dog"):
+        (tmp_path / cls).mkdir()
+        for i in range(2):
+            arr = rng.integers(0, 256, size=(10, 10, 3), dtype=np.uint8)
+            Image.fromarray(arr).save(tmp_path / cls / f"{i}.png")
+            originals[f"{cls}/{i}.png"] = arr
+    s = data.load("image-folder", path=str(tmp_path))
+    assert s.images.shape == (4, 3, 10, 10) and s.labels.tolist() == [0, 0, 1, 1] and s.num_classes == 2
+    for img, name in zip(s.images, s.names):
+        assert torch.allclose(img, torch.from_numpy(originals[name].transpose(2, 0, 1) / 255.0).float())
+    assert data.load("image-folder", path=str(tmp_path), size=6).images.shape == (4, 3, 6, 6)
+    flat = tmp_path / "cat"
+    assert data.load("image-folder", path=str(flat)).num_classes == 1
+
+
+def test_image_folder_bad_inputs(tmp_path):
+    with pytest.raises(BadInput) as err:
+        data.load("image-folder", path=str(tmp_path / "missing"))
+    assert err.value.field == "data.path"
+    with pytest.raises(BadInput) as err:
+        data.load("image-folder", path=str(tmp_path))  # empty folder
+    assert err.value.field == "data.path"
+    Image.new("RGB", (4, 4)).save(tmp_path / "a.png")
+    Image.new("RGB", (5, 5)).save(tmp_path / "b.png")
+    with pytest.raises(BadInput) as err:
+        data.load("image-folder", path=str(tmp_path))
+    assert err.value.field == "data.size"
+
+
+def test_unknown_names_and_options():
+    with pytest.raises(BadInput) as err:
+        data.load("no-such-set")
+    assert err.value.field == "data.name"
+    with pytest.raises(BadInput) as err:
+        data.load("cifar-samples", colour="blue")
+    assert err.value.field == "data.colour"
+    with pytest.raises(BadInput) as err:
+        data.load("natural-crops", n=0)
+    assert err.value.field == "data.n"
+
+
+def _write_idx(root, prefix, images, labels):
+    with gzip.open(root / f"{prefix}-images-idx3-ubyte.gz", "wb") as f:
+        f.write(b"\0" * 16 + images.tobytes())
+    with gzip.open(root / f"{prefix}-labels-idx1-ubyte.gz", "wb") as f:
+        f.write(b"\0" * 8 + labels.tobytes())
+
+
+def test_fashion_mnist_missing_asset(monkeypatch, tmp_path):
+    monkeypatch.setattr(builtin, "FASHION_MNIST_DIR", tmp_path / "absent")
+    with pytest.raises(MissingAsset) as err:
+        data.load("fashion-mnist")
+    assert "apt-get install -y dataset-fashion-mnist" in str(err.value)
+
+
+def test_fashion_mnist_reader(monkeypatch, tmp_path):
+    images = np.arange(3 * 28 * 28, dtype=np.uint8).reshape(3, 28, 28)
+    _write_idx(tmp_path, "t10k", images, np.array([9, 0, 4], dtype=np.uint8))
+    monkeypatch.setattr(builtin, "FASHION_MNIST_DIR", tmp_path)
+    s = data.load("fashion-mnist", split="test")
+    assert s.images.shape == (3, 1, 28, 28) and s.labels.tolist() == [9, 0, 4] and s.num_classes == 10
+    assert torch.allclose(s.images[:, 0] * 255, torch.from_numpy(images).float())
+    with pytest.raises(BadInput) as err:
+        data.load("fashion-mnist", split="val")
+    assert err.value.field == "data.split"
+
+
+def test_fashion_mnist_real_files_if_installed():
+    if not (builtin.FASHION_MNIST_DIR / "t10k-images-idx3-ubyte.gz").exists():
+        with pytest.raises(MissingAsset):
+            data.load("fashion-mnist", split="test")
+        return
+    s = data.load("fashion-mnist", split="test")
+    assert s.images.shape == (10000, 1, 28, 28) and s.labels.max() == 9
+
+
+def test_model_range_round_trip():
+    x = torch.rand(2, 3, 4, 4)
+    y = data.to_model_range(x)
+    assert y.min() >= -1 and y.max() <= 1
+    assert torch.allclose(data.from_model_range(y), x)
