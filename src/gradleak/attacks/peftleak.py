@@ -1,0 +1,773 @@
+"""PEFTLeak (Sami et al., CVPR 2025; ``shared/papers/000``, SPEC §1): exact patch recovery from the
+adapter gradients of a ViT poisoned by a malicious server.
+
+Pipeline (Algorithm 1):
+
+1. :meth:`PEFTLeak.prepare` poisons the backbone once (§3.3, eq. 9–19): positional embeddings
+   i.i.d. with std ``sigma`` (SPEC A1.1: "N(0, σ)" read as std), patch embedding ``E = 0.5·M``,
+   LayerNorm weights ``sigma`` and bias 0, identity attention (Q = K = V = W_O = I, Q scaled by
+   ``q_scale`` so the softmax is an exact one-hot in float64), identity MLP with ±γ biases (γ = 1e4).
+2. :meth:`PEFTLeak.adapter_state` writes the malicious adapters of one round (§3.4, eq. 20–23): every
+   down-projection row of an adapter assigned to position t reads the target token through
+   ``w = E_pos(t)`` (+ ``α·d_k`` in the improved design), the biases are thresholds from the public-data
+   statistic (inverse Gaussian CDF in the paper design), the up-projection is ``up_scale·u_out·1ᵀ``.
+3. :meth:`PEFTLeak.reconstruct` reads only the :class:`~gradleak.fl.core.ServerView`: eq. (24)
+   (differences of consecutive neurons) isolates the adapter input of a lone patch in a bin, eq. (25)
+   maps it back to pixels, then patches are grouped into images.
+
+Decisions the paper leaves open (SPEC §1.11), each recorded here:
+
+* A1.2 open quantiles: paper design uses probabilities ``i/(k+1)`` over the ``k = S_t·r`` neurons of a
+  position, so no threshold is infinite.
+* A1.3 the interval between the last neuron of one adapter and the first of the next cannot be
+  differenced (different upstream coefficients) and is lost in the paper design, as are both tails.
+  The improved design puts neuron 1 below every target statistic (but above every non-target one) and
+  uses the top neuron alone for the top interval, so an adapter of width r gives r bins, not r−1.
+* A1.4 "first neuron ≈ 1e-6": the up-projection is ``up_scale·u_out·1ᵀ`` — every hidden unit writes the
+  same tiny vector, so every neuron of an adapter sees the same upstream coefficient per token and
+  eq. (24) holds. ``up_scale = 1e-9`` (float64) keeps the forward perturbation negligible.
+* A1.5/A1.9 LayerNorm. A LayerNorm destroys each token's mean and rescales it. We (i) set every
+  LayerNorm's ``eps = sigma²`` (the server ships the config), so the norm of a LayerNorm output
+  reveals the input's variance and the scale can be undone exactly; (ii) choose ``E = 0.5·M`` with
+  ``M`` orthogonal mapping the *lowest-energy* pixel direction of the public patches (not the patch
+  mean, as ``E = 0.5·I`` does) onto the all-ones direction the LayerNorm removes; that one pixel
+  coordinate is filled with its public mean. When ``D > P²C`` (ViT-L/16) no pixel direction is lost.
+  The authors' code leaves both effects uncorrected (≈17 dB patches).
+* A1.6 float64 throughout (γ = 1e4 would cost ~1e-3 per pixel in float32).
+* A1.8 placement: positions are served round-robin in blocks of ``positions_per_round``; each gets
+  ``adapters_per_position`` consecutive adapter slots (paper: 5 per position, 4 positions a round,
+  which reproduces its 1 round for CIFAR, 4 rounds for TinyImageNet, 2 rounds on ViT-L/16).
+* Public statistics: the pixel distribution is pooled over all patches of the public images (the
+  attacked images are never used); the per-position statistic is then exact, because a patch's
+  adapter input is a known function of its pixels and E_pos(t) (identity attention, see
+  :func:`slot_scales`).
+* A1.9 grouping. The paper's image tag (first-MSA uniform head) overwrites 64 pixel values of every
+  patch. We group *without a tag*: the head is rank one (logit 0 = ``head_scale·ŵᵀ pooled``) and the
+  model mean-pools patch tokens, so the upstream coefficient of a lone patch in its bin is
+  ``g_m·κ(x)`` with ``g_m = ∂L/∂logit_0`` shared by every token of image m and ``κ(x)`` a derivative
+  the server computes from the recovered patch alone (tokens never mix under identity attention).
+  ``g = Δb / κ(x)`` is therefore identical (to ~1e-10) for all patches of one image and differs
+  between images; patches are grouped by it. This also enables *peeling* (improved design): the
+  contribution of an already recovered patch to a collided bin is known exactly and can be removed.
+* A1.10 the classification head is mean pooling over patch tokens (``model.pooling = mean``); with
+  the CLS head and exactly-identity attention patch tokens get no gradient at all.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from scipy.stats import norm as _normal
+from torch import nn
+
+from gradleak.attacks.base import Reconstruction, ThreatModel
+from gradleak.errors import BadInput
+from gradleak.fl.core import ServerView
+from gradleak.peft.adapters import AdapterSlot, BottleneckAdapter
+from gradleak.registry import ATTACKS
+
+F64 = torch.float64
+
+
+# --------------------------------------------------------------------------------------------------
+# geometry helpers
+# --------------------------------------------------------------------------------------------------
+
+def image_to_patches(images: torch.Tensor, patch: int, reduce: int = 1) -> torch.Tensor:
+    """(B, C, H, W) -> (B, N, C·(P/reduce)²) in the conv's flatten order (c, i, j), row-major positions.
+
+    ``reduce = k`` averages k×k pixel blocks first (ViT-B/32 low-resolution variant, Table 3).
+    """
+    b, c, h, w = images.shape
+    x = images.reshape(b, c, h // patch, patch, w // patch, patch).permute(0, 2, 4, 1, 3, 5)
+    x = x.reshape(b, (h // patch) * (w // patch), c, patch, patch)
+    if reduce > 1:
+        x = x.reshape(*x.shape[:3], patch // reduce, reduce, patch // reduce, reduce).mean((4, 6))
+    return x.reshape(b, x.shape[1], -1)
+
+
+def patches_to_image(patches: torch.Tensor, channels: int, image_size: int, patch: int) -> torch.Tensor:
+    """(N, C·P²) patches (NaN allowed) -> (C, H, W) image."""
+    g = image_size // patch
+    x = patches.reshape(g, g, channels, patch, patch).permute(2, 0, 3, 1, 4)
+    return x.reshape(channels, image_size, image_size)
+
+
+def upsample_patch(vec: torch.Tensor, channels: int, patch: int, reduce: int) -> torch.Tensor:
+    """Reduced patch vector -> full-resolution patch vector (nearest, k×k repeat)."""
+    p = patch // reduce
+    x = vec.reshape(-1, channels, p, p)
+    x = x.repeat_interleave(reduce, 2).repeat_interleave(reduce, 3)
+    return x.reshape(vec.shape[0], -1)
+
+
+def _householder_complement(u: torch.Tensor) -> torch.Tensor:
+    """Orthonormal basis (d × (d−1)) of the complement of the unit vector u, in O(d²) (Householder)."""
+    d = u.shape[0]
+    e = torch.zeros(d, dtype=F64)
+    e[0] = 1.0
+    v = e - u
+    if float(v.norm()) < 1e-12:
+        return torch.eye(d, dtype=F64)[:, 1:]
+    H = torch.eye(d, dtype=F64) - 2 * torch.outer(v, v) / (v @ v)
+    return H[:, 1:]  # H e_1 = u, so the other columns are orthonormal and ⊥ u
+
+
+def _project_out(vectors: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Project x (d or n × d) onto the orthogonal complement of span(vectors) (k × d)."""
+    q, _ = torch.linalg.qr(vectors.T.to(F64))
+    return x - (x @ q) @ q.T
+
+
+def slot_scales(v: torch.Tensor, n_blocks: int, sigma: float, eps: float) -> torch.Tensor:
+    """Adapter-input scale φ for every slot, for tokens whose centred embedding has variance ``v``.
+
+    Under the poisoned backbone the residual stream of a token stays ``a·y_c`` (y_c = its centred
+    embedding): each LayerNorm outputs ``σ·a·y_c / sqrt(a²v + eps)`` (the MSA and MLP are identities and
+    the adapters add ~up_scale), which is both the adapter's input and what the residual adds. Returns
+    ``(..., 2·n_blocks + 1)``: slots in forward order, then the final LayerNorm.
+    """
+    a = torch.ones_like(v)
+    out = []
+    for _ in range(2 * n_blocks):
+        phi = sigma * a / torch.sqrt(a * a * v + eps)
+        out.append(phi)
+        a = a + phi
+    out.append(sigma * a / torch.sqrt(a * a * v + eps))
+    return torch.stack(out, -1)
+
+
+# --------------------------------------------------------------------------------------------------
+# the attack
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class SlotPlan:
+    slot: AdapterSlot
+    index: int  # slot index in forward order
+    position: int  # target token position (1..N; 0 is the class token)
+    weight: torch.Tensor  # (D,) read-out w of every neuron
+    thresholds: torch.Tensor  # (r,) ascending c_j
+    usable_bins: list[int]  # bin j = (c_j, c_{j+1}] (top bin: (c_r, inf))
+
+
+@dataclass
+class RoundPlan:
+    slots: list[SlotPlan] = field(default_factory=list)
+
+
+@ATTACKS.register("peftleak", "malicious-server exact patch recovery from ViT adapter gradients (Sami et al. 2025)")
+class PEFTLeak:
+    """PEFTLeak with ``design="paper"`` (Algorithm 1 as published) or ``"improved"`` (default).
+
+    Improved design: every adapter of a position bins along its own direction
+    ``w = E_pos(t) + α·d_k`` (d_k ⊥ all positional embeddings, from the top principal directions of the
+    public patches, so the hashes are nearly independent), empirical equi-probable bins with no lost
+    tails, candidates cross-checked against the other adapters' bins, and peeling of collided bins.
+    """
+
+    name = "peftleak"
+
+    def __init__(self, *, public_images: torch.Tensor, design: str = "improved", sigma: float = 10.0,
+                 pe_distribution: str = "gaussian", gamma: float = 1e4, q_scale: float = 1e5,
+                 up_scale: float = 1e-12, adapters_per_position: int | None = None,
+                 positions_per_round: int | None = None, low_resolution: bool = False,
+                 peel: bool = True, seed: int = 0):
+        if design not in ("paper", "improved"):
+            raise BadInput("attack.design", f"unknown design '{design}'.", "use 'paper' or 'improved'.")
+        if sigma <= 0:
+            raise BadInput("attack.sigma", f"the positional-embedding std σ must be > 0, got {sigma}.", "use e.g. 10 (the paper's).")
+        if pe_distribution not in ("gaussian", "laplacian"):
+            raise BadInput("attack.pe_distribution", f"unknown '{pe_distribution}'.", "use 'gaussian' or 'laplacian'.")
+        if public_images is None or len(public_images) == 0:
+            raise BadInput("attack.public", "PEFTLeak needs public images to estimate patch statistics.",
+                           "give a public dataset (e.g. public-natural).")
+        self.design = design
+        self.sigma = float(sigma)
+        self.pe_distribution = pe_distribution
+        self.gamma = float(gamma)
+        self.q_scale = float(q_scale)
+        self.up_scale = float(up_scale)
+        self.adapters_per_position = adapters_per_position
+        self.positions_per_round = positions_per_round
+        self.low_resolution = low_resolution
+        self.peel = peel and design == "improved"
+        self.seed = seed
+        self.public_images = public_images
+        self.plans: list[RoundPlan] = []
+
+    # ------------------------------------------------------------------ poisoning (once)
+    @torch.no_grad()
+    def prepare(self, model: nn.Module, threat: ThreatModel | None = None) -> nn.Module:
+        """Poison the backbone and head in place; plan the rounds. Returns the model (float64)."""
+        if threat is not None and not threat.malicious:
+            raise BadInput("threat.malicious", "PEFTLeak needs a malicious server (it rewrites weights).",
+                           "set the threat model to malicious or pick an honest attack.")
+        cfg = model.config
+        if getattr(model, "pooling", "mean") != "mean":
+            raise BadInput("model.pooling", "PEFTLeak's identity attention gives patch tokens no gradient under CLS pooling.",
+                           "use model.pooling=mean (the server prescribes the head).")
+        model.to(F64)
+        gen = torch.Generator().manual_seed(self.seed)
+        D, P, C, S = cfg.hidden_size, cfg.patch_size, cfg.num_channels, cfg.image_size
+        full = P * P * C
+        k = 1
+        if full > D:
+            if not self.low_resolution:
+                raise BadInput("model.patch_size", f"the patch dimension P²C = {full} is larger than the width D = {D}, "
+                               "so a patch cannot pass the patch embedding intact.",
+                               "set attack.low_resolution=true (recover k×k block means, Table 3) or use a smaller patch.")
+            k = int(round(math.sqrt(full / D)))
+            if k * k * D != full or P % k:
+                raise BadInput("model.patch_size", f"P²C = {full} is not D = {D} times a square k² with k dividing P.",
+                               "use ViT-B/32 (k = 2) or a patch size whose P²C/D is a perfect square.")
+        self.reduce = k
+        self.D, self.P, self.C, self.S = D, P, C, S
+        self.N = (S // P) ** 2
+        self.Pd = full // (k * k)
+        self.L = cfg.num_hidden_layers
+        self.eps = self.sigma ** 2
+        self.r = model.get_submodule(AdapterSlot(0, "msa").prefix).down.out_features
+
+        pub = image_to_patches(self.public_images.to(F64) * 2 - 1, P, k).reshape(-1, self.Pd)
+        self._pub = pub
+        ones = torch.ones(1, D, dtype=F64) / math.sqrt(D)
+        B0 = _householder_complement(ones[0])  # D × (D-1), ⊥ 1
+        sub = pub if len(pub) <= 20000 else pub[torch.randperm(len(pub), generator=gen)[:20000]]
+        evals, evecs = np.linalg.eigh((sub.T @ sub / len(sub)).numpy())
+        evals, evecs = torch.from_numpy(evals), torch.from_numpy(evecs)
+        self._principal = evecs.flip(1).T  # rows: pixel directions by decreasing energy
+        if self.Pd < D:
+            M = B0[:, : self.Pd]
+            self.lost_dir, self.lost_mean = None, 0.0
+        else:
+            u = evecs[:, 0]
+            V = _householder_complement(u)
+            M = B0 @ V.T + ones.T @ u[None]
+            self.lost_dir, self.lost_mean = u, float((pub @ u).mean())
+            self.lost_energy = float(evals[0])
+        self.M = M  # D × Pd, orthonormal columns
+        # positional embeddings, class token 0
+        if self.pe_distribution == "gaussian":
+            pos = torch.randn(self.N + 1, D, generator=gen, dtype=F64) * self.sigma
+        else:
+            u01 = torch.rand(self.N + 1, D, generator=gen, dtype=F64) - 0.5
+            pos = -torch.sign(u01) * torch.log1p(-2 * u01.abs()) * (self.sigma / math.sqrt(2))
+        self.pos = pos
+        self.pos_c = pos - pos.mean(1, keepdim=True)
+        self._pos_norm2 = (self.pos_c * self.pos_c).sum(1)
+        emb = model.vit.embeddings
+        emb.position_embeddings.copy_(pos[None])
+        emb.cls_token.zero_()
+        E = 0.5 * M  # D × Pd
+        if k > 1:
+            E = (E.reshape(D, C, P // k, 1, P // k, 1) / (k * k)).expand(D, C, P // k, k, P // k, k)
+        emb.patch_embeddings.projection.weight.copy_(E.reshape(D, C, P, P))
+        emb.patch_embeddings.projection.bias.zero_()
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.fill_(self.sigma)
+                m.bias.zero_()
+                m.eps = self.eps
+        cfg.layer_norm_eps = self.eps
+        eye = torch.eye(D, dtype=F64)
+        for layer in model.vit.encoder.layer:
+            att = layer.attention.attention
+            att.query.weight.copy_(eye * self.q_scale)
+            att.key.weight.copy_(eye)
+            att.value.weight.copy_(eye)
+            for lin in (att.query, att.key, att.value):
+                lin.bias.zero_()
+            out = layer.attention.output.dense
+            out = out.base if hasattr(out, "base") else out
+            out.weight.copy_(eye)
+            out.bias.zero_()
+            inter = layer.intermediate.dense
+            inter.weight.zero_()
+            inter.weight[:D].copy_(eye)
+            inter.bias.fill_(self.gamma)
+            o2 = layer.output.dense
+            o2 = o2.base if hasattr(o2, "base") else o2
+            o2.weight.zero_()
+            o2.weight[:, :D].copy_(eye)
+            o2.bias.fill_(-self.gamma)
+        # head direction ŵ ⊥ 1 and ⊥ every positional embedding; u_out = ŵ
+        self._blocked = torch.cat([ones, self.pos_c / self.pos_c.norm(dim=1, keepdim=True)])
+        w = _project_out(self._blocked, torch.randn(D, generator=gen, dtype=F64))
+        self.w_head = w / w.norm()
+        self.u_out = self.w_head
+        # head scale: spread of the pooled feature over public images -> logits of O(1) spread
+        feat = self._pooled_feature(self.public_images[:256])
+        self.head_scale = float(2.0 / max(feat.std().item(), 1e-12))
+        model.head.weight.zero_()
+        model.head.weight[0].copy_(self.head_scale * self.w_head)
+        model.head.bias.zero_()
+        self._plan_rounds()
+        self.model_template = model
+        return model
+
+    # ------------------------------------------------------------------ statistics
+    def geometry(self, x: torch.Tensor) -> "PatchGeometry":
+        """Precompute what every statistic of reduced pixel vectors ``x`` (n × Pd) needs."""
+        Mx = x @ self.M.T
+        Mx_c = Mx - Mx.mean(1, keepdim=True)
+        return PatchGeometry(Mx_c, (Mx_c * Mx_c).sum(1), Mx_c @ self.pos_c.T)
+
+    def _variance(self, geo: "PatchGeometry", t: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(len(geo.norm2))
+        return (0.25 * geo.norm2 + geo.pdot[rows, t] + self._pos_norm2[t]) / self.D
+
+    def stats(self, geo: "PatchGeometry", t: torch.Tensor | int, idx: torch.Tensor | int,
+              w: torch.Tensor) -> torch.Tensor:
+        """Pre-activation ``wᵀh`` of each patch at position(s) t in slot(s) idx (w: D or n × D)."""
+        n = len(geo.norm2)
+        t = torch.as_tensor(t).expand(n) if torch.as_tensor(t).dim() == 0 else torch.as_tensor(t)
+        idx = torch.as_tensor(idx).expand(n) if torch.as_tensor(idx).dim() == 0 else torch.as_tensor(idx)
+        if w.dim() == 1:
+            proj = 0.5 * (geo.Mx_c @ w) + (self.pos_c @ w)[t]
+        else:
+            proj = 0.5 * (geo.Mx_c * w).sum(1) + (self.pos_c[t] * w).sum(1)
+        return self._phi(geo, t).gather(1, idx[:, None])[:, 0] * proj
+
+    def _phi(self, geo: "PatchGeometry", t: torch.Tensor) -> torch.Tensor:
+        """φ for every slot (n × slots+1), cached per geometry for a constant position."""
+        if bool((t == t[0]).all()):
+            key = int(t[0])
+            if key not in geo.cache:
+                geo.cache[key] = slot_scales(self._variance(geo, t), self.L, self.sigma, self.eps)
+            return geo.cache[key]
+        return slot_scales(self._variance(geo, t), self.L, self.sigma, self.eps)
+
+    def adapter_inputs(self, geo: "PatchGeometry", t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Exact adapter inputs h (n × D) of patches at positions t in slots idx."""
+        v = self._variance(geo, t)
+        phi = slot_scales(v, self.L, self.sigma, self.eps).gather(1, idx[:, None])
+        return phi * (0.5 * geo.Mx_c + self.pos_c[t])
+
+    def _pooled_feature(self, images: torch.Tensor) -> torch.Tensor:
+        x = image_to_patches(images.to(F64) * 2 - 1, self.P, self.reduce)
+        feats = []
+        for t in range(1, self.N + 1):
+            geo = self.geometry(x[:, t - 1])
+            feats.append(self.stats(geo, t, 2 * self.L, self.w_head))
+        return torch.stack(feats, 1).mean(1)
+
+    # ------------------------------------------------------------------ planning
+    def _plan_rounds(self) -> None:
+        n_slots = 2 * self.L
+        N = self.N
+        K = self.adapters_per_position
+        ppr = self.positions_per_round
+        if K is None and ppr is None:
+            # the paper's rule: 5 adapters per position (4 positions a round on ViT-B/16, 9 on ViT-L/16);
+            # the slots left over are spread over the same positions (so 6 per position on ViT-B/16)
+            ppr = min(N, max(1, n_slots // 5))
+        if ppr is None:
+            ppr = max(1, n_slots // K)
+        if K is None:
+            K = max(1, n_slots // ppr)
+        if K * ppr > n_slots:
+            raise BadInput("attack.adapters_per_position", f"{K} adapters × {ppr} positions exceed the {n_slots} adapter slots.",
+                           "lower attack.adapters_per_position or attack.positions_per_round.")
+        self.K, self.ppr = K, ppr
+        slots = [AdapterSlot(b, kind) for b in range(self.L) for kind in ("msa", "mlp")]
+        gen = torch.Generator().manual_seed(self.seed + 1)
+        pub = self._pub
+        if len(pub) > 4096:
+            pub = pub[torch.randperm(len(pub), generator=gen)[:4096]]
+        self._pub_geo = self.geometry(pub)
+        small = pub[torch.randperm(len(pub), generator=gen)[:512]]
+        self._pub_geo_small = self.geometry(small)
+        self._cls_geo = PatchGeometry(torch.zeros(1, self.D, dtype=F64), torch.zeros(1, dtype=F64),
+                                      torch.zeros(1, self.N + 1, dtype=F64))
+        # improved design: binning directions from the public patches' principal directions
+        # (the first one, ~the patch mean, is shared by every position's E_pos read-out, so skip it)
+        Vt = self._principal[1:]
+        Qc = None
+        self.plans = []
+        positions = list(range(1, N + 1))
+        for start in range(0, N, ppr):
+            round_plan = RoundPlan()
+            chunk = positions[start:start + ppr]
+            for pi, t in enumerate(chunk):
+                my_slots = list(range(pi * K, (pi + 1) * K))
+                for s_i, idx in enumerate(my_slots):
+                    round_plan.slots.append(self._plan_slot(slots[idx], idx, t, s_i, K, pub, Vt, Qc))
+            self.plans.append(round_plan)
+
+    def _nontarget_max(self, t: int, idx: int, w: torch.Tensor) -> float:
+        """Largest pre-activation any other token (other positions' public patches, the class token) gets."""
+        geo = self._pub_geo_small
+        n = len(geo.norm2)
+        best = float(self.stats(self._cls_geo, 0, idx, w)[0])
+        for pos in range(1, self.N + 1):
+            if pos != t:
+                best = max(best, float(self.stats(geo, torch.full((n,), pos), idx, w).max()))
+        return best
+
+    def _plan_slot(self, slot: AdapterSlot, idx: int, t: int, s_i: int, K: int, pub: torch.Tensor,
+                   Vt: torch.Tensor, Qc: torch.Tensor) -> SlotPlan:
+        r = self.r
+        p_t = self.pos[t]
+        geo = self._pub_geo
+        if self.design == "paper":
+            w = p_t.clone()
+            stat = self.stats(geo, t, idx, w)
+            mu, sd = float(stat.mean()), float(stat.std())
+            k_t = K * r
+            probs = (np.arange(s_i * r, (s_i + 1) * r) + 1) / (k_t + 1)
+            thr = torch.tensor(mu + sd * _normal.ppf(probs), dtype=F64)
+            usable = list(range(r - 1))
+        else:
+            d = _project_out(self._blocked, self.M @ Vt[s_i % Vt.shape[0]])
+            d = d / d.norm()
+            # largest α that keeps every non-target token below every target statistic (with margin)
+            gap = float(self.stats(geo, t, idx, p_t).min()) - self._nontarget_max(t, idx, p_t)
+            dspread = float(self.stats(geo, t, idx, d).abs().max()) + 1e-12
+            alpha = max(gap / (4 * dspread), 0.0)
+            for _ in range(40):
+                w = p_t + alpha * d
+                tgt = self.stats(geo, t, idx, w)
+                non = self._nontarget_max(t, idx, w)
+                if float(tgt.min()) - non > 0.25 * float(tgt.max() - tgt.min()) or alpha == 0:
+                    break
+                alpha /= 2
+            probs = torch.arange(1, r, dtype=F64) / r
+            inner = torch.quantile(tgt, probs)
+            lo, hi = float(tgt.min()), float(tgt.max())
+            floor = max(non + 0.5 * max(lo - non, 0.0), non + 1e-9 * abs(non))
+            floor = min(floor, lo - 1e-3 * (hi - lo))
+            thr = torch.cat([torch.tensor([floor], dtype=F64), inner])
+            usable = list(range(r))
+        return SlotPlan(slot, idx, t, w, thr, usable)
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.plans)
+
+    # ------------------------------------------------------------------ malicious adapters (each round)
+    @torch.no_grad()
+    def adapter_state(self, round_index: int) -> dict[str, torch.Tensor]:
+        """Adapter (and head) parameters the server sends in round ``round_index`` (eq. 20–23)."""
+        r, D = self.r, self.D
+        state: dict[str, torch.Tensor] = {}
+        used = {sp.index: sp for sp in self.plans[round_index].slots}
+        for b in range(self.L):
+            for kind in ("msa", "mlp"):
+                slot = AdapterSlot(b, kind)
+                idx = 2 * b + (kind == "mlp")
+                sp = used.get(idx)
+                down_w = torch.zeros(r, D, dtype=F64)
+                down_b = torch.full((r,), -1.0, dtype=F64)  # benign: never active
+                up_w = torch.zeros(D, r, dtype=F64)
+                if sp is not None:
+                    down_w[:] = sp.weight
+                    down_b = -sp.thresholds.clone()
+                    up_w = self.up_scale * self.u_out[:, None].expand(D, r).clone()
+                state[f"{slot.prefix}.down.weight"] = down_w
+                state[f"{slot.prefix}.down.bias"] = down_b
+                state[f"{slot.prefix}.up.weight"] = up_w
+                state[f"{slot.prefix}.up.bias"] = torch.zeros(D, dtype=F64)
+        return state
+
+    # ------------------------------------------------------------------ recovery
+    def simulate_tokens(self, y: torch.Tensor, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Per-token forward of the poisoned model for embedding outputs ``y`` (n × D).
+
+        Under the poisoned backbone the MSA of a token is exactly its LayerNorm output (one-hot softmax,
+        identity Q/K/V/W_O) and the MLP is the identity (±γ biases), so a token's path is
+        ``x ← x + A(LN(x))`` twice per block with A the round's adapters. Returns the final LayerNorm
+        output and every adapter output (in slot order). ``tests/test_peftleak.py`` checks it against the
+        real model.
+        """
+        D = self.D
+        ln_w = torch.full((D,), self.sigma, dtype=F64)
+        ln_b = torch.zeros(D, dtype=F64)
+        x = y
+        outs = []
+        for b in range(self.L):
+            for kind in ("msa", "mlp"):
+                pre = AdapterSlot(b, kind).prefix
+                z = nn.functional.layer_norm(x, (D,), ln_w, ln_b, self.eps)
+                act = torch.relu(z @ state[f"{pre}.down.weight"].T + state[f"{pre}.down.bias"])
+                out = z + act @ state[f"{pre}.up.weight"].T + state[f"{pre}.up.bias"]
+                outs.append(out)
+                x = x + out
+        return nn.functional.layer_norm(x, (D,), ln_w, ln_b, self.eps), outs
+
+    def _token_coefficients(self, state: dict[str, torch.Tensor], x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """κ (n × slots): the coefficient a lone token adds to every neuron's bias gradient per unit g,
+        where g = ∂L/∂logit_0 of its image: κ = up_scale · u_outᵀ ∂(head_scale/N · ŵᵀ LN_f(token))/∂(adapter out)."""
+        y = (0.5 * (x @ self.M.T) + self.pos[positions]).requires_grad_(True)
+        with torch.enable_grad():
+            final, outs = self.simulate_tokens(y, state)
+            for o in outs:
+                o.retain_grad()
+            ((self.head_scale / self.N) * (final @ self.w_head)).sum().backward()
+        return torch.stack([o.grad @ self.u_out for o in outs], 1).detach() * self.up_scale
+
+    def reconstruct(self, view: ServerView) -> Reconstruction:
+        """Recover patches from the observed per-round adapter gradients and group them into images."""
+        if view.secure_aggregation or not view.rounds:
+            raise BadInput("fl.secure_aggregation", "PEFTLeak needs the victim's individual per-round updates.",
+                           "turn secure aggregation off for this attack (it then sees only the aggregate).")
+        n_rounds = min(len(view.rounds), len(self.plans))
+        found: list[dict[str, Any]] = []
+        bins_seen = 0
+        for k in range(n_rounds):
+            upd = view.rounds[k][0]
+            found += self._recover_round(k, upd, view.round_states[k])
+            bins_seen += sum(len(sp.usable_bins) for sp in self.plans[k].slots)
+        patches, positions, gvals = self._dedupe(found)
+        groups = group_by_coefficient(gvals, positions)
+        info = {"candidates": len(found), "unique_patches": int(len(patches)), "rounds": n_rounds,
+                "bins": bins_seen, "groups": int(groups.max() + 1) if len(groups) else 0,
+                "design": self.design}
+        return Reconstruction({"patches": patches, "positions": positions, "groups": groups, "g": gvals,
+                               "reduce": self.reduce}, info)
+
+    def _recover_round(self, k: int, upd, state: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+        plan = self.plans[k]
+        self._dgb: dict[int, torch.Tensor] = {}
+        nonempty: dict[int, torch.Tensor] = {}
+        bins: list[dict[str, Any]] = []  # every nonempty bin of this round
+        for sp in plan.slots:
+            pre = sp.slot.prefix
+            if f"{pre}.down.weight" not in upd.tensors:
+                raise BadInput("update", f"the observed update lacks '{pre}.down.weight'.",
+                               "the client must upload the adapter gradients (adapters trainable).")
+            GW = upd.tensors[f"{pre}.down.weight"].to(F64)
+            Gb = upd.tensors[f"{pre}.down.bias"].to(F64)
+            dGb = torch.cat([Gb[:-1] - Gb[1:], Gb[-1:]])  # bin j = neuron j minus neuron j+1; top bin alone
+            dGW = torch.cat([GW[:-1] - GW[1:], GW[-1:]])
+            scale = float(Gb.abs().max()) + 1e-300
+            ok = torch.zeros(self.r, dtype=torch.bool)
+            ok[sp.usable_bins] = True
+            ok &= dGb.abs() > 1e-9 * scale
+            nonempty[sp.index] = dGb.abs() > 1e-9 * scale
+            self._dgb[sp.index] = dGb
+            for j in torch.nonzero(ok)[:, 0].tolist():
+                bins.append({"plan": sp, "bin": j, "db": float(dGb[j]), "dw": dGW[j]})
+        if not bins:
+            return []
+        cands = self._candidates(bins, [b["db"] for b in bins], torch.stack([b["dw"] for b in bins]), k)
+        if self.design == "improved":
+            cands = self._filter_consistent(cands, plan, nonempty)
+        self._attach_g(cands, state)
+        if self.design == "improved":
+            cands = self._trusted(cands, plan)
+        if self.peel:
+            cands = self._peel(cands, bins, plan, nonempty, state)
+        return cands
+
+    def _trusted(self, cands: list[dict], plan: RoundPlan) -> list[dict]:
+        """Keep a candidate if another adapter confirms it (its predicted bin there holds exactly
+        ``g·κ``: it is alone there too) or another patch of a different position shares its image
+        coefficient g. A mixture of colliding patches has a meaningless g and fails both."""
+        if not cands:
+            return []
+        X = torch.stack([c["x"] for c in cands])
+        t = torch.tensor([c["position"] for c in cands])
+        g = torch.tensor([c["g"] for c in cands], dtype=F64)
+        kappa = torch.stack([c["kappa"] for c in cands])
+        own = torch.tensor([c["bin"]["plan"].index for c in cands])
+        trusted = torch.zeros(len(cands), dtype=torch.bool)
+        for idx, b in self._bins_of(X, t, plan).items():
+            rows = torch.nonzero((b >= 0) & (own != idx))[:, 0]
+            if len(rows):
+                observed = self._dgb[idx][b[rows]]
+                expected = g[rows] * kappa[rows, idx]
+                trusted[rows] |= (observed - expected).abs() <= 1e-6 * observed.abs()
+        order = torch.argsort(g)
+        gs, ts = g[order], t[order]
+        close = (gs[1:] - gs[:-1]).abs() <= 1e-6 * torch.maximum(gs[1:].abs(), gs[:-1].abs())
+        pair = close & (ts[1:] != ts[:-1])
+        shared = torch.zeros(len(cands), dtype=torch.bool)
+        shared[order[1:][pair]] = True
+        shared[order[:-1][pair]] = True
+        keep = trusted | shared
+        return [c for c, k in zip(cands, keep.tolist()) if k]
+
+    def _candidates(self, bins: list[dict], db: list[float], dw: torch.Tensor, k: int) -> list[dict]:
+        """Eq. (24)–(25) for every bin at once: h = Δw/Δb, then undo LayerNorm scale and embedding."""
+        if not bins:
+            return []
+        H = dw / torch.tensor(db, dtype=F64)[:, None]
+        t = torch.tensor([b["plan"].position for b in bins])
+        idx = torch.tensor([b["plan"].index for b in bins])
+        X = self._h_to_pixels(H, t, idx)
+        return [{"x": X[i], "position": int(t[i]), "bin": {**bins[i], "db": db[i]}, "round": k} for i in range(len(bins))]
+
+    def _h_to_pixels(self, h: torch.Tensor, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Adapter inputs h (n × D) -> reduced pixel vectors: solve φ(v)²v = ‖h‖²/D for the variance v,
+        divide out the LayerNorm scale φ, subtract E_pos and invert E = 0.5·M (eq. 25)."""
+        target = (h * h).sum(1) / self.D
+        lo = torch.full_like(target, -30.0)
+        hi = torch.full_like(target, 30.0)
+        for _ in range(64):  # bisection on log v; φ(v)²v is increasing in v
+            mid = 0.5 * (lo + hi)
+            v = torch.exp(mid)
+            val = slot_scales(v, self.L, self.sigma, self.eps).gather(1, idx[:, None])[:, 0] ** 2 * v
+            up = val < target
+            lo = torch.where(up, mid, lo)
+            hi = torch.where(up, hi, mid)
+        v = torch.exp(0.5 * (lo + hi))
+        phi = slot_scales(v, self.L, self.sigma, self.eps).gather(1, idx[:, None])
+        x = 2 * (h / phi - self.pos_c[t]) @ self.M
+        if self.lost_dir is not None:
+            x = x + self.lost_mean * self.lost_dir
+        return x
+
+    def _bins_of(self, X: torch.Tensor, t: torch.Tensor, plan: RoundPlan) -> dict[int, torch.Tensor]:
+        """Bin index of each patch in every slot of its position (-2: other position, -1: below c_1)."""
+        geo = self.geometry(X)
+        out = {}
+        for sp in plan.slots:
+            b = torch.full((len(X),), -2, dtype=torch.long)
+            rows = torch.nonzero(t == sp.position)[:, 0]
+            if len(rows):
+                sub = PatchGeometry(geo.Mx_c[rows], geo.norm2[rows], geo.pdot[rows])
+                s = self.stats(sub, sp.position, sp.index, sp.weight)
+                b[rows] = torch.searchsorted(sp.thresholds, s) - 1
+            out[sp.index] = b
+        return out
+
+    def _filter_consistent(self, cands: list[dict], plan: RoundPlan, nonempty: dict[int, torch.Tensor]) -> list[dict]:
+        """Keep candidates in [-1, 1] that fall, in every adapter of their position, into a nonempty bin
+        (a mixture of colliding patches almost never does)."""
+        if not cands:
+            return []
+        X = torch.stack([c["x"] for c in cands])
+        t = torch.tensor([c["position"] for c in cands])
+        keep = X.abs().amax(1) <= 1.0 + 1e-3
+        for idx, b in self._bins_of(X, t, plan).items():
+            mine = b != -2
+            ok = torch.zeros_like(keep)
+            ok[mine] = (b[mine] >= 0) & nonempty[idx][b[mine].clamp(min=0)]
+            keep &= ~mine | ok
+        return [c for c, k in zip(cands, keep.tolist()) if k]
+
+    def _attach_g(self, cands: list[dict], state: dict[str, torch.Tensor]) -> None:
+        if not cands:
+            return
+        X = torch.stack([c["x"] for c in cands])
+        pos = torch.tensor([c["position"] for c in cands])
+        kappa = self._token_coefficients(state, X, pos)
+        for c, kap in zip(cands, kappa):
+            c["kappa"] = kap
+            c["g"] = c["bin"]["db"] / float(kap[c["bin"]["plan"].index])
+
+    def _peel(self, cands: list[dict], bins: list[dict], plan: RoundPlan, nonempty: dict[int, torch.Tensor],
+              state: dict[str, torch.Tensor]) -> list[dict]:
+        """Subtract the exact contribution ``g·κ·(h, 1)`` of recovered patches from collided bins and
+        recover what is left when it is a lone patch (checked like any candidate)."""
+        known = self._unique(cands)
+        for _ in range(8):
+            if not known:
+                break
+            X = torch.stack([c["x"] for c in known])
+            t = torch.tensor([c["position"] for c in known])
+            g = torch.tensor([c["g"] for c in known], dtype=F64)
+            kappa = torch.stack([c["kappa"] for c in known])
+            where = self._bins_of(X, t, plan)
+            geo = self.geometry(X)
+            res_b, res_w, res_bins = [], [], []
+            for b in bins:
+                sp = b["plan"]
+                members = torch.nonzero(where[sp.index] == b["bin"])[:, 0]
+                if len(members) == 0:
+                    continue
+                coef = g[members] * kappa[members, sp.index]
+                sub = PatchGeometry(geo.Mx_c[members], geo.norm2[members], geo.pdot[members])
+                h = self.adapter_inputs(sub, t[members], torch.full((len(members),), sp.index))
+                db = b["db"] - float(coef.sum())
+                if abs(db) <= 1e-6 * abs(b["db"]):
+                    continue
+                res_b.append(db)
+                res_w.append(b["dw"] - coef @ h)
+                res_bins.append(b)
+            if not res_bins:
+                break
+            new = self._candidates(res_bins, res_b, torch.stack(res_w), known[0]["round"])
+            new = self._filter_consistent(new, plan, nonempty)
+            new = [c for c in self._unique(new) if not any(
+                k["position"] == c["position"] and float((k["x"] - c["x"]).abs().max()) < 1e-5 for k in known)]
+            if not new:
+                break
+            self._attach_g(new, state)
+            ok = {id(c) for c in self._trusted(known + new, plan)}
+            new = [c for c in new if id(c) in ok]
+            if not new:
+                break
+            known += new
+        return known
+
+    @staticmethod
+    def _unique(cands: list[dict]) -> list[dict]:
+        seen: list[dict] = []
+        by_pos: dict[int, list[torch.Tensor]] = {}
+        for c in cands:
+            lst = by_pos.setdefault(c["position"], [])
+            if lst and float((torch.stack(lst) - c["x"]).abs().amax(1).min()) < 1e-5:
+                continue
+            lst.append(c["x"])
+            seen.append(c)
+        return seen
+
+    def _dedupe(self, found: list[dict]):
+        uniq = self._unique(found) if self.design == "improved" else found
+        if not uniq:
+            return (torch.zeros(0, self.Pd, dtype=F64), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=F64))
+        X = torch.stack([c["x"] for c in uniq]).clamp(-1, 1)
+        pos = torch.tensor([c["position"] for c in uniq], dtype=torch.long)
+        g = torch.tensor([c.get("g", float("nan")) for c in uniq], dtype=F64)
+        return X, pos, g
+
+
+@dataclass
+class PatchGeometry:
+    """Per-patch quantities every statistic needs: centred ``M x`` (n × D), its squared norm, and its
+    inner products with the centred positional embeddings (n × (N+1))."""
+
+    Mx_c: torch.Tensor
+    norm2: torch.Tensor
+    pdot: torch.Tensor
+    cache: dict = field(default_factory=dict)
+
+
+def group_by_coefficient(g: torch.Tensor, positions: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
+    """Group patches whose image coefficient g agrees to ``rel_tol``; at most one patch per position
+    per group (a second patch at a taken position opens a new group). Returns a group id per patch."""
+    n = len(g)
+    groups = torch.full((n,), -1, dtype=torch.long)
+    if n == 0:
+        return groups
+    order = torch.argsort(g)
+    clusters: list[list[int]] = []
+    prev = None
+    for i in order.tolist():
+        gi = float(g[i])
+        if prev is None or not math.isfinite(gi) or abs(gi - prev) > rel_tol * max(abs(gi), abs(prev)):
+            clusters.append([])
+        clusters[-1].append(i)
+        prev = gi
+    gid = 0
+    for cl in clusters:
+        taken: list[set[int]] = []
+        for i in cl:
+            t = int(positions[i])
+            for k, s in enumerate(taken):
+                if t not in s:
+                    s.add(t)
+                    groups[i] = gid + k
+                    break
+            else:
+                taken.append({t})
+                groups[i] = gid + len(taken) - 1
+        gid += len(taken)
+    return groups
