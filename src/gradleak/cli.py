@@ -21,7 +21,7 @@ out_console = Console()
 
 
 def _fail_bad_input(err: Exception) -> None:
-    console.print(f"[bold red]error:[/] {err}")
+    console.print(f"[bold red]error:[/] {err}", soft_wrap=True, markup=True)
     raise typer.Exit(code=2)
 
 

@@ -1,0 +1,507 @@
+"""UTR: exact text reconstruction from the adapter gradients of a frozen LM (SPEC §3, paper 002).
+
+Stage 1 (word bag, SPEC §3.3): every row j of the embedding adapter's down-projection gradient is
+``sum_l delta_jl f_0(x_l)`` (§3.2), so the row space S_EA of the stacked gradient is span{f_0 of the batch's
+tokens}. We build an orthonormal basis by SVD (float64, relative singular-value cut-off ``rank_rtol``) and test
+*every* vocabulary token at once: relative residual ``||f - P f|| / ||f||`` < ``eps_bag``.
+
+* RoPE / position-free models (Llama): f_0(v) = E[v], one (V x n) projection.
+* BERT (absolute positions, token types, LayerNorm): f_0(v, p) = LN(E[v] + P[p] + T[0]). We never materialise
+  the V x P x n tensor: the LayerNorm is affine in the centred sum, so ``||f||^2`` and ``||Q^T f||^2`` expand into
+  V x P matrices built from three matmuls (see :func:`bert_pair_residuals`). The test yields (token, position)
+  pairs; the positions of [SEP] give the sentence lengths.
+
+Stage 2 (sentences, SPEC §3.4) uses the first layer adapter's subspace S_LA = span{h_1 of the batch}:
+
+* causal models (prefix-wise): a token's layer-1 state depends only on its prefix, so starting from BOS we
+  extend each prefix by every word-bag token in one batched forward pass (KV cache of the prefix, stopping
+  after layer 1) and keep the extensions whose newest state lies in S_LA. Several passing extensions mean
+  several batch sentences share the prefix: the search branches (a trie), which *separates the sentences*.
+  A sentence ends when no extension passes (the final EOS gets no gradient under the LM loss, so it is
+  invisible, SPEC A3.6).
+* bidirectional models (whole sentence): for each length (a [SEP] position) we search full sentences over the
+  per-position candidates of stage 1 with a coordinate descent on the S_LA residual of *all* positions of the
+  candidate sentence (one batched forward evaluates every single-token swap), seeded by word-bag pairs no
+  recovered sentence explains yet. A sentence is accepted only when every position passes the membership
+  test (``eps_sentence``).
+
+Filters (SPEC A3.1, not specified in the paper): EICW rejects an extension equal to the previous token unless
+nothing else passes (real text does repeat tokens: "very very", "..."). CG/CS -- there is no grammar service
+offline -- are built on the LM itself: when more extensions pass than ``max_branches``, the causal LM's own
+next-token log-probability ranks them and prunes the tail (``lm_prior``); for the encoder the tie-break is the
+EICW rule. Membership, not the prior, decides acceptance, so the prior never introduces wrong text.
+
+Capacity (Theorems 4.1/4.2): rank(S) <= d_bottleneck. When the numerical rank reaches the bottleneck width the
+subspace is saturated and the word bag cannot be trusted: ``info["capacity_exhausted"]`` says so and the
+attack still returns what it found (never fails silently).
+
+Open decisions recorded (SPEC A3.2/A3.3): S from raw gradient rows (not row/bias ratios: same span, better
+conditioned); relative residuals; rank cut-off relative to the largest singular value.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradleak.attacks.base import Reconstruction, ThreatModel
+from gradleak.errors import BadInput
+from gradleak.fl.core import ServerView
+from gradleak.peft.text_adapters import PREFIX, adapter_param, capture_inputs
+from gradleak.registry import ATTACKS
+
+# ----------------------------------------------------------------------------------------------- linear algebra
+
+
+@dataclass
+class Subspace:
+    basis: torch.Tensor  # (n, r) orthonormal, float64
+    singular_values: torch.Tensor
+    rank: int
+    rows: int  # number of gradient rows stacked (the bottleneck width per observed update)
+    dim: int  # ambient dimension n
+
+    @property
+    def saturated(self) -> bool:
+        """True when the rank reached the bottleneck width (or the ambient dimension): capacity exhausted."""
+        return self.rank >= min(self.rows, self.dim)
+
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        """Relative residual ||x - P x|| / ||x|| along the last dimension (float64)."""
+        x = x.to(torch.float64)
+        coef = x @ self.basis
+        perp = x - coef @ self.basis.T
+        return perp.norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-300)
+
+
+def subspace_from_gradients(grads: list[torch.Tensor], rank_rtol: float = 1e-5, max_rank: int | None = None) -> Subspace:
+    """Orthonormal basis of the row space of the stacked (m_i x n) gradients, by SVD in float64."""
+    rows = torch.cat([g.detach().to(torch.float64).reshape(-1, g.shape[-1]) for g in grads], 0)
+    rows = rows[rows.abs().sum(1) > 0]
+    n = rows.shape[1] if rows.ndim == 2 else grads[0].shape[-1]
+    if rows.numel() == 0:
+        return Subspace(torch.zeros(n, 0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64), 0,
+                        sum(g.shape[0] for g in grads), n)
+    # Scale rows to unit norm: rank decisions then do not depend on how strongly each neuron fired.
+    rows = rows / rows.norm(dim=1, keepdim=True)
+    _, s, vh = torch.linalg.svd(rows, full_matrices=False)
+    r = int((s > rank_rtol * s[0]).sum())
+    if max_rank is not None:
+        r = min(r, max_rank)
+    return Subspace(vh[:r].T.contiguous(), s, r, sum(g.shape[0] for g in grads), n)
+
+
+def bert_pair_residuals(embeddings: nn.Module, sub: Subspace, num_positions: int, token_type: int = 0,
+                        chunk: int = 32, dtype: torch.dtype = torch.float32, stop_after: int | None = None,
+                        screen: float = 0.05) -> torch.Tensor:
+    """Relative residual of f_0(v, p) = LN(E[v] + P[p] + T[type]) for all tokens v and positions p < num_positions.
+
+    With c = centring and u = gamma * c(x): f = u / s + beta, s = sqrt(var(x) + eps), and every squared norm
+    splits into a token term, a position term and a V x P cross term. Each quadratic is one matmul of augmented
+    vectors ([a, |a|^2/2, 1] . [b, 1, |b|^2/2] = a.b + (|a|^2 + |b|^2)/2). Returns (V, P'); positions are
+    scanned in chunks and the scan stops early once ``stop_after`` pairs passed ``screen`` (all of S explained).
+    Computed in ``dtype`` (float32: a fast screen, error ~1e-3 relative); confirm the survivors exactly in
+    float64 with :func:`bert_pair_exact`.
+    """
+    f64 = torch.float64
+    # token side in ``dtype`` (V x n is the big operand), position side and constants in float64
+    E = embeddings.word_embeddings.weight.detach().to(dtype)
+    Pm = embeddings.position_embeddings.weight.detach().to(f64)[:num_positions]
+    T = embeddings.token_type_embeddings.weight.detach().to(f64)[token_type]
+    ln = embeddings.LayerNorm
+    gamma = ln.weight.detach().to(f64)
+    beta = ln.bias.detach().to(f64)
+    eps = float(ln.eps)
+    n = E.shape[1]
+    Q = sub.basis
+    Qd, gd, bd = Q.to(dtype), gamma.to(dtype), beta.to(dtype)
+    Ec = E - E.mean(-1, keepdim=True)
+    Pc = (Pm + T) - (Pm + T).mean(-1, keepdim=True)
+    b_perp = beta - Q @ (Q.T @ beta)
+    Ue = Ec * gd
+    Ue_perp = Ue - (Ue @ Qd) @ Qd.T
+    Up = Pc * gamma
+    Up_perp = Up - (Up @ Q) @ Q.T
+    V = E.shape[0]
+    ones_v = torch.ones(V, 1, dtype=dtype)
+
+    def aug_tok(a):  # token side [a, |a|^2/2, 1]
+        return torch.cat([a, (a * a).sum(1, keepdim=True) / 2, ones_v], 1)
+
+    def aug_pos(a, b):  # position side [b, 1, |b|^2/2]
+        return torch.cat([a, torch.ones(a.shape[0], 1, dtype=f64), (a * b).sum(1, keepdim=True) / 2], 1).to(dtype)
+
+    t_var, t_res, t_nrm = aug_tok(Ec), aug_tok(Ue_perp), aug_tok(Ue)
+    t_lin = torch.cat([Ue_perp @ b_perp.to(dtype)[:, None], Ue @ bd[:, None], ones_v], 1)
+    p_var, p_res, p_nrm = aug_pos(Pc, Pc), aug_pos(Up_perp, Up_perp), aug_pos(Up, Up)
+    p_lin = torch.stack([torch.ones(len(Pc), dtype=f64), Up_perp @ b_perp, Up @ beta], 1)
+    bb, beta2 = float(b_perp @ b_perp), float(beta @ beta)
+    out = []
+    found = 0
+    for a in range(0, Pc.shape[0], chunk):
+        sl = slice(a, a + chunk)
+        inv_s2 = torch.reciprocal((t_var @ p_var[sl].T).mul_(2.0 / n).add_(eps))
+        inv_s = inv_s2.sqrt()
+        # linear terms: (u_perp . b_perp) and (u . beta) for token + position parts
+        lin_res = t_lin[:, :1] + p_lin[sl, 1].to(dtype)[None] * t_lin[:, 2:]
+        lin_nrm = t_lin[:, 1:2] + p_lin[sl, 2].to(dtype)[None]
+        res2 = (t_res @ p_res[sl].T).mul_(2).mul_(inv_s2).add_(lin_res.mul_(inv_s).mul_(2)).add_(bb)
+        ff = (t_nrm @ p_nrm[sl].T).mul_(2).mul_(inv_s2).add_(lin_nrm.mul_(inv_s).mul_(2)).add_(beta2)
+        r = res2.clamp_min_(0).div_(ff.clamp_min_(1e-30)).sqrt_()
+        out.append(r)
+        found += int((r < screen).sum())
+        if stop_after is not None and found >= stop_after and a + chunk < Pc.shape[0]:
+            # one more chunk beyond the last hit is cheap insurance against borderline ranks
+            if not bool((r < screen).any()):
+                break
+    return torch.cat(out, 1)
+
+
+def bert_pair_exact(embeddings: nn.Module, sub: Subspace, tokens: torch.Tensor, positions: torch.Tensor,
+                    token_type: int = 0) -> torch.Tensor:
+    """Exact float64 relative residuals of explicit f_0(v, p) vectors for the given (token, position) pairs."""
+    f64 = torch.float64
+    x = embeddings.word_embeddings.weight.detach().to(f64)[tokens] \
+        + embeddings.position_embeddings.weight.detach().to(f64)[positions] \
+        + embeddings.token_type_embeddings.weight.detach().to(f64)[token_type]
+    ln = embeddings.LayerNorm
+    f = torch.nn.functional.layer_norm(x, (x.shape[-1],), ln.weight.detach().to(f64), ln.bias.detach().to(f64), ln.eps)
+    return sub.residual(f)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def is_causal(model: nn.Module) -> bool:
+    return hasattr(model, "lm_head") or "CausalLM" in type(model).__name__
+
+
+def model_layers(model: nn.Module) -> nn.ModuleList:
+    from gradleak.models.text import text_layers
+
+    return text_layers(model)
+
+
+def collect_grads(view: ServerView, param: str, all_rounds: bool = False) -> list[torch.Tensor]:
+    """The observed gradients of one parameter (every client of the latest round, or of every round)."""
+    groups = view.rounds if (all_rounds and view.rounds) else [view.updates]
+    out = []
+    for ups in groups:
+        for u in ups:
+            if param not in u.tensors:
+                present = sorted({k.rsplit(".", 2)[0] for k in u.tensors})[:8]
+                raise BadInput("update", f"the observed update has no '{param}' (it holds {present}...).",
+                               "attach the embedding and first-layer adapters (peft.kind=adapters) so clients "
+                               "train and upload them.")
+            out.append(u.tensors[param])
+    return out
+
+
+def specials(tokenizer, causal: bool) -> dict[str, int]:
+    if causal:
+        from gradleak.models.text import causal_specials
+
+        bos, eos = causal_specials(tokenizer)
+        return {"bos": bos, "eos": eos, "pad": tokenizer.pad_token_id}
+    return {"cls": tokenizer.cls_token_id, "sep": tokenizer.sep_token_id, "pad": tokenizer.pad_token_id}
+
+
+# ----------------------------------------------------------------------------------------------- stage 2 search
+
+
+class CausalPrefixSearch:
+    """Prefix-wise search for causal LMs (SPEC §3.4 item 4) against a layer subspace probed at adapter ``probe``."""
+
+    def __init__(self, model: nn.Module, probe_names: list[str], sub: Subspace, eps: float, bos: int,
+                 candidates: torch.Tensor, max_len: int = 128, max_branches: int = 8, max_sentences: int = 512,
+                 eicw: bool = True, lm_prior: bool = True, probe_fn=None):
+        self.model, self.probe_names, self.sub, self.eps = model, probe_names, sub, eps
+        self.bos, self.cands = bos, candidates
+        self.max_len, self.max_branches, self.max_sentences = max_len, max_branches, max_sentences
+        self.eicw, self.lm_prior = eicw, lm_prior
+        self.probe_fn = probe_fn
+        self.forwards = 0
+
+    def _newest_states(self, prefix: list[int], cands: torch.Tensor) -> torch.Tensor:
+        """Layer states of ``prefix + [c]`` at the newest position for every candidate c, with a KV cache."""
+        from transformers import DynamicCache
+
+        model = self.model
+        base = model.model if hasattr(model, "model") else model.base_model
+        with torch.no_grad():
+            out = base(input_ids=torch.tensor([prefix]), use_cache=True)
+            legacy = out.past_key_values.to_legacy_cache() if hasattr(out.past_key_values, "to_legacy_cache") \
+                else out.past_key_values
+            k = len(cands)
+            cache = DynamicCache.from_legacy_cache(tuple(
+                (kk.expand(k, -1, -1, -1).contiguous(), vv.expand(k, -1, -1, -1).contiguous()) for kk, vv in legacy))
+            pos = torch.full((k, 1), len(prefix), dtype=torch.long)
+            if self.probe_fn is not None:
+                h = self.probe_fn(base, cands[:, None], cache, pos)
+            else:
+                cap = capture_inputs(model, self.probe_names, stop=True)
+                with cap:
+                    base(input_ids=cands[:, None], past_key_values=cache, position_ids=pos, use_cache=True)
+                h = cap.records[-1][-1]
+        self.forwards += 1
+        return h[:, -1]
+
+    def _lm_rank(self, prefix: list[int], toks: list[int]) -> list[int]:
+        with torch.no_grad():
+            logits = self.model(input_ids=torch.tensor([prefix])).logits[0, -1]
+        lp = torch.log_softmax(logits.double(), -1)
+        return sorted(toks, key=lambda t: -float(lp[t]))
+
+    def run(self) -> tuple[list[list[int]], dict[str, Any]]:
+        sentences: list[list[int]] = []
+        stack = [[self.bos]]
+        pruned = 0
+        while stack and len(sentences) < self.max_sentences:
+            prefix = stack.pop()
+            if len(prefix) >= self.max_len:
+                sentences.append(prefix[1:])
+                continue
+            h = self._newest_states(prefix, self.cands)
+            res = self.sub.residual(h)
+            ok = (res < self.eps).nonzero().flatten().tolist()
+            passing = [int(self.cands[i]) for i in sorted(ok, key=lambda i: float(res[i]))]
+            if self.eicw and len(passing) > 1:
+                non_rep = [t for t in passing if t != prefix[-1]]
+                passing = non_rep or passing
+            if not passing:
+                if len(prefix) > 1:
+                    sentences.append(prefix[1:])
+                continue
+            if len(passing) > self.max_branches:
+                ranked = self._lm_rank(prefix, passing) if self.lm_prior else passing
+                pruned += len(passing) - self.max_branches
+                passing = ranked[:self.max_branches]
+            for t in reversed(passing):
+                stack.append(prefix + [t])
+        return sentences, {"forward_passes": self.forwards, "pruned_branches": pruned}
+
+
+class EncoderSentenceSearch:
+    """Whole-sentence search for bidirectional encoders (SPEC §3.4 item 4) over stage-1 (token, position) pairs."""
+
+    def __init__(self, model: nn.Module, probe_names: list[str], sub: Subspace, eps: float, cls: int, sep: int,
+                 pairs: dict[int, set[int]], max_sweeps: int = 8, eicw: bool = True, max_sentences: int = 512,
+                 max_attempts: int = 2048, probe_fn=None):
+        self.model, self.probe_names, self.sub, self.eps = model, probe_names, sub, eps
+        self.cls, self.sep = cls, sep
+        self.max_sweeps, self.eicw, self.max_sentences, self.max_attempts = max_sweeps, eicw, max_sentences, max_attempts
+        self.by_pos: dict[int, list[int]] = {}
+        for v, ps in pairs.items():
+            for p in ps:
+                self.by_pos.setdefault(p, []).append(v)
+        for p in self.by_pos:
+            self.by_pos[p].sort()
+        self.lengths = sorted({p for p, vs in self.by_pos.items() if sep in vs and p >= 1}, reverse=True)
+        self.probe_fn = probe_fn
+        self.forwards = 0
+
+    def _residuals(self, batch: torch.Tensor) -> torch.Tensor:
+        """Per-position S_LA residuals (N, L) of full sentences (N, L)."""
+        with torch.no_grad():
+            if self.probe_fn is not None:
+                h = self.probe_fn(self.model, batch)
+            else:
+                cap = capture_inputs(self.model, self.probe_names, stop=True)
+                with cap:
+                    self.model(input_ids=batch, attention_mask=torch.ones_like(batch))
+                h = cap.records[-1][-1]
+        self.forwards += 1
+        return self.sub.residual(h)
+
+    def _score(self, r: torch.Tensor) -> torch.Tensor:
+        return r.clamp_max(1.0).sum(-1)
+
+    def _solve(self, ell: int, fixed: dict[int, int], prefer: dict[int, list[int]]) -> list[int] | None:
+        cands = {q: [v for v in self.by_pos.get(q, []) if v not in (self.cls, self.sep)] for q in range(1, ell)}
+        if any(not c for c in cands.values()):
+            return None
+        cur = [self.cls] + [fixed.get(q, (prefer.get(q) or cands[q])[0]) for q in range(1, ell)] + [self.sep]
+        r = self._residuals(torch.tensor([cur]))[0]
+        for _ in range(self.max_sweeps):
+            if float(r.max()) < self.eps:
+                return cur
+            # only positions whose state is not yet in S_LA (or whose neighbours are not) are worth changing
+            bad = {q for q in range(1, ell) if float(r[q]) >= self.eps}
+            near = {q2 for q in bad for q2 in (q - 1, q, q + 1) if 1 <= q2 < ell}
+            swaps = [(q, v) for q in sorted(near) if q not in fixed for v in cands[q] if v != cur[q]]
+            if not swaps:
+                return None
+            batch = torch.tensor([cur] * len(swaps))
+            for i, (q, v) in enumerate(swaps):
+                batch[i, q] = v
+            rs = self._residuals(batch)
+            # Jacobi step: at each position take the token with the lowest residual *at that position*.
+            best: dict[int, tuple[float, int]] = {}
+            for i, (q, v) in enumerate(swaps):
+                val = float(rs[i, q])
+                if self.eicw and (v == cur[q - 1] or v == cur[q + 1]):
+                    val += 1.0
+                if val < best.get(q, (float(r[q]), cur[q]))[0]:
+                    best[q] = (val, v)
+            new = list(cur)
+            for q, (_, v) in best.items():
+                new[q] = v
+            if new != cur:
+                rn = self._residuals(torch.tensor([new]))[0]
+                if self._score(rn) < self._score(r):
+                    cur, r = new, rn
+                    continue
+            scores = self._score(rs)
+            i = int(scores.argmin())
+            if float(scores[i]) >= float(self._score(r)):
+                return None
+            cur, r = batch[i].tolist(), rs[i]
+        return cur if float(r.max()) < self.eps else None
+
+    def run(self, batch_size: int | None = None) -> tuple[list[list[int]], dict[str, Any]]:
+        found: list[list[int]] = []
+        covered: set[tuple[int, int]] = set()
+        failed: set[tuple[int, int, int]] = set()
+        attempts = 0
+        all_pairs = [(v, p) for p, vs in self.by_pos.items() for v in vs if v not in (self.cls, self.sep) and p >= 1]
+
+        def prefer_uncovered(ell: int) -> dict[int, list[int]]:
+            return {q: sorted(self.by_pos.get(q, []), key=lambda v: (v, q) in covered) for q in range(1, ell)}
+
+        for pass_no in (0, 1):
+            for idx, ell in enumerate(self.lengths):
+                shorter = self.lengths[idx + 1] if idx + 1 < len(self.lengths) else 0
+                lo = shorter if pass_no == 0 else 1
+                while attempts < self.max_attempts and len(found) < self.max_sentences:
+                    if batch_size and len(found) >= batch_size:
+                        break
+                    seeds = [(v, p) for v, p in all_pairs if lo <= p < ell and (v, p) not in covered
+                             and (v, p, ell) not in failed]
+                    if not seeds:
+                        break
+                    v, p = max(seeds, key=lambda s: (s[1], -s[0]))
+                    attempts += 1
+                    sent = self._solve(ell, {p: v}, prefer_uncovered(ell))
+                    if sent is None:
+                        failed.add((v, p, ell))
+                        continue
+                    if sent not in found:
+                        found.append(sent)
+                    covered.update((t, q) for q, t in enumerate(sent))
+                    if (v, p) not in covered:  # converged elsewhere: do not retry this seed here
+                        failed.add((v, p, ell))
+        return [s[1:-1] for s in found], {"forward_passes": self.forwards, "attempts": attempts,
+                                          "uncovered_pairs": len([1 for v, p in all_pairs if (v, p) not in covered])}
+
+
+# ----------------------------------------------------------------------------------------------- the attack
+
+
+@ATTACKS.register("utr", "UTR: word bag from the embedding adapter + sentence search on the first layer adapter")
+class UTRAttack:
+    """Honest-but-curious server (SPEC §3.1): reads only the ServerView (model sent, adapter gradients, tokenizer).
+
+    Parameters: ``eps_bag`` / ``eps_sentence`` -- membership tolerances (relative residual) for stage 1 / 2;
+    ``rank_rtol`` -- relative singular-value cut-off of the SVD; ``max_positions`` -- positions tested for
+    absolute-position models; ``max_branches`` -- trie branching cap (LM prior prunes beyond it);
+    ``eicw`` -- consecutive-identical-word filter; ``all_rounds`` -- stack the embedding-adapter gradients of every
+    observed round (beyond the paper: the bag's capacity grows from d_bottleneck towards d_hidden).
+    """
+
+    name = "utr"
+
+    def __init__(self, eps_bag: float = 1e-3, eps_sentence: float = 1e-3, rank_rtol: float = 1e-5,
+                 max_positions: int = 128, max_len: int = 128, max_branches: int = 8, eicw: bool = True,
+                 lm_prior: bool = True, all_rounds: bool = True, sentence_layer: str = "layer_0",
+                 screen_tol: float = 0.05):
+        self.eps_bag, self.eps_sentence, self.rank_rtol = float(eps_bag), float(eps_sentence), float(rank_rtol)
+        self.max_positions, self.max_len, self.max_branches = int(max_positions), int(max_len), int(max_branches)
+        self.eicw, self.lm_prior, self.all_rounds = bool(eicw), bool(lm_prior), bool(all_rounds)
+        self.sentence_layer = sentence_layer
+        self.screen_tol = float(screen_tol)
+
+    def prepare(self, model: nn.Module, threat: ThreatModel) -> nn.Module:
+        return model  # honest: no model modification (SPEC §3.1)
+
+    # -- stage 1
+    def word_bag(self, view: ServerView) -> dict[str, Any]:
+        model = view.model
+        if not hasattr(model, PREFIX) or "embedding" not in getattr(model, PREFIX):
+            raise BadInput("peft", "the model the server sent has no embedding adapter.",
+                           "use peft.kind=adapters with the embedding adapter enabled.")
+        t0 = time.perf_counter()
+        grads = collect_grads(view, adapter_param("embedding"), all_rounds=self.all_rounds)
+        sub = subspace_from_gradients(grads, self.rank_rtol)
+        causal = is_causal(model)
+        if causal:
+            E = model.get_input_embeddings().weight.detach()
+            res = sub.residual(E)
+            tokens = (res < self.eps_bag).nonzero().flatten().tolist()
+            pairs = {int(v): set() for v in tokens}
+            min_res = res
+        else:
+            emb = model.base_model.embeddings
+            npos = min(self.max_positions, emb.position_embeddings.weight.shape[0])
+            screen = max(self.screen_tol, 10 * self.eps_bag)
+            R = bert_pair_residuals(emb, sub, npos, stop_after=sub.rank, screen=screen)
+            vv, pp = (R < screen).nonzero(as_tuple=True)
+            if len(vv) > 200_000:  # saturated subspace: everything passes the screen; keep the best ones
+                keep = R[vv, pp].argsort()[:200_000]
+                vv, pp = vv[keep], pp[keep]
+            exact = bert_pair_exact(emb, sub, vv, pp)
+            ok = exact < self.eps_bag
+            pairs = {}
+            for v, p in zip(vv[ok].tolist(), pp[ok].tolist()):
+                pairs.setdefault(int(v), set()).add(int(p))
+            tokens = sorted(pairs)
+            min_res = R.min(1).values.double()
+        secs = time.perf_counter() - t0
+        return {"tokens": tokens, "pairs": pairs, "subspace": sub, "seconds": secs, "min_residual": min_res,
+                "causal": causal}
+
+    def reconstruct(self, view: ServerView) -> Reconstruction:
+        tok = view.public.get("tokenizer")
+        if tok is None:
+            raise BadInput("view.public.tokenizer", "the attack needs the (public) tokenizer of the model.",
+                           "put the tokenizer into ServerView.public['tokenizer'].")
+        bag = self.word_bag(view)
+        sub_ea: Subspace = bag["subspace"]
+        model = view.model
+        t1 = time.perf_counter()
+        grads_la = collect_grads(view, adapter_param(self.sentence_layer), all_rounds=False)
+        sub_la = subspace_from_gradients(grads_la, self.rank_rtol)
+        sp = specials(tok, bag["causal"])
+        if bag["causal"]:
+            cands = torch.tensor([t for t in bag["tokens"] if t not in (sp["bos"], sp["pad"])] or [sp["bos"]])
+            search = CausalPrefixSearch(model, [self.sentence_layer], sub_la, self.eps_sentence, sp["bos"], cands,
+                                        max_len=self.max_len, max_branches=self.max_branches,
+                                        max_sentences=max(4 * int(view.public.get("batch_size") or 64), 64),
+                                        eicw=self.eicw, lm_prior=self.lm_prior)
+            sents, sinfo = search.run()
+        else:
+            search = EncoderSentenceSearch(model, [self.sentence_layer], sub_la, self.eps_sentence, sp["cls"], sp["sep"],
+                                           bag["pairs"], eicw=self.eicw)
+            sents, sinfo = search.run(view.public.get("batch_size"))
+        t2 = time.perf_counter()
+        info = {
+            "word_bag": bag["tokens"],
+            "word_bag_size": len(bag["tokens"]),
+            "word_bag_pairs": sum(len(p) for p in bag["pairs"].values()),
+            "rank_embedding_adapter": sub_ea.rank,
+            "rank_layer_adapter": sub_la.rank,
+            "bottleneck_rows": sub_ea.rows,
+            "capacity_exhausted": bool(sub_ea.saturated or sub_la.saturated),
+            "word_bag_seconds": bag["seconds"],
+            "sentence_seconds": t2 - t1,
+            **sinfo,
+        }
+        if info["capacity_exhausted"]:
+            info["warning"] = (f"gradient subspace saturated (rank {sub_ea.rank}/{sub_la.rank} vs {sub_ea.rows} "
+                               "bottleneck rows): the batch holds more distinct token vectors than the adapter "
+                               "can store; the word bag and the sentences are unreliable beyond this point.")
+        return Reconstruction(data=sents, info=info)

@@ -1,0 +1,86 @@
+"""Federated core and update defenses: properties that must hold exactly."""
+
+import numpy as np
+import pytest
+import torch
+
+from gradleak.defenses import Clipping, GaussianNoise, StochasticQuantization, TopKPruning, build_defenses
+from gradleak.errors import BadInput
+from gradleak.fl import Client, Update, aggregate, dirichlet_split, secure_aggregate
+
+
+def _upd(seed=0, n=10):
+    g = torch.Generator().manual_seed(seed)
+    return Update({"a": torch.randn(5, 4, generator=g, dtype=torch.float64), "b": torch.randn(7, generator=g, dtype=torch.float64)}, n, seed)
+
+
+def test_clipping_bounds_norm_and_keeps_direction():
+    u = _upd()
+    c = Clipping(0.5).apply(u, {})
+    assert c.norm() == pytest.approx(0.5)
+    assert torch.allclose(c.flat() / c.norm(), u.flat() / u.norm())
+    assert Clipping(1e6).apply(u, {}).norm() == pytest.approx(u.norm())
+
+
+def test_topk_pruning_keeps_largest():
+    u = _upd()
+    p = TopKPruning(0.75).apply(u, {})
+    flat, orig = p.flat(), u.flat()
+    kept = (flat != 0).sum().item()
+    assert kept == round(orig.numel() * 0.25)
+    assert flat.abs().max() == orig.abs().max()
+    assert orig.abs()[flat == 0].max() <= orig.abs()[flat != 0].min()
+
+
+def test_noise_relative_scale_and_seeded():
+    u = _upd(n=1)
+    big = Update({"a": torch.zeros(200000, dtype=torch.float64) + 1e-3}, 1)
+    n = GaussianNoise(0.1, relative=True, seed=1).apply(big, {"client_id": 0})
+    assert (n.flat() - big.flat()).std().item() == pytest.approx(0.1 * big.norm(), rel=0.02)
+    a = GaussianNoise(1.0, seed=3).apply(u, {"client_id": 2}).flat()
+    b = GaussianNoise(1.0, seed=3).apply(u, {"client_id": 2}).flat()
+    assert torch.equal(a, b)
+
+
+def test_stochastic_quantization_is_unbiased_and_on_grid():
+    u = Update({"a": torch.linspace(-1, 1, 101, dtype=torch.float64)}, 1)
+    outs = torch.stack([StochasticQuantization(2, seed=s).apply(u, {}).flat() for s in range(400)])
+    assert torch.allclose(outs.mean(0), u.flat(), atol=0.05)
+    levels = torch.unique(outs)
+    assert len(levels) <= 4
+
+
+def test_secure_aggregation_equals_plain_weighted_mean():
+    ups = [_upd(s, n=s + 1) for s in range(4)]
+    plain, masked = aggregate(ups), secure_aggregate(ups, seed=0)
+    for k in plain.tensors:
+        assert torch.allclose(plain.tensors[k], masked.tensors[k], atol=1e-6)
+
+
+def test_dirichlet_split_partitions_all_indices():
+    labels = np.repeat(np.arange(5), 40)
+    parts = dirichlet_split(labels, 6, alpha=0.3, seed=0)
+    allidx = np.sort(np.concatenate(parts))
+    assert np.array_equal(allidx, np.arange(200))
+    with pytest.raises(BadInput):
+        dirichlet_split(labels, 3, alpha=0)
+
+
+def test_fedavg_pseudo_gradient_equals_gradient_for_one_full_batch_step():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
+    c = Client(0, x, y)
+    g = c.local_update(model, algorithm="fedsgd")
+    p = c.local_update(model, algorithm="fedavg", epochs=1, lr=0.1)
+    for k in g.tensors:
+        assert torch.allclose(g.tensors[k], p.tensors[k], atol=1e-10)
+
+
+def test_build_defenses_errors_name_the_field():
+    with pytest.raises(BadInput) as e:
+        build_defenses([{"name": "nope"}])
+    assert "defenses[0].name" in str(e.value)
+    with pytest.raises(BadInput) as e:
+        build_defenses([{"name": "clipping", "params": {"max_norm": -1}}])
+    assert "max_norm" in str(e.value)

@@ -1,0 +1,166 @@
+"""PEFTLeak: exact recovery on a tiny real case, the per-token simulator, grouping, the threat boundary."""
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from gradleak.attacks.base import ThreatModel
+from gradleak.attacks.peftleak import PEFTLeak, group_by_coefficient, image_to_patches
+from gradleak.data import load
+from gradleak.errors import BadInput
+from gradleak.fl.core import Client, ServerView
+from gradleak.metrics.patches import patch_recovery
+from gradleak.models.vit import vit
+from gradleak.peft.adapters import AdapterSlot, add_vit_adapters
+from gradleak.registry import ATTACKS, load_all
+
+
+def _tiny(design="improved", B=8, r=16, layers=4, seed=0, **kw):
+    """ViT with D = P²C = 192 (patch 8, 16×16 images, 4 patches), real CIFAR images, float64."""
+    priv = torch.nn.functional.interpolate(load("cifar-samples").images[:B], size=(16, 16), mode="bilinear",
+                                           antialias=True, align_corners=False).clamp(0, 1)
+    pub = load("natural-crops", n=400, size=16, seed=7).images
+    model = vit("vit-tiny", image_size=16, patch_size=8, layers=layers, num_classes=4, dtype=torch.float64, seed=seed)
+    add_vit_adapters(model, r)
+    atk = PEFTLeak(public_images=pub, design=design, seed=seed, **kw)
+    model = atk.prepare(model, ThreatModel(malicious=True, public_data=True))
+    x = priv.double() * 2 - 1
+    return atk, model, x
+
+
+def _run(atk, model, x, labels=None):
+    client = Client(0, x, labels if labels is not None else torch.arange(len(x)) % 4)
+    rounds, states = [], []
+    for k in range(atk.num_rounds):
+        st = atk.adapter_state(k)
+        model.load_state_dict(st, strict=False)
+        rounds.append([client.local_update(model)])
+        states.append(st)
+    return ServerView(model=model, updates=rounds[-1], rounds=rounds, round_states=states), client
+
+
+def test_exact_recovery_tiny_vit_float64():
+    atk, model, x = _tiny("improved", B=8)
+    view, _ = _run(atk, model, x)
+    rec = atk.reconstruct(view)
+    d = rec.data
+    truth = image_to_patches(x, 8)
+    m = patch_recovery(truth, d["patches"], d["positions"], d["groups"])
+    assert m["recovered_patch_psnr_median"] >= 60  # exact up to float64 rounding, not "close"
+    assert m["patch_recovery_rate"] >= 0.9
+    assert m["grouping_accuracy"] == 1.0
+    assert m["false_positives"] == 0
+
+
+def test_paper_design_recovers_exact_patches():
+    atk, model, x = _tiny("paper", B=8)
+    view, _ = _run(atk, model, x)
+    d = atk.reconstruct(view).data
+    m = patch_recovery(image_to_patches(x, 8), d["patches"], d["positions"], d["groups"])
+    assert m["isolated_patch_rate"] >= 0.5
+    assert m["recovered_patch_psnr_median"] >= 40
+
+
+def test_simulator_matches_real_model_per_token():
+    """The attacker's per-token simulator reproduces the poisoned model's adapter outputs exactly,
+    which is what makes identity attention (no token mixing) and the LayerNorm undo exact."""
+    atk, model, x = _tiny("improved", B=4)
+    st = atk.adapter_state(0)
+    model.load_state_dict(st, strict=False)
+    outs = []
+    hooks = [model.get_submodule(AdapterSlot(b, k).prefix).register_forward_hook(lambda m, i, o: outs.append(o))
+             for b in range(atk.L) for k in ("msa", "mlp")]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    emb = model.vit.embeddings(x)  # tokens incl. class token
+    final, sim = atk.simulate_tokens(emb.reshape(-1, atk.D), st)
+    for real, s in zip(outs, sim):
+        assert torch.allclose(real.reshape(-1, atk.D), s, rtol=0, atol=1e-9)
+
+
+def test_grouping_by_coefficient_respects_positions():
+    g = torch.tensor([1.0, 1.0 + 1e-9, 2.0, 2.0, 1.0])
+    pos = torch.tensor([1, 2, 1, 2, 1])  # the last patch repeats position 1 of group "1.0"
+    groups = group_by_coefficient(g, pos)
+    assert groups[0] != groups[4]  # two patches at one position cannot share an image
+    assert groups[2] == groups[3] and groups[2] != groups[0]
+    assert len(set(groups.tolist())) == 3
+
+
+def test_attacks_read_only_the_server_view():
+    load_all()
+    for entry in ATTACKS:
+        params = list(inspect.signature(entry.obj.reconstruct).parameters)
+        assert params == ["self", "view"], entry.name
+    atk, model, x = _tiny("improved", B=4)
+    view, client = _run(atk, model, x)
+    expected = image_to_patches(x, 8).clone()
+    # destroy every copy of the private batch the client holds: the attack still succeeds from the view
+    client._inputs.zero_()
+    client._labels.zero_()
+    del client
+    x.zero_()
+    d = atk.reconstruct(view).data
+    m = patch_recovery(expected, d["patches"], d["positions"], d["groups"])
+    assert m["patch_recovery_rate"] >= 0.9
+
+
+def test_low_resolution_needed_when_patch_larger_than_width():
+    pub = load("natural-crops", n=50, size=16, seed=0).images
+    model = vit("vit-tiny", image_size=16, patch_size=16, layers=2, num_classes=4, dtype=torch.float64)
+    add_vit_adapters(model, 8)
+    with pytest.raises(BadInput) as err:
+        PEFTLeak(public_images=pub).prepare(model)
+    assert err.value.field == "model.patch_size" and "low_resolution" in str(err.value)
+
+
+def test_low_resolution_recovers_block_means():
+    """ViT-B/32-style: P²C = 4·D; the attack recovers the 2×2 block means exactly."""
+    priv = torch.nn.functional.interpolate(load("cifar-samples").images[:4], size=(32, 32)).clamp(0, 1)
+    pub = load("natural-crops", n=200, size=32, seed=3).images
+    model = vit("vit-tiny", image_size=32, patch_size=16, layers=4, num_classes=4, dtype=torch.float64)
+    add_vit_adapters(model, 16)
+    atk = PEFTLeak(public_images=pub, low_resolution=True)
+    model = atk.prepare(model)
+    x = priv.double() * 2 - 1
+    view, _ = _run(atk, model, x)
+    d = atk.reconstruct(view).data
+    m = patch_recovery(image_to_patches(x, 16, reduce=2), d["patches"], d["positions"], d["groups"])
+    assert m["recovered_patch_psnr_median"] >= 40 and m["patch_recovery_rate"] >= 0.75
+
+
+@pytest.mark.parametrize("kwargs,field", [({"sigma": 0}, "attack.sigma"), ({"sigma": -1.0}, "attack.sigma"),
+                                          ({"design": "magic"}, "attack.design")])
+def test_bad_attack_parameters(kwargs, field):
+    with pytest.raises(BadInput) as err:
+        PEFTLeak(public_images=torch.zeros(1, 3, 16, 16), **kwargs)
+    assert err.value.field == field
+
+
+def test_bad_bottleneck():
+    model = vit("vit-tiny", image_size=16, patch_size=8, layers=1, num_classes=4)
+    with pytest.raises(BadInput) as err:
+        add_vit_adapters(model, 0)
+    assert err.value.field == "model.adapter_bottleneck"
+
+
+def test_patch_recovery_metric_identities():
+    truth = torch.rand(3, 4, 12) * 2 - 1
+    patches = truth.reshape(-1, 12)
+    positions = torch.arange(1, 5).repeat(3)
+    groups = torch.arange(3).repeat_interleave(4)
+    m = patch_recovery(truth, patches, positions, groups)
+    assert m["patch_recovery_rate"] == 1.0 and m["grouping_accuracy"] == 1.0 and m["false_positives"] == 0
+    assert math.isinf(m["recovered_patch_psnr_median"]) or m["recovered_patch_psnr_median"] > 200
+    # one image scattered over other groups: its patches no longer count as recovered
+    bad = groups.clone()
+    bad[8:12] = torch.tensor([0, 1, 0, 1])
+    m2 = patch_recovery(truth, patches, positions, bad)
+    assert m2["isolated_patch_rate"] == 1.0 and m2["patch_recovery_rate"] < 1.0 and m2["grouping_accuracy"] < 1.0
+    # noise beyond the 30 dB threshold: not recovered, counted as false positives
+    m3 = patch_recovery(truth, patches + 0.5, positions, groups)
+    assert m3["patch_recovery_rate"] == 0.0 and m3["false_positives"] == 12
