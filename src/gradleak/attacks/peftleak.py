@@ -118,9 +118,8 @@ def _householder_complement(u: torch.Tensor) -> torch.Tensor:
     return H[:, 1:]  # H e_1 = u, so the other columns are orthonormal and ⊥ u
 
 
-def _project_out(vectors: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Project x (d or n × d) onto the orthogonal complement of span(vectors) (k × d)."""
-    q, _ = torch.linalg.qr(vectors.T.to(F64))
+def _project_out(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Project x (d or n × d) onto the orthogonal complement of the orthonormal columns of q (d × k)."""
     return x - (x @ q) @ q.T
 
 
@@ -238,19 +237,19 @@ class PEFTLeak:
         self._pub = pub
         ones = torch.ones(1, D, dtype=F64) / math.sqrt(D)
         B0 = _householder_complement(ones[0])  # D × (D-1), ⊥ 1
-        sub = pub if len(pub) <= 20000 else pub[torch.randperm(len(pub), generator=gen)[:20000]]
-        evals, evecs = np.linalg.eigh((sub.T @ sub / len(sub)).numpy())
-        evals, evecs = torch.from_numpy(evals), torch.from_numpy(evecs)
-        self._principal = evecs.flip(1).T  # rows: pixel directions by decreasing energy
+        sub = pub if len(pub) <= 8192 else pub[torch.randperm(len(pub), generator=gen)[:8192]]
+        # principal pixel directions (improved design's binning directions), by a randomised SVD
+        _, _, V_top = torch.svd_lowrank(sub - sub.mean(0), q=min(2 * self.L + 4, self.Pd), niter=3)
+        self._principal = V_top.T
         if self.Pd < D:
             M = B0[:, : self.Pd]
             self.lost_dir, self.lost_mean = None, 0.0
         else:
-            u = evecs[:, 0]
+            u, energy = self._low_energy_direction(sub)
             V = _householder_complement(u)
             M = B0 @ V.T + ones.T @ u[None]
             self.lost_dir, self.lost_mean = u, float((pub @ u).mean())
-            self.lost_energy = float(evals[0])
+            self.lost_energy = energy
         self.M = M  # D × Pd, orthonormal columns
         # positional embeddings, class token 0
         if self.pe_distribution == "gaussian":
@@ -297,7 +296,7 @@ class PEFTLeak:
             o2.weight[:, :D].copy_(eye)
             o2.bias.fill_(-self.gamma)
         # head direction ŵ ⊥ 1 and ⊥ every positional embedding; u_out = ŵ
-        self._blocked = torch.cat([ones, self.pos_c / self.pos_c.norm(dim=1, keepdim=True)])
+        self._blocked, _ = torch.linalg.qr(torch.cat([ones, self.pos_c / self.pos_c.norm(dim=1, keepdim=True)]).T)
         w = _project_out(self._blocked, torch.randn(D, generator=gen, dtype=F64))
         self.w_head = w / w.norm()
         self.u_out = self.w_head
@@ -310,6 +309,25 @@ class PEFTLeak:
         self._plan_rounds()
         self.model_template = model
         return model
+
+    def _low_energy_direction(self, pub: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The pixel direction the LayerNorm is allowed to destroy: the least-energy combination (on the
+        public patches) of the highest-frequency 2-D DCT atoms of each channel. Natural patches carry
+        almost nothing there, so filling it with its public mean costs ~1e-4 per pixel or less."""
+        p = int(round(math.sqrt(self.Pd / self.C)))
+        i = torch.arange(p, dtype=F64)
+        basis = []
+        for c in range(self.C):
+            for ku in (p - 1, p - 2):
+                for kv in (p - 1, p - 2):
+                    atom = torch.zeros(self.C, p, p, dtype=F64)
+                    atom[c] = torch.outer(torch.cos(math.pi * (i + 0.5) * ku / p), torch.cos(math.pi * (i + 0.5) * kv / p))
+                    basis.append(atom.reshape(-1) / atom.norm())
+        A = torch.stack(basis)  # k × Pd, orthonormal (distinct DCT atoms)
+        proj = pub @ A.T
+        evals, evecs = torch.linalg.eigh(proj.T @ proj / len(proj))
+        u = evecs[:, 0] @ A
+        return u / u.norm(), float(evals[0])
 
     # ------------------------------------------------------------------ statistics
     def geometry(self, x: torch.Tensor) -> "PatchGeometry":

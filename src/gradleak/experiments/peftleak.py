@@ -36,6 +36,7 @@ class DataConfig(Strict):
     public: str = "natural-crops"
     public_size: int = Field(2000, gt=0)
     seed: int = 0
+    path: Optional[str] = None  # for data.name = image-folder | npz (users' own CIFAR-10, TinyImageNet, ...)
 
 
 class ModelConfig(Strict):
@@ -97,14 +98,24 @@ class PEFTLeakExperimentConfig(Strict):
                            f"use a multiple of {patch} (e.g. {max(1, round(self.data.image_size / patch)) * patch}) or change model.patch_size.")
 
 
-def _load_images(name: str, n: int, size: int, seed: int, field: str):
-    kwargs = {"n": n}
-    if name in ("natural-crops", "public-natural", "imagenet-samples"):
+GENERATED = ("natural-crops", "public-natural")
+
+
+def _load_images(name: str, n: int, size: int, seed: int, field: str, path: str | None = None):
+    """Load n images at size×size. Generated sets (crops) use ``seed``; a fixed set returns its first n
+    images for seed 0 and a seeded random subset of n otherwise (several batches from one small set)."""
+    kwargs: dict = {"n": n} if name in GENERATED else {}
+    if name in GENERATED or name == "imagenet-samples":
         kwargs["size"] = size
-    if name in ("natural-crops", "public-natural"):
+    if name in GENERATED:
         kwargs["seed"] = seed
+    if path is not None:
+        kwargs["path"] = path
     ds = load(name, **kwargs)
-    imgs = ds.images
+    imgs, labels = ds.images, ds.labels
+    if name not in GENERATED and seed != 0 and len(imgs) > n:
+        perm = torch.randperm(len(imgs), generator=torch.Generator().manual_seed(seed))[:n]
+        imgs, labels = imgs[perm], labels[perm]
     if len(imgs) < n:
         raise BadInput(field, f"'{name}' has only {len(imgs)} images but {n} were asked for.",
                        "lower the batch size or use natural-crops (any number of images).")
@@ -112,7 +123,7 @@ def _load_images(name: str, n: int, size: int, seed: int, field: str):
         imgs = torch.nn.functional.interpolate(imgs, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
     if imgs.shape[1] == 1:
         imgs = imgs.expand(-1, 3, -1, -1)
-    return imgs[:n].clamp(0, 1), ds.labels[:n]
+    return imgs[:n].clamp(0, 1), labels[:n]
 
 
 @EXPERIMENTS.register("peftleak", "PEFTLeak: malicious server recovers image patches from ViT adapter gradients")
@@ -122,11 +133,11 @@ class PEFTLeakExperiment:
     def run(self, cfg: PEFTLeakExperimentConfig, ctx: RunContext) -> dict:
         dev = ctx.device
         B, S = cfg.data.batch_size, cfg.data.image_size
-        private, labels = _load_images(cfg.data.name, B, S, cfg.data.seed, "data.name")
+        private, labels = _load_images(cfg.data.name, B, S, cfg.data.seed, "data.name", cfg.data.path)
         public, _ = _load_images(cfg.data.public, cfg.data.public_size, S, cfg.data.seed + 1000, "data.public")
         model = vit(cfg.model.name, image_size=S, patch_size=cfg.model.patch_size, num_classes=cfg.model.num_classes,
                     pooling=cfg.model.pooling, layers=cfg.model.layers, hidden_size=cfg.model.hidden_size,
-                    heads=cfg.model.heads, dtype=torch.float64, seed=cfg.seed)
+                    heads=cfg.model.heads, dtype=torch.float64, seed=cfg.seed, init_weights=False)
         add_vit_adapters(model, cfg.model.adapter_bottleneck)
         a = cfg.attack
         attack = PEFTLeak(public_images=public, design=a.design, sigma=a.sigma, pe_distribution=a.pe_distribution,

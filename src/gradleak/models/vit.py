@@ -51,8 +51,12 @@ class ViTClassifier(nn.Module):
 def vit(preset: str = "vit-b16", *, image_size: int = 32, patch_size: int | None = None, num_classes: int = 10,
         pooling: str = "mean", num_channels: int = 3, layers: int | None = None, hidden_size: int | None = None,
         heads: int | None = None, layer_norm_eps: float = 1e-12, dtype: torch.dtype = torch.float32,
-        seed: int = 0) -> ViTClassifier:
-    """Build a randomly initialised ViT classifier (weights are set by the experiment or a checkpoint)."""
+        seed: int = 0, init_weights: bool = True) -> ViTClassifier:
+    """Build a randomly initialised ViT classifier (weights are set by the experiment or a checkpoint).
+
+    ``init_weights=False`` skips the random initialisation (seconds for ViT-B/L) when every weight is
+    about to be overwritten, e.g. by a malicious server's poisoning; the values are then undefined.
+    """
     if preset not in PRESETS:
         raise BadInput("model.name", f"unknown ViT preset '{preset}'.", f"use one of {', '.join(PRESETS)}.")
     p = dict(PRESETS[preset])
@@ -77,4 +81,10 @@ def vit(preset: str = "vit-b16", *, image_size: int = 32, patch_size: int | None
                     layer_norm_eps=layer_norm_eps, qkv_bias=True, **p)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    return ViTClassifier(cfg, num_classes, pooling).to(dtype)
+    if init_weights:
+        return ViTClassifier(cfg, num_classes, pooling).to(dtype)
+    from transformers.modeling_utils import no_init_weights
+
+    with no_init_weights(), torch.device("meta"):
+        model = ViTClassifier(cfg, num_classes, pooling)
+    return model.to_empty(device="cpu").to(dtype)
