@@ -738,7 +738,7 @@ class PEFTLeak:
         return seen
 
     def _dedupe(self, found: list[dict]):
-        uniq = self._unique(found) if self.design == "improved" else found
+        uniq = self._unique(found)  # the same patch isolated by two adapters is one patch
         if not uniq:
             return (torch.zeros(0, self.Pd, dtype=F64), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=F64))
         X = torch.stack([c["x"] for c in uniq]).clamp(-1, 1)

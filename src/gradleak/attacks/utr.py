@@ -295,6 +295,7 @@ class EncoderSentenceSearch:
                  max_attempts: int = 2048, probe_fn=None, beam_width: int = 4, filler: int | None = None):
         self.beam_width = beam_width
         self.passes = 3
+        self.eicw_penalty = 0.02
         self.filler = sep if filler is None else filler
         self.model, self.probe_names, self.sub, self.eps = model, probe_names, sub, eps
         self.cls, self.sep = cls, sep
@@ -381,13 +382,15 @@ class EncoderSentenceSearch:
         for q in range(1, ell):
             exps = []
             for b in beams:
-                opts = [v for v in cands[q] if not (self.eicw and v == b[-1])] or cands[q]
-                exps.extend(b + [v] for v in opts)
+                exps.extend(b + [v] for v in cands[q])
             if len(exps) > self.beam_width or q == ell - 1:
                 fill = (context[q + 1:ell] if context else [self.filler] * (ell - 1 - q)) + [self.sep]
                 batch = torch.tensor([e + fill for e in exps])
                 r = self._residuals(batch)
                 score = self._score(r[:, 1:q + 1]) if q < ell - 1 else self._score(r[:, 1:])
+                if self.eicw:  # EICW as a soft filter: repeated tokens ("- -", "very very") are rare, not impossible
+                    score = score + self.eicw_penalty * torch.tensor(
+                        [float(sum(e[i] == e[i - 1] for i in range(2, len(e)))) for e in exps], dtype=score.dtype)
                 order = score.argsort()[:self.beam_width].tolist()
                 beams = [exps[i] for i in order]
                 last_r = r[order]

@@ -178,7 +178,7 @@ class PEFTLeakExperiment:
         d = rec.data
         m = patch_recovery(truth_cmp, d["patches"], d["positions"], d["groups"], cfg.metrics.psnr_threshold_db)
         assignment = m.pop("assignment")
-        placed = assemble_images(d["patches"], d["positions"], d["groups"], assignment, B, attack.N)
+        placed = assemble_images(d["patches"], d["positions"], d["groups"], assignment, B, attack.N, truth_cmp.shape[-1])
         if k > 1:
             flat = placed.reshape(B * attack.N, -1)
             placed = upsample_patch(flat, attack.C, attack.P, k).reshape(B, attack.N, -1)

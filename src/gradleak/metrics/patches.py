@@ -89,9 +89,9 @@ def patch_recovery(truth: torch.Tensor, patches: torch.Tensor, positions: torch.
 
 
 def assemble_images(patches: torch.Tensor, positions: torch.Tensor, groups: torch.Tensor, assignment: dict,
-                    num_images: int, num_positions: int) -> torch.Tensor:
-    """Place recovered patches into (B, N, d) slots of their matched true image; NaN where nothing is."""
-    d = patches.shape[1] if len(patches) else 1
+                    num_images: int, num_positions: int, dim: int) -> torch.Tensor:
+    """Place recovered patches into (B, N, dim) slots of their matched true image; NaN where nothing is."""
+    d = dim
     out = torch.full((num_images, num_positions, d), math.nan, dtype=torch.float64)
     for i in range(len(patches)):
         m = assignment.get(int(groups[i]))
