@@ -29,6 +29,9 @@ from gradleak.peft.text_adapters import StopForward
 from gradleak.registry import ATTACKS
 
 QUERY_PATTERNS = (r"layers?\.(\d+)\..*(?:query|q_proj)\.(?:lora_A\.[^.]+\.)?weight$",)
+# The last kept layer of a [CLS]-classifier only uses the [CLS] query, so its query gradient has rank 1; the key
+# projection (same input) sees every position. We stack key and query gradients where the update has them.
+KEY_PATTERNS = (r"layers?\.(\d+)\..*(?:key|k_proj)\.(?:lora_A\.[^.]+\.)?weight$",)
 
 
 def query_grads(update_tensors: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -143,15 +146,21 @@ class DAGERAttack:
 
 
 def _names_for(tensors: dict[str, torch.Tensor], layer: int) -> set[str]:
-    out = set()
-    for name in tensors:
-        if "lora_B" in name:
-            continue
-        for pat in QUERY_PATTERNS:
-            m = re.search(pat, name)
-            if m and int(m.group(1)) == layer:
-                out.add(name)
-    return out
+    """Gradient names whose rows span layer ``layer``'s attention input: key if present (layer >= 1), else query."""
+    def match(patterns):
+        out = set()
+        for name in tensors:
+            if "lora_B" in name:
+                continue
+            for pat in patterns:
+                m = re.search(pat, name)
+                if m and int(m.group(1)) == layer:
+                    out.add(name)
+        return out
+
+    # softmax shift-invariance makes the key gradients sum to zero over positions (rank K-1): stack the query
+    # gradient with them to recover the missing direction.
+    return match(QUERY_PATTERNS) | (match(KEY_PATTERNS) if layer >= 1 else set())
 
 
 def _unused(sub: Subspace) -> None:  # pragma: no cover - keeps the import list explicit for readers

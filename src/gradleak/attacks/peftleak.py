@@ -72,6 +72,9 @@ from gradleak.peft.adapters import AdapterSlot, BottleneckAdapter
 from gradleak.registry import ATTACKS
 
 F64 = torch.float64
+#: two recovered patches closer than this (max-abs, pixels in [-1, 1]) are the same patch found twice
+#: (each copy is exact to ~1e-4; distinct natural patches differ by far more)
+SAME_PATCH = 1e-3
 
 
 # --------------------------------------------------------------------------------------------------
@@ -305,7 +308,10 @@ class PEFTLeak:
         self.head_scale = float(2.0 / max(feat.std().item(), 1e-12))
         model.head.weight.zero_()
         model.head.weight[0].copy_(self.head_scale * self.w_head)
+        # centre p(class 0) at 1/2 so every image's coefficient g = p_0 − [y = 0] is of order 1/2
+        # (a tiny g would let a colliding patch hide behind a dominant one)
         model.head.bias.zero_()
+        model.head.bias[0] = math.log(max(model.head.out_features - 1, 1)) - self.head_scale * float(feat.mean())
         self._plan_rounds()
         self.model_template = model
         return model
@@ -714,7 +720,7 @@ class PEFTLeak:
             new = self._candidates(res_bins, res_b, torch.stack(res_w), known[0]["round"])
             new = self._filter_consistent(new, plan, nonempty)
             new = [c for c in self._unique(new) if not any(
-                k["position"] == c["position"] and float((k["x"] - c["x"]).abs().max()) < 1e-5 for k in known)]
+                k["position"] == c["position"] and float((k["x"] - c["x"]).abs().max()) < SAME_PATCH for k in known)]
             if not new:
                 break
             self._attach_g(new, state)
@@ -731,7 +737,7 @@ class PEFTLeak:
         by_pos: dict[int, list[torch.Tensor]] = {}
         for c in cands:
             lst = by_pos.setdefault(c["position"], [])
-            if lst and float((torch.stack(lst) - c["x"]).abs().amax(1).min()) < 1e-5:
+            if lst and float((torch.stack(lst) - c["x"]).abs().amax(1).min()) < SAME_PATCH:
                 continue
             lst.append(c["x"])
             seen.append(c)

@@ -42,7 +42,7 @@ class PeftCfg(Strict):
     layer_adapters: Optional[list[int]] = None  # default: after every kept layer
     init_std: float = 0.02
     lora_rank: int = 128
-    lora_targets: Optional[list[str]] = None  # default: the query projection (query / q_proj)
+    lora_targets: Optional[list[str]] = None  # default: query + key projections (DAGER's span checks)
     lora_layers: Optional[list[int]] = None
 
 
@@ -127,7 +127,7 @@ def add_lora(tm, pcfg: PeftCfg, seed: int) -> None:
     some rounds of training (with B = 0 the gradient of A vanishes)."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    targets = pcfg.lora_targets or (["q_proj"] if tm.kind == "causal" else ["query"])
+    targets = pcfg.lora_targets or (["q_proj", "k_proj"] if tm.kind == "causal" else ["query", "key"])
     layers = pcfg.lora_layers if pcfg.lora_layers is not None else list(range(tm.num_layers))
     conf = LoraConfig(r=pcfg.lora_rank, lora_alpha=pcfg.lora_rank, target_modules=targets,
                       layers_to_transform=layers, lora_dropout=0.0, bias="none")
