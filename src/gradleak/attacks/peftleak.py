@@ -179,7 +179,7 @@ class PEFTLeak:
                  pe_distribution: str = "gaussian", gamma: float = 1e4, q_scale: float = 1e5,
                  up_scale: float = 1e-12, adapters_per_position: int | None = None,
                  positions_per_round: int | None = None, low_resolution: bool = False,
-                 peel: bool = True, seed: int = 0):
+                 peel: bool = True, quantiles: str = "gaussian", seed: int = 0):
         if design not in ("paper", "improved"):
             raise BadInput("attack.design", f"unknown design '{design}'.", "use 'paper' or 'improved'.")
         if sigma <= 0:
@@ -199,6 +199,9 @@ class PEFTLeak:
         self.positions_per_round = positions_per_round
         self.low_resolution = low_resolution
         self.peel = peel and design == "improved"
+        if quantiles not in ("gaussian", "empirical"):
+            raise BadInput("attack.quantiles", f"unknown '{quantiles}'.", "use 'gaussian' (the paper's) or 'empirical'.")
+        self.quantiles = quantiles
         self.seed = seed
         self.public_images = public_images
         self.plans: list[RoundPlan] = []
@@ -240,7 +243,7 @@ class PEFTLeak:
         self._pub = pub
         ones = torch.ones(1, D, dtype=F64) / math.sqrt(D)
         B0 = _householder_complement(ones[0])  # D × (D-1), ⊥ 1
-        sub = pub if len(pub) <= 8192 else pub[torch.randperm(len(pub), generator=gen)[:8192]]
+        sub = pub if len(pub) <= 4096 else pub[torch.randperm(len(pub), generator=gen)[:4096]]
         # principal pixel directions (improved design's binning directions), by a randomised SVD
         _, _, V_top = torch.svd_lowrank(sub - sub.mean(0), q=min(2 * self.L + 4, self.Pd), niter=3)
         self._principal = V_top.T
@@ -402,8 +405,8 @@ class PEFTLeak:
         slots = [AdapterSlot(b, kind) for b in range(self.L) for kind in ("msa", "mlp")]
         gen = torch.Generator().manual_seed(self.seed + 1)
         pub = self._pub
-        if len(pub) > 4096:
-            pub = pub[torch.randperm(len(pub), generator=gen)[:4096]]
+        if len(pub) > 3072:
+            pub = pub[torch.randperm(len(pub), generator=gen)[:3072]]
         self._pub_geo = self.geometry(pub)
         small = pub[torch.randperm(len(pub), generator=gen)[:512]]
         self._pub_geo_small = self.geometry(small)
@@ -424,15 +427,13 @@ class PEFTLeak:
                     round_plan.slots.append(self._plan_slot(slots[idx], idx, t, s_i, K, pub, Vt, Qc))
             self.plans.append(round_plan)
 
-    def _nontarget_max(self, t: int, idx: int, w: torch.Tensor) -> float:
-        """Largest pre-activation any other token (other positions' public patches, the class token) gets."""
+    def _nontarget_stats(self, t: int, idx: int, w: torch.Tensor) -> torch.Tensor:
+        """Pre-activations every other token gets (other positions' public patches, the class token)."""
         geo = self._pub_geo_small
         n = len(geo.norm2)
-        best = float(self.stats(self._cls_geo, 0, idx, w)[0])
-        for pos in range(1, self.N + 1):
-            if pos != t:
-                best = max(best, float(self.stats(geo, torch.full((n,), pos), idx, w).max()))
-        return best
+        parts = [self.stats(self._cls_geo, 0, idx, w)]
+        parts += [self.stats(geo, torch.full((n,), pos), idx, w) for pos in range(1, self.N + 1) if pos != t]
+        return torch.cat(parts)
 
     def _plan_slot(self, slot: AdapterSlot, idx: int, t: int, s_i: int, K: int, pub: torch.Tensor,
                    Vt: torch.Tensor, Qc: torch.Tensor) -> SlotPlan:
@@ -442,25 +443,30 @@ class PEFTLeak:
         if self.design == "paper":
             w = p_t.clone()
             stat = self.stats(geo, t, idx, w)
-            mu, sd = float(stat.mean()), float(stat.std())
             k_t = K * r
             probs = (np.arange(s_i * r, (s_i + 1) * r) + 1) / (k_t + 1)
-            thr = torch.tensor(mu + sd * _normal.ppf(probs), dtype=F64)
+            if self.quantiles == "gaussian":  # the paper: inverse CDF of a Gaussian fitted to the public statistic
+                mu, sd = float(stat.mean()), float(stat.std())
+                thr = torch.tensor(mu + sd * _normal.ppf(probs), dtype=F64)
+            else:  # ablation: empirical quantiles of the public statistic
+                thr = torch.quantile(stat, torch.tensor(probs, dtype=F64))
             usable = list(range(r - 1))
         else:
             d = _project_out(self._blocked, self.M @ Vt[s_i % Vt.shape[0]])
             d = d / d.norm()
-            # largest α that keeps every non-target token below every target statistic (with margin)
-            gap = float(self.stats(geo, t, idx, p_t).min()) - self._nontarget_max(t, idx, p_t)
-            dspread = float(self.stats(geo, t, idx, d).abs().max()) + 1e-12
-            alpha = max(gap / (4 * dspread), 0.0)
-            for _ in range(40):
+            # largest α that keeps every non-target token below every target statistic (with margin);
+            # statistics are linear in the read-out, so stats(p_t + α·d) = stats(p_t) + α·stats(d)
+            tgt_p, tgt_d = self.stats(geo, t, idx, p_t), self.stats(geo, t, idx, d)
+            non_p, non_d = self._nontarget_stats(t, idx, p_t), self._nontarget_stats(t, idx, d)
+            gap = float(tgt_p.min() - non_p.max())
+            alpha = max(gap / (4 * (float(tgt_d.abs().max()) + 1e-12)), 0.0)
+            for _ in range(60):
                 w = p_t + alpha * d
-                tgt = self.stats(geo, t, idx, w)
-                non = self._nontarget_max(t, idx, w)
+                tgt = tgt_p + alpha * tgt_d
+                non = float((non_p + alpha * non_d).max())
                 if float(tgt.min()) - non > 0.25 * float(tgt.max() - tgt.min()) or alpha == 0:
                     break
-                alpha /= 2
+                alpha = alpha / 2 if alpha > 1e-6 else 0.0
             probs = torch.arange(1, r, dtype=F64) / r
             inner = torch.quantile(tgt, probs)
             lo, hi = float(tgt.min()), float(tgt.max())

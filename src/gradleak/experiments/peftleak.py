@@ -59,6 +59,7 @@ class AttackConfig(Strict):
     max_rounds: Optional[int] = None
     low_resolution: bool = False
     peel: bool = True
+    quantiles: Literal["gaussian", "empirical"] = "gaussian"  # paper design's bin edges
     up_scale: float = 1e-12
 
 
@@ -143,7 +144,7 @@ class PEFTLeakExperiment:
         attack = PEFTLeak(public_images=public, design=a.design, sigma=a.sigma, pe_distribution=a.pe_distribution,
                           up_scale=a.up_scale, adapters_per_position=a.adapters_per_position,
                           positions_per_round=a.positions_per_round, low_resolution=a.low_resolution,
-                          peel=a.peel, seed=cfg.seed)
+                          peel=a.peel, quantiles=a.quantiles, seed=cfg.seed)
         t0 = time.perf_counter()
         model = attack.prepare(model, ThreatModel(malicious=True, public_data=True))
         t_prepare = time.perf_counter() - t0

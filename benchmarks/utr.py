@@ -1,0 +1,258 @@
+"""UTR benchmark (paper 002, SPEC §3.6): Tables 1-3, Fig. 3 capacity curve, Fig. 4 sweeps.
+
+    .venv/bin/python benchmarks/utr.py --quick            # reduced grid (minutes on 2 CPU cores)
+    .venv/bin/python benchmarks/utr.py                    # full grid (hours on CPU)
+    .venv/bin/python benchmarks/utr.py --only table1,capacity
+
+Every cell appends one line to benchmarks/out/utr.jsonl (atomically; finished cells are skipped on resume),
+then benchmarks/out/utr.json collects all rows and docs/REPRODUCTION.md gets the ``utr`` section with our numbers
+next to the paper's (SPEC §3.6). Our offline models are narrower than the paper's (MiniLM d=384 for BERT-Base,
+SmolLM2-135M d=576 for GPT2-L/Qwen), so bottlenecks are 192/288 at reduction factor 2, and capacity runs out
+at smaller batches: cells past it carry ``capacity_exhausted=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from gradleak.experiments.results import append_jsonl, finished_cells, read_jsonl, write_json_atomic  # noqa: E402
+from gradleak.report.markdown import markdown_table, update_section  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "out"
+JSONL = OUT / "utr.jsonl"
+
+PAPER_T1 = {  # (B, method) -> (BERT RT R1/R2, GPT2 RT R1/R2)
+    (1, "utr"): ("100/100", "100/100"), (2, "utr"): ("100/100", "100/100"), (4, "utr"): ("100/100", "100/100"),
+    (8, "utr"): ("100/100", "100/100"),
+    (1, "lamp"): ("31.4/9.3", "64.7/16.5"), (2, "lamp"): ("11.2/0.9", "46.4/7.6"), (4, "lamp"): ("6.3/0.9", "35.1/4.2"),
+    (8, "lamp"): ("6.8/0.3", "27.3/2.0"),
+    (1, "dager"): ("100/100", "100/100"), (2, "dager"): ("98.1/96.5", "100/100"), (4, "dager"): ("66.8/50.1", "29.56/21.65"),
+    (8, "dager"): ("37.1/11.4", "20.37/13.06"),
+}
+PAPER_T2 = {16: "100/100", 32: "100/100", 64: "0/0 (GPT2) 100/100 (Qwen)", 128: "0/0 (GPT2) 100/100 (Qwen)"}
+PAPER_T3 = {"dp 0.01": "~100/~100", "dp 1.5": "~15/~15", "dp 2.0": "<2/<2", "dp 3.0": "~0/~0",
+            "prune 0.9": "~65/~65", "prune 0.99": "~25/~25", "prune 0.999": "<5/<5"}
+
+
+def cell_config(model: str, B: int, attack: str = "utr", rf: int = 2, eps: float = 1e-3, defenses=None,
+                rounds: int = 1, peft: str = "adapters", trials: int = 1, seed: int = 0) -> dict:
+    params = {}
+    if attack in ("utr", "dager"):
+        params = {"eps_bag": eps, "eps_sentence": eps}
+    if attack == "lamp":
+        params = {"steps": 100, "discrete_every": 50, "swaps": 8}
+    return {"experiment": "utr", "seed": seed, "trials": trials, "model": {"name": model, "num_layers": 2},
+            "peft": {"kind": peft, "reduction_factor": rf, "lora_rank": 128},
+            "data": {"name": "rt-sentences", "batch_size": B}, "fl": {"rounds": rounds, "lr": 0.5},
+            "attack": {"name": attack, "params": params}, "defenses": defenses or []}
+
+
+def grid(quick: bool, only: set[str] | None) -> list[tuple[str, str, dict]]:
+    cells = []
+    models = ["minilm", "smollm2"]
+    bs1 = [1, 2, 4, 8]
+    for m in models:
+        for B in bs1:
+            cells.append(("table1", f"t1/{m}/utr/B{B}", cell_config(m, B)))
+            cells.append(("table1", f"t1/{m}/utr_rf1/B{B}", cell_config(m, B, rf=1)))
+            cells.append(("table1", f"t1/{m}/dager_frozen/B{B}", cell_config(m, B, attack="dager")))
+            if B <= (2 if quick else 8):
+                cells.append(("table1", f"t1/{m}/dager_lora/B{B}", cell_config(m, B, attack="dager", peft="lora")))
+                cells.append(("table1", f"t1/{m}/lamp/B{B}", cell_config(m, B, attack="lamp")))
+    for m in models:
+        for B in ([16, 32] if quick else [16, 32, 64, 128]):
+            cells.append(("table2", f"t2/{m}/utr/B{B}", cell_config(m, B, rf=1)))
+    for m in models:
+        for sig in (0.01, 1.5, 2.0, 3.0):
+            cells.append(("table3", f"t3/{m}/dp{sig}", cell_config(m, 2, defenses=[
+                {"name": "dp_gaussian", "params": {"noise_multiplier": sig, "max_norm": 1.0}}])))
+        for frac in (0.9, 0.99, 0.999):
+            cells.append(("table3", f"t3/{m}/prune{frac}", cell_config(m, 2, defenses=[
+                {"name": "topk_pruning", "params": {"prune_fraction": frac}}])))
+    for m in models:
+        for rf in (1, 2, 4, 8):
+            cells.append(("fig4a", f"f4a/{m}/rf{rf}", cell_config(m, 4, rf=rf)))
+        for eps in (1e-1, 1e-2, 1e-3, 1e-4):
+            for B in ((4, 16) if quick else (4, 16, 64)):
+                cells.append(("fig4b", f"f4b/{m}/eps{eps}/B{B}", cell_config(m, B, rf=1, eps=eps)))
+    cap_bs = [1, 2, 4, 8, 16, 32] if quick else [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    for m in (["smollm2"] if quick else models):
+        for rf in (1, 2):
+            for B in cap_bs:
+                cells.append(("capacity", f"cap/{m}/rf{rf}/B{B}", cell_config(m, B, rf=rf)))
+                cells.append(("capacity", f"cap/{m}/rf{rf}/rounds3/B{B}", cell_config(m, B, rf=rf, rounds=3)))
+    return [c for c in cells if not only or c[0] in only]
+
+
+class _Ctx:
+    out_dir = OUT
+    device = torch.device("cpu")
+
+    @staticmethod
+    def track(it, description="", total=None):
+        return it
+
+
+def run_cell(raw: dict) -> dict:
+    from gradleak.experiments import validate
+    from gradleak.experiments.runner import seed_everything
+
+    exp_cls, cfg = validate(raw)
+    seed_everything(cfg.seed)
+    t0 = time.perf_counter()
+    res = exp_cls().run(cfg, _Ctx())
+    res["timings"]["total_seconds"] = time.perf_counter() - t0
+    return res
+
+
+def r12(row: dict | None) -> str:
+    if not row:
+        return "–"
+    m = row["metrics"]
+    s = f"{m['rouge1']:.1f}/{m['rouge2']:.1f}"
+    if m.get("capacity_exhausted"):
+        s += " (cap.)"
+    if m.get("attack_failed"):
+        s += " (no attn. grads)"
+    return s
+
+
+def write_outputs(rows: list[dict]) -> None:
+    by = {r["cell"]: r for r in rows}
+    write_json_atomic(OUT / "utr.json", rows)
+    parts = ["Generated by `benchmarks/utr.py` (our numbers: ROUGE-1/ROUGE-2 recall on Rotten Tomatoes sentences, "
+             "first 2 layers, FedSGD; `(cap.)` = gradient subspace saturated, reported not hidden). Models: MiniLM-L6 "
+             "(d=384) stands in for BERT-Base, SmolLM2-135M (d=576, RoPE) for GPT2-L/Qwen. Paper numbers from SPEC §3.6 (RT column).\n"]
+    t1 = []
+    for B in (1, 2, 4, 8):
+        for meth, key in (("UTR rf=2", "utr"), ("UTR rf=1", "utr_rf1"), ("DAGER (adapters, frozen)", "dager_frozen"),
+                          ("DAGER (LoRA on query)", "dager_lora"), ("LAMP", "lamp")):
+            base = key.split("_")[0]
+            paper = PAPER_T1.get((B, base), ("–", "–"))
+            if key == "dager_frozen":
+                paper = ("0/0 (Qwen column)", "0/0 (Qwen column)")
+            t1.append({"B": B, "method": meth, "minilm": r12(by.get(f"t1/minilm/{key}/B{B}")), "paper BERT RT": paper[0],
+                       "smollm2": r12(by.get(f"t1/smollm2/{key}/B{B}")), "paper GPT2 RT": paper[1],
+                       "time minilm s": _t(by.get(f"t1/minilm/{key}/B{B}")),
+                       "time smollm2 s": _t(by.get(f"t1/smollm2/{key}/B{B}"))})
+    parts.append("### Table 1 (B = 1..8)\n\n" + markdown_table(t1, list(t1[0])))
+    t2 = []
+    for B in (16, 32, 64, 128):
+        t2.append({"B": B, "minilm rf=1": r12(by.get(f"t2/minilm/utr/B{B}")), "smollm2 rf=1": r12(by.get(f"t2/smollm2/utr/B{B}")),
+                   "unique vectors minilm / smollm2": f"{_m(by.get(f't2/minilm/utr/B{B}'), 'unique_token_vectors')} / "
+                                                      f"{_m(by.get(f't2/smollm2/utr/B{B}'), 'unique_token_vectors')}",
+                   "paper RT": PAPER_T2[B]})
+    parts.append("### Table 2 (large batches, UTR, reduction factor 1)\n\n" + markdown_table(t2, list(t2[0])))
+    t3 = []
+    for name, key in (("DP σ=0.01", "dp0.01"), ("DP σ=1.5", "dp1.5"), ("DP σ=2", "dp2.0"), ("DP σ=3", "dp3.0"),
+                      ("prune 90%", "prune0.9"), ("prune 99%", "prune0.99"), ("prune 99.9%", "prune0.999")):
+        pk = name.replace("DP σ=", "dp ").replace("prune ", "prune ").replace("%", "")
+        pk = {"prune 90": "prune 0.9", "prune 99": "prune 0.99", "prune 99.9": "prune 0.999", "dp 2": "dp 2.0",
+              "dp 3": "dp 3.0"}.get(pk, pk)
+        t3.append({"defense (B=2, rf=2)": name, "minilm": r12(by.get(f"t3/minilm/{key}")),
+                   "smollm2": r12(by.get(f"t3/smollm2/{key}")), "paper BERT": PAPER_T3.get(pk, "–")})
+    parts.append("### Table 3 (defenses, client-side on the update, clip 1.0)\n\n" + markdown_table(t3, list(t3[0])))
+    f4 = []
+    for m in ("minilm", "smollm2"):
+        for rf in (1, 2, 4, 8):
+            f4.append({"sweep": f"{m} rf={rf} (B=4)", "R1/R2": r12(by.get(f"f4a/{m}/rf{rf}")),
+                       "unique vectors": _m(by.get(f"f4a/{m}/rf{rf}"), "unique_token_vectors")})
+        for eps in (1e-1, 1e-2, 1e-3, 1e-4):
+            for B in (4, 16, 64):
+                if f"f4b/{m}/eps{eps}/B{B}" in by:
+                    f4.append({"sweep": f"{m} eps={eps} B={B} (rf=1)", "R1/R2": r12(by[f"f4b/{m}/eps{eps}/B{B}"]),
+                               "unique vectors": _m(by[f"f4b/{m}/eps{eps}/B{B}"], "unique_token_vectors")})
+    parts.append("### Fig. 4 (reduction factor, tolerance)\n\n" + markdown_table(f4, list(f4[0])))
+    cap = [r for r in rows if r["cell"].startswith("cap/")]
+    if cap:
+        crow = [{"cell": r["cell"], "B": r["config"]["data"]["batch_size"],
+                 "unique vectors": r["metrics"]["unique_token_vectors"], "bottleneck": r["metrics"]["bottleneck"],
+                 "word bag": r["metrics"]["word_bag_size"], "recovered tokens": r["metrics"]["recovered_tokens"],
+                 "R1/R2": r12(r), "s/sentence": round(r["timings"]["seconds_per_sentence"], 2)} for r in cap]
+        parts.append("### Capacity (Fig. 3) and time per sentence\n\n" + markdown_table(crow, list(crow[0])))
+        fig = _plot(cap)
+        if fig:
+            parts.append(f"![capacity]({fig})")
+    update_section(ROOT / "docs" / "REPRODUCTION.md", "utr", "\n\n".join(parts),
+                   title="UTR — text reconstruction from adapter gradients (paper 002)")
+
+
+def _t(row):
+    return round(row["timings"]["attack_seconds"], 2) if row else None
+
+
+def _m(row, k):
+    return row["metrics"].get(k) if row else "–"
+
+
+def _plot(cap: list[dict]) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # pragma: no cover
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict[str, list] = {}
+    for r in cap:
+        key = r["cell"].rsplit("/", 1)[0]
+        series.setdefault(key, []).append(r)
+    for key, rs in series.items():
+        rs.sort(key=lambda r: r["config"]["data"]["batch_size"])
+        bs = [r["config"]["data"]["batch_size"] for r in rs]
+        axes[0].plot(bs, [r["metrics"]["rouge1"] for r in rs], marker="o", label=key)
+        axes[1].plot([r["metrics"]["unique_token_vectors"] for r in rs], [r["metrics"]["word_bag_size"] for r in rs],
+                     marker="o", label=key)
+        bott = rs[0]["metrics"]["bottleneck"]
+        axes[1].axvline(bott, ls="--", lw=0.8, color=axes[1].lines[-1].get_color())
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("batch size B")
+    axes[0].set_ylabel("ROUGE-1")
+    axes[1].set_xlabel("distinct token vectors in batch")
+    axes[1].set_ylabel("word-bag size (dashed: bottleneck width)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = OUT / "utr_capacity.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return "../benchmarks/out/utr_capacity.png"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="", help="comma list of table1,table2,table3,fig4a,fig4b,capacity")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    only = set(filter(None, args.only.split(",")))
+    done = finished_cells(JSONL)
+    for group, cell, raw in grid(args.quick, only):
+        if cell in done:
+            continue
+        t0 = time.perf_counter()
+        try:
+            res = run_cell(raw)
+            row = {"cell": cell, "group": group, "config": raw, "metrics": res["metrics"], "timings": res["timings"],
+                   "warnings": res["details"].get("warnings", [])}
+        except Exception as err:  # a failing cell is recorded, not fatal
+            row = {"cell": cell, "group": group, "config": raw, "error": f"{type(err).__name__}: {err}",
+                   "metrics": {"rouge1": 0.0, "rouge2": 0.0}, "timings": {}}
+        append_jsonl(JSONL, row)
+        print(f"{cell}: R1={row['metrics'].get('rouge1', 0):.1f} R2={row['metrics'].get('rouge2', 0):.1f} "
+              f"({time.perf_counter() - t0:.1f}s){' ' + row.get('error', '') if 'error' in row else ''}", flush=True)
+    rows = [r for r in read_jsonl(JSONL) if "timings" in r and r.get("timings")]
+    write_outputs(rows)
+
+
+if __name__ == "__main__":
+    main()
