@@ -188,6 +188,16 @@ class PEFTLeakExperiment:
         truth01 = private.to(torch.float64).cpu()
         metrics = {k2: (float(v) if isinstance(v, (int, float)) else v) for k2, v in m.items()}
         metrics.update(self._image_metrics(truth01, recon01, truth_cmp, placed if k == 1 else None, cfg))
+        attacked = sorted({sp.position for plan in attack.plans[:n_rounds] for sp in plan.slots})
+        if len(attacked) < attack.N:  # fewer rounds than the plan needs: score the positions attacked
+            keep = torch.isin(d["positions"], torch.tensor(attacked))
+            remap = torch.zeros(attack.N + 1, dtype=torch.long)
+            remap[torch.tensor(attacked)] = torch.arange(1, len(attacked) + 1)
+            sub = patch_recovery(truth_cmp[:, torch.tensor(attacked) - 1], d["patches"][keep], remap[d["positions"][keep]],
+                                 d["groups"][keep], cfg.metrics.psnr_threshold_db)
+            metrics["patch_recovery_rate_attacked_positions"] = sub["patch_recovery_rate"]
+            metrics["isolated_patch_rate_attacked_positions"] = sub["isolated_patch_rate"]
+        metrics["attacked_positions"] = len(attacked)
         metrics["rounds_used"] = n_rounds
         metrics["adapters_per_position"] = attack.K
         metrics["positions_per_round"] = attack.ppr
