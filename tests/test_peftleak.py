@@ -164,3 +164,22 @@ def test_patch_recovery_metric_identities():
     # noise beyond the 30 dB threshold: not recovered, counted as false positives
     m3 = patch_recovery(truth, patches + 0.5, positions, groups)
     assert m3["patch_recovery_rate"] == 0.0 and m3["false_positives"] == 12
+
+
+def test_fedavg_aware_poisoning_survives_local_epochs():
+    """FedAvg (App. C.6): with the FedAvg-aware scaling, several local SGD steps still leak exact patches."""
+    atk, model, x = _tiny("improved", B=8, fedavg_aware=True)
+    client = Client(0, x, torch.arange(len(x)) % 4)
+    st = atk.adapter_state(0)
+    model.load_state_dict(st, strict=False)
+    rounds, states = [], []
+    for k in range(atk.num_rounds):
+        st = atk.adapter_state(k)
+        model.load_state_dict(st, strict=False)
+        rounds.append([client.local_update(model, algorithm="fedavg", epochs=3, lr=1e-3)])
+        states.append(st)
+    assert rounds[0][0].kind == "pseudo_gradient" and rounds[0][0].local_steps == 3
+    view = ServerView(model=model, updates=rounds[-1], rounds=rounds, round_states=states)
+    d = atk.reconstruct(view).data
+    m = patch_recovery(image_to_patches(x, 8), d["patches"], d["positions"], d["groups"])
+    assert m["isolated_patch_rate"] >= 0.9 and m["recovered_patch_psnr_median"] >= 40

@@ -179,7 +179,7 @@ class PEFTLeak:
                  pe_distribution: str = "gaussian", gamma: float = 1e4, q_scale: float = 1e5,
                  up_scale: float = 1e-12, adapters_per_position: int | None = None,
                  positions_per_round: int | None = None, low_resolution: bool = False,
-                 peel: bool = True, quantiles: str = "gaussian", seed: int = 0):
+                 peel: bool = True, quantiles: str = "gaussian", fedavg_aware: bool = False, seed: int = 0):
         if design not in ("paper", "improved"):
             raise BadInput("attack.design", f"unknown design '{design}'.", "use 'paper' or 'improved'.")
         if sigma <= 0:
@@ -195,6 +195,16 @@ class PEFTLeak:
         self.gamma = float(gamma)
         self.q_scale = float(q_scale)
         self.up_scale = float(up_scale)
+        # FedAvg (App. C.6): the client's SGD steps must neither round away the update against the large
+        # thresholds nor move the adapters between local steps. The server shrinks the down-projection
+        # (ε = 1e-7, bins unchanged), enlarges the up-projection (1e-5, same forward perturbation
+        # ε·up_scale = 1e-12), shrinks the final LayerNorm (so the head barely trains) and lowers the
+        # logit spread (so upstream gradients are small). See the FedAvg notes in docs/REPRODUCTION.md.
+        self.fedavg_aware = fedavg_aware
+        self.down_scale = 1e-9 if fedavg_aware else 1.0
+        if fedavg_aware:
+            self.up_scale = 1e-3
+        self.logit_spread = 0.2 if fedavg_aware else 2.0
         self.adapters_per_position = adapters_per_position
         self.positions_per_round = positions_per_round
         self.low_resolution = low_resolution
@@ -279,6 +289,8 @@ class PEFTLeak:
                 m.weight.fill_(self.sigma)
                 m.bias.zero_()
                 m.eps = self.eps
+        self.final_ln = self.sigma * (1e-4 if self.fedavg_aware else 1.0)
+        model.vit.layernorm.weight.fill_(self.final_ln)
         cfg.layer_norm_eps = self.eps
         eye = torch.eye(D, dtype=F64)
         for layer in model.vit.encoder.layer:
@@ -308,7 +320,7 @@ class PEFTLeak:
         self.u_out = self.w_head
         # head scale: spread of the pooled feature over public images -> logits of O(1) spread
         feat = self._pooled_feature(self.public_images[:256])
-        self.head_scale = float(2.0 / max(feat.std().item(), 1e-12))
+        self.head_scale = float(self.logit_spread / max(feat.std().item(), 1e-300))
         model.head.weight.zero_()
         model.head.weight[0].copy_(self.head_scale * self.w_head)
         # centre p(class 0) at 1/2 so every image's coefficient g = p_0 − [y = 0] is of order 1/2
@@ -381,7 +393,7 @@ class PEFTLeak:
         feats = []
         for t in range(1, self.N + 1):
             geo = self.geometry(x[:, t - 1])
-            feats.append(self.stats(geo, t, 2 * self.L, self.w_head))
+            feats.append(self.stats(geo, t, 2 * self.L, self.w_head) * (self.final_ln / self.sigma))
         return torch.stack(feats, 1).mean(1)
 
     # ------------------------------------------------------------------ planning
@@ -496,8 +508,8 @@ class PEFTLeak:
                 down_b = torch.full((r,), -1.0, dtype=F64)  # benign: never active
                 up_w = torch.zeros(D, r, dtype=F64)
                 if sp is not None:
-                    down_w[:] = sp.weight
-                    down_b = -sp.thresholds.clone()
+                    down_w[:] = sp.weight * self.down_scale
+                    down_b = -sp.thresholds * self.down_scale
                     up_w = self.up_scale * self.u_out[:, None].expand(D, r).clone()
                 state[f"{slot.prefix}.down.weight"] = down_w
                 state[f"{slot.prefix}.down.bias"] = down_b
@@ -528,7 +540,7 @@ class PEFTLeak:
                 out = z + act @ state[f"{pre}.up.weight"].T + state[f"{pre}.up.bias"]
                 outs.append(out)
                 x = x + out
-        return nn.functional.layer_norm(x, (D,), ln_w, ln_b, self.eps), outs
+        return nn.functional.layer_norm(x, (D,), torch.full((D,), self.final_ln, dtype=F64), ln_b, self.eps), outs
 
     def _token_coefficients(self, state: dict[str, torch.Tensor], x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """κ (n × slots): the coefficient a lone token adds to every neuron's bias gradient per unit g,
@@ -547,6 +559,10 @@ class PEFTLeak:
             raise BadInput("fl.secure_aggregation", "PEFTLeak needs the victim's individual per-round updates.",
                            "turn secure aggregation off for this attack (it then sees only the aggregate).")
         n_rounds = min(len(view.rounds), len(self.plans))
+        # how closely the image coefficient g of two patches of one image agree: to float64 rounding
+        # after one gradient step; to ~1e-4 after several FedAvg steps (the adapters move a little)
+        multi_step = any(u.kind == "pseudo_gradient" and u.local_steps > 1 for r in view.rounds for u in r)
+        self._match_tol = 1e-4 if multi_step else 1e-6
         found: list[dict[str, Any]] = []
         bins_seen = 0
         for k in range(n_rounds):
@@ -554,7 +570,7 @@ class PEFTLeak:
             found += self._recover_round(k, upd, view.round_states[k])
             bins_seen += sum(len(sp.usable_bins) for sp in self.plans[k].slots)
         patches, positions, gvals = self._dedupe(found)
-        groups = group_by_coefficient(gvals, positions)
+        groups = group_by_coefficient(gvals, positions, self._match_tol)
         info = {"candidates": len(found), "unique_patches": int(len(patches)), "rounds": n_rounds,
                 "bins": bins_seen, "groups": int(groups.max() + 1) if len(groups) else 0,
                 "design": self.design}
@@ -578,8 +594,9 @@ class PEFTLeak:
             scale = float(Gb.abs().max()) + 1e-300
             ok = torch.zeros(self.r, dtype=torch.bool)
             ok[sp.usable_bins] = True
-            ok &= dGb.abs() > 1e-9 * scale
-            nonempty[sp.index] = dGb.abs() > 1e-9 * scale
+            tol = (1e-6 if upd.kind == "pseudo_gradient" else 1e-9) * scale  # FedAvg: update is a weight difference
+            ok &= dGb.abs() > tol
+            nonempty[sp.index] = dGb.abs() > tol
             self._dgb[sp.index] = dGb
             for j in torch.nonzero(ok)[:, 0].tolist():
                 bins.append({"plan": sp, "bin": j, "db": float(dGb[j]), "dw": dGW[j]})
@@ -612,10 +629,10 @@ class PEFTLeak:
             if len(rows):
                 observed = self._dgb[idx][b[rows]]
                 expected = g[rows] * kappa[rows, idx]
-                trusted[rows] |= (observed - expected).abs() <= 1e-6 * observed.abs()
+                trusted[rows] |= (observed - expected).abs() <= self._match_tol * observed.abs()
         order = torch.argsort(g)
         gs, ts = g[order], t[order]
-        close = (gs[1:] - gs[:-1]).abs() <= 1e-6 * torch.maximum(gs[1:].abs(), gs[:-1].abs())
+        close = (gs[1:] - gs[:-1]).abs() <= self._match_tol * torch.maximum(gs[1:].abs(), gs[:-1].abs())
         pair = close & (ts[1:] != ts[:-1])
         shared = torch.zeros(len(cands), dtype=torch.bool)
         shared[order[1:][pair]] = True

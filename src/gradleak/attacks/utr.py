@@ -348,6 +348,10 @@ class EncoderSentenceSearch:
                  max_attempts: int = 2048, probe_fn=None, beam_width: int = 4, filler: int | None = None):
         self.beam_width = beam_width
         self.passes = 3
+        self.rounds = 3
+        self.window = 4
+        self.verbose = bool(__import__("os").environ.get("UTR_VERBOSE"))
+        self.ban_len = 3
         self.eicw_penalty = 0.02
         self.filler = sep if filler is None else filler
         self.model, self.probe_names, self.sub, self.eps = model, probe_names, sub, eps
@@ -421,7 +425,8 @@ class EncoderSentenceSearch:
             cur, r = batch[i].tolist(), rs[i]
         return cur if float(r.max()) < self.eps else None
 
-    def _beam(self, ell: int, context: list[int] | None = None) -> tuple[list[list[int]], list[int] | None]:
+    def _beam(self, ell: int, context: list[int] | None = None,
+              banned: set[tuple[int, ...]] | None = None) -> tuple[list[list[int]], list[int] | None]:
         """Left-to-right beam search for sentences of length ``ell`` ([SEP] at index ell).
 
         Layer-1 states depend on the whole sentence, but mostly on a token's neighbours (measured: one wrong
@@ -436,8 +441,13 @@ class EncoderSentenceSearch:
             exps = []
             for b in beams:
                 exps.extend(b + [v] for v in cands[q])
+            if banned and q == self.ban_len:  # prefixes of already recovered sentences (other lengths)
+                kept = [e for e in exps if tuple(e[1:q + 1]) not in banned]
+                exps = kept or exps
             if len(exps) > self.beam_width or q == ell - 1:
-                fill = (context[q + 1:ell] if context else [self.filler] * (ell - 1 - q)) + [self.sep]
+                # without a context, score the prefix in a short window ([MASK] x window, [SEP]): absolute
+                # positions stay right and far tokens barely move a layer-1 state, at a fraction of the cost
+                fill = (context[q + 1:ell] if context else [self.filler] * min(ell - 1 - q, self.window)) + [self.sep]
                 batch = torch.tensor([e + fill for e in exps])
                 r = self._residuals(batch)
                 score = self._score(r[:, 1:q + 1]) if q < ell - 1 else self._score(r[:, 1:])
@@ -452,12 +462,12 @@ class EncoderSentenceSearch:
         out = [b + [self.sep] for b, rr in zip(beams, last_r) if float(rr.max()) < self.eps]
         return out, (beams[0] + [self.sep] if beams else None)
 
-    def _search_length(self, ell: int) -> list[list[int]]:
+    def _search_length(self, ell: int, banned: set[tuple[int, ...]] | None = None) -> list[list[int]]:
         """Beam passes, each using the previous pass's best sentence as the right-hand context, then a few
         whole-sentence coordinate-descent sweeps from the best candidate."""
         context = None
         for _ in range(self.passes):
-            out, best = self._beam(ell, context)
+            out, best = self._beam(ell, context, banned)
             if out:
                 return out
             if best is None or best == context:
@@ -465,18 +475,53 @@ class EncoderSentenceSearch:
             context = best
         if context is None:
             return []
-        cands = {q: [v for v in self.by_pos.get(q, []) if v not in (self.cls, self.sep)] for q in range(1, ell)}
-        sent = self._solve(ell, {}, {q: [context[q]] + cands[q] for q in range(1, ell)})
+        sent = self._gauss_seidel(ell, list(context))
         return [sent] if sent is not None else []
+
+    def _gauss_seidel(self, ell: int, cur: list[int], sweeps: int = 4) -> list[int] | None:
+        """Coordinate descent from the beam's best sentence: position by position, try every candidate token
+        there (one batched forward) and keep the one with the lowest summed residual; stop when every position
+        passes or a sweep changes nothing."""
+        cands = {q: [v for v in self.by_pos.get(q, []) if v not in (self.cls, self.sep)] for q in range(1, ell)}
+        for _ in range(sweeps):
+            changed = False
+            for q in range(1, ell):
+                if len(cands[q]) < 2:
+                    continue
+                batch = torch.tensor([cur] * len(cands[q]))
+                batch[:, q] = torch.tensor(cands[q])
+                v = cands[q][int(self._score(self._residuals(batch)).argmin())]
+                if v != cur[q]:
+                    cur[q], changed = v, True
+            r = self._residuals(torch.tensor([cur]))[0]
+            if float(r.max()) < self.eps:
+                return cur
+            if not changed:
+                return None
+        return None
 
     def run(self, batch_size: int | None = None) -> tuple[list[list[int]], dict[str, Any]]:
         found: list[list[int]] = []
-        for ell in self.lengths:
-            if batch_size and len(found) >= batch_size:
+        todo = list(self.lengths)
+        # Round 0 searches every length; a layer-1 state depends only weakly on far tokens, so the beam for one
+        # length can lock onto the prefix of a sentence of another length. Later rounds ban the prefixes of the
+        # sentences found so far (this also finds a second sentence of an already seen length, up to B).
+        for rnd in range(self.rounds):
+            banned = {tuple(s[1:self.ban_len + 1]) for s in found} if rnd else None
+            progress = False
+            for ell in todo:
+                if batch_size and len(found) >= batch_size:
+                    break
+                for sent in self._search_length(ell, banned):
+                    if self.verbose:
+                        print(f"  len {ell}: {len(sent) - 2} tokens, forwards {self.forwards}", flush=True)
+                    if sent not in found:
+                        found.append(sent)
+                        progress = True
+            if not progress or (batch_size and len(found) >= batch_size) or not batch_size:
                 break
-            for sent in self._search_length(ell):
-                if sent not in found:
-                    found.append(sent)
+            seen = {len(s) - 1 for s in found}
+            todo = [e for e in self.lengths if e not in seen] + [e for e in self.lengths if e in seen]
         covered = {(t, q) for s in found for q, t in enumerate(s)}
         all_pairs = [(v, p) for p, vs in self.by_pos.items() for v in vs]
         return [s[1:-1] for s in found], {"forward_passes": self.forwards, "length_classes": len(self.lengths),

@@ -60,6 +60,7 @@ class AttackConfig(Strict):
     low_resolution: bool = False
     peel: bool = True
     quantiles: Literal["gaussian", "empirical"] = "gaussian"  # paper design's bin edges
+    fedavg_aware: Optional[bool] = None  # default: on when fl.algorithm = fedavg
     up_scale: float = 1e-12
 
 
@@ -144,7 +145,8 @@ class PEFTLeakExperiment:
         attack = PEFTLeak(public_images=public, design=a.design, sigma=a.sigma, pe_distribution=a.pe_distribution,
                           up_scale=a.up_scale, adapters_per_position=a.adapters_per_position,
                           positions_per_round=a.positions_per_round, low_resolution=a.low_resolution,
-                          peel=a.peel, quantiles=a.quantiles, seed=cfg.seed)
+                          peel=a.peel, quantiles=a.quantiles, seed=cfg.seed,
+                          fedavg_aware=(cfg.fl.algorithm == "fedavg") if a.fedavg_aware is None else a.fedavg_aware)
         t0 = time.perf_counter()
         model = attack.prepare(model, ThreatModel(malicious=True, public_data=True))
         t_prepare = time.perf_counter() - t0
