@@ -349,7 +349,7 @@ class EncoderSentenceSearch:
         self.beam_width = beam_width
         self.passes = 3
         self.rounds = 3
-        self.window = 4
+        self.window = 10 ** 6  # (a short window was tried: faster but locks onto wrong prefixes more often)
         self.verbose = bool(__import__("os").environ.get("UTR_VERBOSE"))
         self.ban_len = 3
         self.eicw_penalty = 0.02

@@ -162,26 +162,37 @@ def aggregate(updates: Iterable[Update]) -> Update:
     return Update(out, total, -1, ups[0].kind, max(u.local_steps for u in ups))
 
 
-def secure_aggregate(updates: Sequence[Update], seed: int = 0) -> Update:
-    """Secure aggregation by pairwise additive masks (Bonawitz et al.), simulated in-process.
+def secure_aggregate(updates: Sequence[Update], seed: int = 0, frac_bits: int = 40) -> Update:
+    """Secure aggregation by pairwise additive masks (Bonawitz et al. 2017), simulated in-process.
 
-    Each pair (i, j) shares a random mask m_ij; client i adds +m_ij, client j adds -m_ij, so every
-    masked update looks random while their weighted sum is exact. Returns only the aggregate: the
-    server view then holds no individual update.
+    As in the protocol, each client encodes its weighted update in fixed point (``frac_bits`` bits below
+    the largest magnitude) in the ring Z_M, M = 2^62, and adds masks +m_ij / −m_ij shared with every
+    other client j. Each masked vector is uniformly random in Z_M; the masks cancel exactly in the sum,
+    so the server obtains the weighted mean (to 2^-frac_bits of the largest entry) and nothing else:
+    the server view then holds no individual update. (Masking real numbers with large Gaussian masks
+    instead would round small updates away.)
     """
     ups = list(updates)
     total = sum(u.num_samples for u in ups)
+    modulus = 2**62
+    weighted = [{k: v.double() * (u.num_samples / total) for k, v in u.tensors.items()} for u in ups]
+    bound = max(float(t.abs().max()) for w in weighted for t in w.values()) or 1.0
+    scale = 2.0**frac_bits / bound
     gen = torch.Generator().manual_seed(seed)
-    masked = []
-    for u in ups:
-        masked.append({k: v.double() * (u.num_samples / total) for k, v in u.tensors.items()})
+    encoded = [{k: torch.remainder(torch.round(v * scale).long(), modulus) for k, v in w.items()} for w in weighted]
     for i in range(len(ups)):
         for j in range(i + 1, len(ups)):
-            for k in masked[i]:
-                m = torch.randn(masked[i][k].shape, generator=gen, dtype=torch.float64) * 1e3
-                masked[i][k] = masked[i][k] + m
-                masked[j][k] = masked[j][k] - m
-    out = {k: sum(mu[k] for mu in masked).to(ups[0].tensors[k].dtype) for k in masked[0]}
+            for k in encoded[i]:
+                m = torch.randint(0, modulus, encoded[i][k].shape, generator=gen, dtype=torch.long)
+                encoded[i][k] = torch.remainder(encoded[i][k] + m, modulus)
+                encoded[j][k] = torch.remainder(encoded[j][k] - m, modulus)
+    out = {}
+    for k in encoded[0]:
+        acc = torch.zeros_like(encoded[0][k])
+        for e in encoded:  # what the server adds up: masked vectors only
+            acc = torch.remainder(acc + e[k], modulus)
+        signed = torch.where(acc >= modulus // 2, acc - modulus, acc)
+        out[k] = (signed.double() / scale).to(ups[0].tensors[k].dtype)
     return Update(out, total, -1, ups[0].kind, max(u.local_steps for u in ups))
 
 
