@@ -32,7 +32,7 @@ demo: $(STAMP)
 	$(BIN)/gradleak run configs/peftleak/cifar_b32.yaml --out runs/demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/peftleak.py
