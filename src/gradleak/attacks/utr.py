@@ -176,7 +176,7 @@ def bert_pair_exact(embeddings: nn.Module, sub: Subspace, tokens: torch.Tensor, 
 
 def bert_pair_decompose(embeddings: nn.Module, adapter: nn.Module, grads: list[torch.Tensor], tokens: list[int],
                         num_positions: int, token_type: int = 0, tol: float = 1e-5,
-                        max_violations: int = 3) -> dict[int, set[int]] | None:
+                        max_violations: int = 0) -> dict[int, set[int]] | None:
     """Exact (token, position) pairs from the embedding adapter's gradient (beyond the paper, SPEC A3.4).
 
     Why the span test alone cannot place tokens: f_0(v, p) = (a_v + b_p) / s_vp + beta with a_v = gamma*c(E[v]),
@@ -189,7 +189,7 @@ def bert_pair_decompose(embeddings: nn.Module, adapter: nn.Module, grads: list[t
     A_v = sum_{l: v_l = v} delta_l / s_l and B_p = sum_{l: p_l = p} delta_l / s_l. delta_l vanishes on the
     bottleneck neurons the ReLU switched off for pair l, and that mask is computable for every candidate pair
     (we know W_down, b_down). A true pair's active mask lies inside supp(A_v) and supp(B_p); a false one breaks
-    it on many neurons (measured: true <= 1 violation at tol 1e-5, false >= 7). This needs only
+    it on many neurons (measured on RT at B=8: at tol 1e-5 and 0 violations allowed, 246 pairs kept for 244 true, none missed; 1 violation allowed keeps 12 false ones). This needs only
     T + P + 1 <= n (not <= the bottleneck width). Returns None when the basis is too large for the hidden size.
     """
     f64 = torch.float64

@@ -23,6 +23,7 @@ from gradleak.errors import BadInput
 from gradleak.experiments.config import Strict
 from gradleak.experiments.runner import RunContext
 from gradleak.fl.core import Client, ServerView
+from gradleak.metrics import BACKBONE_NAME, lpips_status
 from gradleak.metrics.patches import assemble_images, patch_recovery
 from gradleak.models.vit import vit
 from gradleak.peft.adapters import add_vit_adapters
@@ -73,7 +74,7 @@ class FLConfig(Strict):
 
 class MetricsConfig(Strict):
     psnr_threshold_db: float = 30.0
-    feature_distance: bool = False
+    feature_distance: bool = True  # 1 − cos of ViT-S/14 features (offline); LPIPS is added when its weights exist
 
 
 class PEFTLeakExperimentConfig(Strict):
@@ -229,7 +230,10 @@ class PEFTLeakExperiment:
                       f"{cfg.metrics.psnr_threshold_db:g} dB (gradleak.metrics.patches)."],
         }
         return {"metrics": metrics, "timings": timings, "artifacts": ["ground_truth.png", "reconstruction.png"],
-                "details": {"attack_info": rec.info}, "report": report}
+                "details": {"attack_info": rec.info,
+                            "feature_distance_backbone": BACKBONE_NAME if cfg.metrics.feature_distance else None,
+                            "lpips": lpips_status()[1]},
+                "report": report}
 
     @staticmethod
     def _image_metrics(truth01, recon01, truth_cmp, placed, cfg) -> dict:
@@ -250,8 +254,12 @@ class PEFTLeakExperiment:
                 out["recovered_patch_ssim_mean"] = float(ssim(rp.reshape(-1, C, side, side).float(),
                                                                tp.reshape(-1, C, side, side).float()).mean())
         if cfg.metrics.feature_distance:
-            from gradleak.metrics import BACKBONE_NAME, feature_distance
+            from gradleak.metrics import feature_distance
 
             out["feature_distance_mean"] = float(feature_distance(filled.float(), truth01.float()).mean())
-            out["feature_distance_backbone"] = BACKBONE_NAME
+        from gradleak.metrics import lpips
+
+        lp = lpips(filled.float(), truth01.float())  # None unless the user supplied AlexNet-LPIPS weights
+        if lp is not None:
+            out["lpips_mean"] = float(lp.mean())
         return out
