@@ -276,7 +276,7 @@ def report() -> None:
     if base.exists():
         b = json.loads(base.read_text())
         md += ["### Optimisation baseline (Inverting Gradients on adapter gradients, honest model)", "",
-               f"From `benchmarks/peftleak_baseline.py` (`benchmarks/out/peftleak_baseline.json`): " +
+               "From `benchmarks/peftleak_baseline.py` (`benchmarks/out/peftleak_baseline.json`): " +
                "; ".join(f"B={k} ({v.get('steps')} steps): PSNR {v.get('psnr_mean', float('nan')):.1f} dB "
                          f"(a plain grey image scores {v.get('reference_gray_image_psnr_mean', float('nan')):.1f} dB), "
                          f"SSIM {v.get('ssim_mean', float('nan')):.3f}, gradient-matching loss "

@@ -55,7 +55,6 @@ Decisions the paper leaves open (SPEC §1.11), each recorded here:
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,7 +67,7 @@ from torch import nn
 from gradleak.attacks.base import Reconstruction, ThreatModel
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
-from gradleak.peft.adapters import AdapterSlot, BottleneckAdapter
+from gradleak.peft.adapters import AdapterSlot
 from gradleak.registry import ATTACKS
 
 F64 = torch.float64
@@ -427,7 +426,6 @@ class PEFTLeak:
         # improved design: binning directions from the public patches' principal directions
         # (the first one, ~the patch mean, is shared by every position's E_pos read-out, so skip it)
         Vt = self._principal[1:]
-        Qc = None
         self.plans = []
         positions = list(range(1, N + 1))
         for start in range(0, N, ppr):
@@ -436,7 +434,7 @@ class PEFTLeak:
             for pi, t in enumerate(chunk):
                 my_slots = list(range(pi * K, (pi + 1) * K))
                 for s_i, idx in enumerate(my_slots):
-                    round_plan.slots.append(self._plan_slot(slots[idx], idx, t, s_i, K, pub, Vt, Qc))
+                    round_plan.slots.append(self._plan_slot(slots[idx], idx, t, s_i, K, Vt))
             self.plans.append(round_plan)
 
     def _nontarget_stats(self, t: int, idx: int, w: torch.Tensor) -> torch.Tensor:
@@ -447,8 +445,7 @@ class PEFTLeak:
         parts += [self.stats(geo, torch.full((n,), pos), idx, w) for pos in range(1, self.N + 1) if pos != t]
         return torch.cat(parts)
 
-    def _plan_slot(self, slot: AdapterSlot, idx: int, t: int, s_i: int, K: int, pub: torch.Tensor,
-                   Vt: torch.Tensor, Qc: torch.Tensor) -> SlotPlan:
+    def _plan_slot(self, slot: AdapterSlot, idx: int, t: int, s_i: int, K: int, Vt: torch.Tensor) -> SlotPlan:
         r = self.r
         p_t = self.pos[t]
         geo = self._pub_geo
