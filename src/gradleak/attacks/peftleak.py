@@ -178,7 +178,8 @@ class PEFTLeak:
                  pe_distribution: str = "gaussian", gamma: float = 1e4, q_scale: float = 1e5,
                  up_scale: float = 1e-12, adapters_per_position: int | None = None,
                  positions_per_round: int | None = None, low_resolution: bool = False,
-                 peel: bool = True, quantiles: str = "gaussian", fedavg_aware: bool = False, seed: int = 0):
+                 peel: bool = True, quantiles: str = "gaussian", fedavg_aware: bool = False,
+                 expected_batch_size: int | None = None, seed: int = 0):
         if design not in ("paper", "improved"):
             raise BadInput("attack.design", f"unknown design '{design}'.", "use 'paper' or 'improved'.")
         if sigma <= 0:
@@ -208,6 +209,7 @@ class PEFTLeak:
         self.positions_per_round = positions_per_round
         self.low_resolution = low_resolution
         self.peel = peel and design == "improved"
+        self.expected_batch_size = expected_batch_size
         if quantiles not in ("gaussian", "empirical"):
             raise BadInput("attack.quantiles", f"unknown '{quantiles}'.", "use 'gaussian' (the paper's) or 'empirical'.")
         self.quantiles = quantiles
@@ -413,6 +415,16 @@ class PEFTLeak:
             raise BadInput("attack.adapters_per_position", f"{K} adapters × {ppr} positions exceed the {n_slots} adapter slots.",
                            "lower attack.adapters_per_position or attack.positions_per_round.")
         self.K, self.ppr = K, ppr
+        # Improved design: one hash direction per adapter pays off when a patch is likely to sit alone in
+        # at least one of its K bins of width 1/r and peeling can cascade from there. With few bins per
+        # adapter (small r) or a single adapter per position, one long direction over all K·r neurons
+        # isolates more; then the improved design falls back to the paper's single-direction binning.
+        self.multi_direction = self.design == "improved"
+        B = self.expected_batch_size
+        if self.multi_direction and (K == 1 or B):
+            p_multi = 1 - (1 - (1 - 1 / self.r) ** (B - 1)) ** K if B else 0.0
+            p_single = (1 - 1 / (K * (self.r - 1) + 1)) ** (B - 1) if B else 1.0
+            self.multi_direction = K > 1 and (p_multi >= 0.3 or p_multi >= p_single)
         slots = [AdapterSlot(b, kind) for b in range(self.L) for kind in ("msa", "mlp")]
         gen = torch.Generator().manual_seed(self.seed + 1)
         pub = self._pub
@@ -449,7 +461,7 @@ class PEFTLeak:
         r = self.r
         p_t = self.pos[t]
         geo = self._pub_geo
-        if self.design == "paper":
+        if not self.multi_direction:
             w = p_t.clone()
             stat = self.stats(geo, t, idx, w)
             k_t = K * r
@@ -600,12 +612,12 @@ class PEFTLeak:
         if not bins:
             return []
         cands = self._candidates(bins, [b["db"] for b in bins], torch.stack([b["dw"] for b in bins]), k)
-        if self.design == "improved":
+        if self.multi_direction:
             cands = self._filter_consistent(cands, plan, nonempty)
         self._attach_g(cands, state)
-        if self.design == "improved":
+        if self.multi_direction:
             cands = self._trusted(cands, plan)
-        if self.peel:
+        if self.peel and self.multi_direction:
             cands = self._peel(cands, bins, plan, nonempty, state)
         return cands
 

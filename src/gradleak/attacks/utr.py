@@ -8,8 +8,10 @@ tokens}. We build an orthonormal basis by SVD (float64, relative singular-value 
 * RoPE / position-free models (Llama): f_0(v) = E[v], one (V x n) projection.
 * BERT (absolute positions, token types, LayerNorm): f_0(v, p) = LN(E[v] + P[p] + T[0]). We never materialise
   the V x P x n tensor: the LayerNorm is affine in the centred sum, so ``||f||^2`` and ``||Q^T f||^2`` expand into
-  V x P matrices built from three matmuls (see :func:`bert_pair_residuals`). The test yields (token, position)
-  pairs; the positions of [SEP] give the sentence lengths.
+  V x P matrices built from three matmuls (see :func:`bert_pair_residuals`). The test yields the token bag and
+  the maximal length; it cannot place tokens once the batch has T + P + 1 distinct pairs (then every bag token
+  passes at every seen position). :func:`bert_pair_decompose` recovers the exact pairs from the gradient's
+  coefficients and the ReLU masks (beyond the paper); the positions of [SEP] give the sentence lengths.
 
 Stage 2 (sentences, SPEC §3.4) uses the first layer adapter's subspace S_LA = span{h_1 of the batch}:
 
@@ -345,10 +347,16 @@ class EncoderSentenceSearch:
 
     def __init__(self, model: nn.Module, probe_names: list[str], sub: Subspace, eps: float, cls: int, sep: int,
                  pairs: dict[int, set[int]], max_sweeps: int = 4, eicw: bool = True, max_sentences: int = 512,
-                 max_attempts: int = 2048, probe_fn=None, beam_width: int = 4, filler: int | None = None):
+                 max_attempts: int = 2048, probe_fn=None, beam_width: int = 4, filler: int | None = None,
+                 time_budget: float = float("inf")):
         self.beam_width = beam_width
         self.passes = 3
-        self.rounds = 3
+        self.rounds = 2
+        self.group_len = 2
+        self.max_beams = 4 * beam_width
+        self.time_budget = time_budget
+        self.t_start = time.perf_counter()
+        self.truncated = False
         self.window = 10 ** 6  # (a short window was tried: faster but locks onto wrong prefixes more often)
         self.verbose = bool(__import__("os").environ.get("UTR_VERBOSE"))
         self.ban_len = 3
@@ -364,6 +372,7 @@ class EncoderSentenceSearch:
         for p in self.by_pos:
             self.by_pos[p].sort()
         self.lengths = sorted({p for p, vs in self.by_pos.items() if sep in vs and p >= 1}, reverse=True)
+        self.all_pairs = [(v, p) for p, vs in self.by_pos.items() for v in vs]
         self.probe_fn = probe_fn
         self.forwards = 0
 
@@ -454,7 +463,17 @@ class EncoderSentenceSearch:
                 if self.eicw:  # EICW as a soft filter: repeated tokens ("- -", "very very") are rare, not impossible
                     score = score + self.eicw_penalty * torch.tensor(
                         [float(sum(e[i] == e[i - 1] for i in range(2, len(e)))) for e in exps], dtype=score.dtype)
-                order = score.argsort()[:self.beam_width].tolist()
+                ranked = score.argsort().tolist()
+                order = ranked[:self.beam_width]
+                # diversity: also keep the best beam of every distinct opening (first ``group_len`` tokens).
+                # All batch sentences offer candidates at every position, and a true prefix of *another*
+                # sentence scores as well as the right one until late, so a plain beam can lock onto it.
+                seen_groups = {tuple(exps[i][1:self.group_len + 1]) for i in order}
+                for i in ranked[self.beam_width:]:
+                    key = tuple(exps[i][1:self.group_len + 1])
+                    if key not in seen_groups and len(order) < self.max_beams:
+                        seen_groups.add(key)
+                        order.append(i)
                 beams = [exps[i] for i in order]
                 last_r = r[order]
             else:
@@ -467,6 +486,9 @@ class EncoderSentenceSearch:
         whole-sentence coordinate-descent sweeps from the best candidate."""
         context = None
         for _ in range(self.passes):
+            if time.perf_counter() - self.t_start > self.time_budget:
+                self.truncated = True
+                return []
             out, best = self._beam(ell, context, banned)
             if out:
                 return out
@@ -500,31 +522,53 @@ class EncoderSentenceSearch:
                 return None
         return None
 
+    def _consume(self, sent: list[int], found: list[list[int]], batch_size: int | None) -> None:
+        """Pairs partition the batch: when every length holds one sentence (#[SEP] positions == B) and position
+        q offers exactly as many distinct tokens as there are sentences covering q, each token there belongs to
+        exactly one sentence, so the tokens of a recovered sentence leave the candidate sets of the others."""
+        if not batch_size or len(self.lengths) != batch_size:
+            return
+        done = {len(s) - 1 for s in found if s is not sent}
+        for q in range(1, len(sent) - 1):
+            covering = sum(1 for ell in self.lengths if ell > q and ell not in done)
+            vs = [v for v in self.by_pos.get(q, []) if v != self.sep]
+            if len(vs) == covering and len(vs) > 1 and sent[q] in vs:
+                self.by_pos[q].remove(sent[q])
+
     def run(self, batch_size: int | None = None) -> tuple[list[list[int]], dict[str, Any]]:
         found: list[list[int]] = []
         todo = list(self.lengths)
+        t_start = self.t_start = time.perf_counter()
+        self.truncated = False
         # Round 0 searches every length; a layer-1 state depends only weakly on far tokens, so the beam for one
         # length can lock onto the prefix of a sentence of another length. Later rounds ban the prefixes of the
         # sentences found so far (this also finds a second sentence of an already seen length, up to B).
         for rnd in range(self.rounds):
-            banned = {tuple(s[1:self.ban_len + 1]) for s in found} if rnd else None
             progress = False
             for ell in todo:
                 if batch_size and len(found) >= batch_size:
                     break
+                if time.perf_counter() - t_start > self.time_budget:
+                    self.truncated = True
+                    break
+                # ban the openings of sentences already found (other lengths); round >= 1 retries the lengths
+                # that failed (with more openings banned) and looks for a 2nd sentence of a seen length
+                banned = {tuple(s[1:self.ban_len + 1]) for s in found}
                 for sent in self._search_length(ell, banned):
                     if self.verbose:
                         print(f"  len {ell}: {len(sent) - 2} tokens, forwards {self.forwards}", flush=True)
                     if sent not in found:
                         found.append(sent)
                         progress = True
+                        self._consume(sent, found, batch_size)
             if not progress or (batch_size and len(found) >= batch_size) or not batch_size:
                 break
             seen = {len(s) - 1 for s in found}
             todo = [e for e in self.lengths if e not in seen] + [e for e in self.lengths if e in seen]
         covered = {(t, q) for s in found for q, t in enumerate(s)}
-        all_pairs = [(v, p) for p, vs in self.by_pos.items() for v in vs]
+        all_pairs = self.all_pairs
         return [s[1:-1] for s in found], {"forward_passes": self.forwards, "length_classes": len(self.lengths),
+                                          "search_truncated": self.truncated,
                                           "unexplained_pairs": len([1 for x in all_pairs if x not in covered])}
 
 
@@ -539,7 +583,8 @@ class UTRAttack:
     ``rank_rtol`` -- relative singular-value cut-off of the SVD; ``max_positions`` -- positions tested for
     absolute-position models; ``max_branches`` -- trie branching cap (LM prior prunes beyond it);
     ``eicw`` -- consecutive-identical-word filter; ``all_rounds`` -- stack the embedding-adapter gradients of every
-    observed round (beyond the paper: the bag's capacity grows from d_bottleneck towards d_hidden).
+    observed round (beyond the paper: the bag's capacity grows from d_bottleneck towards d_hidden);
+    ``time_budget`` -- seconds after which the encoder sentence search stops (``info["search_truncated"]``).
     """
 
     name = "utr"
@@ -547,13 +592,14 @@ class UTRAttack:
     def __init__(self, eps_bag: float = 1e-3, eps_sentence: float = 1e-3, rank_rtol: float = 1e-5,
                  max_positions: int = 128, max_len: int = 128, max_branches: int = 8, eicw: bool = True,
                  lm_prior: bool = True, all_rounds: bool = True, sentence_layer: str = "layer_0",
-                 screen_tol: float = 0.05, beam_width: int = 8):
+                 screen_tol: float = 0.05, beam_width: int = 8, time_budget: float = 600.0):
         self.eps_bag, self.eps_sentence, self.rank_rtol = float(eps_bag), float(eps_sentence), float(rank_rtol)
         self.max_positions, self.max_len, self.max_branches = int(max_positions), int(max_len), int(max_branches)
         self.eicw, self.lm_prior, self.all_rounds = bool(eicw), bool(lm_prior), bool(all_rounds)
         self.sentence_layer = sentence_layer
         self.screen_tol = float(screen_tol)
         self.beam_width = int(beam_width)
+        self.time_budget = float(time_budget)
 
     def prepare(self, model: nn.Module, threat: ThreatModel) -> nn.Module:
         return model  # honest: no model modification (SPEC §3.1)
@@ -624,6 +670,7 @@ class UTRAttack:
         else:
             search = EncoderSentenceSearch(model, [self.sentence_layer], sub_la, self.eps_sentence, sp["cls"], sp["sep"],
                                            bag["pairs"], eicw=self.eicw, beam_width=self.beam_width,
+                                           time_budget=self.time_budget,
                                            filler=sp.get("mask"))
             sents, sinfo = search.run(view.public.get("batch_size"))
         t2 = time.perf_counter()

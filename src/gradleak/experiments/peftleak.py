@@ -146,7 +146,7 @@ class PEFTLeakExperiment:
         attack = PEFTLeak(public_images=public, design=a.design, sigma=a.sigma, pe_distribution=a.pe_distribution,
                           up_scale=a.up_scale, adapters_per_position=a.adapters_per_position,
                           positions_per_round=a.positions_per_round, low_resolution=a.low_resolution,
-                          peel=a.peel, quantiles=a.quantiles, seed=cfg.seed,
+                          peel=a.peel, quantiles=a.quantiles, seed=cfg.seed, expected_batch_size=B,
                           fedavg_aware=(cfg.fl.algorithm == "fedavg") if a.fedavg_aware is None else a.fedavg_aware)
         t0 = time.perf_counter()
         model = attack.prepare(model, ThreatModel(malicious=True, public_data=True))
@@ -203,6 +203,7 @@ class PEFTLeakExperiment:
         metrics["attacked_positions"] = len(attacked)
         metrics["rounds_used"] = n_rounds
         metrics["adapters_per_position"] = attack.K
+        metrics["hash_directions_per_position"] = attack.K if attack.multi_direction else 1
         metrics["positions_per_round"] = attack.ppr
         metrics["rounds_needed_all_positions"] = attack.num_rounds
         attack_time = t_prepare + t_state + t_rec
