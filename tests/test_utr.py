@@ -75,6 +75,23 @@ def test_word_bag_exact_on_real_sentences(minilm):
     assert bag["seconds"] < 30
 
 
+def test_pair_decomposition_places_every_token(minilm):
+    """Beyond the span test (which loses positions once T + P + 1 pairs fill span{a_v, b_p, beta}), the
+    gradient's coefficients and the ReLU masks give exactly the batch's (token, position) pairs."""
+    from gradleak.attacks.utr import UTRAttack
+
+    texts = _short_rt(4, skip=2)
+    view, enc = _view(minilm, texts)
+    bag = UTRAttack().word_bag(view)
+    ids, m = enc["input_ids"], enc["attention_mask"].bool()
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    true = set(zip(ids[m].tolist(), pos[m].tolist()))
+    got = {(v, p) for v, ps in bag["pairs"].items() for p in ps}
+    assert true <= got and len(got - true) <= 2
+    sep = minilm.tokenizer.sep_token_id
+    assert bag["pairs"][sep] == {int(n) - 1 for n in m.sum(1)}
+
+
 def test_membership_rejects_sentence_not_in_batch(minilm):
     from gradleak.attacks.utr import collect_grads, subspace_from_gradients
     from gradleak.peft.text_adapters import adapter_param, probe

@@ -43,7 +43,6 @@ conditioned); relative residuals; rank cut-off relative to the largest singular 
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -447,6 +446,9 @@ class EncoderSentenceSearch:
             return [], None
         beams: list[list[int]] = [[self.cls]]
         for q in range(1, ell):
+            if time.perf_counter() - self.t_start > self.time_budget:
+                self.truncated = True
+                return [], None
             exps = []
             for b in beams:
                 exps.extend(b + [v] for v in cands[q])
@@ -620,10 +622,12 @@ class UTRAttack:
             tokens = (res < self.eps_bag).nonzero().flatten().tolist()
             pairs = {int(v): set() for v in tokens}
             min_res = res
+            positions_ok = True
         else:
             emb = model.base_model.embeddings
             npos = min(self.max_positions, emb.position_embeddings.weight.shape[0])
             screen = max(self.screen_tol, 10 * self.eps_bag)
+            positions_ok = True
             R = bert_pair_residuals(emb, sub, npos, stop_after=sub.rank, screen=screen)
             vv, pp = (R < screen).nonzero(as_tuple=True)
             if len(vv) > 200_000:  # saturated subspace: everything passes the screen; keep the best ones
@@ -642,11 +646,15 @@ class UTRAttack:
                                           collect_grads(view, adapter_param("embedding")), tokens, npos_seen)
                 if dec is not None:
                     pairs = dec
+                    positions_ok = True
+                else:  # T + P + 1 > n: the bag is right but tokens cannot be placed (capacity for positions)
+                    positions_ok = False
             elif sub.saturated:
                 pairs, tokens = {}, []
+                positions_ok = False
         secs = time.perf_counter() - t0
         return {"tokens": tokens, "pairs": pairs, "subspace": sub, "seconds": secs, "min_residual": min_res,
-                "causal": causal}
+                "causal": causal, "positions_ok": positions_ok}
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
         tok = view.public.get("tokenizer")
@@ -667,6 +675,10 @@ class UTRAttack:
                                         max_sentences=max(4 * int(view.public.get("batch_size") or 64), 64),
                                         eicw=self.eicw, lm_prior=self.lm_prior)
             sents, sinfo = search.run()
+        elif not bag["positions_ok"]:
+            # bidirectional model past its positional capacity: every bag token passes at every position, a
+            # sentence search over that would only burn time -- report the bag, no sentences
+            sents, sinfo = [], {"forward_passes": 0, "positions_lost": True}
         else:
             search = EncoderSentenceSearch(model, [self.sentence_layer], sub_la, self.eps_sentence, sp["cls"], sp["sep"],
                                            bag["pairs"], eicw=self.eicw, beam_width=self.beam_width,
@@ -681,13 +693,15 @@ class UTRAttack:
             "rank_embedding_adapter": sub_ea.rank,
             "rank_layer_adapter": sub_la.rank,
             "bottleneck_rows": sub_ea.rows,
-            "capacity_exhausted": bool(sub_ea.saturated or sub_la.saturated),
+            "capacity_exhausted": bool(sub_ea.saturated or sub_la.saturated or not bag["positions_ok"]),
             "word_bag_seconds": bag["seconds"],
             "sentence_seconds": t2 - t1,
             **sinfo,
         }
         if info["capacity_exhausted"]:
-            info["warning"] = (f"gradient subspace saturated (rank {sub_ea.rank}/{sub_la.rank} vs {sub_ea.rows} "
+            info["warning"] = ("token positions unrecoverable: bag tokens + positions + 1 exceed the hidden size "
+                               "(bidirectional model); word bag only. " if not bag["positions_ok"] else "") + (
+                               f"gradient subspace saturated (rank {sub_ea.rank}/{sub_la.rank} vs {sub_ea.rows} "
                                "bottleneck rows): the batch holds more distinct token vectors than the adapter "
                                "can store; the word bag and the sentences are unreliable beyond this point.")
         return Reconstruction(data=sents, info=info)

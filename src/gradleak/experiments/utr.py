@@ -154,11 +154,12 @@ def run_trial(tm, cfg: UTRConfig, texts: list[str], labels: np.ndarray, attack, 
     rounds, states = [], []
     t0 = time.perf_counter()
     for r in range(cfg.fl.rounds):
-        if r > 0:  # the server applies the previous round's update (SGD on the trainable modules)
+        if rounds:  # the server applies the previous round's update (SGD on the trainable modules)
+            prev = rounds[-1][0]
             with torch.no_grad():
                 for n, p in model.named_parameters():
-                    if n in upd.tensors:
-                        p.sub_(cfg.fl.lr * upd.tensors[n].to(p.dtype))
+                    if n in prev.tensors:
+                        p.sub_(cfg.fl.lr * prev.tensors[n].to(p.dtype))
         states.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
         upd = client.local_update(model, algorithm=cfg.fl.algorithm, epochs=cfg.fl.local_epochs, lr=cfg.fl.lr,
                                   batch_size=cfg.fl.local_batch_size, defenses=defenses, seed=cfg.seed + r)
@@ -202,6 +203,7 @@ def run_trial(tm, cfg: UTRConfig, texts: list[str], labels: np.ndarray, attack, 
         "word_bag_size": len(bag),
         "capacity_exhausted": float(bool(rec.info.get("capacity_exhausted", False))),
         "attack_failed": float(bool(rec.info.get("failure"))),
+        "search_truncated": float(bool(rec.info.get("search_truncated"))),
     })
     timings = {"client_seconds": client_seconds, "attack_seconds": attack_seconds,
                "word_bag_seconds": float(rec.info.get("word_bag_seconds", float("nan"))),
