@@ -239,7 +239,7 @@ def report() -> None:
     md += sweep("fig6a", "B", fig6a_paper, "Fig. 6a: batch size (32×32, r = 64, one round)", "B")
     md += sweep("fig6b", "r", {}, "Fig. 6b: adapter bottleneck r (B = 32; the paper gives trends only)", "r")
     md += sweep("fig6c", "adapters_per_position", {}, "Fig. 6c: adapter layers per position (B = 32; trends only in the paper)", "adapters per position")
-    t2 = sweep("table2", "B", PAPER["table2"], "Table 2: 224×224 ImageNet photos (196 patches/image), first 2 rounds", "B")
+    t2 = sweep("table2", "B", PAPER["table2"], "Table 2: 224×224 ImageNet photos (196 patches/image), first rounds only", "B")
     g2 = summary["table2"]
     t2.insert(-1, "Rounds to cover all 196 positions — ours: " + ", ".join(
         f"B={r['B']}: {r['rounds_all']} (paper design) / {r['rounds_all_i']} (improved)" for r in g2) +
