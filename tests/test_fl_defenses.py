@@ -40,6 +40,8 @@ def test_noise_relative_scale_and_seeded():
     a = GaussianNoise(1.0, seed=3).apply(u, {"client_id": 2}).flat()
     b = GaussianNoise(1.0, seed=3).apply(u, {"client_id": 2}).flat()
     assert torch.equal(a, b)
+    c = GaussianNoise(1.0, seed=3).apply(u, {"client_id": 2, "seed": 1}).flat()  # another round: fresh noise
+    assert not torch.equal(a, c)
 
 
 def test_stochastic_quantization_is_unbiased_and_on_grid():

@@ -25,7 +25,9 @@ class DefenseConfig(BaseModel):
 
 
 def _gen(ctx: dict, seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(ctx.get("client_id", 0)))
+    """Seeded per defense, client and round (``ctx["seed"]`` differs per round), so noise never repeats."""
+    return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(ctx.get("client_id", 0)) * 7_919
+                                         + int(ctx.get("seed", 0)))
 
 
 @DEFENSES.register("gaussian_noise", "add N(0, std^2) noise; std absolute or relative to the update's L2 norm")
