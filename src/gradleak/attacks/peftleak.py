@@ -751,8 +751,7 @@ class PEFTLeak:
                 break
             new = self._candidates(res_bins, res_b, torch.stack(res_w), known[0]["round"])
             new = self._filter_consistent(new, plan, nonempty)
-            new = [c for c in self._unique(new) if not any(
-                k["position"] == c["position"] and float((k["x"] - c["x"]).abs().max()) < SAME_PATCH for k in known)]
+            new = self._unique(known + new)[len(known):]  # known is duplicate-free, so its entries all stay
             if not new:
                 break
             self._attach_g(new, state)
