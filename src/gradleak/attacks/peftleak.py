@@ -627,13 +627,12 @@ class PEFTLeak:
         coefficient g. A mixture of colliding patches has a meaningless g and fails both."""
         if not cands:
             return []
-        X = torch.stack([c["x"] for c in cands])
         t = torch.tensor([c["position"] for c in cands])
         g = torch.tensor([c["g"] for c in cands], dtype=F64)
         kappa = torch.stack([c["kappa"] for c in cands])
         own = torch.tensor([c["bin"]["plan"].index for c in cands])
         trusted = torch.zeros(len(cands), dtype=torch.bool)
-        for idx, b in self._bins_of(X, t, plan).items():
+        for idx, b in self._candidate_bins(cands, plan).items():
             rows = torch.nonzero((b >= 0) & (own != idx))[:, 0]
             if len(rows):
                 observed = self._dgb[idx][b[rows]]
@@ -693,15 +692,27 @@ class PEFTLeak:
             out[sp.index] = b
         return out
 
+    def _candidate_bins(self, cands: list[dict], plan: RoundPlan) -> dict[int, torch.Tensor]:
+        """``_bins_of`` for candidates, computed once per candidate and kept in ``c["bins"]`` (the
+        consistency filter, the trust check and every peeling pass ask for the same bins)."""
+        missing = [c for c in cands if "bins" not in c]
+        if missing:
+            X = torch.stack([c["x"] for c in missing])
+            t = torch.tensor([c["position"] for c in missing])
+            where = self._bins_of(X, t, plan)
+            for i, c in enumerate(missing):
+                c["bins"] = torch.stack([where[sp.index][i] for sp in plan.slots])
+        table = torch.stack([c["bins"] for c in cands])  # n × slots of the round, in plan order
+        return {sp.index: table[:, k] for k, sp in enumerate(plan.slots)}
+
     def _filter_consistent(self, cands: list[dict], plan: RoundPlan, nonempty: dict[int, torch.Tensor]) -> list[dict]:
         """Keep candidates in [-1, 1] that fall, in every adapter of their position, into a nonempty bin
         (a mixture of colliding patches almost never does)."""
         if not cands:
             return []
         X = torch.stack([c["x"] for c in cands])
-        t = torch.tensor([c["position"] for c in cands])
         keep = X.abs().amax(1) <= 1.0 + 1e-3
-        for idx, b in self._bins_of(X, t, plan).items():
+        for idx, b in self._candidate_bins(cands, plan).items():
             mine = b != -2
             ok = torch.zeros_like(keep)
             ok[mine] = (b[mine] >= 0) & nonempty[idx][b[mine].clamp(min=0)]
@@ -730,7 +741,7 @@ class PEFTLeak:
             t = torch.tensor([c["position"] for c in known])
             g = torch.tensor([c["g"] for c in known], dtype=F64)
             kappa = torch.stack([c["kappa"] for c in known])
-            where = self._bins_of(X, t, plan)
+            where = self._candidate_bins(known, plan)
             geo = self.geometry(X)
             res_b, res_w, res_bins = [], [], []
             for b in bins:
