@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from gradleak.attacks.base import Reconstruction, ThreatModel
-from gradleak.attacks.utr import (CausalPrefixSearch, EncoderSentenceSearch, Subspace, bert_pair_exact,
+from gradleak.attacks.utr import (CausalPrefixSearch, Subspace, bert_pair_exact,
                                   bert_pair_residuals, is_causal, model_layers, specials, subspace_from_gradients)
 from gradleak.fl.core import ServerView
 from gradleak.peft.text_adapters import StopForward
@@ -135,9 +135,11 @@ class DAGERAttack:
             def probe_enc(m, batch):
                 return _probe_query_input(m, 1, input_ids=batch, attention_mask=torch.ones_like(batch))
 
-            search = EncoderSentenceSearch(model, [], s1, self.eps_sentence, sp["cls"], sp["sep"], pairs,
-                                           probe_fn=probe_enc)
-            sents, sinfo = search.run(view.public.get("batch_size"))
+            from gradleak.attacks.utr_encoder import EncoderChainSearch
+
+            search = EncoderChainSearch(model, "", s1, self.eps_sentence, sp["cls"], sp["sep"], sp["mask"], pairs,
+                                        view.public.get("batch_size"), probe_fn=probe_enc)
+            sents, sinfo = search.run()
         t2 = time.perf_counter()
         return Reconstruction(data=sents, info={
             "word_bag": tokens, "word_bag_size": len(tokens), "rank_layer0": s0.rank, "rank_layer1": s1.rank,

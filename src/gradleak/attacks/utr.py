@@ -21,11 +21,10 @@ Stage 2 (sentences, SPEC §3.4) uses the first layer adapter's subspace S_LA = s
   several batch sentences share the prefix: the search branches (a trie), which *separates the sentences*.
   A sentence ends when no extension passes (the final EOS gets no gradient under the LM loss, so it is
   invisible, SPEC A3.6).
-* bidirectional models (whole sentence): for each length (a [SEP] position) we search full sentences over the
-  per-position candidates of stage 1 with a coordinate descent on the S_LA residual of *all* positions of the
-  candidate sentence (one batched forward evaluates every single-token swap), seeded by word-bag pairs no
-  recovered sentence explains yet. A sentence is accepted only when every position passes the membership
-  test (``eps_sentence``).
+* bidirectional models (whole sentence): the exact (token, position) pairs and [SEP] positions of stage 1 turn
+  the search into assigning each position's tokens to B sentences; :mod:`gradleak.attacks.utr_encoder` solves it
+  with Hungarian assignments scored by S_LA residuals (construction, point moves, splices, segment swaps) and
+  accepts a sentence only when every position passes the membership test (``eps_sentence``).
 
 Filters (SPEC A3.1, not specified in the paper): EICW rejects an extension equal to the previous token unless
 nothing else passes (real text does repeat tokens: "very very", "..."). CG/CS -- there is no grammar service
@@ -92,6 +91,16 @@ def subspace_from_gradients(grads: list[torch.Tensor], rank_rtol: float = 1e-5, 
     rows = rows / rows.norm(dim=1, keepdim=True)
     _, s, vh = torch.linalg.svd(rows, full_matrices=False)
     r = int((s > rank_rtol * s[0]).sum())
+    # Numerical rank by the noise-floor gap: float32 gradients put the true directions' weakest singular values
+    # (tokens with small upstream gradients) within 1e-5 of the largest, and the noise floor ~10^2 below them.
+    # A drop of more than 20x between consecutive values below 1e-3 * s[0] marks the rank.
+    if len(s) > 1 and float(s[0]) > 0:
+        rel = s / s[0]
+        ratio = s[:-1] / s[1:].clamp_min(1e-300)
+        cand = (rel[1:] < 1e-3) & (ratio > 20)
+        if bool(cand.any()):
+            r = int(cand.nonzero()[0]) + 1
+    r = max(r, 1)
     if max_rank is not None:
         r = min(r, max_rank)
     return Subspace(vh[:r].T.contiguous(), s, r, sum(g.shape[0] for g in grads), n)
@@ -176,7 +185,7 @@ def bert_pair_exact(embeddings: nn.Module, sub: Subspace, tokens: torch.Tensor, 
 
 
 def bert_pair_decompose(embeddings: nn.Module, adapter: nn.Module, grads: list[torch.Tensor], tokens: list[int],
-                        num_positions: int, token_type: int = 0, tol: float = 1e-5,
+                        num_positions: int, token_type: int = 0, tol: float = 1e-6,
                         max_violations: int = 0) -> dict[int, set[int]] | None:
     """Exact (token, position) pairs from the embedding adapter's gradient (beyond the paper, SPEC A3.4).
 
@@ -190,7 +199,7 @@ def bert_pair_decompose(embeddings: nn.Module, adapter: nn.Module, grads: list[t
     A_v = sum_{l: v_l = v} delta_l / s_l and B_p = sum_{l: p_l = p} delta_l / s_l. delta_l vanishes on the
     bottleneck neurons the ReLU switched off for pair l, and that mask is computable for every candidate pair
     (we know W_down, b_down). A true pair's active mask lies inside supp(A_v) and supp(B_p); a false one breaks
-    it on many neurons (measured on RT at B=8: at tol 1e-5 and 0 violations allowed, 246 pairs kept for 244 true, none missed; 1 violation allowed keeps 12 false ones). This needs only
+    it on many neurons (measured on RT at B=8, MiniLM rf=1, seeds 0/1/2/4: at tol 1e-6 and no violation allowed 0 true pairs missed and 2/1/7/2 false pairs kept; at 1e-5, 0/0/5/1 missed; one violation allowed keeps 11-17 false pairs). This needs only
     T + P + 1 <= n (not <= the bottleneck width). Returns None when the basis is too large for the hidden size.
     """
     f64 = torch.float64
@@ -341,239 +350,6 @@ class CausalPrefixSearch:
         return sentences, {"forward_passes": self.forwards, "pruned_branches": pruned}
 
 
-class EncoderSentenceSearch:
-    """Whole-sentence search for bidirectional encoders (SPEC §3.4 item 4) over stage-1 (token, position) pairs."""
-
-    def __init__(self, model: nn.Module, probe_names: list[str], sub: Subspace, eps: float, cls: int, sep: int,
-                 pairs: dict[int, set[int]], max_sweeps: int = 4, eicw: bool = True, max_sentences: int = 512,
-                 max_attempts: int = 2048, probe_fn=None, beam_width: int = 4, filler: int | None = None,
-                 time_budget: float = float("inf")):
-        self.beam_width = beam_width
-        self.passes = 3
-        self.rounds = 2
-        self.group_len = 2
-        self.max_beams = 4 * beam_width
-        self.time_budget = time_budget
-        self.t_start = time.perf_counter()
-        self.truncated = False
-        self.window = 10 ** 6  # (a short window was tried: faster but locks onto wrong prefixes more often)
-        self.verbose = bool(__import__("os").environ.get("UTR_VERBOSE"))
-        self.ban_len = 3
-        self.eicw_penalty = 0.02
-        self.filler = sep if filler is None else filler
-        self.model, self.probe_names, self.sub, self.eps = model, probe_names, sub, eps
-        self.cls, self.sep = cls, sep
-        self.max_sweeps, self.eicw, self.max_sentences, self.max_attempts = max_sweeps, eicw, max_sentences, max_attempts
-        self.by_pos: dict[int, list[int]] = {}
-        for v, ps in pairs.items():
-            for p in ps:
-                self.by_pos.setdefault(p, []).append(v)
-        for p in self.by_pos:
-            self.by_pos[p].sort()
-        self.lengths = sorted({p for p, vs in self.by_pos.items() if sep in vs and p >= 1}, reverse=True)
-        self.all_pairs = [(v, p) for p, vs in self.by_pos.items() for v in vs]
-        self.probe_fn = probe_fn
-        self.forwards = 0
-
-    def _residuals(self, batch: torch.Tensor) -> torch.Tensor:
-        """Per-position S_LA residuals (N, L) of full sentences (N, L)."""
-        with torch.no_grad():
-            if self.probe_fn is not None:
-                h = self.probe_fn(self.model, batch)
-            else:
-                cap = capture_inputs(self.model, self.probe_names, stop=True)
-                with cap:
-                    self.model(input_ids=batch, attention_mask=torch.ones_like(batch))
-                h = cap.records[-1][-1]
-        self.forwards += 1
-        return self.sub.residual(h)
-
-    def _score(self, r: torch.Tensor) -> torch.Tensor:
-        return r.clamp_max(1.0).sum(-1)
-
-    def _solve(self, ell: int, fixed: dict[int, int], prefer: dict[int, list[int]]) -> list[int] | None:
-        cands = {q: [v for v in self.by_pos.get(q, []) if v not in (self.cls, self.sep)] for q in range(1, ell)}
-        if any(not c for c in cands.values()):
-            return None
-        cur = [self.cls] + [fixed.get(q, (prefer.get(q) or cands[q])[0]) for q in range(1, ell)] + [self.sep]
-        r = self._residuals(torch.tensor([cur]))[0]
-        for _ in range(self.max_sweeps):
-            if float(r.max()) < self.eps:
-                return cur
-            # only positions whose state is not yet in S_LA (or whose neighbours are not) are worth changing
-            bad = {q for q in range(1, ell) if float(r[q]) >= self.eps}
-            near = {q2 for q in bad for q2 in (q - 1, q, q + 1) if 1 <= q2 < ell}
-            swaps = [(q, v) for q in sorted(near) if q not in fixed for v in cands[q] if v != cur[q]]
-            if not swaps:
-                return None
-            batch = torch.tensor([cur] * len(swaps))
-            for i, (q, v) in enumerate(swaps):
-                batch[i, q] = v
-            rs = self._residuals(batch)
-            # Jacobi step: at each position take the token with the lowest residual *at that position*.
-            best: dict[int, tuple[float, int]] = {}
-            for i, (q, v) in enumerate(swaps):
-                val = float(rs[i, q])
-                if self.eicw and (v == cur[q - 1] or v == cur[q + 1]):
-                    val += 1.0
-                if val < best.get(q, (float(r[q]), cur[q]))[0]:
-                    best[q] = (val, v)
-            new = list(cur)
-            for q, (_, v) in best.items():
-                new[q] = v
-            if new != cur:
-                rn = self._residuals(torch.tensor([new]))[0]
-                if self._score(rn) < self._score(r):
-                    cur, r = new, rn
-                    continue
-            scores = self._score(rs)
-            i = int(scores.argmin())
-            if float(scores[i]) >= float(self._score(r)):
-                return None
-            cur, r = batch[i].tolist(), rs[i]
-        return cur if float(r.max()) < self.eps else None
-
-    def _beam(self, ell: int, context: list[int] | None = None,
-              banned: set[tuple[int, ...]] | None = None) -> tuple[list[list[int]], list[int] | None]:
-        """Left-to-right beam search for sentences of length ``ell`` ([SEP] at index ell).
-
-        Layer-1 states depend on the whole sentence, but mostly on a token's neighbours (measured: one wrong
-        token lifts the residual of its own and the next position to ~0.25, the rest to ~0.02-0.09). A partial
-        sentence t_1..t_q is scored by the summed residuals of positions 1..q of [CLS] t_1..t_q [MASK].. [SEP]
-        (the filler keeps the length and [SEP] position right); final candidates are checked as whole sentences."""
-        cands = {q: [v for v in self.by_pos.get(q, []) if v not in (self.cls, self.sep)] for q in range(1, ell)}
-        if any(not c for c in cands.values()):
-            return [], None
-        beams: list[list[int]] = [[self.cls]]
-        for q in range(1, ell):
-            if time.perf_counter() - self.t_start > self.time_budget:
-                self.truncated = True
-                return [], None
-            exps = []
-            for b in beams:
-                exps.extend(b + [v] for v in cands[q])
-            if banned and q == self.ban_len:  # prefixes of already recovered sentences (other lengths)
-                kept = [e for e in exps if tuple(e[1:q + 1]) not in banned]
-                exps = kept or exps
-            if len(exps) > self.beam_width or q == ell - 1:
-                # without a context, score the prefix in a short window ([MASK] x window, [SEP]): absolute
-                # positions stay right and far tokens barely move a layer-1 state, at a fraction of the cost
-                fill = (context[q + 1:ell] if context else [self.filler] * min(ell - 1 - q, self.window)) + [self.sep]
-                batch = torch.tensor([e + fill for e in exps])
-                r = self._residuals(batch)
-                score = self._score(r[:, 1:q + 1]) if q < ell - 1 else self._score(r[:, 1:])
-                if self.eicw:  # EICW as a soft filter: repeated tokens ("- -", "very very") are rare, not impossible
-                    score = score + self.eicw_penalty * torch.tensor(
-                        [float(sum(e[i] == e[i - 1] for i in range(2, len(e)))) for e in exps], dtype=score.dtype)
-                ranked = score.argsort().tolist()
-                order = ranked[:self.beam_width]
-                # diversity: also keep the best beam of every distinct opening (first ``group_len`` tokens).
-                # All batch sentences offer candidates at every position, and a true prefix of *another*
-                # sentence scores as well as the right one until late, so a plain beam can lock onto it.
-                seen_groups = {tuple(exps[i][1:self.group_len + 1]) for i in order}
-                for i in ranked[self.beam_width:]:
-                    key = tuple(exps[i][1:self.group_len + 1])
-                    if key not in seen_groups and len(order) < self.max_beams:
-                        seen_groups.add(key)
-                        order.append(i)
-                beams = [exps[i] for i in order]
-                last_r = r[order]
-            else:
-                beams = exps
-        out = [b + [self.sep] for b, rr in zip(beams, last_r) if float(rr.max()) < self.eps]
-        return out, (beams[0] + [self.sep] if beams else None)
-
-    def _search_length(self, ell: int, banned: set[tuple[int, ...]] | None = None) -> list[list[int]]:
-        """Beam passes, each using the previous pass's best sentence as the right-hand context, then a few
-        whole-sentence coordinate-descent sweeps from the best candidate."""
-        context = None
-        for _ in range(self.passes):
-            if time.perf_counter() - self.t_start > self.time_budget:
-                self.truncated = True
-                return []
-            out, best = self._beam(ell, context, banned)
-            if out:
-                return out
-            if best is None or best == context:
-                break
-            context = best
-        if context is None:
-            return []
-        sent = self._gauss_seidel(ell, list(context))
-        return [sent] if sent is not None else []
-
-    def _gauss_seidel(self, ell: int, cur: list[int], sweeps: int = 4) -> list[int] | None:
-        """Coordinate descent from the beam's best sentence: position by position, try every candidate token
-        there (one batched forward) and keep the one with the lowest summed residual; stop when every position
-        passes or a sweep changes nothing."""
-        cands = {q: [v for v in self.by_pos.get(q, []) if v not in (self.cls, self.sep)] for q in range(1, ell)}
-        for _ in range(sweeps):
-            changed = False
-            for q in range(1, ell):
-                if len(cands[q]) < 2:
-                    continue
-                batch = torch.tensor([cur] * len(cands[q]))
-                batch[:, q] = torch.tensor(cands[q])
-                v = cands[q][int(self._score(self._residuals(batch)).argmin())]
-                if v != cur[q]:
-                    cur[q], changed = v, True
-            r = self._residuals(torch.tensor([cur]))[0]
-            if float(r.max()) < self.eps:
-                return cur
-            if not changed:
-                return None
-        return None
-
-    def _consume(self, sent: list[int], found: list[list[int]], batch_size: int | None) -> None:
-        """Pairs partition the batch: when every length holds one sentence (#[SEP] positions == B) and position
-        q offers exactly as many distinct tokens as there are sentences covering q, each token there belongs to
-        exactly one sentence, so the tokens of a recovered sentence leave the candidate sets of the others."""
-        if not batch_size or len(self.lengths) != batch_size:
-            return
-        done = {len(s) - 1 for s in found if s is not sent}
-        for q in range(1, len(sent) - 1):
-            covering = sum(1 for ell in self.lengths if ell > q and ell not in done)
-            vs = [v for v in self.by_pos.get(q, []) if v != self.sep]
-            if len(vs) == covering and len(vs) > 1 and sent[q] in vs:
-                self.by_pos[q].remove(sent[q])
-
-    def run(self, batch_size: int | None = None) -> tuple[list[list[int]], dict[str, Any]]:
-        found: list[list[int]] = []
-        todo = list(self.lengths)
-        t_start = self.t_start = time.perf_counter()
-        self.truncated = False
-        # Round 0 searches every length; a layer-1 state depends only weakly on far tokens, so the beam for one
-        # length can lock onto the prefix of a sentence of another length. Later rounds ban the prefixes of the
-        # sentences found so far (this also finds a second sentence of an already seen length, up to B).
-        for rnd in range(self.rounds):
-            progress = False
-            for ell in todo:
-                if batch_size and len(found) >= batch_size:
-                    break
-                if time.perf_counter() - t_start > self.time_budget:
-                    self.truncated = True
-                    break
-                # ban the openings of sentences already found (other lengths); round >= 1 retries the lengths
-                # that failed (with more openings banned) and looks for a 2nd sentence of a seen length
-                banned = {tuple(s[1:self.ban_len + 1]) for s in found}
-                for sent in self._search_length(ell, banned):
-                    if self.verbose:
-                        print(f"  len {ell}: {len(sent) - 2} tokens, forwards {self.forwards}", flush=True)
-                    if sent not in found:
-                        found.append(sent)
-                        progress = True
-                        self._consume(sent, found, batch_size)
-            if not progress or (batch_size and len(found) >= batch_size) or not batch_size:
-                break
-            seen = {len(s) - 1 for s in found}
-            todo = [e for e in self.lengths if e not in seen] + [e for e in self.lengths if e in seen]
-        covered = {(t, q) for s in found for q, t in enumerate(s)}
-        all_pairs = self.all_pairs
-        return [s[1:-1] for s in found], {"forward_passes": self.forwards, "length_classes": len(self.lengths),
-                                          "search_truncated": self.truncated,
-                                          "unexplained_pairs": len([1 for x in all_pairs if x not in covered])}
-
-
 # ----------------------------------------------------------------------------------------------- the attack
 
 
@@ -594,13 +370,12 @@ class UTRAttack:
     def __init__(self, eps_bag: float = 1e-3, eps_sentence: float = 1e-3, rank_rtol: float = 1e-5,
                  max_positions: int = 128, max_len: int = 128, max_branches: int = 8, eicw: bool = True,
                  lm_prior: bool = True, all_rounds: bool = True, sentence_layer: str = "layer_0",
-                 screen_tol: float = 0.05, beam_width: int = 8, time_budget: float = 600.0):
+                 screen_tol: float = 0.05, time_budget: float = 600.0):
         self.eps_bag, self.eps_sentence, self.rank_rtol = float(eps_bag), float(eps_sentence), float(rank_rtol)
         self.max_positions, self.max_len, self.max_branches = int(max_positions), int(max_len), int(max_branches)
         self.eicw, self.lm_prior, self.all_rounds = bool(eicw), bool(lm_prior), bool(all_rounds)
         self.sentence_layer = sentence_layer
         self.screen_tol = float(screen_tol)
-        self.beam_width = int(beam_width)
         self.time_budget = float(time_budget)
 
     def prepare(self, model: nn.Module, threat: ThreatModel) -> nn.Module:
@@ -680,11 +455,12 @@ class UTRAttack:
             # sentence search over that would only burn time -- report the bag, no sentences
             sents, sinfo = [], {"forward_passes": 0, "positions_lost": True}
         else:
-            search = EncoderSentenceSearch(model, [self.sentence_layer], sub_la, self.eps_sentence, sp["cls"], sp["sep"],
-                                           bag["pairs"], eicw=self.eicw, beam_width=self.beam_width,
-                                           time_budget=self.time_budget,
-                                           filler=sp.get("mask"))
-            sents, sinfo = search.run(view.public.get("batch_size"))
+            from gradleak.attacks.utr_encoder import EncoderChainSearch
+
+            search = EncoderChainSearch(model, self.sentence_layer, sub_la, self.eps_sentence, sp["cls"], sp["sep"],
+                                        sp["mask"], bag["pairs"], view.public.get("batch_size"),
+                                        time_budget=self.time_budget)
+            sents, sinfo = search.run()
         t2 = time.perf_counter()
         info = {
             "word_bag": bag["tokens"],

@@ -1,0 +1,372 @@
+"""UTR stage 2 for bidirectional encoders (BERT family): sentences as chains over exact (token, position) pairs.
+
+Stage 1 (``bert_pair_decompose``) gives, for every position q, the set of tokens some batch sentence holds there,
+and the [SEP] positions give the sentence lengths. What is left is an *assignment* problem: which token at q
+belongs to which sentence. We keep B chains (one per sentence, B = the batch size the server configured) and
+solve it with the first layer adapter's subspace S_LA = span{h_1 of the batch}:
+
+1. lengths: one chain per [SEP] position; when B exceeds the number of distinct lengths, the extra chains take
+   the length that the per-position token counts force (a position holding c tokens is covered by >= c chains);
+2. left-to-right construction: at position q every chain covering q takes one candidate token by a Hungarian
+   assignment (each candidate used at least once when there are fewer candidates than chains) whose cost is the
+   S_LA residual of the chain's states around q, the unknown right part filled with [MASK];
+3. splice sweeps: at every cut q, the left parts of the chains are re-matched to their right parts (Hungarian
+   over all B x B splices); additive terms that depend on one side only cancel in a perfect matching, so the
+   matching follows the cross-cut interaction, which is what tells the sentences apart;
+4. acceptance: a chain is a recovered sentence only when *every* position's state lies in S_LA (relative
+   residual < ``eps``), checked with the real model.
+
+Speed (beyond the paper): layer-1 states are computed by :class:`BertFirstLayer` from per-(token, position)
+precomputed query/key/value vectors, and only at the few query positions a move can change -- a splice costs a
+handful of attention rows instead of a whole forward pass. Its output equals the HF layer (tested to 1e-5).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from scipy.optimize import linear_sum_assignment
+from torch import nn
+
+from gradleak.peft.text_adapters import PREFIX, capture_inputs
+
+
+class BertFirstLayer:
+    """Layer-0 output of a BERT encoder (embeddings -> embedding adapter -> layer 0) for explicit sentences,
+    evaluated only at chosen query positions, from cached per-(token, position) projections."""
+
+    def __init__(self, model: nn.Module, max_len: int, token_type: int = 0):
+        base = model.base_model
+        emb = base.embeddings
+        self.layer = base.encoder.layer[0]
+        self.adapter = getattr(model, PREFIX)["embedding"] if "embedding" in getattr(model, PREFIX, {}) else None
+        att = self.layer.attention.self
+        self.heads = att.num_attention_heads
+        self.dh = att.attention_head_size
+        self.max_len = int(max_len)
+        self.dtype = emb.word_embeddings.weight.dtype
+        self._emb = emb
+        self._type = token_type
+        self._cache: dict[tuple[int, int], int] = {}
+        d = emb.word_embeddings.weight.shape[1]
+        self.H0 = torch.zeros(0, d, dtype=self.dtype)
+        self.Q = torch.zeros(0, d, dtype=self.dtype)
+        self.K = torch.zeros(0, d, dtype=self.dtype)
+        self.V = torch.zeros(0, d, dtype=self.dtype)
+
+    @torch.no_grad()
+    def index(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Row index of every (token, position) of ``tokens`` (N, L) in the projection cache (adds new pairs)."""
+        N, L = tokens.shape
+        pos = torch.arange(L).expand(N, L)
+        keys = list(zip(tokens.flatten().tolist(), pos.flatten().tolist()))
+        new = [k for k in dict.fromkeys(keys) if k not in self._cache]
+        if new:
+            t = torch.tensor([k[0] for k in new])
+            p = torch.tensor([k[1] for k in new])
+            emb = self._emb
+            x = emb.word_embeddings(t) + emb.position_embeddings(p) + emb.token_type_embeddings(
+                torch.full_like(t, self._type))
+            x = emb.LayerNorm(x)
+            if self.adapter is not None:
+                x = self.adapter(x)
+            att = self.layer.attention.self
+            base = len(self.H0)
+            self.H0 = torch.cat([self.H0, x])
+            self.Q = torch.cat([self.Q, att.query(x)])
+            self.K = torch.cat([self.K, att.key(x)])
+            self.V = torch.cat([self.V, att.value(x)])
+            for i, k in enumerate(new):
+                self._cache[k] = base + i
+        return torch.tensor([self._cache[k] for k in keys]).view(N, L)
+
+    @torch.no_grad()
+    def states(self, tokens: torch.Tensor, lengths: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """Layer-0 outputs (N, w, d) at positions ``query`` (N, w) of sentences ``tokens`` (N, L) whose last valid
+        index is ``lengths`` (the [SEP]); keys beyond it are masked, as in a padded batch."""
+        idx = self.index(tokens)
+        N, L = tokens.shape
+        w = query.shape[1]
+        K = self.K[idx].view(N, L, self.heads, self.dh).transpose(1, 2)  # (N, h, L, dh)
+        V = self.V[idx].view(N, L, self.heads, self.dh).transpose(1, 2)
+        qi = idx.gather(1, query)
+        Qw = self.Q[qi].view(N, w, self.heads, self.dh).transpose(1, 2)  # (N, h, w, dh)
+        scores = Qw @ K.transpose(-1, -2) / math.sqrt(self.dh)
+        keymask = torch.arange(L)[None, :] > lengths[:, None]
+        scores = scores.masked_fill(keymask[:, None, None, :], float("-inf"))
+        ctx = (scores.softmax(-1) @ V).transpose(1, 2).reshape(N, w, -1)
+        lay = self.layer
+        h0 = self.H0[qi]
+        a = lay.attention.output.LayerNorm(lay.attention.output.dense(ctx) + h0)
+        return lay.output.LayerNorm(lay.output.dense(lay.intermediate(a)) + a)
+
+
+class EncoderChainSearch:
+    """Assign the stage-1 (token, position) pairs to B sentences (module docstring)."""
+
+    def __init__(self, model: nn.Module, probe_name: str, sub, eps: float, cls: int, sep: int, mask: int,
+                 pairs: dict[int, set[int]], batch_size: int | None = None, sweeps: int = 8, window: int = 2,
+                 time_budget: float = float("inf"), progress=None, probe_fn=None):
+        self.probe_fn = probe_fn  # (model, ids) -> layer states; default: the input of adapter ``probe_name``
+        self.model, self.probe_name, self.sub, self.eps = model, probe_name, sub, float(eps)
+        self.cls, self.sep, self.mask = cls, sep, mask
+        self.sweeps, self.window = int(sweeps), int(window)
+        self.soft_bonus = 0.1  # ~ the local residual rise of one wrong token
+        self.time_budget = float(time_budget)
+        self.progress = progress
+        self.by_pos: dict[int, list[int]] = {}
+        for v, ps in pairs.items():
+            for p in ps:
+                if v not in (cls, sep):
+                    self.by_pos.setdefault(int(p), []).append(int(v))
+        for p in self.by_pos:
+            self.by_pos[p].sort()
+        self.bag = sorted({int(v) for v in pairs if v not in (cls, sep)})
+        self.seps = sorted(int(p) for p in pairs.get(sep, set()) if p >= 1)
+        self.batch_size = batch_size
+        self.lengths = self._lengths(batch_size)
+        maxlen = (max(self.lengths) + 1) if self.lengths else 1
+        self.layer = BertFirstLayer(model, maxlen)
+        basis = sub.basis.to(self.layer.dtype)
+        self._basis = basis
+        self.evals = 0
+        self.forwards = 0
+
+    # ------------------------------------------------------------------ lengths
+    def _lengths(self, B: int | None) -> list[int]:
+        """Sentence lengths ([SEP] index) with multiplicity, longest first."""
+        if not self.seps:
+            return []
+        mult = {ell: 1 for ell in self.seps}
+        limit = B if B is not None else 10 ** 9
+        while sum(mult.values()) < limit:  # one extra chain at a time, where the highest deficit forces it
+            deficit = [q for q in self.by_pos
+                       if len(self.by_pos[q]) > sum(m for ell, m in mult.items() if ell > q)]
+            above = [ell for ell in self.seps if deficit and ell > max(deficit)]
+            if not above:
+                break
+            mult[min(above)] += 1
+        total = sum(mult.values())
+        if B is not None and total < B:  # chains no count forces: the longest length (whole-sentence duplicates)
+            mult[max(self.seps)] += B - total
+        out = []
+        for ell in sorted(mult, reverse=True):
+            out += [ell] * mult[ell]
+        return out
+
+    # ------------------------------------------------------------------ scoring
+    def _res(self, h: torch.Tensor) -> torch.Tensor:
+        coef = h @ self._basis
+        perp = h - coef @ self._basis.T
+        return (perp.norm(dim=-1) / h.norm(dim=-1).clamp_min(1e-30)).double()
+
+    def _window_cost(self, sents: list[list[int]], lo: int, hi: int) -> torch.Tensor:
+        """Summed residual over positions lo..hi (clipped to each sentence) for sentences of any lengths."""
+        qs = torch.arange(lo, hi + 1)[None, :].expand(len(sents), -1)
+        return self._cost_at(sents, qs)
+
+    def _cost_at(self, sents: list[list[int]], qs: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+        """Summed residual at positions ``qs`` (N, w) of each sentence (positions past its [SEP] ignored)."""
+        out = []
+        for a in range(0, len(sents), chunk):
+            part, q = sents[a:a + chunk], qs[a:a + chunk]
+            N = len(part)
+            L = max(len(s) for s in part)
+            toks = torch.full((N, L), self.sep, dtype=torch.long)
+            for i, s in enumerate(part):
+                toks[i, :len(s)] = torch.tensor(s)
+            lengths = torch.tensor([len(s) - 1 for s in part])
+            valid = (q <= lengths[:, None]) & (q >= 0)
+            qq = torch.minimum(q.clamp_min(0), lengths[:, None])
+            h = self.layer.states(toks, lengths, qq)
+            out.append((self._res(h).clamp_max(1.0) * valid).sum(1))
+            self.evals += N
+        return torch.cat(out)
+
+    def _full_residuals(self, sents: list[list[int]]) -> list[torch.Tensor]:
+        """Exact per-position residuals from the real model (acceptance test)."""
+        out = []
+        for s in sents:
+            ids = torch.tensor([s])
+            with torch.no_grad():
+                if self.probe_fn is not None:
+                    h = self.probe_fn(self.model, ids)[0]
+                else:
+                    cap = capture_inputs(self.model, [self.probe_name], stop=True)
+                    with cap:
+                        self.model(input_ids=ids, attention_mask=torch.ones_like(ids))
+                    h = cap.records[-1][-1][0]
+            self.forwards += 1
+            out.append(self.sub.residual(h))
+        return out
+
+    # ------------------------------------------------------------------ moves
+    @staticmethod
+    def _assign(cost: np.ndarray, must: list[int] | None = None, bonus: float | None = None) -> list[int]:
+        """Row -> column assignment minimising ``cost`` (rows = chains, columns = candidate tokens). Columns in
+        ``must`` are each used at least once (when there are enough rows); any column may be reused when there
+        are more rows than ``must`` columns (a token shared by several sentences at that position). ``bonus`` makes
+        the constraint soft (stage 1 may keep a false pair; its token must not be forced into a sentence)."""
+        n, c = cost.shape
+        must = list(range(c)) if must is None else list(must)
+        extra = max(0, n - len(must))
+        if not extra:
+            if c == len(must):
+                r, col = linear_sum_assignment(cost)
+                return [int(j) for _, j in sorted(zip(r, col))]
+            r, col = linear_sum_assignment(cost[:, must])
+            return [int(must[j]) for _, j in sorted(zip(r, col))]
+        big = 1e3 + float(np.abs(cost).max()) * (n + 1) if bonus is None else float(bonus)
+        blocks = [cost[:, must] - big] + [cost] * extra  # the bonus copy of each must-column is taken first
+        r, col = linear_sum_assignment(np.concatenate(blocks, 1))
+        out = {}
+        for i, j in zip(r, col):
+            out[int(i)] = int(must[j]) if j < len(must) else int((j - len(must)) % c)
+        return [out[i] for i in range(n)]
+
+    def _construct(self) -> list[list[int]]:
+        """Left-to-right: at each position assign the candidates to the chains covering it."""
+        chains = [[self.cls] for _ in self.lengths]
+        maxlen = max(self.lengths)
+        for q in range(1, maxlen):
+            live = [i for i, ell in enumerate(self.lengths) if ell > q]
+            cands = self.by_pos.get(q) or self.bag or [self.mask]  # a position no pair explains: any bag token
+            sents, where = [], []
+            for i in live:
+                ell = self.lengths[i]
+                for v in cands:
+                    sents.append(chains[i] + [v] + [self.mask] * (ell - q - 1) + [self.sep])
+                    where.append((i, v))
+            cost = self._window_cost(sents, max(1, q - self.window), q).view(len(live), len(cands)).numpy()
+            pick = self._assign(cost)
+            for k, i in enumerate(live):
+                chains[i].append(cands[pick[k]])
+        for i, ell in enumerate(self.lengths):
+            chains[i] = chains[i][:ell] + [self.sep]
+        return chains
+
+    def _splice_sweep(self, chains: list[list[int]], frozen: set[int]) -> bool:
+        """One left-to-right pass of cut re-matching over the chains not yet accepted. Returns True if changed."""
+        changed = False
+        maxlen = max(len(chains[i]) for i in range(len(chains)) if i not in frozen) - 1
+        for q in range(2, maxlen + 1):
+            live = [i for i in range(len(chains)) if i not in frozen and len(chains[i]) - 1 >= q]
+            if len(live) < 2:
+                continue
+            sents = [chains[i][:q] + chains[j][q:] for i in live for j in live]
+            cost = self._window_cost(sents, max(1, q - self.window), q + self.window - 1)
+            cost = cost.view(len(live), len(live)).numpy()
+            r, c = linear_sum_assignment(cost)
+            if any(a != b for a, b in zip(r, c)):
+                tails = {live[a]: chains[live[b]][q:] for a, b in zip(r, c)}
+                for i, t in tails.items():
+                    chains[i] = chains[i][:q] + t
+                changed = True
+        return changed
+
+    def _reassign(self, chains: list[list[int]], frozen: set[int], free: bool = False) -> bool:
+        """Point moves: at each position re-assign the candidate tokens to the chains not yet accepted (Hungarian
+        on the residuals around that position, everything else of each chain kept). Tokens no accepted chain
+        uses there must stay in use (``free``: no such constraint -- the last resort against a false stage-1 pair)."""
+        changed = False
+        maxlen = max(len(c) for c in chains) - 1
+        for q in range(1, maxlen):
+            live = [i for i in range(len(chains)) if i not in frozen and len(chains[i]) - 1 > q]
+            cands = self.by_pos.get(q) or []
+            if not live or len(cands) < 2:
+                continue
+            used = {chains[i][q] for i in frozen if len(chains[i]) - 1 > q}
+            must = [] if free else [k for k, v in enumerate(cands) if v not in used]
+            sents = []
+            for i in live:
+                for v in cands:
+                    s = list(chains[i])
+                    s[q] = v
+                    sents.append(s)
+            cost = self._window_cost(sents, max(1, q - self.window), q + self.window)
+            pick = self._assign(cost.view(len(live), len(cands)).numpy(), must, bonus=self.soft_bonus)
+            for k, i in enumerate(live):
+                v = cands[pick[k]]
+                if chains[i][q] != v:
+                    chains[i][q] = v
+                    changed = True
+        return changed
+
+    def _segment_swap(self, chains: list[list[int]], frozen: set[int]) -> bool:
+        """Two chains that exchanged a middle segment [a, b) need two cuts at once (a single cut only moves the
+        wrong join). For every pair of unaccepted chains, score every segment exchange by the residuals at both
+        joins of both chains and apply the best one when it beats the current joins."""
+        changed = False
+        todo = [i for i in range(len(chains)) if i not in frozen]
+        for x in range(len(todo)):
+            for y in range(x + 1, len(todo)):
+                i, j = todo[x], todo[y]
+                A, Bc = chains[i], chains[j]
+                m = min(len(A), len(Bc)) - 1  # last index both hold (the shorter one's [SEP])
+                segs = [(a, b) for a in range(1, m) for b in range(a + 1, m)]
+                if not segs:
+                    continue
+                sents, qs = [], []
+                for a, b in segs:
+                    sents.append(A[:a] + Bc[a:b] + A[b:])
+                    sents.append(Bc[:a] + A[a:b] + Bc[b:])
+                    qs += [[a - 1, a, b - 1, b]] * 2
+                cost = self._cost_at(sents, torch.tensor(qs)).view(-1, 2).sum(1)
+                ra, rb = (self._res(self.layer.states(torch.tensor([c]), torch.tensor([len(c) - 1]),
+                                                      torch.arange(len(c))[None]))[0].clamp_max(1.0) for c in (A, Bc))
+                base = torch.stack([ra[a - 1] + ra[a] + ra[b - 1] + ra[b] + rb[a - 1] + rb[a] + rb[b - 1] + rb[b]
+                                    for a, b in segs])
+                gain = base - cost
+                k = int(gain.argmax())
+                if float(gain[k]) > 0.5 * float(base[k]) and float(gain[k]) > 0:
+                    a, b = segs[k]
+                    chains[i], chains[j] = A[:a] + Bc[a:b] + A[b:], Bc[:a] + A[a:b] + Bc[b:]
+                    changed = True
+        return changed
+
+    # ------------------------------------------------------------------ driver
+    def run(self) -> tuple[list[list[int]], dict[str, Any]]:
+        t0 = time.perf_counter()
+        info: dict[str, Any] = {"length_classes": len(self.seps), "chains": len(self.lengths),
+                                "search_truncated": False}
+        if not self.lengths:
+            return [], {**info, "forward_passes": 0, "layer_evaluations": 0}
+        chains = self._construct()
+        accepted: set[int] = set()
+        sweeps = 0
+        for sweeps in range(1, self.sweeps + 1):
+            res = self._full_residuals([chains[i] for i in range(len(chains)) if i not in accepted])
+            todo = [i for i in range(len(chains)) if i not in accepted]
+            for i, r in zip(todo, res):
+                if float(r.max()) < self.eps:
+                    accepted.add(i)
+            if len(accepted) == len(chains):
+                break
+            if time.perf_counter() - t0 > self.time_budget:
+                info["search_truncated"] = True
+                break
+            moved = self._reassign(chains, accepted)
+            moved = self._splice_sweep(chains, accepted) or moved
+            if not moved or len(chains) - len(accepted) <= 3:
+                moved = self._segment_swap(chains, accepted) or moved
+            if not moved:
+                moved = self._reassign(chains, accepted, free=True)
+            if self.progress:
+                self.progress(sweeps, len(accepted), len(chains))
+            if not moved:
+                break
+        else:
+            res = self._full_residuals([chains[i] for i in range(len(chains)) if i not in accepted])
+            for i, r in zip([i for i in range(len(chains)) if i not in accepted], res):
+                if float(r.max()) < self.eps:
+                    accepted.add(i)
+        # verified sentences first, then the best unverified chains (partial text still leaks; flagged in info)
+        out = [chains[i][1:-1] for i in sorted(accepted)]
+        rest = [chains[i][1:-1] for i in range(len(chains)) if i not in accepted]
+        info.update({"forward_passes": self.forwards, "layer_evaluations": self.evals, "sweeps": sweeps,
+                     "verified_sentences": len(out), "unverified_sentences": len(rest)})
+        return out + rest, info
