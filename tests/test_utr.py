@@ -210,3 +210,63 @@ def test_cli_end_to_end(tmp_path):
     r = subprocess.run(cmd + ["run", str(ROOT / "configs/utr/minilm_rt.yaml"), "--out", str(out),
                               "--set", "peft.reduction_factor=5"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2 and "reduction_factor" in (r.stderr + r.stdout)
+
+
+def test_cached_first_layer_equals_the_hf_layer(minilm):
+    """The chain search scores candidate sentences with per-(token, position) cached projections; its layer-1
+    states must be the model's own (embedding adapter included)."""
+    from gradleak.attacks.utr_encoder import BertFirstLayer
+    from gradleak.peft.text_adapters import probe
+
+    texts = _short_rt(2)
+    enc = minilm.encode(texts)
+    lay = BertFirstLayer(minilm.model, 64)
+    for ids, m in zip(enc["input_ids"], enc["attention_mask"]):
+        ids = ids[m.bool()][None]
+        ref = probe(minilm.model, ["layer_0"], input_ids=ids, attention_mask=torch.ones_like(ids))[0]
+        L = ids.shape[1]
+        got = lay.states(ids, torch.tensor([L - 1]), torch.arange(L)[None])
+        assert torch.allclose(got, ref, atol=1e-5)
+        # a few query positions only, and with padding keys masked
+        padded = torch.cat([ids, torch.full((1, 5), 0)], 1)
+        part = lay.states(padded, torch.tensor([L - 1]), torch.tensor([[0, L // 2, L - 1]]))
+        assert torch.allclose(part, ref[:, [0, L // 2, L - 1]], atol=1e-5)
+
+
+def test_assignment_uses_every_candidate_and_allows_shared_tokens():
+    import numpy as np
+
+    from gradleak.attacks.utr_encoder import EncoderChainSearch
+
+    cost = np.array([[0.0, 5.0], [0.1, 5.0], [0.2, 5.0]])  # every chain prefers column 0
+    pick = EncoderChainSearch._assign(cost)
+    assert sorted(set(pick)) == [0, 1] and pick.count(0) == 2  # column 1 still used once
+    assert EncoderChainSearch._assign(cost, must=[]) == [0, 0, 0]  # no constraint: all take the best
+    # soft constraint: a column far worse than the bonus is not forced
+    assert EncoderChainSearch._assign(cost, bonus=0.1) == [0, 0, 0]
+    sq = np.array([[1.0, 0.0], [0.0, 1.0]])
+    assert EncoderChainSearch._assign(sq) == [1, 0]
+
+
+def test_rank_from_the_noise_floor_gap():
+    from gradleak.attacks.utr import subspace_from_gradients
+
+    g = torch.Generator().manual_seed(0)
+    basis = torch.randn(30, 64, generator=g, dtype=torch.float64)
+    scales = torch.logspace(0, -5.5, 30, dtype=torch.float64)  # weak but real directions down to ~3e-6
+    rows = torch.randn(48, 30, generator=g, dtype=torch.float64) @ (scales[:, None] * basis)
+    noisy = rows + 1e-9 * torch.randn(48, 64, generator=g, dtype=torch.float64)
+    assert subspace_from_gradients([noisy]).rank == 30
+
+
+def test_utr_separates_four_sentences_of_a_bidirectional_batch(minilm):
+    """Stage 2 on BERT assigns the tokens of every position to the right sentence (B = 4, real sentences)."""
+    from gradleak.attacks.utr import UTRAttack
+
+    texts = _short_rt(4, max_words=12, skip=10)
+    view, enc = _view(minilm, texts)
+    rec = UTRAttack().reconstruct(view)
+    tok = minilm.tokenizer
+    want = sorted(tok.decode(tok.encode(t), skip_special_tokens=True) for t in texts)
+    assert sorted(tok.decode(s, skip_special_tokens=True) for s in rec.data) == want
+    assert rec.info["verified_sentences"] == 4

@@ -291,29 +291,32 @@ class CausalPrefixSearch:
         self.probe_fn = probe_fn
         self.forwards = 0
 
-    def _newest_states(self, prefix: list[int], cands: torch.Tensor) -> torch.Tensor:
-        """Layer states of ``prefix + [c]`` at the newest position for every candidate c, with a KV cache."""
+    def _newest_states(self, prefixes: list[list[int]], cands: torch.Tensor) -> torch.Tensor:
+        """Layer states of ``prefix + [c]`` at the newest position for every prefix (all of one length) and every
+        candidate c: one forward of the prefixes builds the KV cache, one forward of all P x C one-token
+        extensions (cache repeated per candidate) gives the states. Returns (P, C, d)."""
         from transformers import DynamicCache
 
         model = self.model
         base = model.model if hasattr(model, "model") else model.base_model
+        P, C = len(prefixes), len(cands)
         with torch.no_grad():
-            out = base(input_ids=torch.tensor([prefix]), use_cache=True)
+            out = base(input_ids=torch.tensor(prefixes), use_cache=True)
             legacy = out.past_key_values.to_legacy_cache() if hasattr(out.past_key_values, "to_legacy_cache") \
                 else out.past_key_values
-            k = len(cands)
             cache = DynamicCache.from_legacy_cache(tuple(
-                (kk.expand(k, -1, -1, -1).contiguous(), vv.expand(k, -1, -1, -1).contiguous()) for kk, vv in legacy))
-            pos = torch.full((k, 1), len(prefix), dtype=torch.long)
+                (kk.repeat_interleave(C, 0), vv.repeat_interleave(C, 0)) for kk, vv in legacy))
+            ids = cands.repeat(P)[:, None]
+            pos = torch.full((P * C, 1), len(prefixes[0]), dtype=torch.long)
             if self.probe_fn is not None:
-                h = self.probe_fn(base, cands[:, None], cache, pos)
+                h = self.probe_fn(base, ids, cache, pos)
             else:
                 cap = capture_inputs(model, self.probe_names, stop=True)
                 with cap:
-                    base(input_ids=cands[:, None], past_key_values=cache, position_ids=pos, use_cache=True)
+                    base(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
                 h = cap.records[-1][-1]
-        self.forwards += 1
-        return h[:, -1]
+        self.forwards += 2
+        return h[:, -1].reshape(P, C, -1)
 
     def _lm_rank(self, prefix: list[int], toks: list[int]) -> list[int]:
         with torch.no_grad():
@@ -322,31 +325,35 @@ class CausalPrefixSearch:
         return sorted(toks, key=lambda t: -float(lp[t]))
 
     def run(self) -> tuple[list[list[int]], dict[str, Any]]:
+        """Breadth-first over the trie of prefixes: every level extends all live prefixes at once."""
         sentences: list[list[int]] = []
-        stack = [[self.bos]]
+        frontier = [[self.bos]]
         pruned = 0
-        while stack and len(sentences) < self.max_sentences:
-            prefix = stack.pop()
-            if len(prefix) >= self.max_len:
-                sentences.append(prefix[1:])
-                continue
-            h = self._newest_states(prefix, self.cands)
-            res = self.sub.residual(h)
-            ok = (res < self.eps).nonzero().flatten().tolist()
-            passing = [int(self.cands[i]) for i in sorted(ok, key=lambda i: float(res[i]))]
-            if self.eicw and len(passing) > 1:
-                non_rep = [t for t in passing if t != prefix[-1]]
-                passing = non_rep or passing
-            if not passing:
-                if len(prefix) > 1:
-                    sentences.append(prefix[1:])
-                continue
-            if len(passing) > self.max_branches:
-                ranked = self._lm_rank(prefix, passing) if self.lm_prior else passing
-                pruned += len(passing) - self.max_branches
-                passing = ranked[:self.max_branches]
-            for t in reversed(passing):
-                stack.append(prefix + [t])
+        chunk = max(1, 4096 // max(1, len(self.cands)))  # prefixes per forward (bounds the repeated cache)
+        while frontier and len(sentences) < self.max_sentences:
+            if len(frontier[0]) >= self.max_len:
+                sentences += [p[1:] for p in frontier]
+                break
+            nxt: list[list[int]] = []
+            for a in range(0, len(frontier), chunk):
+                part = frontier[a:a + chunk]
+                res = self.sub.residual(self._newest_states(part, self.cands))  # (P, C)
+                for prefix, r in zip(part, res):
+                    ok = (r < self.eps).nonzero().flatten()
+                    passing = [int(self.cands[i]) for i in ok[r[ok].argsort()].tolist()]
+                    if self.eicw and len(passing) > 1:
+                        non_rep = [t for t in passing if t != prefix[-1]]
+                        passing = non_rep or passing
+                    if not passing:
+                        if len(prefix) > 1:
+                            sentences.append(prefix[1:])
+                        continue
+                    if len(passing) > self.max_branches:
+                        ranked = self._lm_rank(prefix, passing) if self.lm_prior else passing
+                        pruned += len(passing) - self.max_branches
+                        passing = ranked[:self.max_branches]
+                    nxt.extend(prefix + [t] for t in passing)
+            frontier = nxt[:max(0, self.max_sentences * self.max_branches)]
         return sentences, {"forward_passes": self.forwards, "pruned_branches": pruned}
 
 
@@ -359,7 +366,8 @@ class UTRAttack:
 
     Parameters: ``eps_bag`` / ``eps_sentence`` -- membership tolerances (relative residual) for stage 1 / 2;
     ``rank_rtol`` -- relative singular-value cut-off of the SVD; ``max_positions`` -- positions tested for
-    absolute-position models; ``max_branches`` -- trie branching cap (LM prior prunes beyond it);
+    absolute-position models; ``max_branches`` -- trie branching cap (LM prior prunes beyond it; default: the
+    batch size, at least 8 -- B sentences can branch B ways at the root);
     ``eicw`` -- consecutive-identical-word filter; ``all_rounds`` -- stack the embedding-adapter gradients of every
     observed round (beyond the paper: the bag's capacity grows from d_bottleneck towards d_hidden);
     ``time_budget`` -- seconds after which the encoder sentence search stops (``info["search_truncated"]``).
@@ -368,11 +376,12 @@ class UTRAttack:
     name = "utr"
 
     def __init__(self, eps_bag: float = 1e-3, eps_sentence: float = 1e-3, rank_rtol: float = 1e-5,
-                 max_positions: int = 128, max_len: int = 128, max_branches: int = 8, eicw: bool = True,
+                 max_positions: int = 128, max_len: int = 128, max_branches: int | None = None, eicw: bool = True,
                  lm_prior: bool = True, all_rounds: bool = True, sentence_layer: str = "layer_0",
                  screen_tol: float = 0.05, time_budget: float = 600.0):
         self.eps_bag, self.eps_sentence, self.rank_rtol = float(eps_bag), float(eps_sentence), float(rank_rtol)
-        self.max_positions, self.max_len, self.max_branches = int(max_positions), int(max_len), int(max_branches)
+        self.max_positions, self.max_len = int(max_positions), int(max_len)
+        self.max_branches = None if max_branches is None else int(max_branches)
         self.eicw, self.lm_prior, self.all_rounds = bool(eicw), bool(lm_prior), bool(all_rounds)
         self.sentence_layer = sentence_layer
         self.screen_tol = float(screen_tol)
@@ -446,7 +455,8 @@ class UTRAttack:
         if bag["causal"]:
             cands = torch.tensor([t for t in bag["tokens"] if t not in (sp["bos"], sp["pad"])] or [sp["bos"]])
             search = CausalPrefixSearch(model, [self.sentence_layer], sub_la, self.eps_sentence, sp["bos"], cands,
-                                        max_len=self.max_len, max_branches=self.max_branches,
+                                        max_len=self.max_len,
+                                        max_branches=self.max_branches or max(8, int(view.public.get("batch_size") or 8)),
                                         max_sentences=max(4 * int(view.public.get("batch_size") or 64), 64),
                                         eicw=self.eicw, lm_prior=self.lm_prior)
             sents, sinfo = search.run()
@@ -469,7 +479,11 @@ class UTRAttack:
             "rank_embedding_adapter": sub_ea.rank,
             "rank_layer_adapter": sub_la.rank,
             "bottleneck_rows": sub_ea.rows,
-            "capacity_exhausted": bool(sub_ea.saturated or sub_la.saturated or not bag["positions_ok"]),
+            # S_LA holds one vector per distinct layer state (every token of a bidirectional batch, every distinct
+            # prefix of a causal one); near its ceiling the float32 noise floor blurs the rank (measured: SmolLM2
+            # rf=1 B=32, 776 states in d=576, numerical rank 547) -- flag from 90 % of the ceiling on
+            "capacity_exhausted": bool(sub_ea.saturated or not bag["positions_ok"]
+                                       or sub_la.rank >= 0.9 * min(sub_la.rows, sub_la.dim)),
             "word_bag_seconds": bag["seconds"],
             "sentence_seconds": t2 - t1,
             **sinfo,

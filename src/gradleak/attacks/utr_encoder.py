@@ -213,7 +213,7 @@ class EncoderChainSearch:
         the constraint soft (stage 1 may keep a false pair; its token must not be forced into a sentence)."""
         n, c = cost.shape
         must = list(range(c)) if must is None else list(must)
-        extra = max(0, n - len(must))
+        extra = n if bonus is not None else max(0, n - len(must))  # soft: any column may serve every row
         if not extra:
             if c == len(must):
                 r, col = linear_sum_assignment(cost)

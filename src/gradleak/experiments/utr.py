@@ -11,7 +11,8 @@ Config (``configs/utr/minilm_rt.yaml``)::
 
 Results: ``metrics.rouge1`` / ``rouge2`` / ``rougeL`` (recall, 0-100), ``exact_sentence_rate``,
 ``word_bag_precision`` / ``word_bag_recall``, ``capacity_exhausted`` (0/1), ``unique_token_vectors`` (distinct
-embedding-adapter inputs: tokens for RoPE models, (token, position) pairs for BERT), ``bottleneck``;
+embedding-adapter inputs: tokens for RoPE models, (token, position) pairs for BERT), ``layer_states`` (distinct
+first-layer-adapter inputs: every token for BERT, every distinct prefix for causal LMs), ``bottleneck``;
 ``timings.word_bag_seconds``, ``sentence_seconds``, ``attack_seconds``, ``seconds_per_sentence``.
 """
 
@@ -187,16 +188,20 @@ def run_trial(tm, cfg: UTRConfig, texts: list[str], labels: np.ndarray, attack, 
         vis[torch.arange(len(ids)), last] = False
         true_tokens = set(ids[vis].tolist())
         vectors = len(true_tokens)
+        lens = mask.sum(1).tolist()  # distinct layer states = distinct prefixes that receive a gradient
+        states = len({tuple(ids[i, :k + 1].tolist()) for i in range(len(ids)) for k in range(int(lens[i]) - 1)})
     else:
         true_tokens = set(ids[mask].tolist())
         pos = torch.arange(ids.shape[1]).expand_as(ids)
         vectors = len(set(zip(ids[mask].tolist(), pos[mask].tolist())))
+        states = int(mask.sum())  # every token's layer state differs (the whole sentence is its context)
     bag = set(rec.info.get("word_bag", []))
     out = {**scores, **(word_bag_scores(true_tokens, bag) if "word_bag" in rec.info else {})}
     bottleneck = tm.hidden_size // cfg.peft.reduction_factor if cfg.peft.kind == "adapters" else cfg.peft.lora_rank
     out.update({
         "unique_tokens": len(true_tokens),
         "unique_token_vectors": vectors,
+        "layer_states": states,
         "bottleneck": bottleneck,
         "total_tokens": int(mask.sum()),
         "recovered_tokens": int(sum(len(s) for s in rec.data)),
