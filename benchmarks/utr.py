@@ -96,9 +96,6 @@ def grid(quick: bool, only: set[str] | None) -> list[tuple[str, str, dict]]:
             cells.append(("table1", f"t1/{m}/utr_rf1/B{B}", cell_config(m, B, rf=1, trials=3)))
             cells.append(("table1", f"t1/{m}/dager_frozen/B{B}", cell_config(m, B, attack="dager")))
     for m in models:
-        for B in (1, 2, 4, 8):
-            cells.append(("table1", f"t1/{m}/dager_lora/B{B}", cell_config(m, B, attack="dager", peft="lora")))
-    for m in models:
         for B in (16, 32, 64, 128):
             cells.append(("table2", f"t2/{m}/utr/B{B}", cell_config(m, B, rf=1)))
     for m in models:
@@ -109,7 +106,12 @@ def grid(quick: bool, only: set[str] | None) -> list[tuple[str, str, dict]]:
             cells.append(("table3", f"t3/{m}/prune{frac}", cell_config(m, 2, defenses=[
                 {"name": "topk_pruning", "params": {"prune_fraction": frac}}])))
     for m in models:
+        for B in (16, 32, 64, 128, 256):  # rf=2 capacity curve; rf=1 B >= 16 is Table 2, B <= 8 Table 1
+            cells.append(("capacity", f"cap/{m}/rf2/B{B}", cell_config(m, B, rf=2)))
+        cells.append(("capacity", f"cap/{m}/rf1/B256", cell_config(m, 256, rf=1)))
+    for m in models:
         for B in (1, 2, 4, 8):
+            cells.append(("table1", f"t1/{m}/dager_lora/B{B}", cell_config(m, B, attack="dager", peft="lora")))
             cells.append(("table1", f"t1/{m}/lamp/B{B}", cell_config(m, B, attack="lamp")))
     for m in models:
         for rf in (1, 2, 4, 8):
@@ -117,12 +119,6 @@ def grid(quick: bool, only: set[str] | None) -> list[tuple[str, str, dict]]:
         for eps in (1e-1, 1e-2, 1e-3, 1e-4):
             for B in (4, 16):
                 cells.append(("fig4b", f"f4b/{m}/eps{eps}/B{B}", cell_config(m, B, rf=1, eps=eps)))
-    for m in models:
-        for rf in (1, 2):
-            for B in (16, 32, 64, 128, 256):  # B <= 8 comes from Table 1
-                cells.append(("capacity", f"cap/{m}/rf{rf}/B{B}", cell_config(m, B, rf=rf)))
-        for B in (8, 16, 32):
-            cells.append(("capacity", f"cap/{m}/rf2/rounds3/B{B}", cell_config(m, B, rf=2, rounds=3)))
     return [c for c in cells if not only or c[0] in only]
 
 
@@ -213,7 +209,7 @@ def write_outputs(rows: list[dict]) -> None:
     cap = [r for r in rows if r["cell"].startswith("cap/")]
     for r in rows:  # Table 1 UTR cells are points of the capacity curve too
         parts_ = r["cell"].split("/")
-        if r["cell"].startswith("t1/") and parts_[2] in ("utr", "utr_rf1") and f"cap/{parts_[1]}/rf{r['config']['peft']['reduction_factor']}/{parts_[3]}" not in by:
+        if r["cell"].startswith(("t1/", "t2/")) and parts_[2] in ("utr", "utr_rf1") and f"cap/{parts_[1]}/rf{r['config']['peft']['reduction_factor']}/{parts_[3]}" not in by:
             cap.append({**r, "cell": f"cap/{parts_[1]}/rf{r['config']['peft']['reduction_factor']}/{parts_[3]}"})
     cap.sort(key=lambda r: (r["cell"].rsplit("/", 1)[0], r["config"]["data"]["batch_size"]))
     if cap:

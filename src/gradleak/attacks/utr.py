@@ -378,7 +378,8 @@ class UTRAttack:
     def __init__(self, eps_bag: float = 1e-3, eps_sentence: float = 1e-3, rank_rtol: float = 1e-5,
                  max_positions: int = 128, max_len: int = 128, max_branches: int | None = None, eicw: bool = True,
                  lm_prior: bool = True, all_rounds: bool = True, sentence_layer: str = "layer_0",
-                 screen_tol: float = 0.05, time_budget: float = 600.0):
+                 screen_tol: float = 0.05, time_budget: float = 600.0, all_rounds_layer: bool = False):
+        self.all_rounds_layer = bool(all_rounds_layer)
         self.eps_bag, self.eps_sentence, self.rank_rtol = float(eps_bag), float(eps_sentence), float(rank_rtol)
         self.max_positions, self.max_len = int(max_positions), int(max_len)
         self.max_branches = None if max_branches is None else int(max_branches)
@@ -449,7 +450,7 @@ class UTRAttack:
         sub_ea: Subspace = bag["subspace"]
         model = view.model
         t1 = time.perf_counter()
-        grads_la = collect_grads(view, adapter_param(self.sentence_layer), all_rounds=False)
+        grads_la = collect_grads(view, adapter_param(self.sentence_layer), all_rounds=self.all_rounds_layer)
         sub_la = subspace_from_gradients(grads_la, self.rank_rtol)
         sp = specials(tok, bag["causal"])
         if bag["causal"]:
@@ -469,7 +470,9 @@ class UTRAttack:
 
             search = EncoderChainSearch(model, self.sentence_layer, sub_la, self.eps_sentence, sp["cls"], sp["sep"],
                                         sp["mask"], bag["pairs"], view.public.get("batch_size"),
-                                        time_budget=self.time_budget)
+                                        time_budget=self.time_budget,
+                                        # a saturated S_LA verifies nothing: one best-effort sweep, not a long search
+                                        sweeps=1 if sub_la.rank >= 0.9 * min(sub_la.rows, sub_la.dim) else 8)
             sents, sinfo = search.run()
         t2 = time.perf_counter()
         info = {
