@@ -184,6 +184,31 @@ def bert_pair_exact(embeddings: nn.Module, sub: Subspace, tokens: torch.Tensor, 
     return sub.residual(f)
 
 
+def bert_augmented_bag(embeddings: nn.Module, sub: Subspace, num_positions: int, eps: float,
+                       token_type: int = 0) -> tuple[list[int], torch.Tensor]:
+    """Word bag of a BERT batch whose (token, position) vectors overflow the bottleneck (beyond the paper).
+
+    With a_v = gamma*c(E[v]) and b_p = gamma*c(P[p] + T), f_0(v, p) = (a_v + b_p) / s_vp + beta. The gradient's
+    row space S is m-dimensional inside span{a_v (bag), b_p, beta}; adding the *known* directions b_p (p < P)
+    and beta gives back every bag direction a_v as long as the bag has at most m tokens (the coefficient rows
+    A_v of the bag tokens are then independent), however many (token, position) pairs there are. So a token is
+    in the bag iff a_v lies in S + span{b_p, beta}: one V x n projection. Returns (tokens, residuals)."""
+    f64 = torch.float64
+    E = embeddings.word_embeddings.weight.detach().to(f64)
+    Pm = embeddings.position_embeddings.weight.detach().to(f64)[:num_positions] \
+        + embeddings.token_type_embeddings.weight.detach().to(f64)[token_type]
+    ln = embeddings.LayerNorm
+    g = ln.weight.detach().to(f64)
+    A = (E - E.mean(1, keepdim=True)) * g
+    Bp = (Pm - Pm.mean(1, keepdim=True)) * g
+    aug = torch.cat([sub.basis.T, Bp / Bp.norm(dim=1, keepdim=True), ln.bias.detach().to(f64)[None]
+                     / ln.bias.detach().to(f64).norm().clamp_min(1e-300)], 0)
+    u, sv, vh = torch.linalg.svd(aug, full_matrices=False)
+    Q = vh[: int((sv > 1e-8 * sv[0]).sum())].T
+    res = (A - (A @ Q) @ Q.T).norm(dim=1) / A.norm(dim=1).clamp_min(1e-300)
+    return (res < eps).nonzero().flatten().tolist(), res
+
+
 def bert_pair_decompose(embeddings: nn.Module, adapter: nn.Module, grads: list[torch.Tensor], tokens: list[int],
                         num_positions: int, token_type: int = 0, tol: float = 1e-6,
                         max_violations: int = 0) -> dict[int, set[int]] | None:
@@ -220,6 +245,13 @@ def bert_pair_decompose(embeddings: nn.Module, adapter: nn.Module, grads: list[t
     XA, XB = X[:T], X[T:T + P]
     sA = XA.abs() > tol * XA.abs().amax(1, keepdim=True).clamp_min(1e-300)
     sB = XB.abs() > tol * XB.abs().amax(1, keepdim=True).clamp_min(1e-300)
+    # positions no sentence reaches have B_p ~ 0 (noise): cut at the largest drop (> 20x) of the sorted norms
+    nb = XB.norm(dim=1)
+    srt = nb.sort(descending=True).values
+    drop = srt[:-1] / srt[1:].clamp_min(1e-300)
+    if len(drop) and float(drop.max()) > 20:
+        k = int(drop.argmax())
+        sB[nb < srt[k]] = False
     W = adapter.down.weight.detach()
     b = adapter.down.bias.detach()
     reps = G.shape[0] // W.shape[0]
@@ -378,8 +410,7 @@ class UTRAttack:
     def __init__(self, eps_bag: float = 1e-3, eps_sentence: float = 1e-3, rank_rtol: float = 1e-5,
                  max_positions: int = 128, max_len: int = 128, max_branches: int | None = None, eicw: bool = True,
                  lm_prior: bool = True, all_rounds: bool = True, sentence_layer: str = "layer_0",
-                 screen_tol: float = 0.05, time_budget: float = 600.0, all_rounds_layer: bool = False):
-        self.all_rounds_layer = bool(all_rounds_layer)
+                 screen_tol: float = 0.05, time_budget: float = 600.0):
         self.eps_bag, self.eps_sentence, self.rank_rtol = float(eps_bag), float(eps_sentence), float(rank_rtol)
         self.max_positions, self.max_len = int(max_positions), int(max_len)
         self.max_branches = None if max_branches is None else int(max_branches)
@@ -407,12 +438,12 @@ class UTRAttack:
             tokens = (res < self.eps_bag).nonzero().flatten().tolist()
             pairs = {int(v): set() for v in tokens}
             min_res = res
-            positions_ok = True
+            positions_ok, augmented = True, False
         else:
             emb = model.base_model.embeddings
             npos = min(self.max_positions, emb.position_embeddings.weight.shape[0])
             screen = max(self.screen_tol, 10 * self.eps_bag)
-            positions_ok = True
+            positions_ok, augmented = True, False
             R = bert_pair_residuals(emb, sub, npos, stop_after=sub.rank, screen=screen)
             vv, pp = (R < screen).nonzero(as_tuple=True)
             if len(vv) > 200_000:  # saturated subspace: everything passes the screen; keep the best ones
@@ -435,11 +466,20 @@ class UTRAttack:
                 else:  # T + P + 1 > n: the bag is right but tokens cannot be placed (capacity for positions)
                     positions_ok = False
             elif sub.saturated:
-                pairs, tokens = {}, []
-                positions_ok = False
+                pairs, tokens, positions_ok = {}, [], False
+                if sub.rows < sub.dim:  # more pairs than bottleneck rows: the augmented bag (beyond the paper)
+                    cand, res_a = bert_augmented_bag(emb, sub, npos, self.eps_bag)
+                    cand = [v for v in cand if v != model.config.pad_token_id]
+                    if 0 < len(cand) < sub.rows:
+                        dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
+                                                  collect_grads(view, adapter_param("embedding")), cand, npos)
+                        if dec is not None:
+                            pairs = {v: ps for v, ps in dec.items() if ps}
+                            tokens, positions_ok, augmented = sorted(pairs), True, True
+                            min_res = res_a
         secs = time.perf_counter() - t0
         return {"tokens": tokens, "pairs": pairs, "subspace": sub, "seconds": secs, "min_residual": min_res,
-                "causal": causal, "positions_ok": positions_ok}
+                "causal": causal, "positions_ok": positions_ok, "augmented": augmented}
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
         tok = view.public.get("tokenizer")
@@ -450,9 +490,10 @@ class UTRAttack:
         sub_ea: Subspace = bag["subspace"]
         model = view.model
         t1 = time.perf_counter()
-        grads_la = collect_grads(view, adapter_param(self.sentence_layer), all_rounds=self.all_rounds_layer)
+        grads_la = collect_grads(view, adapter_param(self.sentence_layer), all_rounds=False)
         sub_la = subspace_from_gradients(grads_la, self.rank_rtol)
         sp = specials(tok, bag["causal"])
+        la_saturated = sub_la.rank >= 0.9 * min(sub_la.rows, sub_la.dim)
         if bag["causal"]:
             cands = torch.tensor([t for t in bag["tokens"] if t not in (sp["bos"], sp["pad"])] or [sp["bos"]])
             search = CausalPrefixSearch(model, [self.sentence_layer], sub_la, self.eps_sentence, sp["bos"], cands,
@@ -471,8 +512,8 @@ class UTRAttack:
             search = EncoderChainSearch(model, self.sentence_layer, sub_la, self.eps_sentence, sp["cls"], sp["sep"],
                                         sp["mask"], bag["pairs"], view.public.get("batch_size"),
                                         time_budget=self.time_budget,
-                                        # a saturated S_LA verifies nothing: one best-effort sweep, not a long search
-                                        sweeps=1 if sub_la.rank >= 0.9 * min(sub_la.rows, sub_la.dim) else 8)
+                                        # S_LA saturated: only the whole batch can be verified (joint mode)
+                                        joint=la_saturated)
             sents, sinfo = search.run()
         t2 = time.perf_counter()
         info = {
@@ -485,9 +526,13 @@ class UTRAttack:
             # S_LA holds one vector per distinct layer state (every token of a bidirectional batch, every distinct
             # prefix of a causal one); near its ceiling the float32 noise floor blurs the rank (measured: SmolLM2
             # rf=1 B=32, 776 states in d=576, numerical rank 547) -- flag from 90 % of the ceiling on
-            "capacity_exhausted": bool(sub_ea.saturated or not bag["positions_ok"]
-                                       or sub_la.rank >= 0.9 * min(sub_la.rows, sub_la.dim)),
+            # (BERT past the bottleneck: the augmented bag and the joint batch test verify it; then not exhausted)
+            "capacity_exhausted": bool(((sub_ea.saturated and not bag["augmented"]) or not bag["positions_ok"]
+                                        or la_saturated)
+                                       and not (sinfo.get("joint_residual") is not None
+                                                and sinfo.get("unverified_sentences") == 0)),
             "word_bag_seconds": bag["seconds"],
+            "word_bag_augmented": bool(bag["augmented"]),
             "sentence_seconds": t2 - t1,
             **sinfo,
         }

@@ -110,7 +110,8 @@ class EncoderChainSearch:
 
     def __init__(self, model: nn.Module, probe_name: str, sub, eps: float, cls: int, sep: int, mask: int,
                  pairs: dict[int, set[int]], batch_size: int | None = None, sweeps: int = 8, window: int = 2,
-                 time_budget: float = float("inf"), progress=None, probe_fn=None):
+                 time_budget: float = float("inf"), progress=None, probe_fn=None, joint: bool = False):
+        self.joint = bool(joint)
         self.probe_fn = probe_fn  # (model, ids) -> layer states; default: the input of adapter ``probe_name``
         self.model, self.probe_name, self.sub, self.eps = model, probe_name, sub, float(eps)
         self.cls, self.sep, self.mask = cls, sep, mask
@@ -141,7 +142,18 @@ class EncoderChainSearch:
         """Sentence lengths ([SEP] index) with multiplicity, longest first."""
         if not self.seps:
             return []
-        mult = {ell: 1 for ell in self.seps}
+        seps = list(self.seps)
+        if B is not None and len(seps) > B:  # false [SEP] pairs: keep the B lengths that leave the fewest deficits
+            from itertools import combinations
+
+            def deficit(keep):
+                return sum(max(0, len(self.by_pos[q]) - sum(1 for ell in keep if ell > q)) for q in self.by_pos)
+
+            drops = list(combinations(seps, len(seps) - B))[:5000]
+            best = min(drops, key=lambda d: (deficit([e for e in seps if e not in d]), -sum(d)))
+            seps = [e for e in seps if e not in best]
+            self.seps = seps
+        mult = {ell: 1 for ell in seps}
         limit = B if B is not None else 10 ** 9
         while sum(mult.values()) < limit:  # one extra chain at a time, where the highest deficit forces it
             deficit = [q for q in self.by_pos
@@ -328,6 +340,119 @@ class EncoderChainSearch:
                     changed = True
         return changed
 
+    # ------------------------------------------------------------------ joint mode (S_LA saturated)
+    def _states_full(self, sents: list[list[int]]) -> list[torch.Tensor]:
+        N, L = len(sents), max(len(x) for x in sents)
+        toks = torch.full((N, L), self.sep, dtype=torch.long)
+        for i, x in enumerate(sents):
+            toks[i, :len(x)] = torch.tensor(x)
+        lengths = torch.tensor([len(x) - 1 for x in sents])
+        h = self.layer.states(toks, lengths, torch.arange(L)[None].expand(N, L).contiguous()).double()
+        self.evals += N
+        return [h[i, :len(x)] for i, x in enumerate(sents)]
+
+    @staticmethod
+    def _orth(M: torch.Tensor, rtol: float = 1e-6) -> torch.Tensor:
+        """Orthonormal basis (n, k) of the rows of M."""
+        if M.numel() == 0:
+            return M.new_zeros(M.shape[-1], 0)
+        _, sv, vh = torch.linalg.svd(M, full_matrices=False)
+        return vh[: int((sv > rtol * sv[0]).sum())].T
+
+    def _joint_residual(self, states: list[torch.Tensor]) -> float:
+        """Part of S_LA outside span{states of all chains}: 0 exactly when the chains are the batch."""
+        Q = self._orth(torch.cat(states))
+        S = self.sub.basis
+        return float((S - Q @ (Q.T @ S)).norm() ** 2 / S.shape[1])
+
+    def _joint_costs(self, others: list[torch.Tensor], cands: list[list[int]]) -> torch.Tensor:
+        """For each candidate sentence: the part of S_LA outside span{others} + span{candidate's states}."""
+        O = self._orth(torch.cat(others)) if others else self.sub.basis.new_zeros(self.sub.basis.shape[0], 0)
+        S = self.sub.basis
+        Sp = S - O @ (O.T @ S)
+        out = []
+        for h in self._states_full(cands):
+            hp = h - (h @ O) @ O.T
+            qb, _ = torch.linalg.qr(hp.T)
+            out.append(float((Sp - qb @ (qb.T @ Sp)).norm() ** 2 / S.shape[1]))
+        return torch.tensor(out)
+
+    def _joint_sweep(self, chains: list[list[int]]) -> bool:
+        """Point moves and splices scored by the joint residual (each chain against all the others)."""
+        changed = False
+        maxlen = max(len(c) for c in chains) - 1
+        for q in range(1, maxlen):
+            live = [i for i in range(len(chains)) if len(chains[i]) - 1 > q]
+            cands = self.by_pos.get(q) or []
+            if not live or len(cands) < 2:
+                continue
+            states = self._states_full(chains)
+            cost = torch.stack([self._joint_costs([states[j] for j in range(len(chains)) if j != i],
+                                                  [chains[i][:q] + [v] + chains[i][q + 1:] for v in cands])
+                                for i in live])
+            pick = self._assign(cost.numpy(), bonus=float(cost.max()) * 0.5 + 1e-12)
+            for k, i in enumerate(live):
+                if chains[i][q] != cands[pick[k]]:
+                    chains[i][q] = cands[pick[k]]
+                    changed = True
+        for q in range(2, maxlen + 1):  # tail swaps of two chains, scored jointly against the other chains
+            live = [i for i in range(len(chains)) if len(chains[i]) - 1 >= q]
+            if len(live) < 2:
+                continue
+            states = self._states_full(chains)
+            best, arg = 0.0, None
+            for x in range(len(live)):
+                for y in range(x + 1, len(live)):
+                    i, j = live[x], live[y]
+                    if chains[i][q:] == chains[j][q:]:
+                        continue
+                    others = [states[k] for k in range(len(chains)) if k not in (i, j)]
+                    new = [chains[i][:q] + chains[j][q:], chains[j][:q] + chains[i][q:]]
+                    c_new, c_old = self._joint_costs_pair(others, new, [chains[i], chains[j]])
+                    if c_old - c_new > best:
+                        best, arg = c_old - c_new, (i, j, new)
+            if arg is not None:
+                i, j, new = arg
+                chains[i], chains[j] = new
+                changed = True
+        return changed
+
+    def _joint_costs_pair(self, others: list[torch.Tensor], new: list[list[int]],
+                          old: list[list[int]]) -> tuple[float, float]:
+        O = self._orth(torch.cat(others)) if others else self.sub.basis.new_zeros(self.sub.basis.shape[0], 0)
+        S = self.sub.basis
+        Sp = S - O @ (O.T @ S)
+        out = []
+        hs = self._states_full(new + old)
+        for pair in (hs[:2], hs[2:]):
+            h = torch.cat(pair)
+            hp = h - (h @ O) @ O.T
+            qb, _ = torch.linalg.qr(hp.T)
+            out.append(float((Sp - qb @ (qb.T @ Sp)).norm() ** 2 / S.shape[1]))
+        return out[0], out[1]
+
+    def _run_joint(self, chains: list[list[int]], info: dict[str, Any], t0: float) -> tuple[list[list[int]], dict]:
+        """S_LA saturated (more layer states than bottleneck rows) but the batch's states fit the hidden size:
+        only the whole batch can be verified -- S_LA must lie in the span of all chains' states (beyond the
+        paper: lifts stage 2's capacity from d_bottleneck to d_hidden layer states)."""
+        best = self._joint_residual(self._states_full(chains))
+        sweeps = 0
+        for sweeps in range(1, self.sweeps + 1):
+            if best < self.eps ** 2 or time.perf_counter() - t0 > self.time_budget:
+                break
+            moved = self._joint_sweep(chains)
+            best = self._joint_residual(self._states_full(chains))
+            if self.progress:
+                self.progress(sweeps, best, len(chains))
+            if not moved:
+                break
+        ok = best < self.eps ** 2
+        info.update({"forward_passes": self.forwards, "layer_evaluations": self.evals, "sweeps": sweeps,
+                     "joint_residual": best, "verified_sentences": len(chains) if ok else 0,
+                     "unverified_sentences": 0 if ok else len(chains),
+                     "search_truncated": time.perf_counter() - t0 > self.time_budget})
+        return [c[1:-1] for c in chains], info
+
     # ------------------------------------------------------------------ driver
     def run(self) -> tuple[list[list[int]], dict[str, Any]]:
         t0 = time.perf_counter()
@@ -336,6 +461,10 @@ class EncoderChainSearch:
         if not self.lengths:
             return [], {**info, "forward_passes": 0, "layer_evaluations": 0}
         chains = self._construct()
+        if self.joint and sum(self.lengths) + len(self.lengths) <= self.sub.dim:
+            return self._run_joint(chains, info, t0)
+        if self.joint:  # more layer states than the hidden size: nothing can be verified, one best-effort sweep
+            self.sweeps = 1
         accepted: set[int] = set()
         sweeps = 0
         for sweeps in range(1, self.sweeps + 1):
