@@ -239,8 +239,31 @@ def write_outputs(rows: list[dict]) -> None:
         fig = _plot(cap)
         if fig:
             parts.append(f"![capacity]({fig})")
+    parts.append(NOTES)
     update_section(ROOT / "docs" / "REPRODUCTION.md", "utr", "\n\n".join(parts),
                    title="UTR — text reconstruction from adapter gradients (paper 002)")
+
+
+NOTES = """### Notes
+
+* **Past the bottleneck (beyond the paper).** On BERT the word bag is tested against S + span{position
+  directions, LayerNorm bias} (exact while the bag has fewer tokens than bottleneck neurons, however many
+  (token, position) pairs there are), and when S_LA is saturated the chains are verified *jointly*: S_LA must
+  lie in the span of all chains' layer states (exact while the batch's states fit the hidden size). Rows
+  `cap/minilm/rf4` and `rf8` are such cells (layer states > bottleneck). Limits seen: repeated lengths or
+  tokens repeated inside a sentence can leave the joint search in a wrong assignment (it then reports
+  `verified_sentences = 0` and `capacity_exhausted`), and each joint sweep costs seconds to minutes.
+  Causal models have no such route yet: their stage 2 needs distinct prefixes <= bottleneck.
+* **Defenses (Table 3).** Noise or pruning on the client's update breaks *exact* membership: with clip 1.0 even
+  σ = 0.01 fills the gradient row space (every token passes, the bag is flagged saturated) and 90 % pruning
+  moves gradient rows out of span{f}. The paper reports ~100 (σ = 0.01) and ~65 (90 % pruning); it adds DP on
+  the server's aggregate (SPEC A3.7) and does not give its tolerance; we add it to each client's update, where
+  it protects against this server.
+* **LAMP** (100 steps of cosine gradient matching on adapter gradients + LM prior, discrete swaps every 50)
+  stays far below the paper's LAMP numbers; it was not tuned (the paper's LAMP runs thousands of steps).
+* **DAGER** with the backbone frozen has no attention gradients and recovers nothing; with LoRA on query/key
+  its span checks work (exact at B = 1 on both models).
+"""
 
 
 def _t(row):

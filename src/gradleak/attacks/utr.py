@@ -79,6 +79,18 @@ class Subspace:
         return perp.norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-300)
 
 
+def gap_index(desc: torch.Tensor, ratio: float = 20.0, below: float = 1.0, largest: bool = False) -> int | None:
+    """Index i of a drop desc[i] / desc[i+1] > ``ratio`` in a descending sequence (values after the drop below
+    ``below`` * desc[0]): the first such drop, or the largest one with ``largest``. None if there is none."""
+    if len(desc) < 2:
+        return None
+    drop = desc[:-1] / desc[1:].clamp_min(1e-300)
+    ok = (drop > ratio) & (desc[1:] < below * desc[0])
+    if not bool(ok.any()):
+        return None
+    return int(torch.where(ok, drop, torch.zeros_like(drop)).argmax()) if largest else int(ok.nonzero()[0])
+
+
 def subspace_from_gradients(grads: list[torch.Tensor], rank_rtol: float = 1e-5, max_rank: int | None = None) -> Subspace:
     """Orthonormal basis of the row space of the stacked (m_i x n) gradients, by SVD in float64."""
     rows = torch.cat([g.detach().to(torch.float64).reshape(-1, g.shape[-1]) for g in grads], 0)
@@ -95,11 +107,9 @@ def subspace_from_gradients(grads: list[torch.Tensor], rank_rtol: float = 1e-5, 
     # (tokens with small upstream gradients) within 1e-5 of the largest, and the noise floor ~10^2 below them.
     # A drop of more than 20x between consecutive values below 1e-3 * s[0] marks the rank.
     if len(s) > 1 and float(s[0]) > 0:
-        rel = s / s[0]
-        ratio = s[:-1] / s[1:].clamp_min(1e-300)
-        cand = (rel[1:] < 1e-3) & (ratio > 20)
-        if bool(cand.any()):
-            r = int(cand.nonzero()[0]) + 1
+        k = gap_index(s, below=1e-3)
+        if k is not None:
+            r = k + 1
     r = max(r, 1)
     if max_rank is not None:
         r = min(r, max_rank)
@@ -248,9 +258,8 @@ def bert_pair_decompose(embeddings: nn.Module, adapter: nn.Module, grads: list[t
     # positions no sentence reaches have B_p ~ 0 (noise): cut at the largest drop (> 20x) of the sorted norms
     nb = XB.norm(dim=1)
     srt = nb.sort(descending=True).values
-    drop = srt[:-1] / srt[1:].clamp_min(1e-300)
-    if len(drop) and float(drop.max()) > 20:
-        k = int(drop.argmax())
+    k = gap_index(srt, largest=True)
+    if k is not None:
         sB[nb < srt[k]] = False
     W = adapter.down.weight.detach()
     b = adapter.down.bias.detach()

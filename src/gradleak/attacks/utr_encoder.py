@@ -367,15 +367,19 @@ class EncoderChainSearch:
 
     def _joint_costs(self, others: list[torch.Tensor], cands: list[list[int]]) -> torch.Tensor:
         """For each candidate sentence: the part of S_LA outside span{others} + span{candidate's states}."""
-        O = self._orth(torch.cat(others)) if others else self.sub.basis.new_zeros(self.sub.basis.shape[0], 0)
+        O, Sp = self._outside_others(others)
+        return torch.tensor([self._missing(Sp, O, h) for h in self._states_full(cands)])
+
+    def _outside_others(self, others: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Basis O of the other chains' states and the part of S_LA they leave unexplained."""
         S = self.sub.basis
-        Sp = S - O @ (O.T @ S)
-        out = []
-        for h in self._states_full(cands):
-            hp = h - (h @ O) @ O.T
-            qb, _ = torch.linalg.qr(hp.T)
-            out.append(float((Sp - qb @ (qb.T @ Sp)).norm() ** 2 / S.shape[1]))
-        return torch.tensor(out)
+        O = self._orth(torch.cat(others)) if others else S.new_zeros(S.shape[0], 0)
+        return O, S - O @ (O.T @ S)
+
+    def _missing(self, Sp: torch.Tensor, O: torch.Tensor, h: torch.Tensor) -> float:
+        """Mean squared part of ``Sp`` outside the span of states ``h`` (taken orthogonally to ``O``)."""
+        qb, _ = torch.linalg.qr((h - (h @ O) @ O.T).T)
+        return float((Sp - qb @ (qb.T @ Sp)).norm() ** 2 / Sp.shape[1])
 
     def _joint_sweep(self, chains: list[list[int]]) -> bool:
         """Point moves and splices scored by the joint residual (each chain against all the others)."""
@@ -419,17 +423,9 @@ class EncoderChainSearch:
 
     def _joint_costs_pair(self, others: list[torch.Tensor], new: list[list[int]],
                           old: list[list[int]]) -> tuple[float, float]:
-        O = self._orth(torch.cat(others)) if others else self.sub.basis.new_zeros(self.sub.basis.shape[0], 0)
-        S = self.sub.basis
-        Sp = S - O @ (O.T @ S)
-        out = []
+        O, Sp = self._outside_others(others)
         hs = self._states_full(new + old)
-        for pair in (hs[:2], hs[2:]):
-            h = torch.cat(pair)
-            hp = h - (h @ O) @ O.T
-            qb, _ = torch.linalg.qr(hp.T)
-            out.append(float((Sp - qb @ (qb.T @ Sp)).norm() ** 2 / S.shape[1]))
-        return out[0], out[1]
+        return self._missing(Sp, O, torch.cat(hs[:2])), self._missing(Sp, O, torch.cat(hs[2:]))
 
     def _run_joint(self, chains: list[list[int]], info: dict[str, Any], t0: float) -> tuple[list[list[int]], dict]:
         """S_LA saturated (more layer states than bottleneck rows) but the batch's states fit the hidden size:
