@@ -324,7 +324,8 @@ class CausalPrefixSearch:
 
     def __init__(self, model: nn.Module, probe_names: list[str], sub: Subspace, eps: float, bos: int,
                  candidates: torch.Tensor, max_len: int = 128, max_branches: int = 8, max_sentences: int = 512,
-                 eicw: bool = True, lm_prior: bool = True, probe_fn=None):
+                 eicw: bool = True, lm_prior: bool = True, probe_fn=None, time_budget: float = float("inf")):
+        self.time_budget = float(time_budget)
         self.model, self.probe_names, self.sub, self.eps = model, probe_names, sub, eps
         self.bos, self.cands = bos, candidates
         self.max_len, self.max_branches, self.max_sentences = max_len, max_branches, max_sentences
@@ -371,7 +372,12 @@ class CausalPrefixSearch:
         frontier = [[self.bos]]
         pruned = 0
         chunk = max(1, 4096 // max(1, len(self.cands)))  # prefixes per forward (bounds the repeated cache)
+        t0, truncated = time.perf_counter(), False
         while frontier and len(sentences) < self.max_sentences:
+            if time.perf_counter() - t0 > self.time_budget:  # a loose tolerance lets the trie explode
+                sentences += [p[1:] for p in frontier[:self.max_sentences - len(sentences)]]
+                truncated = True
+                break
             if len(frontier[0]) >= self.max_len:
                 sentences += [p[1:] for p in frontier]
                 break
@@ -395,7 +401,7 @@ class CausalPrefixSearch:
                         passing = ranked[:self.max_branches]
                     nxt.extend(prefix + [t] for t in passing)
             frontier = nxt[:max(0, self.max_sentences * self.max_branches)]
-        return sentences, {"forward_passes": self.forwards, "pruned_branches": pruned}
+        return sentences, {"forward_passes": self.forwards, "pruned_branches": pruned, "search_truncated": truncated}
 
 
 # ----------------------------------------------------------------------------------------------- the attack
@@ -411,7 +417,7 @@ class UTRAttack:
     batch size, at least 8 -- B sentences can branch B ways at the root);
     ``eicw`` -- consecutive-identical-word filter; ``all_rounds`` -- stack the embedding-adapter gradients of every
     observed round (beyond the paper: the bag's capacity grows from d_bottleneck towards d_hidden);
-    ``time_budget`` -- seconds after which the encoder sentence search stops (``info["search_truncated"]``).
+    ``time_budget`` -- seconds after which the sentence search stops (``info["search_truncated"]``).
     """
 
     name = "utr"
@@ -511,6 +517,7 @@ class UTRAttack:
                                         max_len=self.max_len,
                                         max_branches=self.max_branches or max(8, int(view.public.get("batch_size") or 8)),
                                         max_sentences=max(4 * int(view.public.get("batch_size") or 64), 64),
+                                        time_budget=self.time_budget,
                                         eicw=self.eicw, lm_prior=self.lm_prior)
             sents, sinfo = search.run()
         elif not bag["positions_ok"]:
