@@ -291,15 +291,17 @@ def _plot(cap: list[dict]) -> str | None:
         rs.sort(key=lambda r: r["config"]["data"]["batch_size"])
         bs = [r["config"]["data"]["batch_size"] for r in rs]
         axes[0].plot(bs, [r["metrics"]["rouge1"] for r in rs], marker="o", label=key)
-        axes[1].plot([r["metrics"]["unique_token_vectors"] for r in rs], [r["metrics"]["word_bag_size"] for r in rs],
-                     marker="o", label=key)
+        axes[1].plot([r["metrics"].get("layer_states", r["metrics"]["total_tokens"]) for r in rs],
+                     [max(r["metrics"]["recovered_tokens"], 0.5) for r in rs], marker="o", label=key)
         bott = rs[0]["metrics"]["bottleneck"]
         axes[1].axvline(bott, ls="--", lw=0.8, color=axes[1].lines[-1].get_color())
     axes[0].set_xscale("log", base=2)
     axes[0].set_xlabel("batch size B")
     axes[0].set_ylabel("ROUGE-1")
-    axes[1].set_xlabel("distinct token vectors in batch")
-    axes[1].set_ylabel("word-bag size (dashed: bottleneck width)")
+    axes[1].set_xscale("log")
+    axes[1].set_yscale("log")
+    axes[1].set_xlabel("distinct first-layer states in the batch")
+    axes[1].set_ylabel("recovered tokens (dashed: bottleneck)")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     path = OUT / "utr_capacity.png"
