@@ -220,7 +220,7 @@ def test_cached_first_layer_equals_the_hf_layer(minilm):
 
     texts = _short_rt(2)
     enc = minilm.encode(texts)
-    lay = BertFirstLayer(minilm.model, 64)
+    lay = BertFirstLayer(minilm.model)
     for ids, m in zip(enc["input_ids"], enc["attention_mask"]):
         ids = ids[m.bool()][None]
         ref = probe(minilm.model, ["layer_0"], input_ids=ids, attention_mask=torch.ones_like(ids))[0]

@@ -39,7 +39,7 @@ class BertFirstLayer:
     """Layer-0 output of a BERT encoder (embeddings -> embedding adapter -> layer 0) for explicit sentences,
     evaluated only at chosen query positions, from cached per-(token, position) projections."""
 
-    def __init__(self, model: nn.Module, max_len: int, token_type: int = 0):
+    def __init__(self, model: nn.Module, token_type: int = 0):
         base = model.base_model
         emb = base.embeddings
         self.layer = base.encoder.layer[0]
@@ -47,7 +47,6 @@ class BertFirstLayer:
         att = self.layer.attention.self
         self.heads = att.num_attention_heads
         self.dh = att.attention_head_size
-        self.max_len = int(max_len)
         self.dtype = emb.word_embeddings.weight.dtype
         self._emb = emb
         self._type = token_type
@@ -128,12 +127,9 @@ class EncoderChainSearch:
             self.by_pos[p].sort()
         self.bag = sorted({int(v) for v in pairs if v not in (cls, sep)})
         self.seps = sorted(int(p) for p in pairs.get(sep, set()) if p >= 1)
-        self.batch_size = batch_size
         self.lengths = self._lengths(batch_size)
-        maxlen = (max(self.lengths) + 1) if self.lengths else 1
-        self.layer = BertFirstLayer(model, maxlen)
-        basis = sub.basis.to(self.layer.dtype)
-        self._basis = basis
+        self.layer = BertFirstLayer(model)
+        self._basis = sub.basis.to(self.layer.dtype)
         self.evals = 0
         self.forwards = 0
 
@@ -156,9 +152,9 @@ class EncoderChainSearch:
         mult = {ell: 1 for ell in seps}
         limit = B if B is not None else 10 ** 9
         while sum(mult.values()) < limit:  # one extra chain at a time, where the highest deficit forces it
-            deficit = [q for q in self.by_pos
-                       if len(self.by_pos[q]) > sum(m for ell, m in mult.items() if ell > q)]
-            above = [ell for ell in self.seps if deficit and ell > max(deficit)]
+            short = [q for q in self.by_pos
+                     if len(self.by_pos[q]) > sum(m for ell, m in mult.items() if ell > q)]
+            above = [ell for ell in self.seps if short and ell > max(short)]
             if not above:
                 break
             mult[min(above)] += 1
@@ -186,18 +182,21 @@ class EncoderChainSearch:
         out = []
         for a in range(0, len(sents), chunk):
             part, q = sents[a:a + chunk], qs[a:a + chunk]
-            N = len(part)
-            L = max(len(s) for s in part)
-            toks = torch.full((N, L), self.sep, dtype=torch.long)
-            for i, s in enumerate(part):
-                toks[i, :len(s)] = torch.tensor(s)
-            lengths = torch.tensor([len(s) - 1 for s in part])
+            toks, lengths = self._pad(part)
             valid = (q <= lengths[:, None]) & (q >= 0)
             qq = torch.minimum(q.clamp_min(0), lengths[:, None])
             h = self.layer.states(toks, lengths, qq)
             out.append((self._res(h).clamp_max(1.0) * valid).sum(1))
-            self.evals += N
+            self.evals += len(part)
         return torch.cat(out)
+
+    def _pad(self, sents: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sentences of any lengths as one (N, L) tensor ([SEP]-padded; keys past each [SEP] are masked) and the
+        index of each sentence's [SEP]."""
+        toks = torch.full((len(sents), max(len(x) for x in sents)), self.sep, dtype=torch.long)
+        for i, x in enumerate(sents):
+            toks[i, :len(x)] = torch.tensor(x)
+        return toks, torch.tensor([len(x) - 1 for x in sents])
 
     def _full_residuals(self, sents: list[list[int]]) -> list[torch.Tensor]:
         """Exact per-position residuals from the real model (acceptance test)."""
@@ -342,11 +341,8 @@ class EncoderChainSearch:
 
     # ------------------------------------------------------------------ joint mode (S_LA saturated)
     def _states_full(self, sents: list[list[int]]) -> list[torch.Tensor]:
-        N, L = len(sents), max(len(x) for x in sents)
-        toks = torch.full((N, L), self.sep, dtype=torch.long)
-        for i, x in enumerate(sents):
-            toks[i, :len(x)] = torch.tensor(x)
-        lengths = torch.tensor([len(x) - 1 for x in sents])
+        toks, lengths = self._pad(sents)
+        N, L = toks.shape
         h = self.layer.states(toks, lengths, torch.arange(L)[None].expand(N, L).contiguous()).double()
         self.evals += N
         return [h[i, :len(x)] for i, x in enumerate(sents)]
