@@ -213,7 +213,7 @@ def bert_augmented_bag(embeddings: nn.Module, sub: Subspace, num_positions: int,
     Bp = (Pm - Pm.mean(1, keepdim=True)) * g
     aug = torch.cat([sub.basis.T, Bp / Bp.norm(dim=1, keepdim=True), ln.bias.detach().to(f64)[None]
                      / ln.bias.detach().to(f64).norm().clamp_min(1e-300)], 0)
-    u, sv, vh = torch.linalg.svd(aug, full_matrices=False)
+    _, sv, vh = torch.linalg.svd(aug, full_matrices=False)
     Q = vh[: int((sv > 1e-8 * sv[0]).sum())].T
     res = (A - (A @ Q) @ Q.T).norm(dim=1) / A.norm(dim=1).clamp_min(1e-300)
     return (res < eps).nonzero().flatten().tolist(), res

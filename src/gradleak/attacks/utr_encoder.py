@@ -246,12 +246,8 @@ class EncoderChainSearch:
         for q in range(1, maxlen):
             live = [i for i, ell in enumerate(self.lengths) if ell > q]
             cands = self.by_pos.get(q) or self.bag or [self.mask]  # a position no pair explains: any bag token
-            sents, where = [], []
-            for i in live:
-                ell = self.lengths[i]
-                for v in cands:
-                    sents.append(chains[i] + [v] + [self.mask] * (ell - q - 1) + [self.sep])
-                    where.append((i, v))
+            sents = [chains[i] + [v] + [self.mask] * (self.lengths[i] - q - 1) + [self.sep]
+                     for i in live for v in cands]
             cost = self._window_cost(sents, max(1, q - self.window), q).view(len(live), len(cands)).numpy()
             pick = self._assign(cost)
             for k, i in enumerate(live):
