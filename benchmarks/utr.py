@@ -248,12 +248,26 @@ NOTES = """### Notes
 
 * **Past the bottleneck (beyond the paper).** On BERT the word bag is tested against S + span{position
   directions, LayerNorm bias} (exact while the bag has fewer tokens than bottleneck neurons, however many
-  (token, position) pairs there are), and when S_LA is saturated the chains are verified *jointly*: S_LA must
-  lie in the span of all chains' layer states (exact while the batch's states fit the hidden size). Rows
-  `cap/minilm/rf4` and `rf8` are such cells (layer states > bottleneck). Limits seen: repeated lengths or
-  tokens repeated inside a sentence can leave the joint search in a wrong assignment (it then reports
-  `verified_sentences = 0` and `capacity_exhausted`), and each joint sweep costs seconds to minutes.
-  Causal models have no such route yet: their stage 2 needs distinct prefixes <= bottleneck.
+  (token, position) pairs there are). When S_LA is saturated (N layer states > b bottleneck rows, N < hidden
+  size), no single state lies in S_LA, but a set of chains whose m states are all right meets S_LA in
+  k = b + m - N dimensions and a wrong set in none: the k smallest principal angles test pairs and triples of
+  chains exactly (true pairs ~1e-12, one wrong token ~3e-5 mean squared sine). Accepted chains are projected
+  out of S_LA (*peeled*) until the remaining states fit the projected subspace and the per-position test is
+  exact again; the whole batch is finally checked jointly. Lengths the [SEP] positions leave open are tried as
+  hypotheses. `t1/minilm/utr/B8` (225 states in 192 rows) went from 77.1/67.8 to 96.7/96.2 (21 of 24 sentences
+  exact); the batch it misses (286 states, 149 % of the bottleneck, 3 long chains of 46–52 tokens) never gets a
+  verifiable subset (> N - b = 94 correct states) out of the local search, and is reported unverified.
+  A leave-one-chain-out cost (each chain scored against S_LA projected orthogonally to the other chains) got it
+  to within 18 wrong tokens in a dev run but did not converge; not shipped.
+* **The limit of stage 2 is layer states, not unique tokens.** The first layer adapter's subspace holds one
+  direction per distinct layer state (every token on BERT, every distinct prefix on causal LMs). At rf = 1 the
+  bottleneck equals the hidden size, so once the batch has more states than that, S_LA is numerically the whole
+  space and the membership test is blind: MiniLM rf = 1 B = 16 (484 states, 278 unique tokens), true states'
+  residual median 0.004 vs 0.005 for sentences with a wrong token (`pytest tests/test_utr.py -k blind -s`).
+  This is why `t2/minilm/utr/B16` (45.3) and `t2/smollm2/utr/B32` (767 prefix states in 576 dimensions, 0.4)
+  fail although their unique tokens fit the bottleneck; the authors' code, which checks the true order, fails
+  wherever the batch's tokens overflow the bottleneck (as the issue measured it). No first-layer search can verify
+  sentences there.
 * **Defenses (Table 3).** Noise or pruning on the client's update breaks *exact* membership: with clip 1.0 even
   σ = 0.01 fills the gradient row space (every token passes, the bag is flagged saturated) and 90 % pruning
   moves gradient rows out of span{f}. The paper reports ~100 (σ = 0.01) and ~65 (90 % pruning); it adds DP on

