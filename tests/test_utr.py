@@ -336,7 +336,7 @@ def test_saturated_subspace_pairs_are_tested_exactly_and_peeled():
     assert float(s._full_residuals([wrong[0]])[0].max()) > 1e-3
 
 
-def test_first_layer_test_is_blind_once_states_exceed_the_hidden_size(capsys):
+def test_first_layer_test_is_blind_once_states_exceed_the_hidden_size():
     """The limit behind Table 2's MiniLM rf = 1 B = 16 (and SmolLM2 rf = 1 B = 32): at rf = 1 the bottleneck equals
     the hidden size, and once the batch has more layer states than that, S_LA is (numerically) the whole space.
     The membership test then cannot tell a sentence of the batch from one with a wrong token -- no stage-2 search
@@ -367,8 +367,7 @@ def test_first_layer_test_is_blind_once_states_exceed_the_hidden_size(capsys):
         wrong.append(w)
     rt, rw = res(truth), res(wrong)
     rnd = sub.residual(torch.randn(500, sub.dim, generator=g, dtype=torch.float64))
-    with capsys.disabled():
-        print(f"\nrf=1 B=16: {sum(len(t) for t in truth)} states, S_LA rank {sub.rank}/{sub.dim}; residual median "
-              f"true {rt.median():.3f} (max {rt.max():.3f}), one wrong token {rw.median():.3f}, random {rnd.median():.3f}")
+    print(f"\nrf=1 B=16: {sum(len(t) for t in truth)} states, S_LA rank {sub.rank}/{sub.dim}; residual median "
+          f"true {rt.median():.3f} (max {rt.max():.3f}), one wrong token {rw.median():.3f}, random {rnd.median():.3f}")
     assert float(rt.max()) > 1e-3  # the paper's tolerance rejects true states ...
     assert float(rw.median()) < 2 * float(rt.median())  # ... and wrong ones look the same
