@@ -594,20 +594,21 @@ class EncoderChainSearch:
     def _run_hypotheses(self, info: dict[str, Any], t0: float) -> tuple[list[list[int]], dict[str, Any]]:
         """Peel search over the length hypotheses: a short run each (a wrong hypothesis stalls quickly), then the
         two most verified ones again with the full sweep budget, until one is verified or time runs out."""
-        hyps = self._length_hypotheses()
+        hyps = [(h, None) for h in self._length_hypotheses()]
         scored, best, tried = [], None, 0
         for stale_limit, pool in ((6, hyps), (self.max_peel_sweeps, None)):
-            if pool is None:
-                pool = [h for _, _, h in sorted(scored, key=lambda x: x[:2], reverse=True)[:2]]
-            for lengths in pool:
+            if pool is None:  # the second pass goes on from where the first one stalled
+                pool = [(h, c) for _, _, h, c in sorted(scored, key=lambda x: x[:2], reverse=True)[:2]]
+            for lengths, start in pool:
                 if time.perf_counter() - t0 > self.time_budget:
                     break
                 self.lengths = lengths
                 self._reset_peel()
-                out, inf = self._run_peel(self._construct(), dict(info), t0, stale_limit)
+                chains = [list(c) for c in start] if start is not None else self._construct()
+                out, inf = self._run_peel(chains, dict(info), t0, stale_limit)
                 tried += 1
                 key = (inf["verified_sentences"], -inf["joint_residual"])
-                scored.append((*key, lengths))
+                scored.append((*key, lengths, [list(c) for c in chains]))
                 if best is None or key > best[0]:
                     best = (key, out, inf)
                 if inf["verified_sentences"] == len(lengths):
