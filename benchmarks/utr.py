@@ -265,7 +265,7 @@ NOTES = """### Notes
   two rounds, the embedding adapter's input is the frozen embeddings, so stacking both rounds' gradients doubles
   the bag's rank: `cap/minilm/rf8-2rounds/B2` recovers the exact bag of 57 unique tokens with 48 neurons
   (precision/recall 100), `cap/minilm/rf4-2rounds/B8` the exact bag of 155 unique tokens with 96 neurons. The
-  sentences stay below 90 (87.1/77.1 and 42.6/22.5, unverified): stage 2 uses one round's layer adapter, whose
+  sentences stay below 90 (87.1/77.1 and 46.7/22.7, unverified): stage 2 uses one round's layer adapter, whose
   input moves with the trained embedding adapter from round to round, so its subspaces do not stack, and 71 and
   255 layer states are 148 % and 266 % of the bottleneck.
 * **The limit of stage 2 is layer states, not unique tokens.** The first layer adapter's subspace holds one
