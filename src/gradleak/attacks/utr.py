@@ -417,9 +417,7 @@ class UTRAttack:
     batch size, at least 8 -- B sentences can branch B ways at the root);
     ``eicw`` -- consecutive-identical-word filter; ``all_rounds`` -- stack the embedding-adapter gradients of every
     observed round (beyond the paper: the bag's capacity grows from d_bottleneck towards d_hidden);
-    ``time_budget`` -- seconds after which the sentence search stops (``info["search_truncated"]``);
-    ``peel`` -- when S_LA is saturated (BERT), verify chains in pairs/triples by principal angles and project them
-    out of S_LA until the rest fits it again (beyond the paper; False: the older joint local search).
+    ``time_budget`` -- seconds after which the sentence search stops (``info["search_truncated"]``).
     """
 
     name = "utr"
@@ -427,7 +425,7 @@ class UTRAttack:
     def __init__(self, eps_bag: float = 1e-3, eps_sentence: float = 1e-3, rank_rtol: float = 1e-5,
                  max_positions: int = 128, max_len: int = 128, max_branches: int | None = None, eicw: bool = True,
                  lm_prior: bool = True, all_rounds: bool = True, sentence_layer: str = "layer_0",
-                 screen_tol: float = 0.05, time_budget: float = 600.0, peel: bool = True):
+                 screen_tol: float = 0.05, time_budget: float = 600.0):
         self.eps_bag, self.eps_sentence, self.rank_rtol = float(eps_bag), float(eps_sentence), float(rank_rtol)
         self.max_positions, self.max_len = int(max_positions), int(max_len)
         self.max_branches = None if max_branches is None else int(max_branches)
@@ -435,7 +433,6 @@ class UTRAttack:
         self.sentence_layer = sentence_layer
         self.screen_tol = float(screen_tol)
         self.time_budget = float(time_budget)
-        self.peel = bool(peel)
 
     def prepare(self, model: nn.Module, threat: ThreatModel) -> nn.Module:
         return model  # honest: no model modification (SPEC §3.1)
@@ -535,7 +532,7 @@ class UTRAttack:
                                         time_budget=self.time_budget,
                                         # S_LA saturated: chains verified in subsets are peeled out of S_LA;
                                         # the whole batch is verified jointly (beyond the paper)
-                                        joint=la_saturated, peel=self.peel)
+                                        joint=la_saturated)
             sents, sinfo = search.run()
         t2 = time.perf_counter()
         info = {

@@ -119,8 +119,8 @@ class EncoderChainSearch:
     def __init__(self, model: nn.Module, probe_name: str, sub, eps: float, cls: int, sep: int, mask: int,
                  pairs: dict[int, set[int]], batch_size: int | None = None, sweeps: int = 8, window: int = 2,
                  time_budget: float = float("inf"), progress=None, probe_fn=None, joint: bool = False,
-                 peel: bool = True, max_peel_sweeps: int = 60):
-        self.joint, self.peel, self.max_peel_sweeps = bool(joint), bool(peel), int(max_peel_sweeps)
+                 max_peel_sweeps: int = 60):
+        self.joint, self.max_peel_sweeps = bool(joint), int(max_peel_sweeps)
         self.probe_fn = probe_fn  # (model, ids) -> layer states; default: the input of adapter ``probe_name``
         self.model, self.probe_name, self.sub, self.eps = model, probe_name, sub, float(eps)
         self.cls, self.sep, self.mask = cls, sep, mask
@@ -350,6 +350,17 @@ class EncoderChainSearch:
                     changed = True
         return changed
 
+    def _moves(self, chains: list[list[int]], accepted: set[int]) -> bool:
+        """One round of moves on the chains not yet accepted: point moves, splices, segment swaps (when few chains
+        are left or nothing else moved), then unconstrained point moves as the last resort. True if changed."""
+        moved = self._reassign(chains, accepted)
+        moved = self._splice_sweep(chains, accepted) or moved
+        if not moved or len(chains) - len(accepted) <= 3:
+            moved = self._segment_swap(chains, accepted) or moved
+        if not moved:
+            moved = self._reassign(chains, accepted, free=True)
+        return moved
+
     def _segment_swap(self, chains: list[list[int]], frozen: set[int]) -> bool:
         """Two chains that exchanged a middle segment [a, b) need two cuts at once (a single cut only moves the
         wrong join). For every pair of unaccepted chains, score every segment exchange by the residuals at both
@@ -382,7 +393,7 @@ class EncoderChainSearch:
                     changed = True
         return changed
 
-    # ------------------------------------------------------------------ joint mode (S_LA saturated)
+    # ------------------------------------------------------------------ whole-batch helpers (S_LA saturated)
     def _states_full(self, sents: list[list[int]]) -> list[torch.Tensor]:
         toks, lengths = self._pad(sents)
         N, L = toks.shape
@@ -403,90 +414,6 @@ class EncoderChainSearch:
         Q = self._orth(torch.cat(states))
         S = self.sub.basis
         return float((S - Q @ (Q.T @ S)).norm() ** 2 / S.shape[1])
-
-    def _joint_costs(self, others: list[torch.Tensor], cands: list[list[int]]) -> torch.Tensor:
-        """For each candidate sentence: the part of S_LA outside span{others} + span{candidate's states}."""
-        O, Sp = self._outside_others(others)
-        return torch.tensor([self._missing(Sp, O, h) for h in self._states_full(cands)])
-
-    def _outside_others(self, others: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Basis O of the other chains' states and the part of S_LA they leave unexplained."""
-        S = self.sub.basis
-        O = self._orth(torch.cat(others)) if others else S.new_zeros(S.shape[0], 0)
-        return O, S - O @ (O.T @ S)
-
-    def _missing(self, Sp: torch.Tensor, O: torch.Tensor, h: torch.Tensor) -> float:
-        """Mean squared part of ``Sp`` outside the span of states ``h`` (taken orthogonally to ``O``)."""
-        qb, _ = torch.linalg.qr((h - (h @ O) @ O.T).T)
-        return float((Sp - qb @ (qb.T @ Sp)).norm() ** 2 / Sp.shape[1])
-
-    def _joint_sweep(self, chains: list[list[int]]) -> bool:
-        """Point moves and splices scored by the joint residual (each chain against all the others)."""
-        changed = False
-        maxlen = max(len(c) for c in chains) - 1
-        for q in range(1, maxlen):
-            live = [i for i in range(len(chains)) if len(chains[i]) - 1 > q]
-            cands = self.by_pos.get(q) or []
-            if not live or len(cands) < 2:
-                continue
-            states = self._states_full(chains)
-            cost = torch.stack([self._joint_costs([states[j] for j in range(len(chains)) if j != i],
-                                                  [chains[i][:q] + [v] + chains[i][q + 1:] for v in cands])
-                                for i in live])
-            pick = self._assign(cost.numpy(), bonus=float(cost.max()) * 0.5 + 1e-12)
-            for k, i in enumerate(live):
-                if chains[i][q] != cands[pick[k]]:
-                    chains[i][q] = cands[pick[k]]
-                    changed = True
-        for q in range(2, maxlen + 1):  # tail swaps of two chains, scored jointly against the other chains
-            live = [i for i in range(len(chains)) if len(chains[i]) - 1 >= q]
-            if len(live) < 2:
-                continue
-            states = self._states_full(chains)
-            best, arg = 0.0, None
-            for x in range(len(live)):
-                for y in range(x + 1, len(live)):
-                    i, j = live[x], live[y]
-                    if chains[i][q:] == chains[j][q:]:
-                        continue
-                    others = [states[k] for k in range(len(chains)) if k not in (i, j)]
-                    new = [chains[i][:q] + chains[j][q:], chains[j][:q] + chains[i][q:]]
-                    c_new, c_old = self._joint_costs_pair(others, new, [chains[i], chains[j]])
-                    if c_old - c_new > best:
-                        best, arg = c_old - c_new, (i, j, new)
-            if arg is not None:
-                i, j, new = arg
-                chains[i], chains[j] = new
-                changed = True
-        return changed
-
-    def _joint_costs_pair(self, others: list[torch.Tensor], new: list[list[int]],
-                          old: list[list[int]]) -> tuple[float, float]:
-        O, Sp = self._outside_others(others)
-        hs = self._states_full(new + old)
-        return self._missing(Sp, O, torch.cat(hs[:2])), self._missing(Sp, O, torch.cat(hs[2:]))
-
-    def _run_joint(self, chains: list[list[int]], info: dict[str, Any], t0: float) -> tuple[list[list[int]], dict]:
-        """S_LA saturated (more layer states than bottleneck rows) but the batch's states fit the hidden size:
-        only the whole batch can be verified -- S_LA must lie in the span of all chains' states (beyond the
-        paper: lifts stage 2's capacity from d_bottleneck to d_hidden layer states)."""
-        best = self._joint_residual(self._states_full(chains))
-        sweeps = 0
-        for sweeps in range(1, self.sweeps + 1):
-            if best < self.eps ** 2 or time.perf_counter() - t0 > self.time_budget:
-                break
-            moved = self._joint_sweep(chains)
-            best = self._joint_residual(self._states_full(chains))
-            if self.progress:
-                self.progress(sweeps, best, len(chains))
-            if not moved:
-                break
-        ok = best < self.eps ** 2
-        info.update({"forward_passes": self.forwards, "layer_evaluations": self.evals, "sweeps": sweeps,
-                     "joint_residual": best, "verified_sentences": len(chains) if ok else 0,
-                     "unverified_sentences": 0 if ok else len(chains),
-                     "search_truncated": time.perf_counter() - t0 > self.time_budget})
-        return [c[1:-1] for c in chains], info
 
     # ------------------------------------------------------------------ peel mode (S_LA saturated)
     def _reset_peel(self) -> None:
@@ -571,12 +498,7 @@ class EncoderChainSearch:
             if time.perf_counter() - t0 > self.time_budget:
                 info["search_truncated"] = True
                 break
-            moved = self._reassign(chains, accepted)
-            moved = self._splice_sweep(chains, accepted) or moved
-            if not moved or len(chains) - len(accepted) <= 3:
-                moved = self._segment_swap(chains, accepted) or moved
-            if not moved:
-                moved = self._reassign(chains, accepted, free=True)
+            moved = self._moves(chains, accepted)
             if self.progress:
                 self.progress(sweeps, len(accepted), len(chains))
             if (not moved and stale >= 3) or stale >= stale_limit:
@@ -624,11 +546,9 @@ class EncoderChainSearch:
                                 "search_truncated": False}
         if not self.lengths:
             return [], {**info, "forward_passes": 0, "layer_evaluations": 0}
-        if self.joint and self.peel and sum(self.lengths) + len(self.lengths) < self.sub.dim:
+        if self.joint and sum(self.lengths) + len(self.lengths) < self.sub.dim:
             return self._run_hypotheses(info, t0)
         chains = self._construct()
-        if self.joint and sum(self.lengths) + len(self.lengths) <= self.sub.dim:
-            return self._run_joint(chains, info, t0)
         if self.joint:  # more layer states than the hidden size: nothing can be verified, one best-effort sweep
             self.sweeps = 1
         accepted: set[int] = set()
@@ -644,12 +564,7 @@ class EncoderChainSearch:
             if time.perf_counter() - t0 > self.time_budget:
                 info["search_truncated"] = True
                 break
-            moved = self._reassign(chains, accepted)
-            moved = self._splice_sweep(chains, accepted) or moved
-            if not moved or len(chains) - len(accepted) <= 3:
-                moved = self._segment_swap(chains, accepted) or moved
-            if not moved:
-                moved = self._reassign(chains, accepted, free=True)
+            moved = self._moves(chains, accepted)
             if self.progress:
                 self.progress(sweeps, len(accepted), len(chains))
             if not moved:
