@@ -39,7 +39,6 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
-from gradleak.attacks.utr import gap_index
 from gradleak.peft.text_adapters import PREFIX, capture_inputs
 
 
@@ -112,7 +111,6 @@ class BertFirstLayer:
         return lay.output.LayerNorm(lay.output.dense(lay.intermediate(a)) + a)
 
 
-
 class EncoderChainSearch:
     """Assign the stage-1 (token, position) pairs to B sentences (module docstring)."""
 
@@ -137,14 +135,9 @@ class EncoderChainSearch:
             self.by_pos[p].sort()
         self.bag = sorted({int(v) for v in pairs if v not in (cls, sep)})
         self.seps = sorted(int(p) for p in pairs.get(sep, set()) if p >= 1)
-        self.batch_size = batch_size
         self.lengths = self._lengths(batch_size)
         self.layer = BertFirstLayer(model)
-        self._basis = sub.basis.to(self.layer.dtype)
-        d = sub.basis.shape[0]
-        self._F64 = torch.zeros(d, 0, dtype=torch.float64)  # peeled: basis of the accepted chains' states
-        self._B64 = sub.basis  # S_LA with the peeled directions projected out
-        self._F = self._F64.to(self.layer.dtype)
+        self._reset_peel()
         self.evals = 0
         self.forwards = 0
 
@@ -202,7 +195,6 @@ class EncoderChainSearch:
                 hyps.append(ls)
         hyps.sort(key=lambda ls: (deficit(ls), -sum(ls)))
         return [base] + hyps[: limit - 1]
-
 
     # ------------------------------------------------------------------ scoring
     def _res(self, h: torch.Tensor) -> torch.Tensor:
@@ -417,6 +409,8 @@ class EncoderChainSearch:
 
     # ------------------------------------------------------------------ peel mode (S_LA saturated)
     def _reset_peel(self) -> None:
+        """Nothing peeled: _F64 (basis of the accepted chains' states) empty, _B64 = S_LA (float32 copies for the
+        search's residuals)."""
         self._F64 = torch.zeros(self.sub.basis.shape[0], 0, dtype=torch.float64)
         self._B64 = self.sub.basis
         self._F, self._basis = self._F64.to(self.layer.dtype), self._B64.to(self.layer.dtype)
@@ -433,7 +427,7 @@ class EncoderChainSearch:
         _, sv, vh = torch.linalg.svd(Rp.T, full_matrices=False)
         # R meets span(F) in b + |F| - N directions, so dim(Rp) = min(b, N - |F|). The float32 noise blurs the
         # weakest of R's directions, so there is no clean gap to read it from: take the dimension the chain lengths
-        # imply (wrong lengths then fail the tests, and the search repairs them, see _relength)
+        # imply (wrong lengths then fail the tests, and _run_hypotheses tries the others)
         remaining = sum(len(chains[i]) for i in range(len(chains)) if i not in accepted)
         r = min(R.shape[1], remaining, len(sv))
         self._F64, self._B64 = F, vh[:r].T.contiguous()
