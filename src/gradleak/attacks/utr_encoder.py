@@ -353,6 +353,20 @@ class EncoderChainSearch:
             moved = self._reassign(chains, accepted, free=True)
         return moved
 
+    def _sweep(self, chains: list[list[int]], accepted: set[int], info: dict[str, Any], t0: float,
+               sweeps: int) -> bool | None:
+        """The moves of one sweep, after that sweep's acceptance: None when every chain is accepted or the time
+        budget is spent (then ``info["search_truncated"]``), else whether anything moved."""
+        if len(accepted) == len(chains):
+            return None
+        if time.perf_counter() - t0 > self.time_budget:
+            info["search_truncated"] = True
+            return None
+        moved = self._moves(chains, accepted)
+        if self.progress:
+            self.progress(sweeps, len(accepted), len(chains))
+        return moved
+
     def _segment_swap(self, chains: list[list[int]], frozen: set[int]) -> bool:
         """Two chains that exchanged a middle segment [a, b) need two cuts at once (a single cut only moves the
         wrong join). For every pair of unaccepted chains, score every segment exchange by the residuals at both
@@ -487,14 +501,9 @@ class EncoderChainSearch:
                     self._peel(chains, accepted)
             else:
                 stale += 1
-            if len(accepted) == len(chains):
+            moved = self._sweep(chains, accepted, info, t0, sweeps)
+            if moved is None:
                 break
-            if time.perf_counter() - t0 > self.time_budget:
-                info["search_truncated"] = True
-                break
-            moved = self._moves(chains, accepted)
-            if self.progress:
-                self.progress(sweeps, len(accepted), len(chains))
             if (not moved and stale >= 3) or stale >= stale_limit:
                 break
         joint = self._joint_residual(self._states_full(chains))
@@ -553,14 +562,9 @@ class EncoderChainSearch:
             for i, r in zip(todo, res):
                 if float(r.max()) < self.eps:
                     accepted.add(i)
-            if len(accepted) == len(chains):
+            moved = self._sweep(chains, accepted, info, t0, sweeps)
+            if moved is None:
                 break
-            if time.perf_counter() - t0 > self.time_budget:
-                info["search_truncated"] = True
-                break
-            moved = self._moves(chains, accepted)
-            if self.progress:
-                self.progress(sweeps, len(accepted), len(chains))
             if not moved:
                 break
         else:
