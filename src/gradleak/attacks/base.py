@@ -1,47 +1,103 @@
-"""The attack protocol (DESIGN §2) and the threat model's capability flags (LeakPro-style).
+"""The attack protocol (DESIGN §2).
 
-An attack is a class registered in ``ATTACKS`` with
-``prepare(model, threat) -> model`` (malicious attacks may rewrite weights; honest ones return the
-model unchanged) and ``reconstruct(view: ServerView) -> Reconstruction``. ``reconstruct`` receives a
-:class:`~gradleak.fl.core.ServerView` and nothing else: it cannot reach the client's private batch.
+An attack is a class registered in ``ATTACKS`` that subclasses :class:`AttackBase` and declares
+
+* ``Config`` — a pydantic model of its parameters (constraints on the fields: bad values exit 2);
+* ``modality`` (``"image"`` / ``"text"``), ``peft_kinds`` (the PEFT kinds it applies to) and
+  ``reconstruction`` (the kind of output, which picks the evaluation: ``"patches"``, ``"images"``,
+  ``"token_sequences"``, ``"membership"``);
+* :meth:`requires` — the threat-model flags it needs (``{"malicious": True, "knows_labels": True}``);
+  the runner refuses a config whose threat model withholds one (exit 2 naming ``threat.<flag>``).
+
+and implements the round protocol, called by the one runner (:mod:`gradleak.experiments.pipeline`):
+
+1. ``prepare(model, threat) -> model`` once, before round 0 (malicious attacks may rewrite weights);
+2. ``server_model(round, model) -> model`` before every round: the model the server sends that round
+   (honest attacks return it unchanged; PEFTLeak writes that round's malicious adapters);
+3. ``reconstruct(view) -> Reconstruction`` after the rounds, from the :class:`ServerView` alone — the
+   attack never receives the clients' data; ground truth is used only by the evaluation step.
+
+``rounds_wanted(fl_rounds)`` lets a multi-round attack ask for the rounds its plan needs.
+``from_config(cfg, ctx)`` builds the attack from its config and the :class:`AttackContext`, which holds
+only what the threat model grants before any round (public data, batch size if announced).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Optional
 
-from torch import nn
+from pydantic import BaseModel, ConfigDict
 
-from gradleak.fl.core import ServerView
+from gradleak.fl.threat import ThreatModel
+
+__all__ = ["AttackBase", "AttackConfig", "AttackContext", "Reconstruction", "ThreatModel"]
 
 
-@dataclass(frozen=True)
-class ThreatModel:
-    """What the server may do. ``malicious`` = may poison weights; ``prescribes_architecture`` = may choose
-    the architecture (e.g. add trainable modules) but not weights; ``public_data`` = has public samples;
-    ``knows_labels`` / ``knows_batch_size`` = these leak to it."""
+class AttackConfig(BaseModel):
+    """Base of every attack's parameter model: unknown parameters are errors."""
 
-    malicious: bool = False
-    prescribes_architecture: bool = False
-    public_data: bool = False
-    knows_labels: bool = False
-    knows_batch_size: bool = True
-    individual_updates: bool = True
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
 @dataclass
 class Reconstruction:
     """What an attack returns. ``data`` is attack-specific (images, patches, token ids, scores);
-    ``info`` carries diagnostics (e.g. number of candidate patches, rounds used)."""
+    ``info`` carries diagnostics (e.g. number of candidate patches, rounds used); ``metrics`` holds
+    attack-side numbers the evaluation copies into the results (they use no ground truth)."""
 
     data: Any
     info: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
-class Attack(Protocol):
-    name: str
+@dataclass
+class AttackContext:
+    """What an attack may know when it is built: the seed, the device, the resolved threat model, the
+    public protocol (``fl``: algorithm, local epochs, ...) and the facts the threat model grants up front
+    (``public``: e.g. ``public_images`` under ``public_data``, ``batch_size`` under ``knows_batch_size``)."""
 
-    def prepare(self, model: nn.Module, threat: ThreatModel) -> nn.Module: ...
+    seed: int
+    device: Any
+    threat: ThreatModel
+    fl: dict[str, Any] = field(default_factory=dict)
+    public: dict[str, Any] = field(default_factory=dict)
+    progress: Any = None
 
-    def reconstruct(self, view: ServerView) -> Reconstruction: ...
+
+class AttackBase:
+    """Defaults of the protocol; subclasses override what they need."""
+
+    name: ClassVar[str] = ""
+    Config: ClassVar[type[AttackConfig]] = AttackConfig
+    modality: ClassVar[str] = "image"
+    peft_kinds: ClassVar[tuple[str, ...]] = ("adapters", "lora", "none")
+    reconstruction: ClassVar[str] = "images"
+    #: devices the attack has been run on; the runner refuses the others with a clear message
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    #: whether the attack needs float64 arithmetic in the model (analytic attacks)
+    needs_float64: ClassVar[bool] = False
+    #: whether ``prepare`` overwrites every weight (then the runner skips the random initialisation)
+    rewrites_weights: ClassVar[bool] = False
+    summary: ClassVar[str] = ""
+
+    @classmethod
+    def requires(cls, cfg: Optional[AttackConfig] = None) -> dict[str, bool]:
+        """Threat flags this attack needs under ``cfg`` (default config when ``None``)."""
+        return {}
+
+    @classmethod
+    def from_config(cls, cfg: AttackConfig, ctx: AttackContext) -> "AttackBase":
+        return cls(**cfg.model_dump())
+
+    def rounds_wanted(self, fl_rounds: int) -> int:
+        return fl_rounds
+
+    def prepare(self, model, threat: ThreatModel):
+        return model
+
+    def server_model(self, round_index: int, model):
+        return model
+
+    def reconstruct(self, view) -> Reconstruction:  # pragma: no cover - abstract
+        raise NotImplementedError

@@ -25,36 +25,82 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def _field_names(model: type[BaseModel]) -> dict[str, str]:
+    """Accepted keys of a config section -> field name (aliases such as ``num_layers`` included)."""
+    out = {}
+    for name, f in model.model_fields.items():
+        out[name] = name
+        alias = f.validation_alias
+        for a in getattr(alias, "choices", None) or ([alias] if isinstance(alias, str) else []):
+            if isinstance(a, str):
+                out[a] = name
+    return out
+
+
 def apply_overrides(raw: dict, overrides: list[str], schema: type[BaseModel] | None = None) -> dict:
     """Apply ``dotted.key=value`` overrides to a raw config dict.
 
-    The key must exist in the schema (or already in the file), so a typo fails with the key's name.
+    The key must exist in the schema, so a typo fails with the key's name. Sections that accept free keys
+    (``attack``, whose parameters the attack's own Config validates later, and dict fields such as
+    ``attack.params``) take any key.
     """
     out = dict(raw)
     for item in overrides:
         if "=" not in item:
             raise BadInput("--set", f"'{item}' is not of the form dotted.key=value.", "write e.g. --set data.batch_size=16.")
         key, value = item.split("=", 1)
-        parts = key.strip().split(".")
+        parts = [p for p in key.strip().split(".")]
+        if not all(parts):
+            raise BadInput(f"--set {key}", "the key has an empty part.", "write e.g. --set data.batch_size=16.")
         node, model = out, schema
         for i, part in enumerate(parts):
-            fields = model.model_fields if model is not None else None
-            if fields is not None and part not in fields:
-                raise BadInput(f"--set {key}", f"the config has no key '{'.'.join(parts[:i + 1])}'.",
-                               f"valid keys here: {', '.join(sorted(fields))}.")
+            if model is not None:
+                names = _field_names(model)
+                free = model.model_config.get("extra") == "allow"
+                if part not in names and not free:
+                    raise BadInput(f"--set {key}", f"the config has no key '{'.'.join(parts[:i + 1])}'.",
+                                   f"valid keys here: {', '.join(sorted(model.model_fields))}.")
+                field = model.model_fields.get(names.get(part, part))
+                if field is not None and names.get(part, part) != part:  # an alias: write the field's own name
+                    if part in node:
+                        node[names[part]] = node.pop(part)
+                    part = names[part]
+            else:
+                field = None
             if i == len(parts) - 1:
                 node[part] = parse_value(value)
             else:
-                node[part] = dict(node.get(part) or {})
+                child = node.get(part)
+                if child is not None and not isinstance(child, dict):
+                    raise BadInput(f"--set {key}", f"'{'.'.join(parts[:i + 1])}' is not a section.",
+                                   f"set it as a whole: --set {'.'.join(parts[:i + 1])}=VALUE.")
+                node[part] = dict(child or {})
                 node = node[part]
-                ann = fields[part].annotation if fields is not None else None
+                ann = field.annotation if field is not None else None
                 model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return out
+
+
+def normalize_aliases(raw: dict, schema: type[BaseModel]) -> dict:
+    """Rename alias keys (``model.num_layers``) to their field names, recursively, so defaults merge right."""
+    out = dict(raw)
+    names = _field_names(schema)
+    for k in list(out):
+        if k in names and names[k] != k:
+            if names[k] in out:
+                raise BadInput(k, f"is given together with its synonym '{names[k]}'.", f"keep only '{names[k]}'.")
+            out[names[k]] = out.pop(k)
+    for k, v in out.items():
+        f = schema.model_fields.get(k)
+        ann = f.annotation if f is not None else None
+        if isinstance(v, dict) and isinstance(ann, type) and issubclass(ann, BaseModel):
+            out[k] = normalize_aliases(v, ann)
     return out
 
 
 def describe_validation_error(err: ValidationError) -> BadInput:
     first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "(config)"
+    loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-")) or "(config)"
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         return BadInput(loc, "this config key does not exist.", "remove it or check its spelling against the shipped configs.")
@@ -65,8 +111,18 @@ def load_yaml(path: str | Path) -> dict:
     p = Path(path)
     if not p.exists():
         raise BadInput("CONFIG", f"config file '{p}' does not exist.", "give the path to a YAML file, e.g. configs/peftleak/cifar_b32.yaml.")
+    if p.is_dir():
+        raise BadInput("CONFIG", f"'{p}' is a directory, not a config file.",
+                       f"give one of the YAML files in it ({', '.join(sorted(x.name for x in p.glob('*.yaml'))[:5]) or 'none found'}).")
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise BadInput("CONFIG", f"'{p}' is not UTF-8 text ({err.reason} at byte {err.start}).",
+                       "save the config as UTF-8 YAML.") from None
+    except OSError as err:
+        raise BadInput("CONFIG", f"cannot read '{p}': {err.strerror}.", "check the path and its permissions.") from None
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
         raise BadInput("CONFIG", f"'{p}' is not valid YAML: {err}.", "fix the YAML syntax.") from None
     if not isinstance(raw, dict):

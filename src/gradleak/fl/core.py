@@ -129,8 +129,11 @@ class Client:
         elif algorithm == "fedavg":
             local = copy.deepcopy(model)
             params = {n: p for n, p in local.named_parameters() if p.requires_grad}
-            before = {n: p.detach().clone() for n, p in params.items()}
-            opt = torch.optim.SGD(list(params.values()), lr=lr)
+            # the weights move in the model's dtype, but the change is accumulated in float64: a float32
+            # ``w_before - w_after`` rounds the small steps against the large weights (5.8 % off the
+            # gradient on MiniLM after one full-batch step)
+            before = {n: p.detach().to(torch.float64).clone() for n, p in params.items()}
+            moved = {n: torch.zeros_like(b) for n, b in before.items()}
             bs = batch_size or len(x)
             gen = torch.Generator().manual_seed(seed)
             steps = 0
@@ -138,11 +141,16 @@ class Client:
                 order = torch.randperm(len(x), generator=gen)
                 for i in range(0, len(x), bs):
                     idx = order[i:i + bs].to(device)
-                    opt.zero_grad(set_to_none=True)
-                    self.loss_fn(local, x[idx], y[idx]).backward()
-                    opt.step()
+                    loss = self.loss_fn(local, x[idx], y[idx])
+                    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+                    with torch.no_grad():
+                        for (n, p), g in zip(params.items(), grads):
+                            if g is None:
+                                continue
+                            moved[n] += lr * g.detach().to(torch.float64)
+                            p.copy_((before[n] - moved[n]).to(p.dtype))
                     steps += 1
-            tensors = {n: ((before[n] - p.detach()) / lr) for n, p in params.items()}
+            tensors = {n: moved[n] / lr for n in params}  # float64 whatever the model dtype
             upd = Update(tensors, len(x), self.client_id, "pseudo_gradient", steps)
         else:
             raise BadInput("fl.algorithm", f"unknown algorithm '{algorithm}'.", "use 'fedsgd' or 'fedavg'.")

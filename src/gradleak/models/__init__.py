@@ -1,0 +1,106 @@
+"""Model builders (DESIGN §2), registered by name in ``MODELS``; no PEFT logic here.
+
+``build(cfg_model, modality, **ctx) -> ModelHandle``. Names: the ViT presets (``vit-tiny``, ``vit-s16``,
+``vit-b16``, ``vit-b32``, ``vit-l16``; random init, any image/patch size), the offline text models
+``minilm`` (BERT family) and ``smollm2`` (Llama family), and — for text — a local HF model directory.
+Importing this module imports neither torch nor transformers; builders import them when called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from gradleak.errors import BadInput
+from gradleak.registry import Registry
+
+MODELS: Registry[Any] = Registry("model")
+
+VIT_PRESETS = {
+    "vit-tiny": "ViT-Tiny/8 (192 wide, 4 layers, 3 heads), random init",
+    "vit-s16": "ViT-S/16 (384 wide, 12 layers, 6 heads), random init",
+    "vit-b16": "ViT-B/16 (768 wide, 12 layers, 12 heads), random init (PEFTLeak's backbone)",
+    "vit-b32": "ViT-B/32 (768 wide, 12 layers, 12 heads), random init",
+    "vit-l16": "ViT-L/16 (1024 wide, 24 layers, 16 heads), random init",
+}
+
+
+@dataclass
+class ModelHandle:
+    """A model plus what the pipeline needs to know about it."""
+
+    model: Any
+    modality: str  # "image" | "text"
+    name: str
+    kind: str  # "image" | "bidirectional" | "causal"
+    hidden_size: int
+    num_layers: int
+    tokenizer: Any = None
+    loss_fn: Callable | None = None
+    text_model: Any = None  # gradleak.models.text.TextModel for text
+    info: dict = field(default_factory=dict)
+
+    def layers(self):
+        if self.modality == "image":
+            return self.model.vit.encoder.layer
+        return self.text_model.layers()
+
+
+def _register_vit(name: str, summary: str) -> None:
+    @MODELS.register(name, summary)
+    def _build(mcfg, *, image_size: int, seed: int, dtype: str, **_: Any) -> ModelHandle:
+        import torch
+
+        from gradleak.models.vit import vit
+
+        dt = torch.float64 if dtype == "float64" else torch.float32
+        model = vit(name, image_size=image_size, patch_size=mcfg.patch_size, num_classes=mcfg.num_classes,
+                    pooling=mcfg.pooling, layers=mcfg.layers, hidden_size=mcfg.hidden_size, heads=mcfg.heads,
+                    dtype=dt, seed=seed, init_weights=mcfg.init_weights)
+        c = model.config
+        return ModelHandle(model, "image", name, "image", int(c.hidden_size), int(c.num_hidden_layers),
+                           info={"patch_size": int(c.patch_size), "image_size": image_size,
+                                 "num_patches": model.num_patches})
+
+    _build.modality = "image"
+
+
+for _n, _s in VIT_PRESETS.items():
+    _register_vit(_n, _s)
+
+
+def _text_builder(mcfg, *, seed: int, dtype: str, **_: Any) -> ModelHandle:
+    import torch
+
+    from gradleak.models.text import load_text_model, text_loss
+
+    dt = torch.float64 if dtype == "float64" else torch.float32
+    tm = load_text_model(mcfg.name, mcfg.layers or 2, num_labels=mcfg.num_classes, seed=seed, dtype=dt)
+    return ModelHandle(tm.model, "text", tm.name, tm.kind, tm.hidden_size, tm.num_layers, tokenizer=tm.tokenizer,
+                       loss_fn=text_loss(tm.kind), text_model=tm, info=dict(tm.info))
+
+
+_text_builder.modality = "text"
+MODELS.register("minilm", "all-MiniLM-L6-v2 (BERT family, d=384), offline package; first model.layers layers")(_text_builder)
+MODELS.register("smollm2", "SmolLM2-135M-Instruct (Llama family, d=576), offline GGUF; first model.layers layers")(_text_builder)
+
+
+def model_modality(name: str) -> str:
+    """``image`` / ``text`` for a registered name; a local directory is a text model."""
+    if name in MODELS:
+        return MODELS.get(name).modality
+    if Path(name).expanduser().is_dir() or "/" in name:  # a local HF directory, or a hub id already cached
+        return "text"
+    raise BadInput("model.name", f"unknown model '{name}'.",
+                   f"use one of: {', '.join(MODELS.names())}, or a local HF model directory (text).")
+
+
+def build(mcfg, modality: str, **ctx: Any) -> ModelHandle:
+    kind = model_modality(mcfg.name)
+    if kind != modality:
+        raise BadInput("model.name", f"'{mcfg.name}' is a{'n' if kind == 'image' else ''} {kind} model but the "
+                       f"experiment's data are {modality}.",
+                       f"use a {modality} model ({', '.join(n for n in MODELS.names() if MODELS.get(n).modality == modality)}).")
+    fn = MODELS.get(mcfg.name) if mcfg.name in MODELS else _text_builder
+    return fn(mcfg, **ctx)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import ViTConfig, ViTModel
 
 from gradleak.errors import BadInput
 
@@ -31,6 +30,8 @@ class ViTClassifier(nn.Module):
         super().__init__()
         if pooling not in ("mean", "cls"):
             raise BadInput("model.pooling", f"unknown pooling '{pooling}'.", "use 'mean' or 'cls'.")
+        from transformers import ViTModel
+
         self.config = config
         self.pooling = pooling
         self.vit = ViTModel(config, add_pooling_layer=False)
@@ -57,6 +58,8 @@ def vit(preset: str = "vit-b16", *, image_size: int = 32, patch_size: int | None
     ``init_weights=False`` skips the random initialisation (seconds for ViT-B/L) when every weight is
     about to be overwritten, e.g. by a malicious server's poisoning; the values are then undefined.
     """
+    from transformers import ViTConfig
+
     if preset not in PRESETS:
         raise BadInput("model.name", f"unknown ViT preset '{preset}'.", f"use one of {', '.join(PRESETS)}.")
     p = dict(PRESETS[preset])

@@ -1,0 +1,149 @@
+"""The PEFT layer (DESIGN §2), shaped like HF peft: one config per kind and one ``apply_peft(model, spec)``.
+
+Kinds (registry ``PEFT_KINDS``; ``gradleak list`` shows them with their parameters):
+
+* ``adapters`` — bottleneck adapters. On a ViT: Houlsby placement, after the MSA and after the MLP of
+  every block (``bottleneck`` hidden units; PEFTLeak). On a text model: an embedding adapter (input of
+  layer 0) plus one adapter after each kept layer (``hidden_size / reduction_factor`` units; UTR).
+* ``lora`` — LoRA through HF ``peft`` (``inject_adapter_in_model``) on ``lora_targets`` (module names;
+  a name that matches no module lists the valid ones). ``lora_init: nonzero`` initialises B ~ N(0, 0.02²)
+  as after some rounds of training (with peft's default B = 0 the gradient of A vanishes in round 1);
+  ``lora_init: default`` keeps peft's.
+* ``none`` — only the task head trains.
+
+Later kinds (layer-wise trainable positional embeddings, FISGuard's fixed-input modules) register here
+with ``@PEFT_KINDS.register``. Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gradleak.errors import BadInput
+from gradleak.registry import Registry
+
+PEFT_KINDS: Registry[Any] = Registry("peft kind")
+
+#: which fields of PeftConfig each kind reads (a field set for another kind is refused)
+KIND_FIELDS = {
+    "adapters": {"bottleneck", "reduction_factor", "embedding_adapter", "layer_adapters", "init_std", "train_head"},
+    "lora": {"lora_rank", "lora_alpha", "lora_targets", "lora_layers", "lora_init", "train_head"},
+    "none": {"train_head"},
+}
+
+
+class PeftConfig(BaseModel):
+    """The ``peft:`` config section (one class for every kind; fields of other kinds are refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["adapters", "lora", "none"] = "adapters"
+    # adapters
+    bottleneck: Optional[int] = Field(None, gt=0, description="adapter hidden units (ViT; default 64)")
+    reduction_factor: int = Field(2, ge=1, description="text adapters: hidden_size / reduction_factor units")
+    embedding_adapter: bool = True
+    layer_adapters: Optional[list[int]] = None  # text: default after every kept layer
+    init_std: float = Field(0.02, gt=0)
+    # lora
+    lora_rank: int = Field(128, ge=1)
+    lora_alpha: Optional[float] = Field(None, gt=0)  # default: = rank
+    lora_targets: Optional[list[str]] = None  # default: query + key projections
+    lora_layers: Optional[list[int]] = None
+    lora_init: Literal["nonzero", "default"] = "nonzero"
+    # all kinds
+    train_head: bool = True
+
+    def check(self) -> None:
+        foreign = sorted(f for f in self.model_fields_set - {"kind"} if f not in KIND_FIELDS[self.kind])
+        if foreign:
+            owner = next(k for k, fs in KIND_FIELDS.items() if foreign[0] in fs)
+            raise BadInput(f"peft.{foreign[0]}", f"applies to peft.kind={owner}, not to peft.kind={self.kind}.",
+                           f"remove it, or set peft.kind={owner}.")
+
+
+@PEFT_KINDS.register("adapters", "bottleneck adapters: ViT Houlsby placement (bottleneck) / text embedding + layer adapters")
+def _apply_adapters(handle, spec: PeftConfig, seed: int) -> list[str]:
+    if handle.modality == "image":
+        from gradleak.peft.adapters import add_vit_adapters
+
+        add_vit_adapters(handle.model, spec.bottleneck or 64, train_head=spec.train_head)
+    else:
+        from gradleak.peft.text_adapters import add_text_adapters
+
+        add_text_adapters(handle.model, handle.layers(), handle.hidden_size, spec.reduction_factor,
+                          embedding=spec.embedding_adapter, layer_ids=spec.layer_adapters, init_std=spec.init_std,
+                          seed=seed)
+        _set_head(handle.model, spec.train_head)
+    return trainable(handle.model)
+
+
+@PEFT_KINDS.register("lora", "LoRA through HF peft on the named modules (rank, alpha, targets, layers, init)")
+def _apply_lora(handle, spec: PeftConfig, seed: int) -> list[str]:
+    import torch
+    from torch import nn
+
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ModuleNotFoundError:
+        raise BadInput("peft.kind", "LoRA needs the `peft` package.", "pip install 'gradleak[peft]'.") from None
+    model = handle.model
+    default = {"image": ["query", "value"], "causal": ["q_proj", "k_proj"]}.get(handle.kind, ["query", "key"])
+    targets = spec.lora_targets or default
+    linear_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+    missing = [t for t in targets if t not in linear_names]
+    if missing:
+        raise BadInput("peft.lora_targets", f"no linear module is named {missing[0]!r} in {handle.name}.",
+                       f"use module names of this model: {', '.join(linear_names)}.")
+    n_layers = handle.num_layers
+    layers = spec.lora_layers if spec.lora_layers is not None else list(range(n_layers))
+    bad = [i for i in layers if not 0 <= i < n_layers]
+    if bad:
+        raise BadInput("peft.lora_layers", f"layer {bad[0]} does not exist (the model has {n_layers}).",
+                       f"use indices in 0..{n_layers - 1}.")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    conf = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha or spec.lora_rank, target_modules=targets,
+                      layers_to_transform=layers, lora_dropout=0.0, bias="none")
+    inject_adapter_in_model(conf, model)
+    g = torch.Generator().manual_seed(seed + 31)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.requires_grad_(True)
+            if "lora_B" in n and spec.lora_init == "nonzero":
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.02)
+    _set_head(model, spec.train_head)
+    return trainable(model)
+
+
+@PEFT_KINDS.register("none", "no PEFT module: only the task head trains")
+def _apply_none(handle, spec: PeftConfig, seed: int) -> list[str]:
+    for p in handle.model.parameters():
+        p.requires_grad_(False)
+    _set_head(handle.model, True)
+    return trainable(handle.model)
+
+
+def _set_head(model, train: bool) -> None:
+    for attr in ("head", "classifier", "score"):
+        head = getattr(model, attr, None)
+        if head is not None:
+            for p in head.parameters():
+                p.requires_grad_(train)
+            return
+
+
+def trainable(model) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def apply_peft(handle, spec: PeftConfig, seed: int = 0) -> list[str]:
+    """Insert the trainable modules ``spec`` describes into ``handle.model`` (in place, like peft's
+    ``get_peft_model``) and return the names of the parameters the clients train."""
+    names = PEFT_KINDS.get(spec.kind, field="peft.kind")(handle, spec, seed)
+    if not names:
+        raise BadInput("peft", f"peft.kind={spec.kind} leaves nothing trainable on {handle.name}.",
+                       "use adapters or lora, or set peft.train_head=true.")
+    return names

@@ -1,0 +1,268 @@
+"""The one config language (DESIGN §4): every experiment is ``data -> model + peft -> fl -> threat -> attack``.
+
+``experiment:`` names a *preset* (``EXPERIMENTS``) that fills defaults before validation:
+
+* ``peftleak`` — images, ViT-B/16 + adapters, attack ``peftleak``, threat ``malicious`` with public data;
+* ``utr`` — text, MiniLM (2 layers) + adapters, attack ``utr``, threat ``honest-but-curious``;
+* ``image`` / ``text`` — the same sections with no attack-specific defaults.
+
+The ``attack:`` section holds ``name`` plus the attack's parameters, either flat (``attack.sigma``) or
+under ``attack.params`` (``attack.params.eps_bag``); both are validated against the attack's ``Config``
+class, so a bad value exits 2 naming ``attack.<parameter>``. Fields that belong to the other modality
+(``data.max_length`` in an image experiment, ``model.pooling`` in a text one) are refused.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal, Optional
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+
+from gradleak.errors import BadInput
+from gradleak.experiments.config import Strict
+from gradleak.fl.threat import ThreatConfig, ThreatModel
+from gradleak.peft import PeftConfig
+from gradleak.registry import ATTACKS, EXPERIMENTS
+
+IMAGE_DATA = {"image_size", "public", "public_size", "resize"}
+TEXT_DATA = {"text_column", "label_column", "split", "subset", "limit", "max_length"}
+IMAGE_MODEL = {"patch_size", "hidden_size", "heads", "pooling", "adapter_bottleneck", "init_weights"}
+TEXT_MODEL: set[str] = set()
+
+
+class DataConfig(Strict):
+    name: str = "cifar-samples"
+    batch_size: int = Field(8, ge=1, le=100_000, description="samples per client")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="images: which samples form the batch")
+    path: Optional[str] = None
+    # images
+    image_size: int = Field(32, ge=4, le=1024)
+    public: Optional[str] = None  # default natural-crops (public-natural when the private set shares its photos)
+    public_size: int = Field(2000, ge=1, le=1_000_000)
+    resize: bool = Field(False, description="images: resize a user's folder/npz to image_size (else sizes must match)")
+    # text
+    text_column: Optional[str] = None
+    label_column: Optional[str] = None
+    split: str = "train"
+    subset: Optional[str] = None
+    limit: Optional[int] = Field(None, ge=1)
+    max_length: Optional[int] = Field(None, ge=2)
+
+
+class ModelConfig(Strict):
+    name: str = "vit-b16"
+    layers: Optional[int] = Field(None, ge=1, le=256, validation_alias=AliasChoices("layers", "num_layers"))
+    dtype: Optional[Literal["float32", "float64"]] = None  # default: float64 if the attack needs it, else float32
+    num_classes: int = Field(10, ge=2, le=100_000)
+    # images (ViT)
+    patch_size: Optional[int] = Field(None, ge=1)
+    hidden_size: Optional[int] = Field(None, ge=1, le=16_384)
+    heads: Optional[int] = Field(None, ge=1, le=1024)
+    pooling: Literal["mean", "cls"] = "mean"
+    adapter_bottleneck: Optional[int] = Field(None, ge=1, description="= peft.bottleneck (kept for old configs)")
+    init_weights: Optional[bool] = None  # default: skip random init when a malicious attack rewrites every weight
+
+
+class FLConfig(Strict):
+    algorithm: Literal["fedsgd", "fedavg"] = "fedsgd"
+    rounds: int = Field(1, ge=1, le=10_000)
+    lr: float = Field(0.05, gt=0, le=1e4)
+    local_epochs: int = Field(1, ge=1, le=10_000)
+    local_batch_size: Optional[int] = Field(None, ge=1)
+    clients: int = Field(1, ge=1, le=10_000, description="clients per round; client 0 is the attacked one")
+    secure_aggregation: bool = False
+
+
+class MetricsConfig(Strict):
+    psnr_threshold_db: float = Field(30.0, gt=0, le=400)
+    feature_distance: bool = True  # 1 − cos of ViT-S/14 features (offline); LPIPS is added when its weights exist
+
+
+class DefenseEntry(Strict):
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class AttackSection(BaseModel):
+    """``attack: {name: ..., params: {...}, <flat parameters>}`` — validated against the attack's Config."""
+
+    model_config = ConfigDict(extra="allow")
+    name: Optional[str] = None
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    def merged(self) -> dict[str, Any]:
+        flat = dict(self.model_extra or {})
+        both = sorted(set(flat) & set(self.params))
+        if both:
+            raise BadInput(f"attack.{both[0]}", "is given both flat and under attack.params.", "give it once.")
+        return {**flat, **self.params}
+
+
+class ExperimentConfig(Strict):
+    experiment: str = "image"
+    name: Optional[str] = None
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    device: str = "cpu"
+    threads: Optional[int] = Field(None, ge=1, le=1024, description="torch CPU threads (results must not depend on it)")
+    trials: int = Field(1, ge=1, le=10_000)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    peft: PeftConfig = Field(default_factory=PeftConfig)
+    fl: FLConfig = Field(default_factory=FLConfig)
+    threat: ThreatConfig = Field(default_factory=ThreatConfig)
+    attack: AttackSection = Field(default_factory=AttackSection)
+    defenses: list[DefenseEntry] = Field(default_factory=list)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    # resolved by check()
+    _modality: str = "image"
+    _attack_cls: Any = None
+    _attack_cfg: Any = None
+    _threat: Optional[ThreatModel] = None
+
+    @property
+    def modality(self) -> str:
+        return self._modality
+
+    @property
+    def attack_cls(self):
+        return self._attack_cls
+
+    @property
+    def attack_cfg(self):
+        return self._attack_cfg
+
+    @property
+    def threat_model(self) -> ThreatModel:
+        return self._threat
+
+    def check(self) -> None:
+        preset = EXPERIMENTS.get(self.experiment, field="experiment")
+        self._modality = preset["modality"]
+        own, other = (IMAGE_DATA, TEXT_DATA) if self._modality == "image" else (TEXT_DATA, IMAGE_DATA)
+        _refuse_foreign("data", self.data, other, self._modality)
+        _refuse_foreign("model", self.model, IMAGE_MODEL if self._modality == "text" else TEXT_MODEL, self._modality)
+        self.peft.check()
+        if self.model.adapter_bottleneck is not None:
+            if "bottleneck" in self.peft.model_fields_set and self.peft.bottleneck != self.model.adapter_bottleneck:
+                raise BadInput("model.adapter_bottleneck", f"is {self.model.adapter_bottleneck} but peft.bottleneck is "
+                               f"{self.peft.bottleneck}.", "set only peft.bottleneck.")
+            self.peft.bottleneck = self.model.adapter_bottleneck
+        if self.peft.kind == "adapters" and self._modality == "text" and "bottleneck" in self.peft.model_fields_set:
+            raise BadInput("peft.bottleneck", "text adapters are sized by peft.reduction_factor.",
+                           "use e.g. --set peft.reduction_factor=2.")
+        if self._modality == "image":
+            from gradleak.models import MODELS
+
+            patch = self.model.patch_size or {"vit-b32": 32, "vit-tiny": 8}.get(self.model.name, 16)
+            if self.model.name in MODELS and self.data.image_size % patch:
+                raise BadInput("data.image_size", f"image size {self.data.image_size} is not divisible by the patch size {patch}.",
+                               f"use a multiple of {patch} (e.g. {max(1, round(self.data.image_size / patch)) * patch}) "
+                               "or change model.patch_size.")
+            hidden = self.model.hidden_size or {"vit-tiny": 192, "vit-s16": 384, "vit-l16": 1024}.get(self.model.name, 768)
+            heads = self.model.heads or {"vit-tiny": 3, "vit-s16": 6, "vit-l16": 16}.get(self.model.name, 12)
+            if hidden % heads:
+                raise BadInput("model.heads" if self.model.heads else "model.hidden_size",
+                               f"hidden size {hidden} is not divisible by {heads} heads.",
+                               "choose a head count that divides the hidden size.")
+        from gradleak.models import model_modality
+
+        mm = model_modality(self.model.name)
+        if mm != self._modality:
+            raise BadInput("model.name", f"'{self.model.name}' is a{'n' if mm == 'image' else ''} {mm} model but experiment "
+                           f"'{self.experiment}' works on {self._modality}.",
+                           f"use experiment: {'text' if mm == 'text' else 'image'} or a {self._modality} model.")
+        if self.fl.clients > 1 and self.fl.local_batch_size and self.fl.local_batch_size > self.data.batch_size:
+            pass
+        if self.fl.local_batch_size and self.fl.local_batch_size > self.data.batch_size:
+            raise BadInput("fl.local_batch_size", f"{self.fl.local_batch_size} is larger than the client's batch "
+                           f"({self.data.batch_size}).", "use at most data.batch_size.")
+        self._resolve_attack()
+        self._threat = self.threat.resolve(self.fl.secure_aggregation)
+        from gradleak.fl.threat import check_requirements
+
+        check_requirements(self._attack_cls.name, self._attack_cls.requires(self._attack_cfg), self._threat)
+
+    def _resolve_attack(self) -> None:
+        import gradleak.attacks  # noqa: F401  (registration)
+
+        name = self.attack.name
+        if name is None:
+            raise BadInput("attack.name", "no attack is named.", f"use one of: {', '.join(ATTACKS.names())}.")
+        cls = ATTACKS.get(name, field="attack.name")
+        applicable = [e.name for e in ATTACKS if e.obj.modality == self._modality and self.peft.kind in e.obj.peft_kinds]
+        if cls.modality != self._modality:
+            raise BadInput("attack.name", f"'{name}' attacks {cls.modality} data, but this experiment's data are "
+                           f"{self._modality}.", f"attacks for {self._modality} with peft.kind={self.peft.kind}: "
+                           f"{', '.join(applicable) or '(none)'}.")
+        if self.peft.kind not in cls.peft_kinds:
+            raise BadInput("peft.kind", f"attack '{name}' applies to peft.kind in {{{', '.join(cls.peft_kinds)}}}, "
+                           f"not {self.peft.kind}.", f"change peft.kind, or use one of: {', '.join(applicable) or '(none)'}.")
+        try:
+            acfg = cls.Config(**self.attack.merged())
+        except ValidationError as err:
+            from gradleak.experiments.config import describe_validation_error
+
+            bad = describe_validation_error(err)
+            known = ", ".join(sorted(cls.Config.model_fields)) or "(none)"
+            fix = bad.fix if "does not exist" not in bad.problem else f"parameters of '{name}': {known}."
+            raise BadInput(f"attack.{bad.field}", bad.problem, fix) from None
+        self._attack_cls, self._attack_cfg = cls, acfg
+
+    def dump(self) -> dict[str, Any]:
+        """The config as run: every section with defaults filled, the attack's parameters resolved."""
+        out = self.model_dump(mode="json")
+        out["attack"] = {"name": self.attack.name, **(self._attack_cfg.model_dump(mode="json") if self._attack_cfg else {})}
+        out["threat_resolved"] = self._threat.as_dict() if self._threat else None
+        return out
+
+
+def _refuse_foreign(section: str, obj: BaseModel, foreign: set[str], modality: str) -> None:
+    bad = sorted(f for f in obj.model_fields_set if f in foreign)
+    if bad:
+        other = "text" if modality == "image" else "image"
+        raise BadInput(f"{section}.{bad[0]}", f"applies to {other} experiments only; this one works on {modality}.",
+                       f"remove it, or use experiment: {other}.")
+
+
+# ---------------------------------------------------------------------------------------------------- presets
+
+def _preset(name: str, summary: str, modality: str, defaults: dict[str, Any]) -> None:
+    EXPERIMENTS.register(name, summary)({"modality": modality, "defaults": defaults})
+
+
+_preset("peftleak", "images: PEFTLeak preset (ViT-B/16 + adapters r=64, B=32, malicious server with public data)",
+        "image", {"data": {"name": "cifar-samples", "batch_size": 32}, "model": {"name": "vit-b16"},
+                  "fl": {"lr": 1e-3}, "attack": {"name": "peftleak"},
+                  "threat": {"preset": "malicious", "public_data": True}})
+_preset("utr", "text: UTR preset (MiniLM, 2 layers, adapters rf=2, honest-but-curious server)",
+        "text", {"data": {"name": "rt-sentences", "batch_size": 8}, "model": {"name": "minilm", "layers": 2, "num_classes": 2},
+                 "peft": {"kind": "adapters"}, "fl": {"lr": 0.05}, "attack": {"name": "utr"},
+                 "threat": {"preset": "honest-but-curious"}})
+_preset("image", "images: any image attack; give model/peft/attack/threat yourself (defaults: ViT-B/16, adapters)",
+        "image", {"data": {"name": "cifar-samples", "batch_size": 8}, "model": {"name": "vit-b16"}, "fl": {"lr": 1e-3}})
+_preset("text", "text: any text attack; give model/peft/attack/threat yourself (defaults: MiniLM 2 layers, adapters)",
+        "text", {"data": {"name": "rt-sentences", "batch_size": 8}, "model": {"name": "minilm", "layers": 2, "num_classes": 2},
+                 "fl": {"lr": 0.05}})
+
+
+def with_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` over its preset's defaults (deep merge; the user's keys win)."""
+    kind = raw.get("experiment")
+    if kind is None:
+        raise BadInput("experiment", "the config has no `experiment:` key.", f"add one of: {', '.join(EXPERIMENTS.names())}.")
+    if not isinstance(kind, str):
+        raise BadInput("experiment", f"must be a name, got {kind!r}.", f"use one of: {', '.join(EXPERIMENTS.names())}.")
+    preset = EXPERIMENTS.get(kind, field="experiment")
+    return _merge(copy.deepcopy(preset["defaults"]), raw)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
