@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 
 from gradleak import data
-from gradleak.data import builtin
+from gradleak.data import builtin, sources
+from gradleak.data.text import load_text
 from gradleak.errors import BadInput, MissingAsset
 from gradleak.registry import DATASETS
 
@@ -120,7 +121,10 @@ def test_image_folder_bad_inputs(tmp_path):
     Image.new("RGB", (5, 5)).save(tmp_path / "b.png")
     with pytest.raises(BadInput) as err:
         data.load("image-folder", path=str(tmp_path))
-    assert err.value.field == "data.size"
+    # the user-facing keys, not the loader's own `size` argument
+    assert err.value.field == "data.resize" and "data.image_size" in err.value.fix
+    assert "data.size" not in str(err.value)
+    assert data.load("image-folder", path=str(tmp_path), size=4).images.shape == (2, 3, 4, 4)
 
 
 def test_unknown_names_and_options():
@@ -175,3 +179,118 @@ def test_model_range_round_trip():
     y = data.to_model_range(x)
     assert y.min() >= -1 and y.max() <= 1
     assert torch.allclose(data.from_model_range(y), x)
+
+
+# --- text datasets -----------------------------------------------------------------------------------
+
+
+def test_imdb_samples_one_text_per_review():
+    try:
+        ds = load_text("imdb-samples")
+    except MissingAsset:
+        pytest.skip("gensim test data not installed")
+    assert len(ds) == 10 and len(set(ds.texts)) == 10
+    assert all(t.strip() and len(t.split()) >= 4 for t in ds.texts)
+    assert ds.texts[0].startswith("it was a bit bizarre and evil") and " ," not in ds.texts[0]
+    assert not any(t.startswith("_*") for t in ds.texts)
+    assert "mr. motos" in ds.texts[7]  # no sentence break after a title abbreviation
+    assert len(load_text("imdb-samples", limit=3)) == 3
+
+
+def _write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text, encoding="utf-8")
+    return str(p)
+
+
+def test_csv_header_with_other_names_is_not_a_sentence(tmp_path):
+    p = _write(tmp_path, "r.csv", 'review,stars\n"Great movie, loved it.",5\nAwful from start to end.,1\nFine I guess.,3\n')
+    want = ["Great movie, loved it.", "Awful from start to end.", "Fine I guess."]
+    ds = load_text("csv", path=p, text_column="review")
+    assert ds.texts == want
+    ds = load_text("csv", path=p, text_column="review", label_column="stars")
+    assert ds.texts == want and ds.labels.tolist() == [5, 1, 3]
+    assert load_text("csv", path=p).texts == want  # header detected without any column given
+    assert load_text("csv", path=p, text_column="0", label_column="1").labels.tolist() == [5, 1, 3]
+    other = _write(tmp_path, "o.csv", "comment,score\nI liked it a lot really,4\nnot for me at all,2\n")
+    assert load_text("csv", path=other).texts == ["I liked it a lot really", "not for me at all"]
+
+
+def test_csv_without_header_keeps_every_row(tmp_path):
+    p = _write(tmp_path, "h.csv", "Great movie loved it,1\nAwful really bad,0\nfine I guess so,1\n")
+    ds = load_text("csv", path=p)
+    assert ds.texts == ["Great movie loved it", "Awful really bad", "fine I guess so"]
+    assert load_text("csv", path=p, text_column=0, label_column=1).labels.tolist() == [1, 0, 1]
+    one = _write(tmp_path, "one.csv", "the first sentence here\nand the second one\n")
+    assert load_text("csv", path=one).texts == ["the first sentence here", "and the second one"]
+    # GLUE CoLA layout: source, label, marker, sentence; no header, unbalanced quotes
+    cola = _write(tmp_path, "cola.tsv", 'gj04\t1\t\tOur friends won\'t buy this analysis.\n'
+                  'gj04\t0\t*\tOne more "pseudo generalization and I\'m giving up.\n')
+    ds = load_text("tsv", path=cola, label_column="1")
+    assert ds.texts == ["Our friends won't buy this analysis.", 'One more "pseudo generalization and I\'m giving up.']
+    assert ds.labels.tolist() == [1, 0]
+    sst = _write(tmp_path, "sst.tsv", "sentence\tlabel\nhide new secretions \t0\nit 's a charming journey \t1\n")
+    ds = load_text("tsv", path=sst)
+    assert ds.texts == ["hide new secretions", "it 's a charming journey"] and ds.labels.tolist() == [0, 1]
+
+
+def test_csv_wrong_column_name_lists_the_header(tmp_path):
+    p = _write(tmp_path, "r.csv", "review,stars\nGreat movie loved it,5\nAwful really bad,1\n")
+    with pytest.raises(BadInput) as err:
+        load_text("csv", path=p, text_column="sentence")
+    assert err.value.field == "data.text_column"
+    assert "'review'" in str(err.value) and "'stars'" in str(err.value)
+    with pytest.raises(BadInput) as err:
+        load_text("csv", path=p, text_column="review", label_column="label")
+    assert err.value.field == "data.label_column" and "'stars'" in str(err.value)
+    with pytest.raises(BadInput) as err:
+        load_text("csv", path=p, text_column="5")
+    assert err.value.field == "data.text_column"
+
+
+# --- modality and public/private overlap -------------------------------------------------------------
+
+
+def test_dataset_modality():
+    for name in ("cifar-samples", "imagenet-samples", "natural-crops", "public-natural", "fashion-mnist",
+                 "image-folder", "npz"):
+        assert data.dataset_modality(name) == "image"
+    for name in ("rt-sentences", "news-sentences", "imdb-samples", "wordnet-examples", "csv", "tsv", "hf"):
+        assert data.dataset_modality(name) == "text"
+    with pytest.raises(BadInput) as err:
+        data.dataset_modality("no-such-set")
+    assert err.value.field == "data.name"
+
+
+@pytest.mark.parametrize("private,public", [("natural-crops", "natural-crops"), ("imagenet-samples", "natural-crops"),
+                                            ("cifar-samples", "cifar10-samples"), ("public-natural", "public-natural")])
+def test_check_disjoint_refuses_shared_photos(private, public):
+    with pytest.raises(BadInput) as err:
+        data.check_disjoint(private, public)
+    assert err.value.field == "data.public"
+    fix = err.value.fix
+    suggested = fix.split("data.public=", 1)[1].split(",")[0].split(" ")[0]
+    data.check_disjoint(private, suggested)  # the suggested set is disjoint indeed
+
+
+@pytest.mark.parametrize("private,public", [("cifar-samples", "natural-crops"), ("imagenet-samples", "public-natural"),
+                                            ("cifar10-samples", "cifar100-samples"), ("fashion-mnist", "natural-crops")])
+def test_check_disjoint_accepts(private, public):
+    data.check_disjoint(private, public)
+
+
+def test_check_disjoint_unknown_names_and_defaults():
+    with pytest.raises(BadInput) as err:
+        data.check_disjoint("cifar-samples", "no-such-set")
+    assert err.value.field == "data.public"
+    with pytest.raises(BadInput) as err:
+        data.check_disjoint("no-such-set", "public-natural")
+    assert err.value.field == "data.name"
+    assert data.default_public("cifar-samples") == "natural-crops"
+    assert data.default_public("imagenet-samples") == "public-natural"
+
+
+def test_every_builtin_image_set_has_its_sources_recorded():
+    builtin_sets = [e.name for e in DATASETS if getattr(e.obj, "__module__", "") == builtin.__name__]
+    assert builtin_sets and set(builtin_sets) <= set(sources.SOURCES)
+    assert set().union(*sources.SOURCES.values()) <= set(sources.FAMILIES)

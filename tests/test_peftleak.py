@@ -1,5 +1,6 @@
 """PEFTLeak: exact recovery on a tiny real case, the per-token simulator, grouping, the threat boundary."""
 
+import copy
 import inspect
 import math
 
@@ -7,10 +8,11 @@ import pytest
 import torch
 
 from gradleak.attacks.base import ThreatModel
-from gradleak.attacks.peftleak import PEFTLeak, group_by_coefficient, image_to_patches
+from gradleak.attacks.peftleak import PEFTLeak, PEFTLeakRecovery, PEFTLeakServer, group_by_coefficient, image_to_patches
 from gradleak.data import load
 from gradleak.errors import BadInput
 from gradleak.fl.core import Client, ServerView
+from gradleak.fl.threat import build_view
 from gradleak.metrics.patches import patch_recovery
 from gradleak.models.vit import vit
 from gradleak.peft.adapters import AdapterSlot, add_vit_adapters
@@ -183,3 +185,66 @@ def test_fedavg_aware_poisoning_survives_local_epochs():
     d = atk.reconstruct(view).data
     m = patch_recovery(image_to_patches(x, 8), d["patches"], d["positions"], d["groups"])
     assert m["isolated_patch_rate"] >= 0.9 and m["recovered_patch_psnr_median"] >= 40
+
+
+def _reachable(root):
+    """Every object reachable from ``root`` through attributes, dicts, lists, tuples and sets (tensors are leaves)."""
+    seen, stack, out = set(), [root], []
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        out.append(o)
+        if isinstance(o, (torch.Tensor, torch.nn.Module, type)):
+            continue
+        if isinstance(o, dict):
+            stack += list(o.keys()) + list(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack += list(o)
+        elif hasattr(o, "__dict__"):
+            stack += list(vars(o).values())
+    return out
+
+
+def test_server_and_recovery_are_separate():
+    """The server piece poisons and writes the adapters; the recovery piece holds no model and no client
+    data, and the protocol (prepare -> server_model(r) -> client update -> view -> reconstruct) recovers
+    every patch exactly."""
+    atk, model, x = _tiny("improved", B=4)
+    assert isinstance(atk.server, PEFTLeakServer) and isinstance(atk.recovery, PEFTLeakRecovery)
+    assert atk.recovery.server is atk.server
+    assert atk.rounds_wanted(1) == atk.num_rounds == atk.server.num_rounds  # the plan decides, not fl.rounds
+    client = Client(0, x, torch.arange(len(x)) % 4)
+    private = {x.untyped_storage().data_ptr(), client._inputs.untyped_storage().data_ptr(),
+               client._labels.untyped_storage().data_ptr()}
+
+    def check_clean():
+        objs = _reachable(atk.recovery)
+        assert not any(isinstance(o, torch.nn.Module) for o in objs)
+        assert not any(isinstance(o, Client) for o in objs)
+        assert not any(isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in private for o in objs)
+
+    check_clean()
+    rounds, states = [], []
+    for r in range(atk.rounds_wanted(1)):
+        model = atk.server_model(r, model)
+        for n, v in atk.server.adapter_state(r).items():  # the round's malicious adapters are what is sent
+            assert torch.equal(model.get_parameter(n).detach(), v)
+        rounds.append([client.local_update(copy.deepcopy(model))])
+        states.append({n: v.detach().clone() for n, v in model.state_dict().items()})
+    view = build_view(model=model, rounds=rounds, round_states=states,
+                      threat=ThreatModel(capability="malicious", malicious=True, prescribes_architecture=True, public_data=True),
+                      secure_sum=None, knowledge={}, always_public={})
+    rec = atk.reconstruct(view)
+    check_clean()
+    d = rec.data
+    truth = image_to_patches(x, 8)
+    m = patch_recovery(truth, d["patches"], d["positions"], d["groups"])
+    assert m["patch_recovery_rate"] == 1.0 and m["grouping_accuracy"] == 1.0 and m["false_positives"] == 0
+    assert m["recovered_patch_psnr_median"] >= 60  # exact up to float64 rounding
+    assert (d["patch_size"], d["channels"], d["num_positions"], d["image_size"], d["reduce"]) == (8, 3, 4, 16, 1)
+    assert d["attacked_positions"] == [1, 2, 3, 4]
+    assert rec.metrics == {"attacked_positions": 4, "rounds_used": atk.num_rounds, "adapters_per_position": atk.K,
+                           "hash_directions_per_position": atk.K if atk.multi_direction else 1,
+                           "positions_per_round": atk.ppr, "rounds_needed_all_positions": atk.num_rounds}

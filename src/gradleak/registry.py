@@ -65,6 +65,8 @@ def load_all() -> None:
 
     for mod in (
         "gradleak.data",
+        "gradleak.models",
+        "gradleak.peft",
         "gradleak.defenses",
         "gradleak.metrics",
         "gradleak.attacks",

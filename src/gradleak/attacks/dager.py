@@ -21,8 +21,10 @@ import time
 import torch
 from torch import nn
 
-from gradleak.attacks.base import Reconstruction, ThreatModel
-from gradleak.attacks.utr import (CausalPrefixSearch, Subspace, bert_pair_exact,
+from pydantic import Field
+
+from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction, ThreatModel
+from gradleak.attacks.utr import (CausalPrefixSearch, cap_to_batch, Subspace, bert_pair_exact,
                                   bert_pair_residuals, is_causal, model_layers, specials, subspace_from_gradients)
 from gradleak.fl.core import ServerView
 from gradleak.peft.text_adapters import StopForward
@@ -76,9 +78,24 @@ def _probe_query_input(model: nn.Module, layer: int, **inputs) -> torch.Tensor:
     return cap.x
 
 
+class DAGERConfig(AttackConfig):
+    eps_bag: float = Field(1e-3, gt=0, lt=1, description="token membership tolerance")
+    eps_sentence: float = Field(1e-3, gt=0, lt=1, description="sentence membership tolerance")
+    rank_rtol: float = Field(1e-5, gt=0, lt=1, description="relative singular-value cut-off")
+    max_positions: int = Field(128, ge=1, description="positions tested for absolute-position models")
+    max_len: int = Field(128, ge=2, description="longest sentence the causal search builds")
+    max_branches: int = Field(8, ge=1, description="trie branching cap")
+    screen_tol: float = Field(0.05, gt=0, lt=1, description="coarse screen of (token, position) pairs")
+
+
 @ATTACKS.register("dager", "DAGER-style span check on attention (query) gradients; fails with a frozen backbone")
-class DAGERAttack:
+class DAGERAttack(AttackBase):
     name = "dager"
+    Config = DAGERConfig
+    modality = "text"
+    peft_kinds = ("adapters", "lora")
+    reconstruction = "token_sequences"
+    devices = ("cpu",)
 
     def __init__(self, eps_bag: float = 1e-3, eps_sentence: float = 1e-3, rank_rtol: float = 1e-5,
                  max_positions: int = 128, max_len: int = 128, max_branches: int = 8, screen_tol: float = 0.05):
@@ -141,10 +158,11 @@ class DAGERAttack:
                                         view.public.get("batch_size"), probe_fn=probe_enc)
             sents, sinfo = search.run()
         t2 = time.perf_counter()
-        return Reconstruction(data=sents, info={
-            "word_bag": tokens, "word_bag_size": len(tokens), "rank_layer0": s0.rank, "rank_layer1": s1.rank,
-            "capacity_exhausted": bool(s0.saturated or s1.saturated), "word_bag_seconds": t1 - t0,
-            "sentence_seconds": t2 - t1, **sinfo})
+        info = {"word_bag": tokens, "word_bag_size": len(tokens), "rank_layer0": s0.rank, "rank_layer1": s1.rank,
+                "capacity_exhausted": bool(s0.saturated or s1.saturated), "word_bag_seconds": t1 - t0,
+                "sentence_seconds": t2 - t1, **sinfo}
+        sents = cap_to_batch(sents, info, view.public.get("batch_size"), causal)
+        return Reconstruction(data=sents, info=info)
 
 
 def _names_for(tensors: dict[str, torch.Tensor], layer: int) -> set[str]:

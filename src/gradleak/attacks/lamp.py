@@ -16,17 +16,41 @@ import time
 import torch
 from torch import nn
 
-from gradleak.attacks.base import Reconstruction, ThreatModel
+from pydantic import Field
+
+from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction, ThreatModel
 from gradleak.attacks.utr import is_causal, specials
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
 from gradleak.registry import ATTACKS
 
 
+class LAMPConfig(AttackConfig):
+    steps: int = Field(200, ge=1, description="continuous optimisation steps")
+    lr: float = Field(0.01, gt=0, description="Adam step size")
+    discrete_every: int = Field(50, ge=1, description="steps between discrete (token swap) steps")
+    swaps: int = Field(16, ge=0, description="random adjacent swaps tried per discrete step")
+    lm_weight: float = Field(0.2, ge=0, description="weight of the LM negative log-likelihood (causal models)")
+    norm_weight: float = Field(0.01, ge=0, description="embedding-norm regulariser")
+
+
 @ATTACKS.register("lamp", "LAMP-style optimisation: cosine gradient matching on embeddings + LM prior")
-class LAMPAttack:
+class LAMPAttack(AttackBase):
+    """LAMP's threat model: the server knows every sequence's length and the labels (``requires``)."""
+
     name = "lamp"
-    needs_lengths = True
+    Config = LAMPConfig
+    modality = "text"
+    reconstruction = "token_sequences"
+    devices = ("cpu",)
+
+    @classmethod
+    def requires(cls, cfg=None) -> dict[str, bool]:
+        return {"knows_lengths": True, "knows_labels": True}
+
+    @classmethod
+    def from_config(cls, cfg, ctx):
+        return cls(**cfg.model_dump(), seed=ctx.seed)
 
     def __init__(self, steps: int = 200, lr: float = 0.01, discrete_every: int = 50, swaps: int = 16,
                  lm_weight: float = 0.2, norm_weight: float = 0.01, seed: int = 0):
@@ -40,7 +64,7 @@ class LAMPAttack:
         lengths = view.public.get("lengths")
         if not lengths:
             raise BadInput("view.public.lengths", "LAMP needs the sequence lengths (its threat model).",
-                           "run it through the utr experiment, which grants them.")
+                           "grant them with threat.knows_lengths=true (LAMP's threat model).")
         t0 = time.perf_counter()
         model, tok = view.model, view.public["tokenizer"]
         causal = is_causal(model)
@@ -108,7 +132,10 @@ class LAMPAttack:
         ids = self._nearest(with_specials(x.detach()), E)
         sents = [ids[i, 1:lengths[i] - 1].tolist() for i in range(B)]
         return Reconstruction(data=sents, info={"steps": self.steps, "attack_seconds": time.perf_counter() - t0,
-                                                "word_bag_seconds": 0.0, "sentence_seconds": time.perf_counter() - t0})
+                                                "word_bag_seconds": 0.0, "sentence_seconds": time.perf_counter() - t0,
+                                                # optimisation output: nothing is verified
+                                                "verified": [False] * B, "verified_sentences": 0,
+                                                "unverified_sentences": B})
 
     @staticmethod
     def _ids_or_soft(xx, E):

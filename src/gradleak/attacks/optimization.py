@@ -64,7 +64,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from gradleak.attacks.base import Reconstruction, ThreatModel
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction, ThreatModel
 from gradleak.errors import BadInput
 from gradleak.fl.core import LossFn, ServerView, Update, default_classification_loss
 from gradleak.registry import ATTACKS
@@ -111,9 +115,23 @@ def _force_eager_attention(model: nn.Module) -> bool:
     return switched
 
 
+class InvertingGradientsConfig(AttackConfig):
+    steps: int = Field(2000, ge=1, le=10_000_000, description="Adam steps per restart")
+    lr: float = Field(0.1, gt=0, le=100, description="initial step size (cosine-decayed to 0)")
+    tv_weight: float = Field(1e-4, ge=0, description="total-variation weight α_TV")
+    restarts: int = Field(1, ge=1, le=1000, description="independent trials; the best final matching loss wins")
+    labels: Literal["known", "idlg"] = Field("known", description="known (granted by the threat model) or idlg (from the head-bias gradient)")
+    signed: bool = Field(True, description="Adam on the sign of the gradient (IG)")
+    box: Literal["clamp", "tanh"] = Field("clamp", description="box constraint on the pixels")
+    similarity: Literal["global", "per_parameter"] = Field("global", description="one cosine over all tensors, or the mean per tensor")
+    client_index: int = Field(0, ge=0, description="which observed update to attack")
+    label_param: Optional[str] = Field(None, description="name of the head bias (idlg); default: detected")
+    log_every: Optional[int] = Field(None, ge=1, description="progress every N steps")
+
+
 @ATTACKS.register("inverting_gradients",
                   "honest-server optimisation attack: 1 − cos gradient matching + TV (Geiping et al. 2020)")
-class InvertingGradients:
+class InvertingGradients(AttackBase):
     """Inverting Gradients (Geiping et al. 2020) on whatever parameters the observed update holds.
 
     Parameters: ``steps`` Adam steps per restart; ``lr`` initial step size (cosine-decayed to 0);
@@ -128,6 +146,21 @@ class InvertingGradients:
     """
 
     name = "inverting_gradients"
+    Config = InvertingGradientsConfig
+    modality = "image"
+    reconstruction = "images"
+
+    @classmethod
+    def requires(cls, cfg=None) -> dict[str, bool]:
+        labels = cfg.labels if cfg is not None else "known"
+        return {"knows_batch_size": True, "knows_labels": labels == "known"}
+
+    @classmethod
+    def from_config(cls, cfg, ctx):
+        progress = None
+        if ctx.progress is not None:
+            progress = ctx.progress
+        return cls(**cfg.model_dump(), seed=ctx.seed, progress=progress)
 
     def __init__(self, steps: int = 2000, lr: float = 0.1, tv_weight: float = 1e-4, restarts: int = 1,
                  labels: str = "known", seed: int = 0, image_shape: Sequence[int] | None = None,

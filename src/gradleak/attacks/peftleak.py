@@ -1,17 +1,31 @@
 """PEFTLeak (Sami et al., CVPR 2025; ``shared/papers/000``, SPEC §1): exact patch recovery from the
 adapter gradients of a ViT poisoned by a malicious server.
 
+The attack is split into the two parties' pieces, composed by the registered attack :class:`PEFTLeak`
+(the round protocol of :mod:`gradleak.attacks.base`):
+
+* :class:`PEFTLeakServer` — the malicious server: poisons the model once, plans the rounds, writes each
+  round's malicious adapters. It owns the secrets the analysis needs (positional embeddings, the
+  embedding map ``M``, every slot's read-out direction and thresholds) and the binning geometry
+  (:meth:`~PEFTLeakServer.geometry`, :meth:`~PEFTLeakServer.stats`, :meth:`~PEFTLeakServer.adapter_inputs`)
+  both pieces use.
+* :class:`PEFTLeakRecovery` — the attacker's analysis, built as ``PEFTLeakRecovery(server)``: it reads the
+  server's secrets through ``self.server`` and, at reconstruction time, only the
+  :class:`~gradleak.fl.core.ServerView`. It holds no reference to the model or to any client data.
+
 Pipeline (Algorithm 1):
 
-1. :meth:`PEFTLeak.prepare` poisons the backbone once (§3.3, eq. 9–19): positional embeddings
+1. :meth:`PEFTLeakServer.prepare` poisons the backbone once (§3.3, eq. 9–19): positional embeddings
    i.i.d. with std ``sigma`` (SPEC A1.1: "N(0, σ)" read as std), patch embedding ``E = 0.5·M``,
    LayerNorm weights ``sigma`` and bias 0, identity attention (Q = K = V = W_O = I, Q scaled by
-   ``q_scale`` so the softmax is an exact one-hot in float64), identity MLP with ±γ biases (γ = 1e4).
-2. :meth:`PEFTLeak.adapter_state` writes the malicious adapters of one round (§3.4, eq. 20–23): every
-   down-projection row of an adapter assigned to position t reads the target token through
+   ``q_scale`` so the softmax is an exact one-hot in float64), identity MLP with ±γ biases (γ = 1e4);
+   then it plans the rounds (:meth:`PEFTLeakServer._plan_rounds`, A1.8).
+2. :meth:`PEFTLeakServer.adapter_state` writes the malicious adapters of one round (§3.4, eq. 20–23):
+   every down-projection row of an adapter assigned to position t reads the target token through
    ``w = E_pos(t)`` (+ ``α·d_k`` in the improved design), the biases are thresholds from the public-data
    statistic (inverse Gaussian CDF in the paper design), the up-projection is ``up_scale·u_out·1ᵀ``.
-3. :meth:`PEFTLeak.reconstruct` reads only the :class:`~gradleak.fl.core.ServerView`: eq. (24)
+   :meth:`PEFTLeak.server_model` loads it into the model the server sends that round.
+3. :meth:`PEFTLeakRecovery.reconstruct` reads only the :class:`~gradleak.fl.core.ServerView`: eq. (24)
    (differences of consecutive neurons) isolates the adapter input of a lone patch in a bin, eq. (25)
    maps it back to pixels, then patches are grouped into images.
 
@@ -57,14 +71,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, Optional
 
 import numpy as np
 import torch
-from scipy.stats import norm as _normal
+from pydantic import Field
 from torch import nn
 
-from gradleak.attacks.base import Reconstruction, ThreatModel
+from gradleak.attacks.base import AttackBase, AttackConfig, AttackContext, Reconstruction, ThreatModel
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
 from gradleak.peft.adapters import AdapterSlot
@@ -144,7 +158,7 @@ def slot_scales(v: torch.Tensor, n_blocks: int, sigma: float, eps: float) -> tor
 
 
 # --------------------------------------------------------------------------------------------------
-# the attack
+# the plan the server keeps secret (read by the recovery)
 # --------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -162,17 +176,21 @@ class RoundPlan:
     slots: list[SlotPlan] = field(default_factory=list)
 
 
-@ATTACKS.register("peftleak", "malicious-server exact patch recovery from ViT adapter gradients (Sami et al. 2025)")
-class PEFTLeak:
-    """PEFTLeak with ``design="paper"`` (Algorithm 1 as published) or ``"improved"`` (default).
+# --------------------------------------------------------------------------------------------------
+# the malicious server: poisoning, planning, per-round adapters
+# --------------------------------------------------------------------------------------------------
+
+class PEFTLeakServer:
+    """The malicious server of PEFTLeak with ``design="paper"`` (Algorithm 1 as published) or
+    ``"improved"`` (default): poisoning (:meth:`prepare`, §3.3), round planning (:meth:`_plan_rounds`),
+    the adapters of every round (:meth:`adapter_state`, §3.4) and the binning geometry both sides use.
 
     Improved design: every adapter of a position bins along its own direction
     ``w = E_pos(t) + α·d_k`` (d_k ⊥ all positional embeddings, from the top principal directions of the
     public patches, so the hashes are nearly independent), empirical equi-probable bins with no lost
-    tails, candidates cross-checked against the other adapters' bins, and peeling of collided bins.
+    tails; the recovery cross-checks candidates against the other adapters' bins and peels collided
+    bins (``peel``, a setting the server carries for the recovery).
     """
-
-    name = "peftleak"
 
     def __init__(self, *, public_images: torch.Tensor, design: str = "improved", sigma: float = 10.0,
                  pe_distribution: str = "gaussian", gamma: float = 1e4, q_scale: float = 1e5,
@@ -219,11 +237,8 @@ class PEFTLeak:
 
     # ------------------------------------------------------------------ poisoning (once)
     @torch.no_grad()
-    def prepare(self, model: nn.Module, threat: ThreatModel | None = None) -> nn.Module:
+    def prepare(self, model: nn.Module) -> nn.Module:
         """Poison the backbone and head in place; plan the rounds. Returns the model (float64)."""
-        if threat is not None and not threat.malicious:
-            raise BadInput("threat.malicious", "PEFTLeak needs a malicious server (it rewrites weights).",
-                           "set the threat model to malicious or pick an honest attack.")
         cfg = model.config
         if getattr(model, "pooling", "mean") != "mean":
             raise BadInput("model.pooling", "PEFTLeak's identity attention gives patch tokens no gradient under CLS pooling.",
@@ -329,8 +344,8 @@ class PEFTLeak:
         model.head.bias.zero_()
         model.head.bias[0] = math.log(max(model.head.out_features - 1, 1)) - self.head_scale * float(feat.mean())
         self._plan_rounds()
-        self.model_template = model
         return model
+
 
     def _low_energy_direction(self, pub: torch.Tensor) -> tuple[torch.Tensor, float]:
         """The pixel direction the LayerNorm is allowed to destroy: the least-energy combination (on the
@@ -467,6 +482,8 @@ class PEFTLeak:
             k_t = K * r
             probs = (np.arange(s_i * r, (s_i + 1) * r) + 1) / (k_t + 1)
             if self.quantiles == "gaussian":  # the paper: inverse CDF of a Gaussian fitted to the public statistic
+                from scipy.stats import norm as _normal
+
                 mu, sd = float(stat.mean()), float(stat.std())
                 thr = torch.tensor(mu + sd * _normal.ppf(probs), dtype=F64)
             else:  # ablation: empirical quantiles of the public statistic
@@ -526,7 +543,28 @@ class PEFTLeak:
                 state[f"{slot.prefix}.up.bias"] = torch.zeros(D, dtype=F64)
         return state
 
-    # ------------------------------------------------------------------ recovery
+
+
+# --------------------------------------------------------------------------------------------------
+# the attacker's analysis: recovery from the server view
+# --------------------------------------------------------------------------------------------------
+
+class PEFTLeakRecovery:
+    """The attacker's side of PEFTLeak: eq. (24)–(25) per bin, the consistency and trust checks, peeling,
+    deduplication and grouping by the image coefficient g.
+
+    Built from a prepared server (``PEFTLeakRecovery(server)``); reads the server's secrets (plans,
+    positional embeddings, ``M``, thresholds, scales) through ``self.server`` and, in :meth:`reconstruct`,
+    the observed updates and per-round adapter states of the :class:`~gradleak.fl.core.ServerView` only.
+    Holds no reference to the model or to any client data.
+    """
+
+    def __init__(self, server: PEFTLeakServer):
+        self.server = server
+        # per reconstruction: tolerance on g agreement, and each slot's bin differences Δb of the round
+        self._match_tol = 1e-6
+        self._dgb: dict[int, torch.Tensor] = {}
+
     def simulate_tokens(self, y: torch.Tensor, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Per-token forward of the poisoned model for embedding outputs ``y`` (n × D).
 
@@ -536,38 +574,47 @@ class PEFTLeak:
         output and every adapter output (in slot order). ``tests/test_peftleak.py`` checks it against the
         real model.
         """
-        D = self.D
-        ln_w = torch.full((D,), self.sigma, dtype=F64)
+        srv = self.server
+        D = srv.D
+        ln_w = torch.full((D,), srv.sigma, dtype=F64)
         ln_b = torch.zeros(D, dtype=F64)
         x = y
         outs = []
-        for b in range(self.L):
+        for b in range(srv.L):
             for kind in ("msa", "mlp"):
                 pre = AdapterSlot(b, kind).prefix
-                z = nn.functional.layer_norm(x, (D,), ln_w, ln_b, self.eps)
+                z = nn.functional.layer_norm(x, (D,), ln_w, ln_b, srv.eps)
                 act = torch.relu(z @ state[f"{pre}.down.weight"].T + state[f"{pre}.down.bias"])
                 out = z + act @ state[f"{pre}.up.weight"].T + state[f"{pre}.up.bias"]
                 outs.append(out)
                 x = x + out
-        return nn.functional.layer_norm(x, (D,), torch.full((D,), self.final_ln, dtype=F64), ln_b, self.eps), outs
+        return nn.functional.layer_norm(x, (D,), torch.full((D,), srv.final_ln, dtype=F64), ln_b, srv.eps), outs
 
     def _token_coefficients(self, state: dict[str, torch.Tensor], x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """κ (n × slots): the coefficient a lone token adds to every neuron's bias gradient per unit g,
         where g = ∂L/∂logit_0 of its image: κ = up_scale · u_outᵀ ∂(head_scale/N · ŵᵀ LN_f(token))/∂(adapter out)."""
-        y = (0.5 * (x @ self.M.T) + self.pos[positions]).requires_grad_(True)
+        srv = self.server
+        y = (0.5 * (x @ srv.M.T) + srv.pos[positions]).requires_grad_(True)
         with torch.enable_grad():
             final, outs = self.simulate_tokens(y, state)
             for o in outs:
                 o.retain_grad()
-            ((self.head_scale / self.N) * (final @ self.w_head)).sum().backward()
-        return torch.stack([o.grad @ self.u_out for o in outs], 1).detach() * self.up_scale
+            ((srv.head_scale / srv.N) * (final @ srv.w_head)).sum().backward()
+        return torch.stack([o.grad @ srv.u_out for o in outs], 1).detach() * srv.up_scale
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
-        """Recover patches from the observed per-round adapter gradients and group them into images."""
+        """Recover patches from the observed per-round adapter gradients and group them into images.
+
+        ``data``: ``patches`` (n × P²C/reduce², in [-1, 1]), their ``positions`` (1..N), image ``groups``,
+        image coefficients ``g``, and the geometry the evaluation needs to place them (``reduce``,
+        ``patch_size``, ``channels``, ``num_positions``, ``image_size``, ``attacked_positions``: the
+        positions attacked in the rounds the view holds). ``metrics``: the plan's numbers (no ground truth).
+        """
+        srv = self.server
         if view.secure_aggregation or not view.rounds:
             raise BadInput("fl.secure_aggregation", "PEFTLeak needs the victim's individual per-round updates.",
                            "turn secure aggregation off for this attack (it then sees only the aggregate).")
-        n_rounds = min(len(view.rounds), len(self.plans))
+        n_rounds = min(len(view.rounds), len(srv.plans))
         # how closely the image coefficient g of two patches of one image agree: to float64 rounding
         # after one gradient step; to ~1e-4 after several FedAvg steps (the adapters move a little)
         multi_step = any(u.kind == "pseudo_gradient" and u.local_steps > 1 for r in view.rounds for u in r)
@@ -576,18 +623,25 @@ class PEFTLeak:
         bins_seen = 0
         for k in range(n_rounds):
             upd = view.rounds[k][0]
-            found += self._recover_round(k, upd, view.round_states[k])
-            bins_seen += sum(len(sp.usable_bins) for sp in self.plans[k].slots)
+            state = {n: v.detach().cpu() for n, v in view.round_states[k].items()}  # the analysis runs on the CPU
+            found += self._recover_round(k, upd, state)
+            bins_seen += sum(len(sp.usable_bins) for sp in srv.plans[k].slots)
         patches, positions, gvals = self._dedupe(found)
         groups = group_by_coefficient(gvals, positions, self._match_tol)
         info = {"candidates": len(found), "unique_patches": int(len(patches)), "rounds": n_rounds,
                 "bins": bins_seen, "groups": int(groups.max() + 1) if len(groups) else 0,
-                "design": self.design}
-        return Reconstruction({"patches": patches, "positions": positions, "groups": groups, "g": gvals,
-                               "reduce": self.reduce}, info)
+                "design": srv.design}
+        attacked = sorted({sp.position for plan in srv.plans[:n_rounds] for sp in plan.slots})
+        data = {"patches": patches, "positions": positions, "groups": groups, "g": gvals, "reduce": srv.reduce,
+                "patch_size": srv.P, "channels": srv.C, "num_positions": srv.N, "image_size": srv.S,
+                "attacked_positions": attacked}
+        metrics = {"attacked_positions": len(attacked), "rounds_used": n_rounds, "adapters_per_position": srv.K,
+                   "hash_directions_per_position": srv.K if srv.multi_direction else 1,
+                   "positions_per_round": srv.ppr, "rounds_needed_all_positions": srv.num_rounds}
+        return Reconstruction(data, info, metrics)
 
     def _recover_round(self, k: int, upd, state: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
-        plan = self.plans[k]
+        plan = self.server.plans[k]
         self._dgb: dict[int, torch.Tensor] = {}
         nonempty: dict[int, torch.Tensor] = {}
         bins: list[dict[str, Any]] = []  # every nonempty bin of this round
@@ -596,12 +650,12 @@ class PEFTLeak:
             if f"{pre}.down.weight" not in upd.tensors:
                 raise BadInput("update", f"the observed update lacks '{pre}.down.weight'.",
                                "the client must upload the adapter gradients (adapters trainable).")
-            GW = upd.tensors[f"{pre}.down.weight"].to(F64)
-            Gb = upd.tensors[f"{pre}.down.bias"].to(F64)
+            GW = upd.tensors[f"{pre}.down.weight"].to("cpu", F64)
+            Gb = upd.tensors[f"{pre}.down.bias"].to("cpu", F64)
             dGb = torch.cat([Gb[:-1] - Gb[1:], Gb[-1:]])  # bin j = neuron j minus neuron j+1; top bin alone
             dGW = torch.cat([GW[:-1] - GW[1:], GW[-1:]])
             scale = float(Gb.abs().max()) + 1e-300
-            ok = torch.zeros(self.r, dtype=torch.bool)
+            ok = torch.zeros(self.server.r, dtype=torch.bool)
             ok[sp.usable_bins] = True
             tol = (1e-6 if upd.kind == "pseudo_gradient" else 1e-9) * scale  # FedAvg: update is a weight difference
             ok &= dGb.abs() > tol
@@ -612,12 +666,12 @@ class PEFTLeak:
         if not bins:
             return []
         cands = self._candidates(bins, [b["db"] for b in bins], torch.stack([b["dw"] for b in bins]), k)
-        if self.multi_direction:
+        if self.server.multi_direction:
             cands = self._filter_consistent(cands, plan, nonempty)
         self._attach_g(cands, state)
-        if self.multi_direction:
+        if self.server.multi_direction:
             cands = self._trusted(cands, plan)
-        if self.peel and self.multi_direction:
+        if self.server.peel and self.server.multi_direction:
             cands = self._peel(cands, bins, plan, nonempty, state)
         return cands
 
@@ -661,33 +715,34 @@ class PEFTLeak:
     def _h_to_pixels(self, h: torch.Tensor, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Adapter inputs h (n × D) -> reduced pixel vectors: solve φ(v)²v = ‖h‖²/D for the variance v,
         divide out the LayerNorm scale φ, subtract E_pos and invert E = 0.5·M (eq. 25)."""
-        target = (h * h).sum(1) / self.D
+        srv = self.server
+        target = (h * h).sum(1) / srv.D
         lo = torch.full_like(target, -30.0)
         hi = torch.full_like(target, 30.0)
         for _ in range(64):  # bisection on log v; φ(v)²v is increasing in v
             mid = 0.5 * (lo + hi)
             v = torch.exp(mid)
-            val = slot_scales(v, self.L, self.sigma, self.eps).gather(1, idx[:, None])[:, 0] ** 2 * v
+            val = slot_scales(v, srv.L, srv.sigma, srv.eps).gather(1, idx[:, None])[:, 0] ** 2 * v
             up = val < target
             lo = torch.where(up, mid, lo)
             hi = torch.where(up, hi, mid)
         v = torch.exp(0.5 * (lo + hi))
-        phi = slot_scales(v, self.L, self.sigma, self.eps).gather(1, idx[:, None])
-        x = 2 * (h / phi - self.pos_c[t]) @ self.M
-        if self.lost_dir is not None:
-            x = x + self.lost_mean * self.lost_dir
+        phi = slot_scales(v, srv.L, srv.sigma, srv.eps).gather(1, idx[:, None])
+        x = 2 * (h / phi - srv.pos_c[t]) @ srv.M
+        if srv.lost_dir is not None:
+            x = x + srv.lost_mean * srv.lost_dir
         return x
 
     def _bins_of(self, X: torch.Tensor, t: torch.Tensor, plan: RoundPlan) -> dict[int, torch.Tensor]:
         """Bin index of each patch in every slot of its position (-2: other position, -1: below c_1)."""
-        geo = self.geometry(X)
+        geo = self.server.geometry(X)
         out = {}
         for sp in plan.slots:
             b = torch.full((len(X),), -2, dtype=torch.long)
             rows = torch.nonzero(t == sp.position)[:, 0]
             if len(rows):
                 sub = PatchGeometry(geo.Mx_c[rows], geo.norm2[rows], geo.pdot[rows])
-                s = self.stats(sub, sp.position, sp.index, sp.weight)
+                s = self.server.stats(sub, sp.position, sp.index, sp.weight)
                 b[rows] = torch.searchsorted(sp.thresholds, s) - 1
             out[sp.index] = b
         return out
@@ -742,7 +797,7 @@ class PEFTLeak:
             g = torch.tensor([c["g"] for c in known], dtype=F64)
             kappa = torch.stack([c["kappa"] for c in known])
             where = self._candidate_bins(known, plan)
-            geo = self.geometry(X)
+            geo = self.server.geometry(X)
             res_b, res_w, res_bins = [], [], []
             for b in bins:
                 sp = b["plan"]
@@ -751,7 +806,7 @@ class PEFTLeak:
                     continue
                 coef = g[members] * kappa[members, sp.index]
                 sub = PatchGeometry(geo.Mx_c[members], geo.norm2[members], geo.pdot[members])
-                h = self.adapter_inputs(sub, t[members], torch.full((len(members),), sp.index))
+                h = self.server.adapter_inputs(sub, t[members], torch.full((len(members),), sp.index))
                 db = b["db"] - float(coef.sum())
                 if abs(db) <= 1e-6 * abs(b["db"]):
                     continue
@@ -788,11 +843,137 @@ class PEFTLeak:
     def _dedupe(self, found: list[dict]):
         uniq = self._unique(found)  # the same patch isolated by two adapters is one patch
         if not uniq:
-            return (torch.zeros(0, self.Pd, dtype=F64), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=F64))
+            return (torch.zeros(0, self.server.Pd, dtype=F64), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=F64))
         X = torch.stack([c["x"] for c in uniq]).clamp(-1, 1)
         pos = torch.tensor([c["position"] for c in uniq], dtype=torch.long)
         g = torch.tensor([c.get("g", float("nan")) for c in uniq], dtype=F64)
         return X, pos, g
+
+
+
+# --------------------------------------------------------------------------------------------------
+# the registered attack: the round protocol over the two pieces
+# --------------------------------------------------------------------------------------------------
+
+class PEFTLeakConfig(AttackConfig):
+    """Parameters of the ``peftleak`` attack (``attack:`` section of a config)."""
+
+    design: Literal["paper", "improved"] = Field(
+        "improved", description="'paper': Algorithm 1 as published; 'improved': one hash direction per adapter, no lost tails, peeling")
+    sigma: float = Field(10.0, gt=0, le=1e4, description="std σ of the poisoned positional embeddings (paper: 10)")
+    pe_distribution: Literal["gaussian", "laplacian"] = Field(
+        "gaussian", description="distribution of the positional embeddings (std sigma either way)")
+    adapters_per_position: Optional[int] = Field(
+        None, ge=1, description="adapter slots per attacked position (default: the paper's rule, all slots of a round shared)")
+    positions_per_round: Optional[int] = Field(
+        None, ge=1, description="positions attacked per round (default: the paper's rule, slots // 5)")
+    max_rounds: Optional[int] = Field(None, ge=1, description="stop after this many rounds (default: as many as the plan needs)")
+    low_resolution: bool = Field(False, description="recover k×k block means when P²C > D (ViT-B/32, Table 3)")
+    peel: bool = Field(True, description="improved design: subtract recovered patches from collided bins")
+    quantiles: Literal["gaussian", "empirical"] = Field(
+        "gaussian", description="paper design's bin edges: inverse Gaussian CDF (the paper's) or empirical quantiles")
+    fedavg_aware: Optional[bool] = Field(
+        None, description="FedAvg-aware scaling of the malicious weights (App. C.6); default: on when fl.algorithm is fedavg")
+    up_scale: float = Field(1e-12, gt=0, le=1e-3, description="scale of the adapters' up-projection (forward perturbation)")
+
+
+_MISSING = object()
+
+
+@ATTACKS.register("peftleak", "malicious-server exact patch recovery from ViT adapter gradients (Sami et al. 2025)")
+class PEFTLeak(AttackBase):
+    """PEFTLeak as a protocol attack: a :class:`PEFTLeakServer` (``self.server``) poisons the model and
+    writes every round's adapters, a :class:`PEFTLeakRecovery` (``self.recovery``) recovers the patches
+    from the :class:`~gradleak.fl.core.ServerView`.
+
+    The keyword constructor takes the server's parameters plus ``max_rounds``. For the single-class API
+    of earlier versions, attributes this class does not define (``plans``, ``K``, ``ppr``, ``N``, ``P``,
+    ``C``, ``S``, ``D``, ``r``, ``L``, ``reduce``, ``num_rounds``, ``multi_direction``, ``sigma``,
+    ``design``, ``adapter_state``, ``simulate_tokens``, ...) are *read* from the server, then from the
+    recovery (see :meth:`__getattr__`); set parameters through the constructor, not on this object.
+    """
+
+    name = "peftleak"
+    Config = PEFTLeakConfig
+    modality = "image"
+    peft_kinds = ("adapters",)
+    reconstruction = "patches"
+    needs_float64 = True
+    rewrites_weights = True
+    summary = "malicious server poisons a ViT + adapters and recovers exact image patches from the adapter gradients"
+
+    def __init__(self, *, public_images: torch.Tensor, design: str = "improved", sigma: float = 10.0,
+                 pe_distribution: str = "gaussian", gamma: float = 1e4, q_scale: float = 1e5,
+                 up_scale: float = 1e-12, adapters_per_position: int | None = None,
+                 positions_per_round: int | None = None, low_resolution: bool = False,
+                 peel: bool = True, quantiles: str = "gaussian", fedavg_aware: bool = False,
+                 expected_batch_size: int | None = None, seed: int = 0, max_rounds: int | None = None):
+        if max_rounds is not None and max_rounds < 1:
+            raise BadInput("attack.max_rounds", f"must be at least 1, got {max_rounds}.", "omit it to run every planned round.")
+        self.server = PEFTLeakServer(public_images=public_images, design=design, sigma=sigma,
+                                     pe_distribution=pe_distribution, gamma=gamma, q_scale=q_scale,
+                                     up_scale=up_scale, adapters_per_position=adapters_per_position,
+                                     positions_per_round=positions_per_round, low_resolution=low_resolution,
+                                     peel=peel, quantiles=quantiles, fedavg_aware=fedavg_aware,
+                                     expected_batch_size=expected_batch_size, seed=seed)
+        self.recovery = PEFTLeakRecovery(self.server)
+        self.max_rounds = max_rounds
+
+    @classmethod
+    def requires(cls, cfg: Optional[AttackConfig] = None) -> dict[str, bool]:
+        return {"malicious": True, "public_data": True, "individual_updates": True}
+
+    @classmethod
+    def from_config(cls, cfg: PEFTLeakConfig, ctx: AttackContext) -> "PEFTLeak":
+        public_images = ctx.public.get("public_images")
+        if public_images is None:
+            raise BadInput("threat.public_data", "PEFTLeak sets its bin thresholds from public images, but none were granted.",
+                           "set threat.public_data=true and give a public dataset (e.g. natural-crops).")
+        fedavg_aware = (ctx.fl.get("algorithm") == "fedavg") if cfg.fedavg_aware is None else cfg.fedavg_aware
+        return cls(public_images=public_images, expected_batch_size=ctx.public.get("batch_size"),
+                   fedavg_aware=fedavg_aware, seed=ctx.seed, **cfg.model_dump(exclude={"fedavg_aware"}))
+
+    def __getattr__(self, name: str) -> Any:
+        """Read-only delegation for the single-class API: the server's attribute, else the recovery's.
+        Only reached when ordinary lookup fails (so ``server``, ``recovery`` and this class's methods win)."""
+        if name.startswith("__") or name in ("server", "recovery"):
+            raise AttributeError(name)
+        for part in (self.__dict__.get("server"), self.__dict__.get("recovery")):
+            if part is not None:
+                value = getattr(part, name, _MISSING)
+                if value is not _MISSING:
+                    return value
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    # ------------------------------------------------------------------ the round protocol
+    def prepare(self, model: nn.Module, threat: ThreatModel | None = None) -> nn.Module:
+        """Refuse a non-malicious threat model, then let the server poison the model and plan the rounds."""
+        if threat is not None and not threat.malicious:
+            raise BadInput("threat.malicious", "PEFTLeak needs a malicious server (it rewrites weights).",
+                           "set the threat model to malicious or pick an honest attack.")
+        return self.server.prepare(model)
+
+    def rounds_wanted(self, fl_rounds: int) -> int:
+        """The rounds the plan needs to attack every position (``fl_rounds`` is ignored), capped by
+        ``max_rounds``. Known only after :meth:`prepare`."""
+        if not self.server.plans:
+            raise RuntimeError("PEFTLeak plans its rounds in prepare(model); call prepare before rounds_wanted.")
+        n = self.server.num_rounds
+        return n if self.max_rounds is None else min(self.max_rounds, n)
+
+    def server_model(self, round_index: int, model: nn.Module) -> nn.Module:
+        """Load round ``round_index``'s malicious adapters (:meth:`PEFTLeakServer.adapter_state`) into
+        ``model`` (on its device) and return it."""
+        if not 0 <= round_index < self.server.num_rounds:
+            raise ValueError(f"PEFTLeak planned {self.server.num_rounds} round(s); round {round_index} was asked "
+                             "(run rounds_wanted(...) rounds).")
+        device = next(model.parameters()).device
+        model.load_state_dict({n: v.to(device) for n, v in self.server.adapter_state(round_index).items()}, strict=False)
+        return model
+
+    def reconstruct(self, view: ServerView) -> Reconstruction:
+        """Recover the patches from the view alone (:meth:`PEFTLeakRecovery.reconstruct`)."""
+        return self.recovery.reconstruct(view)
 
 
 @dataclass

@@ -49,7 +49,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradleak.attacks.base import Reconstruction, ThreatModel
+from typing import Optional
+
+from pydantic import Field
+
+from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction, ThreatModel
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
 from gradleak.peft.text_adapters import PREFIX, adapter_param, capture_inputs
@@ -407,8 +411,48 @@ class CausalPrefixSearch:
 # ----------------------------------------------------------------------------------------------- the attack
 
 
+def cap_to_batch(sents: list[list[int]], info: dict[str, Any], batch_size: int | None, causal: bool) -> list[list[int]]:
+    """Order verified sentences first and return at most ``batch_size`` of them (when the server knows B).
+
+    Verified = passed the membership test at every position: the encoder search reports how many of its
+    (verified-first) chains passed; every sentence the causal trie search completes passed at each prefix,
+    unless the search ran out of time. ``info["verified"]`` gets one flag per returned sentence.
+    """
+    if causal:
+        flags = [not info.get("search_truncated", False)] * len(sents)
+        if batch_size and len(sents) > batch_size:  # spurious branches die early: keep the longest
+            order = sorted(range(len(sents)), key=lambda i: -len(sents[i]))[:batch_size]
+            sents = [sents[i] for i in sorted(order)]
+            flags = flags[:len(sents)]
+    else:
+        k = int(info.get("verified_sentences", 0) or 0)
+        flags = [i < k for i in range(len(sents))]
+    if batch_size and len(sents) > batch_size:
+        sents, flags = sents[:batch_size], flags[:batch_size]
+    info["verified"] = flags
+    info["verified_sentences"] = int(sum(flags))
+    info["unverified_sentences"] = len(sents) - int(sum(flags))
+    return sents
+
+
+
+class UTRConfig(AttackConfig):
+    eps_bag: float = Field(1e-3, gt=0, lt=1, description="stage-1 membership tolerance (relative residual)")
+    eps_sentence: float = Field(1e-3, gt=0, lt=1, description="stage-2 membership tolerance (relative residual)")
+    rank_rtol: float = Field(1e-5, gt=0, lt=1, description="relative singular-value cut-off of the SVD")
+    max_positions: int = Field(128, ge=1, description="positions tested for absolute-position models")
+    max_len: int = Field(128, ge=2, description="longest sentence the causal search builds")
+    max_branches: Optional[int] = Field(None, ge=1, description="trie branching cap (default max(8, B))")
+    eicw: bool = Field(True, description="consecutive-identical-word filter")
+    lm_prior: bool = Field(True, description="rank branches past the cap by the LM")
+    all_rounds: bool = Field(True, description="stack the embedding-adapter gradients of every observed round")
+    sentence_layer: str = Field("layer_0", description="adapter whose input space tests sentences")
+    screen_tol: float = Field(0.05, gt=0, lt=1, description="coarse screen of (token, position) pairs")
+    time_budget: float = Field(600.0, gt=0, description="seconds before the sentence search stops")
+
+
 @ATTACKS.register("utr", "UTR: word bag from the embedding adapter + sentence search on the first layer adapter")
-class UTRAttack:
+class UTRAttack(AttackBase):
     """Honest-but-curious server (SPEC §3.1): reads only the ServerView (model sent, adapter gradients, tokenizer).
 
     Parameters: ``eps_bag`` / ``eps_sentence`` -- membership tolerances (relative residual) for stage 1 / 2;
@@ -421,6 +465,11 @@ class UTRAttack:
     """
 
     name = "utr"
+    Config = UTRConfig
+    modality = "text"
+    peft_kinds = ("adapters",)
+    reconstruction = "token_sequences"
+    devices = ("cpu",)  # the exact subspace tests run in float64 on the CPU copy of the gradients
 
     def __init__(self, eps_bag: float = 1e-3, eps_sentence: float = 1e-3, rank_rtol: float = 1e-5,
                  max_positions: int = 128, max_len: int = 128, max_branches: int | None = None, eicw: bool = True,
@@ -561,4 +610,5 @@ class UTRAttack:
                                f"gradient subspace saturated (rank {sub_ea.rank}/{sub_la.rank} vs {sub_ea.rows} "
                                "bottleneck rows): the batch holds more distinct token vectors than the adapter "
                                "can store; the word bag and the sentences are unreliable beyond this point.")
+        sents = cap_to_batch(sents, info, view.public.get("batch_size"), bag["causal"])
         return Reconstruction(data=sents, info=info)

@@ -12,13 +12,18 @@ from typing import Any
 
 from gradleak.data import builtin, files  # noqa: F401  (registration)
 from gradleak.data.base import ImageSet, from_model_range, to_model_range
+from gradleak.data.sources import SOURCES, check_disjoint, default_public
 from gradleak.registry import DATASETS
 
 # Every other module of this package (e.g. text datasets, owned elsewhere) registers on import too.
 for _info in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_info.name}")
 
-__all__ = ["ImageSet", "load", "names", "to_model_range", "from_model_range"]
+__all__ = ["ImageSet", "SOURCES", "check_disjoint", "dataset_modality", "default_public", "load", "names",
+           "to_model_range", "from_model_range"]
+
+#: The module whose registered datasets are text (everything else in ``DATASETS`` is images).
+TEXT_MODULE = f"{__name__}.text"
 
 
 def load(name: str, **kwargs: Any) -> ImageSet:
@@ -39,3 +44,12 @@ def load(name: str, **kwargs: Any) -> ImageSet:
 
 def names() -> list[str]:
     return DATASETS.names()
+
+
+def dataset_modality(name: str) -> str:
+    """``"text"`` for a dataset registered in ``gradleak.data.text``, else ``"image"``; reads no file.
+
+    Unknown names raise the registry's :class:`gradleak.errors.BadInput` (field ``data.name``).
+    """
+    fn = DATASETS.get(name, field="data.name")
+    return "text" if getattr(fn, "__module__", None) == TEXT_MODULE else "image"

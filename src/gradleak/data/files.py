@@ -33,19 +33,21 @@ def _images_in(d: Path) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
 
 
-@DATASETS.register("image-folder", "your own images: `path` to a folder (class = sub-folder name), optional `size`")
+@DATASETS.register("image-folder",
+                   "your own images: `path` to a folder (class = sub-folder name); data.resize resizes to data.image_size")
 def image_folder(path: str | None = None, size: int | None = None, n: int | None = None, mode: str = "RGB") -> ImageSet:
     """Load every image under ``path``.
 
     Layout: ``path/<class>/<image>`` (classes sorted by name → labels 0..K−1) or a flat folder of
-    images (one class, label 0). ``size`` resizes to size×size (bicubic, no crop); without it every
-    image must already have the same size. ``mode`` "RGB" (3 channels) or "L" (grey, 1 channel).
+    images (one class, label 0). ``size`` resizes to size×size (bicubic, no crop; in a config:
+    ``data.resize: true`` with ``data.image_size``); without it every image must already have the same
+    size. ``mode`` "RGB" (3 channels) or "L" (grey, 1 channel).
     """
     root = _existing(path, "data.path", want_dir=True)
     if mode not in ("RGB", "L"):
         raise BadInput("data.mode", f"unknown mode '{mode}'.", "use 'RGB' or 'L'.")
-    if size is not None:
-        size = check_positive_int(size, "data.size")
+    if size is not None:  # the experiment passes data.image_size here when data.resize is set
+        size = check_positive_int(size, "data.image_size")
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and _images_in(p))
     entries: list[tuple[Path, int]] = []
     if classes:
@@ -68,8 +70,9 @@ def image_folder(path: str | None = None, size: int | None = None, n: int | None
             raise BadInput("data.path", f"cannot read image '{p}': {err}.") from None
     shapes = {a.shape for a in arrays}
     if len(shapes) > 1:
-        raise BadInput("data.size", f"the images in '{root}' have different sizes {sorted(shapes)[:3]}….",
-                       "set data.size to resize them all to size×size.")
+        raise BadInput("data.resize", f"the images in '{root}' have different sizes {sorted(shapes)[:3]}….",
+                       "set data.resize=true to resize them all to data.image_size×data.image_size "
+                       "(e.g. data.image_size=32), or resize the files yourself.")
     names = [str(p.relative_to(root)) for p, _ in entries]
     return ImageSet(stack(arrays), torch.tensor([k for _, k in entries], dtype=torch.int64), names, len(classes),
                     "image-folder", {"classes": classes, "path": str(root)})

@@ -1,16 +1,8 @@
-"""Experiment configs, the runner and sweeps. Importing this registers every experiment."""
+"""Experiment configs (:mod:`~gradleak.experiments.schema`), the one runner
+(:mod:`~gradleak.experiments.pipeline`), evaluation by reconstruction kind and sweeps."""
 
 from gradleak.experiments.runner import run_config, run_file, validate
 
 __all__ = ["run_config", "run_file", "validate"]
 
-# Experiments register themselves on import; each module is optional so one broken extra cannot
-# stop the others from loading.
-import importlib as _importlib
-
-for _mod in ("gradleak.experiments.peftleak", "gradleak.experiments.utr"):
-    try:
-        _importlib.import_module(_mod)
-    except ModuleNotFoundError as _err:  # only a module that does not exist yet is skipped
-        if _err.name != _mod:
-            raise
+from gradleak.experiments import schema as _schema  # noqa: F401,E402  (registers the experiment presets)

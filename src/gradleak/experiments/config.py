@@ -20,9 +20,15 @@ class Strict(BaseModel):
 def parse_value(text: str) -> Any:
     """Parse a ``--set`` value with YAML rules (``32`` -> int, ``true`` -> bool, ``[8,16]`` -> list)."""
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    if isinstance(value, str):  # YAML 1.1 reads 1e300 / 1e-3 (no dot) as strings
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def _field_names(model: type[BaseModel]) -> dict[str, str]:

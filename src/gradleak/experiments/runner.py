@@ -1,8 +1,8 @@
-"""The runner: config file -> validated config -> experiment -> results.json + report.html.
+"""The runner: config file -> validated config -> the one pipeline -> results.json + report.html.
 
-An *experiment* is a registered class (``EXPERIMENTS`` registry, keyed by the config's top-level
-``experiment:`` field) with a pydantic ``Config`` and ``run(config, ctx) -> dict`` returning
-``{"metrics": {...}, "timings": {...}, "artifacts": [...], "report": {...}}``.
+``experiment:`` names a preset of defaults (``EXPERIMENTS``, see :mod:`gradleak.experiments.schema`); every
+preset runs through :func:`gradleak.experiments.pipeline.run_experiment`. Validation (config keys, values,
+attack applicability, the threat-model gate, the output directory) happens before any model is loaded.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import torch
 from pydantic import ValidationError
 
 from gradleak.errors import BadInput
-from gradleak.experiments.config import apply_overrides, describe_validation_error, load_yaml
+from gradleak.experiments.config import apply_overrides, describe_validation_error, load_yaml, normalize_aliases
 from gradleak.experiments.results import environment, write_json_atomic
-from gradleak.registry import EXPERIMENTS, load_all
 
 
 @dataclass
@@ -30,11 +29,21 @@ class RunContext:
     progress: Callable[..., Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    stage_fn: Callable[[str], Any] | None = None
+
     def track(self, iterable, description: str = "", total: int | None = None):
         """Wrap a loop in a progress bar when the CLI supplied one."""
         if self.progress is None:
             return iterable
         return self.progress(iterable, description=description, total=total)
+
+    def stage(self, description: str):
+        """A context manager that shows a running step (spinner + elapsed time) when the CLI supplied one."""
+        import contextlib
+
+        if self.stage_fn is None:
+            return contextlib.nullcontext()
+        return self.stage_fn(description)
 
 
 def seed_everything(seed: int) -> None:
@@ -47,45 +56,71 @@ def resolve_device(name: str | None) -> torch.device:
     name = (name or "cpu").lower()
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise BadInput("--device", f"'{name}' was asked for but no CUDA device is available.", "use --device cpu.")
-    if name not in ("cpu",) and not name.startswith("cuda") and name != "mps":
-        raise BadInput("--device", f"unknown device '{name}'.", "use cpu, cuda, cuda:N or auto.")
-    return torch.device(name)
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise BadInput("--device", f"'{name}' was asked for but no CUDA device is available.", "use --device cpu.")
+        try:
+            dev = torch.device(name)
+        except RuntimeError:
+            raise BadInput("--device", f"'{name}' is not a device name.", "use cuda or cuda:N.") from None
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise BadInput("--device", f"'{name}' does not exist ({torch.cuda.device_count()} CUDA device(s)).",
+                           f"use cuda:0..cuda:{torch.cuda.device_count() - 1}.")
+        return dev
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "mps":
+        raise BadInput("--device", "mps (Apple GPUs) is not supported: the attacks need float64, which MPS lacks.",
+                       "use --device cpu (or cuda on an NVIDIA machine).")
+    raise BadInput("--device", f"unknown device '{name}'.", "use cpu, cuda, cuda:N or auto.")
 
 
 def validate(raw: dict, overrides: list[str] | None = None):
-    """Return (experiment class, validated config) for a raw config dict and ``--set`` overrides."""
-    load_all()
-    kind = raw.get("experiment")
-    if kind is None:
-        raise BadInput("experiment", "the config has no `experiment:` key.", f"add one of: {', '.join(EXPERIMENTS.names())}.")
-    exp_cls = EXPERIMENTS.get(kind, field="experiment")
-    raw = apply_overrides(raw, overrides or [], exp_cls.Config)
+    """Return (experiment runner, validated ExperimentConfig) for a raw config dict and ``--set`` overrides."""
+    from gradleak.experiments.schema import ExperimentConfig, with_defaults
+
+    raw = normalize_aliases(apply_overrides(raw, overrides or [], ExperimentConfig), ExperimentConfig)
+    full = with_defaults(raw)
     try:
-        cfg = exp_cls.Config(**raw)
+        cfg = ExperimentConfig(**full)
     except ValidationError as err:
         raise describe_validation_error(err) from None
-    if hasattr(cfg, "check"):
-        cfg.check()
-    return exp_cls, cfg
+    cfg.check()
+    from gradleak.experiments.pipeline import run_experiment
+
+    return run_experiment, cfg
+
+
+def check_out_dir(out_dir: str | Path) -> Path:
+    """Create ``out_dir`` and prove it writable before any work (a run must not be lost at the end)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise BadInput("--out", f"'{out}' exists and is not a directory.", "give a directory path (it is created if missing).")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".gradleak-write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise BadInput("--out", f"cannot write to '{out}': {err.strerror or err}.",
+                       "choose a directory you can write to.") from None
+    return out
 
 
 def run_config(raw: dict, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,
-               progress: Callable[..., Any] | None = None) -> dict:
-    exp_cls, cfg = validate(raw, overrides)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    dev = resolve_device(device or getattr(cfg, "device", "cpu"))
-    seed_everything(int(getattr(cfg, "seed", 0)))
-    ctx = RunContext(out, dev, progress)
+               progress: Callable[..., Any] | None = None, stage: Callable[[str], Any] | None = None) -> dict:
+    run, cfg = validate(raw, overrides)
+    dev = resolve_device(device or cfg.device)
+    out = check_out_dir(out_dir)
+    seed_everything(int(cfg.seed))
+    ctx = RunContext(out, dev, progress, stage_fn=stage)
     t0 = time.perf_counter()
-    res = exp_cls().run(cfg, ctx)
+    res = run(cfg, ctx)
     wall = time.perf_counter() - t0
     results = {
-        "name": getattr(cfg, "name", None) or exp_cls.__name__,
-        "experiment": raw.get("experiment"),
-        "config": cfg.model_dump(mode="json"),
+        "name": cfg.name or cfg.experiment,
+        "experiment": cfg.experiment,
+        "config": cfg.dump(),
         "metrics": res.get("metrics", {}),
         "timings": {**res.get("timings", {}), "total_seconds": wall},
         "environment": {**environment(), "device": str(dev)},
@@ -100,5 +135,5 @@ def run_config(raw: dict, out_dir: str | Path, overrides: list[str] | None = Non
 
 
 def run_file(path: str | Path, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,
-             progress: Callable[..., Any] | None = None) -> dict:
-    return run_config(load_yaml(path), out_dir, overrides, device, progress)
+             progress: Callable[..., Any] | None = None, stage: Callable[[str], Any] | None = None) -> dict:
+    return run_config(load_yaml(path), out_dir, overrides, device, progress, stage)

@@ -1,0 +1,227 @@
+"""Evaluation: the only step that sees the ground truth, chosen by the kind of reconstruction (DESIGN §2).
+
+``EVALUATORS`` maps an attack's ``reconstruction`` kind to a function
+``(truth: Truth, rec: Reconstruction, cfg, out_dir, trial) -> Evaluation``:
+
+* ``patches`` — PEFTLeak: patch recovery (a true patch counts when a returned patch at its image and
+  position reaches ``metrics.psnr_threshold_db``), grouping accuracy, image PSNR/SSIM/MSE, feature distance;
+* ``images`` — optimisation attacks: PSNR/SSIM/MSE after an order-free (Hungarian, on MSE) matching of
+  reconstructions to private images, feature distance, the grey-image reference PSNR;
+* ``token_sequences`` — text attacks: ROUGE-1/2/L recall (the papers' metric) *and* F1 (extra output is
+  penalised), exact sentences, word-bag precision/recall, sentences returned / verified, and the
+  capacity measures computed from the truth (unique tokens, layer states).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from gradleak.registry import Registry
+
+EVALUATORS: Registry[Callable[..., "Evaluation"]] = Registry("evaluator")
+
+
+@dataclass
+class Truth:
+    """The private samples the observed update came from (never shown to the attack)."""
+
+    modality: str
+    inputs: Any  # images in [0, 1] (B×C×H×W) or encoded text {"input_ids", "attention_mask"}
+    labels: torch.Tensor
+    texts: list[str] | None = None
+    tokenizer: Any = None
+    model_kind: str | None = None
+    bottleneck: int | None = None
+
+
+@dataclass
+class Evaluation:
+    metrics: dict[str, float]
+    figures: list[dict] = field(default_factory=list)
+    tables: list[dict] = field(default_factory=list)
+    artifacts: list[str] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)  # per-sample rows (text: reference vs reconstruction)
+    notes: list[str] = field(default_factory=list)
+
+
+def evaluate(kind: str, truth: Truth, rec, cfg, out_dir: Path, trial: int = 0) -> Evaluation:
+    ev = EVALUATORS.get(kind, field="attack.reconstruction")(truth, rec, cfg, out_dir, trial)
+    for k, v in (rec.metrics or {}).items():  # attack-side numbers (no truth involved)
+        ev.metrics.setdefault(k, float(v))
+    return ev
+
+
+# ------------------------------------------------------------------------------------------------ images
+
+def _image_metrics(truth01: torch.Tensor, recon01: torch.Tensor, cfg) -> dict[str, float]:
+    from gradleak.metrics import lpips, psnr, ssim
+
+    out = {}
+    filled = torch.where(torch.isnan(recon01), torch.full_like(recon01, 0.5), recon01)
+    out["image_psnr_mean"] = float(psnr(filled, truth01).mean())
+    out["image_ssim_mean"] = float(ssim(filled, truth01).mean())
+    out["image_mse_mean"] = float(((filled - truth01) ** 2).mean())
+    if cfg.metrics.feature_distance:
+        from gradleak.metrics import feature_distance
+
+        out["feature_distance_mean"] = float(feature_distance(filled.float(), truth01.float()).mean())
+    lp = lpips(filled.float(), truth01.float())  # None unless the user supplied AlexNet-LPIPS weights
+    if lp is not None:
+        out["lpips_mean"] = float(lp.mean())
+    return out
+
+
+def _grids(truth01: torch.Tensor, recon01: torch.Tensor, out_dir: Path, trial: int, title: str, caption: str):
+    from gradleak.report import save_image_grid
+
+    B, S = len(truth01), truth01.shape[-1]
+    nrow, show = min(8, B), min(B, 64)
+    suffix = "" if trial == 0 else f"_trial{trial}"
+    gt, rc = f"ground_truth{suffix}.png", f"reconstruction{suffix}.png"
+    save_image_grid(truth01[:show], out_dir / gt, nrow=nrow, upscale=max(1, 128 // S))
+    save_image_grid(recon01[:show], out_dir / rc, nrow=nrow, upscale=max(1, 128 // S))
+    figs = [{"title": "ground truth (client's private batch)", "path": gt, "caption": f"first {show} of {B}"},
+            {"title": title, "path": rc, "caption": caption}]
+    return figs, [gt, rc]
+
+
+@EVALUATORS.register("patches", "PEFTLeak patches: recovery rate, grouping, image PSNR/SSIM")
+def evaluate_patches(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evaluation:
+    from gradleak.attacks.peftleak import image_to_patches, patches_to_image, upsample_patch
+    from gradleak.metrics import ssim
+    from gradleak.metrics.patches import assemble_images, patch_recovery
+
+    d = rec.data
+    k, P, C, N, S = d["reduce"], d["patch_size"], d["channels"], d["num_positions"], d["image_size"]
+    truth01 = truth.inputs.to(torch.float64).cpu()
+    B = len(truth01)
+    truth_cmp = image_to_patches(truth01 * 2 - 1, P, k)
+    thr = cfg.metrics.psnr_threshold_db
+    m = patch_recovery(truth_cmp, d["patches"], d["positions"], d["groups"], thr)
+    assignment = m.pop("assignment")
+    placed = assemble_images(d["patches"], d["positions"], d["groups"], assignment, B, N, truth_cmp.shape[-1])
+    if k > 1:
+        placed = upsample_patch(placed.reshape(B * N, -1), C, P, k).reshape(B, N, -1)
+    recon01 = (torch.stack([patches_to_image(placed[i], C, S, P) for i in range(B)]) + 1) / 2
+    metrics = {k2: float(v) for k2, v in m.items() if isinstance(v, (int, float))}
+    metrics.update(_image_metrics(truth01, recon01, cfg))
+    if k == 1:
+        ok = ~torch.isnan(placed[..., 0])
+        if ok.any():
+            rp, tp = (placed[ok] + 1) / 2, (truth_cmp[ok] + 1) / 2
+            metrics["recovered_patch_mse_mean"] = float(((rp - tp) ** 2).mean())
+            side = int(math.isqrt(rp.shape[1] // C))
+            metrics["recovered_patch_ssim_mean"] = float(ssim(rp.reshape(-1, C, side, side).float(),
+                                                              tp.reshape(-1, C, side, side).float()).mean())
+    attacked = list(d.get("attacked_positions") or range(1, N + 1))
+    if len(attacked) < N:  # fewer rounds than the plan needs: also score the positions attacked
+        keep = torch.isin(d["positions"], torch.tensor(attacked))
+        remap = torch.zeros(N + 1, dtype=torch.long)
+        remap[torch.tensor(attacked)] = torch.arange(1, len(attacked) + 1)
+        sub = patch_recovery(truth_cmp[:, torch.tensor(attacked) - 1], d["patches"][keep], remap[d["positions"][keep]],
+                             d["groups"][keep], thr)
+        metrics["patch_recovery_rate_attacked_positions"] = float(sub["patch_recovery_rate"])
+        metrics["isolated_patch_rate_attacked_positions"] = float(sub["isolated_patch_rate"])
+    figs, arts = _grids(truth01, recon01, out_dir, trial, f"PEFTLeak reconstruction ({rec.info.get('design', '')} design)",
+                        "grey = patch not recovered; images placed by the attacker's grouping")
+    notes = [f"{rec.info.get('unique_patches')} patches returned from {rec.info.get('bins')} bins over "
+             f"{rec.info.get('rounds')} round(s).",
+             f"A true patch counts as recovered only if a patch at its image and position has PSNR ≥ {thr:g} dB "
+             "(gradleak.metrics.patches)."]
+    return Evaluation(metrics, figs, [], arts, notes=notes)
+
+
+@EVALUATORS.register("images", "reconstructed images: order-free PSNR/SSIM/MSE, feature distance")
+def evaluate_images(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evaluation:
+    from scipy.optimize import linear_sum_assignment
+
+    from gradleak.metrics import psnr
+
+    truth01 = truth.inputs.to(torch.float32).cpu()
+    x = rec.data["images"].detach().to(torch.float32).cpu()
+    if x.shape[1:] != truth01.shape[1:]:
+        x = torch.nn.functional.interpolate(x, size=truth01.shape[-2:], mode="bilinear", align_corners=False)
+    n = min(len(x), len(truth01))
+    cost = ((x[:, None] - truth01[None]) ** 2).flatten(2).mean(-1)  # recon × truth
+    ri, ti = linear_sum_assignment(cost.numpy())
+    matched = torch.full_like(truth01, float("nan"))
+    matched[torch.as_tensor(ti)] = x[torch.as_tensor(ri)]
+    metrics = _image_metrics(truth01, matched, cfg)
+    metrics["images_returned"] = float(len(x))
+    metrics["reference_gray_image_psnr_mean"] = float(psnr(torch.full_like(truth01, 0.5), truth01).mean())
+    metrics["images_above_threshold"] = float((psnr(torch.nan_to_num(matched, nan=0.5), truth01)
+                                               >= cfg.metrics.psnr_threshold_db).sum())
+    for key in ("initial_matching_loss", "final_matching_loss"):
+        if key in rec.info:
+            metrics[key] = float(rec.info[key])
+    figs, arts = _grids(truth01, torch.nan_to_num(matched, nan=0.5), out_dir, trial, "reconstruction (order-matched)",
+                        f"{n} of {len(truth01)} images matched to the private batch by MSE")
+    return Evaluation(metrics, figs, [], arts)
+
+
+# ------------------------------------------------------------------------------------------------ text
+
+@EVALUATORS.register("token_sequences", "text: ROUGE recall and F1, exact sentences, word bag, verified sentences")
+def evaluate_tokens(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evaluation:
+    from gradleak.metrics.text import match_sentences, rouge_f1_scores, rouge_scores, word_bag_scores
+
+    tok = truth.tokenizer
+    ids, mask = truth.inputs["input_ids"], truth.inputs["attention_mask"].bool()
+    refs = [tok.decode(i[m], skip_special_tokens=True).strip() for i, m in zip(ids, mask)]
+    recs = [tok.decode(s, skip_special_tokens=True).strip() for s in rec.data]
+    out = dict(rouge_scores(refs, recs))
+    out.update(rouge_f1_scores(refs, recs))
+    if truth.model_kind == "causal":  # the final EOS gets no gradient under the LM loss: it is not part of what leaks
+        last = mask.sum(1) - 1
+        vis = mask.clone()
+        vis[torch.arange(len(ids)), last] = False
+        true_tokens = set(ids[vis].tolist())
+        vectors = len(true_tokens)
+        lens = mask.sum(1).tolist()  # distinct layer states = distinct prefixes that receive a gradient
+        states = len({tuple(ids[i, :k + 1].tolist()) for i in range(len(ids)) for k in range(int(lens[i]) - 1)})
+    else:
+        true_tokens = set(ids[mask].tolist())
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        vectors = len(set(zip(ids[mask].tolist(), pos[mask].tolist())))
+        states = int(mask.sum())  # every token's layer state differs (the whole sentence is its context)
+    bag = set(rec.info.get("word_bag", []))
+    if "word_bag" in rec.info:
+        out.update(word_bag_scores(true_tokens, bag))
+    verified = list(rec.info.get("verified", [False] * len(recs)))
+    n_verified = int(sum(bool(v) for v in verified))
+    out.update({
+        "unique_tokens": len(true_tokens),
+        "unique_token_vectors": vectors,
+        "layer_states": states,
+        "bottleneck": truth.bottleneck if truth.bottleneck is not None else float("nan"),
+        "total_tokens": int(mask.sum()),
+        "recovered_tokens": int(sum(len(s) for s in rec.data)),
+        "word_bag_size": len(bag),
+        "sentences_returned": len(recs),
+        "sentences_verified": n_verified,
+        # a batch is flagged unless the attack verified one sentence per private sentence
+        "unverified_batch": float(n_verified < len(refs)),
+        "capacity_exhausted": float(bool(rec.info.get("capacity_exhausted", False))),
+        "attack_failed": float(bool(rec.info.get("failure"))),
+        "search_truncated": float(bool(rec.info.get("search_truncated"))),
+    })
+    matched = match_sentences(refs, recs)
+    rows = []
+    for ref, j in zip(refs, matched):
+        r = recs[j] if j is not None else ""
+        rows.append({"trial": trial, "reference": ref, "reconstruction": r,
+                     "verified": "yes" if (j is not None and j < len(verified) and verified[j]) else "no",
+                     "exact": "yes" if ref.lower().split() == r.lower().split() else "no"})
+    extra = [recs[j] for j in range(len(recs)) if j not in set(m for m in matched if m is not None)]
+    for r in extra:
+        rows.append({"trial": trial, "reference": "(none: extra output)", "reconstruction": r, "verified": "-", "exact": "no"})
+    notes = []
+    if n_verified < len(refs):
+        notes.append(f"trial {trial}: {n_verified} of {len(refs)} sentences verified by the attack — "
+                     "unverified text is a best guess, not a proven reconstruction.")
+    return Evaluation(out, rows=rows, notes=notes)

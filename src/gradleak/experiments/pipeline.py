@@ -1,0 +1,320 @@
+"""The one experiment runner (DESIGN §1) for every attack:
+
+    data -> model -> PEFT -> attack.prepare -> FL rounds (attack.server_model each round, clients on their own
+    copies, defenses, secure aggregation) -> ServerView (threat model) -> attack.reconstruct -> evaluation -> report
+
+The ground truth (the clients' private samples) leaves this module only towards the evaluation step.
+
+Timings: ``attack_to_client_step_ratio`` = (attack prepare + per-round server model + reconstruction) /
+(the clients' local training over the same rounds), measured in the same run so machine noise cancels.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradleak.errors import BadInput
+from gradleak.experiments.evaluation import Truth, evaluate
+from gradleak.experiments.schema import ExperimentConfig
+
+GENERATED = ("natural-crops", "public-natural")
+USER_IMAGE_SETS = ("image-folder", "npz")
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+def load_images(name: str, n: int, size: int, seed: int, field: str, path: str | None = None, resize: bool = False):
+    """``n`` images at size×size in [0, 1] (3 channels). Generated sets (crops) use ``seed``; a fixed set returns
+    its first ``n`` images for seed 0 and a seeded random subset of ``n`` otherwise. A user's own folder/npz
+    must already have the configured size unless ``resize`` (``data.resize``) is set."""
+    from gradleak.data import load
+
+    kwargs: dict = {"n": n} if name in GENERATED else {}
+    if name in GENERATED or name == "imagenet-samples":
+        kwargs["size"] = size
+    if name in GENERATED:
+        kwargs["seed"] = seed
+    if path is not None:
+        kwargs["path"] = path
+    ds = load(name, **kwargs)
+    imgs, labels = ds.images, ds.labels
+    if name not in GENERATED and seed != 0 and len(imgs) > n:
+        perm = torch.randperm(len(imgs), generator=torch.Generator().manual_seed(seed))[:n]
+        imgs, labels = imgs[perm], labels[perm]
+    if len(imgs) < n:
+        raise BadInput(field, f"'{name}' has only {len(imgs)} images but {n} were asked for "
+                       "(data.batch_size × fl.clients, or data.public_size).",
+                       "lower the batch size / client count or use natural-crops (any number of images).")
+    if imgs.shape[-1] != size or imgs.shape[-2] != size:
+        if name in USER_IMAGE_SETS and not resize:
+            raise BadInput("data.image_size", f"the images of '{path}' are {imgs.shape[-2]}×{imgs.shape[-1]} but "
+                           f"data.image_size is {size}.",
+                           f"set data.image_size={imgs.shape[-1]} (square images) or data.resize=true to resize them.")
+        imgs = torch.nn.functional.interpolate(imgs, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    if imgs.shape[1] == 1:
+        imgs = imgs.expand(-1, 3, -1, -1)
+    return imgs[:n].clamp(0, 1), labels[:n]
+
+
+def _public_name(cfg: ExperimentConfig) -> str:
+    from gradleak.data import check_disjoint
+
+    name = cfg.data.public
+    if name is None:  # default: crops of photos the private set does not come from
+        name = "natural-crops"
+        try:
+            check_disjoint(cfg.data.name, name)
+        except BadInput:
+            name = "public-natural"
+    check_disjoint(cfg.data.name, name)
+    return name
+
+
+class ImageData:
+    def __init__(self, cfg: ExperimentConfig):
+        self.cfg = cfg
+
+    def clients(self, trial: int, num_classes: int):
+        c = self.cfg
+        n = c.data.batch_size * c.fl.clients
+        imgs, labels = load_images(c.data.name, n, c.data.image_size, c.data.seed + 7919 * trial, "data.name",
+                                   c.data.path, c.data.resize)
+        B = c.data.batch_size
+        return [(imgs[i * B:(i + 1) * B], labels[i * B:(i + 1) * B] % num_classes) for i in range(c.fl.clients)]
+
+    def public(self):
+        c = self.cfg
+        imgs, _ = load_images(_public_name(c), c.data.public_size, c.data.image_size, c.data.seed + 1000, "data.public")
+        return imgs
+
+
+class TextData:
+    def __init__(self, cfg: ExperimentConfig):
+        from gradleak.data.text import load_text
+
+        self.cfg = cfg
+        d = cfg.data
+        kwargs = {k: v for k, v in {"path": d.path, "text_column": d.text_column, "label_column": d.label_column,
+                                    "limit": d.limit}.items() if v is not None}
+        if d.name == "hf":
+            kwargs.update(split=d.split, subset=d.subset)
+        self.ds = load_text(d.name, **kwargs)
+        need = d.batch_size * cfg.fl.clients
+        if need > len(self.ds):
+            raise BadInput("data.batch_size", f"{d.batch_size} sentences × {cfg.fl.clients} client(s) = {need} is more "
+                           f"than the {len(self.ds)} texts of '{d.name}'.", f"use at most {len(self.ds)} in all.")
+
+    def clients(self, trial: int, num_classes: int):
+        c = self.cfg
+        B = c.data.batch_size
+        out = []
+        for i in range(c.fl.clients):
+            texts, labels = self.ds.batch(B, seed=c.seed, offset=(trial * c.fl.clients + i) * B)
+            out.append((texts, torch.as_tensor(labels, dtype=torch.long) % num_classes))
+        return out
+
+
+# ------------------------------------------------------------------------------------------------ runner
+
+def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
+    from gradleak.attacks.base import AttackContext
+    from gradleak.data import dataset_modality
+    from gradleak.defenses.update import build_defenses
+    from gradleak.fl.core import Client, default_classification_loss
+    from gradleak.fl.protocol import run_rounds
+    from gradleak.fl.threat import build_view
+    from gradleak.models import build
+    from gradleak.peft import apply_peft
+
+    A, acfg, threat, modality = cfg.attack_cls, cfg.attack_cfg, cfg.threat_model, cfg.modality
+    dev = ctx.device
+    if dev.type not in A.devices:
+        raise BadInput("--device", f"attack '{A.name}' runs on {', '.join(A.devices)} only, not on {dev.type}.",
+                       "use --device cpu.")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    dm = dataset_modality(cfg.data.name)
+    if dm != modality:
+        raise BadInput("data.name", f"'{cfg.data.name}' is a {dm} dataset but experiment '{cfg.experiment}' works on {modality}.",
+                       f"use a {modality} dataset (see `gradleak list`) or experiment: {dm}.")
+    timings: dict[str, float] = {}
+    # ---- data (private: the clients'; public: the server's, only if the threat model grants it)
+    t0 = time.perf_counter()
+    data = ImageData(cfg) if modality == "image" else TextData(cfg)
+    public: dict[str, Any] = {}
+    if threat.public_data and modality == "image":
+        public["public_images"] = data.public()
+    # ---- model + PEFT
+    dtype = cfg.model.dtype or ("float64" if A.needs_float64 else "float32")
+    mcfg = cfg.model
+    if mcfg.init_weights is None:
+        mcfg = mcfg.model_copy(update={"init_weights": not A.rewrites_weights})
+    handle = build(mcfg, modality, image_size=cfg.data.image_size, seed=cfg.seed, dtype=dtype)
+    apply_peft(handle, cfg.peft, seed=cfg.seed)
+    timings["model_load_seconds"] = time.perf_counter() - t0
+    # ---- attack: built from its config and what the threat model grants before any round
+    if threat.knows_batch_size:
+        public["batch_size"] = cfg.data.batch_size * (1 if threat.individual_updates else cfg.fl.clients)
+    fl_public = {"algorithm": cfg.fl.algorithm, "local_epochs": cfg.fl.local_epochs, "lr": cfg.fl.lr,
+                 "local_batch_size": cfg.fl.local_batch_size, "clients": cfg.fl.clients}
+    actx = AttackContext(seed=cfg.seed, device=dev, threat=threat, fl=fl_public, public=public)
+    attack = A.from_config(acfg, actx)
+    t0 = time.perf_counter()
+    model = attack.prepare(handle.model, threat)
+    t_prepare = time.perf_counter() - t0
+    model.to(dev)
+    handle.model = model
+    start_state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    rounds = attack.rounds_wanted(cfg.fl.rounds)
+    defenses = build_defenses([d.model_dump() for d in cfg.defenses], seed=cfg.seed)
+    loss_fn = handle.loss_fn or default_classification_loss
+    bottleneck = _bottleneck(cfg, handle)
+    evals, infos = [], []
+    t_client = t_hook = t_rec = 0.0
+    for trial in range(cfg.trials):
+        if trial:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if n in start_state:
+                        p.copy_(start_state[n])
+        batches = data.clients(trial, mcfg.num_classes)
+        clients, truth = _clients(handle, batches, loss_fn, dev, threat, cfg)
+        outcome = run_rounds(model, clients, rounds=rounds, algorithm=cfg.fl.algorithm, lr=cfg.fl.lr,
+                             local_epochs=cfg.fl.local_epochs, local_batch_size=cfg.fl.local_batch_size,
+                             defenses=defenses, seed=cfg.seed, server_hook=attack.server_model,
+                             secure_aggregation=not threat.individual_updates, track=ctx.track)
+        t_client += outcome.client_seconds
+        t_hook += outcome.server_hook_seconds
+        view = build_view(model=outcome.model, rounds=outcome.rounds, round_states=outcome.round_states,
+                          threat=threat, secure_sum=outcome.secure_sums, knowledge=truth.pop("_knowledge"),
+                          always_public=_always_public(handle, cfg))
+        with ctx.stage(f"attack {A.name}" + (f" (trial {trial + 1}/{cfg.trials})" if cfg.trials > 1 else "")):
+            t0 = time.perf_counter()
+            rec = attack.reconstruct(view)
+            t_rec += time.perf_counter() - t0
+        with ctx.stage("evaluation"):
+            tr = Truth(modality, truth["inputs"], truth["labels"], texts=truth.get("texts"), tokenizer=handle.tokenizer,
+                       model_kind=handle.kind, bottleneck=bottleneck)
+            evals.append(evaluate(A.reconstruction, tr, rec, cfg, ctx.out_dir, trial))
+        infos.append(rec.info)
+    metrics = {k: float(np.mean([e.metrics[k] for e in evals if k in e.metrics])) for k in evals[0].metrics}
+    attack_time = t_prepare + t_hook + t_rec
+    timings.update({"attack_prepare_seconds": t_prepare, "attack_adapter_state_seconds": t_hook,
+                    "attack_reconstruct_seconds": t_rec, "attack_total_seconds": attack_time,
+                    "client_step_seconds": t_client,
+                    "attack_to_client_step_ratio": attack_time / max(t_client, 1e-12)})
+    if modality == "text":  # the text benchmarks' names (per trial)
+        T = cfg.trials
+        timings.update({"client_seconds": t_client / T, "attack_seconds": t_rec / T,
+                        "word_bag_seconds": float(np.mean([i.get("word_bag_seconds", float("nan")) for i in infos])),
+                        "sentence_seconds": float(np.mean([i.get("sentence_seconds", float("nan")) for i in infos])),
+                        "seconds_per_sentence": t_rec / T / max(1, cfg.data.batch_size)})
+    return _results(cfg, handle, evals, infos, metrics, timings)
+
+
+def _clients(handle, batches, loss_fn, dev, threat, cfg):
+    """Clients from the private batches, plus the truth for evaluation and the facts the view may be granted."""
+    from gradleak.fl.core import Client
+
+    clients, inputs_all, labels_all, texts_all, lengths = [], [], [], [], []
+    for i, (x, y) in enumerate(batches):
+        if handle.modality == "image":
+            inputs = (x.to(next(handle.model.parameters()).dtype) * 2 - 1).to(dev)
+            inputs_all.append(x)
+        else:
+            enc = handle.text_model.encode(x, cfg.data.max_length)
+            inputs = torch.stack([enc["input_ids"], enc["attention_mask"]], 1).to(dev)
+            texts_all += list(x)
+            inputs_all.append(enc)
+            lengths += enc["attention_mask"].sum(1).tolist()
+        clients.append(Client(i, inputs, y.to(dev), loss_fn=loss_fn))
+        labels_all.append(y)
+    victim = slice(0, 1) if threat.individual_updates else slice(0, len(batches))  # what the observed update holds
+    labels = torch.cat(labels_all[victim])
+    if handle.modality == "image":
+        truth_inputs = torch.cat(inputs_all[victim])
+    else:
+        truth_inputs = _pad_cat(inputs_all[victim], handle.tokenizer)
+        B = cfg.data.batch_size
+        lengths = lengths[: B] if threat.individual_updates else lengths
+    knowledge = {"knows_labels": {"labels": labels.tolist()},
+                 "knows_batch_size": {"batch_size": int(len(labels))}}
+    if handle.modality == "text":
+        knowledge["knows_lengths"] = {"lengths": [int(v) for v in lengths]}
+    truth = {"inputs": truth_inputs, "labels": labels, "_knowledge": knowledge}
+    if handle.modality == "text":
+        truth["texts"] = texts_all[: len(labels)] if threat.individual_updates else texts_all
+    return clients, truth
+
+
+def _pad_cat(encs: list[dict], tok) -> dict[str, torch.Tensor]:
+    if len(encs) == 1:
+        return encs[0]
+    L = max(e["input_ids"].shape[1] for e in encs)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ids = torch.cat([torch.nn.functional.pad(e["input_ids"], (0, L - e["input_ids"].shape[1]), value=pad) for e in encs])
+    mask = torch.cat([torch.nn.functional.pad(e["attention_mask"], (0, L - e["attention_mask"].shape[1])) for e in encs])
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _always_public(handle, cfg) -> dict[str, Any]:
+    """What the protocol makes public whatever the threat model: the architecture's interface."""
+    if handle.modality == "image":
+        return {"image_shape": (3, cfg.data.image_size, cfg.data.image_size), "num_classes": cfg.model.num_classes}
+    return {"tokenizer": handle.tokenizer, "model_kind": handle.kind}
+
+
+def _bottleneck(cfg, handle) -> int | None:
+    if cfg.peft.kind == "adapters":
+        return handle.hidden_size // cfg.peft.reduction_factor if handle.modality == "text" else (cfg.peft.bottleneck or 64)
+    if cfg.peft.kind == "lora":
+        return cfg.peft.lora_rank
+    return None
+
+
+def _results(cfg, handle, evals, infos, metrics, timings) -> dict[str, Any]:
+    figures = [f for e in evals[:1] for f in e.figures]
+    artifacts = [a for e in evals for a in e.artifacts]
+    notes = [n for e in evals for n in e.notes]
+    tables = [t for e in evals for t in e.tables]
+    rows = [r for e in evals for r in e.rows]
+    if rows:
+        tables.insert(0, {"title": f"{cfg.attack.name}: reference vs reconstructed sentences ({handle.name})",
+                          "columns": list(rows[0]), "rows": rows[:200]})
+    warnings = [i.get("warning") for i in infos if i.get("warning")]
+    if warnings:
+        tables.append({"title": "Warnings", "columns": ["warning"], "rows": [{"warning": w} for w in warnings]})
+    threat = cfg.threat_model
+    notes = [f"threat model — {line}" for line in threat.describe()] + notes
+    report = {"figures": figures, "figure_rows": [list(range(len(figures)))] if figures else [], "tables": tables,
+              "notes": notes}
+    from gradleak.metrics import BACKBONE_NAME, lpips_status
+
+    details = {"model": handle.name, "model_kind": handle.kind, "hidden_size": handle.hidden_size,
+               "attack": {"name": cfg.attack.name, "params": cfg.attack_cfg.model_dump(mode="json"),
+                          "requires": cfg.attack_cls.requires(cfg.attack_cfg)},
+               "threat": threat.as_dict(),
+               "trials": [{"info": _jsonable(i)} for i in infos], "warnings": warnings}
+    if handle.modality == "image":
+        details["feature_distance_backbone"] = BACKBONE_NAME if cfg.metrics.feature_distance else None
+        details["lpips"] = lpips_status()[1]
+        details["attack_info"] = _jsonable(infos[0])
+    else:
+        details["trials"] = [{"references": [r["reference"] for r in e.rows if r["verified"] != "-"],
+                              "reconstructions": [r["reconstruction"] for r in e.rows],
+                              "metrics": e.metrics, "info": _jsonable({k: v for k, v in i.items() if k != "word_bag"})}
+                             for e, i in zip(evals, infos)]
+    return {"metrics": metrics, "timings": timings, "artifacts": artifacts, "details": details, "report": report}
+
+
+def _jsonable(d: dict) -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, torch.Tensor):
+            v = v.tolist() if v.numel() <= 64 else f"tensor{tuple(v.shape)}"
+        out[k] = v
+    return out
