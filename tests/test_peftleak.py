@@ -228,8 +228,15 @@ def test_server_and_recovery_are_separate():
     check_clean()
     rounds, states = [], []
     for r in range(atk.rounds_wanted(1)):
+        if r:  # like the runner, apply the previous round's update (FedSGD step): the server sends its weights again
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if n in rounds[-1][0].tensors:
+                        p.sub_(1e-3 * rounds[-1][0].tensors[n])
         model = atk.server_model(r, model)
-        for n, v in atk.server.adapter_state(r).items():  # the round's malicious adapters are what is sent
+        sent = atk.server.round_state(r)  # the round's malicious adapters and the poisoned head
+        assert any(n.startswith("head.") for n in sent)
+        for n, v in sent.items():
             assert torch.equal(model.get_parameter(n).detach(), v)
         rounds.append([client.local_update(copy.deepcopy(model))])
         states.append({n: v.detach().clone() for n, v in model.state_dict().items()})
@@ -243,8 +250,46 @@ def test_server_and_recovery_are_separate():
     m = patch_recovery(truth, d["patches"], d["positions"], d["groups"])
     assert m["patch_recovery_rate"] == 1.0 and m["grouping_accuracy"] == 1.0 and m["false_positives"] == 0
     assert m["recovered_patch_psnr_median"] >= 60  # exact up to float64 rounding
+    # every true patch is found at its position, exactly but for the one pixel direction the LayerNorm
+    # removes (A1.5: filled with its public mean)
+    u = atk.lost_dir
+    seen = (truth - ((truth @ u) - atk.lost_mean)[..., None] * u).clamp(-1, 1)
+    for t in range(1, 5):
+        err = (seen[:, t - 1, None] - d["patches"][d["positions"] == t][None]).abs().amax(-1).amin(1)
+        assert float(err.max()) < 1e-6, (t, err)
     assert (d["patch_size"], d["channels"], d["num_positions"], d["image_size"], d["reduce"]) == (8, 3, 4, 16, 1)
     assert d["attacked_positions"] == [1, 2, 3, 4]
     assert rec.metrics == {"attacked_positions": 4, "rounds_used": atk.num_rounds, "adapters_per_position": atk.K,
                            "hash_directions_per_position": atk.K if atk.multi_direction else 1,
                            "positions_per_round": atk.ppr, "rounds_needed_all_positions": atk.num_rounds}
+
+
+def test_config_and_from_config():
+    """The ``attack:`` parameters are checked by pydantic; from_config takes the public images, the batch
+    size and the FedAvg default from the context, and refuses a context without public images."""
+    import pydantic
+
+    from gradleak.attacks.base import AttackContext
+
+    for bad in ({"sigma": 0}, {"up_scale": 1.0}, {"design": "magic"}, {"max_rounds": 0}, {"adapters_per_position": 0},
+                {"unknown": 1}):
+        with pytest.raises(pydantic.ValidationError):
+            PEFTLeak.Config(**bad)
+    assert PEFTLeak.requires() == {"malicious": True, "public_data": True, "individual_updates": True}
+    assert ATTACKS.get("peftleak") is PEFTLeak and PEFTLeak.reconstruction == "patches" and PEFTLeak.needs_float64
+    pub = load("natural-crops", n=20, size=16, seed=0).images
+    threat = ThreatModel(capability="malicious", malicious=True, public_data=True)
+    ctx = AttackContext(seed=3, device="cpu", threat=threat, fl={"algorithm": "fedavg"},
+                        public={"public_images": pub, "batch_size": 8})
+    atk = PEFTLeak.from_config(PEFTLeak.Config(design="paper", max_rounds=2), ctx)
+    assert atk.design == "paper" and atk.fedavg_aware and atk.expected_batch_size == 8 and atk.seed == 3
+    assert atk.max_rounds == 2 and atk.server.public_images is pub
+    atk = PEFTLeak.from_config(PEFTLeak.Config(fedavg_aware=False), AttackContext(seed=0, device="cpu", threat=threat,
+                               fl={"algorithm": "fedavg"}, public={"public_images": pub}))
+    assert not atk.fedavg_aware and atk.expected_batch_size is None
+    with pytest.raises(BadInput) as err:
+        PEFTLeak.from_config(PEFTLeak.Config(), AttackContext(seed=0, device="cpu", threat=threat))
+    assert err.value.field == "threat.public_data"
+    with pytest.raises(BadInput) as err:
+        PEFTLeak(public_images=pub).prepare(None, ThreatModel())  # honest server: refused before touching the model
+    assert err.value.field == "threat.malicious"

@@ -157,8 +157,9 @@ def test_reconstruct_sees_only_the_server_view(minilm):
 
 def test_dager_fails_with_frozen_backbone_and_works_with_lora(minilm):
     from gradleak.attacks.dager import DAGERAttack
-    from gradleak.experiments.utr import PeftCfg, add_lora
+    from gradleak.models import ModelHandle
     from gradleak.models.text import load_text_model
+    from gradleak.peft import PeftConfig, apply_peft
 
     texts = _short_rt(1)
     view, _ = _view(minilm, texts)
@@ -166,7 +167,7 @@ def test_dager_fails_with_frozen_backbone_and_works_with_lora(minilm):
     assert rec.data == [] and "frozen" in rec.info["failure"]
 
     tm = load_text_model("minilm", 2)
-    add_lora(tm, PeftCfg(kind="lora", lora_rank=64), seed=0)
+    apply_peft(ModelHandle.from_text_model(tm), PeftConfig(kind="lora", lora_rank=64), seed=0)
     view, _ = _view(tm, texts)
     rec = DAGERAttack().reconstruct(view)
     assert "failure" not in rec.info

@@ -96,27 +96,29 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/peftl
     out_console.print(f"report: {out / 'report.html'}")
 
 
-def _params(cls) -> str:
-    fields = getattr(cls, "model_fields", {})
-    parts = []
-    for name, f in fields.items():
+def _field_lines(cls) -> list[str]:
+    lines = []
+    for name, f in getattr(cls, "model_fields", {}).items():
         default = f.default if f.default is not None else "null"
-        parts.append(f"{name}={default}")
-    return ", ".join(parts)
+        desc = f" — {f.description}" if f.description else ""
+        lines.append(f"{name} = {default}{desc}")
+    return lines
 
 
-def _init_params(cls) -> str:
+def _init_params(cls) -> list[str]:
     import inspect
 
     sig = inspect.signature(cls.__init__)
-    return ", ".join(f"{n}" + ("" if p.default is inspect._empty else f"={p.default}")
-                     for n, p in sig.parameters.items() if n not in ("self", "seed"))
+    return [f"{n}" + (" (required)" if p.default is inspect._empty else f" = {p.default}")
+            for n, p in sig.parameters.items() if n not in ("self", "seed")]
 
 
 @app.command("list")
 def list_():
     """Print every experiment preset, model, PEFT kind, attack (parameters, threat requirements), defense,
     dataset, evaluator and metric."""
+    from rich.text import Text
+
     from gradleak.registry import ATTACKS, DATASETS, DEFENSES, EXPERIMENTS, METRICS, load_all
 
     load_all()
@@ -124,33 +126,38 @@ def list_():
     from gradleak.models import MODELS
     from gradleak.peft import KIND_FIELDS, PEFT_KINDS
 
+    def head(title: str) -> None:
+        out_console.print(Text(f"\n{title}", style="bold underline"))
+
+    def line(text: str, indent: int = 2, style: str | None = None) -> None:
+        out_console.print(Text(" " * indent + text, style=style or ""), soft_wrap=True)
+
     def simple(reg, extra=None):
-        table = Table(title=f"{reg.kind}s")
-        table.add_column("name")
-        table.add_column("summary")
-        if extra:
-            table.add_column(extra[0])
+        head(f"{reg.kind}s")
         for e in reg:
-            row = [e.name, e.summary]
-            if extra:
-                row.append(extra[1](e))
-            table.add_row(*row)
-        out_console.print(table)
+            line(f"{e.name} — {e.summary}" + (f" [{extra(e)}]" if extra else ""))
 
     simple(EXPERIMENTS)
-    simple(MODELS, ("data", lambda e: getattr(e.obj, "modality", "")))
-    out_console.print("  (text experiments also take a local HF model directory as model.name)")
-    simple(PEFT_KINDS, ("peft.* parameters", lambda e: ", ".join(sorted(KIND_FIELDS[e.name]))))
-    table = Table(title="attacks")
-    for col in ("name", "summary", "applies to", "threat requirements", "parameters (attack.*)"):
-        table.add_column(col)
+    simple(MODELS, lambda e: getattr(e.obj, "modality", ""))
+    line("(text experiments also take a local HF model directory as model.name)")
+    head("peft kinds (peft.kind)")
+    for e in PEFT_KINDS:
+        line(f"{e.name} — {e.summary}")
+        line("parameters: " + ", ".join(f"peft.{f}" for f in sorted(KIND_FIELDS[e.name])), 6)
+    head("attacks (attack.name)")
     for e in ATTACKS:
         c = e.obj
-        req = [k for k, v in c.requires().items() if v] or ["none"]
-        table.add_row(e.name, e.summary, f"{c.modality}; peft {'/'.join(c.peft_kinds)}; -> {c.reconstruction}",
-                      ", ".join(req), _params(c.Config))
-    out_console.print(table)
-    simple(DEFENSES, ("parameters (defenses[i].params)", lambda e: _init_params(e.obj)))
+        req = [k for k, v in c.requires().items() if v] or ["nothing beyond honest-but-curious"]
+        line(f"{e.name} — {e.summary}", style="bold")
+        line(f"applies to: {c.modality} data, peft.kind {' | '.join(c.peft_kinds)}; returns {c.reconstruction}; "
+             f"devices {', '.join(c.devices)}", 6)
+        line(f"threat requires: {', '.join(req)}", 6)
+        for fl in _field_lines(c.Config):
+            line(f"attack.{fl}", 6)
+    head("defenses (defenses: [{name, params}])")
+    for e in DEFENSES:
+        line(f"{e.name} — {e.summary}")
+        line("params: " + ", ".join(_init_params(e.obj)), 6)
     simple(DATASETS)
     simple(EVALUATORS)
     simple(METRICS)

@@ -344,6 +344,10 @@ class PEFTLeakServer:
         model.head.bias.zero_()
         model.head.bias[0] = math.log(max(model.head.out_features - 1, 1)) - self.head_scale * float(feat.mean())
         self._plan_rounds()
+        # the poisoned values of every parameter the clients train (the head; the adapters are rewritten each
+        # round): the server re-sends them every round (round_state), undoing the aggregate step of the
+        # previous round, so the rank-one head and g = ∂L/∂logit_0 hold in every round
+        self.poisoned_trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         return model
 
 
@@ -521,7 +525,7 @@ class PEFTLeakServer:
     # ------------------------------------------------------------------ malicious adapters (each round)
     @torch.no_grad()
     def adapter_state(self, round_index: int) -> dict[str, torch.Tensor]:
-        """Adapter (and head) parameters the server sends in round ``round_index`` (eq. 20–23)."""
+        """Adapter parameters the server sends in round ``round_index`` (eq. 20–23)."""
         r, D = self.r, self.D
         state: dict[str, torch.Tensor] = {}
         used = {sp.index: sp for sp in self.plans[round_index].slots}
@@ -542,6 +546,11 @@ class PEFTLeakServer:
                 state[f"{slot.prefix}.up.weight"] = up_w
                 state[f"{slot.prefix}.up.bias"] = torch.zeros(D, dtype=F64)
         return state
+
+    def round_state(self, round_index: int) -> dict[str, torch.Tensor]:
+        """Every trainable parameter the server sends in round ``round_index``: the poisoned head (and any
+        other trainable parameter) as after :meth:`prepare`, and that round's :meth:`adapter_state`."""
+        return {**self.poisoned_trainable, **self.adapter_state(round_index)}
 
 
 
@@ -963,12 +972,14 @@ class PEFTLeak(AttackBase):
 
     def server_model(self, round_index: int, model: nn.Module) -> nn.Module:
         """Load round ``round_index``'s malicious adapters (:meth:`PEFTLeakServer.adapter_state`) into
-        ``model`` (on its device) and return it."""
+        ``model`` (on its device) and return it. The poisoned head is loaded again too
+        (:meth:`PEFTLeakServer.round_state`): the runner applies each round's aggregate to the model, and a
+        trained head would break the rank-one head the grouping relies on (A1.9)."""
         if not 0 <= round_index < self.server.num_rounds:
             raise ValueError(f"PEFTLeak planned {self.server.num_rounds} round(s); round {round_index} was asked "
                              "(run rounds_wanted(...) rounds).")
         device = next(model.parameters()).device
-        model.load_state_dict({n: v.to(device) for n, v in self.server.adapter_state(round_index).items()}, strict=False)
+        model.load_state_dict({n: v.to(device) for n, v in self.server.round_state(round_index).items()}, strict=False)
         return model
 
     def reconstruct(self, view: ServerView) -> Reconstruction:

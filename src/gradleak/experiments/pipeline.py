@@ -61,15 +61,9 @@ def load_images(name: str, n: int, size: int, seed: int, field: str, path: str |
 
 
 def _public_name(cfg: ExperimentConfig) -> str:
-    from gradleak.data import check_disjoint
+    from gradleak.data import check_disjoint, default_public
 
-    name = cfg.data.public
-    if name is None:  # default: crops of photos the private set does not come from
-        name = "natural-crops"
-        try:
-            check_disjoint(cfg.data.name, name)
-        except BadInput:
-            name = "public-natural"
+    name = cfg.data.public or default_public(cfg.data.name)  # default: photos the private set does not come from
     check_disjoint(cfg.data.name, name)
     return name
 

@@ -173,13 +173,22 @@ class ExperimentConfig(Strict):
             raise BadInput("model.name", f"'{self.model.name}' is a{'n' if mm == 'image' else ''} {mm} model but experiment "
                            f"'{self.experiment}' works on {self._modality}.",
                            f"use experiment: {'text' if mm == 'text' else 'image'} or a {self._modality} model.")
-        if self.fl.clients > 1 and self.fl.local_batch_size and self.fl.local_batch_size > self.data.batch_size:
-            pass
         if self.fl.local_batch_size and self.fl.local_batch_size > self.data.batch_size:
             raise BadInput("fl.local_batch_size", f"{self.fl.local_batch_size} is larger than the client's batch "
                            f"({self.data.batch_size}).", "use at most data.batch_size.")
+        from gradleak.data import check_disjoint, dataset_modality
+
+        dm = dataset_modality(self.data.name)
+        if dm != self._modality:
+            raise BadInput("data.name", f"'{self.data.name}' is a {dm} dataset but experiment '{self.experiment}' works on "
+                           f"{self._modality}.", f"use a {self._modality} dataset (see `gradleak list`) or experiment: {dm}.")
         self._resolve_attack()
         self._threat = self.threat.resolve(self.fl.secure_aggregation)
+        if self._modality == "image" and self._threat.public_data and self.data.public is not None:
+            check_disjoint(self.data.name, self.data.public)
+        from gradleak.defenses.update import build_defenses
+
+        build_defenses([d.model_dump() for d in self.defenses], seed=self.seed)  # names and parameters
         from gradleak.fl.threat import check_requirements
 
         check_requirements(self._attack_cls.name, self._attack_cls.requires(self._attack_cfg), self._threat)

@@ -41,6 +41,14 @@ class ModelHandle:
     text_model: Any = None  # gradleak.models.text.TextModel for text
     info: dict = field(default_factory=dict)
 
+    @classmethod
+    def from_text_model(cls, tm) -> "ModelHandle":
+        """Wrap a :class:`gradleak.models.text.TextModel`."""
+        from gradleak.models.text import text_loss
+
+        return cls(tm.model, "text", tm.name, tm.kind, tm.hidden_size, tm.num_layers, tokenizer=tm.tokenizer,
+                   loss_fn=text_loss(tm.kind), text_model=tm, info=dict(tm.info))
+
     def layers(self):
         if self.modality == "image":
             return self.model.vit.encoder.layer
@@ -73,12 +81,11 @@ for _n, _s in VIT_PRESETS.items():
 def _text_builder(mcfg, *, seed: int, dtype: str, **_: Any) -> ModelHandle:
     import torch
 
-    from gradleak.models.text import load_text_model, text_loss
+    from gradleak.models.text import load_text_model
 
     dt = torch.float64 if dtype == "float64" else torch.float32
     tm = load_text_model(mcfg.name, mcfg.layers or 2, num_labels=mcfg.num_classes, seed=seed, dtype=dt)
-    return ModelHandle(tm.model, "text", tm.name, tm.kind, tm.hidden_size, tm.num_layers, tokenizer=tm.tokenizer,
-                       loss_fn=text_loss(tm.kind), text_model=tm, info=dict(tm.info))
+    return ModelHandle.from_text_model(tm)
 
 
 _text_builder.modality = "text"

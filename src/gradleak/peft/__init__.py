@@ -56,7 +56,10 @@ class PeftConfig(BaseModel):
     train_head: bool = True
 
     def check(self) -> None:
-        foreign = sorted(f for f in self.model_fields_set - {"kind"} if f not in KIND_FIELDS[self.kind])
+        # a field of another kind is refused when it holds a non-default value (a config switched with
+        # --set peft.kind=lora may keep the adapters' defaults; a LoRA rank under kind=adapters is a mistake)
+        foreign = sorted(f for f in self.model_fields_set - {"kind"} if f not in KIND_FIELDS[self.kind]
+                         and getattr(self, f) != type(self).model_fields[f].default)
         if foreign:
             owner = next(k for k, fs in KIND_FIELDS.items() if foreign[0] in fs)
             raise BadInput(f"peft.{foreign[0]}", f"applies to peft.kind={owner}, not to peft.kind={self.kind}.",
