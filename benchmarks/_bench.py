@@ -47,7 +47,7 @@ def add_out_args(ap: argparse.ArgumentParser, name: str, *, resumable: bool = Tr
                              "(from the shipped reference: --out benchmarks/out --report-only)")
         ap.add_argument("--update-docs", action="store_true",
                         help="after running, also rewrite this benchmark's section of docs/REPRODUCTION.md "
-                             "(default: the Markdown goes to <out>/<name>.md only)")
+                             f"(default: the Markdown goes to <out>/{name}.md only)")
     ap.add_argument("--check", action="store_true",
                     help="validate every selected cell's config without running it; print the count and exit")
 

@@ -1,15 +1,26 @@
 """PEFTLeak benchmark: our numbers next to the paper's (Sami et al. 2025), both designs.
 
-Every cell is one ``gradleak run`` of ``configs/peftleak/cifar_b32.yaml`` with ``--set`` overrides
-(the same code path as the CLI), written to ``benchmarks/out/peftleak/<cell>/results.json``; a line per
-finished cell is appended atomically to ``benchmarks/out/peftleak.jsonl`` and a rerun skips finished
-cells (resume). At the end ``benchmarks/out/peftleak.json`` and the ``peftleak`` section of
-``docs/REPRODUCTION.md`` are rebuilt from every finished cell.
+Every cell is one run of ``configs/peftleak/cifar_b32.yaml`` with ``--set`` overrides through
+``gradleak.experiments.run_file`` (the same code path as ``gradleak run``), written to
+``<out>/peftleak/<cell>/results.json``; a line per cell is appended atomically to ``<out>/peftleak.jsonl``.
+A rerun skips the cells whose latest line finished without error (resume) and retries failed ones;
+``--fresh`` moves the JSONL to ``peftleak.jsonl.bak`` and recomputes every cell. At the end
+``<out>/peftleak.json`` is rebuilt from the latest line of every finished cell, and the section's Markdown
+goes to ``<out>/peftleak.md``; the ``peftleak`` section of ``docs/REPRODUCTION.md`` is rewritten only with
+``--update-docs`` or ``--report-only``.
 
-    python benchmarks/peftleak.py                 # every table, in priority order
+``--out`` defaults to ``runs/bench/peftleak`` (git-ignored). ``benchmarks/out/`` holds the published reference
+results the docs were built from (``peftleak.jsonl``, ``peftleak.json``, ``peftleak_baseline.json``).
+
+    python benchmarks/peftleak.py                 # every table, in priority order, into runs/bench/peftleak
     python benchmarks/peftleak.py --only table1,fig6a
     python benchmarks/peftleak.py --quick         # one seed, the headline cells only
-    python benchmarks/peftleak.py --report-only   # rebuild JSON + Markdown from finished cells
+    python benchmarks/peftleak.py --check         # validate every cell's config, run nothing
+    python benchmarks/peftleak.py --report-only   # rebuild JSON + docs section from the cells in --out
+    python benchmarks/peftleak.py --out benchmarks/out --report-only   # ... from the shipped reference results
+
+The Inverting-Gradients baseline paragraph comes from ``--baseline`` (default ``<out>/peftleak_baseline.json``
+if it exists, else ``runs/bench/peftleak_baseline/peftleak_baseline.json``; see ``benchmarks/peftleak_baseline.py``).
 
 Data (all real, offline): the 40 CIFAR-10/100 test images (foolbox) for B ≤ 40 — 20 of each, so the
 paper's "CIFAR-10 B=32" cell is run at B=20 per dataset plus B=32 on the 40 mixed; natural-image
@@ -27,15 +38,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gradleak.experiments.results import append_jsonl, read_jsonl, write_json_atomic  # noqa: E402
-from gradleak.report.markdown import markdown_table, update_section  # noqa: E402
+from _bench import (ROOT, add_out_args, check_configs, default_out, display, done_cells, fmt_num,  # noqa: E402
+                    latest_rows, resolve_out, start_fresh, write_section)
+from gradleak.experiments.results import append_jsonl, write_json_atomic  # noqa: E402
+from gradleak.report.markdown import markdown_table  # noqa: E402
 
 CONFIG = ROOT / "configs" / "peftleak" / "cifar_b32.yaml"
-OUT = ROOT / "benchmarks" / "out"
-JSONL = OUT / "peftleak.jsonl"
 
 # the paper's numbers (% of patches recovered), SPEC §1.8
 PAPER = {
@@ -46,6 +56,8 @@ PAPER = {
     "table4": {"gaussian": {1: 12, 2: 30.4, 3: 52.3, 5: 77.3, 10: 85.9},
                "laplacian": {1: 12.5, 2: 35.1, 3: 57.8, 5: 70, 10: 92.9}},
 }
+
+TABLES = ("table1", "fig6a", "fig6b", "fig6c", "table2", "table3", "table4", "ablation", "fedavg")
 
 CIFAR = ["--set", "data.public=natural-crops"]
 NATURAL32 = ["--set", "data.name=natural-crops", "--set", "data.public=public-natural"]
@@ -127,39 +139,52 @@ def cells(quick: bool, max_b224: int = 64) -> list[tuple[str, str, dict, list[st
     return out
 
 
-def run_cells(selected, threads: int | None) -> None:
+def _overrides(ov: list[str]) -> list[str]:
+    """``["--set", "k=v", ...]`` -> ``["k=v", ...]``."""
+    return [ov[j + 1] for j in range(0, len(ov), 2)]
+
+
+def _command(overrides: list[str]) -> str:
+    return "gradleak run configs/peftleak/cifar_b32.yaml --out DIR " + " ".join(f"--set {o}" for o in overrides)
+
+
+def run_cells(selected, threads: int | None, out: Path) -> None:
     import torch
 
     from gradleak.experiments import run_file
 
     if threads:
         torch.set_num_threads(threads)
-    done = {r["cell"] for r in read_jsonl(JSONL)}
+    jsonl = out / "peftleak.jsonl"
+    done = done_cells(jsonl)
     todo = [c for c in selected if c[1] not in done]
-    print(f"{len(selected) - len(todo)} cells done, {len(todo)} to run", flush=True)
+    print(f"{len(selected) - len(todo)} cells done, {len(todo)} to run (results in {display(out)})", flush=True)
     for i, (table, cell, meta, ov) in enumerate(todo):
-        overrides = [ov[j + 1] for j in range(0, len(ov), 2)]
+        overrides = _overrides(ov)
         t0 = time.perf_counter()
         try:
-            res = run_file(CONFIG, OUT / "peftleak" / cell, overrides)
-        except Exception as err:  # record and go on: a sweep must not die on one cell
-            print(f"[{i + 1}/{len(todo)}] {cell}: FAILED {err}", flush=True)
-            append_jsonl(JSONL, {"cell": cell, "table": table, "meta": meta, "error": str(err)})
+            res = run_file(CONFIG, out / "peftleak" / cell, overrides)
+        except Exception as err:  # record and go on: a sweep must not die on one cell (retried on the next run)
+            print(f"[{i + 1}/{len(todo)}] {cell}: FAILED {type(err).__name__}: {err}", flush=True)
+            append_jsonl(jsonl, {"cell": cell, "table": table, "meta": meta, "overrides": overrides,
+                                 "command": _command(overrides), "error": f"{type(err).__name__}: {err}",
+                                 "wall_seconds": time.perf_counter() - t0})
             continue
         m, t = res["metrics"], res["timings"]
         row = {"cell": cell, "table": table, "meta": meta, "overrides": overrides,
-               "command": "gradleak run configs/peftleak/cifar_b32.yaml --out DIR " + " ".join(f"--set {o}" for o in overrides),
+               "command": _command(overrides),
                "metrics": {k: m[k] for k in ("patch_recovery_rate", "patch_recovery_rate_attacked_positions", "isolated_patch_rate", "grouping_accuracy",
                                              "false_positives", "recovered_patch_psnr_median", "recovered_patch_ssim_mean",
                                              "recovered_patch_mse_mean", "rounds_used", "rounds_needed_all_positions",
                                              "adapters_per_position", "positions_per_round", "num_true_patches")
                            if k in m},
-               "timings": {k: t[k] for k in ("attack_total_seconds", "client_step_seconds", "attack_to_client_step_ratio")},
+               "timings": {k: t[k] for k in ("attack_total_seconds", "client_step_seconds", "attack_to_client_step_ratio") if k in t},
                "wall_seconds": time.perf_counter() - t0}
-        append_jsonl(JSONL, row)
-        print(f"[{i + 1}/{len(todo)}] {cell}: recovery {m['patch_recovery_rate']:.3f} psnr {m['recovered_patch_psnr_median']:.1f} "
-              f"grouping {m['grouping_accuracy']:.3f} ratio {t['attack_to_client_step_ratio']:.2f} ({time.perf_counter() - t0:.0f} s)",
-              flush=True)
+        append_jsonl(jsonl, row)
+        print(f"[{i + 1}/{len(todo)}] {cell}: recovery {fmt_num(m.get('patch_recovery_rate'), '.3f')} "
+              f"psnr {fmt_num(m.get('recovered_patch_psnr_median'), '.1f')} "
+              f"grouping {fmt_num(m.get('grouping_accuracy'), '.3f')} ratio {fmt_num(t.get('attack_to_client_step_ratio'), '.2f')} "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
 def _mean(xs):
@@ -171,14 +196,26 @@ def _pct(x):
     return None if x is None else round(100 * x, 1)
 
 
-def report() -> None:
-    rows = [r for r in read_jsonl(JSONL) if "error" not in r]
+def default_baseline(out: Path) -> Path:
+    here = out / "peftleak_baseline.json"
+    return here if here.exists() else default_out("peftleak_baseline") / "peftleak_baseline.json"
+
+
+def report(out: Path, args: argparse.Namespace) -> int:
+    """Rebuild ``<out>/peftleak.json`` and the Markdown section from the latest row of every cell."""
+    latest = latest_rows(out / "peftleak.jsonl")
+    rows = [r for r in latest if "error" not in r]
+    failed = [{"cell": r["cell"], "error": r["error"], "command": r.get("command")} for r in latest if "error" in r]
+    if not rows:
+        print(f"no finished cells in {display(out / 'peftleak.jsonl')}: nothing to report (docs untouched). "
+              "To rebuild from the shipped reference results: --out benchmarks/out --report-only", flush=True)
+        return 1
     by = {}
     for r in rows:
         by.setdefault(r["table"], []).append(r)
-    summary: dict = {"cells": rows}
-    md = ["Reproduce any cell with the `command` stored for it in `benchmarks/out/peftleak.json` "
-          "(all cells: `python benchmarks/peftleak.py`). % = share of the B·N true patches recovered at ≥ 30 dB "
+    summary: dict = {"cells": rows, "failed_cells": failed}
+    md = [f"Reproduce any cell with the `command` stored for it in `{display(out / 'peftleak.json')}` "
+          f"(all cells: `python benchmarks/peftleak.py --out {display(out)}`). % = share of the B·N true patches recovered at ≥ 30 dB "
           "in the right image and position (`metrics.patch_recovery_rate`). Machine: 2 CPU cores, float64.", ""]
 
     def agg(table, key_fn):
@@ -272,11 +309,11 @@ def report() -> None:
                 ["cell", "recovery", "isolated", "psnr", "grouping"],
                 ["cell", "recovered %", "isolated (any grouping) %", "median PSNR dB", "grouping acc."]), ""]
             summary[table] = rs
-    base = OUT / "peftleak_baseline.json"
+    base = args.baseline or default_baseline(out)
     if base.exists():
         b = json.loads(base.read_text())
         md += ["### Optimisation baseline (Inverting Gradients on adapter gradients, honest model)", "",
-               "From `benchmarks/peftleak_baseline.py` (`benchmarks/out/peftleak_baseline.json`): " +
+               f"From `benchmarks/peftleak_baseline.py` (`{display(base)}`): " +
                "; ".join(f"B={k} ({v.get('steps')} steps): PSNR {v.get('psnr_mean', float('nan')):.1f} dB "
                          f"(a plain grey image scores {v.get('reference_gray_image_psnr_mean', float('nan')):.1f} dB), "
                          f"SSIM {v.get('ssim_mean', float('nan')):.3f}, gradient-matching loss "
@@ -307,27 +344,46 @@ def report() -> None:
            "1e-3 (same forward perturbation), shrinks the final LayerNorm and the logit spread, so the adapters barely "
            "move during local training. Grouping then tolerates 1e-4 instead of 1e-6 relative disagreement of g. "
            "This is our construction, not the paper's ref. [17] activation structure.", ""]
-    write_json_atomic(OUT / "peftleak.json", summary)
-    update_section(ROOT / "docs" / "REPRODUCTION.md", "peftleak", "\n".join(md), title="PEFTLeak (Sami et al., CVPR 2025)")
-    print(f"wrote {OUT / 'peftleak.json'} and docs/REPRODUCTION.md", flush=True)
+    write_json_atomic(out / "peftleak.json", summary)
+    print(f"wrote {display(out / 'peftleak.json')} ({len(rows)} finished cells"
+          + (f"; {len(failed)} failed, retried on the next run: {', '.join(f['cell'] for f in failed)}" if failed else "")
+          + ")", flush=True)
+    write_section(args, "peftleak", "\n".join(md), "PEFTLeak (Sami et al., CVPR 2025)", "peftleak")
+    return 0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="", help="comma-separated tables: table1,fig6a,fig6b,fig6c,table2,table3,table4")
-    ap.add_argument("--report-only", action="store_true")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="one seed, the headline cells only (Table 1 B=32, Fig. 6a)")
+    ap.add_argument("--only", default="", help=f"comma-separated tables: {','.join(TABLES)}")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--max-b224", type=int, default=64, help="largest batch of the 224² cells (each round is a full client step)")
-    args = ap.parse_args()
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="peftleak_baseline.json for the Inverting-Gradients paragraph (default: <out>/peftleak_baseline.json "
+                         "if it exists, else runs/bench/peftleak_baseline/peftleak_baseline.json)")
+    add_out_args(ap, "peftleak")
+    args = ap.parse_args(argv)
+    args.out = resolve_out(args.out)
+    if args.fresh and args.report_only:
+        ap.error("--fresh recomputes cells; it cannot be combined with --report-only")
+    sel = cells(args.quick, args.max_b224)
+    if args.only:
+        keep = set(args.only.split(","))
+        unknown = keep - set(TABLES)
+        if unknown:
+            ap.error(f"--only: unknown table(s) {', '.join(sorted(unknown))}")
+        sel = [c for c in sel if c[0] in keep]
+    if args.check:
+        from gradleak.experiments.config import load_yaml
+
+        raw = load_yaml(CONFIG)
+        return check_configs((cell, raw, _overrides(ov)) for _, cell, _, ov in sel)
     if not args.report_only:
-        sel = cells(args.quick, args.max_b224)
-        if args.only:
-            keep = set(args.only.split(","))
-            sel = [c for c in sel if c[0] in keep]
-        run_cells(sel, args.threads)
-    report()
+        if args.fresh:
+            start_fresh(args.out / "peftleak.jsonl")
+        run_cells(sel, args.threads, args.out)
+    return report(args.out, args)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

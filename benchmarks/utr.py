@@ -3,31 +3,43 @@
     .venv/bin/python benchmarks/utr.py --quick            # reduced grid (minutes on 2 CPU cores)
     .venv/bin/python benchmarks/utr.py                    # full grid (hours on CPU)
     .venv/bin/python benchmarks/utr.py --only table1,capacity
+    .venv/bin/python benchmarks/utr.py --check            # validate every cell's config, run nothing
+    .venv/bin/python benchmarks/utr.py --report-only      # rebuild utr.json + docs section from --out
+    .venv/bin/python benchmarks/utr.py --out benchmarks/out --report-only   # ... from the shipped reference
 
-Every cell appends one line to benchmarks/out/utr.jsonl (atomically; finished cells are skipped on resume),
-then benchmarks/out/utr.json collects all rows and docs/REPRODUCTION.md gets the ``utr`` section with our numbers
-next to the paper's (SPEC §3.6). Our offline models are narrower than the paper's (MiniLM d=384 for BERT-Base,
-SmolLM2-135M d=576 for GPT2-L/Qwen), so bottlenecks are 192/288 at reduction factor 2, and capacity runs out
-at smaller batches: cells past it carry ``capacity_exhausted=1``.
+Every cell is one validated config (``cell_config``) run through the experiment pipeline
+(``gradleak.experiments.validate`` -> ``run_experiment(cfg, RunContext(...))``) and appends one line to
+``<out>/utr.jsonl`` (atomically). A rerun skips the cells whose latest line finished without error and retries
+failed ones; ``--fresh`` moves the JSONL to ``utr.jsonl.bak`` and recomputes every cell. Then ``<out>/utr.json``
+collects the latest row of every finished cell, ``<out>/utr_capacity.png`` is drawn, and the ``utr`` section
+(our numbers next to the paper's, SPEC §3.6) goes to ``<out>/utr.md``; ``docs/REPRODUCTION.md`` is rewritten
+only with ``--update-docs`` or ``--report-only``. ``--out`` defaults to ``runs/bench/utr`` (git-ignored);
+``benchmarks/out/`` holds the published reference results the docs were built from.
+
+Our offline models are narrower than the paper's (MiniLM d=384 for BERT-Base, SmolLM2-135M d=576 for
+GPT2-L/Qwen), so bottlenecks are 192/288 at reduction factor 2, and capacity runs out at smaller batches:
+cells past it carry ``capacity_exhausted=1``. LAMP cells grant ``threat.knows_lengths`` and
+``threat.knows_labels`` explicitly (LAMP's threat model; the pipeline refuses LAMP without them).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gradleak.experiments.results import append_jsonl, finished_cells, read_jsonl, write_json_atomic  # noqa: E402
-from gradleak.report.markdown import markdown_table, update_section  # noqa: E402
+from _bench import (DOCS, add_out_args, check_configs, display, done_cells, latest_rows,  # noqa: E402
+                    resolve_out, start_fresh, write_section)
+from gradleak.experiments.results import append_jsonl, write_json_atomic  # noqa: E402
+from gradleak.report.markdown import markdown_table  # noqa: E402
 
-OUT = ROOT / "benchmarks" / "out"
-JSONL = OUT / "utr.jsonl"
+GROUPS = ("table1", "table2", "table3", "fig4a", "fig4b", "capacity")
 
 PAPER_T1 = {  # (B, method) -> (BERT RT R1/R2, GPT2 RT R1/R2)
     (1, "utr"): ("100/100", "100/100"), (2, "utr"): ("100/100", "100/100"), (4, "utr"): ("100/100", "100/100"),
@@ -50,12 +62,16 @@ def cell_config(model: str, B: int, attack: str = "utr", rf: int = 2, eps: float
         params = {"eps_bag": eps, "eps_sentence": eps}
     if attack == "utr":
         params["time_budget"] = 120.0  # encoder sentence search stops here (reported as search_truncated; never hit)
+    cfg = {"experiment": "utr", "seed": seed, "trials": trials, "model": {"name": model, "layers": 2},
+           # each PEFT kind takes only its own keys (the schema refuses the other kind's)
+           "peft": {"kind": peft, "reduction_factor": rf} if peft == "adapters" else {"kind": peft, "lora_rank": 128},
+           "data": {"name": data, "batch_size": B}, "fl": {"rounds": rounds, "lr": 0.5},
+           "attack": {"name": attack, "params": params}, "defenses": defenses or []}
     if attack == "lamp":
-        params = {"steps": 100, "discrete_every": 50, "swaps": 8}
-    return {"experiment": "utr", "seed": seed, "trials": trials, "model": {"name": model, "num_layers": 2},
-            "peft": {"kind": peft, "reduction_factor": rf, "lora_rank": 128},
-            "data": {"name": data, "batch_size": B}, "fl": {"rounds": rounds, "lr": 0.5},
-            "attack": {"name": attack, "params": params}, "defenses": defenses or []}
+        cfg["attack"]["params"] = {"steps": 100, "discrete_every": 50, "swaps": 8}
+        # LAMP's threat model: lengths and labels leak to the server (the pipeline's gate refuses LAMP otherwise)
+        cfg["threat"] = {"knows_lengths": True, "knows_labels": True}
+    return cfg
 
 
 def quick_grid() -> list[tuple[str, str, dict]]:
@@ -131,23 +147,15 @@ def grid(quick: bool, only: set[str] | None) -> list[tuple[str, str, dict]]:
     return [c for c in cells if not only or c[0] in only]
 
 
-class _Ctx:
-    out_dir = OUT
-    device = torch.device("cpu")
-
-    @staticmethod
-    def track(it, description="", total=None):
-        return it
-
-
-def run_cell(raw: dict) -> dict:
+def run_cell(raw: dict, out_dir: Path) -> dict:
     from gradleak.experiments import validate
-    from gradleak.experiments.runner import seed_everything
+    from gradleak.experiments.runner import RunContext, seed_everything
 
-    exp_cls, cfg = validate(raw)
+    run_experiment, cfg = validate(raw)
+    out_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
     t0 = time.perf_counter()
-    res = exp_cls().run(cfg, _Ctx())
+    res = run_experiment(cfg, RunContext(out_dir, torch.device("cpu")))
     res["timings"]["total_seconds"] = time.perf_counter() - t0
     return res
 
@@ -166,9 +174,10 @@ def r12(row: dict | None) -> str:
     return s
 
 
-def write_outputs(rows: list[dict]) -> None:
+def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None:
     by = {r["cell"]: r for r in rows}
-    write_json_atomic(OUT / "utr.json", rows)
+    write_json_atomic(out / "utr.json", rows)
+    print(f"wrote {display(out / 'utr.json')} ({len(rows)} finished cells)", flush=True)
     parts = [("Generated by `benchmarks/utr.py` (our numbers: ROUGE-1/ROUGE-2 recall on Rotten Tomatoes sentences, "
              "first 2 layers, FedSGD; `(cap.)` = gradient subspace saturated, reported not hidden). Models: MiniLM-L6 "
              "(d=384) stands in for BERT-Base, SmolLM2-135M (d=576, RoPE) for GPT2-L/Qwen. Paper numbers from SPEC §3.6 (RT column). "
@@ -226,8 +235,10 @@ def write_outputs(rows: list[dict]) -> None:
     cap = [r for r in rows if r["cell"].startswith("cap/")]
     for r in rows:  # Table 1 UTR cells are points of the capacity curve too
         parts_ = r["cell"].split("/")
-        if r["cell"].startswith(("t1/", "t2/")) and parts_[2] in ("utr", "utr_rf1") and f"cap/{parts_[1]}/rf{r['config']['peft']['reduction_factor']}/{parts_[3]}" not in by:
-            cap.append({**r, "cell": f"cap/{parts_[1]}/rf{r['config']['peft']['reduction_factor']}/{parts_[3]}"})
+        if r["cell"].startswith(("t1/", "t2/")) and parts_[2] in ("utr", "utr_rf1"):
+            cell = f"cap/{parts_[1]}/rf{r['config']['peft'].get('reduction_factor', 2)}/{parts_[3]}"
+            if cell not in by:
+                cap.append({**r, "cell": cell})
     cap.sort(key=lambda r: (r["cell"].rsplit("/", 1)[0], r["config"]["data"]["batch_size"]))
     if cap:
         crow = [{"cell": r["cell"], "B": r["config"]["data"]["batch_size"],
@@ -238,12 +249,11 @@ def write_outputs(rows: list[dict]) -> None:
                  "capacity exhausted": "yes" if r["metrics"].get("capacity_exhausted") else "no",
                  "R1/R2": r12(r), "s/sentence": round(r["timings"]["seconds_per_sentence"], 2)} for r in cap]
         parts.append("### Capacity (Fig. 3) and time per sentence\n\n" + markdown_table(crow, list(crow[0])))
-        fig = _plot(cap)
+        fig = _plot(cap, out)
         if fig:
             parts.append(f"![capacity]({fig})")
     parts.append(NOTES)
-    update_section(ROOT / "docs" / "REPRODUCTION.md", "utr", "\n\n".join(parts),
-                   title="UTR — text reconstruction from adapter gradients (paper 002)")
+    write_section(args, "utr", "\n\n".join(parts), "UTR — text reconstruction from adapter gradients (paper 002)", "utr")
 
 
 NOTES = """### Notes
@@ -297,7 +307,8 @@ def _m(row, k):
     return row["metrics"].get(k) if row else "–"
 
 
-def _plot(cap: list[dict]) -> str | None:
+def _plot(cap: list[dict], out: Path) -> str | None:
+    """Draw ``<out>/utr_capacity.png``; return its path relative to docs/ (where the Markdown is read)."""
     try:
         import matplotlib
 
@@ -327,39 +338,61 @@ def _plot(cap: list[dict]) -> str | None:
     axes[1].set_ylabel("recovered tokens (dashed: bottleneck)")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    path = OUT / "utr_capacity.png"
+    path = out / "utr_capacity.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return "../benchmarks/out/utr_capacity.png"
+    return Path(os.path.relpath(path, DOCS.parent)).as_posix()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="", help="comma list of table1,table2,table3,fig4a,fig4b,capacity")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--report-only", action="store_true", help="rebuild utr.json and the REPRODUCTION.md section")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="reduced grid (~15 min on 2 loaded CPU cores)")
+    ap.add_argument("--only", default="", help=f"comma list of {','.join(GROUPS)}")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    add_out_args(ap, "utr")
+    args = ap.parse_args(argv)
+    args.out = resolve_out(args.out)
+    if args.fresh and args.report_only:
+        ap.error("--fresh recomputes cells; it cannot be combined with --report-only")
     only = set(filter(None, args.only.split(",")))
-    done = finished_cells(JSONL)
-    for group, cell, raw in ([] if args.report_only else grid(args.quick, only)):
-        if cell in done:
-            continue
-        t0 = time.perf_counter()
-        try:
-            res = run_cell(raw)
-            row = {"cell": cell, "group": group, "config": raw, "metrics": res["metrics"], "timings": res["timings"],
-                   "warnings": res["details"].get("warnings", [])}
-        except Exception as err:  # a failing cell is recorded, not fatal
-            row = {"cell": cell, "group": group, "config": raw, "error": f"{type(err).__name__}: {err}",
-                   "metrics": {"rouge1": 0.0, "rouge2": 0.0}, "timings": {}}
-        append_jsonl(JSONL, row)
-        print(f"{cell}: R1={row['metrics'].get('rouge1', 0):.1f} R2={row['metrics'].get('rouge2', 0):.1f} "
-              f"({time.perf_counter() - t0:.1f}s){' ' + row.get('error', '') if 'error' in row else ''}", flush=True)
-    rows = [r for r in read_jsonl(JSONL) if "timings" in r and r.get("timings")]
-    write_outputs(rows)
+    if only - set(GROUPS):
+        ap.error(f"--only: unknown group(s) {', '.join(sorted(only - set(GROUPS)))}")
+    if args.check:
+        return check_configs((cell, raw, []) for _, cell, raw in grid(args.quick, only))
+    torch.set_num_threads(args.threads)
+    jsonl = args.out / "utr.jsonl"
+    if not args.report_only:
+        if args.fresh:
+            start_fresh(jsonl)
+        done = done_cells(jsonl)
+        sel = grid(args.quick, only)
+        todo = [c for c in sel if c[1] not in done]
+        print(f"{len(sel) - len(todo)} cells done, {len(todo)} to run (results in {display(args.out)})", flush=True)
+        for group, cell, raw in todo:
+            t0 = time.perf_counter()
+            try:
+                res = run_cell(raw, args.out / "utr" / cell)
+                row = {"cell": cell, "group": group, "config": raw, "metrics": res["metrics"], "timings": res["timings"],
+                       "warnings": res["details"].get("warnings", [])}
+            except Exception as err:  # a failing cell is recorded, not fatal (and retried on the next run)
+                row = {"cell": cell, "group": group, "config": raw, "error": f"{type(err).__name__}: {err}",
+                       "metrics": {"rouge1": 0.0, "rouge2": 0.0}, "timings": {}}
+            append_jsonl(jsonl, row)
+            print(f"{cell}: R1={row['metrics'].get('rouge1', 0):.1f} R2={row['metrics'].get('rouge2', 0):.1f} "
+                  f"({time.perf_counter() - t0:.1f}s){' ' + row.get('error', '') if 'error' in row else ''}", flush=True)
+    latest = latest_rows(jsonl)
+    rows = [r for r in latest if "error" not in r and r.get("timings")]
+    failed = [r["cell"] for r in latest if "error" in r]
+    if failed:
+        print(f"{len(failed)} failed cell(s), retried on the next run: {', '.join(failed)}", flush=True)
+    if not rows:
+        print(f"no finished cells in {display(jsonl)}: nothing to report (docs untouched). "
+              "To rebuild from the shipped reference results: --out benchmarks/out --report-only", flush=True)
+        return 1
+    write_outputs(rows, args.out, args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -24,7 +24,8 @@ Pipeline (Algorithm 1):
    every down-projection row of an adapter assigned to position t reads the target token through
    ``w = E_pos(t)`` (+ ``α·d_k`` in the improved design), the biases are thresholds from the public-data
    statistic (inverse Gaussian CDF in the paper design), the up-projection is ``up_scale·u_out·1ᵀ``.
-   :meth:`PEFTLeak.server_model` loads it into the model the server sends that round.
+   :meth:`PEFTLeak.server_model` loads it, and the poisoned head again (:meth:`PEFTLeakServer.round_state`),
+   into the model the server sends that round.
 3. :meth:`PEFTLeakRecovery.reconstruct` reads only the :class:`~gradleak.fl.core.ServerView`: eq. (24)
    (differences of consecutive neurons) isolates the adapter input of a lone patch in a bin, eq. (25)
    maps it back to pixels, then patches are grouped into images.
@@ -553,7 +554,6 @@ class PEFTLeakServer:
         return {**self.poisoned_trainable, **self.adapter_state(round_index)}
 
 
-
 # --------------------------------------------------------------------------------------------------
 # the attacker's analysis: recovery from the server view
 # --------------------------------------------------------------------------------------------------
@@ -857,7 +857,6 @@ class PEFTLeakRecovery:
         pos = torch.tensor([c["position"] for c in uniq], dtype=torch.long)
         g = torch.tensor([c.get("g", float("nan")) for c in uniq], dtype=F64)
         return X, pos, g
-
 
 
 # --------------------------------------------------------------------------------------------------
