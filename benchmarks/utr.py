@@ -157,6 +157,9 @@ def run_cell(raw: dict, out_dir: Path) -> dict:
     t0 = time.perf_counter()
     res = run_experiment(cfg, RunContext(out_dir, torch.device("cpu")))
     res["timings"]["total_seconds"] = time.perf_counter() - t0
+    # the cell's run record (sentences per trial in details), next to what the evaluation wrote
+    write_json_atomic(out_dir / "results.json", {"config": cfg.dump(), "metrics": res["metrics"],
+                                                 "timings": res["timings"], "details": res["details"]})
     return res
 
 
