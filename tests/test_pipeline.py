@@ -274,3 +274,24 @@ def test_ig_baseline_runs_through_gradleak_run(tmp_path):
     m = r["metrics"]
     assert m["final_matching_loss"] < m["initial_matching_loss"] and m["images_returned"] == 1
     assert r["config"]["attack"]["name"] == "inverting_gradients" and r["details"]["threat"]["malicious"] is False
+
+
+def test_build_view_keeps_the_observed_rounds_and_only_granted_facts():
+    from gradleak.fl.core import Update
+    from gradleak.fl.threat import ThreatConfig, build_view
+
+    ups = [[Update({"w": torch.full((2,), float(r))}, 4, client_id=0)] for r in range(3)]
+    sums = [u[0] for u in ups]
+    knowledge = {"knows_labels": {"labels": [1, 0, 1, 1]}, "knows_batch_size": {"batch_size": 4},
+                 "knows_lengths": {"lengths": [3, 3, 3, 3]}}
+    tm = ThreatConfig(rounds_observed=2, knows_batch_size=False).resolve()
+    v = build_view(model=None, rounds=ups, round_states=[{}, {}, {}], threat=tm, secure_sum=sums,
+                   knowledge=knowledge, always_public={"tokenizer": "tok"})
+    assert len(v.rounds) == 2 and float(v.updates[0].tensors["w"][0]) == 1.0
+    assert set(v.public) == {"tokenizer"} and v.updates[0].num_samples == 0
+    tm = ThreatConfig(preset="malicious", knows_labels=True, knows_lengths=True, individual_updates=False).resolve()
+    v = build_view(model=None, rounds=ups, round_states=[{}, {}, {}], threat=tm, secure_sum=sums,
+                   knowledge=knowledge, always_public={})
+    assert v.secure_aggregation and set(v.public) == {"labels", "batch_size", "lengths"}
+    with pytest.raises(BadInput, match="threat.individual_updates"):
+        ThreatConfig(individual_updates=True).resolve(secure_aggregation=True)

@@ -19,6 +19,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
+from gradleak.defenses.update import DefenseConfig
 from gradleak.errors import BadInput
 from gradleak.experiments.config import Strict
 from gradleak.fl.threat import ThreatConfig, ThreatModel
@@ -79,11 +80,6 @@ class MetricsConfig(Strict):
     feature_distance: bool = True  # 1 − cos of ViT-S/14 features (offline); LPIPS is added when its weights exist
 
 
-class DefenseEntry(Strict):
-    name: str
-    params: dict[str, Any] = Field(default_factory=dict)
-
-
 class AttackSection(BaseModel):
     """``attack: {name: ..., params: {...}, <flat parameters>}`` — validated against the attack's Config."""
 
@@ -112,7 +108,7 @@ class ExperimentConfig(Strict):
     fl: FLConfig = Field(default_factory=FLConfig)
     threat: ThreatConfig = Field(default_factory=ThreatConfig)
     attack: AttackSection = Field(default_factory=AttackSection)
-    defenses: list[DefenseEntry] = Field(default_factory=list)
+    defenses: list[DefenseConfig] = Field(default_factory=list)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     # resolved by check()
