@@ -207,6 +207,7 @@ BAD_PEFTLEAK = [
     ("data.public=cifar-samples", "data.public"), ("peft.kind=lora", "peft.kind"),
     ("data.max_length=8", "data.max_length"), ("threat.preset=honest-but-curious", "threat.malicious"),
     ("fl.secure_aggregation=true", "threat.individual_updates"), ("defenses=[{name: nope}]", "defenses[0].name"),
+    ("model.dtype=float32", "model.dtype"),
 ]
 BAD_UTR = [("data.limit=-1", "data.limit"), ("data.max_length=0", "data.max_length"), ("attack.name=peftleak", "attack.name"),
            ("attack.name=lamp", "attack.eps_bag"), ("model.pooling=cls", "model.pooling"), ("peft.bottleneck=8", "peft.bottleneck"),

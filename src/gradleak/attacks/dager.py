@@ -23,8 +23,8 @@ from torch import nn
 
 from pydantic import Field
 
-from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction, ThreatModel
-from gradleak.attacks.utr import (CausalPrefixSearch, cap_to_batch, Subspace, bert_pair_exact,
+from gradleak.attacks.base import AttackBase, Reconstruction, ThreatModel
+from gradleak.attacks.utr import (CausalPrefixSearch, SpanTestConfig, cap_to_batch, Subspace, bert_pair_exact,
                                   bert_pair_residuals, is_causal, model_layers, specials, subspace_from_gradients)
 from gradleak.fl.core import ServerView
 from gradleak.peft.text_adapters import StopForward
@@ -78,14 +78,8 @@ def _probe_query_input(model: nn.Module, layer: int, **inputs) -> torch.Tensor:
     return cap.x
 
 
-class DAGERConfig(AttackConfig):
-    eps_bag: float = Field(1e-3, gt=0, lt=1, description="token membership tolerance")
-    eps_sentence: float = Field(1e-3, gt=0, lt=1, description="sentence membership tolerance")
-    rank_rtol: float = Field(1e-5, gt=0, lt=1, description="relative singular-value cut-off")
-    max_positions: int = Field(128, ge=1, description="positions tested for absolute-position models")
-    max_len: int = Field(128, ge=2, description="longest sentence the causal search builds")
+class DAGERConfig(SpanTestConfig):
     max_branches: int = Field(8, ge=1, description="trie branching cap")
-    screen_tol: float = Field(0.05, gt=0, lt=1, description="coarse screen of (token, position) pairs")
 
 
 @ATTACKS.register("dager", "DAGER-style span check on attention (query) gradients; fails with a frozen backbone")

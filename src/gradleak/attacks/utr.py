@@ -436,18 +436,23 @@ def cap_to_batch(sents: list[list[int]], info: dict[str, Any], batch_size: int |
 
 
 
-class UTRConfig(AttackConfig):
-    eps_bag: float = Field(1e-3, gt=0, lt=1, description="stage-1 membership tolerance (relative residual)")
-    eps_sentence: float = Field(1e-3, gt=0, lt=1, description="stage-2 membership tolerance (relative residual)")
+class SpanTestConfig(AttackConfig):
+    """Parameters every subspace-membership text attack shares (UTR, DAGER)."""
+
+    eps_bag: float = Field(1e-3, gt=0, lt=1, description="token membership tolerance (relative residual)")
+    eps_sentence: float = Field(1e-3, gt=0, lt=1, description="sentence membership tolerance (relative residual)")
     rank_rtol: float = Field(1e-5, gt=0, lt=1, description="relative singular-value cut-off of the SVD")
     max_positions: int = Field(128, ge=1, description="positions tested for absolute-position models")
     max_len: int = Field(128, ge=2, description="longest sentence the causal search builds")
+    screen_tol: float = Field(0.05, gt=0, lt=1, description="coarse screen of (token, position) pairs")
+
+
+class UTRConfig(SpanTestConfig):
     max_branches: Optional[int] = Field(None, ge=1, description="trie branching cap (default max(8, B))")
     eicw: bool = Field(True, description="consecutive-identical-word filter")
     lm_prior: bool = Field(True, description="rank branches past the cap by the LM")
     all_rounds: bool = Field(True, description="stack the embedding-adapter gradients of every observed round")
     sentence_layer: str = Field("layer_0", description="adapter whose input space tests sentences")
-    screen_tol: float = Field(0.05, gt=0, lt=1, description="coarse screen of (token, position) pairs")
     time_budget: float = Field(600.0, gt=0, description="seconds before the sentence search stops")
 
 

@@ -179,6 +179,9 @@ class ExperimentConfig(Strict):
             raise BadInput("data.name", f"'{self.data.name}' is a {dm} dataset but experiment '{self.experiment}' works on "
                            f"{self._modality}.", f"use a {self._modality} dataset (see `gradleak list`) or experiment: {dm}.")
         self._resolve_attack()
+        if self._attack_cls.needs_float64 and self.model.dtype == "float32":
+            raise BadInput("model.dtype", f"attack '{self._attack_cls.name}' is exact only in float64 (the server ships "
+                           "the model in float64).", "remove model.dtype or set it to float64.")
         self._threat = self.threat.resolve(self.fl.secure_aggregation)
         if self._modality == "image" and self._threat.public_data and self.data.public is not None:
             check_disjoint(self.data.name, self.data.public)
