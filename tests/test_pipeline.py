@@ -195,6 +195,9 @@ def test_rouge_f1_penalises_extra_output_and_the_attack_returns_at_most_b():
     info = {"verified_sentences": 1}
     out = cap_to_batch([[1], [2], [3]], info, 2, causal=False)
     assert out == [[1], [2]] and info["verified"] == [True, False] and info["unverified_sentences"] == 1
+    info = {"capacity_exhausted": True}  # a saturated subspace proves nothing on a causal model
+    out = cap_to_batch([[1, 2, 3], [4], [5, 6]], info, 2, causal=True)
+    assert out == [[1, 2, 3], [5, 6]] and info["verified"] == [False, False]
 
 
 BAD_PEFTLEAK = [

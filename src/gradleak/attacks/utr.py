@@ -416,10 +416,12 @@ def cap_to_batch(sents: list[list[int]], info: dict[str, Any], batch_size: int |
 
     Verified = passed the membership test at every position: the encoder search reports how many of its
     (verified-first) chains passed; every sentence the causal trie search completes passed at each prefix,
-    unless the search ran out of time. ``info["verified"]`` gets one flag per returned sentence.
+    which proves it only while the subspace is not saturated and the search did not run out of time.
+    ``info["verified"]`` gets one flag per returned sentence.
     """
     if causal:
-        flags = [not info.get("search_truncated", False)] * len(sents)
+        proven = not info.get("search_truncated", False) and not info.get("capacity_exhausted", False)
+        flags = [proven] * len(sents)
         if batch_size and len(sents) > batch_size:  # spurious branches die early: keep the longest
             order = sorted(range(len(sents)), key=lambda i: -len(sents[i]))[:batch_size]
             sents = [sents[i] for i in sorted(order)]
