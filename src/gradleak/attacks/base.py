@@ -62,7 +62,6 @@ class AttackContext:
     threat: ThreatModel
     fl: dict[str, Any] = field(default_factory=dict)
     public: dict[str, Any] = field(default_factory=dict)
-    progress: Any = None
 
 
 class AttackBase:

@@ -157,10 +157,7 @@ class InvertingGradients(AttackBase):
 
     @classmethod
     def from_config(cls, cfg, ctx):
-        progress = None
-        if ctx.progress is not None:
-            progress = ctx.progress
-        return cls(**cfg.model_dump(), seed=ctx.seed, progress=progress)
+        return cls(**cfg.model_dump(), seed=ctx.seed)
 
     def __init__(self, steps: int = 2000, lr: float = 0.1, tv_weight: float = 1e-4, restarts: int = 1,
                  labels: str = "known", seed: int = 0, image_shape: Sequence[int] | None = None,

@@ -116,7 +116,6 @@ class TextData:
 
 def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     from gradleak.attacks.base import AttackContext
-    from gradleak.data import dataset_modality
     from gradleak.defenses.update import build_defenses
     from gradleak.fl.core import Client, default_classification_loss
     from gradleak.fl.protocol import run_rounds
@@ -131,10 +130,6 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
                        "use --device cpu.")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    dm = dataset_modality(cfg.data.name)
-    if dm != modality:
-        raise BadInput("data.name", f"'{cfg.data.name}' is a {dm} dataset but experiment '{cfg.experiment}' works on {modality}.",
-                       f"use a {modality} dataset (see `gradleak list`) or experiment: {dm}.")
     timings: dict[str, float] = {}
     # ---- data (private: the clients'; public: the server's, only if the threat model grants it)
     t0 = time.perf_counter()

@@ -106,8 +106,10 @@ class Client:
 
     def local_update(self, model: nn.Module, *, algorithm: str = "fedsgd", epochs: int = 1,
                      lr: float = 0.01, batch_size: int | None = None,
-                     defenses: Sequence[Any] = (), seed: int = 0) -> Update:
+                     defenses: Sequence[Any] = (), seed: int = 0, in_place: bool = False) -> Update:
         """Run local training on a private copy of ``model`` and return the upload.
+
+        ``in_place=True`` trains ``model`` itself (the round protocol hands each client its own copy already).
 
         ``fedsgd``: one gradient of the mean loss over the whole local batch.
         ``fedavg``: ``epochs`` passes of SGD with minibatches of ``batch_size`` (shuffled with
@@ -127,7 +129,7 @@ class Client:
                        for n, p, g in zip(names, params, grads)}
             upd = Update(tensors, len(x), self.client_id, "gradient", 1)
         elif algorithm == "fedavg":
-            local = copy.deepcopy(model)
+            local = model if in_place else copy.deepcopy(model)
             params = {n: p for n, p in local.named_parameters() if p.requires_grad}
             # the weights move in the model's dtype, but the change is accumulated in float64: a float32
             # ``w_before - w_after`` rounds the small steps against the large weights (5.8 % off the

@@ -62,7 +62,7 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
             local = copy.deepcopy(model)  # the client's own copy
             t0 = time.perf_counter()
             upd = c.local_update(local, algorithm=algorithm, epochs=local_epochs, lr=lr, batch_size=local_batch_size,
-                                 defenses=defenses, seed=seed + r)
+                                 defenses=defenses, seed=seed + r, in_place=True)
             out.client_seconds += time.perf_counter() - t0
             ups.append(upd.map(lambda _, v: v.detach().cpu()))
             del local
