@@ -27,6 +27,19 @@ assets: | $(BIN)/python
 	      || echo "note: could not install Debian dataset-fashion-mnist; the fashion-mnist dataset will be unavailable"; \
 	  else echo "note: run 'sudo apt-get install -y dataset-fashion-mnist' for the fashion-mnist dataset"; fi; \
 	fi
+	@# guard on a data file: /usr/share/wordnet is shared with wordnet-gui, games/fortunes with fortunes-min
+	@if [ ! -f /usr/share/wordnet/data.noun ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get install -y -q wordnet-base >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q wordnet-base >/dev/null 2>&1)) \
+	      || echo "note: could not install Debian wordnet-base; the wordnet-examples dataset will be unavailable"; \
+	  else echo "note: run 'sudo apt-get install -y wordnet-base' for the wordnet-examples dataset"; fi; \
+	fi
+	@if [ ! -f /usr/share/games/fortunes/computers ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get install -y -q fortunes >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q fortunes >/dev/null 2>&1)) \
+	      || echo "note: could not install Debian fortunes; the fortunes-topics dataset will be unavailable"; \
+	  else echo "note: run 'sudo apt-get install -y fortunes' for the fortunes-topics dataset"; fi; \
+	fi
 
 demo: $(STAMP)
 	$(BIN)/gradleak run configs/peftleak/cifar_b32.yaml --out runs/demo

@@ -248,6 +248,208 @@ def test_csv_wrong_column_name_lists_the_header(tmp_path):
     assert err.value.field == "data.text_column"
 
 
+# --- labelled text tasks: WordNet POS, fortunes topics, users' CoLA / SST-5 / IMDb ------------------------
+
+
+def test_wordnet_examples_labelled_by_part_of_speech():
+    try:
+        ds = load_text("wordnet-examples")
+    except MissingAsset:
+        pytest.skip("Debian wordnet-base not installed")
+    assert ds.info["num_classes"] == 4 and ds.info["label_names"] == ["noun", "verb", "adjective", "adverb"]
+    counts = np.bincount(ds.labels, minlength=4)
+    assert len(ds) > 40_000 and counts.min() > 3_000 and counts.sum() == len(ds)
+    assert len(set(ds.texts)) == len(ds) and all(len(t.split()) >= 3 for t in ds.texts)
+    for text, label in [("the team is a unit", 0), ("The patient is respiring", 1), ("able to swim", 2),
+                        ("they performed a cappella", 3)]:
+        assert ds.labels[ds.texts.index(text)] == label
+    assert len(load_text("wordnet-examples", limit=5)) == 5
+
+
+def _wordnet_root(tmp_path):
+    lic = "  1 This software and database is being provided to you\n"
+    files = {"data.noun": '00001 03 n 01 dog 0 000 | a canine; "the dog barked all night"; "dog"\n',
+             "data.verb": '00002 29 v 01 run 0 000 | move fast; "she runs every day"; "the dog barked all night"\n',
+             "data.adj": '00003 00 a 01 able 0 000 | having skill; "able to swim"\n',
+             "data.adv": '00004 02 r 01 fast 0 000 | quickly; "he drove very fast"\n'}
+    for name, body in files.items():
+        (tmp_path / name).write_text(lic + body, encoding="latin-1")
+    return tmp_path
+
+
+def test_wordnet_examples_labels_and_dedup_on_tiny_files(tmp_path):
+    ds = load_text("wordnet-examples", root=str(_wordnet_root(tmp_path)))
+    # read adj, adv, noun, verb; "dog" (1 word) dropped; the verb file's repeat keeps the noun label
+    assert ds.texts == ["able to swim", "he drove very fast", "the dog barked all night", "she runs every day"]
+    assert ds.labels.tolist() == [2, 3, 0, 1] and ds.info["num_classes"] == 4
+    (tmp_path / "data.adv").unlink()
+    with pytest.raises(MissingAsset) as err:
+        load_text("wordnet-examples", root=str(tmp_path))
+    assert "data.adv" in str(err.value) and "wordnet-base" in err.value.install
+
+
+def test_fortunes_topics_real_quotes():
+    try:
+        ds = load_text("fortunes-topics")
+    except MissingAsset:
+        pytest.skip("Debian fortunes not installed")
+    assert ds.info["label_names"] == ["computers", "politics", "science", "work"] and ds.info["num_classes"] == 4
+    counts = np.bincount(ds.labels, minlength=4)
+    assert 2_200 <= len(ds) <= 2_700 and counts.min() >= 400, counts  # 2,441 with fortunes 1:1.99.1
+    assert len(set(ds.texts)) == len(ds)
+    assert all(3 <= len(t.split()) <= 40 and t == " ".join(t.split()) for t in ds.texts)
+    assert not any("\x08" in t or t.startswith("--") or " -- " + "Lazarus Long" in t for t in ds.texts)
+    i = ds.texts.index("A billion here, a billion there -- pretty soon it adds up to real money.")
+    assert ds.labels[i] == 1  # politics; the "-- Sen. Everett Dirksen" line is gone, the inline "--" stays
+
+
+def test_fortunes_topics_parsing_and_missing_package(tmp_path):
+    with pytest.raises(MissingAsset) as err:
+        load_text("fortunes-topics", root=str(tmp_path))
+    assert "apt-get install fortunes" in str(err.value)
+    long = " ".join(["word"] * 41)
+    (tmp_path / "computers").write_text(
+        "Calm down, it's *____\b\b\b\bonly* ones\nand   zeroes.\n%\nNo.\n%\n" + long + "\n%\n"
+        "Bus error -- driver executed.\n\t\t-- Anonymous, \"A Book of\n\t\t   Bugs\"\n%\n", encoding="utf-8")
+    (tmp_path / "politics").write_text("Bus error -- driver executed.\n%\nVote early and vote often.\n"
+                                       "\t\t-- Al Capone\n", encoding="utf-8")
+    (tmp_path / "science").write_text("An _\bI satisfies a sentence.\n", encoding="utf-8")
+    (tmp_path / "work").write_text("%\nWork is the curse of the drinking classes.\n%\n", encoding="utf-8")
+    ds = load_text("fortunes-topics", root=str(tmp_path))
+    assert ds.texts == ["Calm down, it's *only* ones and zeroes.", "Bus error -- driver executed.",
+                        "Vote early and vote often.", "An I satisfies a sentence.",
+                        "Work is the curse of the drinking classes."]
+    assert ds.labels.tolist() == [0, 0, 1, 2, 3]  # the repeat in politics keeps its first topic
+    assert len(load_text("fortunes-topics", root=str(tmp_path), max_words=5)) == 3
+
+
+def test_cola_raw_tsv(tmp_path):
+    rows = ("gj04\t1\t\tOur friends won't buy this analysis.\n"
+            "gj04\t0\t*\tOne more \"pseudo generalization and I'm giving up.\n\n"
+            "gj04\t1\t\tOur friends won't buy this analysis.\n")
+    p = _write(tmp_path, "in_domain_train.tsv", rows)
+    ds = load_text("cola", path=p)
+    assert ds.texts == ["Our friends won't buy this analysis.", "One more \"pseudo generalization and I'm giving up."]
+    assert ds.labels.tolist() == [1, 0] and ds.info["num_classes"] == 2 and ds.info["duplicates_dropped"] == 1
+    assert ds.info["label_names"] == ["unacceptable", "acceptable"]
+    assert len(load_text("cola", path=p, dedup=False)) == 3
+    assert load_text("cola", path=str(tmp_path)).texts == ds.texts  # the folder holding in_domain_train.tsv
+    assert data.load("cola", path=p).texts == ds.texts
+    bad = _write(tmp_path, "bad.tsv", "sentence\tlabel\nhello there world\t1\n")
+    for path in (bad, str(tmp_path / "none.tsv"), None):
+        with pytest.raises(BadInput) as err:
+            load_text("cola", path=path)
+        assert err.value.field == "data.path"
+    with pytest.raises(BadInput) as err:
+        load_text("cola", path=str(tmp_path / "sub"))
+    assert err.value.field == "data.path"
+
+
+def test_sst5_fasttext_and_tree_formats(tmp_path):
+    p = _write(tmp_path, "sst_train.txt", "__label__5 a gorgeous , witty , seductive movie .\n"
+               "__label__1 a sour little movie .\n\n__label__3 it 's a film .\n")
+    ds = load_text("sst5", path=p)
+    assert ds.texts == ["a gorgeous , witty , seductive movie .", "a sour little movie .", "it 's a film ."]
+    assert ds.labels.tolist() == [4, 0, 2] and ds.info["num_classes"] == 5
+    assert ds.info["label_names"][0] == "very negative" and ds.info["label_names"][4] == "very positive"
+    trees = _write(tmp_path, "train.txt", "(3 (2 It) (4 (2 's) (4 (3 (2 a) (4 (3 lovely) (2 film))) (2 .))))\n"
+                   "(1 (2 -LRB-) (1 (1 dull) (2 -RRB-)))\n")
+    ds = load_text("sst5", path=trees)
+    assert ds.texts == ["It 's a lovely film .", "( dull )"] and ds.labels.tolist() == [3, 1]
+    for text in ("__label__6 out of range\n", "__label__0 zero based\n", "(3 (2 unbalanced)\n", "plain sentence\n"):
+        with pytest.raises(BadInput) as err:
+            load_text("sst5", path=_write(tmp_path, "bad.txt", text))
+        assert err.value.field == "data.path" and "line 1" in str(err.value)
+    with pytest.raises(BadInput) as err:
+        load_text("sst5", path=str(tmp_path))
+    assert err.value.field == "data.path"
+
+
+def test_imdb_folder(tmp_path):
+    train = tmp_path / "aclImdb" / "train"
+    for sub, reviews in {"pos": {"10_9.txt": "Loved it.<br /><br />Great   cast.", "2_8.txt": "A fine film."},
+                         "neg": {"3_1.txt": "Dull and long.", "1_2.txt": "Awful film, really."}}.items():
+        (train / sub).mkdir(parents=True)
+        for name, text in reviews.items():
+            (train / sub / name).write_text(text, encoding="utf-8")
+    (train / "unsup").mkdir()
+    (train / "unsup" / "0_0.txt").write_text("not labelled", encoding="utf-8")
+    ds = load_text("imdb-folder", path=str(tmp_path / "aclImdb"))
+    assert ds.texts == ["Awful film, really.", "Dull and long.", "A fine film.", "Loved it. Great cast."]
+    assert ds.labels.tolist() == [0, 0, 1, 1] and ds.info["num_classes"] == 2
+    assert load_text("imdb-folder", path=str(train)).texts == ds.texts
+    assert load_text("imdb-folder", path=str(train), max_words=2).texts[3] == "Loved it."
+    assert load_text("imdb-folder", path=str(tmp_path)).texts == ds.texts  # the folder above aclImdb
+    (tmp_path / "empty").mkdir()
+    for path in (str(tmp_path / "empty"), str(train / "pos" / "2_8.txt"), str(tmp_path / "nope"), None):
+        with pytest.raises(BadInput) as err:
+            load_text("imdb-folder", path=path)
+        assert err.value.field == "data.path"
+
+
+def test_num_classes_recorded(tmp_path):
+    p = _write(tmp_path, "r.csv", "review,stars\nGreat movie loved it,5\nAwful really bad,1\n")
+    ds = load_text("csv", path=p, label_column="stars")
+    assert ds.info["labelled"] and ds.info["num_classes"] == 6
+    ds = load_text("csv", path=p, text_column="review")
+    assert not ds.info["labelled"] and "num_classes" not in ds.info
+    try:
+        rt = load_text("rt-sentences", limit=10)
+        news = load_text("news-sentences", limit=10)
+    except MissingAsset:
+        pytest.skip("gensim test data not installed")
+    assert rt.info["num_classes"] == 2 and rt.info["label_names"] == ["neg", "pos"]
+    assert not news.info["labelled"]
+
+
+def _toy(n):
+    from gradleak.data.text import TextDataset
+
+    return TextDataset("toy", [f"sentence number {i}" for i in range(n)], np.arange(n) % 3, {"source": "x"})
+
+
+def test_split_counts_and_fractions():
+    ds = _toy(100)
+    members, test, pool = ds.split([30, 20, 40], seed=1)
+    assert [len(members), len(test), len(pool)] == [30, 20, 40]
+    idx = [set(part.info["indices"]) for part in (members, test, pool)]
+    assert not (idx[0] & idx[1] or idx[0] & idx[2] or idx[1] & idx[2])
+    assert not set(members.texts) & set(pool.texts)
+    for part in (members, test, pool):
+        assert part.texts == [ds.texts[i] for i in part.info["indices"]]
+        assert part.labels.tolist() == ds.labels[part.info["indices"]].tolist()
+        assert part.info["source"] == "x" and part.info["split_seed"] == 1
+    again = ds.split([30, 20, 40], seed=1)
+    assert again[0].texts == members.texts and again[2].texts == pool.texts
+    assert ds.split([30, 20, 40], seed=2)[0].texts != members.texts
+    parts = ds.split([0.7, 0.3], seed=0)
+    assert [len(q) for q in parts] == [70, 30] and sorted(parts[0].info["indices"] + parts[1].info["indices"]) == list(range(100))
+    assert sum(len(q) for q in _toy(11).split([1 / 3, 1 / 3, 1 / 3])) == 11
+    assert [len(q) for q in ds.split([0.5, 0.1])] == [50, 10]
+
+
+def test_split_refuses_bad_or_too_many_parts():
+    ds = _toy(10)
+    for parts in ([6, 5], [0.5, 4], [0, 3], [0.05, 0.95], [0.6, 0.6], "0.5", []):
+        with pytest.raises(BadInput) as err:
+            ds.split(parts)
+        assert err.value.field == "data.split"
+    with pytest.raises(BadInput) as err:
+        ds.split([480, 1000], field="data.members")
+    assert err.value.field == "data.members" and "1480" in str(err.value) and "10" in str(err.value)
+
+
+def test_split_counts_repeated_sentences_once():
+    from gradleak.data.text import TextDataset
+
+    ds = TextDataset("rep", ["a b c", "d e f", "a b c", "g h i"], np.array([0, 1, 2, 1]))
+    a, b = ds.split([2, 1], seed=0)
+    assert not set(a.texts) & set(b.texts) and len(set(a.texts + b.texts)) == 3
+    with pytest.raises(BadInput):
+        ds.split([2, 2])
+    assert sum(len(q) for q in ds.split([2, 2], dedup=False)) == 4
+
+
 # --- modality and public/private overlap -------------------------------------------------------------
 
 
@@ -255,7 +457,8 @@ def test_dataset_modality():
     for name in ("cifar-samples", "imagenet-samples", "natural-crops", "public-natural", "fashion-mnist",
                  "image-folder", "npz"):
         assert data.dataset_modality(name) == "image"
-    for name in ("rt-sentences", "news-sentences", "imdb-samples", "wordnet-examples", "csv", "tsv", "hf"):
+    for name in ("rt-sentences", "news-sentences", "imdb-samples", "wordnet-examples", "fortunes-topics", "cola",
+                 "sst5", "imdb-folder", "csv", "tsv", "hf"):
         assert data.dataset_modality(name) == "text"
     with pytest.raises(BadInput) as err:
         data.dataset_modality("no-such-set")

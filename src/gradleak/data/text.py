@@ -5,9 +5,18 @@ Every loader returns a :class:`TextDataset` (sentences + integer labels). Built-
 * ``rt-sentences``     -- 200 Rotten Tomatoes sentences (gensim test data, latin-1, ``__label__pos/neg``).
 * ``news-sentences``   -- sentences split from the 299 ABC news documents of gensim's ``lee_background.cor``.
 * ``imdb-samples``     -- the 10 IMDb reviews of gensim's ``alldata-id-10.txt`` (first sentence of 4+ words of each).
-* ``wordnet-examples`` -- quoted example sentences of the WordNet 3.0 glosses (Debian ``wordnet-base``).
+* ``wordnet-examples`` -- quoted example sentences of the WordNet 3.0 glosses (Debian ``wordnet-base``), labelled
+  by part of speech: 0 noun, 1 verb, 2 adjective, 3 adverb.
+* ``fortunes-topics``  -- short quotes of the Debian ``fortunes`` files computers / politics / science / work (0..3).
+* ``cola``             -- the user's CoLA ``in_domain_train.tsv`` (source, label, mark, sentence): 0/1 acceptability.
+* ``sst5``             -- the user's SST-5 file: ``__label__N sentence`` lines (N 1..5) or PTB trees ``(3 (2 a) ...)``.
+* ``imdb-folder``      -- the user's ``aclImdb`` folder (``train/{neg,pos}/*.txt``): 0 neg, 1 pos.
 * ``csv`` / ``tsv``    -- a local file (e.g. CoLA / SST-2 dumps): ``path=``, ``text_column=``, ``label_column=``.
 * ``hf``               -- an HF ``datasets`` dataset the user has cached (``path=``, ``split=``, columns).
+
+``info`` of every set: ``source``; ``labelled`` (False where every label is a placeholder 0); for labelled sets
+``num_classes`` (labels lie in ``[0, num_classes)``) and, where the classes have names, ``label_names``.
+:meth:`TextDataset.split` cuts a set into disjoint seeded parts (e.g. members / held-out test / non-member pool).
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import csv
 import importlib.util
 import io
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +38,13 @@ from gradleak.registry import DATASETS
 GENSIM_INSTALL = "pip install --no-deps gensim==4.4.0"
 WORDNET_INSTALL = "sudo apt-get install -y wordnet-base"
 WORDNET_DIR = Path("/usr/share/wordnet")
+#: WordNet data files in reading order (sorted names, as before the labels) and their part-of-speech label.
+WORDNET_FILES = (("data.adj", 2), ("data.adv", 3), ("data.noun", 0), ("data.verb", 1))
+WORDNET_LABELS = ("noun", "verb", "adjective", "adverb")
+FORTUNES_INSTALL = "sudo apt-get install fortunes"
+FORTUNES_DIR = Path("/usr/share/games/fortunes")
+#: The fortune files used as topics, in label order (all four ship in Debian ``fortunes``, not ``fortunes-min``).
+FORTUNE_TOPICS = ("computers", "politics", "science", "work")
 
 
 @dataclass
@@ -51,6 +68,70 @@ class TextDataset:
         idx = np.roll(order, -offset)[:batch_size]
         return [self.texts[i] for i in idx], self.labels[idx]
 
+    def subset(self, indices: Sequence[int], name: str | None = None, info: dict[str, Any] | None = None) -> TextDataset:
+        """The sentences at ``indices`` (in that order); ``info`` is this set's updated with ``info``."""
+        idx = np.asarray(indices, dtype=np.int64)
+        return TextDataset(name or self.name, [self.texts[i] for i in idx], self.labels[idx].copy(),
+                           {**self.info, **(info or {})})
+
+    def split(self, parts: Sequence[float | int], seed: int = 0, *, dedup: bool = True,
+              field: str = "data.split") -> list[TextDataset]:
+        """Disjoint, seeded random parts, e.g. ``members, test, pool = ds.split([480, 200, 1000], seed=0)``.
+
+        ``parts``: all counts (ints >= 1, summing to at most ``len(self)``) or all fractions (floats in
+        (0, 1], summing to at most 1; a part is ``round(cumulative fraction * n)`` minus the previous
+        boundary, so fractions summing to 1 use every sentence). Sentences not given to a part are left out.
+        With ``dedup`` (default) a sentence that occurs more than once counts once (its first label), so
+        the parts are disjoint as texts, not only as positions. Each part keeps its original order; its
+        ``info`` adds ``parent``, ``part``, ``parts``, ``split_seed`` and ``indices`` (positions in this set).
+        A set too small for the parts, or a part of size 0, raises :class:`BadInput` naming ``field``.
+        """
+        if isinstance(parts, (str, bytes)) or not isinstance(parts, Sequence) or not parts:
+            raise BadInput(field, f"expected a list of counts or fractions, got {parts!r}.",
+                           "e.g. [480, 1000] (counts) or [0.8, 0.2] (fractions).")
+        is_int = [isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in parts]
+        is_frac = [isinstance(p, (float, np.floating)) for p in parts]
+        if not (all(is_int) or all(is_frac)):
+            raise BadInput(field, f"{list(parts)} mixes counts (ints) and fractions (floats) or holds other values.",
+                           "give all counts, e.g. [480, 1000], or all fractions, e.g. [0.8, 0.2].")
+        if dedup:
+            first: dict[str, int] = {}
+            for i, t in enumerate(self.texts):
+                first.setdefault(t, i)
+            pool = np.fromiter(first.values(), dtype=np.int64, count=len(first))
+        else:
+            pool = np.arange(len(self.texts), dtype=np.int64)
+        n = len(pool)
+        what = f"'{self.name}' has {n} {'distinct ' if dedup and n < len(self.texts) else ''}sentences"
+        if all(is_int):
+            sizes = [int(p) for p in parts]
+            if min(sizes) < 1:
+                raise BadInput(field, f"every part needs at least 1 sentence, got {sizes}.", "use counts >= 1.")
+            if sum(sizes) > n:
+                raise BadInput(field, f"the parts {sizes} need {sum(sizes)} sentences but {what}.",
+                               f"use counts summing to at most {n}, or a larger dataset.")
+            bounds = np.concatenate([[0], np.cumsum(sizes)])
+        else:
+            fr = [float(p) for p in parts]
+            if min(fr) <= 0 or max(fr) > 1 or sum(fr) > 1 + 1e-9:
+                raise BadInput(field, f"fractions must lie in (0, 1] and sum to at most 1, got {fr}.",
+                               "e.g. [0.8, 0.2] or [0.5, 0.25].")
+            cum = np.cumsum(fr)
+            bounds = np.concatenate([[0], np.rint(cum * n).astype(np.int64)])
+            if abs(cum[-1] - 1) < 1e-9:
+                bounds[-1] = n
+            sizes = np.diff(bounds).tolist()
+            if min(sizes) < 1:
+                raise BadInput(field, f"the fractions {fr} of {n} sentences give parts of sizes {sizes}: {what}, "
+                               "too few for every part.", "use larger fractions, counts, or a larger dataset.")
+        order = pool[np.random.default_rng(seed).permutation(n)]
+        out = []
+        for i in range(len(sizes)):
+            idx = np.sort(order[bounds[i]:bounds[i + 1]])
+            out.append(self.subset(idx, f"{self.name}[{i}]", {"parent": self.name, "part": i, "parts": len(sizes),
+                                                             "split_seed": seed, "indices": idx.tolist()}))
+        return out
+
 
 def _gensim_file(name: str) -> Path:
     spec = importlib.util.find_spec("gensim")
@@ -62,10 +143,33 @@ def _gensim_file(name: str) -> Path:
     return p
 
 
-def _limit(texts: list[str], labels: list[int], limit: int | None, name: str, info: dict | None = None) -> TextDataset:
+def _limit(texts: list[str], labels: list[int], limit: int | None, name: str, info: dict | None = None,
+           label_names: Sequence[str] | None = None, labelled: bool = True) -> TextDataset:
+    """The dataset (first ``limit`` sentences). ``info`` gains ``labelled`` and, for a labelled set,
+    ``num_classes`` (``len(label_names)``, else max label + 1 over the whole file, before ``limit``)."""
+    info = dict(info or {})
+    info["labelled"] = labelled
+    if labelled:
+        if label_names is not None:
+            info["label_names"] = list(label_names)
+            info["num_classes"] = len(label_names)
+        elif labels and min(labels) >= 0:
+            info["num_classes"] = int(max(labels)) + 1
     if limit is not None:
         texts, labels = texts[:limit], labels[:limit]
-    return TextDataset(name, texts, np.asarray(labels, dtype=np.int64), info or {})
+    return TextDataset(name, texts, np.asarray(labels, dtype=np.int64), info)
+
+
+def _dedup(texts: list[str], labels: list[int]) -> tuple[list[str], list[int], int]:
+    """Texts without repeats (the first occurrence and its label kept) and the number dropped."""
+    seen: set[str] = set()
+    t2, l2 = [], []
+    for t, y in zip(texts, labels):
+        if t not in seen:
+            seen.add(t)
+            t2.append(t)
+            l2.append(y)
+    return t2, l2, len(texts) - len(t2)
 
 
 @DATASETS.register("rt-sentences", "200 Rotten Tomatoes sentences, pos/neg (gensim test data)")
@@ -79,7 +183,7 @@ def rt_sentences(limit: int | None = None, **_: Any) -> TextDataset:
             continue
         texts.append(m.group(2).strip())
         labels.append(1 if m.group(1) == "pos" else 0)
-    return _limit(texts, labels, limit, "rt-sentences", {"source": str(p)})
+    return _limit(texts, labels, limit, "rt-sentences", {"source": str(p)}, label_names=("neg", "pos"))
 
 
 def _split_sentences(text: str) -> list[str]:
@@ -93,7 +197,7 @@ def news_sentences(limit: int | None = None, **_: Any) -> TextDataset:
     texts = []
     for doc in p.read_text(encoding="latin-1").splitlines():
         texts.extend(_split_sentences(doc))
-    return _limit(texts, [0] * len(texts), limit, "news-sentences", {"source": str(p)})
+    return _limit(texts, [0] * len(texts), limit, "news-sentences", {"source": str(p)}, labelled=False)
 
 
 _ABBREVIATIONS = frozenset({"mr", "mrs", "ms", "dr", "st", "jr", "sr", "vs", "prof", "mt"})
@@ -144,19 +248,23 @@ def imdb_samples(limit: int | None = None, **_: Any) -> TextDataset:
         if not sents:
             continue
         texts.append(next((s for s in sents if len(re.findall(r"\w+", s)) >= 4), sents[0]))
-    return _limit(texts, [0] * len(texts), limit, "imdb-samples", {"source": str(p)})
+    return _limit(texts, [0] * len(texts), limit, "imdb-samples", {"source": str(p)}, labelled=False)
 
 
-@DATASETS.register("wordnet-examples", "quoted example sentences of WordNet 3.0 glosses (Debian wordnet-base)")
+@DATASETS.register("wordnet-examples", "WordNet 3.0 gloss examples labelled by part of speech (Debian wordnet-base)")
 def wordnet_examples(limit: int | None = None, root: str | None = None, **_: Any) -> TextDataset:
+    """The quoted example sentences of the WordNet 3.0 glosses (``| gloss; "example"``) of at least 3 words,
+    labelled by the data file they come from: 0 noun, 1 verb, 2 adjective, 3 adverb. Files are read in the
+    order adj, adv, noun, verb; a sentence seen twice keeps its first occurrence (and label)."""
     d = Path(root) if root else WORDNET_DIR
-    files = sorted(d.glob("data.*")) if d.exists() else []
-    if not files:
-        raise MissingAsset(f"WordNet 3.0 ({d}/data.*)", WORDNET_INSTALL)
+    missing = [f for f, _ in WORDNET_FILES if not (d / f).is_file()]
+    if missing:
+        raise MissingAsset(f"WordNet 3.0 ({d}/{', '.join(missing)})", WORDNET_INSTALL)
     texts: list[str] = []
+    labels: list[int] = []
     seen: set[str] = set()
-    for f in files:
-        for line in f.read_text(encoding="latin-1").splitlines():
+    for fname, label in WORDNET_FILES:
+        for line in (d / fname).read_text(encoding="latin-1").splitlines():
             if line.startswith("  ") or "|" not in line:
                 continue
             gloss = line.split("|", 1)[1]
@@ -165,7 +273,58 @@ def wordnet_examples(limit: int | None = None, root: str | None = None, **_: Any
                 if len(ex.split()) >= 3 and ex not in seen:
                     seen.add(ex)
                     texts.append(ex)
-    return _limit(texts, [0] * len(texts), limit, "wordnet-examples", {"source": str(d)})
+                    labels.append(label)
+    return _limit(texts, labels, limit, "wordnet-examples", {"source": str(d)}, label_names=WORDNET_LABELS)
+
+
+def _clean_fortune(quote: str) -> str:
+    """One fortune as a single line: overstrikes (``_\\bX``, ``___\\b\\b\\bword``) resolved to the
+    printed characters, attribution lines (``-- Author``, and the indented lines that continue one)
+    removed, whitespace normalised."""
+    while True:
+        q = re.sub(r"[^\x08]\x08", "", quote)
+        if q == quote:
+            break
+        quote = q
+    quote = quote.replace("\x08", "")
+    kept: list[str] = []
+    in_attribution = False
+    for line in quote.splitlines():
+        s = line.strip()
+        if s.startswith("--"):
+            in_attribution = True
+            continue
+        if in_attribution and s and line[:1] in (" ", "\t"):
+            continue
+        in_attribution = False
+        kept.append(s)
+    return " ".join(" ".join(kept).split())
+
+
+@DATASETS.register("fortunes-topics", "short Debian fortunes quotes, topics computers/politics/science/work (0..3)")
+def fortunes_topics(limit: int | None = None, root: str | None = None, min_words: int = 3, max_words: int = 40,
+                    **_: Any) -> TextDataset:
+    """Quotes of the fortune files ``computers``, ``politics``, ``science``, ``work`` (labels 0..3) of the
+    Debian ``fortunes`` package, one per ``%``-separated entry (:func:`_clean_fortune`), kept when they
+    have ``min_words``..``max_words`` words; a quote seen twice keeps its first topic. About 2,440 quotes
+    (fortunes 1:1.99.1: 785 computers, 611 politics, 502 science, 543 work)."""
+    d = Path(root) if root else FORTUNES_DIR
+    missing = [t for t in FORTUNE_TOPICS if not (d / t).is_file()]
+    if missing:
+        raise MissingAsset(f"fortunes ({d}/{', '.join(missing)})", FORTUNES_INSTALL)
+    texts: list[str] = []
+    labels: list[int] = []
+    seen: set[str] = set()
+    for label, topic in enumerate(FORTUNE_TOPICS):
+        raw = (d / topic).read_text(encoding="utf-8", errors="replace")
+        for entry in re.split(r"^%[ \t]*$", raw, flags=re.M):
+            q = _clean_fortune(entry)
+            if q and min_words <= len(q.split()) <= max_words and q not in seen:
+                seen.add(q)
+                texts.append(q)
+                labels.append(label)
+    info = {"source": str(d), "min_words": min_words, "max_words": max_words}
+    return _limit(texts, labels, limit, "fortunes-topics", info, label_names=FORTUNE_TOPICS)
 
 
 #: Header names taken as the text column when ``text_column`` is not given (first match wins).
@@ -296,7 +455,7 @@ def _read_delimited(path: str | None, delimiter: str, text_column: str | int | N
                        f"{' after its header row' if has_header else ''}.",
                        "give a file with one sentence per row, or pick the column with data.text_column.")
     info = {"source": str(p), "header": header or None, "text_column": ti, "label_column": li}
-    return _limit(texts, labels, limit, name, info)
+    return _limit(texts, labels, limit, name, info, labelled=li is not None)
 
 
 @DATASETS.register("csv", "local CSV file (e.g. SST-2/IMDb dumps): path, text_column, label_column")
@@ -329,8 +488,162 @@ def hf_dataset(path: str | None = None, split: str = "train", text_column: str =
     if text_column not in ds.column_names:
         raise BadInput("data.text_column", f"'{text_column}' is not a column of {ds.column_names}.", "pick one of them.")
     texts = list(ds[text_column])
-    labels = list(ds[label_column]) if label_column and label_column in ds.column_names else [0] * len(texts)
-    return _limit(texts, labels, limit, f"hf:{path}", {"source": path, "split": split})
+    labelled = bool(label_column) and label_column in ds.column_names
+    labels = list(ds[label_column]) if labelled else [0] * len(texts)
+    names = getattr(ds.features.get(label_column), "names", None) if labelled else None
+    return _limit(texts, labels, limit, f"hf:{path}", {"source": path, "split": split},
+                  label_names=names, labelled=labelled)
+
+
+# --- users' own copies of standard benchmarks ---------------------------------------------------------
+
+COLA_LABELS = ("unacceptable", "acceptable")
+SST5_LABELS = ("very negative", "negative", "neutral", "positive", "very positive")
+IMDB_LABELS = ("neg", "pos")
+_PTB_ESCAPES = {"-LRB-": "(", "-RRB-": ")", "-LSB-": "[", "-RSB-": "]", "-LCB-": "{", "-RCB-": "}"}
+
+
+def _user_path(path: str | None, name: str, what: str, want_dir: bool = False) -> Path:
+    """``path`` as an existing file (or folder), else :class:`BadInput` naming ``data.path``."""
+    if not path:
+        raise BadInput("data.path", f"the '{name}' dataset needs the path of {what}.", f"set data.path=/path/to/{what}.")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise BadInput("data.path", f"'{p}' does not exist.", f"give the path of {what}.")
+    if want_dir and not p.is_dir():
+        raise BadInput("data.path", f"'{p}' is a file, but '{name}' reads a folder.", f"give the path of {what}.")
+    if not want_dir and not p.is_file():
+        raise BadInput("data.path", f"'{p}' is a folder, but '{name}' reads one file.", f"give the path of {what}.")
+    return p
+
+
+def _finish_user(texts: list[str], labels: list[int], p: Path, name: str, limit: int | None, dedup: bool,
+                 label_names: Sequence[str], **info: Any) -> TextDataset:
+    if not texts:
+        raise BadInput("data.path", f"'{p}' holds no sentences for '{name}'.", "check the file/folder and its format.")
+    dropped = 0
+    if dedup:
+        texts, labels, dropped = _dedup(texts, labels)
+    return _limit(texts, labels, limit, name, {"source": str(p), "duplicates_dropped": dropped, **info},
+                  label_names=label_names)
+
+
+@DATASETS.register("cola", "the user's CoLA in_domain_train.tsv (source, label, mark, sentence): path")
+def cola(path: str | None = None, limit: int | None = None, dedup: bool = True, **_: Any) -> TextDataset:
+    """CoLA's raw TSV (``in_domain_train.tsv``, ``in_domain_dev.tsv``, ``out_of_domain_dev.tsv``, or GLUE's
+    ``CoLA/train.tsv``): no header, 4 tab-separated columns ``source, label, original mark, sentence``;
+    label 1 acceptable, 0 unacceptable. ``path`` may also be a folder holding ``in_domain_train.tsv``
+    (directly or in ``raw/``). With ``dedup`` a repeated sentence keeps its first row."""
+    p = Path(path).expanduser() if path else None
+    if p is not None and p.is_dir():
+        p = next((c for c in (p / "in_domain_train.tsv", p / "raw" / "in_domain_train.tsv") if c.is_file()), p)
+        if p.is_dir():
+            raise BadInput("data.path", f"the folder '{p}' holds no in_domain_train.tsv (nor raw/in_domain_train.tsv).",
+                           "give the path of the CoLA .tsv file itself.")
+    p = _user_path(str(p) if p else None, "cola", "CoLA's in_domain_train.tsv")
+    texts, labels = [], []
+    for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        cols = line.split("\t")
+        if len(cols) != 4 or cols[1].strip() not in ("0", "1"):
+            raise BadInput("data.path", f"line {n} of '{p}' is not a CoLA row (4 tab-separated columns: source, label "
+                           f"0/1, mark, sentence): {line[:80]!r}.",
+                           "give CoLA's raw in_domain_train.tsv; for other TSVs use data.name=tsv.")
+        if cols[3].strip():
+            texts.append(cols[3].strip())
+            labels.append(int(cols[1]))
+    return _finish_user(texts, labels, p, "cola", limit, dedup, COLA_LABELS)
+
+
+def _ptb_tree(line: str) -> tuple[int, str] | None:
+    """Root label and sentence (leaves joined by spaces, ``-LRB-`` etc. unescaped) of an SST PTB tree
+    ``(3 (2 It) (4 (2 's) ...))``, or None when the line is not a well-formed tree."""
+    tokens = re.findall(r"\(|\)|[^\s()]+", line)
+    if len(tokens) < 4 or tokens[0] != "(" or not tokens[1].isdigit():
+        return None
+    depth, words = 0, []
+    for i, tok in enumerate(tokens):
+        if tok == "(":
+            depth += 1
+            if i + 1 >= len(tokens) or not tokens[i + 1].isdigit():
+                return None
+        elif tok == ")":
+            depth -= 1
+            if depth < 0 or (depth == 0 and i != len(tokens) - 1):
+                return None
+        elif tokens[i - 1] != "(":  # not the node label: a leaf
+            words.append(_PTB_ESCAPES.get(tok, tok))
+    if depth != 0 or not words:
+        return None
+    return int(tokens[1]), " ".join(words)
+
+
+@DATASETS.register("sst5", "the user's SST-5 file (__label__1..5 lines or PTB trees): path")
+def sst5(path: str | None = None, limit: int | None = None, dedup: bool = True, **_: Any) -> TextDataset:
+    """Stanford Sentiment Treebank, 5 classes (0 very negative .. 4 very positive), one sentence a line in
+    either format (mixed per line is accepted):
+
+    * ``__label__N sentence`` with N in 1..5 (the common ``sst_train.txt``) -> label N - 1;
+    * a PTB tree (``trainDevTestTrees_PTB/trees/train.txt``) ``(3 (2 It) (4 ...))`` -> the root's label
+      (0..4), the sentence being the leaves joined by spaces.
+    """
+    p = _user_path(path, "sst5", "an SST-5 file (sst_train.txt or trees/train.txt)")
+    texts, labels = [], []
+    for n, line in enumerate(p.read_text(encoding="utf-8-sig", errors="replace").splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        m = re.match(r"__label__(\S+)\s+(.*)", line)
+        if m and m.group(1) in ("1", "2", "3", "4", "5") and m.group(2).strip():
+            texts.append(m.group(2).strip())
+            labels.append(int(m.group(1)) - 1)
+            continue
+        tree = _ptb_tree(line) if line.startswith("(") else None
+        if tree is not None and 0 <= tree[0] <= 4:
+            labels.append(tree[0])
+            texts.append(tree[1])
+            continue
+        raise BadInput("data.path", f"line {n} of '{p}' is neither '__label__N sentence' (N in 1..5) nor an SST tree "
+                       f"with a root label 0..4: {line[:80]!r}.",
+                       "give SST-5's sst_train.txt or trees/train.txt; for other files use data.name=csv/tsv.")
+    return _finish_user(texts, labels, p, "sst5", limit, dedup, SST5_LABELS)
+
+
+def _imdb_dir(p: Path, split: str) -> Path | None:
+    for d in (p, p / split, p / "aclImdb" / split):
+        if (d / "neg").is_dir() and (d / "pos").is_dir():
+            return d
+    return None
+
+
+def _review_key(f: Path) -> tuple[int, str]:
+    m = re.match(r"(\d+)", f.name)
+    return (int(m.group(1)) if m else -1, f.name)
+
+
+@DATASETS.register("imdb-folder", "the user's aclImdb folder (train/{neg,pos}/*.txt -> 0/1): path")
+def imdb_folder(path: str | None = None, split: str = "train", limit: int | None = None, dedup: bool = True,
+                max_words: int | None = None, **_: Any) -> TextDataset:
+    """The Large Movie Review Dataset as unpacked from ``aclImdb_v1.tar.gz``: ``path`` is ``aclImdb`` (its
+    ``split`` folder, default ``train``, is read), the split folder itself, or any folder with ``neg/`` and
+    ``pos/``. One review per ``*.txt`` (``<br />`` and runs of whitespace made single spaces); label 0 neg,
+    1 pos; negatives first, each class in file-id order. ``max_words`` keeps each review's first words only."""
+    root = _user_path(path, "imdb-folder", "the aclImdb folder", want_dir=True)
+    d = _imdb_dir(root, split)
+    if d is None:
+        raise BadInput("data.path", f"'{root}' has no neg/ and pos/ folders (nor {split}/neg, {split}/pos).",
+                       "give the unpacked aclImdb folder, e.g. data.path=/data/aclImdb.")
+    texts, labels = [], []
+    for label, sub in enumerate(IMDB_LABELS):
+        for f in sorted((d / sub).glob("*.txt"), key=_review_key):
+            words = re.sub(r"<br\s*/?>", " ", f.read_text(encoding="utf-8", errors="replace")).split()
+            if max_words is not None:
+                words = words[:max_words]
+            if words:
+                texts.append(" ".join(words))
+                labels.append(label)
+    return _finish_user(texts, labels, d, "imdb-folder", limit, dedup, IMDB_LABELS, split=split)
 
 
 def load_text(name: str, **kwargs: Any) -> TextDataset:

@@ -37,6 +37,7 @@ class Truth:
     tokenizer: Any = None
     model_kind: str | None = None
     bottleneck: int | None = None
+    membership: dict[int, list[bool]] | None = None  # per observed update: which candidates are members
 
 
 @dataclass
@@ -225,3 +226,47 @@ def evaluate_tokens(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalua
         notes.append(f"trial {trial}: {n_verified} of {len(refs)} sentences verified by the attack — "
                      "unverified text is a best guess, not a proven reconstruction.")
     return Evaluation(out, rows=rows, notes=notes)
+
+
+# ------------------------------------------------------------------------------------------------ membership
+
+def roc_summary(labels, scores) -> dict[str, float]:
+    """ROC AUC (ties count ½) and the largest TPR at FPR ≤ 1 % and ≤ 0.1 %."""
+    import numpy as np
+    from sklearn.metrics import roc_auc_score, roc_curve
+
+    y, s = np.asarray(labels, dtype=int), np.nan_to_num(np.asarray(scores, dtype=float), neginf=-1e300, posinf=1e300)
+    if y.min() == y.max():
+        return {"auc": float("nan"), "tpr_at_1pct_fpr": float("nan"), "tpr_at_0.1pct_fpr": float("nan")}
+    fpr, tpr, _ = roc_curve(y, s)
+    out = {"auc": float(roc_auc_score(y, s))}
+    for name, at in (("tpr_at_1pct_fpr", 0.01), ("tpr_at_0.1pct_fpr", 0.001)):
+        out[name] = float(tpr[fpr <= at].max()) if (fpr <= at).any() else 0.0
+    return out
+
+
+@EVALUATORS.register("membership", "membership scores: ROC AUC, TPR at 1 % / 0.1 % FPR, per layer")
+def evaluate_membership(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evaluation:
+    scores = rec.data["scores"]
+    labels, flat = [], []
+    for ci, lab in (truth.membership or {}).items():
+        labels += [int(v) for v in lab]
+        flat += list(scores[ci])
+    m = roc_summary(labels, flat)
+    m["members"] = float(sum(labels))
+    m["nonmembers"] = float(len(labels) - sum(labels))
+    per_layer = []
+    for name, by_client in (rec.info.get("layer_scores") or {}).items():
+        ls = [v for ci in (truth.membership or {}) for v in by_client[ci]]
+        auc = roc_summary(labels, ls)["auc"]
+        per_layer.append({"layer": name, "auc": round(auc, 4),
+                          "rank": rec.info.get("rank_per_layer", {}).get(name),
+                          "input_width": rec.info.get("input_width_per_layer", {}).get(name)})
+    if per_layer:
+        m["auc_best_layer"] = max(r["auc"] for r in per_layer)  # oracle choice (uses the truth): diagnostic only
+    notes = [f"{int(m['members'])} members vs {int(m['nonmembers'])} non-members pooled over the observed clients; "
+             "auc_best_layer picks the layer with the truth (an upper bound, not an attack)."]
+    if m["nonmembers"] < 1000:
+        notes.append(f"only {int(m['nonmembers'])} non-members: TPR at 0.1 % FPR is not resolved below 1,000.")
+    tables = [{"title": "ProjRes AUC per layer", "columns": ["layer", "auc", "rank", "input_width"], "rows": per_layer}]
+    return Evaluation(m, tables=tables, notes=notes)

@@ -97,10 +97,28 @@ class TextData:
         if d.name == "hf":
             kwargs.update(split=d.split, subset=d.subset)
         self.ds = load_text(d.name, **kwargs)
-        need = d.batch_size * cfg.fl.clients
+        # disjoint chunks of one seeded permutation: members (every trial's clients), non-member candidates, test set
+        self.members_end = d.batch_size * cfg.fl.clients * cfg.trials
+        self.nonmembers_end = self.members_end + d.nonmembers * cfg.fl.clients * cfg.trials
+        need = self.nonmembers_end + d.test_size
         if need > len(self.ds):
-            raise BadInput("data.batch_size", f"{d.batch_size} sentences × {cfg.fl.clients} client(s) = {need} is more "
+            raise BadInput("data.batch_size", f"{d.batch_size} sentences × {cfg.fl.clients} client(s) × {cfg.trials} trial(s)"
+                           f" + {d.nonmembers} non-members per client + {d.test_size} test sentences = {need} is more "
                            f"than the {len(self.ds)} texts of '{d.name}'.", f"use at most {len(self.ds)} in all.")
+
+    def _chunk(self, n: int, offset: int):
+        texts, labels = self.ds.batch(n, seed=self.cfg.seed, offset=offset)
+        return list(texts), torch.as_tensor(labels, dtype=torch.long)
+
+    def nonmembers(self, trial: int, client: int) -> list[str]:
+        k = self.cfg.data.nonmembers
+        return self._chunk(k, self.members_end + (trial * self.cfg.fl.clients + client) * k)[0] if k else []
+
+    def test(self, num_classes: int):
+        if not self.cfg.data.test_size:
+            return None
+        texts, labels = self._chunk(self.cfg.data.test_size, self.nonmembers_end)
+        return texts, labels % num_classes
 
     def clients(self, trial: int, num_classes: int):
         c = self.cfg
@@ -172,6 +190,11 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
                         p.copy_(start_state[n])
         batches = data.clients(trial, mcfg.num_classes)
         clients, truth = _clients(handle, batches, loss_fn, dev, threat, cfg)
+        knowledge = truth.pop("_knowledge")
+        membership = None
+        if A.reconstruction == "membership":
+            cands, membership = _candidates(data, trial, batches, threat, cfg)
+            knowledge["public_data"] = {"candidates": cands}
         outcome = run_rounds(model, clients, rounds=rounds, algorithm=cfg.fl.algorithm, lr=cfg.fl.lr,
                              local_epochs=cfg.fl.local_epochs, local_batch_size=cfg.fl.local_batch_size,
                              defenses=defenses, seed=cfg.seed, server_hook=attack.server_model,
@@ -179,7 +202,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
         t_client += outcome.client_seconds
         t_hook += outcome.server_hook_seconds
         view = build_view(model=outcome.model, rounds=outcome.rounds, round_states=outcome.round_states,
-                          threat=threat, secure_sum=outcome.secure_sums, knowledge=truth.pop("_knowledge"),
+                          threat=threat, secure_sum=outcome.secure_sums, knowledge=knowledge,
                           always_public=_always_public(handle, cfg))
         with ctx.stage(f"attack {A.name}" + (f" (trial {trial + 1}/{cfg.trials})" if cfg.trials > 1 else "")):
             t0 = time.perf_counter()
@@ -187,8 +210,11 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
             t_rec += time.perf_counter() - t0
         with ctx.stage("evaluation"):
             tr = Truth(modality, truth["inputs"], truth["labels"], texts=truth.get("texts"), tokenizer=handle.tokenizer,
-                       model_kind=handle.kind, bottleneck=bottleneck)
-            evals.append(evaluate(A.reconstruction, tr, rec, cfg, ctx.out_dir, trial))
+                       model_kind=handle.kind, bottleneck=bottleneck, membership=membership)
+            ev = evaluate(A.reconstruction, tr, rec, cfg, ctx.out_dir, trial)
+            if modality == "text" and data.test(mcfg.num_classes) is not None:
+                ev.metrics.update(_utility(handle, model, outcome, cfg, data.test(mcfg.num_classes), dev))
+            evals.append(ev)
         infos.append(rec.info)
     metrics = {k: float(np.mean([e.metrics[k] for e in evals if k in e.metrics])) for k in evals[0].metrics}
     attack_time = t_prepare + t_hook + t_rec
@@ -238,6 +264,59 @@ def _clients(handle, batches, loss_fn, dev, threat, cfg):
     if handle.modality == "text":
         truth["texts"] = texts_all[: len(labels)] if threat.individual_updates else texts_all
     return clients, truth
+
+
+def _candidates(data, trial, batches, threat, cfg):
+    """Per observed update: the server's candidates (the client's members + disjoint non-members, shuffled)
+    and, for the evaluation only, which of them are members."""
+    import random
+
+    rng = random.Random(cfg.seed * 7919 + trial)
+    observed = range(len(batches)) if threat.individual_updates else [None]
+    cands, member = {}, {}
+    for i, ci in enumerate(observed):
+        if ci is None:  # the secure-aggregation sum: every client's samples are members of it
+            mem = [t for b in batches for t in b[0]]
+            non = [t for c in range(len(batches)) for t in data.nonmembers(trial, c)]
+        else:
+            mem, non = list(batches[ci][0]), data.nonmembers(trial, ci)
+        pairs = [(t, True) for t in mem] + [(t, False) for t in non]
+        rng.shuffle(pairs)
+        cands[i] = [t for t, _ in pairs]
+        member[i] = [m for _, m in pairs]
+    return cands, member
+
+
+def _utility(handle, model, outcome, cfg, test, dev) -> dict[str, float]:
+    """Accuracy of the global model after the last round's aggregate, on held-out samples: the classification
+    accuracy (bidirectional models) or the next-token accuracy (causal LMs, whose clients train the LM loss)."""
+    from gradleak.fl.core import aggregate
+
+    texts, labels = test
+    agg = aggregate(outcome.rounds[-1])
+    final = {n: p.detach().clone() for n, p in model.named_parameters() if n in agg.tensors}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in agg.tensors:
+                p.sub_(cfg.fl.lr * agg.tensors[n].to(device=p.device, dtype=p.dtype))
+    correct = total = 0
+    with torch.no_grad():
+        for a in range(0, len(texts), 64):
+            enc = handle.text_model.encode(texts[a:a + 64], cfg.data.max_length)
+            ids, mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
+            out = model(input_ids=ids, attention_mask=mask).logits
+            if handle.kind == "causal":
+                pred, gold, m = out[:, :-1].argmax(-1), ids[:, 1:], mask[:, 1:].bool()
+                correct += int((pred == gold)[m].sum())
+                total += int(m.sum())
+            else:
+                correct += int((out.argmax(-1).cpu() == labels[a:a + 64]).sum())
+                total += len(ids)
+    with torch.no_grad():  # leave the model as the server sent it (later trials restore it anyway)
+        for n, p in model.named_parameters():
+            if n in final:
+                p.copy_(final[n])
+    return {"accuracy": correct / max(total, 1), "test_samples": float(len(texts))}
 
 
 def _pad_cat(encs: list[dict], tok) -> dict[str, torch.Tensor]:

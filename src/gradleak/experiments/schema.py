@@ -27,7 +27,7 @@ from gradleak.peft import PeftConfig
 from gradleak.registry import ATTACKS, EXPERIMENTS
 
 IMAGE_DATA = {"image_size", "public", "public_size", "resize"}
-TEXT_DATA = {"text_column", "label_column", "split", "subset", "limit", "max_length"}
+TEXT_DATA = {"text_column", "label_column", "split", "subset", "limit", "max_length", "nonmembers", "test_size"}
 IMAGE_MODEL = {"patch_size", "hidden_size", "heads", "pooling", "adapter_bottleneck", "init_weights"}
 TEXT_MODEL: set[str] = set()
 
@@ -49,6 +49,8 @@ class DataConfig(Strict):
     subset: Optional[str] = None
     limit: Optional[int] = Field(None, ge=1)
     max_length: Optional[int] = Field(None, ge=2)
+    nonmembers: int = Field(0, ge=0, le=1_000_000, description="membership attacks: non-member candidates per client")
+    test_size: int = Field(0, ge=0, le=1_000_000, description="held-out samples for the final model's accuracy")
 
 
 class ModelConfig(Strict):
