@@ -423,9 +423,11 @@ def test_split_counts_and_fractions():
     assert again[0].texts == members.texts and again[2].texts == pool.texts
     assert ds.split([30, 20, 40], seed=2)[0].texts != members.texts
     parts = ds.split([0.7, 0.3], seed=0)
-    assert [len(q) for q in parts] == [70, 30] and sorted(parts[0].info["indices"] + parts[1].info["indices"]) == list(range(100))
+    assert [len(q) for q in parts] == [70, 30]
+    assert sorted(parts[0].info["indices"] + parts[1].info["indices"]) == list(range(100))
     assert sum(len(q) for q in _toy(11).split([1 / 3, 1 / 3, 1 / 3])) == 11
     assert [len(q) for q in ds.split([0.5, 0.1])] == [50, 10]
+    assert [len(q) for q in ds.split(np.array([5, 6]))] == [5, 6]
 
 
 def test_split_refuses_bad_or_too_many_parts():
@@ -433,7 +435,7 @@ def test_split_refuses_bad_or_too_many_parts():
     for parts in ([6, 5], [0.5, 4], [0, 3], [0.05, 0.95], [0.6, 0.6], "0.5", []):
         with pytest.raises(BadInput) as err:
             ds.split(parts)
-        assert err.value.field == "data.split"
+        assert err.value.field == "data.name"
     with pytest.raises(BadInput) as err:
         ds.split([480, 1000], field="data.members")
     assert err.value.field == "data.members" and "1480" in str(err.value) and "10" in str(err.value)

@@ -64,6 +64,8 @@ def row_space(G: torch.Tensor, rtol: float) -> torch.Tensor:
 def relative_residual(h: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
     """‖h − V Vᵀ h‖ / ‖h‖ along the last dimension (0 for h = 0)."""
     h = h.to(torch.float64)
+    if V.shape[1] >= h.shape[-1]:  # the row space is the whole input space: every vector lies in it exactly
+        return torch.zeros(h.shape[:-1], dtype=torch.float64)
     r = h - (h @ V) @ V.T if V.shape[1] else h
     return r.norm(dim=-1) / h.norm(dim=-1).clamp_min(1e-300)
 
@@ -106,7 +108,7 @@ class ProjRes(AttackBase):
     name = "projres"
     Config = ProjResConfig
     modality = "text"
-    peft_kinds = ("adapters", "lora", "none", "fisguard")
+    peft_kinds = ("adapters", "lora", "none")
     reconstruction = "membership"
     devices = ("cpu", "cuda")
 

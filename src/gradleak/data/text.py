@@ -68,14 +68,15 @@ class TextDataset:
         idx = np.roll(order, -offset)[:batch_size]
         return [self.texts[i] for i in idx], self.labels[idx]
 
-    def subset(self, indices: Sequence[int], name: str | None = None, info: dict[str, Any] | None = None) -> TextDataset:
+    def subset(self, indices: Sequence[int], name: str | None = None,
+               info: dict[str, Any] | None = None) -> TextDataset:
         """The sentences at ``indices`` (in that order); ``info`` is this set's updated with ``info``."""
         idx = np.asarray(indices, dtype=np.int64)
         return TextDataset(name or self.name, [self.texts[i] for i in idx], self.labels[idx].copy(),
                            {**self.info, **(info or {})})
 
     def split(self, parts: Sequence[float | int], seed: int = 0, *, dedup: bool = True,
-              field: str = "data.split") -> list[TextDataset]:
+              field: str = "data.name") -> list[TextDataset]:
         """Disjoint, seeded random parts, e.g. ``members, test, pool = ds.split([480, 200, 1000], seed=0)``.
 
         ``parts``: all counts (ints >= 1, summing to at most ``len(self)``) or all fractions (floats in
@@ -84,8 +85,11 @@ class TextDataset:
         With ``dedup`` (default) a sentence that occurs more than once counts once (its first label), so
         the parts are disjoint as texts, not only as positions. Each part keeps its original order; its
         ``info`` adds ``parent``, ``part``, ``parts``, ``split_seed`` and ``indices`` (positions in this set).
-        A set too small for the parts, or a part of size 0, raises :class:`BadInput` naming ``field``.
+        A set too small for the parts, or a part of size 0, raises :class:`BadInput` naming ``field``
+        (default ``data.name``: pick a larger set; callers pass e.g. ``data.nonmembers``).
         """
+        if isinstance(parts, np.ndarray) and parts.ndim == 1:
+            parts = parts.tolist()
         if isinstance(parts, (str, bytes)) or not isinstance(parts, Sequence) or not parts:
             raise BadInput(field, f"expected a list of counts or fractions, got {parts!r}.",
                            "e.g. [480, 1000] (counts) or [0.8, 0.2] (fractions).")
@@ -506,7 +510,8 @@ _PTB_ESCAPES = {"-LRB-": "(", "-RRB-": ")", "-LSB-": "[", "-RSB-": "]", "-LCB-":
 def _user_path(path: str | None, name: str, what: str, want_dir: bool = False) -> Path:
     """``path`` as an existing file (or folder), else :class:`BadInput` naming ``data.path``."""
     if not path:
-        raise BadInput("data.path", f"the '{name}' dataset needs the path of {what}.", f"set data.path=/path/to/{what}.")
+        raise BadInput("data.path", f"the '{name}' dataset needs the path of {what}.",
+                       f"set data.path=/path/to/{what}.")
     p = Path(path).expanduser()
     if not p.exists():
         raise BadInput("data.path", f"'{p}' does not exist.", f"give the path of {what}.")

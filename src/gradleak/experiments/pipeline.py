@@ -162,6 +162,8 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
         mcfg = mcfg.model_copy(update={"init_weights": not A.rewrites_weights})
     handle = build(mcfg, modality, image_size=cfg.data.image_size, seed=cfg.seed, dtype=dtype)
     apply_peft(handle, cfg.peft, seed=cfg.seed)
+    defense = cfg.training_defense
+    defense.apply(handle, cfg)  # training-time defense (FISGuard re-parameterises the protected layers)
     timings["model_load_seconds"] = time.perf_counter() - t0
     # ---- attack: built from its config and what the threat model grants before any round
     if threat.knows_batch_size:
@@ -179,6 +181,11 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     rounds = attack.rounds_wanted(cfg.fl.rounds)
     defenses = build_defenses([d.model_dump() for d in cfg.defenses], seed=cfg.seed)
     loss_fn = handle.loss_fn or default_classification_loss
+    if defense.loss_options():
+        from gradleak.models.text import text_loss
+
+        loss_fn = text_loss(handle.kind, **defense.loss_options())
+    loss_fn = defense.wrap_loss(loss_fn, model)
     bottleneck = _bottleneck(cfg, handle)
     evals, infos = [], []
     t_client = t_hook = t_rec = 0.0
@@ -212,6 +219,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
             tr = Truth(modality, truth["inputs"], truth["labels"], texts=truth.get("texts"), tokenizer=handle.tokenizer,
                        model_kind=handle.kind, bottleneck=bottleneck, membership=membership)
             ev = evaluate(A.reconstruction, tr, rec, cfg, ctx.out_dir, trial)
+            ev.metrics.update(defense.report(view.rounds))
             if modality == "text" and data.test(mcfg.num_classes) is not None:
                 ev.metrics.update(_utility(handle, model, outcome, cfg, data.test(mcfg.num_classes), dev))
             evals.append(ev)

@@ -97,6 +97,13 @@ class AttackSection(BaseModel):
         return {**flat, **self.params}
 
 
+class DefenseSection(BaseModel):
+    """``defense: {name: ..., <parameters>}`` — a training-time defense, validated against its Config."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = "none"
+
+
 class ExperimentConfig(Strict):
     experiment: str = "image"
     name: Optional[str] = None
@@ -111,6 +118,7 @@ class ExperimentConfig(Strict):
     threat: ThreatConfig = Field(default_factory=ThreatConfig)
     attack: AttackSection = Field(default_factory=AttackSection)
     defenses: list[DefenseConfig] = Field(default_factory=list)
+    defense: DefenseSection = Field(default_factory=DefenseSection)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     # resolved by check()
@@ -118,6 +126,7 @@ class ExperimentConfig(Strict):
     _attack_cls: Any = None
     _attack_cfg: Any = None
     _threat: Optional[ThreatModel] = None
+    _defense: Any = None
 
     @property
     def modality(self) -> str:
@@ -130,6 +139,11 @@ class ExperimentConfig(Strict):
     @property
     def attack_cfg(self):
         return self._attack_cfg
+
+    @property
+    def training_defense(self):
+        """The resolved training-time defense (an instance of a TRAINING_DEFENSES class)."""
+        return self._defense
 
     @property
     def threat_model(self) -> ThreatModel:
@@ -190,9 +204,36 @@ class ExperimentConfig(Strict):
         from gradleak.defenses.update import build_defenses
 
         build_defenses([d.model_dump() for d in self.defenses], seed=self.seed)  # names and parameters
+        self._resolve_defense()
+        if (self._attack_cls.reconstruction == "membership" and self.peft.kind == "lora" and self.peft.lora_init == "default"
+                and self.fl.rounds == 1 and self.defense.name != "fisguard"):
+            raise BadInput("peft.lora_init", "with peft's default LoRA init (B = 0) the gradient of A is zero in round 1, "
+                           "so a membership score on it would read as a defense (AUC 0.5) when nothing was protected.",
+                           "use peft.lora_init=nonzero (as after some rounds of training) or fl.rounds >= 2.")
         from gradleak.fl.threat import check_requirements
 
         check_requirements(self._attack_cls.name, self._attack_cls.requires(self._attack_cfg), self._threat)
+
+    def _resolve_defense(self) -> None:
+        from gradleak.defenses.training import TRAINING_DEFENSES
+
+        cls = TRAINING_DEFENSES.get(self.defense.name, field="defense.name")
+        if self.defense.name != "none" and self._modality != "text":
+            raise BadInput("defense.name", f"training defense '{self.defense.name}' is implemented for text clients.",
+                           "use defense.name=none, or the update defenses in `defenses:`.")
+        if self.defense.name == "fisguard" and self.peft.kind not in ("adapters", "lora"):
+            raise BadInput("peft.kind", f"FISGuard protects adapters or LoRA, not peft.kind={self.peft.kind}.",
+                           "use peft.kind=adapter or lora.")
+        try:
+            params = cls.Config(**(self.defense.model_extra or {}))
+        except ValidationError as err:
+            from gradleak.experiments.config import describe_validation_error
+
+            bad = describe_validation_error(err)
+            fix = bad.fix if "does not exist" not in bad.problem else \
+                f"parameters of '{self.defense.name}': {', '.join(cls.Config.model_fields) or '(none)'}."
+            raise BadInput(f"defense.{bad.field}", bad.problem, fix) from None
+        self._defense = cls(params)
 
     def _resolve_attack(self) -> None:
         import gradleak.attacks  # noqa: F401  (registration)
@@ -225,6 +266,8 @@ class ExperimentConfig(Strict):
         out = self.model_dump(mode="json")
         out["attack"] = {"name": self.attack.name, **(self._attack_cfg.model_dump(mode="json") if self._attack_cfg else {})}
         out["threat_resolved"] = self._threat.as_dict() if self._threat else None
+        if self._defense is not None:
+            out["defense"] = {"name": self.defense.name, **self._defense.cfg.model_dump(mode="json")}
         return out
 
 

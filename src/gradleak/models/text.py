@@ -255,19 +255,24 @@ def causal_specials(tok) -> tuple[int, int]:
     return int(bos), int(eos)
 
 
-def text_loss(tm_kind: str):
+def text_loss(tm_kind: str, label_smoothing: float = 0.0):
     """The client's loss: cross-entropy of the classification head (bidirectional) or the LM loss (causal).
 
     ``inputs`` is a (B, 2, T) tensor stacking input_ids and attention_mask so the generic
     :class:`gradleak.fl.core.Client` can carry it; ``labels`` are class labels (ignored for causal LMs).
+    ``label_smoothing`` smooths either cross-entropy (a membership-inference defense).
     """
 
     def loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         ids, mask = inputs[:, 0], inputs[:, 1]
         if tm_kind == "causal":
             lab = ids.masked_fill(mask == 0, -100)
-            return model(input_ids=ids, attention_mask=mask, labels=lab).loss
+            if not label_smoothing:
+                return model(input_ids=ids, attention_mask=mask, labels=lab).loss
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+            return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab[:, 1:].reshape(-1),
+                                               ignore_index=-100, label_smoothing=label_smoothing)
         out = model(input_ids=ids, attention_mask=mask)
-        return nn.functional.cross_entropy(out.logits, labels)
+        return nn.functional.cross_entropy(out.logits, labels, label_smoothing=label_smoothing)
 
     return loss

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gradleak.errors import BadInput
 from gradleak.registry import Registry
@@ -54,6 +54,11 @@ class PeftConfig(BaseModel):
     lora_init: Literal["nonzero", "default"] = "nonzero"
     # all kinds
     train_head: bool = True
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _singular(cls, v):  # `adapter` (paper 004's name) = `adapters`
+        return "adapters" if v == "adapter" else v
 
     def check(self) -> None:
         # a field of another kind is refused when it holds a non-default value (a config switched with

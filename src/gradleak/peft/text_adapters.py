@@ -42,13 +42,16 @@ class Bottleneck(nn.Module):
         nn.init.normal_(self.up.weight, std=init_std)
         nn.init.zeros_(self.up.bias)
         self._capture: list[torch.Tensor] | None = None
+        #: FISGuard's fixed-down adapter (gradleak.peft.fisguard): z = Q x, no non-linearity
+        self.fixed_input = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._capture is not None:
             self._capture.append(x.detach())
             if getattr(self, "_stop", False):
                 raise StopForward()
-        return x + self.up(torch.relu(self.down(x)))
+        z = self.down(x)
+        return x + self.up(z if self.fixed_input else torch.relu(z))
 
 
 class StopForward(Exception):
