@@ -125,12 +125,12 @@ def test_text_view_grants_lengths_only_under_the_flag(tmp_path, monkeypatch):
 
     seen = _spy_views(monkeypatch, UTRAttack)
     res = run_config({**TEXT, "attack": {"name": "utr"}}, tmp_path / "utr")
-    assert set(seen[0].public) == {"tokenizer", "model_kind", "batch_size"}
+    assert set(seen[0].public) == {"tokenizer", "model_kind", "model_task", "batch_size"}
     assert res["metrics"]["rouge1"] == 100 and res["metrics"]["sentences_verified"] == 1
     seen = _spy_views(monkeypatch, LAMPAttack)
     run_config({**TEXT, "attack": {"name": "lamp", "steps": 1, "discrete_every": 1, "swaps": 1},
                 "threat": {"knows_lengths": True, "knows_labels": True, "knows_batch_size": False}}, tmp_path / "lamp")
-    assert set(seen[0].public) == {"tokenizer", "model_kind", "lengths", "labels"}
+    assert set(seen[0].public) == {"tokenizer", "model_kind", "model_task", "lengths", "labels"}
     assert all(u.num_samples == 0 for u in seen[0].updates)  # batch size withheld: the sample count too
 
 

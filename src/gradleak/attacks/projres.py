@@ -16,8 +16,8 @@ Decisions the summary leaves open (SPEC A5.2), each a parameter:
   up-projections, LoRA A and B, the task head) or the names given; ``layer_aggregation`` combines them
   (``min_z``, default: each layer's residuals standardised over the client's candidates, then the minimum —
   a saturated layer, where every candidate lies in the span, has no spread and drops out, and so does a layer
-  whose gradient rank is below the batch size when the server knows it (its rows are a mixture that holds no
-  single member: e.g. the last BERT layer, where only [CLS] receives gradient); ``min`` of the raw
+  whose gradient rank is at most the batch size when the server knows it (one direction per sentence at most:
+  the last layer of a classifier, where only the pooled token receives gradient); ``min`` of the raw
   residuals lets such a layer tie every candidate at 0; ``mean``). Per-layer scores are kept in
   ``info["layer_scores"]`` so the evaluation can report each layer's AUC.
 * Rounds: a member is in the span of its client's gradient in every observed round; the residual is
@@ -171,10 +171,10 @@ class ProjRes(AttackBase):
                 sd = allr.std(1, keepdim=True)
                 z = (allr - allr.mean(1, keepdim=True)) / sd.clamp_min(1e-12)
                 informative = sd[:, 0] > 1e-9
-                if batch:  # a row space of rank < B cannot hold each member: a mixture, uninformative
+                if batch:  # rank <= B: at most one direction per sentence (a pooled token), no member's tokens
                     ranks_now = torch.tensor([client_rank[ci][n] for n in comb])
-                    if (informative & (ranks_now >= batch)).any():
-                        informative &= ranks_now >= batch
+                    if (informative & (ranks_now > batch)).any():
+                        informative &= ranks_now > batch
                 total = z[informative].min(0).values if informative.any() else allr.mean(0)
             else:
                 total = allr.min(0).values if self.layer_aggregation == "min" else allr.mean(0)
@@ -273,6 +273,7 @@ class GradientDecomposition(AttackBase):
             raise BadInput("threat.public_data", "the adaptive attack needs candidate samples.",
                            "grant threat.public_data=true and set data.nonmembers > 0.")
         causal = view.public.get("model_kind") == "causal"
+        lm = view.public.get("model_task") == "lm"  # causal LM loss: no label to try
         model = copy.deepcopy(view.model).eval()
         params = dict(model.named_parameters())
         with torch.no_grad():
@@ -283,8 +284,8 @@ class GradientDecomposition(AttackBase):
         for p in plist:
             p.requires_grad_(True)
         n_labels = 1
-        if not causal:
-            n_labels = model.config.num_labels if hasattr(model, "config") else 2
+        if not lm:
+            n_labels = int(model.config.num_labels)
             if n_labels > self.max_labels:
                 raise BadInput("attack.max_labels", f"the task has {n_labels} classes (> {self.max_labels}).",
                                "raise attack.max_labels (cost grows with it).")
@@ -297,11 +298,12 @@ class GradientDecomposition(AttackBase):
                 if causal:
                     bos, eos = causal_specials(tok)
                     ids = torch.tensor([[bos] + tok.encode(t, add_special_tokens=False) + [eos]], device=dev)
+                else:
+                    ids = torch.tensor([tok.encode(t, add_special_tokens=True)], device=dev)
+                if lm:
                     out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
-                    g = torch.autograd.grad(out.loss, plist, allow_unused=True)
-                    cols.append(self._flat(g, plist))
+                    cols.append(self._flat(torch.autograd.grad(out.loss, plist, allow_unused=True), plist))
                     continue
-                ids = torch.tensor([tok.encode(t, add_special_tokens=True)], device=dev)
                 logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
                 for y in range(n_labels):
                     loss = nn.functional.cross_entropy(logits, torch.tensor([y], device=dev))

@@ -184,7 +184,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     if defense.loss_options():
         from gradleak.models.text import text_loss
 
-        loss_fn = text_loss(handle.kind, **defense.loss_options())
+        loss_fn = text_loss(handle.kind, task=handle.info.get("task"), **defense.loss_options())
     loss_fn = defense.wrap_loss(loss_fn, model)
     bottleneck = _bottleneck(cfg, handle)
     evals, infos = [], []
@@ -313,7 +313,7 @@ def _utility(handle, model, outcome, cfg, test, dev) -> dict[str, float]:
             enc = handle.text_model.encode(texts[a:a + 64], cfg.data.max_length)
             ids, mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
             out = model(input_ids=ids, attention_mask=mask).logits
-            if handle.kind == "causal":
+            if handle.info.get("task") == "lm":
                 pred, gold, m = out[:, :-1].argmax(-1), ids[:, 1:], mask[:, 1:].bool()
                 correct += int((pred == gold)[m].sum())
                 total += int(m.sum())
@@ -341,7 +341,7 @@ def _always_public(handle, cfg) -> dict[str, Any]:
     """What the protocol makes public whatever the threat model: the architecture's interface."""
     if handle.modality == "image":
         return {"image_shape": (3, cfg.data.image_size, cfg.data.image_size), "num_classes": cfg.model.num_classes}
-    return {"tokenizer": handle.tokenizer, "model_kind": handle.kind}
+    return {"tokenizer": handle.tokenizer, "model_kind": handle.kind, "model_task": handle.info.get("task")}
 
 
 def _bottleneck(cfg, handle) -> int | None:

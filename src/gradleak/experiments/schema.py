@@ -29,7 +29,7 @@ from gradleak.registry import ATTACKS, EXPERIMENTS
 IMAGE_DATA = {"image_size", "public", "public_size", "resize"}
 TEXT_DATA = {"text_column", "label_column", "split", "subset", "limit", "max_length", "nonmembers", "test_size"}
 IMAGE_MODEL = {"patch_size", "hidden_size", "heads", "pooling", "adapter_bottleneck", "init_weights"}
-TEXT_MODEL: set[str] = set()
+TEXT_MODEL: set[str] = {"task"}
 
 
 class DataConfig(Strict):
@@ -65,6 +65,8 @@ class ModelConfig(Strict):
     pooling: Literal["mean", "cls"] = "mean"
     adapter_bottleneck: Optional[int] = Field(None, ge=1, description="= peft.bottleneck (kept for old configs)")
     init_weights: Optional[bool] = None  # default: skip random init when a malicious attack rewrites every weight
+    # text
+    task: Optional[Literal["classification", "lm"]] = None  # default: LM loss for causal models, else a class head
 
 
 class FLConfig(Strict):

@@ -47,7 +47,7 @@ class ModelHandle:
         from gradleak.models.text import text_loss
 
         return cls(tm.model, "text", tm.name, tm.kind, tm.hidden_size, tm.num_layers, tokenizer=tm.tokenizer,
-                   loss_fn=text_loss(tm.kind), text_model=tm, info=dict(tm.info))
+                   loss_fn=text_loss(tm.kind, task=tm.task), text_model=tm, info={**tm.info, "task": tm.task})
 
     def layers(self):
         if self.modality == "image":
@@ -84,7 +84,7 @@ def _text_builder(mcfg, *, seed: int, dtype: str, **_: Any) -> ModelHandle:
     from gradleak.models.text import load_text_model
 
     dt = torch.float64 if dtype == "float64" else torch.float32
-    tm = load_text_model(mcfg.name, mcfg.layers or 2, num_labels=mcfg.num_classes, seed=seed, dtype=dt)
+    tm = load_text_model(mcfg.name, mcfg.layers or 2, num_labels=mcfg.num_classes, seed=seed, dtype=dt, task=mcfg.task)
     return ModelHandle.from_text_model(tm)
 
 

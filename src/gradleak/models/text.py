@@ -65,6 +65,7 @@ class TextModel:
     max_length: int
     load_seconds: float = 0.0
     info: dict = field(default_factory=dict)
+    task: str = "classification"  # "classification" (a task head) | "lm" (causal LM loss)
 
     @property
     def base(self) -> nn.Module:
@@ -169,8 +170,13 @@ def resolve_model(name: str, num_layers: int) -> tuple[Path | str, str]:
 
 
 def load_text_model(name: str, num_layers: int = 2, num_labels: int = 2, seed: int = 0,
-                    dtype: torch.dtype = torch.float32) -> TextModel:
-    """Load a frozen, truncated text model with a task head (classification) or LM head (causal)."""
+                    dtype: torch.dtype = torch.float32, task: str | None = None) -> TextModel:
+    """Load a frozen, truncated text model with a task head (classification) or LM head (causal).
+
+    ``task``: ``None`` = the LM loss for causal models and a classification head otherwise (UTR's setting);
+    ``"classification"`` also gives a causal model a sequence-classification head (last non-pad token;
+    paper 004 classifies with GPT-2); ``"lm"`` is refused for encoders.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     t0 = time.perf_counter()
@@ -199,7 +205,16 @@ def load_text_model(name: str, num_layers: int = 2, num_labels: int = 2, seed: i
 
     transformers.logging.set_verbosity_error()
     kwargs = dict(config=cfg, local_files_only=local_only, torch_dtype=dtype, attn_implementation="eager")
-    if causal:
+    task = task or ("lm" if causal else "classification")
+    if task == "lm" and not causal:
+        raise BadInput("model.task", f"'{name}' is an encoder: it has no LM loss.", "use model.task=classification.")
+    if causal and task == "classification":
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        cfg.num_labels = num_labels
+        cfg.pad_token_id = tok.pad_token_id
+        model = AutoModelForSequenceClassification.from_pretrained(str(path), **kwargs)
+    elif causal:
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
@@ -209,7 +224,7 @@ def load_text_model(name: str, num_layers: int = 2, num_labels: int = 2, seed: i
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    if not causal:
+    if task == "classification":
         head = getattr(model, "classifier", None) or getattr(model, "score", None)
         if head is not None:
             for p in head.parameters():
@@ -218,7 +233,8 @@ def load_text_model(name: str, num_layers: int = 2, num_labels: int = 2, seed: i
     max_len = min(max_len, int(tok.model_max_length) if tok.model_max_length and tok.model_max_length < 10**8 else max_len)
     return TextModel(model=model, tokenizer=tok, kind="causal" if causal else "bidirectional", name=display,
                      num_layers=num_layers, hidden_size=int(cfg.hidden_size), max_length=max_len,
-                     load_seconds=time.perf_counter() - t0, info={"path": str(path), "model_type": cfg.model_type})
+                     load_seconds=time.perf_counter() - t0, info={"path": str(path), "model_type": cfg.model_type},
+                     task=task)
 
 
 def encode_texts(tm: TextModel, texts: list[str], max_length: int | None = None) -> dict[str, torch.Tensor]:
@@ -255,7 +271,7 @@ def causal_specials(tok) -> tuple[int, int]:
     return int(bos), int(eos)
 
 
-def text_loss(tm_kind: str, label_smoothing: float = 0.0):
+def text_loss(tm_kind: str, label_smoothing: float = 0.0, task: str | None = None):
     """The client's loss: cross-entropy of the classification head (bidirectional) or the LM loss (causal).
 
     ``inputs`` is a (B, 2, T) tensor stacking input_ids and attention_mask so the generic
@@ -265,7 +281,7 @@ def text_loss(tm_kind: str, label_smoothing: float = 0.0):
 
     def loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         ids, mask = inputs[:, 0], inputs[:, 1]
-        if tm_kind == "causal":
+        if tm_kind == "causal" and task != "classification":
             lab = ids.masked_fill(mask == 0, -100)
             if not label_smoothing:
                 return model(input_ids=ids, attention_mask=mask, labels=lab).loss
