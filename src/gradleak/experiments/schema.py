@@ -9,7 +9,7 @@
 The ``attack:`` section holds ``name`` plus the attack's parameters, either flat (``attack.sigma``) or
 under ``attack.params`` (``attack.params.eps_bag``); both are validated against the attack's ``Config``
 class, so a bad value exits 2 naming ``attack.<parameter>``. Fields that belong to the other modality
-(``data.max_length`` in an image experiment, ``model.pooling`` in a text one) are refused.
+(``data.max_length`` in an image experiment, ``model.patch_size`` in a text one) are refused.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from gradleak.registry import ATTACKS, EXPERIMENTS
 
 IMAGE_DATA = {"image_size", "public", "public_size", "resize"}
 TEXT_DATA = {"text_column", "label_column", "split", "subset", "limit", "max_length", "nonmembers", "test_size"}
-IMAGE_MODEL = {"patch_size", "hidden_size", "heads", "pooling", "adapter_bottleneck", "init_weights"}
+IMAGE_MODEL = {"patch_size", "hidden_size", "heads", "adapter_bottleneck", "init_weights"}
 TEXT_MODEL: set[str] = {"task"}
 
 
@@ -62,7 +62,7 @@ class ModelConfig(Strict):
     patch_size: Optional[int] = Field(None, ge=1)
     hidden_size: Optional[int] = Field(None, ge=1, le=16_384)
     heads: Optional[int] = Field(None, ge=1, le=1024)
-    pooling: Literal["mean", "cls"] = "mean"
+    pooling: Optional[Literal["mean", "cls"]] = None  # ViT default mean; text default cls (BERT's pooler / last token)
     adapter_bottleneck: Optional[int] = Field(None, ge=1, description="= peft.bottleneck (kept for old configs)")
     init_weights: Optional[bool] = None  # default: skip random init when a malicious attack rewrites every weight
     # text

@@ -70,6 +70,11 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
             upd = c.local_update(local, algorithm=algorithm, epochs=local_epochs, lr=lr, batch_size=local_batch_size,
                                  defenses=defenses, seed=seed + r, in_place=True)
             out.client_seconds += time.perf_counter() - t0
+            if not all(bool(torch.isfinite(t).all()) for t in upd.tensors.values()):
+                from gradleak.errors import BadInput
+
+                raise BadInput("fl.lr", f"training diverged: client {c.client_id}'s upload in round {r} holds NaN/inf "
+                               f"(lr = {lr}).", "lower fl.lr (or check the defenses' parameters).")
             ups.append(upd.map(lambda _, v: v.detach().cpu()))
             del local
         out.last_aggregate = aggregate(ups)

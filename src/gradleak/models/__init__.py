@@ -64,7 +64,7 @@ def _register_vit(name: str, summary: str) -> None:
 
         dt = torch.float64 if dtype == "float64" else torch.float32
         model = vit(name, image_size=image_size, patch_size=mcfg.patch_size, num_classes=mcfg.num_classes,
-                    pooling=mcfg.pooling, layers=mcfg.layers, hidden_size=mcfg.hidden_size, heads=mcfg.heads,
+                    pooling=mcfg.pooling or "mean", layers=mcfg.layers, hidden_size=mcfg.hidden_size, heads=mcfg.heads,
                     dtype=dt, seed=seed, init_weights=mcfg.init_weights)
         c = model.config
         return ModelHandle(model, "image", name, "image", int(c.hidden_size), int(c.num_hidden_layers),
@@ -85,6 +85,10 @@ def _text_builder(mcfg, *, seed: int, dtype: str, **_: Any) -> ModelHandle:
 
     dt = torch.float64 if dtype == "float64" else torch.float32
     tm = load_text_model(mcfg.name, mcfg.layers or 2, num_labels=mcfg.num_classes, seed=seed, dtype=dt, task=mcfg.task)
+    if mcfg.pooling == "mean":
+        from gradleak.models.text import use_mean_pooling
+
+        use_mean_pooling(tm)
     return ModelHandle.from_text_model(tm)
 
 

@@ -237,6 +237,35 @@ def load_text_model(name: str, num_layers: int = 2, num_labels: int = 2, seed: i
                      task=task)
 
 
+class _MeanPooler(nn.Module):
+    """Replaces BERT's pooler: the mean of the last hidden states over the attention mask (sentence-transformers'
+    pooling; all-MiniLM-L6-v2 ships an untrained pooler whose output is nearly constant, std ~2e-4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mask: torch.Tensor | None = None
+
+    def stash(self, module, args, kwargs):
+        """Forward pre-hook on the encoder: keep the attention mask (a bound method, so deep copies follow)."""
+        self.mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        m = (self.mask if self.mask is not None else torch.ones(hidden_states.shape[:2], device=hidden_states.device))
+        m = m.to(hidden_states.dtype).unsqueeze(-1)
+        return (hidden_states * m).sum(1) / m.sum(1).clamp_min(1)
+
+
+def use_mean_pooling(tm: "TextModel") -> None:
+    """Make a BERT-family classifier pool by the masked mean of the last hidden states (``model.pooling: mean``)."""
+    base = getattr(tm.model, "bert", None) or getattr(tm.model, "base_model", None)
+    if tm.kind == "causal" or base is None or not hasattr(base, "pooler"):
+        raise BadInput("model.pooling", f"mean pooling is implemented for BERT-family classifiers, not {tm.name}.",
+                       "remove model.pooling (causal classifiers read the last token).")
+    pooler = _MeanPooler()
+    base.pooler = pooler
+    base.register_forward_pre_hook(pooler.stash, with_kwargs=True)
+
+
 def encode_texts(tm: TextModel, texts: list[str], max_length: int | None = None) -> dict[str, torch.Tensor]:
     """Tokenise a batch the way the client does: [CLS] .. [SEP] for encoders, BOS .. EOS for causal LMs,
     right padding with an attention mask. Raises BadInput when a sequence exceeds the context."""
