@@ -142,7 +142,7 @@ def test_adaptive_attack_identifies_members_in_an_overdetermined_case(tmp_path, 
 
 
 @pytest.mark.parametrize("override,field", [
-    ("defense.rank=1000", "defense.rank"), ("defense.name=dpsgd", "defense.name"), ("defense.rank=0", "defense.rank"),
+    ("defense.rank=1000", "defense.rank"), ("defense.name=minmax", "defense.name"), ("defense.rank=0", "defense.rank"),
     ("defense.coefficient=1", "defense.coefficient"), ("peft.kind=none", "peft.kind"),
     ("attack.aggregation=max", "attack.aggregation"), ("threat.public_data=false", "threat.public_data"),
 ])
@@ -170,3 +170,31 @@ def test_public_set_smaller_than_r(minilm_available):
     apply_peft(h, PeftConfig(kind="adapters"), seed=0)
     with pytest.raises(BadInput, match="defense.public_size"):
         apply_fisguard(h, base_kind="adapters", rank=64, public_texts=["one short sentence"])
+
+
+def test_dpsgd_without_noise_or_clipping_uploads_the_mean_gradient(minilm_available):
+    """Opacus' per-sample gradients, unclipped and noiseless, must add up to the client's own FedSGD gradient."""
+    pytest.importorskip("opacus")
+    import copy
+
+    from gradleak.defenses.training import DPSGD, DPSGDParams
+    from gradleak.fl.core import Client
+    from gradleak.models import ModelHandle
+    from gradleak.models.text import load_text_model, text_loss
+    from gradleak.peft import PeftConfig, apply_peft
+
+    tm = load_text_model("minilm", 2)
+    apply_peft(ModelHandle.from_text_model(tm), PeftConfig(kind="adapters"), seed=0)
+    enc = tm.encode(["a quietly moving film", "nothing works here at all", "the cast is superb"])
+    x = torch.stack([enc["input_ids"], enc["attention_mask"]], 1)
+    client = Client(0, x, torch.tensor([1, 0, 1]), loss_fn=text_loss(tm.kind))
+    plain = client.local_update(copy.deepcopy(tm.model))
+    dp = DPSGD(DPSGDParams(noise_multiplier=0.0, max_grad_norm=1e9))
+    dp.rounds, dp.seed = 0, 0
+    upd = dp.local_update(client, copy.deepcopy(tm.model), seed=0)
+    for k, g in plain.tensors.items():
+        assert torch.allclose(upd.tensors[k], g, atol=1e-6, rtol=1e-4), k
+    clipped = DPSGD(DPSGDParams(noise_multiplier=0.0, max_grad_norm=1e-3))
+    clipped.rounds, clipped.seed = 0, 0
+    u2 = clipped.local_update(client, copy.deepcopy(tm.model), seed=0)
+    assert u2.norm() <= 1e-3 + 1e-9  # the mean of clipped per-sample gradients has norm <= C

@@ -154,10 +154,17 @@ def list_():
         line(f"threat requires: {', '.join(req)}", 6)
         for fl in _field_lines(c.Config):
             line(f"attack.{fl}", 6)
-    head("defenses (defenses: [{name, params}])")
+    head("update defenses (defenses: [{name, params}])")
     for e in DEFENSES:
         line(f"{e.name} — {e.summary}")
         line("params: " + ", ".join(_init_params(e.obj)), 6)
+    from gradleak.defenses.training import TRAINING_DEFENSES
+
+    head("training defenses (defense: {name, <parameters>})")
+    for e in TRAINING_DEFENSES:
+        line(f"{e.name} — {e.summary}")
+        for fl in _field_lines(e.obj.Config):
+            line(f"defense.{fl}", 6)
     simple(DATASETS)
     simple(EVALUATORS)
     simple(METRICS)

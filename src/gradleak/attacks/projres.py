@@ -229,6 +229,7 @@ class ProjRes(AttackBase):
 class GradientDecompositionConfig(AttackConfig):
     max_labels: int = Field(16, ge=1, description="refuse tasks with more classes than this (one gradient per class and candidate)")
     rank_rtol: float = Field(1e-10, gt=0, lt=1, description="relative eigenvalue floor of the candidates' Gram matrix")
+    max_clients: Optional[int] = Field(None, ge=1, description="decompose only the first N observed clients (cost)")
 
 
 @ATTACKS.register("projres_adaptive",
@@ -253,8 +254,8 @@ class GradientDecomposition(AttackBase):
     reconstruction = "membership"
     devices = ("cpu", "cuda")
 
-    def __init__(self, max_labels: int = 16, rank_rtol: float = 1e-10):
-        self.max_labels, self.rank_rtol = int(max_labels), float(rank_rtol)
+    def __init__(self, max_labels: int = 16, rank_rtol: float = 1e-10, max_clients: int | None = None):
+        self.max_labels, self.rank_rtol, self.max_clients = int(max_labels), float(rank_rtol), max_clients
 
     @classmethod
     def requires(cls, cfg=None) -> dict[str, bool]:
@@ -291,7 +292,9 @@ class GradientDecomposition(AttackBase):
                                "raise attack.max_labels (cost grows with it).")
         dev = plist[0].device
         scores, fit = {}, []
-        for ci, texts in cands.items():
+        chosen = list(cands)[: self.max_clients] if self.max_clients else list(cands)
+        for ci in chosen:
+            texts = cands[ci]
             target = torch.cat([view.rounds[-1][ci].tensors[n].reshape(-1).double().cpu() for n in names])
             cols = []
             for t in texts:

@@ -249,7 +249,8 @@ def roc_summary(labels, scores) -> dict[str, float]:
 def evaluate_membership(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evaluation:
     scores = rec.data["scores"]
     labels, flat = [], []
-    for ci, lab in (truth.membership or {}).items():
+    scored = {ci: lab for ci, lab in (truth.membership or {}).items() if ci in scores}  # an attack may score a subset
+    for ci, lab in scored.items():
         labels += [int(v) for v in lab]
         flat += list(scores[ci])
     m = roc_summary(labels, flat)
@@ -257,7 +258,7 @@ def evaluate_membership(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Ev
     m["nonmembers"] = float(len(labels) - sum(labels))
     per_layer = []
     for name, by_client in (rec.info.get("layer_scores") or {}).items():
-        ls = [v for ci in (truth.membership or {}) for v in by_client[ci]]
+        ls = [v for ci in scored for v in by_client[ci]]
         auc = roc_summary(labels, ls)["auc"]
         per_layer.append({"layer": name, "auc": round(auc, 4),
                           "rank": rec.info.get("rank_per_layer", {}).get(name),

@@ -207,7 +207,8 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
                              defenses=defenses, seed=cfg.seed, server_hook=attack.server_model,
                              secure_aggregation=not threat.individual_updates, track=ctx.track,
                              keep_round=lambda r: attack.observes_round(r, rounds) and
-                             (threat.rounds_observed is None or r < threat.rounds_observed))
+                             (threat.rounds_observed is None or r < threat.rounds_observed),
+                             local_update=getattr(defense, "local_update", None))
         t_client += outcome.client_seconds
         t_hook += outcome.server_hook_seconds
         view = build_view(model=outcome.model, rounds=outcome.rounds, round_states=outcome.round_states,

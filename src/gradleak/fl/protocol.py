@@ -36,9 +36,12 @@ class RoundsOutcome:
 def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str, lr: float, local_epochs: int = 1,
                local_batch_size: int | None = None, defenses: Sequence[Any] = (), seed: int = 0,
                server_hook: Callable[[int, Any], Any] | None = None, secure_aggregation: bool = False,
-               track: Callable[..., Any] | None = None, keep_round: Callable[[int], bool] | None = None) -> RoundsOutcome:
+               track: Callable[..., Any] | None = None, keep_round: Callable[[int], bool] | None = None,
+               local_update: Callable[..., Any] | None = None) -> RoundsOutcome:
     """Run ``rounds`` federated rounds of ``clients`` on ``model`` and return the uploads of the rounds the
     attacker keeps (``keep_round(r)``, default every round: many rounds × clients of uploads add up).
+    ``local_update(client, model, seed=...)`` replaces the client's own training step (a training-time
+    defense such as DP-SGD); the defenses still transform its upload.
 
     The server model is updated after each round by SGD on the aggregate (``w -= lr · mean update``;
     for FedAvg uploads, which are ``Δw / -lr``, that applies the mean local change).
@@ -67,8 +70,13 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
         for c in clients:
             local = copy.deepcopy(model)  # the client's own copy
             t0 = time.perf_counter()
-            upd = c.local_update(local, algorithm=algorithm, epochs=local_epochs, lr=lr, batch_size=local_batch_size,
-                                 defenses=defenses, seed=seed + r, in_place=True)
+            if local_update is None:
+                upd = c.local_update(local, algorithm=algorithm, epochs=local_epochs, lr=lr, batch_size=local_batch_size,
+                                     defenses=defenses, seed=seed + r, in_place=True)
+            else:
+                upd = local_update(c, local, seed=seed + r)
+                for d in defenses:
+                    upd = d.apply(upd, {"client_id": c.client_id, "seed": seed + r})
             out.client_seconds += time.perf_counter() - t0
             if not all(bool(torch.isfinite(t).all()) for t in upd.tensors.values()):
                 from gradleak.errors import BadInput

@@ -1,0 +1,412 @@
+"""ProjRes benchmark (paper 004): membership inference on federated PEFT text clients, the FISGuard defense and
+the MIA baselines (L2, dropout, label smoothing), against ProjRes and the adaptive (NNLS) attack.
+
+    .venv/bin/python benchmarks/projres.py --quick            # main + MiniLM/Adapter defenses, ProjRes only
+    .venv/bin/python benchmarks/projres.py                    # every table (hours on 2 CPU cores)
+    .venv/bin/python benchmarks/projres.py --only main,heldout
+    .venv/bin/python benchmarks/projres.py --cells 'minilm/adapter/*/fisguard-*'
+    .venv/bin/python benchmarks/projres.py --check            # validate every cell's config, run nothing
+    .venv/bin/python benchmarks/projres.py --report-only      # rebuild projres.json + docs section from --out
+
+Every cell is ``configs/projres/minilm_adapter.yaml`` plus ``--set`` overrides (``cell_overrides``; every cell
+gets ``fl.rounds=ROUNDS`` and ``fl.lr=LR``, changed with ``--rounds``/``--lr``), run through the experiment
+pipeline (``gradleak.experiments.validate`` -> ``run_experiment(cfg, RunContext(...))``) into
+``<out>/projres/<cell>/`` (``results.json``, ``report.html``, ``report_data.json``, as ``gradleak run`` writes
+them), and appends one line to ``<out>/projres.jsonl``. A rerun skips the cells whose latest line finished without
+error and retries failed ones; ``--fresh`` moves the JSONL aside. Cell ids name what varies
+(``minilm/adapter/projres/fisguard-r16``); a cell shared by two tables (the undefended ProjRes cells of ``main``
+and ``defenses``) runs once. Ids carry ``@R<rounds>-lr<lr>`` when the schedule is not the default, so runs
+with another schedule never count as done for this one, and a report shows the cells of the schedule it is given.
+
+Tables: ``main`` ({minilm, smollm2} × {adapter, lora}, ProjRes, undefended); ``defenses`` (MiniLM, adapter and
+LoRA: none, FISGuard r ∈ {8, 16, 64}, L2 λ ∈ {1e-3, 1e-1}, dropout p ∈ {0.1, 0.3}, label smoothing
+ε ∈ {0.1, 0.3}, each against ProjRes and the adaptive attack on 10 clients); ``heldout`` (undefended and
+FISGuard-16 MiniLM/Adapter again with seed 1, and on the WordNet gloss examples). Outputs in ``--out``:
+``projres.jsonl``, ``projres.json``, ``projres_frontier.png`` (AUC vs accuracy) and the ``projres`` section
+(``<out>/projres.md``; ``docs/REPRODUCTION.md`` only with ``--update-docs`` or ``--report-only``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench import (DOCS, ROOT, add_out_args, check_configs, display, done_cells, fmt_num,  # noqa: E402
+                    latest_rows, resolve_out, start_fresh, write_section)
+from gradleak.experiments.results import append_jsonl, write_json_atomic  # noqa: E402
+from gradleak.report.markdown import markdown_table  # noqa: E402
+
+CONFIG = ROOT / "configs" / "projres" / "minilm_adapter.yaml"
+TABLES = ("main", "defenses", "heldout")
+ROUNDS = 20  # FedSGD rounds of every cell (the attack scores the last one)
+LR = 0.5
+
+ATTACKS = {  # set as a whole section: the shipped config's projres keys must not leak into the adaptive attack
+    "projres": "{name: projres, aggregation: sentence, round_aggregation: last}",
+    "adaptive": "{name: projres_adaptive, max_clients: 10}",
+}
+# label -> defense section. Decimals, not 1e-3: inside a YAML flow map 1e-3 (no dot) reads as a string.
+DEFENSES = {
+    "none": "{name: none}",
+    "fisguard-r8": "{name: fisguard, rank: 8}",
+    "fisguard-r16": "{name: fisguard, rank: 16}",
+    "fisguard-r64": "{name: fisguard, rank: 64}",
+    # the task head is a client-trained linear layer too (SPEC §5.2 step 1): fixed input of rank C - 1 = 3,
+    # the most its gradient can reach (4 classes)
+    "fisguard-r16-head": "{name: fisguard, rank: 16, protect_head: true, head_rank: 3}",
+    "dpsgd-0.5": "{name: dpsgd, noise_multiplier: 0.5}",
+    "dpsgd-1": "{name: dpsgd, noise_multiplier: 1.0}",
+    "l2-0.001": "{name: l2, coefficient: 0.001}",
+    "l2-0.1": "{name: l2, coefficient: 0.1}",
+    "dropout-0.1": "{name: dropout, rate: 0.1}",
+    "dropout-0.3": "{name: dropout, rate: 0.3}",
+    "label_smoothing-0.1": "{name: label_smoothing, factor: 0.1}",
+    "label_smoothing-0.3": "{name: label_smoothing, factor: 0.3}",
+}
+HELDOUT = {"seed1": {"seed": 1}, "wordnet": {"data": "wordnet-examples"}}  # variant -> what changes
+DEFAULT_DATA = "fortunes-topics"
+# --tiny (smoke test only): 2 clients, 5 non-members each, 10 test quotes, 1 round (2 for LoRA: with B = 0 at
+# init the gradient of A is zero in round 1 and the pipeline refuses a membership score on it)
+TINY = ["fl.clients=2", "data.nonmembers=5", "data.test_size=10"]
+
+METRICS = ("auc", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr", "accuracy", "members", "nonmembers", "auc_best_layer",
+           "fisguard_rank_condition_rate", "fisguard_min_rank_G_U")
+TIMINGS = ("client_step_seconds", "attack_reconstruct_seconds", "total_seconds")
+
+
+# ------------------------------------------------------------------------------------------------ the grid
+
+def cell_id(p: dict, schedule: str) -> str:
+    cid = f"{p['model']}/{p['peft']}/{p['attack']}/{p['defense']}"
+    if p["seed"]:
+        cid += f"/seed{p['seed']}"
+    if p["data"] != DEFAULT_DATA:
+        cid += f"/{p['data']}"
+    return cid + schedule
+
+
+def cell_overrides(p: dict, rounds: int, lr: float, tiny: bool) -> list[str]:
+    ov = [f"model.name={p['model']}"]
+    if p["model"] == "smollm2":
+        ov.append("model.pooling=null")  # mean pooling is BERT-only; SmolLM2 pools the last token
+    ov.append(f"peft.kind={p['peft']}")
+    if p["seed"]:
+        ov.append(f"seed={p['seed']}")
+    if p["data"] != DEFAULT_DATA:
+        ov.append(f"data.name={p['data']}")
+    if tiny:
+        rounds = 2 if p["peft"] == "lora" else 1
+        ov += TINY
+    ov += [f"fl.rounds={rounds}", f"fl.lr={lr:g}", f"attack={ATTACKS[p['attack']]}", f"defense={DEFENSES[p['defense']]}"]
+    return ov
+
+
+def schedule_suffix(rounds: int, lr: float, tiny: bool) -> str:
+    s = "" if (rounds, lr) == (ROUNDS, LR) else f"@R{rounds}-lr{lr:g}"
+    return s + ("@tiny" if tiny else "")
+
+
+def table_params(quick: bool) -> list[tuple[str, dict]]:
+    """(table, cell parameters) in priority order (an interrupted run keeps the headline cells)."""
+    def p(model="minilm", peft="adapter", attack="projres", defense="none", seed=0, data=DEFAULT_DATA):
+        return {"model": model, "peft": peft, "attack": attack, "defense": defense, "seed": seed, "data": data}
+
+    out = [("main", p(m, k)) for m in ("minilm", "smollm2") for k in ("adapter", "lora")]
+    pefts, attacks = (("adapter",), ("projres",)) if quick else (("adapter", "lora"), ("projres", "adaptive"))
+    out += [("defenses", p(peft=k, attack=a, defense=d)) for k in pefts for a in attacks for d in DEFENSES]
+    if not quick:
+        out += [("heldout", p(attack=a, defense=d, **change)) for change in HELDOUT.values()
+                for a in ATTACKS for d in ("none", "fisguard-r16")]
+    return out
+
+
+def grid(args: argparse.Namespace, quick: bool | None = None, only: set[str] | None = None,
+         patterns: list[str] | None = None) -> list[dict]:
+    """The selected cells, one per distinct config (``tables`` lists every table it appears in)."""
+    suffix = schedule_suffix(args.rounds, args.lr, args.tiny)
+    cells: dict[str, dict] = {}
+    for table, p in table_params(args.quick if quick is None else quick):
+        cid = cell_id(p, suffix)
+        if cid in cells:
+            cells[cid]["tables"].append(table)
+        else:
+            cells[cid] = {"cell": cid, "tables": [table], "params": p,
+                          "overrides": cell_overrides(p, args.rounds, args.lr, args.tiny)}
+    sel = [c for c in cells.values() if not only or set(c["tables"]) & only]
+    # patterns match the id without the schedule suffix (``@R3-lr0.05``, ``@tiny``)
+    return [c for c in sel if not patterns or any(fnmatch.fnmatchcase(cell_id(c["params"], ""), pat) for pat in patterns)]
+
+
+def command(overrides: list[str]) -> str:
+    return (f"gradleak run {display(CONFIG)} --out D "
+            + " ".join(f"--set {shlex.quote(o)}" for o in overrides))
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+def run_cell(overrides: list[str], out_dir: Path) -> tuple[dict, list[dict]]:
+    """One cell through the pipeline; writes the run directory as ``gradleak run`` would. Returns the run's results
+    and the rows of its 'ProjRes AUC per layer' table (what ``report_data.json`` holds)."""
+    from gradleak.experiments import validate
+    from gradleak.experiments.config import load_yaml
+    from gradleak.experiments.runner import RunContext, seed_everything
+    from gradleak.report import write_report
+
+    run_experiment, cfg = validate(load_yaml(CONFIG), overrides)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seed_everything(cfg.seed)
+    t0 = time.perf_counter()
+    res = run_experiment(cfg, RunContext(out_dir, torch.device("cpu")))
+    res["timings"]["total_seconds"] = time.perf_counter() - t0
+    results = {"name": cfg.name, "experiment": cfg.experiment, "config": cfg.dump(), "metrics": res["metrics"],
+               "timings": res["timings"], "artifacts": res.get("artifacts", []), "details": res["details"]}
+    write_json_atomic(out_dir / "results.json", results)
+    write_report(results, out_dir, res.get("report", {}))
+    layers = next((t["rows"] for t in res.get("report", {}).get("tables", []) if t["title"] == "ProjRes AUC per layer"), [])
+    return res, layers
+
+
+def run_cells(cells: list[dict], out: Path) -> None:
+    jsonl = out / "projres.jsonl"
+    done = done_cells(jsonl)
+    todo = [c for c in cells if c["cell"] not in done]
+    print(f"{len(cells) - len(todo)} cells done, {len(todo)} to run (results in {display(out)})", flush=True)
+    for i, c in enumerate(todo):
+        row = {"cell": c["cell"], "tables": c["tables"], "params": c["params"], "overrides": c["overrides"],
+               "command": command(c["overrides"])}
+        t0 = time.perf_counter()
+        try:
+            res, layers = run_cell(c["overrides"], out / "projres" / c["cell"])
+            m, t = res["metrics"], res["timings"]
+            row.update(metrics={k: m[k] for k in METRICS if k in m}, timings={k: t[k] for k in TIMINGS if k in t},
+                       per_layer_auc=layers, warnings=res["details"].get("warnings", []))
+            msg = (f"AUC {fmt_num(m.get('auc'), '.3f')} TPR@1%FPR {fmt_num(m.get('tpr_at_1pct_fpr'), '.3f')} "
+                   f"acc {fmt_num(m.get('accuracy'), '.3f')} client step {fmt_num(t.get('client_step_seconds'), '.1f')} s"
+                   + (f" rank condition {fmt_num(m['fisguard_rank_condition_rate'], '.2f')}"
+                      if "fisguard_rank_condition_rate" in m else ""))
+        except Exception as err:  # recorded, not fatal (retried on the next run)
+            row["error"] = f"{type(err).__name__}: {err}"
+            msg = f"FAILED {row['error']}"
+        row["wall_seconds"] = time.perf_counter() - t0
+        append_jsonl(jsonl, row)
+        print(f"[{i + 1}/{len(todo)}] {c['cell']}: {msg} ({row['wall_seconds']:.0f} s)", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+def _m(row: dict | None, key: str, spec: str = ".3f") -> str:
+    return fmt_num(row["metrics"].get(key), spec) if row else "–"
+
+
+def _rank_flag(row: dict | None) -> str:
+    rate = row["metrics"].get("fisguard_rank_condition_rate") if row else None
+    if rate is None:
+        return "–"
+    return fmt_num(rate, ".2f") + (" ⚠" if rate < 1 else "")
+
+
+def _overhead(row: dict | None, base: dict | None) -> str:
+    """client_step_seconds relative to the undefended cell of the same model/PEFT/attack/seed/data."""
+    try:
+        return f"{row['timings']['client_step_seconds'] / base['timings']['client_step_seconds']:.2f}×"
+    except (TypeError, KeyError, ZeroDivisionError):
+        return "–"
+
+
+def report(args: argparse.Namespace) -> int:
+    out, jsonl = args.out, args.out / "projres.jsonl"
+    full = grid(args, quick=False)  # report every table whatever was selected to run
+    ids = {c["cell"] for c in full}
+    latest = [r for r in latest_rows(jsonl) if r["cell"] in ids]
+    rows = [r for r in latest if "error" not in r]
+    failed = [r["cell"] for r in latest if "error" in r]
+    if failed:
+        print(f"{len(failed)} failed cell(s), retried on the next run: {', '.join(failed)}", flush=True)
+    if not rows:
+        print(f"no finished cells of this schedule (rounds={args.rounds}, lr={args.lr:g}) in {display(jsonl)}: "
+              "nothing to report (docs untouched)", flush=True)
+        return 1
+    suffix = schedule_suffix(args.rounds, args.lr, args.tiny)
+    by = {r["cell"]: r for r in rows}
+
+    def get(**kw) -> dict | None:
+        p = {"model": "minilm", "peft": "adapter", "attack": "projres", "defense": "none", "seed": 0,
+             "data": DEFAULT_DATA, **kw}
+        return by.get(cell_id(p, suffix))
+
+    write_json_atomic(out / "projres.json", {"schedule": {"rounds": args.rounds, "lr": args.lr, "tiny": args.tiny},
+                                             "cells": rows, "failed": failed})
+    print(f"wrote {display(out / 'projres.json')} ({len(rows)} of {len(full)} cells finished)", flush=True)
+
+    setup = ("SMOKE TEST (--tiny: 2 clients, 5 non-members each, 10 test quotes, 1 round, 2 for LoRA), not results"
+             if args.tiny else f"{args.rounds} FedSGD rounds at lr {args.lr:g}, 30 clients × 16 member quotes, "
+                               "34 non-members per client")
+    parts = [f"Generated by `benchmarks/projres.py` from {len(rows)} of {len(full)} cells (`{display(CONFIG)}`, "
+             f"{setup}; the attack scores the last round). AUC and TPR pool members vs non-members over the observed clients "
+             "(the adaptive attack decomposes the first 10 clients); accuracy is the final model's on the held-out "
+             "quotes. `best layer` picks the layer with the truth (an upper bound, not an attack). Timings are wall "
+             "seconds on 2 shared CPU cores (noisy). Each cell's command is in `projres.json` "
+             f"(e.g. `{command(full[0]['overrides'])}`)."]
+    t = [{"model": m, "PEFT": k, "AUC": _m(r, "auc"), "TPR@1%FPR": _m(r, "tpr_at_1pct_fpr"),
+          "TPR@0.1%FPR": _m(r, "tpr_at_0.1pct_fpr"), "best layer AUC": _m(r, "auc_best_layer"),
+          "accuracy": _m(r, "accuracy"), "members / non-members": f"{_m(r, 'members', '.0f')} / {_m(r, 'nonmembers', '.0f')}",
+          "client step s": fmt_num(r["timings"].get("client_step_seconds") if r else None, ".1f"),
+          "attack s": fmt_num(r["timings"].get("attack_reconstruct_seconds") if r else None, ".1f")}
+         for m in ("minilm", "smollm2") for k in ("adapter", "lora") for r in [get(model=m, peft=k)]]
+    parts.append("### Main: ProjRes on undefended clients\n\n" + markdown_table(t, list(t[0])))
+
+    t = []
+    for k in ("adapter", "lora"):
+        for d in DEFENSES:
+            r, ra = get(peft=k, defense=d), get(peft=k, defense=d, attack="adaptive")
+            if not (r or ra):
+                continue
+            t.append({"PEFT": k, "defense": d, "ProjRes AUC": _m(r, "auc"), "adaptive AUC": _m(ra, "auc"),
+                      "ProjRes TPR@1%FPR": _m(r, "tpr_at_1pct_fpr"), "adaptive TPR@1%FPR": _m(ra, "tpr_at_1pct_fpr"),
+                      "accuracy": _m(r or ra, "accuracy"),
+                      "training time vs none": _overhead(r, get(peft=k)) if r else _overhead(ra, get(peft=k, attack="adaptive")),
+                      "rank condition": _rank_flag(r or ra)})
+    if t:
+        parts.append("### Defenses (MiniLM)\n\n`training time vs none` is the client step time over the undefended "
+                     "cell's (same PEFT and attack). `rank condition`: share of (client, layer) uploads where FISGuard's "
+                     "rank condition holds (⚠ < 1: the defense's guarantee does not hold for every upload).\n\n"
+                     + markdown_table(t, list(t[0])))
+
+    t = []
+    for variant, change in HELDOUT.items():
+        for d in ("none", "fisguard-r16"):
+            r, ra = get(defense=d, **change), get(defense=d, attack="adaptive", **change)
+            if r or ra:
+                t.append({"held out": variant, "defense": d, "ProjRes AUC": _m(r, "auc"), "adaptive AUC": _m(ra, "auc"),
+                          "accuracy": _m(r or ra, "accuracy"), "rank condition": _rank_flag(r or ra)})
+    if t:
+        parts.append("### Held out (MiniLM/Adapter: seed 1; WordNet gloss examples by part of speech)\n\n"
+                     + markdown_table(t, list(t[0])))
+
+    flagged = [r["cell"] for r in rows if (r["metrics"].get("fisguard_rank_condition_rate") or 1) < 1]
+    if flagged:
+        parts.append("**FISGuard rank condition below 1** (the AUC ≈ 0.5 guarantee is not established there): "
+                     + ", ".join(f"`{c}` ({fmt_num(by[c]['metrics']['fisguard_rank_condition_rate'], '.2f')})"
+                                 for c in flagged))
+    parts.append(_paper_note(rows, get))
+    fig = _plot(rows, out)
+    if fig:
+        parts.append(f"![ProjRes privacy/utility frontier]({fig})")
+    write_section(args, "projres", "\n\n".join(parts),
+                  "ProjRes — membership inference vs FISGuard and MIA defenses (paper 004)", "projres")
+    return 0
+
+
+def _paper_note(rows: list[dict], get) -> str:
+    """The paper's qualitative claims (its summary has no numeric tables) beside what we measured."""
+    lines = ["### Paper vs ours", "",
+             "The paper's summary gives no numeric tables; its qualitative claims, with our measurement beside them:", ""]
+    fis = [(k, d, get(peft=k, defense=d)) for k in ("adapter", "lora") for d in DEFENSES if d.startswith("fisguard")]
+    fis = [(k, d, r) for k, d, r in fis if r]
+    if fis:
+        aucs = ", ".join(f"{k} {d.split('-r')[1]}: {_m(r, 'auc')}" for k, d, r in fis)
+        lines.append(f"* *FISGuard brings ProjRes to AUC ≈ 0.5* — ours (PEFT, rank: AUC): {aucs}.")
+        accs = ", ".join(f"{k} {d.split('-r')[1]}: {_m(r, 'accuracy')} vs {_m(get(peft=k), 'accuracy')}"
+                         for k, d, r in fis)
+        lines.append(f"* *with accuracy near the undefended model's* — ours (FISGuard vs none): {accs}.")
+    timed = [(d, r["timings"]["client_step_seconds"]) for d in DEFENSES
+             for r in [get(defense=d)] if r and "client_step_seconds" in r["timings"]]
+    if timed:
+        fastest = min(timed, key=lambda x: x[1])
+        lines.append(f"* *FISGuard has the lowest training time under Adapter* — ours (MiniLM/Adapter, ProjRes cells): "
+                     f"fastest is `{fastest[0]}` ({fastest[1]:.1f} s of client steps; "
+                     + ", ".join(f"{d} {s:.1f}" for d, s in timed) + ").")
+    if len(lines) == 4:
+        lines.append("* (no defense cells finished yet)")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], out: Path) -> str | None:
+    """``<out>/projres_frontier.png``: AUC vs accuracy of the main/defenses cells (held-out runs are another task).
+    Marker = defense, filled = ProjRes, hollow = adaptive, colour = model/PEFT, undefended = large star.
+    Returns its path relative to docs/ (where the Markdown is read)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
+    except Exception:  # pragma: no cover
+        return None
+    markers = {"none": "*", "fisguard": "o", "l2": "s", "dropout": "^", "label_smoothing": "D", "dpsgd": "v"}
+    colours: dict[str, str] = {}
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in rows:
+        p, m = r["params"], r["metrics"]
+        if p["seed"] or p["data"] != DEFAULT_DATA or m.get("auc") is None or m.get("accuracy") is None:
+            continue
+        family = p["defense"].split("-")[0]
+        colour = colours.setdefault(f"{p['model']}/{p['peft']}", f"C{len(colours)}")
+        undef = family == "none"
+        ax.scatter(m["accuracy"], m["auc"], marker=markers.get(family, "x"), s=260 if undef else 60, linewidths=1.5,
+                   facecolors=colour if p["attack"] == "projres" else "none", edgecolors=colour, zorder=3 if undef else 2)
+    ax.axhline(0.5, ls="--", lw=0.8, color="grey")
+    ax.set_xlabel("test accuracy of the final model")
+    ax.set_ylabel("membership AUC")
+    ax.set_title("ProjRes: privacy vs utility per defense (undefended: large stars)", fontsize=10)
+    handles = ([Line2D([], [], ls="", marker=mk, color="grey", markersize=12 if f == "none" else 7, label=f)
+                for f, mk in markers.items()]
+               + [Line2D([], [], ls="", marker="o", color="grey", label="ProjRes (filled)"),
+                  Line2D([], [], ls="", marker="o", color="grey", markerfacecolor="none", label="adaptive (hollow)")]
+               + [Line2D([], [], ls="", marker="o", color=c, label=k) for k, c in colours.items()])
+    ax.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    path = out / "projres_frontier.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(os.path.relpath(path, DOCS.parent)).as_posix()
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="main + the MiniLM/Adapter defenses against ProjRes only")
+    ap.add_argument("--only", default="", help=f"comma-separated tables: {','.join(TABLES)}")
+    ap.add_argument("--cells", default="",
+                    help="comma-separated glob patterns on cell ids (without the schedule suffix), e.g. 'minilm/adapter/*/none'")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"fl.rounds of every cell (default {ROUNDS})")
+    ap.add_argument("--lr", type=float, default=LR, help=f"fl.lr of every cell (default {LR})")
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # smoke test: 2 clients, 1 round
+    add_out_args(ap, "projres")
+    args = ap.parse_args(argv)
+    args.out = resolve_out(args.out)
+    if args.fresh and args.report_only:
+        ap.error("--fresh recomputes cells; it cannot be combined with --report-only")
+    only = set(filter(None, args.only.split(",")))
+    if only - set(TABLES):
+        ap.error(f"--only: unknown table(s) {', '.join(sorted(only - set(TABLES)))}")
+    sel = grid(args, only=only, patterns=list(filter(None, args.cells.split(","))))
+    if not sel and not args.report_only:
+        ap.error("no cell matches --only/--cells")
+    if args.check:
+        from gradleak.experiments.config import load_yaml
+
+        raw = load_yaml(CONFIG)
+        return check_configs((c["cell"], raw, c["overrides"]) for c in sel)
+    torch.set_num_threads(args.threads)
+    if not args.report_only:
+        if args.fresh:
+            start_fresh(args.out / "projres.jsonl")
+        run_cells(sel, args.out)
+    return report(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
