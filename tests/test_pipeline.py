@@ -213,7 +213,7 @@ BAD_PEFTLEAK = [
     ("model.dtype=float32", "model.dtype"),
 ]
 BAD_UTR = [("data.limit=-1", "data.limit"), ("data.max_length=0", "data.max_length"), ("attack.name=peftleak", "attack.name"),
-           ("attack.name=lamp", "attack.eps_bag"), ("model.pooling=cls", "model.pooling"), ("peft.bottleneck=8", "peft.bottleneck"),
+           ("attack.name=lamp", "attack.eps_bag"), ("model.patch_size=8", "model.patch_size"), ("peft.bottleneck=8", "peft.bottleneck"),
            ("fl.rounds=0", "fl.rounds"), ("trials=0", "trials"), ("model.name=vit-b16", "model.name"),
            ("data.name=cifar-samples", "data.name")]
 
