@@ -136,6 +136,17 @@ def check_configs(items: Iterable[tuple[str, dict, list[str]]]) -> int:
     return 0 if not bad else 1
 
 
+def save_figure(fig, path: Path) -> str:
+    """Save a matplotlib figure (120 dpi), close it, and return its path relative to docs/ for Markdown links."""
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(os.path.relpath(path, DOCS.parent)).as_posix()
+
+
 def fmt_num(x: Any, spec: str) -> str:
     try:
         return format(float(x), spec)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import os
 import shlex
 import sys
 import time
@@ -40,8 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import (DOCS, ROOT, add_out_args, check_configs, display, done_cells, fmt_num,  # noqa: E402
-                    latest_rows, resolve_out, start_fresh, write_section)
+from _bench import (ROOT, add_out_args, check_configs, display, done_cells, fmt_num,  # noqa: E402
+                    latest_rows, resolve_out, save_figure, start_fresh, write_section)
 from gradleak.experiments.results import append_jsonl, write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
 
@@ -364,12 +363,7 @@ def _plot(rows: list[dict], out: Path) -> str | None:
                   Line2D([], [], ls="", marker="o", color="grey", markerfacecolor="none", label="adaptive (hollow)")]
                + [Line2D([], [], ls="", marker="o", color=c, label=k) for k, c in colours.items()])
     ax.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    path = out / "projres_frontier.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(os.path.relpath(path, DOCS.parent)).as_posix()
+    return save_figure(fig, out / "projres_frontier.png")
 
 
 # ------------------------------------------------------------------------------------------------ main

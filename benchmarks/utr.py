@@ -25,7 +25,6 @@ cells past it carry ``capacity_exhausted=1``. LAMP cells grant ``threat.knows_le
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -34,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import (DOCS, add_out_args, check_configs, display, done_cells, latest_rows,  # noqa: E402
-                    resolve_out, start_fresh, write_section)
+from _bench import (add_out_args, check_configs, display, done_cells, latest_rows,  # noqa: E402
+                    resolve_out, save_figure, start_fresh, write_section)
 from gradleak.experiments.results import append_jsonl, write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
 
@@ -340,12 +339,7 @@ def _plot(cap: list[dict], out: Path) -> str | None:
     axes[1].set_xlabel("distinct first-layer states in the batch")
     axes[1].set_ylabel("recovered tokens (dashed: bottleneck)")
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "utr_capacity.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(os.path.relpath(path, DOCS.parent)).as_posix()
+    return save_figure(fig, out / "utr_capacity.png")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,7 +112,7 @@ class ProjRes(AttackBase):
     reconstruction = "membership"
     devices = ("cpu", "cuda")
 
-    def __init__(self, aggregation: str = "min", layers="all", layer_aggregation: str = "min",
+    def __init__(self, aggregation: str = "min", layers="all", layer_aggregation: str = "min_z",
                  round_aggregation: str = "min", rank_rtol: float = 1e-5, batch_size: int = 64):
         self.aggregation, self.layers = aggregation, layers
         self.layer_aggregation, self.round_aggregation = layer_aggregation, round_aggregation

@@ -135,7 +135,7 @@ class TextData:
 def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     from gradleak.attacks.base import AttackContext
     from gradleak.defenses.update import build_defenses
-    from gradleak.fl.core import Client, default_classification_loss
+    from gradleak.fl.core import default_classification_loss
     from gradleak.fl.protocol import run_rounds
     from gradleak.fl.threat import build_view
     from gradleak.models import build

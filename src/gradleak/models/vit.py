@@ -8,8 +8,13 @@ or over the class token (``pooling="cls"``, as HF ``ViTForImageClassification``)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # transformers is imported when a ViT is built, not with this module
+    from transformers import ViTConfig
 
 from gradleak.errors import BadInput
 
