@@ -214,8 +214,11 @@ class DPSGD(TrainingDefense):
         from opacus.accountants import RDPAccountant
 
         if self.cfg.noise_multiplier == 0:
+            self.rounds = 0
             return {"dp_epsilon": float("inf")}
         acc = RDPAccountant()
         for _ in range(max(self.rounds, 1)):
             acc.step(noise_multiplier=self.cfg.noise_multiplier, sample_rate=1.0)
-        return {"dp_epsilon": float(acc.get_epsilon(self.cfg.delta)), "dp_rounds": float(self.rounds)}
+        out = {"dp_epsilon": float(acc.get_epsilon(self.cfg.delta)), "dp_rounds": float(self.rounds)}
+        self.rounds = 0  # reported once per trial; the next trial trains from the start again
+        return out

@@ -223,8 +223,9 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
                        model_kind=handle.kind, bottleneck=bottleneck, membership=membership)
             ev = evaluate(A.reconstruction, tr, rec, cfg, ctx.out_dir, trial)
             ev.metrics.update(defense.report(view.rounds))
-            if modality == "text" and data.test(mcfg.num_classes) is not None:
-                ev.metrics.update(_utility(handle, model, outcome, cfg, data.test(mcfg.num_classes), dev))
+            test = data.test(mcfg.num_classes) if modality == "text" else None
+            if test is not None:
+                ev.metrics.update(_utility(handle, model, outcome, cfg, test, dev))
             evals.append(ev)
         infos.append(rec.info)
     metrics = {k: float(np.mean([e.metrics[k] for e in evals if k in e.metrics])) for k in evals[0].metrics}
