@@ -131,13 +131,11 @@ class ProjRes(AttackBase):
         if not cands:
             raise BadInput("threat.public_data", "ProjRes needs candidate samples to score.",
                            "grant threat.public_data=true (the server holds candidates) and set data.nonmembers > 0.")
-        keys = list(view.updates[0].tensors)
-        targets = target_layers(view.model, keys, self.layers)
+        model = copy.deepcopy(view.model).eval()  # scored with each round's state loaded; the view stays as sent
+        targets = target_layers(model, list(view.updates[0].tensors), self.layers)
         if not targets:
             raise BadInput("attack.layers", f"no trainable linear layer of the update matches {self.layers!r}.",
                            "use layers: all, or substrings of the update's parameter names.")
-        model = copy.deepcopy(view.model).eval()
-        targets = target_layers(model, keys, self.layers)
         rounds = view.rounds if self.round_aggregation != "last" else view.rounds[-1:]
         states = view.round_states if self.round_aggregation != "last" else view.round_states[-1:]
         per_round: list[dict[int, dict[str, torch.Tensor]]] = []

@@ -154,8 +154,7 @@ class ExperimentConfig(Strict):
     def check(self) -> None:
         preset = EXPERIMENTS.get(self.experiment, field="experiment")
         self._modality = preset["modality"]
-        own, other = (IMAGE_DATA, TEXT_DATA) if self._modality == "image" else (TEXT_DATA, IMAGE_DATA)
-        _refuse_foreign("data", self.data, other, self._modality)
+        _refuse_foreign("data", self.data, TEXT_DATA if self._modality == "image" else IMAGE_DATA, self._modality)
         _refuse_foreign("model", self.model, IMAGE_MODEL if self._modality == "text" else TEXT_MODEL, self._modality)
         self.peft.check()
         if self.model.adapter_bottleneck is not None:
@@ -167,15 +166,16 @@ class ExperimentConfig(Strict):
             raise BadInput("peft.bottleneck", "text adapters are sized by peft.reduction_factor.",
                            "use e.g. --set peft.reduction_factor=2.")
         if self._modality == "image":
-            from gradleak.models import MODELS
+            from gradleak.models.vit import PRESETS  # one table of ViT sizes (torch only, no transformers)
 
-            patch = self.model.patch_size or {"vit-b32": 32, "vit-tiny": 8}.get(self.model.name, 16)
-            if self.model.name in MODELS and self.data.image_size % patch:
+            preset = PRESETS.get(self.model.name, PRESETS["vit-b16"])
+            patch = self.model.patch_size or preset["patch_size"]
+            if self.model.name in PRESETS and self.data.image_size % patch:
                 raise BadInput("data.image_size", f"image size {self.data.image_size} is not divisible by the patch size {patch}.",
                                f"use a multiple of {patch} (e.g. {max(1, round(self.data.image_size / patch)) * patch}) "
                                "or change model.patch_size.")
-            hidden = self.model.hidden_size or {"vit-tiny": 192, "vit-s16": 384, "vit-l16": 1024}.get(self.model.name, 768)
-            heads = self.model.heads or {"vit-tiny": 3, "vit-s16": 6, "vit-l16": 16}.get(self.model.name, 12)
+            hidden = self.model.hidden_size or preset["hidden_size"]
+            heads = self.model.heads or preset["num_attention_heads"]
             if hidden % heads:
                 raise BadInput("model.heads" if self.model.heads else "model.hidden_size",
                                f"hidden size {hidden} is not divisible by {heads} heads.",

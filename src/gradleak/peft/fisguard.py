@@ -168,12 +168,12 @@ def rank_report(update_tensors: dict[str, torch.Tensor], report: dict[str, Any],
     """Per protected layer: rank(G_U) and whether it equals r (the condition of FISGuard's guarantee)."""
     out = {}
     for name, info in report.items():
-        if name in ("classifier", "score"):
+        if name in ("classifier", "score"):  # Sequential(Q, U)
             key = f"{name}.1.weight"
-        elif ".lora" in name or "lora" in name or "text_adapters" not in name:
-            key = f"{name}.lora_B.default.weight"
-        else:
+        elif name.startswith("text_adapters."):  # fixed-down adapter: U is the up-projection
             key = f"{name}.up.weight"
+        else:  # fixed-input LoRA layer: U is B
+            key = f"{name}.lora_B.default.weight"
         G = update_tensors.get(key)
         if G is None:
             continue
