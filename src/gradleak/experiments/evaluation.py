@@ -66,6 +66,7 @@ def _image_metrics(truth01: torch.Tensor, recon01: torch.Tensor, cfg) -> dict[st
     filled = torch.where(torch.isnan(recon01), torch.full_like(recon01, 0.5), recon01)
     out["image_psnr_mean"] = float(psnr(filled, truth01).mean())
     out["image_ssim_mean"] = float(ssim(filled, truth01).mean())
+    out["psnr"], out["ssim"] = out["image_psnr_mean"], out["image_ssim_mean"]  # the outside checks' names
     out["image_mse_mean"] = float(((filled - truth01) ** 2).mean())
     if cfg.metrics.feature_distance:
         from gradleak.metrics import feature_distance
@@ -272,3 +273,28 @@ def evaluate_membership(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Ev
         notes.append(f"only {int(m['nonmembers'])} non-members: TPR at 0.1 % FPR is not resolved below 1,000.")
     tables = [{"title": "ProjRes AUC per layer", "columns": ["layer", "auc", "rank", "input_width"], "rows": per_layer}]
     return Evaluation(m, tables=tables, notes=notes)
+
+
+def split_by_guarantee(ev: Evaluation, condition: dict[str, bool]) -> None:
+    """Annotate the per-layer AUC table with a defense's per-layer guarantee (FISGuard: rank(G_U) = r in every
+    observed update) and add the largest per-layer AUC among the layers where it holds, where it fails, and among
+    the unprotected layers (``auc_max_guarantee_holds`` / ``_fails`` / ``auc_max_unprotected``, each with its layer
+    count ``layers_guarantee_holds`` / ... ; a group without layers has count 0 and no AUC key)."""
+    table = next((t for t in ev.tables if t.get("title") == "ProjRes AUC per layer"), None)
+    if table is None or not condition:
+        return
+    groups: dict[str, list[float]] = {"holds": [], "fails": [], "unprotected": []}
+    for row in table["rows"]:
+        state = condition.get(row["layer"])
+        row["guarantee"] = "unprotected" if state is None else ("holds" if state else "fails")
+        groups[row["guarantee"]].append(row["auc"])
+    table["columns"] = table["columns"] + ["guarantee"]
+    for g, aucs in groups.items():
+        key = "auc_max_unprotected" if g == "unprotected" else f"auc_max_guarantee_{g}"
+        if aucs:
+            ev.metrics[key] = max(aucs)
+        ev.metrics[f"layers_{'unprotected' if g == 'unprotected' else 'guarantee_' + g}"] = float(len(aucs))
+    failing = [r["layer"] for r in table["rows"] if r["guarantee"] == "fails"]
+    if failing:
+        ev.notes.append("the defense's guarantee does not hold (rank(G_U) < r) on " + ", ".join(failing)
+                        + ": these layers are not protected against ProjRes.")

@@ -114,6 +114,16 @@ class TextData:
         k = self.cfg.data.nonmembers
         return self._chunk(k, self.members_end + (trial * self.cfg.fl.clients + client) * k)[0] if k else []
 
+    def reference(self, client: int, n: int):
+        """A client's reference set (min-max regularisation): ``n`` labelled samples after the test chunk, disjoint from
+        every member, candidate and test sample."""
+        start = self.nonmembers_end + self.cfg.data.test_size + client * n
+        if start + n > len(self.ds):
+            raise BadInput("defense.reference_size", f"{self.cfg.fl.clients} client(s) × {n} reference samples do not fit "
+                           f"after the {start - client * n} texts of '{self.cfg.data.name}' already used "
+                           f"({len(self.ds)} in all).", "lower defense.reference_size, data.nonmembers or data.test_size.")
+        return self._chunk(n, start)
+
     def test(self, num_classes: int):
         if not self.cfg.data.test_size:
             return None
@@ -163,7 +173,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     handle = build(mcfg, modality, image_size=cfg.data.image_size, seed=cfg.seed, dtype=dtype)
     apply_peft(handle, cfg.peft, seed=cfg.seed)
     defense = cfg.training_defense
-    defense.apply(handle, cfg)  # training-time defense (FISGuard re-parameterises the protected layers)
+    defense.apply(handle, cfg, data=data)  # training-time defense (FISGuard re-parameterises the protected layers)
     timings["model_load_seconds"] = time.perf_counter() - t0
     # ---- attack: built from its config and what the threat model grants before any round
     if threat.knows_batch_size:
@@ -222,6 +232,10 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
             tr = Truth(modality, truth["inputs"], truth["labels"], texts=truth.get("texts"), tokenizer=handle.tokenizer,
                        model_kind=handle.kind, bottleneck=bottleneck, membership=membership)
             ev = evaluate(A.reconstruction, tr, rec, cfg, ctx.out_dir, trial)
+            if hasattr(defense, "layer_condition"):
+                from gradleak.experiments.evaluation import split_by_guarantee
+
+                split_by_guarantee(ev, defense.layer_condition(view.rounds))
             ev.metrics.update(defense.report(view.rounds))
             test = data.test(mcfg.num_classes) if modality == "text" else None
             if test is not None:
@@ -240,6 +254,9 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
                         "word_bag_seconds": float(np.mean([i.get("word_bag_seconds", float("nan")) for i in infos])),
                         "sentence_seconds": float(np.mean([i.get("sentence_seconds", float("nan")) for i in infos])),
                         "seconds_per_sentence": t_rec / T / max(1, cfg.data.batch_size)})
+    for k in sorted({k for i in infos for k in (i.get("timings") or {})}):  # the attack's own timings (mean over trials)
+        vals = [float(i["timings"][k]) for i in infos if k in (i.get("timings") or {})]
+        timings.setdefault(k, float(np.mean(vals)))
     return _results(cfg, handle, evals, infos, metrics, timings)
 
 

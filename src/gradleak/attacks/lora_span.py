@@ -1,0 +1,322 @@
+"""``lora_span``: exact analytic image recovery from the LoRA-A gradient of block 0 by an honest server
+(issue 14 item 5, "beyond the paper"; paper 001 = SPEC §2 studies optimisation attacks on LoRA ViTs, its best
+reaching 25.9 dB at B = 1, r = 128, Table 11 — this attack needs no optimisation and no prescribed architecture).
+
+**The span.** LoRA on a linear layer ``y = W h + s·B A h`` (s = α/r) has ``∂L/∂A = s·Bᵀ Σₜ δₜ hₜᵀ`` with
+``δₜ = ∂L/∂yₜ``: every row of the gradient is a combination of the layer's inputs hₜ. For block 0's attention
+projections (``query``/``key``/``value`` share one input) the inputs are the first-layer tokens
+
+    hₜ = LN(zₜ) = γ ⊙ C zₜ / σₜ + β,   zₜ = E xₜ + b + posₜ (patches),  z₀ = cls + pos₀ (CLS),
+
+C = I − 11ᵀ/d the centring, σₜ = (‖C zₜ‖²/d + ε)^{1/2}. So the row space V of the stacked LoRA-A gradients
+(every block-0 q/k/v LoRA the update carries) lies in span{hₜ}, and equals it when the stacked rank
+(Σ rᵢ rows) exceeds the number of distinct tokens (B·(N+1) with N patches + CLS).
+
+**Per-patch membership (linear).** With U⊥ an orthonormal basis of V's complement, hₜ ∈ V ⟺ U⊥ᵀ hₜ = 0.
+Multiplying by σₜ and making σₜ an unknown gives, for patch position t,
+
+    [U⊥ᵀ Γ C E | U⊥ᵀ β] · [x; σ] = −U⊥ᵀ Γ C (b + posₜ)          (d − k equations, n + 1 unknowns, n = c·p²)
+
+which is linear in (x, σ) (with β = 0, e.g. HF's LayerNorm init, σ drops out and x alone is solved): ε drops
+out (σ absorbs it) and the inhomogeneous right side fixes the scale — no normalisation of a null vector is
+needed (the homogeneous form [x; σ; τ] with τ = 1 is the same system). The matrix is shared by all positions, so one SVD solves all N positions at once. The patches are placed on the
+(S/p)² grid and the pipeline's pixel map u = 2x − 1 is undone (x = (u + 1)/2, clipped to [0, 1]; a model that
+folds another normalisation into its patch embedding, as :mod:`gradleak.models.dinov2`, needs nothing more).
+
+**When it holds (and when it cannot).** (i) the stacked gradient must not be saturated (k < Σ rᵢ and k < d);
+(ii) the per-patch system must have full column rank n + 1 ≤ d − k. (iii) B ≥ 2 fails for a structural
+reason, whatever r: all tokens lie in span{ΓCE, β, ΓC(b + posₜ), h₀} of dimension ≤ n + N + 2 (114 for
+ViT-S/4 at 32 px), and for two images the differences σ₁h₁ₜ − σ₂h₂ₜ = ΓCE(x₁ₜ − x₂ₜ) + (σ₁ − σ₂)β lie in both
+V and the system's column space, so the system loses rank min(n + 1, (B − 1)·N) (all of it at patch 4: V then
+holds every pixel direction) and every patch is ambiguous. Patch 16 at 32 px has n = 768 > d = 384 unknowns:
+under-determined. The attack detects these from the spectra (never from the truth) and reports ``lora_span_rank_condition_holds`` = 0 with the reason in
+``info["rank_condition"]``; it still returns its least-squares (minimum-norm) image, flagged. FedAvg: block 0's
+input is frozen, so every local step's gradient lies in the same token span and the attack applies unchanged.
+
+Decisions left open (issue 14 gives only the idea), each recorded:
+
+* **Rows used**: every block-0 attention LoRA-A gradient in the update (``query``, ``key``, ``value``),
+  stacked; more targets = more rows = a later saturation. LoRA on block 0 is required (BadInput otherwise).
+* **Rank of the gradient** (``rank_rtol`` unset): the cut is the largest ratio of consecutive singular values
+  when it is at least ``min_gap`` (10×), else the row space counts as saturated (full rank). Measured on the
+  pretrained ViT-S/4, float32 uploads, B = 1: the 65 true values end at 1.4–3.3e-5 × S₀, the rounding noise
+  starts at 2.5–7e-8 × S₀ (a 2.4–2.8-decade gap), while no other step of either spectrum exceeds 0.4 decade;
+  a saturated gradient (64 rows for 65 tokens) has no step above 0.25 decade. ``rank_rtol`` fixes a plain
+  relative cut instead. The known CLS token must lie in V: its relative residual ``lora_span_cls_residual`` is a
+  truth-free check of the cut.
+* **Rank of the per-patch system**: each column is divided by its norm *before* the projection U⊥ᵀ (so a column
+  lying inside V keeps a near-zero value), then singular values above ``system_tol`` (default 1e-5) count;
+  fewer than n + 1 → under-determined / ambiguous (flagged), minimum-norm solution. Measured (float32, ViT-S/4):
+  B = 1 → smallest value 1.8e-3; B = 2 → largest 4.2e-3, tail 2.6e-8 (patch 8, B = 2: 16 values ≤ 1.9e-7).
+* **Which block-0 parameters**: the round's state the server sent (``view.round_states[-1]``) overrides the
+  model's for the embedding and norm (they are frozen by LoRA, so equal, unless a future PEFT kind trains them).
+* **Verification** (no truth): each recovered patch is pushed through the exact LayerNorm (with ε) and its
+  relative residual outside V is reported (median / max); a failed case shows residuals far above the CLS one.
+* **CLS**: known to the server (no pixel), it is one of the span's directions whenever its query/key/value
+  influences the loss (always from two blocks on; not in a single block with mean pooling, where its output is
+  unused) and then serves as the check above; it is not solved for. Token layouts with register tokens are
+  not handled.
+* **Timing**: ``attack_seconds`` (span + solve + assembly) and ``attack_to_fwdbwd_ratio`` = that over one
+  forward + backward of the model the server sent on a batch of the client's size (the same run, so machine
+  noise cancels); in ``info["timings"]`` and the attack-side metrics.
+
+Measured (``benchmarks/lora_vit.py``, pretrained ViT-S/14, float32 uploads, 1 thread): B = 1, r = 128, patch 4,
+query + value: median 95 dB (min 74.7) over 12 distinct real CIFAR images, 0.02 s per image (0.19 × one
+forward + backward); r = 64 on query + value (128 rows): 89–96 dB; r = 64 on query only (64 rows < 65 tokens,
+flagged saturated): 32–36 dB; patch 8: 116–120 dB; patch 16 (flagged under-determined): 17–23 dB;
+B = 2 and 4 (flagged): 11.5–15.5 dB, no image ≥ 30 dB.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Optional
+
+import torch
+from pydantic import Field
+
+from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction
+from gradleak.errors import BadInput
+from gradleak.registry import ATTACKS
+
+#: block-0 attention LoRA-A parameters: ...encoder.layer.0.attention.attention.{query,key,value}.lora_A.<adapter>.weight
+_LORA_A0 = re.compile(r"(^|\.)encoder\.layer\.0\.attention\.attention\.(query|key|value)\.lora_A\.[^.]+\.weight$")
+
+
+class LoraSpanConfig(AttackConfig):
+    rank_rtol: Optional[float] = Field(None, gt=0, lt=1, description="fixed relative singular-value cut of the LoRA-A "
+                                       "gradient (default: largest spectral gap, see min_gap)")
+    min_gap: float = Field(10.0, gt=1, description="smallest ratio of consecutive singular values accepted as the "
+                           "gradient's rank cut (else the row space counts as saturated)")
+    system_tol: float = Field(1e-5, gt=0, lt=1, description="singular-value cut of the per-patch system (columns of unit "
+                              "norm before the projection)")
+    clip: bool = Field(True, description="clip the recovered pixels to [0, 1]")
+    time_fwdbwd: bool = Field(True, description="time one forward+backward of the sent model for attack_to_fwdbwd_ratio")
+
+
+def first_block(model):
+    """Block 0's input pieces, float64: patch kernel E (d × n), bias b, positions (N+1 × d), CLS, γ, β, ε, p, c."""
+    backbone = getattr(model, "vit", model)
+    emb, layers = getattr(backbone, "embeddings", None), getattr(getattr(backbone, "encoder", None), "layer", None)
+    if emb is None or layers is None:
+        raise BadInput("model.name", "lora_span reads a ViT's patch embedding and block 0 (HF ViT / DINOv2 layout).",
+                       "use a ViT model (vit-tiny, vit-s16, vit-b16, vit-s14-pretrained, ...).")
+    layer0 = layers[0]
+    norm = getattr(layer0, "norm1", None) or getattr(layer0, "layernorm_before", None)
+    conv = emb.patch_embeddings.projection
+    w = conv.weight.detach().to(torch.float64)
+    d, c, p, _ = w.shape
+    return {"E": w.reshape(d, c * p * p), "b": conv.bias.detach().to(torch.float64) if conv.bias is not None else
+            torch.zeros(d, dtype=torch.float64), "pos": emb.position_embeddings.detach()[0].to(torch.float64),
+            "cls": emb.cls_token.detach().reshape(-1).to(torch.float64),
+            "gamma": norm.weight.detach().to(torch.float64), "beta": norm.bias.detach().to(torch.float64),
+            "eps": float(norm.eps), "patch": int(p), "channels": int(c), "d": int(d),
+            "prefix": _module_prefix(model, conv, emb, norm)}
+
+
+def _module_prefix(model, conv, emb, norm) -> dict[str, str]:
+    names = {id(m): n for n, m in model.named_modules()}
+    return {"conv": names.get(id(conv), ""), "emb": names.get(id(emb), ""), "norm": names.get(id(norm), "")}
+
+
+def layer_norm(z: torch.Tensor, gamma, beta, eps) -> torch.Tensor:
+    zc = z - z.mean(-1, keepdim=True)
+    return gamma * zc / torch.sqrt((zc ** 2).mean(-1, keepdim=True) + eps) + beta
+
+
+def spectral_rank(S: torch.Tensor, min_gap: float, rtol: Optional[float] = None) -> int:
+    """Numerical rank of a gradient from its singular values ``S`` (descending).
+
+    ``rtol`` given: the count above ``rtol``·S₀. Else the cut sits at the largest ratio of consecutive singular
+    values, provided it is at least ``min_gap`` (the rounding noise of a float32 gradient sits ~2.5 decades below
+    the smallest true value at B = 1 on ViT-S/4; its own spectrum and the true one each decay by < 0.4 decade per
+    step); no such gap = no rank deficiency, i.e. the rank is ``len(S)`` (saturated)."""
+    if len(S) == 0 or float(S[0]) == 0.0:
+        return 0
+    if rtol is not None:
+        return int((S > rtol * S[0]).sum())
+    if len(S) == 1:
+        return 1
+    logs = torch.log10((S / S[0]).clamp_min(1e-300))
+    gaps = logs[:-1] - logs[1:]
+    j = int(torch.argmax(gaps))
+    return j + 1 if float(gaps[j]) >= math.log10(min_gap) else len(S)
+
+
+@ATTACKS.register("lora_span", "exact analytic images from block-0 LoRA-A gradient row space (honest server, B = 1)")
+class LoraSpan(AttackBase):
+    """Honest-but-curious server; LoRA on block 0's attention. See the module docstring for the math."""
+
+    name = "lora_span"
+    Config = LoraSpanConfig
+    modality = "image"
+    peft_kinds = ("lora",)
+    reconstruction = "images"
+    devices = ("cpu", "cuda")
+
+    def __init__(self, rank_rtol: Optional[float] = None, min_gap: float = 10.0, system_tol: float = 1e-5,
+                 clip: bool = True, time_fwdbwd: bool = True):
+        self.rank_rtol, self.min_gap, self.system_tol = rank_rtol, float(min_gap), float(system_tol)
+        self.clip, self.time_fwdbwd = bool(clip), bool(time_fwdbwd)
+
+    def prepare(self, model, threat):
+        """Refuse early (before any round) a model without LoRA on block 0's attention."""
+        names = [n for n, _ in model.named_parameters()]
+        if not any(_LORA_A0.search(n) for n in names):
+            raise _no_block0_lora(names)
+        first_block(model)  # the layout is readable
+        return model
+
+    # ------------------------------------------------------------------------------------------ reconstruct
+    def reconstruct(self, view) -> Reconstruction:
+        t0 = time.perf_counter()
+        upd = view.updates[0]
+        keys = sorted(k for k in upd.tensors if _LORA_A0.search(k))
+        if not keys:
+            raise _no_block0_lora(list(upd.tensors))
+        fb = first_block(view.model)
+        state = view.round_states[-1] if view.round_states else {}
+        self._override(fb, state)
+        G = torch.cat([upd.tensors[k].detach().to(torch.float64).cpu() for k in keys])  # Σr × d
+        _, S, Vh = torch.linalg.svd(G, full_matrices=True)
+        k = spectral_rank(S, self.min_gap, self.rank_rtol)
+        d, n, P, C = fb["d"], fb["E"].shape[1], fb["patch"], fb["channels"]
+        shape = view.public.get("image_shape")
+        side = int(shape[-1]) if shape else int(round(math.sqrt(len(fb["pos"]) - 1))) * P
+        grid = side // P
+        N = grid * grid
+        if len(fb["pos"]) != N + 1:
+            raise BadInput("model.patch_size", f"the model has {len(fb['pos']) - 1} patch positions but a "
+                           f"{side}-px image at patch {P} has {N}.", "use the image size the model was built for.")
+        Uperp = Vh[k:].T  # d × (d − k): the complement of the row space V
+        gamma, beta, eps = fb["gamma"], fb["beta"], fb["eps"]
+        h_cls = layer_norm(fb["cls"] + fb["pos"][0], gamma, beta, eps)
+        cls_res = _rel_residual(h_cls, Uperp)
+        # ---- the per-patch linear system [U⊥ᵀΓCE | U⊥ᵀβ] [x; σ] = −U⊥ᵀΓC(b + pos_t), all positions at once;
+        # with β = 0 (e.g. HF's LayerNorm init) σ drops out of the condition and is not an unknown
+        use_sigma = float(beta.norm()) > 1e-12 * float(gamma.norm())
+        K = Uperp.T * gamma  # (d − k) × d : U⊥ᵀ Γ
+        K = K - K.mean(1, keepdim=True)  # · C (right-multiplying by the centring subtracts the row means)
+        GE = fb["E"] * gamma[:, None]
+        cols, norms = [K @ fb["E"]], [(GE - GE.mean(0, keepdim=True)).norm(dim=0)]
+        if use_sigma:
+            cols.append((Uperp.T @ beta)[:, None])
+            norms.append(beta.norm().reshape(1))
+        A0 = torch.cat(cols, 1)  # (d − k) × (n + 1)
+        rhs = -(K @ (fb["b"][None] + fb["pos"][1:]).T)  # (d − k) × N
+        # columns scaled by their norm *before* the projection: a column (nearly) inside V — B ≥ 2, where the
+        # span holds every pixel direction — keeps its (near-)zero singular value instead of being blown up to 1
+        scale = torch.cat(norms).clamp_min(1e-300)
+        U, s, Wh = torch.linalg.svd(A0 / scale, full_matrices=False)
+        srank = int((s > self.system_tol).sum())
+        sol = (Wh[:srank].T @ ((U[:, :srank].T @ rhs) / s[:srank, None])) / scale[:, None]  # unknowns × N
+        X = sol[:n].T  # N × n pixels in the model's range
+        unknowns = n + int(use_sigma)
+        # ---- truth-free verification: the recovered patches' exact tokens must lie in V
+        z = X @ fb["E"].T + fb["b"] + fb["pos"][1:]
+        h = layer_norm(z, gamma, beta, eps)
+        res = _rel_residual(h, Uperp)
+        sigma_true = torch.sqrt(((z - z.mean(1, keepdim=True)) ** 2).mean(1) + eps)
+        sigma_err = float(((sol[n] - sigma_true).abs() / sigma_true).median()) if use_sigma else 0.0
+        imgs = X.reshape(grid, grid, C, P, P).permute(2, 0, 3, 1, 4).reshape(1, C, side, side)
+        imgs = (imgs + 1) / 2
+        if self.clip:
+            imgs = imgs.clamp(0, 1)
+        t_attack = time.perf_counter() - t0
+        # ---- the regime
+        batch = int(view.public.get("batch_size") or upd.num_samples or 0)
+        rows = G.shape[0]
+        reasons = []
+        if k == 0:
+            reasons.append("the LoRA-A gradient is zero (peft.lora_init=default has B = 0 in round 1)")
+        if k >= min(rows, d):
+            reasons.append(f"row space saturated: rank {k} = min(rows {rows}, d {d}) (no spectral gap >= "
+                           f"{self.min_gap:g}x): more tokens than LoRA rows, or several images")
+        if k >= n + N + 2:
+            reasons.append(f"row space rank {k} reaches the token span's dimension n + N + 2 = {n + N + 2}: every "
+                           "pixel direction lies in it (several images' tokens, e.g. B ≥ 2)")
+        if srank < unknowns:
+            if unknowns > d - k:
+                reasons.append(f"per-patch system under-determined: {unknowns} unknowns > {d - k} equations")
+            else:
+                reasons.append(f"per-patch system rank {srank} < {unknowns} unknowns (several images' tokens per "
+                               "position, e.g. B ≥ 2: patches ambiguous)")
+        if batch > 1:
+            reasons.append(f"batch of {batch}: the span holds several images' tokens; this attack returns one image")
+        holds = not reasons
+        t_fb = self._time_fwdbwd(view, max(batch, 1), side, C) if self.time_fwdbwd else float("nan")
+        info = {
+            "backbone": getattr(view.model, "backbone_name", type(getattr(view.model, "vit", view.model)).__name__),
+            "patch_size": P, "image_size": side, "num_patches": N, "lora_A_parameters": keys,
+            "gradient_rows": rows, "row_space_rank": k, "row_space_rank_max": min(rows, d),
+            "tokens_expected": (batch * (N + 1)) if batch else None, "token_span_dim_max": n + N + 2,
+            "spectrum_head": [float(v) for v in (S / S[0] if len(S) and S[0] > 0 else S)[max(0, k - 3):k + 3]],
+            "rank_cut": (f"rank_rtol {self.rank_rtol:g}" if self.rank_rtol is not None
+                         else f"largest spectral gap (>= {self.min_gap:g}x)"),
+            "unknowns_per_patch": unknowns, "sigma_unknown": use_sigma, "equations_per_patch": d - k,
+            "system_rank": srank,
+            "system_condition": float(s[0] / s[srank - 1]) if srank else float("inf"),
+            "rank_condition": "holds" if holds else "; ".join(reasons),
+            "timings": {"attack_seconds": t_attack, "fwdbwd_seconds": t_fb,
+                        "attack_to_fwdbwd_ratio": t_attack / t_fb if t_fb == t_fb and t_fb > 0 else float("nan")},
+        }
+        if not holds:
+            info["warning"] = (f"lora_span: rank condition fails ({info['rank_condition']}); "
+                               "the image is a least-squares guess")
+        metrics = {"lora_span_rank_condition_holds": float(holds), "lora_span_row_space_rank": float(k),
+                   "lora_span_system_rank": float(srank), "lora_span_cls_residual": float(cls_res),
+                   "lora_span_patch_residual_median": float(res.median()),
+                   "lora_span_patch_residual_max": float(res.max()),
+                   "lora_span_sigma_relative_error_median": sigma_err,
+                   "attack_seconds": t_attack, "attack_to_fwdbwd_ratio": info["timings"]["attack_to_fwdbwd_ratio"]}
+        return Reconstruction({"images": imgs.to(torch.float32)}, info, metrics)
+
+    @staticmethod
+    def _override(fb, state):
+        """Use the sent round's values of the block-0 input parameters when the state carries them."""
+        pre = fb["prefix"]
+        mapping = {f"{pre['conv']}.weight": "E", f"{pre['conv']}.bias": "b", f"{pre['emb']}.position_embeddings": "pos",
+                   f"{pre['emb']}.cls_token": "cls", f"{pre['norm']}.weight": "gamma", f"{pre['norm']}.bias": "beta"}
+        for name, key in mapping.items():
+            if name in state:
+                v = state[name].detach().to(torch.float64).cpu()
+                fb[key] = v.reshape(fb["d"], -1) if key == "E" else (v[0] if key == "pos" else v.reshape(-1))
+
+    @staticmethod
+    def _time_fwdbwd(view, batch, side, channels) -> float:
+        """Seconds of one forward + backward (mean cross-entropy, gradients of the trainable parameters) of the
+        sent model on a random batch of the client's size; the model is not changed."""
+        model = view.model
+        params = [p for p in model.parameters() if p.requires_grad]
+        p0 = next(model.parameters())
+        ncls = int(view.public.get("num_classes") or 2)
+        g = torch.Generator().manual_seed(0)
+        x = (torch.rand(batch, channels, side, side, generator=g) * 2 - 1).to(p0.device, p0.dtype)
+        y = torch.randint(0, ncls, (batch,), generator=g).to(p0.device)
+        best = float("inf")
+        for _ in range(2):  # the first call pays one-off costs; keep the faster
+            t = time.perf_counter()
+            out = model(x)
+            logits = out.logits if hasattr(out, "logits") else out
+            torch.autograd.grad(torch.nn.functional.cross_entropy(logits, y), params, allow_unused=True)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+
+def _rel_residual(h: torch.Tensor, Uperp: torch.Tensor) -> torch.Tensor:
+    return (h @ Uperp).norm(dim=-1) / h.norm(dim=-1).clamp_min(1e-300)
+
+
+def _no_block0_lora(names) -> BadInput:
+    lora = [n for n in names if "lora_A" in n]
+    if any(re.search(r"(^|\.)encoder\.layer\.0\.", n) for n in lora):
+        return BadInput("peft.lora_targets", "lora_span needs LoRA on block 0's attention query/key/value (their "
+                        "shared input is the first-layer tokens); block 0 has LoRA only on other modules.",
+                        "add query (and/or key, value) to peft.lora_targets, e.g. --set 'peft.lora_targets=[query,value]'.")
+    if lora:
+        return BadInput("peft.lora_layers", "lora_span needs LoRA on block 0 (its input is the first-layer tokens); "
+                        "the LoRA layers chosen exclude block 0.", "include 0 in peft.lora_layers (or remove it: all layers).")
+    return BadInput("peft.kind", "lora_span reads LoRA's A gradient on block 0, but the update holds no LoRA parameter.",
+                    "set peft.kind=lora with query in peft.lora_targets and block 0 in peft.lora_layers.")
