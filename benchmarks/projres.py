@@ -9,7 +9,7 @@ the MIA baselines (L2, dropout, label smoothing), against ProjRes and the adapti
     .venv/bin/python benchmarks/projres.py --report-only      # rebuild projres.json + docs section from --out
 
 Every cell is ``configs/projres/minilm_adapter.yaml`` plus ``--set`` overrides (``cell_overrides``; every cell
-gets ``fl.rounds=ROUNDS`` and ``fl.lr=LR``, changed with ``--rounds``/``--lr``), run through the experiment
+gets its model's ``fl.rounds`` and ``fl.lr`` from ``SCHEDULES``, changed with ``--rounds``/``--lr``), run through the experiment
 pipeline (``gradleak.experiments.validate`` -> ``run_experiment(cfg, RunContext(...))``) into
 ``<out>/projres/<cell>/`` (``results.json``, ``report.html``, ``report_data.json``, as ``gradleak run`` writes
 them), and appends one line to ``<out>/projres.jsonl``. A rerun skips the cells whose latest line finished without
@@ -19,10 +19,12 @@ and ``defenses``) runs once. Ids carry ``@R<rounds>-lr<lr>`` when the schedule i
 with another schedule never count as done for this one, and a report shows the cells of the schedule it is given.
 
 Tables: ``main`` ({minilm, smollm2} × {adapter, lora}, ProjRes, undefended); ``defenses`` (MiniLM, adapter and
-LoRA: none, FISGuard r ∈ {8, 16, 64}, L2 λ ∈ {1e-3, 1e-1}, dropout p ∈ {0.1, 0.3}, label smoothing
-ε ∈ {0.1, 0.3}, each against ProjRes and the adaptive attack on 10 clients); ``heldout`` (undefended and
-FISGuard-16 MiniLM/Adapter again with seed 1, and on the WordNet gloss examples). Outputs in ``--out``:
-``projres.jsonl``, ``projres.json``, ``projres_frontier.png`` (AUC vs accuracy) and the ``projres`` section
+LoRA: none, FISGuard r ∈ {8, 16, 64} and r 16 with the head protected, DP-SGD σ ∈ {0.5, 1}, L2 λ ∈ {1e-3, 1e-1},
+dropout p ∈ {0.1, 0.3}, label smoothing ε ∈ {0.1, 0.3}, min-max λ ∈ {1, 3}, each against ProjRes and the adaptive
+attack on 10 clients); ``heldout`` (undefended and FISGuard-16 MiniLM/Adapter again with seed 1, and on the WordNet
+gloss examples); ``overhead`` (training time of each defense relative to none, measured in one process,
+interleaved: ``measure_overhead``). Outputs in ``--out``: ``projres.jsonl``, ``projres.json``,
+``projres_overhead.json``, ``projres_frontier.png`` (AUC vs accuracy) and the ``projres`` section
 (``<out>/projres.md``; ``docs/REPRODUCTION.md`` only with ``--update-docs`` or ``--report-only``).
 """
 
@@ -45,9 +47,10 @@ from gradleak.experiments.results import append_jsonl, write_json_atomic  # noqa
 from gradleak.report.markdown import markdown_table  # noqa: E402
 
 CONFIG = ROOT / "configs" / "projres" / "minilm_adapter.yaml"
-TABLES = ("main", "defenses", "heldout")
-ROUNDS = 20  # FedSGD rounds of every cell (the attack scores the last one)
-LR = 0.5
+TABLES = ("main", "defenses", "heldout", "overhead")
+#: the default FedSGD schedule (rounds, lr) per model; the attack scores the last round. MiniLM needs ~40 rounds at
+#: lr 0.5 to move off the majority class (20 rounds: accuracy 0.31 = majority; 40: 0.64).
+SCHEDULES = {"minilm": (40, 0.5), "smollm2": (40, 0.01)}
 
 ATTACKS = {  # set as a whole section: the shipped config's projres keys must not leak into the adaptive attack
     "projres": "{name: projres, aggregation: sentence, round_aggregation: last}",
@@ -70,7 +73,14 @@ DEFENSES = {
     "dropout-0.3": "{name: dropout, rate: 0.3}",
     "label_smoothing-0.1": "{name: label_smoothing, factor: 0.1}",
     "label_smoothing-0.3": "{name: label_smoothing, factor: 0.3}",
+    "minmax-1": "{name: minmax, coefficient: 1.0}",
+    "minmax-3": "{name: minmax, coefficient: 3.0}",
 }
+#: the training-time overhead table: these defenses, MiniLM, in one process, interleaved (``--only overhead``)
+OVERHEAD_DEFENSES = ("none", "fisguard-r16", "fisguard-r64", "fisguard-r16-head", "dpsgd-1", "l2-0.1", "dropout-0.3",
+                     "label_smoothing-0.3", "minmax-1")
+OVERHEAD_SETUP = ["fl.clients=10", "fl.rounds=3", "data.nonmembers=5", "data.test_size=10"]
+OVERHEAD_REPEATS = 3
 HELDOUT = {"seed1": {"seed": 1}, "wordnet": {"data": "wordnet-examples"}}  # variant -> what changes
 DEFAULT_DATA = "fortunes-topics"
 # --tiny (smoke test only): 2 clients, 5 non-members each, 10 test quotes, 1 round (2 for LoRA: with B = 0 at
@@ -78,7 +88,9 @@ DEFAULT_DATA = "fortunes-topics"
 TINY = ["fl.clients=2", "data.nonmembers=5", "data.test_size=10"]
 
 METRICS = ("auc", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr", "accuracy", "members", "nonmembers", "auc_best_layer",
-           "fisguard_rank_condition_rate", "fisguard_min_rank_G_U")
+           "fisguard_rank_condition_rate", "fisguard_min_rank_G_U", "auc_max_guarantee_holds", "auc_max_guarantee_fails",
+           "auc_max_unprotected", "layers_guarantee_holds", "layers_guarantee_fails", "layers_unprotected",
+           "minmax_inference_accuracy", "dp_epsilon")
 TIMINGS = ("client_step_seconds", "attack_reconstruct_seconds", "total_seconds")
 
 
@@ -93,11 +105,15 @@ def cell_id(p: dict, schedule: str) -> str:
     return cid + schedule
 
 
+def schedule(model: str, args: argparse.Namespace) -> tuple[int, float]:
+    r, lr = SCHEDULES[model]
+    return (args.rounds or r, args.lr or lr)
+
+
 def cell_overrides(p: dict, rounds: int, lr: float, tiny: bool) -> list[str]:
-    ov = [f"model.name={p['model']}"]
-    if p["model"] == "smollm2":
-        ov.append("model.pooling=null")  # mean pooling is BERT-only; SmolLM2 pools the last token
-    ov.append(f"peft.kind={p['peft']}")
+    # both models mean-pool the last layer (the shipped config's model.pooling: mean): SmolLM2's last token after
+    # 2 of 30 layers carries little of the sentence
+    ov = [f"model.name={p['model']}", f"peft.kind={p['peft']}"]
     if p["seed"]:
         ov.append(f"seed={p['seed']}")
     if p["data"] != DEFAULT_DATA:
@@ -109,9 +125,10 @@ def cell_overrides(p: dict, rounds: int, lr: float, tiny: bool) -> list[str]:
     return ov
 
 
-def schedule_suffix(rounds: int, lr: float, tiny: bool) -> str:
-    s = "" if (rounds, lr) == (ROUNDS, LR) else f"@R{rounds}-lr{lr:g}"
-    return s + ("@tiny" if tiny else "")
+def schedule_suffix(model: str, args: argparse.Namespace) -> str:
+    rounds, lr = schedule(model, args)
+    s = "" if (rounds, lr) == SCHEDULES[model] else f"@R{rounds}-lr{lr:g}"
+    return s + ("@tiny" if args.tiny else "")
 
 
 def table_params(quick: bool) -> list[tuple[str, dict]]:
@@ -131,15 +148,14 @@ def table_params(quick: bool) -> list[tuple[str, dict]]:
 def grid(args: argparse.Namespace, quick: bool | None = None, only: set[str] | None = None,
          patterns: list[str] | None = None) -> list[dict]:
     """The selected cells, one per distinct config (``tables`` lists every table it appears in)."""
-    suffix = schedule_suffix(args.rounds, args.lr, args.tiny)
     cells: dict[str, dict] = {}
     for table, p in table_params(args.quick if quick is None else quick):
-        cid = cell_id(p, suffix)
+        cid = cell_id(p, schedule_suffix(p["model"], args))
         if cid in cells:
             cells[cid]["tables"].append(table)
         else:
             cells[cid] = {"cell": cid, "tables": [table], "params": p,
-                          "overrides": cell_overrides(p, args.rounds, args.lr, args.tiny)}
+                          "overrides": cell_overrides(p, *schedule(p["model"], args), args.tiny)}
     sel = [c for c in cells.values() if not only or set(c["tables"]) & only]
     # patterns match the id without the schedule suffix (``@R3-lr0.05``, ``@tiny``)
     return [c for c in sel if not patterns or any(fnmatch.fnmatchcase(cell_id(c["params"], ""), pat) for pat in patterns)]
@@ -200,6 +216,44 @@ def run_cells(cells: list[dict], out: Path) -> None:
         print(f"[{i + 1}/{len(todo)}] {c['cell']}: {msg} ({row['wall_seconds']:.0f} s)", flush=True)
 
 
+def measure_overhead(out: Path, pefts=("adapter", "lora")) -> dict:
+    """Training-time overhead of each defense, measured as ratios inside one process: every defense's cell (MiniLM,
+    ``OVERHEAD_SETUP``: 10 clients × 3 rounds) runs ``OVERHEAD_REPEATS`` times, interleaved round-robin so machine
+    noise hits every defense alike; a defense's client step time is its fastest repeat, divided by the undefended
+    one's. Setup (FISGuard's SVD on 2,000 public sentences, Opacus wrapping) is reported apart from training.
+    Written to ``<out>/projres_overhead.json`` (atomically; rerun to refresh)."""
+    from gradleak.experiments import validate
+    from gradleak.experiments.config import load_yaml
+    from gradleak.experiments.runner import RunContext, seed_everything
+
+    raw = load_yaml(CONFIG)
+    times: dict[str, dict[str, list[float]]] = {}
+    setup: dict[str, dict[str, list[float]]] = {}
+    for rep in range(OVERHEAD_REPEATS):
+        for k in pefts:
+            for d in OVERHEAD_DEFENSES:
+                ov = [f"peft.kind={k}", f"defense={DEFENSES[d]}", f"fl.lr={SCHEDULES['minilm'][1]:g}", *OVERHEAD_SETUP,
+                      f"attack={ATTACKS['projres']}"]
+                run_experiment, cfg = validate(raw, ov)
+                seed_everything(cfg.seed)
+                res = run_experiment(cfg, RunContext(out / "overhead" / k / d, torch.device("cpu")))
+                times.setdefault(k, {}).setdefault(d, []).append(res["timings"]["client_step_seconds"])
+                setup.setdefault(k, {}).setdefault(d, []).append(res["timings"]["model_load_seconds"])
+                print(f"overhead rep {rep + 1}/{OVERHEAD_REPEATS} {k}/{d}: client steps "
+                      f"{res['timings']['client_step_seconds']:.2f} s", flush=True)
+    rows = []
+    for k in pefts:
+        base = min(times[k]["none"])
+        for d in OVERHEAD_DEFENSES:
+            rows.append({"peft": k, "defense": d, "client_step_seconds": min(times[k][d]),
+                         "overhead_ratio": min(times[k][d]) / base, "setup_seconds": min(setup[k][d]),
+                         "repeats": times[k][d],
+                         "command": command([f"peft.kind={k}", f"defense={DEFENSES[d]}", *OVERHEAD_SETUP])})
+    result = {"setup": OVERHEAD_SETUP, "repeats": OVERHEAD_REPEATS, "threads": torch.get_num_threads(), "rows": rows}
+    write_json_atomic(out / "projres_overhead.json", result)
+    return result
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 def _m(row: dict | None, key: str, spec: str = ".3f") -> str:
@@ -231,23 +285,23 @@ def report(args: argparse.Namespace) -> int:
     if failed:
         print(f"{len(failed)} failed cell(s), retried on the next run: {', '.join(failed)}", flush=True)
     if not rows:
-        print(f"no finished cells of this schedule (rounds={args.rounds}, lr={args.lr:g}) in {display(jsonl)}: "
+        print(f"no finished cells of this schedule ({', '.join(f'{m}: rounds {schedule(m, args)[0]}, lr {schedule(m, args)[1]:g}' for m in SCHEDULES)}) in {display(jsonl)}: "
               "nothing to report (docs untouched)", flush=True)
         return 1
-    suffix = schedule_suffix(args.rounds, args.lr, args.tiny)
     by = {r["cell"]: r for r in rows}
 
     def get(**kw) -> dict | None:
         p = {"model": "minilm", "peft": "adapter", "attack": "projres", "defense": "none", "seed": 0,
              "data": DEFAULT_DATA, **kw}
-        return by.get(cell_id(p, suffix))
+        return by.get(cell_id(p, schedule_suffix(p["model"], args)))
 
-    write_json_atomic(out / "projres.json", {"schedule": {"rounds": args.rounds, "lr": args.lr, "tiny": args.tiny},
+    write_json_atomic(out / "projres.json", {"schedule": {m: schedule(m, args) for m in SCHEDULES} | {"tiny": args.tiny},
                                              "cells": rows, "failed": failed})
     print(f"wrote {display(out / 'projres.json')} ({len(rows)} of {len(full)} cells finished)", flush=True)
 
     setup = ("SMOKE TEST (--tiny: 2 clients, 5 non-members each, 10 test quotes, 1 round, 2 for LoRA), not results"
-             if args.tiny else f"{args.rounds} FedSGD rounds at lr {args.lr:g}, 30 clients × 16 member quotes, "
+             if args.tiny else "FedSGD, " + ", ".join(f"{m}: {schedule(m, args)[0]} rounds at lr {schedule(m, args)[1]:g}"
+                                                       for m in SCHEDULES) + "; 30 clients × 16 member quotes, "
                                "34 non-members per client")
     parts = [f"Generated by `benchmarks/projres.py` from {len(rows)} of {len(full)} cells (`{display(CONFIG)}`, "
              f"{setup}; the attack scores the last round). AUC and TPR pool members vs non-members over the observed clients "
@@ -273,11 +327,16 @@ def report(args: argparse.Namespace) -> int:
                       "ProjRes TPR@1%FPR": _m(r, "tpr_at_1pct_fpr"), "adaptive TPR@1%FPR": _m(ra, "tpr_at_1pct_fpr"),
                       "accuracy": _m(r or ra, "accuracy"),
                       "training time vs none": _overhead(r, get(peft=k)) if r else _overhead(ra, get(peft=k, attack="adaptive")),
-                      "rank condition": _rank_flag(r or ra)})
+                      "rank condition": _rank_flag(r or ra), "AUC max, guarantee holds": _m(r, "auc_max_guarantee_holds"),
+                      "AUC max, guarantee fails": _m(r, "auc_max_guarantee_fails"),
+                      "AUC max, unprotected": _m(r, "auc_max_unprotected"), "ε": _m(r or ra, "dp_epsilon", ".2f")})
     if t:
         parts.append("### Defenses (MiniLM)\n\n`training time vs none` is the client step time over the undefended "
                      "cell's (same PEFT and attack). `rank condition`: share of (client, layer) uploads where FISGuard's "
-                     "rank condition holds (⚠ < 1: the defense's guarantee does not hold for every upload).\n\n"
+                     "rank condition holds (⚠ < 1: the defense's guarantee does not hold for every upload). `AUC max, guarantee "
+                     "holds / fails / unprotected`: the largest per-layer ProjRes AUC among the protected layers where "
+                     "rank(G_U) = r held in every observed upload, where it failed, and among the layers FISGuard "
+                     "does not protect (– : no such layer). ε: DP-SGD's (ε, 1e-5) over the rounds.\n\n"
                      + markdown_table(t, list(t[0])))
 
     t = []
@@ -290,6 +349,19 @@ def report(args: argparse.Namespace) -> int:
     if t:
         parts.append("### Held out (MiniLM/Adapter: seed 1; WordNet gloss examples by part of speech)\n\n"
                      + markdown_table(t, list(t[0])))
+
+    oh = out / "projres_overhead.json"
+    if oh.exists():
+        import json
+
+        o = json.loads(oh.read_text())
+        t = [{"PEFT": r["peft"], "defense": r["defense"], "client step s": f"{r['client_step_seconds']:.2f}",
+              "training time vs none": f"{r['overhead_ratio']:.2f}×", "setup s": f"{r['setup_seconds']:.1f}"}
+             for r in o["rows"]]
+        parts.append(f"### Training-time overhead (one process, interleaved, fastest of {o['repeats']} repeats)\n\n"
+                     f"MiniLM, `{' '.join(o['setup'])}`, {o['threads']} thread(s); `setup s` is model load + the "
+                     "defense's preparation (FISGuard's SVD), outside training. Reproduce: "
+                     "`python benchmarks/projres.py --only overhead`.\n\n" + markdown_table(t, list(t[0])))
 
     flagged = [r["cell"] for r in rows if (r["metrics"].get("fisguard_rank_condition_rate") or 1) < 1]
     if flagged:
@@ -341,7 +413,8 @@ def _plot(rows: list[dict], out: Path) -> str | None:
         from matplotlib.lines import Line2D
     except Exception:  # pragma: no cover
         return None
-    markers = {"none": "*", "fisguard": "o", "l2": "s", "dropout": "^", "label_smoothing": "D", "dpsgd": "v"}
+    markers = {"none": "*", "fisguard": "o", "l2": "s", "dropout": "^", "label_smoothing": "D", "dpsgd": "v",
+               "minmax": "P"}
     colours: dict[str, str] = {}
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in rows:
@@ -375,8 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cells", default="",
                     help="comma-separated glob patterns on cell ids (without the schedule suffix), e.g. 'minilm/adapter/*/none'")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
-    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"fl.rounds of every cell (default {ROUNDS})")
-    ap.add_argument("--lr", type=float, default=LR, help=f"fl.lr of every cell (default {LR})")
+    ap.add_argument("--rounds", type=int, default=None, help=f"fl.rounds of every cell (default per model: {SCHEDULES})")
+    ap.add_argument("--lr", type=float, default=None, help="fl.lr of every cell (default per model, as --rounds)")
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # smoke test: 2 clients, 1 round
     add_out_args(ap, "projres")
     args = ap.parse_args(argv)
@@ -387,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     if only - set(TABLES):
         ap.error(f"--only: unknown table(s) {', '.join(sorted(only - set(TABLES)))}")
     sel = grid(args, only=only, patterns=list(filter(None, args.cells.split(","))))
-    if not sel and not args.report_only:
+    overhead = "overhead" in only or (not only and not args.cells and not args.quick)
+    if not sel and not args.report_only and not overhead:
         ap.error("no cell matches --only/--cells")
     if args.check:
         from gradleak.experiments.config import load_yaml
@@ -399,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.fresh:
             start_fresh(args.out / "projres.jsonl")
         run_cells(sel, args.out)
+        if overhead and not args.tiny:
+            measure_overhead(args.out)
     return report(args)
 
 
