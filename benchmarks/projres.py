@@ -267,6 +267,15 @@ def _rank_flag(row: dict | None) -> str:
     return fmt_num(rate, ".2f") + (" ⚠" if rate < 1 else "")
 
 
+def _layers(row: dict | None) -> str:
+    """Per-layer ProjRes AUC, compact (``embedding.down 1.00``; ``✓``/``✗`` = FISGuard's guarantee holds/fails there)."""
+    if not row:
+        return "–"
+    mark = {"holds": " ✓", "fails": " ✗"}
+    return ", ".join(f"{x['layer'].replace('text_adapters.', '').replace('.default', '').replace('base_model.', '').replace('model.', '').replace('.lora_', ' ')[-30:]}"
+                     f" {x['auc']:.2f}{mark.get(x.get('guarantee'), '')}" for x in row.get("per_layer_auc", []))
+
+
 def _overhead(row: dict | None, base: dict | None) -> str:
     """client_step_seconds relative to the undefended cell of the same model/PEFT/attack/seed/data."""
     try:
@@ -313,7 +322,8 @@ def report(args: argparse.Namespace) -> int:
           "TPR@0.1%FPR": _m(r, "tpr_at_0.1pct_fpr"), "best layer AUC": _m(r, "auc_best_layer"),
           "accuracy": _m(r, "accuracy"), "members / non-members": f"{_m(r, 'members', '.0f')} / {_m(r, 'nonmembers', '.0f')}",
           "client step s": fmt_num(r["timings"].get("client_step_seconds") if r else None, ".1f"),
-          "attack s": fmt_num(r["timings"].get("attack_reconstruct_seconds") if r else None, ".1f")}
+          "attack s": fmt_num(r["timings"].get("attack_reconstruct_seconds") if r else None, ".1f"),
+          "AUC per layer": _layers(r)}
          for m in ("minilm", "smollm2") for k in ("adapter", "lora") for r in [get(model=m, peft=k)]]
     parts.append("### Main: ProjRes on undefended clients\n\n" + markdown_table(t, list(t[0])))
 
@@ -329,7 +339,8 @@ def report(args: argparse.Namespace) -> int:
                       "training time vs none": _overhead(r, get(peft=k)) if r else _overhead(ra, get(peft=k, attack="adaptive")),
                       "rank condition": _rank_flag(r or ra), "AUC max, guarantee holds": _m(r, "auc_max_guarantee_holds"),
                       "AUC max, guarantee fails": _m(r, "auc_max_guarantee_fails"),
-                      "AUC max, unprotected": _m(r, "auc_max_unprotected"), "ε": _m(r or ra, "dp_epsilon", ".2f")})
+                      "AUC max, unprotected": _m(r, "auc_max_unprotected"), "ε": _m(r or ra, "dp_epsilon", ".2f"),
+                      "ProjRes AUC per layer": _layers(r)})
     if t:
         parts.append("### Defenses (MiniLM)\n\n`training time vs none` is the client step time over the undefended "
                      "cell's (same PEFT and attack). `rank condition`: share of (client, layer) uploads where FISGuard's "

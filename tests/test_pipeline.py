@@ -299,3 +299,25 @@ def test_build_view_keeps_the_observed_rounds_and_only_granted_facts():
     assert v.secure_aggregation and set(v.public) == {"labels", "batch_size", "lengths"}
     with pytest.raises(BadInput, match="threat.individual_updates"):
         ThreatConfig(individual_updates=True).resolve(secure_aggregation=True)
+
+
+def test_switching_attack_name_keeps_shared_parameters_and_drops_the_old_attacks_own():
+    """`--set attack.name=OTHER` on a shipped config: the file's parameters of the old attack (UTR's eps_bag, ProjRes'
+    aggregation) do not stop the new one; parameters the new attack knows, or the overrides set, are kept."""
+    from gradleak.errors import BadInput
+    from gradleak.experiments import validate
+    from gradleak.experiments.config import load_yaml
+
+    root = Path(__file__).resolve().parents[1]
+    raw = load_yaml(root / "configs" / "projres" / "minilm_adapter.yaml")
+    _, cfg = validate(raw, ["attack.name=projres_adaptive", "attack.max_clients=3"])
+    assert cfg.attack_cls.name == "projres_adaptive" and cfg.attack_cfg.max_clients == 3
+    with pytest.raises(BadInput) as e:  # an explicit parameter the new attack does not have is still an error
+        validate(raw, ["attack.name=projres_adaptive", "attack.aggregation=min"])
+    assert "aggregation" in e.value.field
+    _, same = validate(raw, ["attack.rank_rtol=1e-6"])  # no switch: the file's parameters stay
+    assert same.attack_cfg.aggregation == "sentence" and same.attack_cfg.rank_rtol == 1e-6
+    utr = load_yaml(root / "configs" / "utr" / "minilm_rt.yaml")
+    with pytest.raises(BadInput) as e:  # LAMP gets past its parameters and stops at its threat requirements
+        validate(utr, ["attack.name=lamp"])
+    assert e.value.field.startswith("threat.")

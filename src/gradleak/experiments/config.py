@@ -51,6 +51,12 @@ def apply_overrides(raw: dict, overrides: list[str], schema: type[BaseModel] | N
     ``attack.params``) take any key.
     """
     out = dict(raw)
+    explicit_attack: set[str] = set()  # attack parameters the overrides set (kept when attack.name changes)
+    for item in overrides:
+        k = item.split("=", 1)[0].strip()
+        if k.startswith("attack.") and k not in ("attack.name", "attack.params"):
+            explicit_attack.add(k.split(".")[-1])
+    file_attack = (raw.get("attack") or {}).get("name") if isinstance(raw.get("attack"), dict) else None
     for item in overrides:
         if "=" not in item:
             raise BadInput("--set", f"'{item}' is not of the form dotted.key=value.", "write e.g. --set data.batch_size=16.")
@@ -84,7 +90,36 @@ def apply_overrides(raw: dict, overrides: list[str], schema: type[BaseModel] | N
                 node = node[part]
                 ann = field.annotation if field is not None else None
                 model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    att = out.get("attack")
+    if isinstance(att, dict) and file_attack and att.get("name") not in (None, file_attack):
+        out["attack"] = _retarget_attack(att, explicit_attack)
     return out
+
+
+def _retarget_attack(att: dict, explicit: set[str]) -> dict:
+    """``--set attack.name=OTHER`` on a config written for another attack: keep the parameters the new attack's
+    Config knows (shared ones such as ``iterations``) and those the overrides set; drop the file's parameters
+    that belong to the old attack only (UTR's ``eps_bag`` must not stop LAMP), logging what was dropped."""
+    import logging
+
+    from gradleak.registry import ATTACKS
+
+    import gradleak.attacks  # noqa: F401  (registers every attack)
+
+    name = att["name"]
+    if name not in ATTACKS:
+        return att  # the schema reports the unknown name with the list of attacks
+    known = set(_field_names(ATTACKS.get(name).Config)) | explicit
+    dropped = sorted(k for k in att if k not in ("name", "params") and k not in known)
+    dropped += sorted(f"params.{k}" for k in (att.get("params") or {}) if k not in known)
+    if dropped:
+        logging.getLogger("gradleak").info("attack.name=%s: dropped the config file's parameters of the other attack: %s",
+                                           name, ", ".join(dropped))
+    new = {k: v for k, v in att.items() if k == "name" or (k != "params" and k in known)}
+    params = {k: v for k, v in (att.get("params") or {}).items() if k in known}
+    if params:
+        new["params"] = params
+    return new
 
 
 def normalize_aliases(raw: dict, schema: type[BaseModel]) -> dict:
