@@ -77,7 +77,7 @@ def test_every_attack_declares_the_protocol():
     assert {"peftleak", "inverting_gradients", "utr", "dager", "lamp"} <= set(ATTACKS.names())
     for e in ATTACKS:
         c = e.obj
-        assert c.modality in ("image", "text") and c.reconstruction in ("patches", "images", "token_sequences", "membership")
+        assert c.modality in ("image", "text") and c.reconstruction in ("patches", "images", "token_sequences", "membership", "leakage")
         assert set(c.peft_kinds) <= {"adapters", "lora", "none"} and c.peft_kinds
         for m in ("prepare", "server_model", "reconstruct", "rounds_wanted", "from_config"):
             assert callable(getattr(c, m))
@@ -213,7 +213,7 @@ BAD_PEFTLEAK = [
     ("model.dtype=float32", "model.dtype"),
 ]
 BAD_UTR = [("data.limit=-1", "data.limit"), ("data.max_length=0", "data.max_length"), ("attack.name=peftleak", "attack.name"),
-           ("attack.name=lamp", "attack.eps_bag"), ("model.patch_size=8", "model.patch_size"), ("peft.bottleneck=8", "peft.bottleneck"),
+           ("attack.name=lamp", "threat.knows_lengths"), ("model.patch_size=8", "model.patch_size"), ("peft.bottleneck=8", "peft.bottleneck"),
            ("fl.rounds=0", "fl.rounds"), ("trials=0", "trials"), ("model.name=vit-b16", "model.name"),
            ("data.name=cifar-samples", "data.name")]
 

@@ -1,4 +1,5 @@
-"""Optimisation-based gradient inversion by an honest server: "Inverting Gradients" (IG).
+"""Optimisation-based gradient inversion by an honest server: Inverting Gradients (IG), DLG, APRIL, and the
+positional-embedding anchor of paper 001 (eq. 7).
 
 Geiping, Bauermeister, Dröge, Moeller, *Inverting Gradients — How easy is it to break privacy in
 federated learning?*, NeurIPS 2020, §4 (eq. 4): starting from random dummy images ``x``, minimise
@@ -9,16 +10,42 @@ with Adam on the *signed* gradient of the objective, ``Δ`` the observed update 
 anisotropic total variation (mean |horizontal| + mean |vertical| pixel differences). This is the
 baseline PEFTLeak §4 runs against adapter-tuned ViTs (SPEC §1.9; Figs 8, 10, 11 of the PEFTLeak paper:
 "fails to recover any image"): the gradient is taken **only** over the parameters the client uploads
-(adapters + classification head), on the honest model the server sent. The same objective, with a
-positional-embedding term and image priors, underlies APRIL / GradViT / GIAS (SPEC §2.3); this module
-implements the plain IG form.
+(adapters + classification head), on the honest model the server sent.
 
-The attack needs nothing model-specific: ``model(x) -> logits`` (or an object with ``.logits``) and
-the parameter names in the observed :class:`~gradleak.fl.core.Update`. It reads only the
-:class:`~gradleak.fl.core.ServerView`: the model (deep-copied, never mutated), one update, and the
-public knowledge the threat model grants (``batch_size``, ``labels``, ``image_shape``).
+Registered names: ``inverting_gradients`` (the original entry, ``labels: known`` by default) and ``ig`` (the same
+attack under paper 001's contract name, ``labels: auto``); ``dlg`` (Euclidean matching, :class:`DLG`); ``april``
+(Euclidean matching + PE cosine, :class:`April`). GradViT and GIAS (image priors, generators) are not here.
+
+**Spatial anchoring (paper 001 §3.5, eq. 7; SPEC §2.3).** On a model with the server-prescribed layer-wise PEs
+(``peft.layer_pe: true``, :mod:`gradleak.peft.layer_pe`), the update holds the gradients of the input position table
+and of every p_l. The objective becomes
+
+    L_match = d(∇_{θ'} L, g_{θ'})  +  w · d_cos(∇_{θ_PE} L, g_PE),     θ' = head + PEFT (LoRA / adapters),
+
+with d the attack's own distance (IG: 1 − cos, DLG/APRIL: relative squared error) and ``w = anchor_weight`` (eq. 7
+says 1; the authors' fork uses 0.1). ``anchor: true`` needs trainable layer-wise PEs: refused at config time
+(``check_peft``), in ``prepare`` (on the model) and in ``reconstruct`` (on the update), each with ``BadInput``
+naming ``attack.anchor``; it also requires ``threat.prescribes_architecture``.
 
 Decisions the papers leave open, recorded here:
+
+* **The PE gradients without the anchor.** With ``anchor: false`` (IG, DLG) on the prescribed architecture (the update
+  holds layer-wise PEs) the PE tensors — the p_l and the input table that ``peft.layer_pe`` made trainable — are
+  *not* matched (listed in ``info["unmatched_parameters"]``): the attack is then the paper's baseline, which matches
+  head + LoRA only. With the default zero-initialised p_l the head/LoRA gradients equal those of the model without
+  layer-wise PEs, so "IG" vs "IG + anchor" on one client update isolates the eq. 7 term exactly. Without layer-wise
+  PEs an input table the client trains anyway (full fine-tuning) is matched with θ', as IG always did.
+* **d_cos form** (SPEC A2.4): 1 − cos (IG's form; eq. 7's "negative cosine" differs by a constant), one cosine over
+  the concatenation of the PE tensors (``similarity="global"``) or the mean over tensors (``"per_parameter"``),
+  as for θ'; the two groups are normalised separately (two cosines, as eq. 7 writes them).
+* **Iteration cost.** ``timings.iteration_to_fwdbwd_ratio`` = the median wall time of one optimisation step (forward,
+  gradient with ``create_graph``, double backward, Adam; the first step excluded) over the median wall time of one
+  forward + backward of the sent model (the client's step: gradients of the uploaded parameters) on a batch of the
+  client's size — 5 of them after a warm-up, plus ~10 spread over each restart, so both medians span the same
+  machine load (on this loaded 2-core box a single up-front measurement gave ratios from 1.7 to 3.5 for the same
+  attack). Unmatched PE parameters get no gradient.
+* **Diverging restarts.** A restart whose objective becomes NaN/inf stops there (``info["diverged"]``, a warning);
+  it scores +inf, so any finite restart wins.
 
 * **Cosine over what.** IG (and its reference code ``inversefed``) takes *one* cosine over the
   concatenation of all observed gradient tensors (``similarity="global"``, default): numerator and
@@ -44,22 +71,28 @@ Decisions the papers leave open, recorded here:
   entry is the label (exact). For B > 1 we assign labels greedily: repeatedly take the most negative
   residual entry and add ``1/B`` to it (exact when every predicted probability is below ``1/B``, which
   holds for an untrained head). The head bias is the last 1-D tensor in the update whose length equals
-  the number of logits (or ``label_param``). Without a trainable head bias, ``"idlg"`` is refused.
+  the number of logits (or ``label_param``). Without a head bias but with the head weight, at B = 1 the label is
+  the one row of ``∂L/∂W = (p − y) h̄ᵀ`` whose sign (along the largest row) differs from the others (exact; ≥ 3
+  classes). Otherwise ``"idlg"`` is refused. ``labels="auto"``: the granted labels if the threat model grants
+  them, else ``"idlg"`` (paper 001 §3.5: labels "known or recovered from the last-layer gradients").
 * **Batch size.** ``view.public["batch_size"]`` if granted, else the ``num_samples`` the update carries
   (the server sees it for FedAvg weighting); recorded in ``info["batch_size_source"]``.
 * **Loss.** The training loss is public protocol: the default is the mean cross-entropy the
   :class:`~gradleak.fl.core.Client` uses; pass ``loss_fn`` for another. FedAvg pseudo-gradients are
   matched as if they were one gradient (a known approximation for several local steps).
 * **Attention.** Second derivatives need eager attention (SDPA has no double backward): on the copy
-  of the model, any ``config._attn_implementation`` other than ``"eager"`` is switched to ``"eager"``.
+  of the model, any ``config._attn_implementation`` other than ``"eager"`` is switched to ``"eager"``; a float64
+  model gets ``"eager_precise"`` (:mod:`gradleak.models.attention`), since HF's eager softmax runs in float32.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import statistics
 import time
-from typing import Any, Callable, Sequence
+from types import SimpleNamespace
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from torch import nn
@@ -97,16 +130,73 @@ def infer_labels_from_bias_gradient(bias_grad: torch.Tensor, batch_size: int) ->
     return torch.tensor(sorted(labels), dtype=torch.long)
 
 
+def infer_label_from_head_weight_gradient(weight_grad: torch.Tensor) -> int:
+    """Exact label of a single sample (B = 1) from ``∂L/∂W`` of a linear head (mean cross-entropy).
+
+    Row c of the gradient is ``(p_c − y_c)·h̄`` for the head input h̄: every row is a multiple of the same vector,
+    positive for the C − 1 other classes (p_c > 0) and negative for the label (p_y − 1 < 0). Projecting the rows on
+    the largest one, the label is the single row whose sign differs from the others. With two classes both signs
+    occur once (ambiguous without the sign of h̄): refused."""
+    W = weight_grad.detach().to(torch.float64).reshape(weight_grad.shape[0], -1)
+    if W.shape[0] < 3:
+        raise BadInput("attack.labels", "label recovery from the head weight gradient is ambiguous with 2 classes "
+                       "(the two rows are ± the same vector).",
+                       "train the head bias (its gradient gives the label), or grant labels (threat.knows_labels=true).")
+    ref = W[int(W.norm(dim=1).argmax())]
+    coef = W @ ref
+    pos, neg = (coef > 0).nonzero().reshape(-1), (coef < 0).nonzero().reshape(-1)
+    if len(pos) == 1 and len(neg) >= 1:
+        return int(pos[0])
+    if len(neg) == 1 and len(pos) >= 1:
+        return int(neg[0])
+    raise BadInput("attack.labels", "the head weight gradient is not rank one with one sign-flipped row (several "
+                   "samples in the update?), so the label cannot be read from it.",
+                   "train the head bias, or grant labels (threat.knows_labels=true).")
+
+
+def recover_labels_from_head(update: Update, num_logits: int, batch_size: int,
+                             label_param: str | None = None) -> tuple[torch.Tensor, str]:
+    """Labels from the head gradient when the threat model grants none (paper 001 §3.5 assumes labels "known or
+    recovered from the last-layer gradients", iDLG): the head-bias gradient if the update holds one
+    (:func:`infer_labels_from_bias_gradient`: exact at B = 1, greedy for B > 1), else at B = 1 the head weight
+    gradient's rows (:func:`infer_label_from_head_weight_gradient`). Returns the labels and their source."""
+    key = label_param
+    if key is None:
+        cands = [k for k, t in update.tensors.items() if t.ndim == 1 and t.numel() == num_logits and k.endswith("bias")]
+        key = cands[-1] if cands else None
+    if key is not None:
+        if key not in update.tensors:
+            raise BadInput("attack.label_param", f"the update holds no tensor named {key!r}.",
+                           "name the head bias of this model, or leave label_param unset.")
+        return infer_labels_from_bias_gradient(update.tensors[key], batch_size), f"idlg:{key}"
+    wc = [k for k, t in update.tensors.items() if t.ndim == 2 and t.shape[0] == num_logits and k.endswith("weight")]
+    if wc and batch_size == 1:
+        k = wc[-1]
+        return torch.tensor([infer_label_from_head_weight_gradient(update.tensors[k])], dtype=torch.long), f"head_rows:{k}"
+    raise BadInput("attack.labels", "labels are not granted and the update holds no classification-head bias gradient"
+                   + (" (the head weight rows give the label only at B = 1)" if wc else "") + ".",
+                   "grant labels (threat.knows_labels=true, attack.labels=known) or train the head (peft.train_head=true).")
+
+
 def _logits(out: Any) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
 def _force_eager_attention(model: nn.Module) -> bool:
+    """Eager attention on the attack's copy (SDPA has no double backward). A float64 model gets ``eager_precise``
+    (:mod:`gradleak.models.attention`): HF's eager softmax runs in float32 even in float64 models, which would cap
+    the float64 objective's precision at ~1e-7."""
+    p0 = next(model.parameters(), None)
+    if p0 is not None and p0.dtype == torch.float64 and any(
+            getattr(getattr(m, "config", None), "_attn_implementation", None) is not None for m in model.modules()):
+        from gradleak.models.attention import use_precise_eager
+
+        return use_precise_eager(model)
     switched = False
     for m in model.modules():
         cfg = getattr(m, "config", None)
         impl = getattr(cfg, "_attn_implementation", None) if cfg is not None else None
-        if impl not in (None, "eager"):
+        if impl not in (None, "eager", "eager_precise"):
             try:
                 cfg._attn_implementation = "eager"
                 switched = True
@@ -115,18 +205,48 @@ def _force_eager_attention(model: nn.Module) -> bool:
     return switched
 
 
+LabelMode = Literal["known", "idlg", "auto"]
+
+
 class InvertingGradientsConfig(AttackConfig):
     steps: int = Field(2000, ge=1, le=10_000_000, description="Adam steps per restart")
     lr: float = Field(0.1, gt=0, le=100, description="initial step size (cosine-decayed to 0)")
     tv_weight: float = Field(1e-4, ge=0, description="total-variation weight α_TV")
     restarts: int = Field(1, ge=1, le=1000, description="independent trials; the best final matching loss wins")
-    labels: Literal["known", "idlg"] = Field("known", description="known (granted by the threat model) or idlg (from the head-bias gradient)")
+    labels: LabelMode = Field("known", description="known (granted by the threat model), idlg (from the head gradient) "
+                              "or auto (granted if granted, else from the head gradient)")
     signed: bool = Field(True, description="Adam on the sign of the gradient (IG)")
     box: Literal["clamp", "tanh"] = Field("clamp", description="box constraint on the pixels")
     similarity: Literal["global", "per_parameter"] = Field("global", description="one cosine over all tensors, or the mean per tensor")
     client_index: int = Field(0, ge=0, description="which observed update to attack")
     label_param: Optional[str] = Field(None, description="name of the head bias (idlg); default: detected")
     log_every: Optional[int] = Field(None, ge=1, description="progress every N steps")
+    anchor: bool = Field(False, description="add the cosine term on the gradients of all positional embeddings "
+                         "(paper 001 eq. 7; needs peft.layer_pe=true)")
+    anchor_weight: float = Field(1.0, ge=0, le=1e6, description="weight of the PE-gradient cosine term (eq. 7: 1; "
+                                 "the authors' fork: 0.1)")
+    time_fwdbwd: bool = Field(True, description="time one forward+backward of the sent model for "
+                              "timings.iteration_to_fwdbwd_ratio")
+
+
+CPU_STEPS = 300  # the CPU-scale default of ig / dlg / april (issue 14: "few hundred iterations"; set attack.steps)
+
+
+class IGConfig(InvertingGradientsConfig):
+    steps: int = Field(CPU_STEPS, ge=1, le=10_000_000, description="Adam steps per restart (default: CPU scale)")
+    labels: LabelMode = Field("auto", description="known, idlg (from the head gradient) or auto (granted labels if "
+                              "granted, else from the head gradient)")
+
+
+class DLGConfig(InvertingGradientsConfig):
+    steps: int = Field(CPU_STEPS, ge=1, le=10_000_000, description="Adam steps per restart (default: CPU scale)")
+    tv_weight: float = Field(0.0, ge=0, description="total-variation weight (DLG has none)")
+    signed: bool = Field(False, description="Adam on the sign of the gradient (DLG: plain gradient)")
+    labels: LabelMode = Field("auto", description="known, idlg (from the head gradient) or auto")
+
+
+class AprilConfig(DLGConfig):
+    pass
 
 
 @ATTACKS.register("inverting_gradients",
@@ -136,24 +256,42 @@ class InvertingGradients(AttackBase):
 
     Parameters: ``steps`` Adam steps per restart; ``lr`` initial step size (cosine-decayed to 0);
     ``tv_weight`` α_TV; ``restarts`` independent trials (best final matching loss wins);
-    ``labels`` ``"known"`` (from ``view.public["labels"]``) or ``"idlg"`` (inferred from the head bias
-    gradient); ``seed``; ``image_shape`` (C, H, W) of one image (default: ``view.public["image_shape"]``,
+    ``labels`` ``"known"`` (from ``view.public["labels"]``), ``"idlg"`` (from the head gradient) or ``"auto"``;
+    ``seed``; ``image_shape`` (C, H, W) of one image (default: ``view.public["image_shape"]``,
     else the model config's ``num_channels``/``image_size``); ``progress`` a callable receiving a dict
     (``restart``, ``step``, ``steps``, ``matching_loss``, ``tv``, ``lr``) every ``log_every`` steps;
     ``signed`` use the sign of the gradient (IG); ``box`` ``"clamp"`` or ``"tanh"``;
     ``similarity`` ``"global"`` or ``"per_parameter"``; ``loss_fn`` the training loss;
-    ``client_index`` which update of the view to attack; ``label_param`` name of the head bias.
+    ``client_index`` which update of the view to attack; ``label_param`` name of the head bias;
+    ``anchor`` / ``anchor_weight`` the PE-gradient cosine term of paper 001 eq. 7; ``time_fwdbwd`` time one
+    forward + backward for ``iteration_to_fwdbwd_ratio``.
     """
 
     name = "inverting_gradients"
     Config = InvertingGradientsConfig
     modality = "image"
     reconstruction = "images"
+    #: distance of the head/PEFT gradients: "cosine" (IG) or "l2" (DLG, APRIL; relative squared error)
+    distance: ClassVar[str] = "cosine"
+    #: APRIL matches the input-PE gradient by cosine even without the anchor (its own positional term)
+    input_pe_term: ClassVar[bool] = False
 
     @classmethod
     def requires(cls, cfg=None) -> dict[str, bool]:
-        labels = cfg.labels if cfg is not None else "known"
-        return {"knows_batch_size": True, "knows_labels": labels == "known"}
+        cfg = cfg if cfg is not None else cls.Config()
+        req = {"knows_batch_size": True, "knows_labels": cfg.labels == "known"}
+        if cfg.anchor:
+            req["prescribes_architecture"] = True  # the layer-wise PEs are the server's architecture (paper 001 §3.4)
+        return req
+
+    @classmethod
+    def check_peft(cls, cfg, peft) -> None:
+        """Config-time check (before any model loads): ``anchor`` needs the layer-wise PEs (``peft.layer_pe``)."""
+        if cfg.anchor and not getattr(peft, "layer_pe", False):
+            raise BadInput("attack.anchor", "is true, but the architecture has no trainable layer-wise positional "
+                           "embeddings, so there are no PE gradients to anchor on (paper 001 eq. 7).",
+                           "set peft.layer_pe=true (with peft.kind=lora or none and threat.preset=prescribes-architecture),"
+                           " or attack.anchor=false.")
 
     @classmethod
     def from_config(cls, cfg, ctx):
@@ -163,7 +301,8 @@ class InvertingGradients(AttackBase):
                  labels: str = "known", seed: int = 0, image_shape: Sequence[int] | None = None,
                  progress: ProgressFn | None = None, *, signed: bool = True, box: str = "clamp",
                  similarity: str = "global", loss_fn: LossFn = default_classification_loss,
-                 client_index: int = 0, label_param: str | None = None, log_every: int | None = None):
+                 client_index: int = 0, label_param: str | None = None, log_every: int | None = None,
+                 anchor: bool = False, anchor_weight: float = 1.0, time_fwdbwd: bool = True):
         if int(steps) < 1:
             raise BadInput("attack.steps", f"steps must be >= 1, got {steps}.", "use e.g. 2000.")
         if not lr > 0:
@@ -172,14 +311,16 @@ class InvertingGradients(AttackBase):
             raise BadInput("attack.tv_weight", f"tv_weight must be >= 0, got {tv_weight}.", "use e.g. 1e-4.")
         if int(restarts) < 1:
             raise BadInput("attack.restarts", f"restarts must be >= 1, got {restarts}.", "use 1 or more.")
-        if labels not in ("known", "idlg"):
-            raise BadInput("attack.labels", f"unknown label strategy '{labels}'.", "use 'known' or 'idlg'.")
+        if labels not in ("known", "idlg", "auto"):
+            raise BadInput("attack.labels", f"unknown label strategy '{labels}'.", "use 'known', 'idlg' or 'auto'.")
         if box not in ("clamp", "tanh"):
             raise BadInput("attack.box", f"unknown box constraint '{box}'.", "use 'clamp' or 'tanh'.")
         if similarity not in ("global", "per_parameter"):
             raise BadInput("attack.similarity", f"unknown similarity '{similarity}'.", "use 'global' or 'per_parameter'.")
         if image_shape is not None and len(tuple(image_shape)) != 3:
             raise BadInput("attack.image_shape", f"image_shape must be (C, H, W), got {image_shape}.", "e.g. (3, 32, 32).")
+        if not anchor_weight >= 0:
+            raise BadInput("attack.anchor_weight", f"must be >= 0, got {anchor_weight}.", "use 1 (eq. 7) or 0.1.")
         self.steps = int(steps)
         self.lr = float(lr)
         self.tv_weight = float(tv_weight)
@@ -195,20 +336,44 @@ class InvertingGradients(AttackBase):
         self.client_index = int(client_index)
         self.label_param = label_param
         self.log_every = int(log_every) if log_every else max(1, self.steps // 20)
+        self.anchor = bool(anchor)
+        self.anchor_weight = float(anchor_weight)
+        self.time_fwdbwd = bool(time_fwdbwd)
 
     # ------------------------------------------------------------------ protocol
     def prepare(self, model: nn.Module, threat: ThreatModel) -> nn.Module:
-        """Honest server: the model is sent unchanged."""
+        """Honest server: the model is sent unchanged. ``anchor`` on a model without trainable layer-wise PEs is
+        refused here, before any round (the config check refuses it earlier when the config is at hand)."""
+        if self.anchor:
+            from gradleak.peft.layer_pe import has_layer_pe
+
+            if not has_layer_pe(model):
+                raise _no_layer_pe()
         return model
 
-    def reconstruct(self, view: ServerView) -> Reconstruction:
-        t0 = time.perf_counter()
+    def matching_objective(self, view: ServerView) -> Callable[..., tuple[torch.Tensor, torch.Tensor, Any]]:
+        """The attack's gradient-matching objective on ``view`` as a function of dummy images ``x`` (model range
+        [−1, 1], shape (B, C, H, W)): ``f(x, create_graph=True) -> (total, θ'-term, PE-term or None)``, with the
+        same copy of the model, labels, groups and attention switch ``reconstruct`` uses (for checks and probes)."""
+        st = self._setup(view, time_fwdbwd=False)
+
+        def f(x: torch.Tensor, create_graph: bool = True):
+            return self.matching_terms(st.model, st.params, st.targets, st.groups, st.norms, x, st.labels, create_graph)
+
+        f.setup = st  # type: ignore[attr-defined]
+        return f
+
+    def _setup(self, view: ServerView, time_fwdbwd: bool) -> SimpleNamespace:
+        from gradleak.peft.layer_pe import is_input_pe, is_layer_pe
+
         if not view.updates:
             raise BadInput("view.updates", "the server view holds no update.", "run at least one client round.")
         if not 0 <= self.client_index < len(view.updates):
             raise BadInput("attack.client_index", f"client_index {self.client_index} but the view holds "
                            f"{len(view.updates)} update(s).", "pick an index of an observed update.")
         update = view.updates[self.client_index]
+        if self.anchor and not any(is_layer_pe(k) for k in update.tensors):
+            raise _no_layer_pe()
         model = copy.deepcopy(view.model)
         eager_switched = _force_eager_attention(model)
         names, params, targets = self._bind(model, update)
@@ -218,33 +383,83 @@ class InvertingGradients(AttackBase):
         shape = self._shape(view, model)
         labels, label_source = self._labels(view, model, update, batch_size, shape, device, dtype)
 
-        target_norms = [t.norm() for t in targets]
-        total_norm = torch.sqrt(sum(n ** 2 for n in target_norms))
-        if float(total_norm) == 0.0:
+        # ---- the groups of eq. 7: θ' (head + PEFT) by the attack's distance, the PEs by one cosine
+        # (the input table counts as the prescribed architecture's PE only next to layer-wise PEs; a client that
+        # trains it on its own, e.g. full fine-tuning, has it matched with θ' as IG always did)
+        prescribed = any(is_layer_pe(n) for n in names)
+        pe_terms = [i for i, n in enumerate(names) if (self.anchor and (is_layer_pe(n) or is_input_pe(n)))
+                    or (self.input_pe_term and is_input_pe(n))]
+        unmatched = [i for i, n in enumerate(names) if prescribed and (is_layer_pe(n) or is_input_pe(n))
+                     and i not in pe_terms]
+        main = [i for i in range(len(names)) if i not in pe_terms and i not in unmatched]
+        if not main:
+            raise BadInput("view.updates", "the update holds only positional-embedding gradients; there is no "
+                           "head/PEFT gradient to match.", "train the head or a PEFT module (peft.train_head=true).")
+        fb_probe = self._fwdbwd_probe(model, params, batch_size, shape, labels, device, dtype) if time_fwdbwd else None
+        fb_samples = [fb_probe() for _ in range(6)][1:] if fb_probe else []  # after one warm-up call
+        for i in unmatched:  # not matched: no gradient needed (faster), and not part of the objective
+            params[i].requires_grad_(False)
+        groups = {"main": main, "pe": pe_terms}
+        norms = {g: torch.sqrt(sum((targets[i] ** 2).sum() for i in idx)) if idx else None for g, idx in groups.items()}
+        if float(norms["main"]) == 0.0:
             raise BadInput("view.updates", "the observed update is all zeros; there is nothing to match.",
                            "attack an update with non-zero gradients.")
+        if pe_terms and float(norms["pe"]) == 0.0:
+            pe_terms = groups["pe"] = []  # nothing to anchor on (recorded in info)
+        return SimpleNamespace(update=update, model=model, eager_switched=eager_switched, names=names, params=params,
+                               targets=targets, device=device, dtype=dtype, batch_size=batch_size, bs_source=bs_source,
+                               shape=shape, labels=labels, label_source=label_source, groups=groups, norms=norms,
+                               main=main, pe_terms=pe_terms, unmatched=unmatched, fb_probe=fb_probe,
+                               fb_samples=fb_samples)
+
+    def reconstruct(self, view: ServerView) -> Reconstruction:
+        t0 = time.perf_counter()
+        st = self._setup(view, self.time_fwdbwd)
+        update, model, eager_switched, names, params, targets = (st.update, st.model, st.eager_switched, st.names,
+                                                                 st.params, st.targets)
+        device, dtype, batch_size, bs_source, shape = st.device, st.dtype, st.batch_size, st.bs_source, st.shape
+        labels, label_source, groups, norms = st.labels, st.label_source, st.groups, st.norms
+        main, pe_terms, unmatched = st.main, st.pe_terms, st.unmatched
 
         trials = []
         for r in range(self.restarts):
-            trials.append(self._trial(r, model, params, targets, target_norms, total_norm, labels,
-                                      batch_size, shape, device, dtype))
+            trials.append(self._trial(r, model, params, targets, groups, norms, labels, batch_size, shape,
+                                      device, dtype, st.fb_probe, st.fb_samples))
         best = min(range(len(trials)), key=lambda i: trials[i]["final_matching_loss"])
         x = trials[best].pop("x")
         images = ((x + 1.0) / 2.0).clamp(0.0, 1.0).detach()
+        step_times = [t for tr in trials for t in tr.pop("step_seconds")]
+        t_iter = float(statistics.median(step_times)) if step_times else float("nan")
+        t_fb = float(statistics.median(st.fb_samples)) if st.fb_samples else float("nan")
+        ratio = t_iter / t_fb if t_fb == t_fb and t_fb > 0 else float("nan")
+        diverged = [{"restart": i, "step": t["diverged_at_step"]} for i, t in enumerate(trials)
+                    if t["diverged_at_step"] is not None]
         info = {
             "attack": self.name, "steps": self.steps, "lr": self.lr, "tv_weight": self.tv_weight,
             "restarts": self.restarts, "signed": self.signed, "box": self.box, "similarity": self.similarity,
+            "distance": self.distance, "anchor": self.anchor, "anchor_weight": self.anchor_weight,
             "batch_size": batch_size, "batch_size_source": bs_source, "image_shape": list(shape),
-            "labels": labels.tolist(), "label_source": label_source, "matched_parameters": names,
-            "num_matched_values": int(sum(t.numel() for t in targets)),
+            "labels": labels.tolist(), "label_source": label_source, "matched_parameters": [names[i] for i in main],
+            "pe_term_parameters": [names[i] for i in pe_terms], "unmatched_parameters": [names[i] for i in unmatched],
+            "num_matched_values": int(sum(targets[i].numel() for i in main + pe_terms)),
             "initial_matching_loss": trials[best]["initial_matching_loss"],
             "final_matching_loss": trials[best]["final_matching_loss"],
+            "final_main_term": trials[best]["final_main_term"], "final_pe_term": trials[best]["final_pe_term"],
             "history": trials[best]["history"], "best_restart": best,
-            "restart_final_losses": [t["final_matching_loss"] for t in trials],
+            "restart_final_losses": [t["final_matching_loss"] for t in trials], "diverged": diverged,
             "attention_switched_to_eager": eager_switched, "update_kind": update.kind,
             "seconds": time.perf_counter() - t0,
+            "timings": {"attack_seconds": time.perf_counter() - t0, "iteration_seconds": t_iter,
+                        "fwdbwd_seconds": t_fb, "iteration_to_fwdbwd_ratio": ratio},
         }
-        return Reconstruction({"images": images, "labels": labels.cpu()}, info)
+        if diverged:
+            info["warning"] = (f"{self.name}: the objective became NaN/inf in {len(diverged)} of {self.restarts} "
+                               "restart(s); those stopped early" + (" (all of them: the image is the last finite "
+                               "iterate)" if len(diverged) == self.restarts else ", the others were kept"))
+        metrics = {"final_matching_loss": float(trials[best]["final_matching_loss"])}
+        if pe_terms:
+            metrics["final_pe_term"] = float(trials[best]["final_pe_term"])
+        return Reconstruction({"images": images, "labels": labels.cpu()}, info, metrics)
 
     # ------------------------------------------------------------------ view reading
     def _bind(self, model: nn.Module, update: Update):
@@ -299,49 +514,76 @@ class InvertingGradients(AttackBase):
 
     def _labels(self, view: ServerView, model: nn.Module, update: Update, batch_size: int,
                 shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
-        if self.labels == "known":
-            lab = view.public.get("labels")
+        lab = view.public.get("labels")
+        if self.labels == "known" or (self.labels == "auto" and lab is not None):
             if lab is None:
                 raise BadInput("view.public.labels", "labels='known' but the threat model grants no labels.",
-                               "grant them via ServerView.public['labels'] or use labels='idlg'.")
+                               "grant them via ServerView.public['labels'] or use labels='idlg' / 'auto'.")
             lab = torch.as_tensor(lab, dtype=torch.long).reshape(-1)
             if len(lab) != batch_size:
                 raise BadInput("view.public.labels", f"{len(lab)} labels for a batch of {batch_size}.",
                                "grant one label per private sample.")
             return lab.to(device), "public"
-        with torch.no_grad():
-            num_logits = _logits(model(torch.zeros((1, *shape), device=device, dtype=dtype))).shape[-1]
-        key = self.label_param
-        if key is None:
-            cands = [k for k, t in update.tensors.items() if t.ndim == 1 and t.numel() == num_logits and k.endswith("bias")]
-            key = cands[-1] if cands else None
-        if key is None or key not in update.tensors:
-            raise BadInput("attack.labels", "labels='idlg' needs the gradient of a trainable classification-head bias, "
-                           "which the update does not hold.",
-                           "grant labels via ServerView.public['labels'] (labels='known') or train the head bias.")
-        return infer_labels_from_bias_gradient(update.tensors[key], batch_size).to(device), f"idlg:{key}"
+        num_logits = view.public.get("num_classes")
+        if num_logits is None:
+            with torch.no_grad():
+                num_logits = _logits(model(torch.zeros((1, *shape), device=device, dtype=dtype))).shape[-1]
+        labels, source = recover_labels_from_head(update, int(num_logits), batch_size, self.label_param)
+        return labels.to(device), source
 
     # ------------------------------------------------------------------ optimisation
-    def _matching(self, model: nn.Module, params: list[torch.Tensor], targets: list[torch.Tensor],
-                  target_norms: list[torch.Tensor], total_norm: torch.Tensor, x: torch.Tensor,
-                  labels: torch.Tensor, create_graph: bool) -> torch.Tensor:
-        loss = self.loss_fn(model, x, labels)
-        grads = torch.autograd.grad(loss, params, create_graph=create_graph, allow_unused=True)
-        grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)]
-        eps = torch.finfo(x.dtype).tiny
+    def _distance(self, grads, targets, idx, norm, kind: str) -> torch.Tensor:
+        """``1 − cos`` (global or per tensor) or the relative squared error Σ‖g − t‖² / Σ‖t‖² over tensors ``idx``."""
+        eps = torch.finfo(grads[idx[0]].dtype).tiny
+        if kind == "l2":
+            return sum(((grads[i] - targets[i]) ** 2).sum() for i in idx) / (norm ** 2)
         if self.similarity == "global":
-            dot = sum((g * t).sum() for g, t in zip(grads, targets))
-            gnorm = torch.sqrt(sum((g * g).sum() for g in grads) + eps)
-            return 1.0 - dot / (gnorm * total_norm)
+            dot = sum((grads[i] * targets[i]).sum() for i in idx)
+            gnorm = torch.sqrt(sum((grads[i] * grads[i]).sum() for i in idx) + eps)
+            return 1.0 - dot / (gnorm * norm)
         terms = []
-        for g, t, tn in zip(grads, targets, target_norms):
+        for i in idx:
+            tn = targets[i].norm()
             if float(tn) == 0.0:
                 continue
-            terms.append(1.0 - (g * t).sum() / (torch.sqrt((g * g).sum() + eps) * tn))
+            terms.append(1.0 - (grads[i] * targets[i]).sum() / (torch.sqrt((grads[i] * grads[i]).sum() + eps) * tn))
         return torch.stack(terms).mean()
 
-    def _trial(self, restart: int, model, params, targets, target_norms, total_norm, labels,
-               batch_size: int, shape, device, dtype) -> dict[str, Any]:
+    def matching_terms(self, model: nn.Module, params: list[torch.Tensor], targets: list[torch.Tensor],
+                       groups: dict[str, list[int]], norms: dict[str, Any], x: torch.Tensor, labels: torch.Tensor,
+                       create_graph: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(total, θ'-term, PE-term or None) of eq. 7 for dummy images ``x`` (model range [−1, 1])."""
+        used = groups["main"] + groups["pe"]
+        loss = self.loss_fn(model, x, labels)
+        got = torch.autograd.grad(loss, [params[i] for i in used], create_graph=create_graph, allow_unused=True)
+        grads: list[Any] = [None] * len(params)
+        for i, g in zip(used, got):
+            grads[i] = g if g is not None else torch.zeros_like(params[i])
+        main = self._distance(grads, targets, groups["main"], norms["main"], self.distance)
+        if not groups["pe"]:
+            return main, main, None
+        pe = self._distance(grads, targets, groups["pe"], norms["pe"], "cosine")
+        return main + self.anchor_weight * pe, main, pe
+
+    def _fwdbwd_probe(self, model, params, batch_size, shape, labels, device, dtype) -> Callable[[], float]:
+        """A callable returning the seconds of one forward + backward (the client's step: gradients of every
+        uploaded parameter) on a fixed random batch of the client's size; the model is not changed. It is called
+        5 times (after a warm-up) before the optimisation and about 10 times spread over each restart, so the
+        median compared with the iterations' median spans the same machine load."""
+        g = torch.Generator().manual_seed(0)
+        x = (torch.rand((batch_size, *shape), generator=g) * 2 - 1).to(device, dtype)
+        params = list(params)
+
+        def probe() -> float:
+            live = [p for p in params if p.requires_grad]  # (unmatched PEs are frozen once the optimisation starts)
+            t = time.perf_counter()
+            torch.autograd.grad(self.loss_fn(model, x, labels), live, allow_unused=True)
+            return time.perf_counter() - t
+
+        return probe
+
+    def _trial(self, restart: int, model, params, targets, groups, norms, labels,
+               batch_size: int, shape, device, dtype, fb_probe=None, fb_samples=None) -> dict[str, Any]:
         gen = torch.Generator().manual_seed(self.seed * 1000 + restart)
         init = torch.randn((batch_size, *shape), generator=gen, dtype=torch.float32).to(device, dtype)
         if self.box == "clamp":
@@ -355,13 +597,19 @@ class InvertingGradients(AttackBase):
         opt = torch.optim.Adam([var], lr=self.lr)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.steps, eta_min=0.0)
         history: list[list[float]] = []
+        step_seconds: list[float] = []
         initial = None
+        diverged_at = None
         for step in range(self.steps):
+            t_step = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             x = pixels(var)
-            match = self._matching(model, params, targets, target_norms, total_norm, x, labels, True)
+            match, _, _ = self.matching_terms(model, params, targets, groups, norms, x, labels, True)
             tv = total_variation(x)
             objective = match + self.tv_weight * tv
+            if not torch.isfinite(objective):  # stop this restart, report it, keep the others
+                diverged_at = step
+                break
             (g,) = torch.autograd.grad(objective, var)
             if not torch.isfinite(g).all():
                 g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
@@ -379,13 +627,80 @@ class InvertingGradients(AttackBase):
             if self.box == "clamp":
                 with torch.no_grad():
                     var.clamp_(-1.0, 1.0)
+            if step:  # the first step pays one-off costs
+                step_seconds.append(time.perf_counter() - t_step)
+            if fb_probe is not None and step % max(1, self.steps // 10) == self.steps // 20:
+                fb_samples.append(fb_probe())
         x = pixels(var).detach()
         with torch.enable_grad():
-            final = float(self._matching(model, params, targets, target_norms, total_norm, x, labels, False))
-        history.append([self.steps, final])
+            total, main, pe = self.matching_terms(model, params, targets, groups, norms, x, labels, False)
+        final = float(total)
+        history.append([self.steps if diverged_at is None else diverged_at, final])
         if self.progress is not None:
             self.progress({"restart": restart, "step": self.steps, "steps": self.steps, "matching_loss": final,
                            "tv": float(total_variation(x)), "lr": 0.0})
-        if not math.isfinite(final):
+        if not math.isfinite(final) or diverged_at is not None:
             final = float("inf")
-        return {"x": x, "initial_matching_loss": initial, "final_matching_loss": final, "history": history}
+        return {"x": x, "initial_matching_loss": initial if initial is not None else float("nan"),
+                "final_matching_loss": final, "final_main_term": float(main),
+                "final_pe_term": float(pe) if pe is not None else None, "history": history,
+                "step_seconds": step_seconds, "diverged_at_step": diverged_at}
+
+
+def _no_layer_pe() -> BadInput:
+    return BadInput("attack.anchor", "is true, but the model has no trainable layer-wise positional embeddings, so "
+                    "there are no PE gradients to anchor on (paper 001 eq. 7).",
+                    "set peft.layer_pe=true (peft.kind=lora or none, threat.preset=prescribes-architecture), "
+                    "or attack.anchor=false.")
+
+
+@ATTACKS.register("ig", "Inverting Gradients: 1 − cos matching + TV; anchor adds the PE-gradient cosine (paper 001 eq. 7)")
+class IG(InvertingGradients):
+    """Inverting Gradients under the name paper 001's contract uses (``ig``): the same attack as
+    ``inverting_gradients`` (kept for old configs), with ``labels: auto`` by default (granted labels, else the
+    head gradient). "IG + Ours" = ``anchor: true`` on a model with ``peft.layer_pe: true``."""
+
+    name = "ig"
+    Config = IGConfig
+
+    def __init__(self, steps: int = CPU_STEPS, *args, labels: str = "auto", **kwargs):
+        super().__init__(steps, *args, labels=labels, **kwargs)
+
+
+@ATTACKS.register("dlg", "Deep Leakage from Gradients: Euclidean gradient matching (Zhu et al. 2019); anchor as ig")
+class DLG(InvertingGradients):
+    """DLG (Zhu, Liu, Han, NeurIPS 2019): minimise the Euclidean distance ‖∇_θ L(f(x), y) − g‖² between the dummy
+    and the observed gradients (θ' = head + PEFT). Decisions: Adam (``lr`` 0.1, cosine decay, plain gradient:
+    ``signed=False``) instead of DLG's L-BFGS (whose line search costs several double-backward passes per step:
+    the ≤ 3× iteration budget would not hold); labels known or recovered from the head gradient (iDLG) instead of
+    optimised jointly; no TV; the distance divided by ‖g‖² (a constant: the optimum and, Adam being invariant to a
+    constant scale, the trajectory are DLG's) so that ``anchor_weight`` weighs two scale-free terms."""
+
+    name = "dlg"
+    Config = DLGConfig
+    distance = "l2"
+
+    def __init__(self, steps: int = CPU_STEPS, lr: float = 0.1, tv_weight: float = 0.0, *args, signed: bool = False,
+                 labels: str = "auto", **kwargs):
+        super().__init__(steps, lr, tv_weight, *args, signed=signed, labels=labels, **kwargs)
+
+
+@ATTACKS.register("april", "APRIL, optimisation variant: Euclidean matching + PE-gradient cosine (Lu et al. 2022)")
+class April(DLG):
+    """APRIL-O (Lu, Huang, Zhao, Sun, *APRIL: Finding the Achilles' heel on privacy for vision transformers*, CVPR
+    2022), the optimisation variant paper 001 runs as a baseline (SPEC §2.3, Table 1): the Euclidean distance of the
+    head/PEFT gradients (as :class:`DLG`) plus a cosine term on the positional-embedding gradient. Without the anchor
+    the PE term covers the *input* position table, APRIL's own term (present only if the client trains it — with
+    ``peft.layer_pe`` it does; a plain LoRA client freezes it and the term is absent, recorded in
+    ``info["pe_term_parameters"]``); ``anchor: true`` ("APRIL + Ours") adds every layer-wise PE to that cosine.
+    Its weight is ``anchor_weight`` in both cases (APRIL's α; eq. 7's 1 by default).
+
+    APRIL's **analytic** variant (closed-form input from the gradients of the attention weights and of the input PE,
+    which needs the *full* gradient of the first block's query/key/value matrices) does **not** apply to LoRA
+    clients: they upload only the low-rank factors' gradients (∂L/∂A = Bᵀ Σ δ hᵀ of rank ≤ r), from which the
+    full-weight gradient the analytic system needs cannot be formed. It is not implemented; ``lora_span`` is the
+    analytic attack that does apply to LoRA clients (from the row space of block 0's LoRA-A gradient)."""
+
+    name = "april"
+    Config = AprilConfig
+    input_pe_term = True

@@ -27,8 +27,10 @@ USER_IMAGE_SETS = ("image-folder", "npz")
 
 # ------------------------------------------------------------------------------------------------ data
 
-def load_images(name: str, n: int, size: int, seed: int, field: str, path: str | None = None, resize: bool = False):
-    """``n`` images at size×size in [0, 1] (3 channels). Generated sets (crops) use ``seed``; a fixed set returns
+def load_images(name: str, n: int, size: int, seed: int, field: str, path: str | None = None, resize: bool = False,
+                channels: int = 3):
+    """``n`` images at size×size in [0, 1] with ``channels`` channels (grey is replicated to 3; RGB becomes grey by
+    the ITU-R 601 luma weights for ``channels=1``). Generated sets (crops) use ``seed``; a fixed set returns
     its first ``n`` images for seed 0 and a seeded random subset of ``n`` otherwise. A user's own folder/npz
     must already have the configured size unless ``resize`` (``data.resize``) is set."""
     from gradleak.data import load
@@ -55,8 +57,13 @@ def load_images(name: str, n: int, size: int, seed: int, field: str, path: str |
                            f"data.image_size is {size}.",
                            f"set data.image_size={imgs.shape[-1]} (square images) or data.resize=true to resize them.")
         imgs = torch.nn.functional.interpolate(imgs, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    if imgs.shape[1] == 1:
+    if imgs.shape[1] == 1 and channels == 3:
         imgs = imgs.expand(-1, 3, -1, -1)
+    elif imgs.shape[1] == 3 and channels == 1:
+        imgs = (imgs * torch.tensor([0.299, 0.587, 0.114], dtype=imgs.dtype).reshape(1, 3, 1, 1)).sum(1, keepdim=True)
+    elif imgs.shape[1] != channels:
+        raise BadInput("model.num_channels", f"'{name}' has {imgs.shape[1]}-channel images; the model takes {channels}.",
+                       "use model.num_channels=1 (grey) or 3 (RGB).")
     return imgs[:n].clamp(0, 1), labels[:n]
 
 
@@ -72,17 +79,49 @@ class ImageData:
     def __init__(self, cfg: ExperimentConfig):
         self.cfg = cfg
 
-    def clients(self, trial: int, num_classes: int):
+    def _load(self, trial: int, n: int):
         c = self.cfg
-        n = c.data.batch_size * c.fl.clients
-        imgs, labels = load_images(c.data.name, n, c.data.image_size, c.data.seed + 7919 * trial, "data.name",
-                                   c.data.path, c.data.resize)
-        B = c.data.batch_size
-        return [(imgs[i * B:(i + 1) * B], labels[i * B:(i + 1) * B] % num_classes) for i in range(c.fl.clients)]
+        return load_images(c.data.name, n, c.data.image_size, c.data.seed + 7919 * trial, "data.name", c.data.path,
+                           c.data.resize, channels=c.image_channels)
+
+    def _layout(self) -> tuple[list[int], int, int]:
+        """Per-client training-image counts, validation images per client, prior images (one draw, disjoint chunks:
+        training | validation | prior)."""
+        c = self.cfg
+        sizes = [p["images"] for p in c.client_plan()]
+        return sizes, c.data.validation_size, (c.data.prior_size if self.wants_prior else 0)
+
+    @property
+    def wants_prior(self) -> bool:
+        """Whether the attack reads a domain prior image (granted under threat.public_data)."""
+        return bool(getattr(self.cfg.attack_cls, "uses_prior", False))
+
+    def clients(self, trial: int, num_classes: int):
+        sizes, val, prior = self._layout()
+        imgs, labels = self._load(trial, sum(sizes) + val * len(sizes) + prior)
+        out, a = [], 0
+        for n in sizes:
+            out.append((imgs[a:a + n], labels[a:a + n] % num_classes))
+            a += n
+        self._extra = (imgs[a:a + val * len(sizes)], imgs[a + val * len(sizes):])
+        return out
+
+    def validation(self) -> list[torch.Tensor]:
+        """Each client's validation images (after :meth:`clients`): the identifiability pool's second half."""
+        val = self.cfg.data.validation_size
+        return [self._extra[0][i * val:(i + 1) * val] for i in range(self.cfg.fl.clients)]
+
+    def prior_image(self) -> torch.Tensor | None:
+        """The domain prior of Hatamizadeh et al. 2022 (§II-B: "dataset mean image"): the mean of
+        ``data.prior_size`` held-out images of the private dataset, disjoint from every client's training and
+        validation images (after :meth:`clients`)."""
+        held = self._extra[1]
+        return held.mean(0) if len(held) else None
 
     def public(self):
         c = self.cfg
-        imgs, _ = load_images(_public_name(c), c.data.public_size, c.data.image_size, c.data.seed + 1000, "data.public")
+        imgs, _ = load_images(_public_name(c), c.data.public_size, c.data.image_size, c.data.seed + 1000, "data.public",
+                              channels=c.image_channels)
         return imgs
 
 
@@ -170,8 +209,12 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     mcfg = cfg.model
     if mcfg.init_weights is None:
         mcfg = mcfg.model_copy(update={"init_weights": not A.rewrites_weights})
-    handle = build(mcfg, modality, image_size=cfg.data.image_size, seed=cfg.seed, dtype=dtype)
+    extra_build = {"num_channels": cfg.image_channels} if modality == "image" else {}
+    handle = build(mcfg, modality, image_size=cfg.data.image_size, seed=cfg.seed, dtype=dtype, **extra_build)
     apply_peft(handle, cfg.peft, seed=cfg.seed)
+    if cfg.model.train_all:  # full fine-tuning (the leakage study's ResNet-18)
+        for p in handle.model.parameters():
+            p.requires_grad_(True)
     defense = cfg.training_defense
     defense.apply(handle, cfg, data=data)  # training-time defense (FISGuard re-parameterises the protected layers)
     timings["model_load_seconds"] = time.perf_counter() - t0
@@ -179,7 +222,11 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     if threat.knows_batch_size:
         public["batch_size"] = cfg.data.batch_size * (1 if threat.individual_updates else cfg.fl.clients)
     fl_public = {"algorithm": cfg.fl.algorithm, "local_epochs": cfg.fl.local_epochs, "lr": cfg.fl.lr,
-                 "local_batch_size": cfg.fl.local_batch_size, "clients": cfg.fl.clients}
+                 "local_batch_size": cfg.fl.local_batch_size, "clients": cfg.fl.clients,
+                 # the training configuration (public, SPEC §4.1): per-client local batch size and epochs, lr schedule
+                 "client_batch_sizes": [p["batch_size"] for p in cfg.client_plan()],
+                 "client_epochs": [p["epochs"] for p in cfg.client_plan()],
+                 "lr_at": [cfg.fl.lr_at(r) for r in range(cfg.fl.rounds)]}
     actx = AttackContext(seed=cfg.seed, device=dev, threat=threat, fl=fl_public, public=public)
     attack = A.from_config(acfg, actx)
     t0 = time.perf_counter()
@@ -190,6 +237,8 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     start_state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     rounds = attack.rounds_wanted(cfg.fl.rounds)
     defenses = build_defenses([d.model_dump() for d in cfg.defenses], seed=cfg.seed)
+    if hasattr(defense, "update_transforms"):  # a `defense:` entry that is an update transform (percentile noise)
+        defenses = defenses + defense.update_transforms(seed=cfg.seed)
     loss_fn = handle.loss_fn or default_classification_loss
     if defense.loss_options():
         from gradleak.models.text import text_loss
@@ -208,6 +257,8 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
         batches = data.clients(trial, mcfg.num_classes)
         clients, truth = _clients(handle, batches, loss_fn, dev, threat, cfg)
         knowledge = truth.pop("_knowledge")
+        if modality == "image" and data.wants_prior and data.prior_image() is not None:
+            knowledge.setdefault("public_data", {})["prior_image"] = data.prior_image()
         membership = None
         if A.reconstruction == "membership":
             cands, membership = _candidates(data, trial, batches, threat, cfg)
@@ -218,7 +269,9 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
                              secure_aggregation=not threat.individual_updates, track=ctx.track,
                              keep_round=lambda r: attack.observes_round(r, rounds) and
                              (threat.rounds_observed is None or r < threat.rounds_observed),
-                             local_update=getattr(defense, "local_update", None))
+                             local_update=getattr(defense, "local_update", None),
+                             client_settings=cfg.client_plan() if cfg.fl.algorithm == "fedavg" else None,
+                             lr_at=cfg.fl.lr_at)
         t_client += outcome.client_seconds
         t_hook += outcome.server_hook_seconds
         view = build_view(model=outcome.model, rounds=outcome.rounds, round_states=outcome.round_states,
@@ -231,6 +284,10 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
         with ctx.stage("evaluation"):
             tr = Truth(modality, truth["inputs"], truth["labels"], texts=truth.get("texts"), tokenizer=handle.tokenizer,
                        model_kind=handle.kind, bottleneck=bottleneck, membership=membership)
+            if A.reconstruction == "leakage":  # every client's training and validation images (per-client evaluation)
+                tr.client_inputs = [b[0] for b in batches]
+                tr.client_validation = data.validation()
+                tr.client_steps = [u.local_steps for u in outcome.rounds[-1]] if outcome.rounds else None
             ev = evaluate(A.reconstruction, tr, rec, cfg, ctx.out_dir, trial)
             if hasattr(defense, "layer_condition"):
                 from gradleak.experiments.evaluation import split_by_guarantee
@@ -359,7 +416,8 @@ def _pad_cat(encs: list[dict], tok) -> dict[str, torch.Tensor]:
 def _always_public(handle, cfg) -> dict[str, Any]:
     """What the protocol makes public whatever the threat model: the architecture's interface."""
     if handle.modality == "image":
-        return {"image_shape": (3, cfg.data.image_size, cfg.data.image_size), "num_classes": cfg.model.num_classes}
+        return {"image_shape": (cfg.image_channels, cfg.data.image_size, cfg.data.image_size),
+                "num_classes": cfg.model.num_classes}
     return {"tokenizer": handle.tokenizer, "model_kind": handle.kind, "model_task": handle.info.get("task")}
 
 

@@ -4,6 +4,8 @@
 
 * ``peftleak`` — images, ViT-B/16 + adapters, attack ``peftleak``, threat ``malicious`` with public data;
 * ``utr`` — text, MiniLM (2 layers) + adapters, attack ``utr``, threat ``honest-but-curious``;
+* ``leakage`` — images, grey ResNet-18 (full fine-tuning, BatchNorm), FedAvg, attack ``bn_inversion``, evaluated
+  per client by RDLV and adjusted IIP (Hatamizadeh et al. 2022, SPEC §4);
 * ``image`` / ``text`` — the same sections with no attack-specific defaults.
 
 The ``attack:`` section holds ``name`` plus the attack's parameters, either flat (``attack.sigma``) or
@@ -26,9 +28,11 @@ from gradleak.fl.threat import ThreatConfig, ThreatModel
 from gradleak.peft import PeftConfig
 from gradleak.registry import ATTACKS, EXPERIMENTS
 
-IMAGE_DATA = {"image_size", "public", "public_size", "resize"}
+IMAGE_DATA = {"image_size", "public", "public_size", "resize", "validation_size", "prior_size"}
 TEXT_DATA = {"text_column", "label_column", "split", "subset", "limit", "max_length", "nonmembers", "test_size"}
-IMAGE_MODEL = {"patch_size", "hidden_size", "heads", "adapter_bottleneck", "init_weights"}
+IMAGE_MODEL = {"patch_size", "hidden_size", "heads", "adapter_bottleneck", "init_weights", "num_channels"}
+#: image models whose builder takes model.num_channels (the ViTs are built for RGB)
+CHANNEL_MODELS = {"resnet18"}
 TEXT_MODEL: set[str] = {"task"}
 
 
@@ -42,6 +46,10 @@ class DataConfig(Strict):
     public: Optional[str] = None  # default natural-crops (public-natural when the private set shares its photos)
     public_size: int = Field(2000, ge=1, le=1_000_000)
     resize: bool = Field(False, description="images: resize a user's folder/npz to image_size (else sizes must match)")
+    validation_size: int = Field(0, ge=0, le=100_000, description="images: validation images per client (the "
+                                 "identifiability pool of the leakage evaluation; the paper's clients hold 200)")
+    prior_size: int = Field(256, ge=1, le=100_000, description="images: held-out images of the private dataset whose "
+                            "mean image is the attack's domain prior (granted under threat.public_data)")
     # text
     text_column: Optional[str] = None
     label_column: Optional[str] = None
@@ -65,6 +73,10 @@ class ModelConfig(Strict):
     pooling: Optional[Literal["mean", "cls"]] = None  # ViT default mean; text default cls (BERT's pooler / last token)
     adapter_bottleneck: Optional[int] = Field(None, ge=1, description="= peft.bottleneck (kept for old configs)")
     init_weights: Optional[bool] = None  # default: skip random init when a malicious attack rewrites every weight
+    num_channels: Optional[int] = Field(None, ge=1, le=4, description="image channels the model takes (resnet18: 1 = "
+                                        "grey, e.g. Fashion-MNIST; default 3); the data are converted to it")
+    train_all: bool = Field(False, description="every parameter trains (full fine-tuning, with peft.kind=none), as the "
+                            "leakage study's ResNet-18")
     # text
     task: Optional[Literal["classification", "lm"]] = None  # default: LM loss for causal models, else a class head
 
@@ -77,11 +89,28 @@ class FLConfig(Strict):
     local_batch_size: Optional[int] = Field(None, ge=1)
     clients: int = Field(1, ge=1, le=10_000, description="clients per round; client 0 is the attacked one")
     secure_aggregation: bool = False
+    # per-client settings (the leakage study's clients differ in data, batch size and steps; SPEC §4.4)
+    client_images: Optional[list[int]] = Field(None, description="training images per client (default data.batch_size each)")
+    client_batch_sizes: Optional[list[int]] = Field(None, description="local batch size per client (default "
+                                                    "fl.local_batch_size)")
+    client_epochs: Optional[list[int]] = Field(None, description="local epochs per client (default fl.local_epochs)")
+    lr_decay: float = Field(1.0, gt=0, le=1, description="step decay: lr × lr_decay every lr_step_rounds rounds")
+    lr_step_rounds: Optional[int] = Field(None, ge=1, description="rounds between lr decays (the paper: 40 of 100)")
+
+    def lr_at(self, r: int) -> float:
+        """The learning rate of round ``r`` (step decay; constant without ``lr_step_rounds``)."""
+        return self.lr * (self.lr_decay ** (r // self.lr_step_rounds) if self.lr_step_rounds else 1.0)
 
 
 class MetricsConfig(Strict):
     psnr_threshold_db: float = Field(30.0, gt=0, le=400)
     feature_distance: bool = True  # 1 − cos of ViT-S/14 features (offline); LPIPS is added when its weights exist
+    # leakage evaluation (reconstruction kind "leakage")
+    high_risk_client: Optional[int] = Field(None, ge=0, description="the client reported as rdlv_high_risk_client "
+                                            "(default: the one with the fewest images, then fewest local steps)")
+    leakage_ssim: Literal["gaussian", "nvflare"] = Field("gaussian", description="SSIM of the RDLV: 11×11 Gaussian "
+                                                         "window, or NVFlare's skimage settings")
+    iip: bool = Field(True, description="adjusted image identifiability precision on ViT-S/14 features (offline)")
 
 
 class AttackSection(BaseModel):
@@ -180,6 +209,7 @@ class ExperimentConfig(Strict):
                 raise BadInput("model.heads" if self.model.heads else "model.hidden_size",
                                f"hidden size {hidden} is not divisible by {heads} heads.",
                                "choose a head count that divides the hidden size.")
+        self._check_clients()
         from gradleak.models import model_modality
 
         mm = model_modality(self.model.name)
@@ -187,7 +217,7 @@ class ExperimentConfig(Strict):
             raise BadInput("model.name", f"'{self.model.name}' is a{'n' if mm == 'image' else ''} {mm} model but experiment "
                            f"'{self.experiment}' works on {self._modality}.",
                            f"use experiment: {'text' if mm == 'text' else 'image'} or a {self._modality} model.")
-        if self.fl.local_batch_size and self.fl.local_batch_size > self.data.batch_size:
+        if self.fl.local_batch_size and not self.fl.client_images and self.fl.local_batch_size > self.data.batch_size:
             raise BadInput("fl.local_batch_size", f"{self.fl.local_batch_size} is larger than the client's batch "
                            f"({self.data.batch_size}).", "use at most data.batch_size.")
         from gradleak.data import check_disjoint, dataset_modality
@@ -197,10 +227,17 @@ class ExperimentConfig(Strict):
             raise BadInput("data.name", f"'{self.data.name}' is a {dm} dataset but experiment '{self.experiment}' works on "
                            f"{self._modality}.", f"use a {self._modality} dataset (see `gradleak list`) or experiment: {dm}.")
         self._resolve_attack()
+        check_peft = getattr(self._attack_cls, "check_peft", None)  # e.g. attack.anchor needs peft.layer_pe
+        if check_peft is not None:
+            check_peft(self._attack_cfg, self.peft)
         if self._attack_cls.needs_float64 and self.model.dtype == "float32":
             raise BadInput("model.dtype", f"attack '{self._attack_cls.name}' is exact only in float64 (the server ships "
                            "the model in float64).", "remove model.dtype or set it to float64.")
         self._threat = self.threat.resolve(self.fl.secure_aggregation)
+        if self.peft.layer_pe and not self._threat.prescribes_architecture:  # paper 001 §3.4: the server's architecture
+            raise BadInput("threat.preset", f"peft.layer_pe adds server-prescribed layer-wise positional embeddings, "
+                           f"which a {self._threat.capability} server cannot choose.",
+                           "set threat.preset=prescribes-architecture (or malicious), or peft.layer_pe=false.")
         if self._modality == "image" and self._threat.public_data and self.data.public is not None:
             check_disjoint(self.data.name, self.data.public)
         from gradleak.defenses.update import build_defenses
@@ -216,11 +253,60 @@ class ExperimentConfig(Strict):
 
         check_requirements(self._attack_cls.name, self._attack_cls.requires(self._attack_cfg), self._threat)
 
+    @property
+    def image_channels(self) -> int:
+        """Channels of the images the clients hold (= the model's input channels): model.num_channels, else 3."""
+        return self.model.num_channels or 3
+
+    def client_plan(self) -> list[dict[str, int]]:
+        """Per client: ``images``, local ``batch_size`` and ``epochs`` (fl.client_* lists over the defaults)."""
+        f = self.fl
+        out = []
+        for i in range(f.clients):
+            n = f.client_images[i] if f.client_images else self.data.batch_size
+            b = f.client_batch_sizes[i] if f.client_batch_sizes else (f.local_batch_size or n)
+            e = f.client_epochs[i] if f.client_epochs else f.local_epochs
+            out.append({"images": n, "batch_size": min(b, n) if f.algorithm == "fedavg" else n, "epochs": e})
+        return out
+
+    def _check_clients(self) -> None:
+        f = self.fl
+        for key in ("client_images", "client_batch_sizes", "client_epochs"):
+            vals = getattr(f, key)
+            if vals is None:
+                continue
+            if len(vals) != f.clients:
+                raise BadInput(f"fl.{key}", f"gives {len(vals)} value(s) for {f.clients} client(s).",
+                               f"give one value per client, or set fl.clients={len(vals)}.")
+            if any(int(v) < 1 for v in vals):
+                raise BadInput(f"fl.{key}", f"every value must be ≥ 1, got {vals}.", "use positive integers.")
+        if (f.client_batch_sizes or f.client_epochs) and f.algorithm != "fedavg":
+            raise BadInput("fl.client_batch_sizes" if f.client_batch_sizes else "fl.client_epochs",
+                           "per-client local batch sizes and epochs apply to FedAvg clients.", "set fl.algorithm=fedavg.")
+        if self._modality != "image":
+            if f.client_images:
+                raise BadInput("fl.client_images", "per-client image counts apply to image experiments.",
+                               "use data.batch_size (every client the same) for text.")
+            return
+        if self.model.num_channels not in (None, 3) and self.model.name not in CHANNEL_MODELS:
+            raise BadInput("model.num_channels", f"'{self.model.name}' is built for 3-channel (RGB) images.",
+                           f"remove model.num_channels, or use a model that takes other channel counts "
+                           f"({', '.join(sorted(CHANNEL_MODELS))}).")
+        if self.model.train_all and self.peft.kind != "none":
+            raise BadInput("model.train_all", f"trains every parameter, which conflicts with peft.kind={self.peft.kind}.",
+                           "set peft.kind=none with model.train_all=true (full fine-tuning), or remove model.train_all.")
+        if self.model.name == "resnet18":  # train-mode BatchNorm needs > 1 value per channel in every batch
+            from gradleak.models.resnet import check_train_bn_input
+
+            smallest = min(min(c["batch_size"], c["images"] % c["batch_size"] or c["batch_size"])
+                           for c in self.client_plan())
+            check_train_bn_input(self.data.image_size, self.data.image_size, smallest, field="data.image_size")
+
     def _resolve_defense(self) -> None:
         from gradleak.defenses.training import TRAINING_DEFENSES
 
         cls = TRAINING_DEFENSES.get(self.defense.name, field="defense.name")
-        if self.defense.name != "none" and self._modality != "text":
+        if self.defense.name != "none" and self._modality not in getattr(cls, "modalities", ("text",)):
             raise BadInput("defense.name", f"training defense '{self.defense.name}' is implemented for text clients.",
                            "use defense.name=none, or the update defenses in `defenses:`.")
         if self.defense.name == "fisguard" and self.peft.kind not in ("adapters", "lora"):
@@ -297,6 +383,11 @@ _preset("utr", "text: UTR preset (MiniLM, 2 layers, adapters rf=2, honest-but-cu
                  "threat": {"preset": "honest-but-curious"}})
 _preset("image", "images: any image attack; give model/peft/attack/threat yourself (defaults: ViT-B/16, adapters)",
         "image", {"data": {"name": "cifar-samples", "batch_size": 8}, "model": {"name": "vit-b16"}, "fl": {"lr": 1e-3}})
+_preset("leakage", "images: leakage quantification (Hatamizadeh et al. 2022): grey ResNet-18 trained in full by FedAvg "
+        "with BN statistics, attack bn_inversion, RDLV / IIP per client", "image",
+        {"data": {"name": "fashion-mnist", "batch_size": 8, "image_size": 64}, "peft": {"kind": "none"},
+         "model": {"name": "resnet18", "num_channels": 1, "train_all": True}, "fl": {"algorithm": "fedavg", "lr": 0.01},
+         "attack": {"name": "bn_inversion"}, "threat": {"preset": "honest-but-curious", "public_data": True}})
 _preset("text", "text: any text attack; give model/peft/attack/threat yourself (defaults: MiniLM 2 layers, adapters)",
         "text", {"data": {"name": "rt-sentences", "batch_size": 8}, "model": {"name": "minilm", "layers": 2, "num_classes": 2},
                  "fl": {"lr": 0.05}})

@@ -8,13 +8,22 @@ Sign convention: ``Update.tensors`` holds what the client *uploads*. In FedSGD t
 the mean loss on the local batch (``kind="gradient"``). In FedAvg it is the model delta divided by
 ``-lr`` (``kind="pseudo_gradient"``), i.e. the sum of the local gradients when the weights barely move,
 so attacks that read gradients can read FedAvg updates the same way.
+
+BatchNorm (Hatamizadeh et al. 2022, SPEC §4.1: "the client update contains updated running mean/var"): for a
+model with ``_BatchNorm`` layers that track running statistics, ``Update.buffers`` holds the **change** of
+every BN buffer over local training (``running_mean``, ``running_var``, ``num_batches_tracked``; float64,
+new − old) — NVFlare's ``WEIGHT_DIFF`` convention for the running statistics. Decisions: the change rather
+than the new value, so that noise defenses treat buffers like the weight differences and the server's
+average of changes equals the average of the clients' new values (all clients start from the same
+checkpoint); ``None`` for models without BN (every earlier attack sees the same ``Update`` as before).
+The parameter-wise transforms (``map``, ``flat``) act on ``tensors`` only and carry ``buffers`` unchanged.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -34,13 +43,14 @@ class Update:
     client_id: int = 0
     kind: str = "gradient"
     local_steps: int = 1
+    buffers: Optional[dict[str, torch.Tensor]] = None  # BN buffer changes (new − old), see the module docstring
 
     def norm(self) -> float:
         return float(torch.sqrt(sum((t.double() ** 2).sum() for t in self.tensors.values())))
 
     def map(self, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> "Update":
         return Update({k: fn(k, v) for k, v in self.tensors.items()}, self.num_samples,
-                      self.client_id, self.kind, self.local_steps)
+                      self.client_id, self.kind, self.local_steps, self.buffers)
 
     def flat(self) -> torch.Tensor:
         return torch.cat([t.reshape(-1) for t in self.tensors.values()])
@@ -50,7 +60,31 @@ class Update:
         for k, t in self.tensors.items():
             out[k] = vec[i:i + t.numel()].reshape(t.shape).to(t.dtype)
             i += t.numel()
-        return Update(out, self.num_samples, self.client_id, self.kind, self.local_steps)
+        return Update(out, self.num_samples, self.client_id, self.kind, self.local_steps, self.buffers)
+
+
+def batchnorm_buffer_names(model: nn.Module) -> list[str]:
+    """State-dict names of the buffers of every ``_BatchNorm`` module that tracks running statistics."""
+    out = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.track_running_stats:
+            for b, t in mod.named_buffers(recurse=False):
+                if t is not None:
+                    out.append(f"{name}.{b}" if name else b)
+    return out
+
+
+def batchnorm_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of the BN buffers (empty for a model without BatchNorm)."""
+    names = set(batchnorm_buffer_names(model))
+    return {n: b.detach().clone().cpu() for n, b in model.named_buffers() if n in names}
+
+
+def _buffer_change(before: dict[str, torch.Tensor], model: nn.Module) -> Optional[dict[str, torch.Tensor]]:
+    if not before:
+        return None
+    after = batchnorm_buffers(model)
+    return {n: after[n].to(torch.float64) - b.to(torch.float64) for n, b in before.items()}
 
 
 @dataclass
@@ -61,7 +95,8 @@ class ServerView:
     single aggregate when secure aggregation hides them (``secure_aggregation=True``).
     ``public`` holds what the threat model grants (e.g. ``{"batch_size": 32, "public_images": ...}``).
     ``rounds`` holds, for multi-round attacks, one list of updates per round (round-major), each
-    paired with the model state the server sent that round in ``round_models``.
+    paired with the model state the server sent that round in ``round_states`` (trainable parameters, plus
+    the BN buffers for a BatchNorm model: the full checkpoint).
     """
 
     model: nn.Module
@@ -121,6 +156,7 @@ class Client:
                            "insert adapters/LoRA or unfreeze the head before federated training.")
         device = next(model.parameters()).device
         x, y = self._inputs.to(device), self._labels.to(device)
+        bn_before = batchnorm_buffers(model)  # empty without BatchNorm
         if algorithm == "fedsgd":
             params = [p for n, p in model.named_parameters() if p.requires_grad]
             loss = self.loss_fn(model, x, y)
@@ -156,8 +192,9 @@ class Client:
             upd = Update(tensors, len(x), self.client_id, "pseudo_gradient", steps)
         else:
             raise BadInput("fl.algorithm", f"unknown algorithm '{algorithm}'.", "use 'fedsgd' or 'fedavg'.")
+        upd.buffers = _buffer_change(bn_before, model if (algorithm == "fedsgd" or in_place) else local)
         for d in defenses:
-            upd = d.apply(upd, {"client_id": self.client_id, "seed": seed})
+            upd = d.apply(upd, {"client_id": self.client_id, "seed": seed, "lr": lr})
         return upd
 
 
@@ -169,7 +206,10 @@ def aggregate(updates: Iterable[Update]) -> Update:
     total = sum(u.num_samples for u in ups)
     keys = ups[0].tensors.keys()
     out = {k: sum(u.tensors[k] * (u.num_samples / total) for u in ups) for k in keys}
-    return Update(out, total, -1, ups[0].kind, max(u.local_steps for u in ups))
+    buffers = None
+    if all(u.buffers is not None for u in ups):  # BN running statistics: the same sample-weighted mean of changes
+        buffers = {k: sum(u.buffers[k].to(torch.float64) * (u.num_samples / total) for u in ups) for k in ups[0].buffers}
+    return Update(out, total, -1, ups[0].kind, max(u.local_steps for u in ups), buffers)
 
 
 def secure_aggregate(updates: Sequence[Update], seed: int = 0, frac_bits: int = 40) -> Update:
@@ -184,14 +224,24 @@ def secure_aggregate(updates: Sequence[Update], seed: int = 0, frac_bits: int = 
     """
     ups = list(updates)
     total = sum(u.num_samples for u in ups)
+    gen = torch.Generator().manual_seed(seed)
+    out = _masked_mean([u.tensors for u in ups], [u.num_samples / total for u in ups], gen, frac_bits)
+    buffers = None
+    if all(u.buffers is not None for u in ups):  # BN buffer changes: masked too, with their own fixed-point scale
+        buffers = _masked_mean([u.buffers for u in ups], [u.num_samples / total for u in ups], gen, frac_bits)
+    return Update(out, total, -1, ups[0].kind, max(u.local_steps for u in ups), buffers)
+
+
+def _masked_mean(dicts: Sequence[dict[str, torch.Tensor]], weights: Sequence[float], gen: torch.Generator,
+                 frac_bits: int) -> dict[str, torch.Tensor]:
+    """The weighted sum of ``dicts`` as the server computes it from pairwise-masked fixed-point vectors."""
     modulus = 2**62
-    weighted = [{k: v.double() * (u.num_samples / total) for k, v in u.tensors.items()} for u in ups]
+    weighted = [{k: v.double() * w for k, v in d.items()} for d, w in zip(dicts, weights)]
     bound = max(float(t.abs().max()) for w in weighted for t in w.values()) or 1.0
     scale = 2.0**frac_bits / bound
-    gen = torch.Generator().manual_seed(seed)
     encoded = [{k: torch.remainder(torch.round(v * scale).long(), modulus) for k, v in w.items()} for w in weighted]
-    for i in range(len(ups)):
-        for j in range(i + 1, len(ups)):
+    for i in range(len(dicts)):
+        for j in range(i + 1, len(dicts)):
             for k in encoded[i]:
                 m = torch.randint(0, modulus, encoded[i][k].shape, generator=gen, dtype=torch.long)
                 encoded[i][k] = torch.remainder(encoded[i][k] + m, modulus)
@@ -202,8 +252,8 @@ def secure_aggregate(updates: Sequence[Update], seed: int = 0, frac_bits: int = 
         for e in encoded:  # what the server adds up: masked vectors only
             acc = torch.remainder(acc + e[k], modulus)
         signed = torch.where(acc >= modulus // 2, acc - modulus, acc)
-        out[k] = (signed.double() / scale).to(ups[0].tensors[k].dtype)
-    return Update(out, total, -1, ups[0].kind, max(u.local_steps for u in ups))
+        out[k] = (signed.double() / scale).to(dicts[0][k].dtype)
+    return out
 
 
 def dirichlet_split(labels: np.ndarray, num_clients: int, alpha: float, seed: int = 0) -> list[np.ndarray]:

@@ -5,6 +5,15 @@ round), or what the attack sets through its ``server_model(round, model)`` hook 
 re-poisons each round). Every client trains on **its own deep copy** of the sent model, so nothing a
 client does touches the object the server (and the attacker's view) holds. Client-side defenses
 transform each upload; secure aggregation optionally replaces the individual uploads by their sum.
+
+BatchNorm models (Hatamizadeh et al. 2022, SPEC §4.1): each client's copy trains in train mode (its BN layers
+normalise with batch statistics and update their running statistics, as a real client does); the upload
+carries the BN buffer changes (:class:`~gradleak.fl.core.Update` ``buffers``), the (secure) aggregate averages
+them, and the honest server adds the mean change to its buffers (``num_batches_tracked`` rounded to an
+integer). ``round_states`` then holds the full checkpoint the server sent: trainable parameters *and* BN
+buffers (the attack needs the current global checkpoint, SPEC §4.2). ``client_settings`` gives a client its
+own local batch size and epochs (the paper's clients differ in both, SPEC §4.4); ``lr_at(r)`` the learning
+rate of round r (step decay), used by the clients and, for that round's aggregate, by the server.
 """
 
 from __future__ import annotations
@@ -37,7 +46,9 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
                local_batch_size: int | None = None, defenses: Sequence[Any] = (), seed: int = 0,
                server_hook: Callable[[int, Any], Any] | None = None, secure_aggregation: bool = False,
                track: Callable[..., Any] | None = None, keep_round: Callable[[int], bool] | None = None,
-               local_update: Callable[..., Any] | None = None) -> RoundsOutcome:
+               local_update: Callable[..., Any] | None = None,
+               client_settings: Sequence[dict] | None = None,
+               lr_at: Callable[[int], float] | None = None) -> RoundsOutcome:
     """Run ``rounds`` federated rounds of ``clients`` on ``model`` and return the uploads of the rounds the
     attacker keeps (``keep_round(r)``, default every round: many rounds × clients of uploads add up).
     ``local_update(client, model, seed=...)`` replaces the client's own training step (a training-time
@@ -46,7 +57,11 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
     The server model is updated after each round by SGD on the aggregate (``w -= lr · mean update``;
     for FedAvg uploads, which are ``Δw / -lr``, that applies the mean local change).
     """
+    from gradleak.fl.core import batchnorm_buffer_names
+
     out = RoundsOutcome(model=model, secure_sums=[] if secure_aggregation else None)
+    has_bn = bool(batchnorm_buffer_names(model))
+    lr_of = lr_at or (lambda _r: lr)
     it = range(rounds)
     if track is not None:
         it = track(it, description=f"FL rounds ({len(clients)} client(s), {algorithm})", total=rounds)
@@ -56,7 +71,9 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     if n in agg.tensors:
-                        p.sub_(lr * agg.tensors[n].to(device=p.device, dtype=p.dtype))
+                        p.sub_(lr_of(r - 1) * agg.tensors[n].to(device=p.device, dtype=p.dtype))
+                if agg.buffers is not None:
+                    apply_buffer_change(model, agg.buffers)
         if server_hook is not None:
             t0 = time.perf_counter()
             model = server_hook(r, model)
@@ -65,18 +82,27 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
         keep = keep_round is None or keep_round(r)
         if keep:
             out.kept_rounds.append(r)
-            out.round_states.append({n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.requires_grad})
+            state = {n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.requires_grad}
+            if has_bn:
+                from gradleak.fl.core import batchnorm_buffers
+
+                state.update(batchnorm_buffers(model))
+            out.round_states.append(state)
         ups = []
-        for c in clients:
+        for ci, c in enumerate(clients):
             local = copy.deepcopy(model)  # the client's own copy
+            if has_bn:
+                local.train()  # BN normalises with batch statistics and updates its running statistics
+            own = (client_settings[ci] if client_settings is not None else None) or {}
             t0 = time.perf_counter()
             if local_update is None:
-                upd = c.local_update(local, algorithm=algorithm, epochs=local_epochs, lr=lr, batch_size=local_batch_size,
+                upd = c.local_update(local, algorithm=algorithm, epochs=own.get("epochs", local_epochs), lr=lr_of(r),
+                                     batch_size=own.get("batch_size", local_batch_size),
                                      defenses=defenses, seed=seed + r, in_place=True)
             else:
                 upd = local_update(c, local, seed=seed + r)
                 for d in defenses:
-                    upd = d.apply(upd, {"client_id": c.client_id, "seed": seed + r})
+                    upd = d.apply(upd, {"client_id": c.client_id, "seed": seed + r, "lr": lr_of(r)})
             out.client_seconds += time.perf_counter() - t0
             if not all(bool(torch.isfinite(t).all()) for t in upd.tensors.values()):
                 from gradleak.errors import BadInput
@@ -91,3 +117,13 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
             if secure_aggregation:
                 out.secure_sums.append(secure_aggregate(ups, seed=seed + 7 * r + 1))
     return out
+
+
+def apply_buffer_change(model, change: dict[str, torch.Tensor]) -> None:
+    """Add a (mean) BN buffer change to ``model``'s buffers in place; integer buffers are rounded."""
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for n, d in change.items():
+            b = buffers[n]
+            new = b.to(torch.float64) + d.to(device=b.device, dtype=torch.float64)
+            b.copy_(torch.round(new).to(b.dtype) if not b.is_floating_point() else new.to(b.dtype))

@@ -161,4 +161,4 @@ def build_view(*, model, rounds: list[list[Any]], round_states: list[dict], thre
 def _strip_count(u):
     from gradleak.fl.core import Update
 
-    return Update(u.tensors, 0, u.client_id, u.kind, u.local_steps)
+    return Update(u.tensors, 0, u.client_id, u.kind, u.local_steps, u.buffers)

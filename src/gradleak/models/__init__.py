@@ -50,8 +50,14 @@ class ModelHandle:
                    loss_fn=text_loss(tm.kind, task=tm.task), text_model=tm, info={**tm.info, "task": tm.task})
 
     def layers(self):
+        """The model's blocks: ViT encoder layers, ResNet stages, or the text model's layers."""
         if self.modality == "image":
-            return self.model.vit.encoder.layer
+            if hasattr(self.model, "vit"):
+                return self.model.vit.encoder.layer
+            if hasattr(self.model, "resnet"):
+                return self.model.resnet.encoder.stages
+            raise BadInput("model.name", f"{self.name} exposes neither ViT layers nor ResNet stages.",
+                           "use a ViT or resnet18 for per-layer PEFT.")
         return self.text_model.layers()
 
 

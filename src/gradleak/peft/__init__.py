@@ -11,8 +11,13 @@ Kinds (registry ``PEFT_KINDS``; ``gradleak list`` shows them with their paramete
   ``lora_init: default`` keeps peft's.
 * ``none`` — only the task head trains.
 
-Later kinds (layer-wise trainable positional embeddings, FISGuard's fixed-input modules) register here
-with ``@PEFT_KINDS.register``. Importing this module imports no torch.
+``layer_pe: true`` (kinds ``lora`` and ``none``, image ViTs) adds the server-prescribed layer-wise trainable
+positional embeddings of paper 001 eq. 6 on top of the kind (:mod:`gradleak.peft.layer_pe`; ``layer_pe_init``
+``zeros`` or ``input``): a trainable p_l added to the input of every block but the first, the input position
+table made trainable too. It needs ``threat.preset: prescribes-architecture`` (checked with the config).
+
+Later kinds (FISGuard's fixed-input modules) register here with ``@PEFT_KINDS.register``.
+Importing this module imports no torch.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ PEFT_KINDS: Registry[Any] = Registry("peft kind")
 #: which fields of PeftConfig each kind reads (a field set for another kind is refused)
 KIND_FIELDS = {
     "adapters": {"bottleneck", "reduction_factor", "embedding_adapter", "layer_adapters", "init_std", "train_head"},
-    "lora": {"lora_rank", "lora_alpha", "lora_targets", "lora_layers", "lora_init", "train_head"},
-    "none": {"train_head"},
+    "lora": {"lora_rank", "lora_alpha", "lora_targets", "lora_layers", "lora_init", "train_head", "layer_pe",
+             "layer_pe_init"},
+    "none": {"train_head", "layer_pe", "layer_pe_init"},
 }
 
 
@@ -52,6 +58,11 @@ class PeftConfig(BaseModel):
     lora_targets: Optional[list[str]] = None  # default: query + key projections
     lora_layers: Optional[list[int]] = None
     lora_init: Literal["nonzero", "default"] = "nonzero"
+    # lora / none: server-prescribed layer-wise trainable positional embeddings (paper 001 eq. 6)
+    layer_pe: bool = Field(False, description="add a trainable PE to the input of every ViT block but the first "
+                           "and train the input PE too (paper 001 eq. 6; needs threat.preset=prescribes-architecture)")
+    layer_pe_init: Literal["zeros", "input"] = Field("zeros", description="layer-wise PE init: zeros (the model's "
+                                                     "function unchanged) or a copy of the input PE")
     # all kinds
     train_head: bool = True
 
@@ -151,6 +162,14 @@ def apply_peft(handle, spec: PeftConfig, seed: int = 0) -> list[str]:
     """Insert the trainable modules ``spec`` describes into ``handle.model`` (in place, like peft's
     ``get_peft_model``) and return the names of the parameters the clients train."""
     names = PEFT_KINDS.get(spec.kind, field="peft.kind")(handle, spec, seed)
+    if spec.layer_pe:
+        if handle.modality != "image":
+            raise BadInput("peft.layer_pe", "layer-wise positional embeddings are defined for image ViTs (paper 001 "
+                           f"eq. 6), not for the {handle.modality} model {handle.name}.", "remove peft.layer_pe.")
+        from gradleak.peft.layer_pe import add_layer_pe
+
+        add_layer_pe(handle.model, spec.layer_pe_init)
+        names = trainable(handle.model)
     if not names:
         raise BadInput("peft", f"peft.kind={spec.kind} leaves nothing trainable on {handle.name}.",
                        "use adapters or lora, or set peft.train_head=true.")
