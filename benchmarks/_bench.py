@@ -152,3 +152,30 @@ def fmt_num(x: Any, spec: str) -> str:
         return format(float(x), spec)
     except (TypeError, ValueError):
         return "–"
+
+
+def run_pipeline_cell(config: Path, overrides: list[str], out_dir: Path) -> dict:
+    """One benchmark cell through the experiment pipeline (``validate`` -> ``run_experiment``) on the CPU, writing
+    ``out_dir`` as ``gradleak run`` would (``results.json``, ``report.html``, ``report_data.json``); returns the
+    pipeline's result dict with ``timings.total_seconds`` added."""
+    import time
+
+    import torch
+
+    from gradleak.experiments import validate
+    from gradleak.experiments.config import load_yaml
+    from gradleak.experiments.results import write_json_atomic
+    from gradleak.experiments.runner import RunContext, seed_everything
+    from gradleak.report import write_report
+
+    run_experiment, cfg = validate(load_yaml(config), overrides)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seed_everything(cfg.seed)
+    t0 = time.perf_counter()
+    res = run_experiment(cfg, RunContext(out_dir, torch.device("cpu")))
+    res["timings"]["total_seconds"] = time.perf_counter() - t0
+    results = {"name": cfg.name, "experiment": cfg.experiment, "config": cfg.dump(), "metrics": res["metrics"],
+               "timings": res["timings"], "artifacts": res.get("artifacts", []), "details": res["details"]}
+    write_json_atomic(out_dir / "results.json", results)
+    write_report(results, out_dir, res.get("report", {}))
+    return res

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import (ROOT, add_out_args, check_configs, display, done_cells, fmt_num,  # noqa: E402
-                    latest_rows, resolve_out, start_fresh, write_section)
+                    latest_rows, resolve_out, run_pipeline_cell, start_fresh, write_section)
 from gradleak.experiments.results import append_jsonl, write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
 
@@ -98,25 +98,6 @@ def command(overrides: list[str]) -> str:
             + " ".join(f"--set {shlex.quote(o)}" for o in overrides))
 
 
-def run_cell(overrides: list[str], out_dir: Path) -> dict:
-    from gradleak.experiments import validate
-    from gradleak.experiments.config import load_yaml
-    from gradleak.experiments.runner import RunContext, seed_everything
-    from gradleak.report import write_report
-
-    run_experiment, cfg = validate(load_yaml(CONFIG), overrides)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    seed_everything(cfg.seed)
-    t0 = time.perf_counter()
-    res = run_experiment(cfg, RunContext(out_dir, torch.device("cpu")))
-    res["timings"]["total_seconds"] = time.perf_counter() - t0
-    results = {"name": cfg.name, "experiment": cfg.experiment, "config": cfg.dump(), "metrics": res["metrics"],
-               "timings": res["timings"], "artifacts": res.get("artifacts", []), "details": res["details"]}
-    write_json_atomic(out_dir / "results.json", results)
-    write_report(results, out_dir, res.get("report", {}))
-    return res
-
-
 def run_cells(cells: list[dict], out: Path) -> None:
     jsonl = out / f"{NAME}.jsonl"
     done = done_cells(jsonl)
@@ -126,7 +107,7 @@ def run_cells(cells: list[dict], out: Path) -> None:
         row = {"cell": c["cell"], "table": c["table"], "overrides": c["overrides"], "command": command(c["overrides"])}
         t0 = time.perf_counter()
         try:
-            res = run_cell(c["overrides"], out / NAME / c["cell"])
+            res = run_pipeline_cell(CONFIG, c["overrides"], out / NAME / c["cell"])
             m, info = res["metrics"], res["details"]["attack_info"]
             row.update(metrics={k: m[k] for k in METRICS if k in m},
                        info={k: info.get(k) for k in ("backbone", "patch_size", "row_space_rank", "gradient_rows",

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import (ROOT, add_out_args, check_configs, display, done_cells, fmt_num,  # noqa: E402
-                    latest_rows, resolve_out, save_figure, start_fresh, write_section)
+                    latest_rows, resolve_out, run_pipeline_cell, save_figure, start_fresh, write_section)
 from gradleak.experiments.results import append_jsonl, write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
 
@@ -171,21 +171,7 @@ def command(overrides: list[str]) -> str:
 def run_cell(overrides: list[str], out_dir: Path) -> tuple[dict, list[dict]]:
     """One cell through the pipeline; writes the run directory as ``gradleak run`` would. Returns the run's results
     and the rows of its 'ProjRes AUC per layer' table (what ``report_data.json`` holds)."""
-    from gradleak.experiments import validate
-    from gradleak.experiments.config import load_yaml
-    from gradleak.experiments.runner import RunContext, seed_everything
-    from gradleak.report import write_report
-
-    run_experiment, cfg = validate(load_yaml(CONFIG), overrides)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    seed_everything(cfg.seed)
-    t0 = time.perf_counter()
-    res = run_experiment(cfg, RunContext(out_dir, torch.device("cpu")))
-    res["timings"]["total_seconds"] = time.perf_counter() - t0
-    results = {"name": cfg.name, "experiment": cfg.experiment, "config": cfg.dump(), "metrics": res["metrics"],
-               "timings": res["timings"], "artifacts": res.get("artifacts", []), "details": res["details"]}
-    write_json_atomic(out_dir / "results.json", results)
-    write_report(results, out_dir, res.get("report", {}))
+    res = run_pipeline_cell(CONFIG, overrides, out_dir)
     layers = next((t["rows"] for t in res.get("report", {}).get("tables", []) if t["title"] == "ProjRes AUC per layer"), [])
     return res, layers
 

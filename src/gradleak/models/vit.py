@@ -28,19 +28,21 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-class ViTClassifier(nn.Module):
-    """``ViTModel`` + pooling + linear head. ``forward(pixels) -> logits``."""
+class PooledClassifier(nn.Module):
+    """A transformer backbone in ``self.vit`` (built by the subclass) + pooling of its tokens + a linear head.
+    ``forward(pixels) -> logits``; mean pooling skips the class token."""
 
-    def __init__(self, config: ViTConfig, num_classes: int, pooling: str = "mean"):
+    def __init__(self, config, num_classes: int, pooling: str = "mean"):
         super().__init__()
         if pooling not in ("mean", "cls"):
             raise BadInput("model.pooling", f"unknown pooling '{pooling}'.", "use 'mean' or 'cls'.")
-        from transformers import ViTModel
-
         self.config = config
         self.pooling = pooling
-        self.vit = ViTModel(config, add_pooling_layer=False)
+        self.vit = self.build_backbone(config)
         self.head = nn.Linear(config.hidden_size, num_classes)
+
+    def build_backbone(self, config) -> nn.Module:
+        raise NotImplementedError
 
     @property
     def num_patches(self) -> int:
@@ -52,6 +54,15 @@ class ViTClassifier(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         tokens = self.vit(pixel_values=pixel_values).last_hidden_state
         return self.head(self.pool(tokens))
+
+
+class ViTClassifier(PooledClassifier):
+    """``ViTModel`` (no pooler) + pooling + linear head."""
+
+    def build_backbone(self, config: ViTConfig) -> nn.Module:
+        from transformers import ViTModel
+
+        return ViTModel(config, add_pooling_layer=False)
 
 
 def vit(preset: str = "vit-b16", *, image_size: int = 32, patch_size: int | None = None, num_classes: int = 10,
