@@ -3,7 +3,6 @@ defense, the registered ``bn_inversion`` attack and the per-client leakage evalu
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 

