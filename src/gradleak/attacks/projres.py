@@ -184,26 +184,14 @@ class ProjRes(AttackBase):
 
     def _score(self, model, tok, targets, bases, texts, kind) -> dict[str, torch.Tensor]:
         """Residual per candidate and layer (aggregated over the candidate's non-special tokens)."""
-        from gradleak.models.text import causal_specials
+        from gradleak.models.text import causal_specials, encode_batch
 
         out = {n: [] for n in targets}
         dev = next(model.parameters()).device
-        special = set(tok.all_special_ids)
+        special = set(tok.all_special_ids) | (set(causal_specials(tok)) if kind == "causal" else set())
         for a in range(0, len(texts), self.batch_size):
-            part = texts[a:a + self.batch_size]
-            if kind == "causal":
-                bos, eos = causal_specials(tok)
-                seqs = [[bos] + tok.encode(t, add_special_tokens=False) + [eos] for t in part]
-                special |= {bos, eos}
-            else:
-                seqs = [tok.encode(t, add_special_tokens=True) for t in part]
-            L = max(len(s) for s in seqs)
-            pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-            ids = torch.full((len(seqs), L), pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, s in enumerate(seqs):
-                ids[i, :len(s)] = torch.tensor(s)
-                mask[i, :len(s)] = 1
+            enc = encode_batch(tok, kind, texts[a:a + self.batch_size])  # as the client tokenises
+            ids, mask = enc["input_ids"], enc["attention_mask"]
             keep = mask.bool() & ~torch.isin(ids, torch.tensor(sorted(special)))
             with torch.no_grad(), _InputCapture(targets) as cap:
                 model(input_ids=ids.to(dev), attention_mask=mask.to(dev))
@@ -265,13 +253,13 @@ class GradientDecomposition(AttackBase):
     def reconstruct(self, view) -> Reconstruction:
         from scipy.optimize import nnls
 
-        from gradleak.models.text import causal_specials
+        from gradleak.models.text import encode_batch
 
         cands, tok = view.public.get("candidates"), view.public.get("tokenizer")
         if not cands:
             raise BadInput("threat.public_data", "the adaptive attack needs candidate samples.",
                            "grant threat.public_data=true and set data.nonmembers > 0.")
-        causal = view.public.get("model_kind") == "causal"
+        kind = view.public.get("model_kind")
         lm = view.public.get("model_task") == "lm"  # causal LM loss: no label to try
         model = copy.deepcopy(view.model).eval()
         params = dict(model.named_parameters())
@@ -296,11 +284,7 @@ class GradientDecomposition(AttackBase):
             target = torch.cat([view.rounds[-1][ci].tensors[n].reshape(-1).double().cpu() for n in names])
             cols = []
             for t in texts:
-                if causal:
-                    bos, eos = causal_specials(tok)
-                    ids = torch.tensor([[bos] + tok.encode(t, add_special_tokens=False) + [eos]], device=dev)
-                else:
-                    ids = torch.tensor([tok.encode(t, add_special_tokens=True)], device=dev)
+                ids = encode_batch(tok, kind, [t])["input_ids"].to(dev)
                 if lm:
                     out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
                     cols.append(self._flat(torch.autograd.grad(out.loss, plist, allow_unused=True), plist))

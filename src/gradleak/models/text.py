@@ -302,17 +302,20 @@ def use_mean_pooling(tm: "TextModel") -> None:
 
 
 def encode_texts(tm: TextModel, texts: list[str], max_length: int | None = None) -> dict[str, torch.Tensor]:
-    """Tokenise a batch the way the client does: [CLS] .. [SEP] for encoders, BOS .. EOS for causal LMs,
-    right padding with an attention mask. Raises BadInput when a sequence exceeds the context."""
-    tok = tm.tokenizer
-    limit = max_length or tm.max_length
-    if tm.kind == "causal":
+    """Tokenise a batch the way the client does (:func:`encode_batch` with the model's tokenizer and context)."""
+    return encode_batch(tm.tokenizer, tm.kind, texts, max_length or tm.max_length)
+
+
+def encode_batch(tok, kind: str, texts: list[str], limit: int | None = None) -> dict[str, torch.Tensor]:
+    """[CLS] .. [SEP] for encoders, BOS .. EOS for causal LMs (``kind == "causal"``), right padding with an
+    attention mask. Raises BadInput when a sequence exceeds ``limit`` (the model's context; None: no check)."""
+    if kind == "causal":
         bos, eos = causal_specials(tok)
         seqs = [[bos] + tok.encode(t, add_special_tokens=False) + [eos] for t in texts]
     else:
         seqs = [tok.encode(t, add_special_tokens=True) for t in texts]
     longest = max(len(s) for s in seqs)
-    if longest > limit:
+    if limit is not None and longest > limit:
         raise BadInput("data.max_length", f"a sequence of the batch has {longest} tokens but the model's context "
                        f"is {limit}.", "shorten the texts, filter long ones out, or use a model with a longer context.")
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
