@@ -210,7 +210,12 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     if mcfg.init_weights is None:
         mcfg = mcfg.model_copy(update={"init_weights": not A.rewrites_weights})
     extra_build = {"num_channels": cfg.image_channels} if modality == "image" else {}
-    handle = build(mcfg, modality, image_size=cfg.data.image_size, seed=cfg.seed, dtype=dtype, **extra_build)
+    if getattr(mcfg, "pretrain", None) is not None:
+        import sys
+
+        extra_build["progress"] = lambda msg: print(msg, file=sys.stderr, flush=True)
+    with ctx.stage("model" + (" (pretraining, cached after the first run)" if "progress" in extra_build else "")):
+        handle = build(mcfg, modality, image_size=cfg.data.image_size, seed=cfg.seed, dtype=dtype, **extra_build)
     apply_peft(handle, cfg.peft, seed=cfg.seed)
     if cfg.model.train_all:  # full fine-tuning (the leakage study's ResNet-18)
         for p in handle.model.parameters():

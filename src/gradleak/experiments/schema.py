@@ -61,6 +61,19 @@ class DataConfig(Strict):
     test_size: int = Field(0, ge=0, le=1_000_000, description="held-out samples for the final model's accuracy")
 
 
+class PretrainConfig(Strict):
+    """Central pretraining of a backbone on a split the clients never see (:mod:`gradleak.models.pretrain`)."""
+
+    data: str = Field("fashion-mnist", description="dataset of the pretraining images")
+    split: str = Field("test", description="its split (the clients draw images from the train split)")
+    images: int = Field(4096, ge=2, le=1_000_000, description="pretraining images (a seeded subset of the split)")
+    epochs: int = Field(3, ge=1, le=1000, description="passes over the pretraining images")
+    lr: float = Field(0.05, gt=0, le=10, description="SGD lr (cosine decay to 0)")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
+    batch_size: int = Field(64, ge=2, le=100_000, description="pretraining batch size")
+    seed: int = Field(0, ge=0, description="subset, shuffle and initialisation")
+
+
 class ModelConfig(Strict):
     name: str = "vit-b16"
     layers: Optional[int] = Field(None, ge=1, le=256, validation_alias=AliasChoices("layers", "num_layers"))
@@ -77,6 +90,8 @@ class ModelConfig(Strict):
                                         "grey, e.g. Fashion-MNIST; default 3); the data are converted to it")
     train_all: bool = Field(False, description="every parameter trains (full fine-tuning, with peft.kind=none), as the "
                             "leakage study's ResNet-18")
+    pretrain: Optional[PretrainConfig] = Field(None, description="resnet18: start from weights pretrained by us on a "
+                                               "split the clients never see (no pretrained ResNet exists offline)")
     # text
     task: Optional[Literal["classification", "lm"]] = None  # default: LM loss for causal models, else a class head
 
@@ -301,6 +316,19 @@ class ExperimentConfig(Strict):
             smallest = min(min(c["batch_size"], c["images"] % c["batch_size"] or c["batch_size"])
                            for c in self.client_plan())
             check_train_bn_input(self.data.image_size, self.data.image_size, smallest, field="data.image_size")
+        pt = self.model.pretrain
+        if pt is not None:
+            if self.model.name != "resnet18":
+                raise BadInput("model.pretrain", f"central pretraining is implemented for resnet18, not '{self.model.name}'.",
+                               "remove model.pretrain (the ViT presets are random-init or, vit-s14-pretrained, pretrained).")
+            from gradleak.data.sources import source_families
+
+            if (source_families(pt.data) & source_families(self.data.name)) and (pt.data != self.data.name
+                                                                                   or pt.split == "train"):
+                raise BadInput("model.pretrain.split", f"pretraining on '{pt.data}/{pt.split}' would share images with "
+                               f"the clients' '{self.data.name}' (they draw from its train split).",
+                               f"pretrain on another split (model.pretrain.split=test with data {self.data.name}) or "
+                               "on a dataset that shares no source image with data.name.")
 
     def _resolve_defense(self) -> None:
         from gradleak.defenses.training import TRAINING_DEFENSES

@@ -40,6 +40,7 @@ class RoundsOutcome:
     last_aggregate: Update | None = None  # the last round's aggregate (what the server applies next)
     client_seconds: float = 0.0  # clients' local training, all rounds
     server_hook_seconds: float = 0.0  # time in the attack's per-round hook
+    withheld: list[tuple[int, int]] = field(default_factory=list)  # (round, client id) of updates not sent
 
 
 def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str, lr: float, local_epochs: int = 1,
@@ -99,11 +100,18 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
                 upd = c.local_update(local, algorithm=algorithm, epochs=own.get("epochs", local_epochs), lr=lr_of(r),
                                      batch_size=own.get("batch_size", local_batch_size),
                                      defenses=defenses, seed=seed + r, in_place=True)
-            else:
-                upd = local_update(c, local, seed=seed + r)
-                for d in defenses:
-                    upd = d.apply(upd, {"client_id": c.client_id, "seed": seed + r, "lr": lr_of(r)})
+            else:  # a training-time defense's own step; it gets the client's public training configuration
+                upd = local_update(c, local, seed=seed + r, algorithm=algorithm, lr=lr_of(r), round_index=r,
+                                   epochs=own.get("epochs", local_epochs),
+                                   batch_size=own.get("batch_size", local_batch_size))
+                if upd is not None:
+                    for d in defenses:
+                        upd = d.apply(upd, {"client_id": c.client_id, "seed": seed + r, "lr": lr_of(r)})
             out.client_seconds += time.perf_counter() - t0
+            if upd is None:  # the client withheld its update this round (e.g. the RDLV filter): nothing is sent
+                out.withheld.append((r, c.client_id))
+                del local
+                continue
             if not all(bool(torch.isfinite(t).all()) for t in upd.tensors.values()):
                 from gradleak.errors import BadInput
 
@@ -111,11 +119,19 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
                                f"(lr = {lr}).", "lower fl.lr (or check the defenses' parameters).")
             ups.append(upd.map(lambda _, v: v.detach().cpu()))
             del local
-        out.last_aggregate = aggregate(ups)
+        if not ups:  # every client withheld: the model stays as it is
+            ref = next(iter(out.last_aggregate.tensors.values())) if out.last_aggregate is not None else None
+            names = [n for n, p in model.named_parameters() if p.requires_grad]
+            params = dict(model.named_parameters())
+            out.last_aggregate = Update({n: torch.zeros_like(params[n].detach().cpu(), dtype=ref.dtype if ref is not None
+                                                             else params[n].dtype) for n in names}, 0, -1,
+                                        "pseudo_gradient", 0)
+        else:
+            out.last_aggregate = aggregate(ups)
         if keep:
             out.rounds.append(ups)
             if secure_aggregation:
-                out.secure_sums.append(secure_aggregate(ups, seed=seed + 7 * r + 1))
+                out.secure_sums.append(secure_aggregate(ups, seed=seed + 7 * r + 1) if ups else out.last_aggregate)
     return out
 
 

@@ -86,7 +86,7 @@ for _n, _s in VIT_PRESETS.items():
 
 @MODELS.register("resnet18", "ResNet-18 (transformers, basic blocks, 20 BatchNorm layers), random init, grey or RGB")
 def _build_resnet18(mcfg, *, image_size: int, seed: int, dtype: str, num_channels: int | None = None,
-                    **_: Any) -> ModelHandle:
+                    progress: Any = None, **_: Any) -> ModelHandle:
     """``num_channels``: the builder's keyword, else ``model.num_channels`` if the schema has it, else 1 (grey)."""
     import torch
 
@@ -95,8 +95,16 @@ def _build_resnet18(mcfg, *, image_size: int, seed: int, dtype: str, num_channel
     channels = num_channels or getattr(mcfg, "num_channels", None) or 1
     model = resnet18(num_classes=mcfg.num_classes, num_channels=channels, image_size=image_size, seed=seed,
                      dtype=torch.float64 if dtype == "float64" else torch.float32)
-    return ModelHandle(model, "image", "resnet18", "image", HIDDEN_SIZES[-1], 4,
-                       info={"image_size": image_size, "num_channels": channels, "batchnorm_layers": 20})
+    info = {"image_size": image_size, "num_channels": channels, "batchnorm_layers": 20}
+    spec = getattr(mcfg, "pretrain", None)
+    if spec is not None:  # weights pretrained by us on a split the clients never see (gradleak.models.pretrain)
+        from gradleak.models.pretrain import pretrained
+
+        arch = {"name": "resnet18", "image_size": image_size, "channels": channels, "classes": mcfg.num_classes,
+                "seed": seed, "dtype": dtype}
+        info.update(pretrained(model, spec.model_dump(), arch, image_size=image_size, channels=channels,
+                               num_classes=mcfg.num_classes, progress=progress))
+    return ModelHandle(model, "image", "resnet18", "image", HIDDEN_SIZES[-1], 4, info=info)
 
 
 _build_resnet18.modality = "image"
