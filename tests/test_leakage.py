@@ -67,8 +67,16 @@ def test_bn_aware_functions_refuse_a_model_without_batchnorm():
     net = nn.Sequential(nn.Flatten(), nn.Linear(16, 3))
     with pytest.raises(BadInput, match="no BatchNorm"):
         batchnorm_layers(net)
-    with pytest.raises(BadInput, match="no BatchNorm"):
-        simulate_local_training(net, torch.rand(2, 1, 4, 4), torch.tensor([0, 1]), lr=0.1)
+    # the simulation itself runs without BN (the matching term alone: the GroupNorm model DP-SGD needs) ...
+    sim = simulate_local_training(net, torch.rand(2, 1, 4, 4), torch.tensor([0, 1]), lr=0.1)
+    assert sim.combined_stats == {} and set(sim.pseudo_gradient) == {"1.weight", "1.bias"}
+    # ... but the BN-aware attack refuses such a model unless told to use the matching term alone
+    from gradleak.attacks.bn_inversion import BNInversion, BNInversionConfig
+
+    with pytest.raises(BadInput, match="no BatchNorm") as e:
+        BNInversion(BNInversionConfig()).prepare(net, None)
+    assert e.value.field == "model.name" and "gradient_only" in e.value.fix
+    BNInversion(BNInversionConfig(ablation="gradient_only")).prepare(net, None)
 
 
 # ------------------------------------------------------------------------------- BN statistics inference

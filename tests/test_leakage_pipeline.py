@@ -150,7 +150,7 @@ def test_num_channels_is_refused_for_a_vit_and_the_shipped_config_validates():
     assert e.value.field == "model.num_channels"
     _, cfg = validate(load_yaml(LEAKAGE), ["seed=3", "defense.sigma0=25"])
     assert cfg.seed == 3 and cfg.training_defense.cfg.sigma0 == 25 and cfg.image_channels == 1
-    assert [c["images"] for c in cfg.client_plan()] == [8, 4, 1]
+    assert [c["images"] for c in cfg.client_plan()] == [8, 8, 1]
 
 
 def test_bn_inversion_refuses_a_model_without_batchnorm(tmp_path):
@@ -202,7 +202,10 @@ def test_shipped_leakage_config_runs_through_gradleak_run_with_overrides(tmp_pat
     assert m["rdlv_low_client0"] <= m["rdlv_client0"] <= m["rdlv_high_client0"]
     assert -1.0 <= m["ssim_client0"] <= 1.0 and m["noise_sigma0"] == 5.0
     assert r["config"]["seed"] == 1 and r["config"]["defense"]["sigma0"] == 5.0
-    assert (tmp_path / "leakage_client1_round1.png").exists()
+    assert (tmp_path / "reconstructions_client1_round1.png").exists()
+    assert not (tmp_path / "tsne.png").exists()  # metrics.iip=false: no features, no t-SNE map
+    html = (tmp_path / "report.html").read_text()
+    assert "Leakage per client and round</h2>" in html and "RDLV [low, high]" in html
 
 
 def test_bn_inversion_view_holds_the_checkpoint_and_the_stale_ablation_reads_an_older_one(tmp_path, monkeypatch):

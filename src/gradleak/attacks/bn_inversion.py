@@ -126,16 +126,18 @@ def simulate_local_training(model: nn.Module, images: torch.Tensor, labels: torc
         if not base[n].requires_grad:
             base[n] = base[n].detach().requires_grad_(True)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # BN updates these in place, not the model's
-    bn = batchnorm_layers(model)
+    bn = {n: m for n, m in model.named_modules()  # none in a GroupNorm model (DP-SGD): no statistics to record
+          if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats}
     layer_weights = {n: normalised_step_weights(mod.momentum, len(schedule), bn_momentum_steps_before)
                      for n, mod in bn.items()}  # each layer's own momentum
-    weights = next(iter(layer_weights.values()))
+    weights = (next(iter(layer_weights.values())) if layer_weights
+               else torch.full((len(schedule),), 1.0 / len(schedule), dtype=torch.float64))
     current = dict(base)
     total: dict[str, torch.Tensor] = {}
     losses = []
     was_training = model.training
     model.train()
-    rec = BatchStatsRecorder(model)
+    rec = BatchStatsRecorder(model, allow_none=True)
     try:
         with rec:
             for k, idx in enumerate(schedule):
@@ -327,7 +329,7 @@ def measure_iteration_cost(model: nn.Module, images: torch.Tensor, labels: torch
 
 # ============================================================================================ the attack
 
-ABLATIONS = ("none", "gradient_only", "bn_only", "stale_checkpoint", "fixed_bn")
+ABLATIONS = ("none", "gradient_only", "bn_only", "stale_checkpoint", "fixed_bn", "single_step_bn")
 
 
 class BNInversionConfig(AttackConfig):
@@ -347,9 +349,11 @@ class BNInversionConfig(AttackConfig):
     bn_loss: Literal["norm", "squared"] = Field("norm", description="Σ‖μ̂ − μ‖ + ‖σ̂² − σ²‖ (NVFlare) or squared norms")
     labels: Literal["soft", "from_head"] = Field("soft", description="optimised soft labels (random init), or hard "
                                                   "labels read from the head-bias update")
-    ablation: Literal["none", "gradient_only", "bn_only", "stale_checkpoint", "fixed_bn"] = Field(
+    ablation: Literal["none", "gradient_only", "bn_only", "stale_checkpoint", "fixed_bn", "single_step_bn"] = Field(
         "none", description="gradient_only: no BN term; bn_only: no matching term; stale_checkpoint: simulate from "
-        "the checkpoint stale_rounds earlier; fixed_bn: BN targets = the checkpoint's running statistics (prior work)")
+        "the checkpoint stale_rounds earlier; fixed_bn: BN targets = the checkpoint's running statistics (prior work); "
+        "single_step_bn: the public code's one-step BN inference (x = (new − (1 − m) old)/m) against the candidates' "
+        "per-step statistics averaged uniformly (wrong for clients that took several steps)")
     stale_rounds: int = Field(1, ge=1, description="stale_checkpoint: how many rounds old the checkpoint is")
     prior: Literal["dataset_mean", "gray"] = Field("dataset_mean", description="initial image: the dataset mean image "
                                                    "(public_data) or uniform grey 0.5")
@@ -476,7 +480,13 @@ class BNInversion(AttackBase):
 
     # ---- round protocol
     def prepare(self, model, threat):
-        batchnorm_layers(model, field="model.name")  # BadInput for a model without BatchNorm
+        if self.cfg.ablation != "gradient_only":  # BadInput for a model without BatchNorm
+            try:
+                batchnorm_layers(model, field="model.name")
+            except BadInput as e:
+                raise BadInput("model.name", e.problem, "use a BatchNorm model (model.name: resnet18 with model.norm: "
+                               "batch), or attack.ablation=gradient_only (the matching term alone, e.g. on the "
+                               "GroupNorm model DP-SGD needs).") from None
         return model
 
     def _targets(self, total: int) -> list[int]:
@@ -514,23 +524,28 @@ class BNInversion(AttackBase):
         kept = [r for r in range(total) if self.observes_round(r, total)][:len(view.rounds)]
         index = {r: i for i, r in enumerate(kept)}
         prior = self._prior(view)
-        results, timings = [], {"inversion_seconds": 0.0}
+        results, timings, missing = [], {"inversion_seconds": 0.0}, []
         for r in self._targets(total):
             if r not in index:
                 raise BadInput("threat.rounds_observed", f"round {r} is not in the server view.",
                                "observe the attacked rounds (raise threat.rounds_observed).")
             ups = view.rounds[index[r]]
             state = view.round_states[index[self._checkpoint_round(r)]]
-            wanted = self.cfg.clients if self.cfg.clients is not None else [u.client_id for u in ups]
+            every = list(range(int(self.fl.get("clients") or 0))) or [u.client_id for u in ups]
+            wanted = self.cfg.clients if self.cfg.clients is not None else every  # a withheld one: reported, not skipped
             by_id = {u.client_id: u for u in ups}
             for c in wanted:
                 if c not in by_id:
-                    raise BadInput("attack.clients", f"client {c} has no update in round {r}.",
-                                   f"attack observed clients only: {sorted(by_id)}.")
+                    if 0 <= c < int(self.fl.get("clients") or 0):  # a client that withheld its update this round
+                        missing.append((int(c), int(r)))
+                        continue
+                    raise BadInput("attack.clients", f"client {c} does not exist.",
+                                   f"attack clients 0..{int(self.fl.get('clients') or 1) - 1}.")
                 t0 = time.perf_counter()
                 results.append(self._invert(view, by_id[c], state, r, prior))
                 timings["inversion_seconds"] += time.perf_counter() - t0
         info = {"attacked": [(d["client"], d["round"]) for d in results], "ablation": self.cfg.ablation,
+                "no_update": missing,  # (client, round) pairs the server received nothing from
                 "prior": self.cfg.prior, "timings": timings,
                 "terms": {f"client{d['client']}_round{d['round']}": d["terms"] for d in results}}
         return Reconstruction({"per_client": results, "prior": prior}, info)
@@ -559,7 +574,7 @@ class BNInversion(AttackBase):
 
     def _invert(self, view, upd, state: Mapping[str, torch.Tensor], r: int, prior: torch.Tensor) -> dict:
         cfg = self.cfg
-        if upd.buffers is None:
+        if upd.buffers is None and cfg.ablation != "gradient_only":
             raise BadInput("updates", f"client {upd.client_id}'s update in round {r} carries no BatchNorm running "
                            "statistics, so the BN-aware attack has no BN targets.",
                            "let the clients train in train mode and send their BN buffers (gradleak's round protocol "
@@ -577,13 +592,14 @@ class BNInversion(AttackBase):
             params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
             for k, v in state.items():
                 (params.get(k) if k in params else buffers.get(k)).copy_(v.to(dev))
-        bn = batchnorm_layers(model, field="model.name")
-        old = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        new = dict(old)
-        for k, d in upd.buffers.items():
-            new[k] = (old[k].to(torch.float64) + d.to(dev, torch.float64)).to(old[k].dtype)
         steps = len(schedule)
-        targets = infer_bn_targets(model, old, new, steps=steps)
+        targets = None
+        if cfg.ablation != "gradient_only":  # the BN targets (gradient_only reads none: the model may have no BN)
+            old = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            new = dict(old)
+            for k, d in upd.buffers.items():
+                new[k] = (old[k].to(torch.float64) + d.to(dev, torch.float64)).to(old[k].dtype)
+            targets = infer_bn_targets(model, old, new, steps=1 if cfg.ablation == "single_step_bn" else steps)
         if cfg.ablation == "fixed_bn":
             targets = {k: BNTarget(old[f"{k}.running_mean"].to(torch.float64), old[f"{k}.running_var"].to(torch.float64),
                                    t.steps, t.weights) for k, t in targets.items()}
@@ -611,6 +627,9 @@ class BNInversion(AttackBase):
         def objective():
             lab = torch.softmax(leaves[1], 1) if hard is None else hard
             sim = simulate_local_training(model, v, lab, lr=lr, schedule=schedule, param_names=names)
+            if cfg.ablation == "single_step_bn":  # like with unlike: uniform mean of the steps vs the one-step target
+                uniform = torch.full((steps,), 1.0 / steps, dtype=torch.float64)
+                sim.combined_stats = combined_candidate_stats(sim.step_stats, uniform)
             return inversion_objective(sim, observed if w.matching else None, targets if w.bn else None, v, w,
                                        kind=kind, matching=cfg.matching, bn_form=cfg.bn_loss)
 

@@ -175,8 +175,9 @@ class BatchStatsRecorder:
     :meth:`new_step` starts the next simulated local step; ``steps[k][layer] = (mean, var)``.
     """
 
-    def __init__(self, model: nn.Module, layers: Iterable[str] | None = None):
-        bn = batchnorm_layers(model)
+    def __init__(self, model: nn.Module, layers: Iterable[str] | None = None, allow_none: bool = False):
+        bn = ({n: m for n, m in model.named_modules() if isinstance(m, _BN) and m.track_running_stats} if allow_none
+              else batchnorm_layers(model))  # allow_none: a model without BN (GroupNorm under DP-SGD) records nothing
         self.layers = {n: bn[n] for n in (layers if layers is not None else bn)}
         self.steps: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
         self._handles: list = []
@@ -215,7 +216,7 @@ def combined_candidate_stats(steps: Sequence[Mapping[str, tuple[torch.Tensor, to
                              weights: torch.Tensor | Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, ``(Σ ŵ_k μ̂_k, Σ ŵ_k σ̂²_k)`` of recorded per-step statistics; ``weights``: one vector for
     all layers, or one per layer (layers with different momenta)."""
-    layers = steps[0].keys()
+    layers = steps[0].keys() if steps else ()
 
     def w(n: str) -> torch.Tensor:
         return weights[n] if isinstance(weights, Mapping) else weights

@@ -174,66 +174,175 @@ class DPSGDParams(DefenseParams):
     delta: float = Field(1e-5, gt=0, lt=1, description="δ of the reported (ε, δ)")
 
 
+def _refuse_batchnorm(model) -> None:
+    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        raise BadInput("model.norm", "DP-SGD needs per-sample gradients, but the model has BatchNorm layers, which mix "
+                       "the samples of a batch (Opacus refuses them); the defense does not convert them silently.",
+                       "set model.norm=group (resnet18 with GroupNorm instead of BatchNorm).")
+
+
 @TRAINING_DEFENSES.register("dpsgd", "DP-SGD (Opacus per-sample gradients): clip each sample to C, add N(0, σ²C²)")
 class DPSGD(TrainingDefense):
-    """DP-SGD as the client's local step (FedSGD): Opacus' ``GradSampleModule`` gives per-sample gradients of
-    the trainable parameters, each clipped to ``max_grad_norm`` in total L2 norm; their sum plus Gaussian
-    noise of std σ·C, divided by B, is the upload. ε is accounted by Opacus' RDP accountant per client with
-    sampling rate 1 (each client uses its whole local batch every round), one step per round, and reported
-    as ``metrics.dp_epsilon`` at ``delta``."""
+    """DP-SGD as the client's local training, for text and image clients. Every step: Opacus'
+    ``GradSampleModule`` gives the per-sample gradients of the trainable parameters on the step's batch of B
+    samples, each clipped to ``max_grad_norm`` = C in total L2 norm; their sum plus Gaussian noise N(0, σ²C²)
+    (σ = ``noise_multiplier``; float64, a generator seeded from the experiment seed, the client id and the
+    round's seed), divided by B, is the step's private gradient.
+
+    * **FedSGD** (``fl.algorithm=fedsgd``): one step on the client's whole local batch; the private gradient is
+      the upload (``kind="gradient"``).
+    * **FedAvg** (``fedavg``): ``epochs`` passes of minibatches of ``batch_size`` (the protocol's per-client
+      settings), shuffled exactly as :meth:`gradleak.fl.core.Client.local_update` does (``torch.randperm`` from
+      a generator seeded with the round's seed, so without noise and clipping the upload equals the plain
+      FedAvg client's); each step is plain SGD with ``lr`` on the private gradient (B is the step's actual batch
+      size, smaller for a last partial batch, as the plain client's mean loss). The upload is the
+      pseudo-gradient (θ0 − θK)/lr, the change accumulated in float64 (``kind="pseudo_gradient"``, K steps).
+
+    The model must have no BatchNorm (BadInput naming ``model.norm``: use ``model.norm=group``).
+
+    Accounting: one Opacus ``RDPAccountant`` per client, one accountant step per local step with sampling rate
+    q = B / (the client's images) — FedSGD: q = 1, one step per round. The clients' shuffled fixed-size batches
+    are accounted as Poisson sampling at rate q, the usual approximation (Opacus does the same for shuffled
+    data loaders); the rounds compose. ``report`` gives ``dp_epsilon`` at ``delta`` of the worst client (the
+    largest ε), ``dp_epsilon_client{c}`` and ``dp_steps_client{c}`` per client and ``dp_rounds``; ε is
+    infinite with ``noise_multiplier`` = 0. The accountants restart after each report (one per trial)."""
 
     Config = DPSGDParams
+    modalities = ("text", "image")
+
+    def check_experiment(self, cfg) -> None:
+        """Refuse a BatchNorm ResNet-18 at validation (before the model, or its pretraining, is built)."""
+        model = getattr(cfg, "model", None)
+        if model is not None and model.name == "resnet18" and getattr(model, "norm", "batch") == "batch":
+            raise BadInput("model.norm", "DP-SGD needs per-sample gradients, but resnet18 with model.norm=batch has "
+                           "BatchNorm layers, which mix the samples of a batch (Opacus refuses them).",
+                           "set model.norm=group (GroupNorm instead of BatchNorm).")
 
     def apply(self, handle, experiment_cfg, data=None) -> None:
         try:
             import opacus  # noqa: F401
         except ModuleNotFoundError:
             raise BadInput("defense.name", "DP-SGD needs the `opacus` package.", "pip install 'gradleak[dp]'.") from None
-        if experiment_cfg.fl.algorithm != "fedsgd":
-            raise BadInput("fl.algorithm", "the DP-SGD defense is implemented for FedSGD clients (one local step).",
-                           "use fl.algorithm=fedsgd.")
+        _refuse_batchnorm(handle.model)
         self.rounds = 0
         self.seed = experiment_cfg.seed
+        self._reset_accounting()
 
-    def local_update(self, client, model, *, seed: int, **_: Any):
+    def _reset_accounting(self) -> None:
+        self.rounds = 0
+        self.accountants: dict[int, Any] = {}
+        self.steps: dict[int, int] = {}
+
+    def _account(self, client_id: int, sample_rate: float, steps: int = 1) -> None:
+        from opacus.accountants import RDPAccountant
+
+        if not hasattr(self, "steps"):  # local_update called without apply (tests)
+            self._reset_accounting()
+        acc = self.accountants.setdefault(client_id, RDPAccountant())
+        self.steps[client_id] = self.steps.get(client_id, 0) + steps
+        if self.cfg.noise_multiplier > 0:
+            for _ in range(steps):
+                acc.step(noise_multiplier=self.cfg.noise_multiplier, sample_rate=sample_rate)
+
+    def _private_gradient(self, gsm, loss_fn, x, y, params, gen) -> list[torch.Tensor]:
+        """Σ_i clip_C(g_i) + N(0, σ²C²), divided by B: one float64 tensor per parameter (flattened)."""
+        import warnings
+
+        c = self.cfg
+        for p in params:
+            p.grad_sample, p.grad = None, None
+        with warnings.catch_warnings():  # the stem's hook fires on the images, which need no gradient
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            loss = loss_fn(gsm, x, y)
+            loss.backward()
+        per = [p.grad_sample.reshape(len(x), -1).double() if p.grad_sample is not None
+               else torch.zeros(len(x), p.numel(), dtype=torch.float64, device=p.device) for p in params]  # B × |p|
+        norms = torch.sqrt(sum((g ** 2).sum(1) for g in per))
+        scale = (c.max_grad_norm / norms.clamp_min(1e-12)).clamp(max=1.0)
+        out = []
+        for g in per:
+            summed = (g * scale[:, None]).sum(0)
+            noise = torch.randn(summed.shape, generator=gen, dtype=torch.float64) * (c.noise_multiplier * c.max_grad_norm)
+            out.append((summed + noise.to(summed.device)) / len(x))
+        for p in params:
+            p.grad_sample, p.grad = None, None
+        return out
+
+    def local_update(self, client, model, *, seed: int, algorithm: str = "fedsgd", lr: float | None = None,
+                     epochs: int = 1, batch_size: int | None = None, **_: Any):
         from opacus import GradSampleModule
 
         from gradleak.fl.core import Update
 
-        c = self.cfg
+        _refuse_batchnorm(model)
+        if algorithm not in ("fedsgd", "fedavg"):
+            raise BadInput("fl.algorithm", f"unknown algorithm '{algorithm}'.", "use 'fedsgd' or 'fedavg'.")
         model.train()
-        gsm = GradSampleModule(model, batch_first=True, loss_reduction="mean")
-        x, y = client._inputs, client._labels
+        device = next(model.parameters()).device
+        x, y = client._inputs.to(device), client._labels.to(device)
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         params = [p for p in model.parameters() if p.requires_grad]
-        loss = client.loss_fn(gsm, x, y)
-        loss.backward()
-        per = [p.grad_sample.reshape(len(x), -1).double() for p in params]  # B × |p| each
-        norms = torch.sqrt(sum((g ** 2).sum(1) for g in per))
-        scale = (c.max_grad_norm / norms.clamp_min(1e-12)).clamp(max=1.0)
-        gen = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + int(client.client_id) * 7_919 + int(seed))
-        tensors = {}
-        for n, p, g in zip(names, params, per):
-            summed = (g * scale[:, None]).sum(0)
-            noise = torch.randn(summed.shape, generator=gen, dtype=torch.float64) * (c.noise_multiplier * c.max_grad_norm)
-            tensors[n] = ((summed + noise) / len(x)).reshape(p.shape).to(p.dtype)
-        gsm._close()
+        gen = torch.Generator().manual_seed(int(getattr(self, "seed", 0)) * 1_000_003 + int(client.client_id) * 7_919
+                                            + int(seed))
+        gsm = GradSampleModule(model, batch_first=True, loss_reduction="mean")
+        try:
+            if algorithm == "fedsgd":
+                grads = self._private_gradient(gsm, client.loss_fn, x, y, params, gen)
+                tensors = {n: g.reshape(p.shape).to(p.dtype) for n, p, g in zip(names, params, grads)}
+                upd = Update(tensors, len(x), client.client_id, "gradient", 1)
+                self._account(client.client_id, 1.0)
+            else:
+                if lr is None:
+                    raise BadInput("fl.lr", "FedAvg DP-SGD clients need the round's learning rate.", "pass lr=...")
+                bs = min(int(batch_size or len(x)), len(x))
+                rate = bs / len(x)
+                before = [p.detach().to(torch.float64).clone() for p in params]
+                moved = [torch.zeros_like(b) for b in before]
+                order_gen = torch.Generator().manual_seed(int(seed))  # Client.local_update's shuffle
+                steps = 0
+                for _ in range(int(epochs)):
+                    order = torch.randperm(len(x), generator=order_gen)
+                    for i in range(0, len(x), bs):
+                        idx = order[i:i + bs].to(device)
+                        grads = self._private_gradient(gsm, client.loss_fn, x[idx], y[idx], params, gen)
+                        with torch.no_grad():
+                            for p, b, m, g in zip(params, before, moved, grads):
+                                m += lr * g.reshape(p.shape)
+                                p.copy_((b - m).to(p.dtype))
+                        steps += 1
+                        self._account(client.client_id, rate)
+                tensors = {n: m / lr for n, m in zip(names, moved)}  # float64, as Client.local_update's
+                upd = Update(tensors, len(x), client.client_id, "pseudo_gradient", steps)
+        finally:
+            gsm._close()
         model.eval()
         if client.client_id == 0:
             self.rounds += 1
-        return Update(tensors, len(x), client.client_id, "gradient", 1)
+        return upd
 
     def report(self, rounds) -> dict[str, float]:
         from opacus.accountants import RDPAccountant
 
-        if self.cfg.noise_multiplier == 0:
-            self.rounds = 0
-            return {"dp_epsilon": float("inf")}
-        acc = RDPAccountant()
-        for _ in range(max(self.rounds, 1)):
-            acc.step(noise_multiplier=self.cfg.noise_multiplier, sample_rate=1.0)
-        out = {"dp_epsilon": float(acc.get_epsilon(self.cfg.delta)), "dp_rounds": float(self.rounds)}
-        self.rounds = 0  # reported once per trial; the next trial trains from the start again
+        sigma = self.cfg.noise_multiplier
+        if not hasattr(self, "steps"):
+            self._reset_accounting()
+        out: dict[str, float] = {}
+        if not self.steps:  # no local step recorded: one full-batch step, as before per-client accounting
+            acc = RDPAccountant()
+            if sigma > 0:
+                acc.step(noise_multiplier=sigma, sample_rate=1.0)
+            eps = {}
+            worst = float(acc.get_epsilon(self.cfg.delta)) if sigma > 0 else float("inf")
+        else:
+            eps = {c: (float(self.accountants[c].get_epsilon(self.cfg.delta)) if sigma > 0 else float("inf"))
+                   for c in sorted(self.steps)}
+            worst = max(eps.values())
+        out["dp_epsilon"] = worst
+        out["dp_rounds"] = float(self.rounds)
+        for c, e in eps.items():
+            out[f"dp_epsilon_client{c}"] = e
+            out[f"dp_steps_client{c}"] = float(self.steps[c])
+        self._reset_accounting()  # reported once per trial; the next trial trains from the start again
         return out
 
 
@@ -382,3 +491,6 @@ class PercentileNoise(TrainingDefense):
 
     def report(self, rounds) -> dict[str, float]:
         return {"noise_sigma0": float(self.cfg.sigma0)}
+
+
+from gradleak.defenses import filter as _rdlv_filter  # noqa: E402,F401  (registers rdlv_filter)

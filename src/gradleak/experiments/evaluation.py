@@ -189,14 +189,19 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
       (> 0: some other client leaks beyond its interval); NaN when no other client was attacked.
     """
     from gradleak.metrics.leakage import identifiability_precision, rdlv
-    from gradleak.report import save_image_grid
+    from gradleak.report.leakage import save_reconstruction_grid
 
     if truth.client_inputs is None:
         raise ValueError("the leakage evaluation needs every client's images (pipeline bug)")
     originals = [x.to(torch.float64).cpu() for x in truth.client_inputs]
     val = truth.client_validation or [x[:0] for x in originals]
     prior = rec.data["prior"].to(torch.float64).cpu()
-    per = rec.data["per_client"]
+    per = list(rec.data["per_client"])
+    withheld = {(int(c), int(r)) for c, r in (rec.info.get("no_update") or [])}
+    for c, r in sorted(withheld):  # the client sent nothing: the server's best guess is the prior itself (RDLV 0)
+        per.append({"client": c, "round": r, "images": prior.expand(len(originals[c]), *prior.shape).clone(),
+                    "steps": 0, "withheld": True})
+    per.sort(key=lambda d: (d["round"], d["client"]))
     use_iip = cfg.metrics.iip
     pool_feats = owner = is_train = None
     if use_iip:
@@ -210,6 +215,7 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
         offsets = torch.cumsum(torch.tensor([0] + [len(x) for x in pool]), 0)
     metrics: dict[str, float] = {}
     rows, figs, arts = [], [], []
+    rec_feats: dict = {}  # (client, round) → reconstruction features (IIP), reused by the t-SNE map
     last_round = max(d["round"] for d in per) if per else None
     suffix = "" if trial == 0 else f"_trial{trial}"
     for d in per:
@@ -219,26 +225,32 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
                 "rdlv": res.mean, "rdlv_low": res.low, "rdlv_high": res.high, "rdlv_max": res.max}
         if use_iip:
             own = pool_feats[int(offsets[2 * c]):int(offsets[2 * c + 1])]
-            ip = identifiability_precision(image_features(x.float()), pool_feats, owner, is_train, c,
-                                           original_features=own)
+            feats = image_features(x.float())
+            if not d.get("withheld"):  # kept for the t-SNE map (the features are not computed twice)
+                rec_feats[(c, r)] = feats
+            ip = identifiability_precision(feats, pool_feats, owner, is_train, c, original_features=own)
             vals.update({"iip": ip.iip, "iip_matched_cosine": ip.matched_cosine,
                          "iip_nearest_cosine": float(ip.nearest_cosine.mean())})
+        vals["withheld"] = float(bool(d.get("withheld")))
         for k, v in vals.items():
             metrics[f"{k}_client{c}_round{r}"] = float(v)
             if r == last_round:
                 metrics[f"{k}_client{c}"] = float(v)
         rows.append({"client": c, "round": r, "images": len(originals[c]), "steps": d.get("steps"),
-                     **{k: round(float(v), 4) for k, v in vals.items()}, "leaks": "yes" if res.leaks else "no"})
-        if r == last_round:
-            side = originals[c].shape[-1]
-            name = f"leakage_client{c}_round{r}{suffix}.png"
+                     **{k: round(float(v), 4) for k, v in vals.items() if k != "withheld"},
+                     "leaks": "withheld (nothing sent)" if d.get("withheld") else ("yes" if res.leaks else "no")})
+        metrics[f"images_client{c}_round{r}"] = float(len(originals[c]))  # the report's per-client table
+        if d.get("steps") is not None:
+            metrics[f"local_steps_client{c}_round{r}"] = float(d["steps"])
+        if not d.get("withheld"):  # every attacked (client, round): prior, originals over best-matching reconstructions
+            name = f"reconstructions_client{c}_round{r}{suffix}.png"
             show = min(len(originals[c]), 16)
-            order = res.matched_index[:show]  # each original next to its best reconstruction
-            save_image_grid(torch.cat([originals[c][:show], x[order]]).float(), out_dir / name, nrow=show,
-                            upscale=max(1, 96 // side))
-            figs.append({"title": f"client {c}, round {r}: originals (top) and reconstructions (bottom)", "path": name,
+            save_reconstruction_grid(originals[c], x, prior, out_dir / name, order=res.matched_index, max_images=show)
+            figs.append({"title": f"client {c}, round {r}: prior (first column), originals (top), reconstructions "
+                         "(bottom)", "path": name,
                          "caption": f"RDLV {res.mean:+.3f} [{res.low:+.3f}, {res.high:+.3f}], SSIM {vals['ssim']:.3f} "
-                         f"vs prior {vals['ssim_prior']:.3f}"})
+                         f"vs prior {vals['ssim_prior']:.3f}" + (f"; first {show} of {len(originals[c])} originals"
+                                                                if show < len(originals[c]) else "")})
             arts.append(name)
     attacked = sorted({d["client"] for d in per if d["round"] == last_round})
     sizes = [len(x) for x in originals]
@@ -266,9 +278,41 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
         notes.append(f"adjusted IIP: nearest neighbour (cosine of {BACKBONE_NAME} features) among all clients' training "
                      f"and validation images ({int(len(owner))} in the pool) must be a training image of the attacked "
                      "client; the paper's embedding network is unnamed (A4.4).")
+        if rec_feats:  # t-SNE of the IIP's features: all clients' training images and the reconstructions
+            _tsne_figure(pool_feats, offsets, len(originals), rec_feats, cfg.seed, BACKBONE_NAME,
+                         out_dir / f"tsne{suffix}.png", figs, arts, notes)
     columns = list(rows[0]) if rows else []
     tables = [{"title": "Leakage per client and round (bn_inversion)", "columns": columns, "rows": rows}]
     return Evaluation(metrics, figs, tables, arts, notes=notes)
+
+
+def _tsne_figure(pool_feats, offsets, n_clients: int, rec_feats: dict, seed: int, backbone: str, path: Path,
+                 figs: list, arts: list, notes: list) -> None:
+    """Embed every client's training-image features and the reconstructions' (those the IIP computed) jointly
+    with t-SNE and save the map to ``path``; skipped with a note when scikit-learn or matplotlib is missing."""
+    groups, meta = {}, {}
+    for c in range(n_clients):  # pool order per client: training, then validation
+        groups[f"client {c} training"] = pool_feats[int(offsets[2 * c]):int(offsets[2 * c + 1])]
+        meta[f"client {c} training"] = {"client": c, "reconstruction": False}
+    for (c, r), f in sorted(rec_feats.items()):
+        groups[f"client {c} reconstruction (round {r})"] = f
+        meta[f"client {c} reconstruction (round {r})"] = {"client": c, "reconstruction": True}
+    try:
+        from gradleak.metrics.leakage import tsne_embedding
+        from gradleak.report.leakage import save_tsne_plot
+
+        emb = tsne_embedding(groups, seed=seed)
+        written = save_tsne_plot(emb, path, meta, title=f"t-SNE of {backbone} features")
+        why = "matplotlib is not installed"
+    except ImportError as err:
+        written, why = None, f"{err.name or err} is not installed"
+    if written is None:
+        notes.append(f"t-SNE map skipped: {why}.")
+        return
+    figs.append({"title": "t-SNE: training images (dots) and reconstructions (crosses), coloured by client",
+                 "path": path.name, "caption": f"{sum(len(v) for v in emb.values())} points; {backbone} features "
+                 f"(those the IIP uses), seed {seed}"})
+    arts.append(path.name)
 
 
 # ------------------------------------------------------------------------------------------------ text

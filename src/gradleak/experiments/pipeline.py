@@ -91,6 +91,9 @@ class ImageData:
         sizes = [p["images"] for p in c.client_plan()]
         return sizes, c.data.validation_size, (c.data.prior_size if self.wants_prior else 0)
 
+    def _test_size(self) -> int:
+        return self.cfg.data.test_size
+
     @property
     def wants_prior(self) -> bool:
         """Whether the attack reads a domain prior image (granted under threat.public_data)."""
@@ -98,13 +101,22 @@ class ImageData:
 
     def clients(self, trial: int, num_classes: int):
         sizes, val, prior = self._layout()
-        imgs, labels = self._load(trial, sum(sizes) + val * len(sizes) + prior)
+        test = self._test_size()
+        imgs, labels = self._load(trial, sum(sizes) + val * len(sizes) + prior + test)
         out, a = [], 0
         for n in sizes:
             out.append((imgs[a:a + n], labels[a:a + n] % num_classes))
             a += n
-        self._extra = (imgs[a:a + val * len(sizes)], imgs[a + val * len(sizes):])
+        b = a + val * len(sizes)
+        self._extra = (imgs[a:b], imgs[b:b + prior])
+        self._test = (imgs[b + prior:b + prior + test], labels[b + prior:b + prior + test] % num_classes)
         return out
+
+    def test(self, num_classes: int):
+        """``data.test_size`` held-out labelled images (after :meth:`clients`, disjoint from every other chunk) for the
+        global model's accuracy (leakage experiments: the privacy–utility trade-off), or None."""
+        x, y = getattr(self, "_test", (None, None))
+        return (x, y) if x is not None and len(x) else None
 
     def validation(self) -> list[torch.Tensor]:
         """Each client's validation images (after :meth:`clients`): the identifiability pool's second half."""
@@ -292,16 +304,17 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
             if A.reconstruction == "leakage":  # every client's training and validation images (per-client evaluation)
                 tr.client_inputs = [b[0] for b in batches]
                 tr.client_validation = data.validation()
-                tr.client_steps = [u.local_steps for u in outcome.rounds[-1]] if outcome.rounds else None
+                tr.client_steps = [p["epochs"] * -(-p["images"] // p["batch_size"]) for p in cfg.client_plan()]
             ev = evaluate(A.reconstruction, tr, rec, cfg, ctx.out_dir, trial)
             if hasattr(defense, "layer_condition"):
                 from gradleak.experiments.evaluation import split_by_guarantee
 
                 split_by_guarantee(ev, defense.layer_condition(view.rounds))
             ev.metrics.update(defense.report(view.rounds))
-            test = data.test(mcfg.num_classes) if modality == "text" else None
+            test = data.test(mcfg.num_classes)
             if test is not None:
-                ev.metrics.update(_utility(handle, model, outcome, cfg, test, dev))
+                ev.metrics.update(_utility(handle, model, outcome, cfg, test, dev) if modality == "text"
+                                  else _image_utility(model, outcome, cfg, test, dev))
             evals.append(ev)
         infos.append(rec.info)
     metrics = {k: float(np.mean([e.metrics[k] for e in evals if k in e.metrics])) for k in evals[0].metrics}
@@ -406,6 +419,45 @@ def _utility(handle, model, outcome, cfg, test, dev) -> dict[str, float]:
             if n in final:
                 p.copy_(final[n])
     return {"accuracy": correct / max(total, 1), "test_samples": float(len(texts))}
+
+
+def _image_utility(model, outcome, cfg, test, dev) -> dict[str, float]:
+    """Test accuracy of the global model after the last round's aggregate (parameters at the last round's lr, BN
+    buffers by the mean change), in eval mode (running statistics), on ``data.test_size`` held-out images; the
+    model is left as the server sent it."""
+    from gradleak.fl.core import batchnorm_buffers
+    from gradleak.fl.protocol import apply_buffer_change
+
+    x, y = test
+    agg = outcome.last_aggregate
+    lr = cfg.fl.lr_at(cfg.fl.rounds - 1)
+    params = {n: p.detach().clone() for n, p in model.named_parameters() if n in agg.tensors}
+    buffers = batchnorm_buffers(model)
+    was = model.training
+    correct = 0
+    try:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in agg.tensors:
+                    p.sub_(lr * agg.tensors[n].to(device=p.device, dtype=p.dtype))
+            if agg.buffers is not None:
+                apply_buffer_change(model, agg.buffers)
+            model.eval()
+            dtype = next(model.parameters()).dtype
+            for a in range(0, len(x), 256):
+                out = model((x[a:a + 256].to(dtype) * 2 - 1).to(dev))
+                logits = out.logits if hasattr(out, "logits") else out
+                correct += int((logits.argmax(-1).cpu() == y[a:a + 256]).sum())
+    finally:
+        with torch.no_grad():
+            named = dict(model.named_parameters())
+            for n, v in params.items():
+                named[n].copy_(v)
+            nb = dict(model.named_buffers())
+            for n, v in buffers.items():
+                nb[n].copy_(v.to(nb[n].device))
+        model.train(was)
+    return {"accuracy": correct / max(len(x), 1), "test_samples": float(len(x))}
 
 
 def _pad_cat(encs: list[dict], tok) -> dict[str, torch.Tensor]:

@@ -29,7 +29,7 @@ from gradleak.peft import PeftConfig
 from gradleak.registry import ATTACKS, EXPERIMENTS
 
 IMAGE_DATA = {"image_size", "public", "public_size", "resize", "validation_size", "prior_size"}
-TEXT_DATA = {"text_column", "label_column", "split", "subset", "limit", "max_length", "nonmembers", "test_size"}
+TEXT_DATA = {"text_column", "label_column", "split", "subset", "limit", "max_length", "nonmembers"}
 IMAGE_MODEL = {"patch_size", "hidden_size", "heads", "adapter_bottleneck", "init_weights", "num_channels"}
 #: image models whose builder takes model.num_channels (the ViTs are built for RGB)
 CHANNEL_MODELS = {"resnet18"}
@@ -92,6 +92,8 @@ class ModelConfig(Strict):
                             "leakage study's ResNet-18")
     pretrain: Optional[PretrainConfig] = Field(None, description="resnet18: start from weights pretrained by us on a "
                                                "split the clients never see (no pretrained ResNet exists offline)")
+    norm: Literal["batch", "group"] = Field("batch", description="resnet18: normalisation layers; group replaces every "
+                                            "BatchNorm2d by GroupNorm(min(32, C), C) (DP-SGD: Opacus refuses BatchNorm)")
     # text
     task: Optional[Literal["classification", "lm"]] = None  # default: LM loss for causal models, else a class head
 
@@ -232,6 +234,9 @@ class ExperimentConfig(Strict):
             raise BadInput("model.name", f"'{self.model.name}' is a{'n' if mm == 'image' else ''} {mm} model but experiment "
                            f"'{self.experiment}' works on {self._modality}.",
                            f"use experiment: {'text' if mm == 'text' else 'image'} or a {self._modality} model.")
+        if self.model.name != "resnet18" and ("norm" in self.model.model_fields_set or self.model.norm != "batch"):
+            raise BadInput("model.norm", f"the normalisation layers are chosen for resnet18, not '{self.model.name}'.",
+                           "remove model.norm, or use model.name=resnet18.")
         if self.fl.local_batch_size and not self.fl.client_images and self.fl.local_batch_size > self.data.batch_size:
             raise BadInput("fl.local_batch_size", f"{self.fl.local_batch_size} is larger than the client's batch "
                            f"({self.data.batch_size}).", "use at most data.batch_size.")
@@ -310,7 +315,7 @@ class ExperimentConfig(Strict):
         if self.model.train_all and self.peft.kind != "none":
             raise BadInput("model.train_all", f"trains every parameter, which conflicts with peft.kind={self.peft.kind}.",
                            "set peft.kind=none with model.train_all=true (full fine-tuning), or remove model.train_all.")
-        if self.model.name == "resnet18":  # train-mode BatchNorm needs > 1 value per channel in every batch
+        if self.model.name == "resnet18" and self.model.norm == "batch":  # train-mode BN: > 1 value per channel
             from gradleak.models.resnet import check_train_bn_input
 
             smallest = min(min(c["batch_size"], c["images"] % c["batch_size"] or c["batch_size"])
@@ -350,6 +355,9 @@ class ExperimentConfig(Strict):
                 f"parameters of '{self.defense.name}': {', '.join(cls.Config.model_fields) or '(none)'}."
             raise BadInput(f"defense.{bad.field}", bad.problem, fix) from None
         self._defense = cls(params)
+        check = getattr(self._defense, "check_experiment", None)  # e.g. DP-SGD refuses a BatchNorm model
+        if check is not None:
+            check(self)
 
     def _resolve_attack(self) -> None:
         import gradleak.attacks  # noqa: F401  (registration)

@@ -263,5 +263,49 @@ def identifiability_precision(reconstruction_features, pool_features, pool_clien
     return IIPResult(float(identified.double().mean()), identified, idx, cos, matched)
 
 
+TSNE_PERPLEXITY = 30.0
+
+
+def tsne_embedding(features_by_group: dict, seed: int = 0, perplexity: float | None = None) -> dict[str, np.ndarray]:
+    """2-D t-SNE of feature vectors given per group (§III-F's visualisation; scikit-learn ``TSNE``).
+
+    ``features_by_group``: name → N_g×d features (e.g. ``"client 0 training"``, ``"client 0 reconstruction"``);
+    all groups are embedded *jointly* (one map) and split back: name → N_g×2 float64 array, same order.
+    Deterministic for a fixed ``seed`` (``random_state=seed``, PCA initialisation). ``perplexity``: default
+    ``min(30, max(1, (n − 1) / 3))`` for n points in all; a given value is clipped to ``n − 1`` (scikit-learn needs
+    it strictly below the sample count). Fewer than 2 points: zeros. Empty groups give 0×2 arrays.
+    """
+    if not isinstance(features_by_group, dict):
+        raise BadInput("metrics.tsne", "features must be given as a dict: group name → N×d features.")
+    names = list(features_by_group)
+    mats = [np.asarray(torch.as_tensor(features_by_group[k]).detach().to("cpu", torch.float64).numpy()) for k in names]
+    mats = [m.reshape(len(m), -1) if m.ndim != 2 else m for m in mats]
+    dims = {m.shape[1] for m in mats if len(m)}
+    if len(dims) > 1:
+        raise BadInput("metrics.tsne", f"groups have features of different widths {sorted(dims)}.",
+                       "embed every group with the same network.")
+    d = dims.pop() if dims else 1
+    x = np.concatenate([m if len(m) else np.zeros((0, d)) for m in mats]) if mats else np.zeros((0, d))
+    n = len(x)
+    if n < 2:
+        y = np.zeros((n, 2))
+    else:
+        from sklearn.manifold import TSNE
+
+        if perplexity is None:
+            p = min(TSNE_PERPLEXITY, max(1.0, (n - 1) / 3.0))
+        else:
+            if not perplexity > 0:
+                raise BadInput("metrics.tsne", f"perplexity must be > 0, got {perplexity}.")
+            p = min(float(perplexity), n - 1.0)
+        y = TSNE(n_components=2, perplexity=p, init="pca", random_state=seed, n_jobs=1).fit_transform(x)
+        y = np.asarray(y, dtype=np.float64)
+    out, start = {}, 0
+    for k, m in zip(names, mats):
+        out[k] = y[start:start + len(m)]
+        start += len(m)
+    return out
+
+
 __all__ = ["pairwise_ssim", "ssim_vs_prior", "rdlv_from_ssim", "rdlv", "RDLVResult", "bootstrap_interval",
-           "identifiability_precision", "IIPResult", "BOOTSTRAP_RESAMPLES"]
+           "identifiability_precision", "IIPResult", "BOOTSTRAP_RESAMPLES", "tsne_embedding", "TSNE_PERPLEXITY"]

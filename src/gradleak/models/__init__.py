@@ -87,21 +87,31 @@ for _n, _s in VIT_PRESETS.items():
 @MODELS.register("resnet18", "ResNet-18 (transformers, basic blocks, 20 BatchNorm layers), random init, grey or RGB")
 def _build_resnet18(mcfg, *, image_size: int, seed: int, dtype: str, num_channels: int | None = None,
                     progress: Any = None, **_: Any) -> ModelHandle:
-    """``num_channels``: the builder's keyword, else ``model.num_channels`` if the schema has it, else 1 (grey)."""
+    """``num_channels``: the builder's keyword, else ``model.num_channels`` if the schema has it, else 1 (grey).
+
+    ``model.norm`` (default ``batch``): ``group`` builds the same ResNet-18 with every BatchNorm2d replaced by
+    ``GroupNorm(min(32, C), C)`` — by hand, see :func:`gradleak.models.resnet.to_groupnorm` — before the optional
+    pretraining, so that pretraining trains the GroupNorm model (its cache key then holds ``norm``; the BatchNorm
+    key is unchanged, so existing caches stay valid)."""
     import torch
 
     from gradleak.models.resnet import HIDDEN_SIZES, resnet18
 
     channels = num_channels or getattr(mcfg, "num_channels", None) or 1
+    norm = getattr(mcfg, "norm", None) or "batch"
     model = resnet18(num_classes=mcfg.num_classes, num_channels=channels, image_size=image_size, seed=seed,
-                     dtype=torch.float64 if dtype == "float64" else torch.float32)
+                     dtype=torch.float64 if dtype == "float64" else torch.float32, norm=norm)
     info = {"image_size": image_size, "num_channels": channels, "batchnorm_layers": 20}
+    if norm != "batch":
+        info.update({"batchnorm_layers": 0, "groupnorm_layers": 20, "norm": norm})
     spec = getattr(mcfg, "pretrain", None)
     if spec is not None:  # weights pretrained by us on a split the clients never see (gradleak.models.pretrain)
         from gradleak.models.pretrain import pretrained
 
         arch = {"name": "resnet18", "image_size": image_size, "channels": channels, "classes": mcfg.num_classes,
                 "seed": seed, "dtype": dtype}
+        if norm != "batch":  # a GroupNorm backbone is another model; the BatchNorm key stays as it was
+            arch["norm"] = norm
         info.update(pretrained(model, spec.model_dump(), arch, image_size=image_size, channels=channels,
                                num_classes=mcfg.num_classes, progress=progress))
     return ModelHandle(model, "image", "resnet18", "image", HIDDEN_SIZES[-1], 4, info=info)

@@ -17,6 +17,9 @@ Decisions the paper (SPEC §4.4: "ImageNet-pretrained ResNet-18") leaves to us, 
 * **BatchNorm** is PyTorch's default: momentum 0.1, ε = 1e-5, ``track_running_stats=True`` — the
   NVFlare code's ``bn_momentum = 0.1`` (SPEC §4.5). :mod:`gradleak.attacks.bn_stats` reads the momentum
   from the modules, so another value stays consistent.
+* **GroupNorm variant** (``norm="group"``, config ``model.norm``): for DP-SGD, which Opacus refuses on
+  BatchNorm; every BN becomes ``GroupNorm(min(32, C), C)`` by hand (:func:`to_groupnorm` says why not Opacus'
+  ``ModuleValidator.fix``). It has no running statistics, so its uploads carry no BN buffers.
 * **Minimum image size.** In train mode BatchNorm needs more than one value per channel
   (``N·H·W > 1``). The last stage sees an ``⌈…⌈⌈H/2⌉/2⌉…/2⌉`` (five halvings) map, so at B = 1 a square
   image needs a side of at least :data:`MIN_IMAGE_SIZE_B1` = 33 (32 px gives a 1×1 map in ``layer4``;
@@ -89,11 +92,16 @@ def check_train_bn_input(height: int, width: int, batch_size: int = 1, num_stage
 
 
 def resnet18(*, num_classes: int = 10, num_channels: int = 1, image_size: int | Sequence[int] = 64,
-             min_batch_size: int = 1, dtype: torch.dtype = torch.float32, seed: int = 0):
+             min_batch_size: int = 1, dtype: torch.dtype = torch.float32, seed: int = 0, norm: str = "batch"):
     """ResNet-18 (``transformers.ResNetForImageClassification``, basic blocks, 20 BN layers), random init.
 
     ``image_size`` (side or ``(H, W)``) and ``min_batch_size`` are only checked (the network accepts any size
     ≥ the minimum): BadInput when train-mode BN would fail (see the module docstring).
+
+    ``norm="group"``: the same network with every ``BatchNorm2d`` replaced by ``GroupNorm`` (see
+    :func:`to_groupnorm`) — what DP-SGD needs (Opacus refuses BatchNorm, whose output mixes the samples). The
+    convolutions and the head get the same seeded weights as the BatchNorm model; no image-size minimum applies
+    (GroupNorm normalises each sample on its own).
     """
     from transformers import ResNetConfig, ResNetForImageClassification
 
@@ -101,8 +109,11 @@ def resnet18(*, num_classes: int = 10, num_channels: int = 1, image_size: int | 
         raise BadInput("model.num_classes", f"need at least 2 classes, got {num_classes}.")
     if num_channels < 1:
         raise BadInput("model.num_channels", f"need at least 1 input channel, got {num_channels}.")
+    if norm not in ("batch", "group"):
+        raise BadInput("model.norm", f"unknown normalisation '{norm}'.", "use model.norm=batch or group.")
     hw = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
-    check_train_bn_input(int(hw[0]), int(hw[1]), min_batch_size)
+    if norm == "batch":
+        check_train_bn_input(int(hw[0]), int(hw[1]), min_batch_size)
     cfg = ResNetConfig(num_channels=num_channels, embedding_size=EMBEDDING_SIZE, hidden_sizes=list(HIDDEN_SIZES),
                        depths=list(DEPTHS), layer_type="basic", hidden_act="relu", downsample_in_first_stage=False,
                        num_labels=num_classes)
@@ -111,7 +122,55 @@ def resnet18(*, num_classes: int = 10, num_channels: int = 1, image_size: int | 
     n_bn = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     if n_bn != NUM_BN_LAYERS:  # pragma: no cover - guards against a transformers layout change
         raise RuntimeError(f"expected {NUM_BN_LAYERS} BatchNorm layers in ResNet-18, found {n_bn}")
+    if norm == "group":
+        to_groupnorm(model)
     return model
+
+
+def _residual_basic_layer_class():
+    from transformers.models.resnet.modeling_resnet import ResNetBasicLayer
+
+    class ResidualBasicLayer(ResNetBasicLayer):
+        """transformers' basic block with the residual added out of place (``h + r`` for ``h += r``): the same
+        function, but the block output no longer modifies in place the output of the last normalisation layer,
+        which Opacus' full backward hooks forbid ("Output 0 of BackwardHookFunction is a view and is being
+        modified inplace")."""
+
+        def forward(self, hidden_state):
+            return self.activation(self.layer(hidden_state) + self.shortcut(hidden_state))
+
+    ResidualBasicLayer.__qualname__ = "_ResidualBasicLayer"  # picklable as this module's global
+    return ResidualBasicLayer
+
+
+_ResidualBasicLayer = None  # built on first use (transformers is imported lazily)
+
+
+def to_groupnorm(model) -> None:
+    """Replace, in place, every ``BatchNorm2d`` of a transformers ResNet by ``nn.GroupNorm(min(32, C), C)``.
+
+    Replaced by hand, not with Opacus' ``ModuleValidator.fix``: that builds the very same modules
+    (``GroupNorm(gcd(32, C), C, affine=True)``, = min(32, C) for ResNet-18's widths 64…512, same parameter
+    names), but Opacus is an optional dependency (``gradleak[dp]``), it returns float32 modules whatever the
+    model's dtype, and the in-place residual addition still has to be fixed for Opacus' hooks (below). Each
+    GroupNorm keeps the BatchNorm's ε and dtype/device and starts at γ = 1, β = 0 (transformers' BN init), so
+    the replacement draws no random numbers. The basic blocks become :func:`_residual_basic_layer_class`'s
+    out-of-place variant (same function, same state dict).
+    """
+    global _ResidualBasicLayer
+    from transformers.models.resnet.modeling_resnet import ResNetBasicLayer
+
+    if _ResidualBasicLayer is None:
+        _ResidualBasicLayer = _residual_basic_layer_class()
+    for mod in list(model.modules()):
+        for child_name, child in list(mod.named_children()):
+            if isinstance(child, torch.nn.BatchNorm2d):
+                ref = child.weight if child.weight is not None else next(model.parameters())
+                gn = torch.nn.GroupNorm(min(32, child.num_features), child.num_features, eps=child.eps,
+                                        affine=child.affine).to(device=ref.device, dtype=ref.dtype)
+                setattr(mod, child_name, gn)
+        if type(mod) is ResNetBasicLayer:
+            mod.__class__ = _ResidualBasicLayer
 
 
 def num_parameters(model) -> int:
@@ -119,4 +178,4 @@ def num_parameters(model) -> int:
 
 
 __all__ = ["resnet18", "feature_map_sizes", "min_image_size", "check_train_bn_input", "MIN_IMAGE_SIZE_B1",
-           "NUM_BN_LAYERS"]
+           "NUM_BN_LAYERS", "to_groupnorm"]

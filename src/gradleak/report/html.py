@@ -9,6 +9,10 @@ can rebuild the page) may hold:
   truth next to reconstruction); figures in no row get a row each, after the grouped ones;
 * ``tables``: ``[{"title", "columns": [key, ...], "rows": [dict, ...], "headers": [...] (optional)}]``;
 * ``notes``: ``[str, ...]`` — paragraphs shown under the title (e.g. which LPIPS/feature backbone was used).
+
+Leakage runs (``results["metrics"]`` holds ``rdlv_client{c}_round{r}``) get a section after the metrics: the
+per-client, per-round table of :func:`gradleak.report.leakage.leakage_rows` (built from ``results`` alone), then
+the PNGs ``reconstructions_client{c}_round{r}.png`` and ``tsne.png`` (not repeated under Figures).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import base64
 import json
 import math
 import os
+import re
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
@@ -50,6 +55,14 @@ pre { background: #f7f7f7; padding: 1em; overflow-x: auto; font-size: 13px; }
 {% if metrics %}<table><tr><th>metric</th><th>value</th></tr>
 {% for name, value in metrics %}<tr><td>{{ name }}</td><td class="num">{{ value }}</td></tr>{% endfor %}
 </table>{% else %}<p>No metrics were recorded.</p>{% endif %}
+
+{% if leakage %}<h2>{{ leakage.title }}</h2>
+<table><tr>{% for h in leakage.headers %}<th>{{ h }}</th>{% endfor %}</tr>
+{% for r in leakage.rows %}<tr>{% for c in r %}<td{% if c.num %} class="num"{% endif %}>{{ c.text }}</td>{% endfor %}</tr>{% endfor %}
+</table>
+{% for f in leakage.figures %}<div class="row"><figure>{% if f.src %}<img src="{{ f.src }}" alt="{{ f.title }}">{% else %}<p class="missing">image missing: {{ f.path }}</p>{% endif %}
+<figcaption><b>{{ f.title }}</b>{% if f.caption %}<br>{{ f.caption }}{% endif %}</figcaption></figure></div>
+{% endfor %}{% endif %}
 
 {% if figure_rows %}<h2>Figures</h2>
 {% for row in figure_rows %}<div class="row">
@@ -145,6 +158,31 @@ def _tables(extra: dict) -> list[dict]:
     return out
 
 
+def _leakage_section(results: dict, extra: dict, out_dir: Path) -> dict | None:
+    """Leakage runs (per-client, per-round RDLV metrics): the table of :mod:`gradleak.report.leakage` and its PNGs
+    (the extra's figures named ``reconstructions_client{c}_round{r}.png`` / ``tsne.png``, else those found in
+    ``out_dir``); ``None`` for any other run."""
+    from gradleak.report.leakage import FIGURE_NAME, leakage_table
+
+    table = leakage_table(results)
+    if table is None:
+        return None
+    figures = []
+    for f in extra.get("figures") or []:
+        p = Path(f.get("path", ""))
+        if FIGURE_NAME.match(p.name):
+            full = p if p.is_absolute() else out_dir / p
+            figures.append({"title": str(f.get("title", p.name)), "caption": str(f.get("caption", "") or ""),
+                            "path": str(p), "src": _embed(full)})
+    if not figures and out_dir.is_dir():  # a results.json without report_data.json
+        found = [p for p in out_dir.glob("*.png") if FIGURE_NAME.match(p.name) and "_trial" not in p.name]
+        key = lambda p: (p.name.startswith("tsne"), [int(t) for t in re.findall(r"\d+", p.name)])  # noqa: E731
+        figures = [{"title": p.stem.replace("_", " "), "caption": "", "path": p.name, "src": _embed(p)}
+                   for p in sorted(found, key=key)]
+    shown = _tables({"tables": [table]})[0]
+    return {"title": table["title"], "headers": shown["headers"], "rows": shown["rows"], "figures": figures}
+
+
 def _yaml(config: Any) -> str:
     try:
         import yaml
@@ -180,6 +218,11 @@ def render_html(results: dict, out_dir: Path, extra: dict | None = None) -> str:
     import jinja2
 
     extra = extra or {}
+    leakage = _leakage_section(results, extra, Path(out_dir))
+    figure_rows = _figure_rows(extra, Path(out_dir))
+    if leakage:  # its PNGs follow its table, not repeated under Figures
+        paths = {f["path"] for f in leakage["figures"]}
+        figure_rows = [row for row in ([f for f in row if f["path"] not in paths] for row in figure_rows) if row]
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     return env.from_string(TEMPLATE).render(
         title=results.get("name") or "gradleak run",
@@ -191,7 +234,8 @@ def render_html(results: dict, out_dir: Path, extra: dict | None = None) -> str:
         environment=[(k, _text(v)) for k, v in _flatten(results.get("environment") or {})],
         artifacts=[str(a) for a in results.get("artifacts") or []],
         config=_yaml(results.get("config") or {}),
-        figure_rows=_figure_rows(extra, Path(out_dir)),
+        figure_rows=figure_rows,
+        leakage=leakage,
         tables=_tables(extra),
     )
 
