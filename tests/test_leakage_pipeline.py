@@ -24,7 +24,8 @@ runner = CliRunner()
 #: the shipped config, shrunk: 2 clients (2 images at B = 2, and the high-risk 1-image client), 36 px, 1 round
 TINY = ["data.image_size=36", "data.validation_size=0", "fl.rounds=2", "fl.clients=2", "fl.client_images=[2,1]",
         "fl.client_batch_sizes=[2,1]", "fl.client_epochs=[1,1]", "attack.iterations=2", "attack.warmup=1",
-        "metrics.iip=false", "data.prior_size=8"]
+        "metrics.iip=false", "data.prior_size=8", "data.test_size=16", "model.pretrain.images=32",
+        "model.pretrain.epochs=1", "model.pretrain.batch_size=16"]
 
 
 def tiny_bn_net(seed: int = 0) -> nn.Module:

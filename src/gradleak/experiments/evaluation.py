@@ -214,7 +214,7 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
         pool_feats = image_features(torch.cat(pool).float())
         offsets = torch.cumsum(torch.tensor([0] + [len(x) for x in pool]), 0)
     metrics: dict[str, float] = {}
-    rows, figs, arts = [], [], []
+    figs, arts = [], []
     rec_feats: dict = {}  # (client, round) → reconstruction features (IIP), reused by the t-SNE map
     last_round = max(d["round"] for d in per) if per else None
     suffix = "" if trial == 0 else f"_trial{trial}"
@@ -236,9 +236,6 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
             metrics[f"{k}_client{c}_round{r}"] = float(v)
             if r == last_round:
                 metrics[f"{k}_client{c}"] = float(v)
-        rows.append({"client": c, "round": r, "images": len(originals[c]), "steps": d.get("steps"),
-                     **{k: round(float(v), 4) for k, v in vals.items() if k != "withheld"},
-                     "leaks": "withheld (nothing sent)" if d.get("withheld") else ("yes" if res.leaks else "no")})
         metrics[f"images_client{c}_round{r}"] = float(len(originals[c]))  # the report's per-client table
         if d.get("steps") is not None:
             metrics[f"local_steps_client{c}_round{r}"] = float(d["steps"])
@@ -281,8 +278,7 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
         if rec_feats:  # t-SNE of the IIP's features: all clients' training images and the reconstructions
             _tsne_figure(pool_feats, offsets, len(originals), rec_feats, cfg.seed, BACKBONE_NAME,
                          out_dir / f"tsne{suffix}.png", figs, arts, notes)
-    columns = list(rows[0]) if rows else []
-    tables = [{"title": "Leakage per client and round (bn_inversion)", "columns": columns, "rows": rows}]
+    tables: list = []  # the report builds the per-client, per-round table from these metrics (gradleak.report.leakage)
     return Evaluation(metrics, figs, tables, arts, notes=notes)
 
 

@@ -37,6 +37,9 @@ from gradleak.errors import BadInput
 
 
 def _cache_dir() -> Path:
+    """``$GRADLEAK_PRETRAIN_CACHE``, else ``$GRADLEAK_CACHE/pretrained`` (default ``~/.cache/gradleak/pretrained``)."""
+    if os.environ.get("GRADLEAK_PRETRAIN_CACHE"):
+        return Path(os.environ["GRADLEAK_PRETRAIN_CACHE"]).expanduser()
     return Path(os.environ.get("GRADLEAK_CACHE") or Path.home() / ".cache" / "gradleak").expanduser() / "pretrained"
 
 

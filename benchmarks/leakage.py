@@ -1,0 +1,488 @@
+"""Leakage-quantification benchmark (paper 003, Hatamizadeh et al. 2022; issue 9): the paper's findings as checks.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/leakage.py                  # every table (≈ 2 h on 2 CPU cores
+                                                                              # as two processes, see --lane)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/leakage.py --only noise,dpsgd
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/leakage.py --lane 0/2       # every other cell (run 1/2 beside it)
+    .venv/bin/python benchmarks/leakage.py --check                            # validate every cell, run nothing
+    .venv/bin/python benchmarks/leakage.py --report-only                      # rebuild leakage.json + docs section
+
+Every cell is ``configs/leakage/fmnist_resnet18.yaml`` (or ``…_paper.yaml``, the public code's nine clients) plus
+``--set`` overrides, run through the experiment pipeline into ``<out>/leakage/<cell>/`` (``results.json``,
+``report.html`` and the reconstruction grids, as ``gradleak run`` writes them), one line per cell in
+``<out>/leakage.jsonl`` with the exact ``gradleak run`` command. A rerun skips finished cells and retries failed
+ones (``--fresh`` moves the JSONL aside). The paper gives trends, not tables (SPEC §4.4), so the report states each
+finding as a check next to our measurement.
+
+Tables: ``main`` (no defense, every client attacked, seed 0 = the tuning seed and seed 1 = held-out images);
+``ablations`` (the high-risk client: gradient term only, BN term only, stale checkpoint, fixed-BN assumption);
+``multistep`` (an 8-image client at B = 4 / 2 / 1, i.e. K = 2 / 4 / 8 local steps: the K-step BN inference vs the
+public code's one-step formula, ``single_step_bn``); ``noise`` (σ = σ0 × p95(|update|), over all entries and per
+tensor, σ0 from 0 until the leak stops or accuracy collapses; the absolute σ = 1e-2); ``dpsgd`` (Opacus DP-SGD on
+the GroupNorm ResNet-18 it needs, gradient term only since GroupNorm has no running statistics, against the same
+model without DP); ``filter`` (the RDLV-threshold filter); ``rounds`` (RDLV of the high-risk client per round);
+``paper`` (the nine-client layout); ``speed`` (one inversion iteration vs a forward+backward per simulated step,
+measured in one process). Outputs in ``--out``: ``leakage.jsonl``, ``leakage.json``, ``leakage_speed.json``,
+figures, and the ``leakage`` section (``<out>/leakage.md``; ``docs/REPRODUCTION.md`` only with ``--update-docs``
+or ``--report-only``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench import (ROOT, add_out_args, check_configs, display, done_cells, fmt_num,  # noqa: E402
+                    latest_rows, resolve_out, run_pipeline_cell, save_figure, start_fresh, write_section)
+from gradleak.experiments.results import append_jsonl, write_json_atomic  # noqa: E402
+from gradleak.report.markdown import markdown_table  # noqa: E402
+
+CONFIG = ROOT / "configs" / "leakage" / "fmnist_resnet18.yaml"
+PAPER_CONFIG = ROOT / "configs" / "leakage" / "fmnist_resnet18_paper.yaml"
+TABLES = ("main", "ablations", "multistep", "noise", "dpsgd", "filter", "rounds", "paper", "speed")
+HIGH_RISK = 2  # the shipped config's one-image, one-step client
+SIGMA0_GLOBAL = (0, 10, 25, 50, 100, 250, 1000, 5000)
+SIGMA0_PER_TENSOR = (10, 25, 50, 100, 250, 1000)
+DP_SIGMAS = (0.5, 1.0, 2.0)
+MULTISTEP_B = (4, 2, 1)  # 8 images: K = 2, 4, 8 local steps
+MULTISTEP_ITERS = 150
+ABLATIONS = ("gradient_only", "bn_only", "stale_checkpoint", "fixed_bn")
+COLLAPSE = 0.2  # accuracy at or below this (chance: 0.1) counts as collapsed
+
+
+def _hr(*extra: str) -> list[str]:
+    return [f"attack.clients=[{HIGH_RISK}]", *extra]
+
+
+def cells() -> list[dict]:
+    out: list[dict] = []
+
+    def add(cell: str, table: str, overrides: list[str], config: Path = CONFIG) -> None:
+        for c in out:
+            if c["cell"] == cell:
+                c["tables"].append(table)
+                return
+        out.append({"cell": cell, "tables": [table], "overrides": overrides, "config": config})
+
+    for s in (0, 1):
+        add(f"main/seed{s}", "main", [f"seed={s}", f"data.seed={s}"])
+    add("hr/none", "ablations", _hr())
+    for a in ABLATIONS:
+        add(f"hr/{a}", "ablations", _hr(f"attack.ablation={a}"))
+    add("hr/none", "noise", _hr())
+    for s0 in SIGMA0_GLOBAL[1:]:
+        add(f"noise/global/{s0}", "noise", _hr(f"defense.sigma0={s0}"))
+    for s0 in SIGMA0_PER_TENSOR:
+        add(f"noise/per_tensor/{s0}", "noise", _hr(f"defense.sigma0={s0}", "defense.per_tensor=true"))
+    add("noise/absolute/0.01", "noise", _hr("defense.sigma0=0.01", "defense.absolute=true"))
+    add("hr/gradient_only", "dpsgd", _hr("attack.ablation=gradient_only"))
+    add("dpsgd/group/none", "dpsgd", _hr("model.norm=group", "attack.ablation=gradient_only", "defense={name: none}"))
+    for s in DP_SIGMAS:
+        add(f"dpsgd/group/{s}", "dpsgd", _hr("model.norm=group", "attack.ablation=gradient_only",
+                                             f"defense={{name: dpsgd, noise_multiplier: {s}, max_grad_norm: 1.0}}"))
+    for b in MULTISTEP_B:
+        for a in ("none", "single_step_bn"):
+            add(f"multistep/B{b}/{a}", "multistep", [f"fl.client_batch_sizes=[{b},8,1]", "attack.clients=[0]",
+                                                      f"attack.iterations={MULTISTEP_ITERS}", f"attack.ablation={a}"])
+    add("filter/threshold0", "filter", ["attack.clients=[1,2]",
+                                        "defense={name: rdlv_filter, threshold: 0.0, iterations: 300, rounds: [-1], "
+                                        "clients: [1, 2]}"])
+    add("rounds/hr", "rounds", _hr("attack.rounds=[0,1,2]"))
+    add("paper/nine", "paper", ["attack.clients=[0,1,8]"], PAPER_CONFIG)
+    return out
+
+
+def select(args: argparse.Namespace) -> list[dict]:
+    only = set(filter(None, args.only.split(",")))
+    pats = list(filter(None, args.cells.split(",")))
+    sel = [c for c in cells() if (not only or set(c["tables"]) & only)
+           and (not pats or any(fnmatch.fnmatchcase(c["cell"], p) for p in pats))]
+    if args.lane:
+        k, n = (int(v) for v in args.lane.split("/"))
+        sel = [c for i, c in enumerate(sel) if i % n == k]
+    return sel
+
+
+def command(c: dict) -> str:
+    return (f"OMP_NUM_THREADS=1 gradleak run {display(c['config'])} --out D "
+            + " ".join(f"--set {shlex.quote(o)}" for o in c["overrides"]))
+
+
+def run_cells(sel: list[dict], out: Path) -> None:
+    jsonl = out / "leakage.jsonl"
+    done = done_cells(jsonl)
+    todo = [c for c in sel if c["cell"] not in done]
+    print(f"{len(sel) - len(todo)} cells done, {len(todo)} to run (results in {display(out)})", flush=True)
+    for i, c in enumerate(todo):
+        row = {"cell": c["cell"], "tables": c["tables"], "overrides": c["overrides"], "config": display(c["config"]),
+               "command": command(c)}
+        t0 = time.perf_counter()
+        try:
+            res = run_pipeline_cell(c["config"], c["overrides"], out / "leakage" / c["cell"])
+            m = res["metrics"]
+            row.update(metrics={k: v for k, v in m.items() if isinstance(v, (int, float))},
+                       timings=res["timings"], warnings=res["details"].get("warnings", []))
+            msg = (f"RDLV high-risk {fmt_num(m.get('rdlv_high_risk_client'), '+.3f')} others' max low "
+                   f"{fmt_num(m.get('rdlv_max_other_clients'), '+.3f')} acc {fmt_num(m.get('accuracy'), '.3f')}")
+        except Exception as err:  # recorded, not fatal (retried on the next run)
+            row["error"] = f"{type(err).__name__}: {err}"
+            msg = f"FAILED {row['error']}"
+        row["wall_seconds"] = time.perf_counter() - t0
+        append_jsonl(jsonl, row)
+        print(f"[{i + 1}/{len(todo)}] {c['cell']}: {msg} ({row['wall_seconds']:.0f} s)", flush=True)
+
+
+def measure_speed(out: Path) -> dict:
+    """One inversion iteration vs one training forward+backward, per simulated step (issue 9: ≤ 4×), on the shipped
+    config's ResNet-18 (40 px grey), in this process, interleaved (``measure_iteration_cost``)."""
+    import torch
+
+    from gradleak.attacks.bn_inversion import measure_iteration_cost
+    from gradleak.models.resnet import resnet18
+
+    torch.set_num_threads(1)
+    rows = []
+    for batch, steps in ((1, 1), (4, 1), (8, 1), (4, 2), (2, 4)):
+        m = resnet18(image_size=40)
+        g = torch.Generator().manual_seed(0)
+        x = torch.rand(batch * steps, 1, 40, 40, generator=g) * 2 - 1
+        y = torch.randint(0, 10, (batch * steps,), generator=g)
+        r = measure_iteration_cost(m, x, y, steps=steps, repeats=5, matching="l2")
+        rows.append({"batch": batch, "steps": steps, **r})
+        print(f"speed B={batch} K={steps}: {r['ratio_per_step']:.2f}× (median {r['ratio_per_step_median']:.2f}×)",
+              flush=True)
+    res = {"rows": rows, "command": "OMP_NUM_THREADS=1 python benchmarks/leakage.py --only speed",
+           "torch_threads": 1, "image_size": 40}
+    write_json_atomic(out / "leakage_speed.json", res)
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+def _get(rows: dict, cell: str, key: str):
+    r = rows.get(cell)
+    if r is None or "error" in r:
+        return None
+    return r["metrics"].get(key)
+
+
+def _f(x, spec=".3f") -> str:
+    return fmt_num(x, spec)
+
+
+def _interval(rows, cell, c) -> str:
+    m, lo, hi = (_get(rows, cell, f"{k}_client{c}") for k in ("rdlv", "rdlv_low", "rdlv_high"))
+    if m is None:
+        return "–"
+    return f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
+def _yes(b) -> str:
+    return "✅ reproduced" if b is True else ("❌ not reproduced" if b is False else "– not measured")
+
+
+def report(args: argparse.Namespace) -> int:
+    out = args.out
+    rows = {r["cell"]: r for r in latest_rows(out / "leakage.jsonl")}
+    speed = json.loads((out / "leakage_speed.json").read_text()) if (out / "leakage_speed.json").is_file() else None
+    write_json_atomic(out / "leakage.json", {"cells": list(rows.values()), "speed": speed})
+    cfgs = {c["cell"]: c for c in cells()}
+    L: list[str] = []
+    L.append("Hatamizadeh et al. 2022 (SPEC §4) on the shared pipeline: `configs/leakage/fmnist_resnet18.yaml` — "
+             "grey Fashion-MNIST at 40 px, ResNet-18 (transformers, 20 BN layers) **pretrained by us** on Fashion-MNIST's "
+             "test split (4 096 images, 3 epochs; no pretrained ResNet exists offline; the clients draw from the train "
+             "split), 3 FedAvg rounds (SGD without momentum, lr 0.01); clients 0 / 1 / 2 hold 8 / 8 / 1 images at B = "
+             "4 / 8 / 1 (2 / 1 / 1 local steps); the honest-but-curious server inverts the last round (300 Adam "
+             "iterations, TV 1e-3 — tuned on seed 0's client 2, SSIM 0.889 → 0.906 from TV 1e-4; NVFlare: 40 000 "
+             "iterations at 224 px). SSIM is Gaussian-window SSIM, each original matched to its best reconstruction; "
+             "RDLV = (SSIM(x̂, x) − SSIM(prior, x)) / SSIM(prior, x) with a percentile-bootstrap 95 % interval (one "
+             "image: a degenerate interval); the prior is the mean of 256 held-out images; IIP: nearest neighbour by "
+             "cosine of ViT-S/14 features (offline, DINOv2 arch.; the paper's network is unnamed) among all clients' "
+             "training and validation images (8 per client). Accuracy: the global model after the last round on 500 "
+             "held-out images. One torch thread per process, 2-core CPU. Each cell's exact command is in "
+             f"`{display(out / 'leakage.jsonl')}` (`command`).\n")
+    checks: list[list[str]] = []
+
+    # ---- main
+    trows = []
+    for s in (0, 1):
+        cell = f"main/seed{s}"
+        for c in range(3):
+            trows.append([f"seed {s}" + (" (tuning)" if s == 0 else " (held-out images)"), str(c),
+                          {0: "8 / B 4 / 2", 1: "8 / B 8 / 1", 2: "1 / B 1 / 1"}[c],
+                          _f(_get(rows, cell, f"ssim_client{c}")), _f(_get(rows, cell, f"ssim_prior_client{c}")),
+                          _interval(rows, cell, c), _f(_get(rows, cell, f"iip_client{c}"), ".2f"),
+                          _f(_get(rows, cell, f"iip_matched_cosine_client{c}"))])
+    L.append("### No defense: who leaks (`main`)\n")
+    L.append(markdown_table(["run", "client", "images / batch / steps", "SSIM", "SSIM prior", "RDLV [95 %]", "IIP",
+                             "matched cos"], trows))
+    for s in (0, 1):
+        hr = _get(rows, f"main/seed{s}", "rdlv_high_risk_client_low")
+        oth = _get(rows, f"main/seed{s}", "rdlv_max_other_clients")
+        ok = None if hr is None else bool(hr > 0 and (oth is None or not oth > 0))
+        checks.append([f"Without noise only the one-image client has RDLV > 0 beyond its interval (seed {s})",
+                       f"high-risk RDLV {_f(_get(rows, f'main/seed{s}', 'rdlv_high_risk_client'), '+.3f')}; largest "
+                       f"lower bound among the others {_f(oth, '+.3f')}", _yes(ok)])
+    L.append("")
+    figs = []
+    for s in (0, 1):
+        for c in range(3):
+            p = out / "leakage" / f"main/seed{s}" / f"reconstructions_client{c}_round2.png"
+            if p.is_file():
+                figs.append((s, c, p))
+    if figs:
+        import os
+
+        import shutil
+
+        L.append("Reconstructions (prior | originals on top, best-matching reconstructions below):\n")
+        for s, c, p in figs:
+            flat = out / f"leakage_seed{s}_client{c}.png"  # beside the JSON (the per-cell folders are not published)
+            shutil.copyfile(p, flat)
+            rel = Path(os.path.relpath(flat, (ROOT / "docs"))).as_posix()
+            L.append(f"![seed {s} client {c}]({rel}) ")
+        L.append("")
+
+    # ---- ablations
+    base = _get(rows, "hr/none", f"rdlv_client{HIGH_RISK}")
+    arows = [["full attack (none)", _f(_get(rows, "hr/none", f"ssim_client{HIGH_RISK}")), _interval(rows, "hr/none", HIGH_RISK)]]
+    fails = []
+    for a in ABLATIONS:
+        v = _get(rows, f"hr/{a}", f"rdlv_client{HIGH_RISK}")
+        arows.append([a, _f(_get(rows, f"hr/{a}", f"ssim_client{HIGH_RISK}")), _interval(rows, f"hr/{a}", HIGH_RISK)])
+        if a in ("gradient_only", "stale_checkpoint", "fixed_bn") and v is not None and base is not None:
+            fails.append(v < base)
+    L.append("### Ablations on the high-risk client (`ablations`)\n")
+    L.append(markdown_table(["attack", "SSIM", "RDLV"], arows))
+    L.append("")
+    checks.append(["The attack fails without BN accounting (gradient term only, fixed-BN assumption) or with a stale "
+                   "checkpoint", "RDLV " + ", ".join(f"{a} {_f(_get(rows, f'hr/{a}', f'rdlv_client{HIGH_RISK}'), '+.3f')}"
+                                                   for a in ("gradient_only", "fixed_bn", "stale_checkpoint"))
+                   + f" vs full {_f(base, '+.3f')}", _yes(all(fails) if len(fails) == 3 else None)])
+
+    # ---- multistep
+    mrows, better = [], []
+    for b in MULTISTEP_B:
+        k = 8 // b
+        a = _get(rows, f"multistep/B{b}/none", "rdlv_client0")
+        s1 = _get(rows, f"multistep/B{b}/single_step_bn", "rdlv_client0")
+        mrows.append([str(k), str(b), _f(_get(rows, f"multistep/B{b}/none", "ssim_client0")), _interval(rows, f"multistep/B{b}/none", 0),
+                      _f(_get(rows, f"multistep/B{b}/single_step_bn", "ssim_client0")),
+                      _interval(rows, f"multistep/B{b}/single_step_bn", 0)])
+        if a is not None and s1 is not None:
+            better.append(a > s1)
+    L.append(f"### Multi-step clients: K-step BN inference vs the one-step formula (`multistep`, client 0, 8 images, "
+             f"{MULTISTEP_ITERS} iterations)\n")
+    L.append("The exactness of the K-step combination on a toy case is a test (`tests/test_leakage.py`, ≤ 1e-5 where the "
+             "one-step formula is 13–100 % off); `benchmarks/bn_probes.py bnstats` measures it on ResNet-18.\n")
+    L.append(markdown_table(["K steps", "B", "SSIM (K-step)", "RDLV (K-step)", "SSIM (one-step)", "RDLV (one-step)"], mrows))
+    L.append("")
+    checks.append(["The attack on 2–8-step clients improves with the K-step BN inference (beyond the public code)",
+                   f"K-step RDLV > one-step RDLV in {sum(better)} of {len(better)} K values", _yes(all(better) if better else None)])
+
+    # ---- noise
+    acc0 = _get(rows, "hr/none", "accuracy")
+    nrows, crossing = [], {}
+    for reading, vals in (("global", SIGMA0_GLOBAL), ("per_tensor", SIGMA0_PER_TENSOR)):
+        for s0 in vals:
+            cell = "hr/none" if s0 == 0 else f"noise/{reading}/{s0}"
+            v, acc = _get(rows, cell, f"rdlv_client{HIGH_RISK}"), _get(rows, cell, "accuracy")
+            nrows.append([reading, str(s0), _f(_get(rows, cell, f"ssim_client{HIGH_RISK}")), _f(v, "+.3f"),
+                          _f(_get(rows, cell, f"iip_client{HIGH_RISK}"), ".2f"), _f(acc)])
+            if v is not None and reading not in crossing and v <= 0:
+                crossing[reading] = (s0, acc)
+    cell = "noise/absolute/0.01"
+    va = _get(rows, cell, f"rdlv_client{HIGH_RISK}")
+    nrows.append(["absolute σ", "0.01", _f(_get(rows, cell, f"ssim_client{HIGH_RISK}")), _f(va, "+.3f"),
+                  _f(_get(rows, cell, f"iip_client{HIGH_RISK}"), ".2f"), _f(_get(rows, cell, "accuracy"))])
+    L.append("### Gaussian update noise σ = σ0 × p95(|update|) (`noise`, high-risk client)\n")
+    L.append("`global`: one percentile over every entry of the upload (weights and BN-buffer changes, NVFlare's "
+             "`GaussianPrivacy`); `per_tensor`: one percentile per tensor. Noise on every client's upload.\n")
+    L.append(markdown_table(["percentile", "σ0", "SSIM", "RDLV", "IIP", "accuracy"], nrows))
+    L.append("")
+    for reading in ("global", "per_tensor"):
+        if reading in crossing:
+            s0, acc = crossing[reading]
+            collapsed = acc is not None and acc <= COLLAPSE
+            txt = (f"RDLV ≤ 0 first at σ0 = {s0} (accuracy {_f(acc)}"
+                   + (", **collapsed**: the leak stops only where the model is useless" if collapsed else "") + ")")
+        else:
+            txt = "**no σ0 measured stops the leak**: an auditor must not call this client safe at these σ0"
+        checks.append([f"σ0 where the high-risk client's RDLV crosses 0 ({reading} percentile; the paper: ≈ 25)", txt,
+                       _yes(None if reading not in crossing and not rows else
+                            (reading in crossing and crossing[reading][0] <= 50))])
+    checks.append(["σ = 1e-2 (absolute) brings the high-risk client to SSIM ≤ prior", f"RDLV {_f(va, '+.3f')}",
+                   _yes(None if va is None else va <= 0)])
+
+    # ---- DP-SGD
+    drows = [["BatchNorm, no DP (gradient term only)", "–", "–", _f(_get(rows, "hr/gradient_only", f"rdlv_client{HIGH_RISK}"), "+.3f"),
+              _f(_get(rows, "hr/gradient_only", "accuracy"))],
+             ["GroupNorm, no DP", "–", "–", _f(_get(rows, "dpsgd/group/none", f"rdlv_client{HIGH_RISK}"), "+.3f"),
+              _f(_get(rows, "dpsgd/group/none", "accuracy"))]]
+    dp_ok = []
+    for s in DP_SIGMAS:
+        cell = f"dpsgd/group/{s}"
+        v = _get(rows, cell, f"rdlv_client{HIGH_RISK}")
+        drows.append([f"GroupNorm, DP-SGD σ = {s}, C = 1", _f(_get(rows, cell, "dp_epsilon"), ".1f"),
+                      _f(_get(rows, cell, f"dp_epsilon_client{HIGH_RISK}"), ".1f"), _f(v, "+.3f"), _f(_get(rows, cell, "accuracy"))])
+        if v is not None:
+            dp_ok.append((v <= 0, _get(rows, cell, "accuracy")))
+    L.append("### DP-SGD (Opacus) on the GroupNorm ResNet-18 (`dpsgd`, high-risk client)\n")
+    L.append("Opacus refuses BatchNorm; GroupNorm has no running statistics, so the attack is the gradient term alone "
+             "(the same on the BatchNorm model for comparison). ε per client by the RDP accountant (δ = 1e-5; sample "
+             "rate B / images, one step per local step), the worst client's reported.\n")
+    L.append(markdown_table(["model / defense", "ε (worst client)", "ε (client 2)", "RDLV client 2", "accuracy"], drows))
+    L.append("")
+    pn = crossing.get("global")
+    checks.append(["DP-SGD drives the high-risk client's RDLV ≤ 0 at a larger accuracy cost than percentile noise",
+                   ", ".join(f"σ = {s}: RDLV ≤ 0 {'yes' if ok else 'no'}, accuracy {_f(a)}" for s, (ok, a) in zip(DP_SIGMAS, dp_ok))
+                   + (f"; percentile noise at its crossing σ0 = {pn[0]}: accuracy {_f(pn[1])}" if pn else ""),
+                   _yes(None if not dp_ok or pn is None else (any(ok for ok, _ in dp_ok) and
+                        min(a for ok, a in dp_ok if ok) < pn[1]) if any(ok for ok, _ in dp_ok) else False)])
+
+    # ---- filter
+    f = "filter/threshold0"
+    if f in rows and "error" not in rows[f]:
+        frows = [[str(c), _f(_get(rows, f, f"filter_rdlv_low_client{c}"), "+.3f"),
+                  "yes" if _get(rows, f, f"filter_withheld_client{c}") else "no", _interval(rows, f, c)] for c in (1, 2)]
+        L.append("### RDLV-threshold filter (`filter`: clients 1 and 2 audit their last-round update, threshold 0)\n")
+        L.append(markdown_table(["client", "audit RDLV lower bound", "withheld", "server's RDLV afterwards"], frows))
+        L.append(f"\nAccuracy {_f(_get(rows, f, 'accuracy'))} (no defense: {_f(acc0)}).\n")
+        w2 = _get(rows, f, f"filter_withheld_client{HIGH_RISK}")
+        checks.append(["The RDLV filter withholds a leaking update (beyond the paper)",
+                       f"client 2 withheld: {'yes' if w2 else 'no'}; server's RDLV {_f(_get(rows, f, f'rdlv_client{HIGH_RISK}'), '+.3f')}",
+                       _yes(None if w2 is None else bool(w2))])
+
+    # ---- rounds
+    rr = [(r, _get(rows, "rounds/hr", f"rdlv_client{HIGH_RISK}_round{r}")) for r in range(3)]
+    if any(v is not None for _, v in rr):
+        L.append("### RDLV vs round (`rounds`, high-risk client)\n")
+        L.append(markdown_table(["round", "SSIM", "RDLV"], [[str(r), _f(_get(rows, "rounds/hr", f"ssim_client{HIGH_RISK}_round{r}")),
+                                                           _f(v, "+.3f")] for r, v in rr]))
+        L.append("")
+        vals = [v for _, v in rr if v is not None]
+        checks.append(["Later rounds reconstruct better (the paper: round 90 of 100)",
+                       "RDLV by round " + ", ".join(_f(v, "+.3f") for v in vals), _yes(vals[-1] >= vals[0] if len(vals) > 1 else None)])
+
+    # ---- paper layout
+    p = "paper/nine"
+    if p in rows and "error" not in rows[p]:
+        prow = [[str(c), {0: "8 / B 4 / 2", 1: "8 / B 8 / 1", 8: "1 / B 1 / 1"}[c], _f(_get(rows, p, f"ssim_client{c}")),
+                 _f(_get(rows, p, f"ssim_prior_client{c}")), _interval(rows, p, c), _f(_get(rows, p, f"iip_client{c}"), ".2f")]
+                for c in (0, 1, 8)]
+        L.append("### The public code's nine clients (`paper`, `configs/leakage/fmnist_resnet18_paper.yaml`, 10 rounds, "
+                 "lr decay every 4; clients 0, 1 and 8 attacked)\n")
+        L.append(markdown_table(["client", "images / batch / steps", "SSIM", "SSIM prior", "RDLV [95 %]", "IIP"], prow))
+        L.append(f"\nAccuracy {_f(_get(rows, p, 'accuracy'))}.\n")
+
+    # ---- speed
+    if speed:
+        srows = [[str(r["batch"]), str(r["steps"]), f"{r['forward_backward_s'] * 1e3:.1f}", f"{r['iteration_s'] * 1e3:.1f}",
+                  f"{r['ratio_per_step']:.2f}×", f"{r['ratio_per_step_median']:.2f}×"] for r in speed["rows"]]
+        L.append("### Speed: one inversion iteration vs one forward+backward per simulated step (`speed`)\n")
+        L.append(markdown_table(["B", "K", "fwd+bwd ms", "iteration ms", "ratio (fastest)", "ratio (median)"], srows))
+        L.append("")
+        worst = max(r["ratio_per_step"] for r in speed["rows"])
+        checks.append(["One inversion iteration ≤ 4× a forward+backward per simulated local step (issue 9)",
+                       f"worst {worst:.2f}× over the B/K cells", _yes(worst <= 4)])
+
+    L.append("### The paper's findings as checks\n")
+    L.append(markdown_table(["finding (paper / issue 9)", "our measurement", "verdict"], checks))
+    L.append("")
+    missing = [c for c in cfgs if c not in rows or "error" in rows[c]]
+    if missing:
+        L.append(f"Cells not measured (yet): {', '.join(missing)} — run `python benchmarks/leakage.py --cells '<id>'`.\n")
+    fig = _plot(rows, out)
+    if fig:
+        L.append(f"![RDLV vs σ0 with accuracy]({fig})\n")
+    fig = _plot_rounds(rows, out)
+    if fig:
+        L.append(f"![RDLV vs round]({fig})\n")
+    write_section(args, "leakage", "\n".join(L), "Leakage quantification — BN-aware inversion, RDLV, IIP, noise, DP-SGD "
+                  "(paper 003)", "leakage")
+    return 0
+
+
+def _plot(rows: dict, out: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ModuleNotFoundError:
+        return None
+    pts = [(s0, _get(rows, "hr/none" if s0 == 0 else f"noise/global/{s0}", f"rdlv_client{HIGH_RISK}"),
+            _get(rows, "hr/none" if s0 == 0 else f"noise/global/{s0}", "accuracy")) for s0 in SIGMA0_GLOBAL]
+    pts = [p for p in pts if p[1] is not None]
+    if len(pts) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    xs = [max(p[0], 1) for p in pts]
+    ax.plot(xs, [p[1] for p in pts], "o-", color="tab:red", label="RDLV (client 2)")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("σ0 (global p95; 0 drawn at 1)")
+    ax.set_ylabel("RDLV", color="tab:red")
+    ax2 = ax.twinx()
+    ax2.plot(xs, [p[2] for p in pts], "s--", color="tab:blue", label="accuracy")
+    ax2.set_ylabel("accuracy", color="tab:blue")
+    ax2.set_ylim(0, 1)
+    return save_figure(fig, out / "leakage_noise.png")
+
+
+def _plot_rounds(rows: dict, out: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ModuleNotFoundError:
+        return None
+    pts = [(r, _get(rows, "rounds/hr", f"rdlv_client{HIGH_RISK}_round{r}"),
+            _get(rows, "rounds/hr", f"ssim_client{HIGH_RISK}_round{r}")) for r in range(3)]
+    pts = [p for p in pts if p[1] is not None]
+    if len(pts) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(4.5, 3.0))
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color="tab:red")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xticks([p[0] for p in pts])
+    ax.set_xlabel("round attacked")
+    ax.set_ylabel("RDLV (client 2)")
+    return save_figure(fig, out / "leakage_rounds.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="", help=f"comma-separated tables: {','.join(TABLES)}")
+    ap.add_argument("--cells", default="", help="comma-separated glob patterns on cell ids, e.g. 'noise/*'")
+    ap.add_argument("--lane", default="", help="K/N: run every N-th selected cell starting at K (parallel processes)")
+    add_out_args(ap, "leakage")
+    args = ap.parse_args(argv)
+    args.out = resolve_out(args.out)
+    only = set(filter(None, args.only.split(",")))
+    if only - set(TABLES):
+        ap.error(f"--only: unknown table(s) {', '.join(sorted(only - set(TABLES)))}")
+    sel = [c for c in select(args) if c["tables"] != ["speed"]]
+    if args.check:
+        from gradleak.experiments.config import load_yaml
+
+        return check_configs((c["cell"], load_yaml(c["config"]), c["overrides"]) for c in sel)
+    if not args.report_only:
+        if args.fresh:
+            start_fresh(args.out / "leakage.jsonl")
+        run_cells(sel, args.out)
+        if ("speed" in only or (not only and not args.cells)) and (not args.lane or args.lane.startswith("0/")):
+            measure_speed(args.out)
+    return report(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""The backbone pretrained by us on a split the clients never see (gradleak.models.pretrain, issue 9 §1)."""
+
+import pytest
+import torch
+
+from gradleak.errors import BadInput
+from gradleak.experiments import validate
+from gradleak.experiments.config import load_yaml
+from gradleak.models.pretrain import pretrained, pretraining_images
+from gradleak.models.resnet import resnet18
+
+from pathlib import Path
+
+LEAKAGE = Path(__file__).resolve().parents[1] / "configs" / "leakage" / "fmnist_resnet18.yaml"
+SPEC = {"data": "fashion-mnist", "split": "test", "images": 32, "epochs": 1, "lr": 0.05, "momentum": 0.9,
+        "batch_size": 16, "seed": 0}
+ARCH = {"name": "resnet18", "image_size": 33, "channels": 1, "classes": 10, "seed": 0, "dtype": "float32"}
+
+
+def _fresh():
+    return resnet18(image_size=33, seed=0)
+
+
+def test_pretraining_trains_caches_atomically_and_reloads_the_same_weights(one_thread, tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADLEAK_PRETRAIN_CACHE", str(tmp_path))
+    torch.set_num_threads(2)
+    init = {k: v.clone() for k, v in _fresh().state_dict().items()}
+    a = _fresh()
+    info = pretrained(a, SPEC, ARCH, image_size=33, channels=1, num_classes=10)
+    assert torch.get_num_threads() == 2  # one thread while training, restored after
+    assert not info["pretrain_cached"] and info["pretrain_data"] == "fashion-mnist/test"
+    sa = a.state_dict()
+    assert not torch.equal(sa["classifier.1.weight"], init["classifier.1.weight"])  # it trained
+    bn = "resnet.embedder.embedder.normalization.running_mean"
+    assert not torch.equal(sa[bn], init[bn])  # in train mode: the running statistics are the pretraining data's
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and files[0].suffix == ".pt"  # no temporary file left behind
+    b = _fresh()
+    info2 = pretrained(b, SPEC, ARCH, image_size=33, channels=1, num_classes=10)
+    assert info2["pretrain_cached"]
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in sa.items())
+    # another recipe is another cache entry; a corrupt entry is retrained, not trusted
+    pretrained(_fresh(), {**SPEC, "seed": 1}, ARCH, image_size=33, channels=1, num_classes=10)
+    assert len(list(tmp_path.iterdir())) == 2
+    files[0].write_bytes(b"not a checkpoint")
+    c = _fresh()
+    assert not pretrained(c, SPEC, ARCH, image_size=33, channels=1, num_classes=10)["pretrain_cached"]
+    assert all(torch.equal(v, c.state_dict()[k]) for k, v in sa.items())  # deterministic retraining
+
+
+def test_pretraining_images_come_from_the_split_asked_for():
+    x, y = pretraining_images(SPEC, image_size=40, channels=1, num_classes=10)
+    assert x.shape == (32, 1, 40, 40) and 0 <= float(x.min()) and float(x.max()) <= 1 and y.max() < 10
+    with pytest.raises(BadInput, match="holds 10000 images") as e:
+        pretraining_images({**SPEC, "images": 10_001}, image_size=40, channels=1, num_classes=10)
+    assert e.value.field == "model.pretrain.images"
+
+
+@pytest.mark.parametrize("override, field", [
+    (["model.pretrain.split=train"], "model.pretrain.split"),  # the clients' own split
+    (["model.name=vit-tiny", "model.num_channels=3", "model.train_all=false", "peft.kind=none"], "model.pretrain"),
+])
+def test_pretraining_that_would_share_the_clients_images_or_another_model_is_refused(override, field):
+    with pytest.raises(BadInput) as e:
+        validate(load_yaml(LEAKAGE), override)
+    assert e.value.field.startswith(field)
