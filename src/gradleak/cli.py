@@ -198,6 +198,85 @@ def report(directory: Path = typer.Argument(..., help="a run directory holding r
     out_console.print(f"report: {directory / 'report.html'}")
 
 
+#: load_images' config-field names -> this command's options (its BadInput messages name the option to change)
+_GENERATOR_FIELDS = {"data.name": "--data", "data.n": "--n", "data.size": "--image-size", "data.image_size": "--image-size",
+                     "model.num_channels": "--channels", "data.path": "--path", "image_size": "--image-size",
+                     "images": "--data", "n": "--n", "epochs": "--epochs", "batch_size": "--batch-size",
+                     "latent_dim": "--latent-dim"}
+
+
+@app.command("train-generator")
+def train_generator(
+        data: str = typer.Option("public-natural", "--data", help="a registered image dataset (gradleak list), "
+                                 "e.g. public-natural, natural-crops, cifar-samples, fashion-mnist, image-folder"),
+        n: int = typer.Option(2048, "--n", help="number of training images"),
+        image_size: int = typer.Option(32, "--image-size", help="generator output size: 32 or 64"),
+        channels: int = typer.Option(3, "--channels", help="1 (grey) or 3 (RGB)"),
+        latent_dim: int = typer.Option(100, "--latent-dim", help="latent size nz"),
+        epochs: int = typer.Option(25, "--epochs"),
+        batch_size: int = typer.Option(64, "--batch-size"),
+        seed: int = typer.Option(0, "--seed", help="seeds the data draw (generated sets), the init and the training"),
+        path: Optional[str] = typer.Option(None, "--path", help="folder or .npz for --data image-folder|npz"),
+        out: Path = typer.Option(..., "--out", help="output file, PATH.safetensors")):
+    """Train a DCGAN generative prior (GIAS-style attacks) and write it as a safetensors file.
+
+    The training images must be disjoint from the images the attack reconstructs (your responsibility).
+    The file records --data, so an attack config can refuse a generator trained on the attacked set.
+    """
+    from gradleak.errors import BadInput
+
+    try:
+        if out.suffix != ".safetensors":
+            raise BadInput("--out", f"'{out}' does not end in .safetensors.", "give a path like runs/gen.safetensors.")
+        if out.exists() and out.is_dir():
+            raise BadInput("--out", f"'{out}' is a directory.", "give a file path like runs/gen.safetensors.")
+        if image_size not in (32, 64):
+            raise BadInput("--image-size", f"a DCGAN generator makes 32×32 or 64×64 images, not {image_size}.",
+                           "use --image-size 32 or 64.")
+        if channels not in (1, 3):
+            raise BadInput("--channels", f"expected 1 (grey) or 3 (RGB), got {channels}.", "use --channels 1 or 3.")
+        for opt, v, lo in (("--n", n, 2), ("--latent-dim", latent_dim, 1), ("--epochs", epochs, 1),
+                           ("--batch-size", batch_size, 2)):
+            if v < lo:
+                raise BadInput(opt, f"must be at least {lo}, got {v}.")
+        try:
+            import torch
+
+            from gradleak.data import dataset_modality
+            from gradleak.experiments.pipeline import load_images
+            from gradleak.models.generator import save_generator, train_dcgan
+
+            if dataset_modality(data) != "image":
+                raise BadInput("--data", f"'{data}' is a text dataset; a generator needs images.",
+                               "use an image dataset (gradleak list), e.g. public-natural.")
+            images, _ = load_images(data, n, image_size, seed, "--n", path, resize=True, channels=channels)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            prog = _progress()
+            with prog:
+                task = prog.add_task(f"DCGAN, {len(images)} {data} images", total=epochs)
+
+                def progress(message: str) -> None:
+                    prog.console.print(f"  {message}", highlight=False)
+                    prog.update(task, advance=1)
+
+                gen, info = train_dcgan(images.to(torch.float32), latent_dim=latent_dim, epochs=epochs,
+                                        batch_size=batch_size, seed=seed, progress=progress)
+            meta = {"data": data, "path": path, "n": len(images), "seed": seed, **info}
+            save_generator(gen, out, info=meta)
+        except BadInput as err:
+            if err.field == "--n" and "images but" in err.problem:  # load_images speaks of the experiment config
+                raise BadInput("--n", err.problem.split(" (")[0] + ".",
+                               "lower --n or use public-natural / natural-crops (any number of images).") from None
+            if err.field in _GENERATOR_FIELDS:
+                raise BadInput(_GENERATOR_FIELDS[err.field], err.problem, err.fix) from None
+            raise
+    except BadInput as err:
+        _fail_bad_input(err)
+    out_console.print(f"generator: {out} ({image_size}×{image_size}×{channels}, latent {latent_dim}; "
+                      f"last epoch loss D {info['last_epoch_loss_d']:.3f}, loss G {info['last_epoch_loss_g']:.3f}, "
+                      f"{info['seconds']:.0f} s)")
+
+
 def main() -> None:  # pragma: no cover - entry point
     try:
         app()

@@ -8,7 +8,12 @@ Kinds (registry ``PEFT_KINDS``; ``gradleak list`` shows them with their paramete
 * ``lora`` — LoRA through HF ``peft`` (``inject_adapter_in_model``) on ``lora_targets`` (module names;
   a name that matches no module lists the valid ones). ``lora_init: nonzero`` initialises B ~ N(0, 0.02²)
   as after some rounds of training (with peft's default B = 0 the gradient of A vanishes in round 1);
-  ``lora_init: default`` keeps peft's.
+  ``lora_init: default`` (alias ``standard``, paper 001 Table 11 "Standard") keeps peft's: A ~ U(−1/√d, 1/√d)
+  (peft's kaiming-uniform with a = √5, whose bound is 1/√fan_in), B = 0. ``lora_init: uniform`` is the paper's
+  "Uniform" init behind its headline numbers (SPEC §2.4, Table 11): **both** A and B ~ U(−1/√d, 1/√d), drawn from
+  a generator seeded with the experiment seed. The paper leaves d open (SPEC A2.11); we take d = the input
+  dimension of the LoRA'd linear layer (A's fan-in) for both factors — the bound peft uses for A, so "Uniform"
+  differs from "Standard" only in B.
 * ``none`` — only the task head trains.
 
 ``layer_pe: true`` (kinds ``lora`` and ``none``, image ViTs) adds the server-prescribed layer-wise trainable
@@ -57,7 +62,9 @@ class PeftConfig(BaseModel):
     lora_alpha: Optional[float] = Field(None, gt=0)  # default: = rank
     lora_targets: Optional[list[str]] = None  # default: query + key projections
     lora_layers: Optional[list[int]] = None
-    lora_init: Literal["nonzero", "default"] = "nonzero"
+    lora_init: Literal["nonzero", "default", "uniform"] = Field(
+        "nonzero", description="nonzero: B ~ N(0, 0.02²); default|standard: peft's (B = 0); uniform: A, B ~ U(±1/√d_in) "
+        "(paper 001 Table 11)")
     # lora / none: server-prescribed layer-wise trainable positional embeddings (paper 001 eq. 6)
     layer_pe: bool = Field(False, description="add a trainable PE to the input of every ViT block but the first "
                            "and train the input PE too (paper 001 eq. 6; needs threat.preset=prescribes-architecture)")
@@ -70,6 +77,11 @@ class PeftConfig(BaseModel):
     @classmethod
     def _singular(cls, v):  # `adapter` (paper 004's name) = `adapters`
         return "adapters" if v == "adapter" else v
+
+    @field_validator("lora_init", mode="before")
+    @classmethod
+    def _standard(cls, v):  # `standard` (paper 001 Table 11's name for peft's init) = `default`
+        return "default" if v == "standard" else v
 
     def check(self) -> None:
         # a field of another kind is refused when it holds a non-default value (a config switched with
@@ -127,12 +139,18 @@ def _apply_lora(handle, spec: PeftConfig, seed: int) -> list[str]:
                       layers_to_transform=layers, lora_dropout=0.0, bias="none")
     inject_adapter_in_model(conf, model)
     g = torch.Generator().manual_seed(seed + 31)
-    for n, p in model.named_parameters():
+    params = dict(model.named_parameters())
+    for n, p in params.items():
         if "lora_" in n:
             p.requires_grad_(True)
             if "lora_B" in n and spec.lora_init == "nonzero":
                 with torch.no_grad():
                     p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.02)
+            elif spec.lora_init == "uniform" and ("lora_A" in n or "lora_B" in n):
+                d_in = params[n.replace("lora_B", "lora_A")].shape[1]  # A is (r, d_in): the layer's input dim
+                bound = 1.0 / d_in ** 0.5
+                with torch.no_grad():
+                    p.copy_((torch.rand(p.shape, generator=g, dtype=torch.float64) * 2 - 1).mul_(bound).to(p.dtype))
     _set_head(model, spec.train_head)
     return trainable(model)
 
