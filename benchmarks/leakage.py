@@ -42,14 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import (ROOT, add_out_args, check_configs, display, done_cells, fmt_num,  # noqa: E402
                     latest_rows, resolve_out, run_pipeline_cell, save_figure, start_fresh, write_section)
 from gradleak.experiments.results import append_jsonl, write_json_atomic  # noqa: E402
-from gradleak.report.markdown import markdown_table  # noqa: E402
 
 CONFIG = ROOT / "configs" / "leakage" / "fmnist_resnet18.yaml"
 PAPER_CONFIG = ROOT / "configs" / "leakage" / "fmnist_resnet18_paper.yaml"
 TABLES = ("main", "ablations", "multistep", "noise", "dpsgd", "filter", "rounds", "paper", "speed")
 HIGH_RISK = 2  # the shipped config's one-image, one-step client
-SIGMA0_GLOBAL = (0, 10, 25, 50, 100, 250, 1000, 5000)
-SIGMA0_PER_TENSOR = (10, 25, 50, 100, 250, 1000)
+SIGMA0_GLOBAL = (0, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
+SIGMA0_PER_TENSOR = (1, 2.5, 5, 10, 25, 50, 100, 250, 1000)
 DP_SIGMAS = (0.5, 1.0, 2.0)
 MULTISTEP_B = (4, 2, 1)  # 8 images: K = 2, 4, 8 local steps
 MULTISTEP_ITERS = 150
@@ -73,9 +72,12 @@ def cells() -> list[dict]:
 
     for s in (0, 1):
         add(f"main/seed{s}", "main", [f"seed={s}", f"data.seed={s}"])
+    # the public code's attack in effect: its matching term has no gradient path (issue 9), so only BN + priors act
+    add("main/seed0/bn_only", "main", ["seed=0", "data.seed=0", "attack.ablation=bn_only"])
     add("hr/none", "ablations", _hr())
     for a in ABLATIONS:
         add(f"hr/{a}", "ablations", _hr(f"attack.ablation={a}"))
+    add("hr/stale_checkpoint_2", "ablations", _hr("attack.ablation=stale_checkpoint", "attack.stale_rounds=2"))
     add("hr/none", "noise", _hr())
     for s0 in SIGMA0_GLOBAL[1:]:
         add(f"noise/global/{s0}", "noise", _hr(f"defense.sigma0={s0}"))
@@ -166,6 +168,12 @@ def measure_speed(out: Path) -> dict:
 
 # ------------------------------------------------------------------------------------------------ report
 
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 def _get(rows: dict, cell: str, key: str):
     r = rows.get(cell)
     if r is None or "error" in r:
@@ -220,8 +228,17 @@ def report(args: argparse.Namespace) -> int:
                           _f(_get(rows, cell, f"ssim_client{c}")), _f(_get(rows, cell, f"ssim_prior_client{c}")),
                           _interval(rows, cell, c), _f(_get(rows, cell, f"iip_client{c}"), ".2f"),
                           _f(_get(rows, cell, f"iip_matched_cosine_client{c}"))])
+    for c in range(3):
+        cell = "main/seed0/bn_only"
+        trows.append(["seed 0, BN + priors only (the public code's attack in effect)", str(c),
+                      {0: "8 / B 4 / 2", 1: "8 / B 8 / 1", 2: "1 / B 1 / 1"}[c],
+                      _f(_get(rows, cell, f"ssim_client{c}")), _f(_get(rows, cell, f"ssim_prior_client{c}")),
+                      _interval(rows, cell, c), _f(_get(rows, cell, f"iip_client{c}"), ".2f"),
+                      _f(_get(rows, cell, f"iip_matched_cosine_client{c}"))])
     L.append("### No defense: who leaks (`main`)\n")
-    L.append(markdown_table(["run", "client", "images / batch / steps", "SSIM", "SSIM prior", "RDLV [95 %]", "IIP",
+    L.append("The public code differences detached `state_dict`s, so its matching term has no gradient path: its "
+             "attack is the BN term and the priors (`bn_only`). Ours differentiates through the simulated steps.\n")
+    L.append(_table(["run", "client", "images / batch / steps", "SSIM", "SSIM prior", "RDLV [95 %]", "IIP",
                              "matched cos"], trows))
     for s in (0, 1):
         hr = _get(rows, f"main/seed{s}", "rdlv_high_risk_client_low")
@@ -253,19 +270,23 @@ def report(args: argparse.Namespace) -> int:
     # ---- ablations
     base = _get(rows, "hr/none", f"rdlv_client{HIGH_RISK}")
     arows = [["full attack (none)", _f(_get(rows, "hr/none", f"ssim_client{HIGH_RISK}")), _interval(rows, "hr/none", HIGH_RISK)]]
-    fails = []
-    for a in ABLATIONS:
+    for a in (*ABLATIONS, "stale_checkpoint_2"):
         v = _get(rows, f"hr/{a}", f"rdlv_client{HIGH_RISK}")
-        arows.append([a, _f(_get(rows, f"hr/{a}", f"ssim_client{HIGH_RISK}")), _interval(rows, f"hr/{a}", HIGH_RISK)])
-        if a in ("gradient_only", "stale_checkpoint", "fixed_bn") and v is not None and base is not None:
-            fails.append(v < base)
+        label = {"stale_checkpoint": "stale_checkpoint (1 round old)",
+                 "stale_checkpoint_2": "stale_checkpoint (2 rounds old: the pretrained start)"}.get(a, a)
+        arows.append([label, _f(_get(rows, f"hr/{a}", f"ssim_client{HIGH_RISK}")), _interval(rows, f"hr/{a}", HIGH_RISK)])
     L.append("### Ablations on the high-risk client (`ablations`)\n")
-    L.append(markdown_table(["attack", "SSIM", "RDLV"], arows))
+    L.append(_table(["attack", "SSIM", "RDLV"], arows))
     L.append("")
-    checks.append(["The attack fails without BN accounting (gradient term only, fixed-BN assumption) or with a stale "
-                   "checkpoint", "RDLV " + ", ".join(f"{a} {_f(_get(rows, f'hr/{a}', f'rdlv_client{HIGH_RISK}'), '+.3f')}"
-                                                   for a in ("gradient_only", "fixed_bn", "stale_checkpoint"))
-                   + f" vs full {_f(base, '+.3f')}", _yes(all(fails) if len(fails) == 3 else None)])
+    bn_vals = [_get(rows, f"hr/{a}", f"rdlv_client{HIGH_RISK}") for a in ("gradient_only", "fixed_bn")]
+    checks.append(["The attack fails (RDLV ≤ 0) without BN accounting (gradient term only; fixed-BN assumption)",
+                   "RDLV " + ", ".join(f"{a} {_f(_get(rows, f'hr/{a}', f'rdlv_client{HIGH_RISK}'), '+.3f')}"
+                                       for a in ("gradient_only", "fixed_bn")) + f" vs full {_f(base, '+.3f')}",
+                   _yes(None if None in bn_vals else all(v <= 0 for v in bn_vals))])
+    st = [_get(rows, f"hr/{a}", f"rdlv_client{HIGH_RISK}") for a in ("stale_checkpoint", "stale_checkpoint_2")]
+    checks.append(["The attack fails (RDLV ≤ 0) with a stale checkpoint",
+                   f"RDLV one round old {_f(st[0], '+.3f')}, two rounds old (the pretrained start) {_f(st[1], '+.3f')} "
+                   f"vs full {_f(base, '+.3f')}", _yes(None if st[0] is None else all(v is not None and v <= 0 for v in st))])
 
     # ---- multistep
     mrows, better = [], []
@@ -282,7 +303,7 @@ def report(args: argparse.Namespace) -> int:
              f"{MULTISTEP_ITERS} iterations)\n")
     L.append("The exactness of the K-step combination on a toy case is a test (`tests/test_leakage.py`, ≤ 1e-5 where the "
              "one-step formula is 13–100 % off); `benchmarks/bn_probes.py bnstats` measures it on ResNet-18.\n")
-    L.append(markdown_table(["K steps", "B", "SSIM (K-step)", "RDLV (K-step)", "SSIM (one-step)", "RDLV (one-step)"], mrows))
+    L.append(_table(["K steps", "B", "SSIM (K-step)", "RDLV (K-step)", "SSIM (one-step)", "RDLV (one-step)"], mrows))
     L.append("")
     checks.append(["The attack on 2–8-step clients improves with the K-step BN inference (beyond the public code)",
                    f"K-step RDLV > one-step RDLV in {sum(better)} of {len(better)} K values", _yes(all(better) if better else None)])
@@ -305,7 +326,7 @@ def report(args: argparse.Namespace) -> int:
     L.append("### Gaussian update noise σ = σ0 × p95(|update|) (`noise`, high-risk client)\n")
     L.append("`global`: one percentile over every entry of the upload (weights and BN-buffer changes, NVFlare's "
              "`GaussianPrivacy`); `per_tensor`: one percentile per tensor. Noise on every client's upload.\n")
-    L.append(markdown_table(["percentile", "σ0", "SSIM", "RDLV", "IIP", "accuracy"], nrows))
+    L.append(_table(["percentile", "σ0", "SSIM", "RDLV", "IIP", "accuracy"], nrows))
     L.append("")
     for reading in ("global", "per_tensor"):
         if reading in crossing:
@@ -338,7 +359,7 @@ def report(args: argparse.Namespace) -> int:
     L.append("Opacus refuses BatchNorm; GroupNorm has no running statistics, so the attack is the gradient term alone "
              "(the same on the BatchNorm model for comparison). ε per client by the RDP accountant (δ = 1e-5; sample "
              "rate B / images, one step per local step), the worst client's reported.\n")
-    L.append(markdown_table(["model / defense", "ε (worst client)", "ε (client 2)", "RDLV client 2", "accuracy"], drows))
+    L.append(_table(["model / defense", "ε (worst client)", "ε (client 2)", "RDLV client 2", "accuracy"], drows))
     L.append("")
     pn = crossing.get("global")
     checks.append(["DP-SGD drives the high-risk client's RDLV ≤ 0 at a larger accuracy cost than percentile noise",
@@ -353,7 +374,7 @@ def report(args: argparse.Namespace) -> int:
         frows = [[str(c), _f(_get(rows, f, f"filter_rdlv_low_client{c}"), "+.3f"),
                   "yes" if _get(rows, f, f"filter_withheld_client{c}") else "no", _interval(rows, f, c)] for c in (1, 2)]
         L.append("### RDLV-threshold filter (`filter`: clients 1 and 2 audit their last-round update, threshold 0)\n")
-        L.append(markdown_table(["client", "audit RDLV lower bound", "withheld", "server's RDLV afterwards"], frows))
+        L.append(_table(["client", "audit RDLV lower bound", "withheld", "server's RDLV afterwards"], frows))
         L.append(f"\nAccuracy {_f(_get(rows, f, 'accuracy'))} (no defense: {_f(acc0)}).\n")
         w2 = _get(rows, f, f"filter_withheld_client{HIGH_RISK}")
         checks.append(["The RDLV filter withholds a leaking update (beyond the paper)",
@@ -364,7 +385,7 @@ def report(args: argparse.Namespace) -> int:
     rr = [(r, _get(rows, "rounds/hr", f"rdlv_client{HIGH_RISK}_round{r}")) for r in range(3)]
     if any(v is not None for _, v in rr):
         L.append("### RDLV vs round (`rounds`, high-risk client)\n")
-        L.append(markdown_table(["round", "SSIM", "RDLV"], [[str(r), _f(_get(rows, "rounds/hr", f"ssim_client{HIGH_RISK}_round{r}")),
+        L.append(_table(["round", "SSIM", "RDLV"], [[str(r), _f(_get(rows, "rounds/hr", f"ssim_client{HIGH_RISK}_round{r}")),
                                                            _f(v, "+.3f")] for r, v in rr]))
         L.append("")
         vals = [v for _, v in rr if v is not None]
@@ -379,7 +400,7 @@ def report(args: argparse.Namespace) -> int:
                 for c in (0, 1, 8)]
         L.append("### The public code's nine clients (`paper`, `configs/leakage/fmnist_resnet18_paper.yaml`, 10 rounds, "
                  "lr decay every 4; clients 0, 1 and 8 attacked)\n")
-        L.append(markdown_table(["client", "images / batch / steps", "SSIM", "SSIM prior", "RDLV [95 %]", "IIP"], prow))
+        L.append(_table(["client", "images / batch / steps", "SSIM", "SSIM prior", "RDLV [95 %]", "IIP"], prow))
         L.append(f"\nAccuracy {_f(_get(rows, p, 'accuracy'))}.\n")
 
     # ---- speed
@@ -387,14 +408,14 @@ def report(args: argparse.Namespace) -> int:
         srows = [[str(r["batch"]), str(r["steps"]), f"{r['forward_backward_s'] * 1e3:.1f}", f"{r['iteration_s'] * 1e3:.1f}",
                   f"{r['ratio_per_step']:.2f}×", f"{r['ratio_per_step_median']:.2f}×"] for r in speed["rows"]]
         L.append("### Speed: one inversion iteration vs one forward+backward per simulated step (`speed`)\n")
-        L.append(markdown_table(["B", "K", "fwd+bwd ms", "iteration ms", "ratio (fastest)", "ratio (median)"], srows))
+        L.append(_table(["B", "K", "fwd+bwd ms", "iteration ms", "ratio (fastest)", "ratio (median)"], srows))
         L.append("")
         worst = max(r["ratio_per_step"] for r in speed["rows"])
         checks.append(["One inversion iteration ≤ 4× a forward+backward per simulated local step (issue 9)",
                        f"worst {worst:.2f}× over the B/K cells", _yes(worst <= 4)])
 
     L.append("### The paper's findings as checks\n")
-    L.append(markdown_table(["finding (paper / issue 9)", "our measurement", "verdict"], checks))
+    L.append(_table(["finding (paper / issue 9)", "our measurement", "verdict"], checks))
     L.append("")
     missing = [c for c in cfgs if c not in rows or "error" in rows[c]]
     if missing:
