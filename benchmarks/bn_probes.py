@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/bn_probes.py speed B K [l2|cosine]   # iteration cost / forward+backward
     OMP_NUM_THREADS=1 python benchmarks/bn_probes.py bnstats                 # K-step BN inference on ResNet-18
+    OMP_NUM_THREADS=1 python benchmarks/bn_probes.py negvar                  # per-tensor noise → negative BN variances
     OMP_NUM_THREADS=1 python benchmarks/bn_probes.py invert ITERS VARIANT    # 1-image, 1-step client; VARIANT:
                                                                              # full | bn_only | match_only | priors_only
 
@@ -127,6 +128,34 @@ def invert(iters: int, variant: str) -> None:
           "match", round(float(terms["matching"].detach()), 4), "bn", round(float(terms["bn"].detach()), 3))
 
 
+def negvar() -> None:
+    """Per-tensor percentile noise on the BN buffer changes makes running variances negative (the model then
+    outputs NaN: chance accuracy); the global reading does not (its p95 is set by the weights)."""
+    from gradleak.defenses.update import GaussianPercentileNoise
+    from gradleak.experiments import validate
+    from gradleak.experiments.config import load_yaml
+    from gradleak.fl.core import Client, default_classification_loss
+    from gradleak.models import build
+
+    _, cfg = validate(load_yaml(ROOT / "configs" / "leakage" / "fmnist_resnet18.yaml"), [])
+    m = build(cfg.model, "image", image_size=40, seed=0, dtype="float32", num_channels=1).model  # pretrained (cached)
+    for p in m.parameters():
+        p.requires_grad_(True)
+    from gradleak.data import load
+
+    ds = load("fashion-mnist")
+    x = torch.nn.functional.interpolate(ds.images[:8].float(), size=40, mode="bilinear", antialias=True) * 2 - 1
+    m.train()
+    upd = Client(0, x, ds.labels[:8].long(), loss_fn=default_classification_loss).local_update(
+        copy.deepcopy(m), algorithm="fedavg", lr=0.01, batch_size=4)
+    rv = {n: b for n, b in m.named_buffers() if n.endswith("running_var")}
+    for s0, per_tensor in ((1, True), (10, True), (1000, False), (5000, False)):
+        u = GaussianPercentileNoise(s0, per_tensor=per_tensor, seed=0).apply(upd, {"client_id": 0, "seed": 0, "lr": 0.01})
+        neg = sum(int(((rv[n] + u.buffers[n].float()) < 0).sum()) for n in rv)
+        print(f"sigma0={s0} per_tensor={per_tensor}: {neg}/{sum(v.numel() for v in rv.values())} running variances "
+              "negative after one noised 8-image update", flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     cmd, args = sys.argv[1], sys.argv[2:]
@@ -136,5 +165,7 @@ if __name__ == "__main__":
         bnstats()
     elif cmd == "invert":
         invert(int(args[0]), args[1])
+    elif cmd == "negvar":
+        negvar()
     else:
         raise SystemExit(__doc__)
