@@ -99,7 +99,7 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/peftl
 def _field_lines(cls) -> list[str]:
     lines = []
     for name, f in getattr(cls, "model_fields", {}).items():
-        default = f.default if f.default is not None else "null"
+        default = "(required)" if f.is_required() else (f.default if f.default is not None else "null")
         desc = f" — {f.description}" if f.description else ""
         lines.append(f"{name} = {default}{desc}")
     return lines
