@@ -65,8 +65,9 @@ def test_registered_requires_and_paper_defaults():
     assert GIAS.requires(cfg)["prescribes_architecture"] is True
     assert (cfg.latent_steps, cfg.generator_steps, cfg.restarts, cfg.glr_weight) == (2000, 8000, 3, 1e-4)
     assert all(f.description for f in GIAS.Config.model_fields.values())
+    assert GIAS.Config().generator == "faces"  # the one generator that ships offline
     with pytest.raises(Exception):
-        GIAS.Config()  # the generator is required
+        GIAS.Config(generator="")
 
 
 def test_generator_fit_resizes_by_integer_factors_only():
@@ -108,8 +109,8 @@ def test_bad_generators_are_refused(tmp_path):
             vit("vit-tiny", image_size=24, patch_size=8, hidden_size=32, heads=2, layers=1, num_classes=4), None)
     assert err.value.field == "attack.generator" and "non-integer" in err.value.problem
     res = runner.invoke(app, ["run", str(CONFIG), "--out", str(tmp_path / "r"), "--set", "attack.name=gias",
-                              "--set", "threat.public_data=true"])
-    assert res.exit_code == 2 and "attack.generator" in res.output  # none given
+                              "--set", "threat.public_data=true", "--set", f"attack.generator={tmp_path / 'none.safetensors'}"])
+    assert res.exit_code == 2 and "attack.generator" in res.output  # a file that does not exist
 
 
 def test_face_generator_fits_cifar_by_pooling():

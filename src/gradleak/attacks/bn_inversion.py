@@ -104,14 +104,18 @@ def simulate_local_training(model: nn.Module, images: torch.Tensor, labels: torc
                             schedule: Sequence[torch.Tensor] | None = None, batch_size: int | None = None,
                             epochs: int = 1, params: Mapping[str, torch.Tensor] | None = None,
                             param_names: Sequence[str] | None = None, create_graph: bool = True,
-                            bn_momentum_steps_before: int = 0) -> Simulation:
+                            bn_momentum_steps_before: int = 0, loss_fn: Any = None,
+                            train_mode: Optional[bool] = True) -> Simulation:
     """Simulate the client's K local SGD steps (no momentum) from the global checkpoint on candidates.
 
     ``model``: the global model (its weights = θ_0 unless ``params`` overrides them; never modified: the BN
     buffers are cloned, the module is switched to train mode for the call and restored). ``labels``: soft
     (B×C, rows summing to 1) or hard. ``param_names``: the parameters the client trains (default: those
     with ``requires_grad``); the others stay fixed. ``bn_momentum_steps_before``: ``num_batches_tracked``
-    of the checkpoint (only matters for ``momentum=None``).
+    of the checkpoint (only matters for ``momentum=None``). ``loss_fn``: the client's loss
+    ``loss_fn(model, inputs, labels)`` (a :data:`~gradleak.fl.core.LossFn`; it receives a callable that runs the
+    model on the simulated weights), default the soft/hard mean cross-entropy. ``train_mode``: the module mode of
+    the simulation (``None``: the model's own mode, as the client that trains a copy of it without BatchNorm).
     """
     if schedule is None:
         schedule = local_schedule(len(images), batch_size or len(images), epochs)
@@ -136,14 +140,19 @@ def simulate_local_training(model: nn.Module, images: torch.Tensor, labels: torc
     total: dict[str, torch.Tensor] = {}
     losses = []
     was_training = model.training
-    model.train()
+    if train_mode is not None:
+        model.train(train_mode)
     rec = BatchStatsRecorder(model, allow_none=True)
     try:
         with rec:
             for k, idx in enumerate(schedule):
                 rec.new_step()
-                out = functional_call(model, {**current, **buffers}, (images[idx],))
-                loss = soft_cross_entropy(_logits(out), labels[idx])
+                if loss_fn is None:
+                    out = functional_call(model, {**current, **buffers}, (images[idx],))
+                    loss = soft_cross_entropy(_logits(out), labels[idx])
+                else:
+                    state = {**current, **buffers}
+                    loss = loss_fn(lambda inp, _s=state: functional_call(model, _s, (inp,)), images[idx], labels[idx])
                 grads = torch.autograd.grad(loss, [current[n] for n in names], create_graph=create_graph,
                                             allow_unused=True)
                 last = k == len(schedule) - 1
@@ -564,13 +573,9 @@ class BNInversion(AttackBase):
         return torch.as_tensor(p, dtype=torch.float32)
 
     def _client_config(self, cid: int, n: int, r: int) -> tuple[int, int, float]:
-        bs = self.fl.get("client_batch_sizes") or []
-        ep = self.fl.get("client_epochs") or []
-        b = int(bs[cid]) if cid < len(bs) else int(self.fl.get("local_batch_size") or n)
-        e = int(ep[cid]) if cid < len(ep) else int(self.fl.get("local_epochs") or 1)
-        if self.fl.get("algorithm", "fedavg") == "fedsgd":
-            b, e = n, 1
-        return min(b, n), e, float(self.fl["lr_at"][r])
+        from gradleak.attacks.simulate import client_training_config  # (shared with the FedAvg emulation of ig & co.)
+
+        return client_training_config(self.fl, cid, n, r)
 
     def _invert(self, view, upd, state: Mapping[str, torch.Tensor], r: int, prior: torch.Tensor) -> dict:
         cfg = self.cfg

@@ -38,7 +38,9 @@ Decisions the papers leave open (SPEC A2.5, §2.8 — the GIAS code's choices un
 * GLR per stage: consensus rebuilt every ``glr_every`` steps from ``glr_start`` (default a quarter of the stage: 500 of
   2000 as in the GIAS code) on; λ_G = 1e-4 (paper 001).
 * Iterations: the defaults are paper 001's (2000 + 8000, given for CelebA/CARS); they are far beyond CPU scale —
-  override ``latent_steps`` / ``generator_steps``.
+  override ``latent_steps`` / ``generator_steps``, or set the experiment's ``scale: cpu`` (300 + 100, ours).
+* FedAvg: ``emulate: local_steps`` simulates the client's local steps on the generated images (IG's, see
+  :mod:`gradleak.attacks.optimization`).
 * NaN/inf: a restart whose objective is not finite stops (``info["diverged"]``, stage and step), leaves the group and
   scores +inf; a restart that diverged in stage 1 is not fine-tuned.
 """
@@ -57,7 +59,7 @@ from torch import nn
 
 from gradleak.attacks.glr import GroupLazyRegularizer, GroupMember, optimise_group, step_decay_milestones
 from gradleak.attacks.gradvit import GLRFields, GroupInversion, glr_start_of
-from gradleak.attacks.optimization import LabelMode, total_variation
+from gradleak.attacks.optimization import CPU_STEPS, EmulateMode, LabelMode, total_variation
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
 from gradleak.registry import ATTACKS
@@ -65,11 +67,12 @@ from gradleak.registry import ATTACKS
 FIELD = "attack.generator"
 PAPER_LATENT_STEPS = 2000
 PAPER_GENERATOR_STEPS = 8000
+CPU_GENERATOR_STEPS = 100
 
 
 class GIASConfig(GLRFields):
-    generator: str = Field(..., min_length=1, description="safetensors file of `gradleak train-generator`, or 'faces' "
-                           "(the pretrained 64×64 face DCGAN)")
+    generator: str = Field("faces", min_length=1, description="safetensors file of `gradleak train-generator`, or 'faces' "
+                           "(the pretrained 64×64 face DCGAN, the default: the one generator that ships offline)")
     latent_steps: int = Field(PAPER_LATENT_STEPS, ge=0, le=10_000_000, description="stage 1: Adam steps on z, "
                               "generator frozen (paper: 2000)")
     generator_steps: int = Field(PAPER_GENERATOR_STEPS, ge=0, le=10_000_000, description="stage 2: Adam steps on the "
@@ -96,6 +99,9 @@ class GIASConfig(GLRFields):
                                  "the authors' fork: 0.1)")
     time_fwdbwd: bool = Field(True, description="time one forward+backward of the sent model for "
                               "timings.iteration_to_fwdbwd_ratio")
+    emulate: EmulateMode = Field("single_step", description="FedAvg: match the pseudo-gradient as one gradient "
+                                 "(single_step) or simulate the client's K local SGD steps (local_steps; paper 001 "
+                                 "Supp. M)")
 
 
 def resolve_generator(spec: Any) -> tuple[nn.Module, str]:
@@ -151,6 +157,10 @@ class GIAS(GroupInversion):
 
     name = "gias"
     Config = GIASConfig
+    #: ``scale: paper`` = paper 001 Supp. D (2000 + 8000, 3 restarts); ``cpu`` = ours: IG's CPU budget for the latent
+    #: search plus 100 generator steps
+    scales = {"cpu": {"latent_steps": CPU_STEPS, "generator_steps": CPU_GENERATOR_STEPS, "restarts": 3},
+              "paper": {"latent_steps": PAPER_LATENT_STEPS, "generator_steps": PAPER_GENERATOR_STEPS, "restarts": 3}}
 
     @classmethod
     def requires(cls, cfg=None) -> dict[str, bool]:
@@ -162,7 +172,7 @@ class GIAS(GroupInversion):
 
     @classmethod
     def from_config(cls, cfg, ctx):
-        return cls(**cfg.model_dump(), seed=ctx.seed)
+        return cls(**cfg.model_dump(), seed=ctx.seed, fl=dict(ctx.fl))
 
     def __init__(self, generator: Any, latent_steps: int = PAPER_LATENT_STEPS,
                  generator_steps: int = PAPER_GENERATOR_STEPS, latent_lr: float = 3e-2, generator_lr: float = 1e-3,

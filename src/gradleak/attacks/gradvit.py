@@ -58,7 +58,7 @@ from pydantic import Field
 
 from gradleak.attacks.base import AttackConfig
 from gradleak.attacks.glr import GroupLazyRegularizer, GroupMember, finite_or_inf, optimise_group
-from gradleak.attacks.optimization import CPU_STEPS, IG, IGConfig, total_variation
+from gradleak.attacks.optimization import CPU_STEPS, IG, PAPER_STEPS, IGConfig, total_variation
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
 from gradleak.registry import ATTACKS
@@ -289,6 +289,7 @@ class GroupInversion(IG):
                     "group_size": self.restarts, "refreshed_at": glr.refreshed_at,
                     "active": bool(glr.weight > 0 and self.restarts >= 2)},
             "attention_switched_to_eager": st.eager_switched, "update_kind": st.update.kind,
+            **self._emulation_info(st.emulation),
             **extra,
             "seconds": time.perf_counter() - t0,
             "timings": {"attack_seconds": time.perf_counter() - t0, "iteration_seconds": t_iter,
@@ -316,6 +317,7 @@ class GradViT(GroupInversion):
 
     name = "gradvit"
     Config = GradViTConfig
+    scales = {"cpu": {"steps": CPU_STEPS, "restarts": 3}, "paper": {"steps": PAPER_STEPS, "restarts": 3}}
 
     @classmethod
     def requires(cls, cfg=None) -> dict[str, bool]:
@@ -327,7 +329,7 @@ class GradViT(GroupInversion):
 
     @classmethod
     def from_config(cls, cfg, ctx):
-        return cls(**cfg.model_dump(), seed=ctx.seed, public_images=ctx.public.get("public_images"))
+        return cls(**cfg.model_dump(), seed=ctx.seed, public_images=ctx.public.get("public_images"), fl=dict(ctx.fl))
 
     def __init__(self, steps: int = CPU_STEPS, lr: float = 0.1, tv_weight: float = 1e-4, restarts: int = 3,
                  labels: str = "auto", seed: int = 0, image_shape: Sequence[int] | None = None, progress=None, *,

@@ -78,8 +78,27 @@ Decisions the papers leave open, recorded here:
 * **Batch size.** ``view.public["batch_size"]`` if granted, else the ``num_samples`` the update carries
   (the server sees it for FedAvg weighting); recorded in ``info["batch_size_source"]``.
 * **Loss.** The training loss is public protocol: the default is the mean cross-entropy the
-  :class:`~gradleak.fl.core.Client` uses; pass ``loss_fn`` for another. FedAvg pseudo-gradients are
-  matched as if they were one gradient (a known approximation for several local steps).
+  :class:`~gradleak.fl.core.Client` uses; pass ``loss_fn`` for another.
+* **FedAvg: the server emulating one step or the client's steps** (``emulate``; paper 001 Supp. M, "(s)" vs
+  "(m)"). A FedAvg client uploads the pseudo-gradient ``(θ_0 − θ_K)/lr = Σ_k g_k`` of its K local SGD steps
+  (:meth:`gradleak.fl.core.Client.local_update`, ``Update.kind == "pseudo_gradient"``). ``single_step`` (default,
+  the paper's baseline "(s)") matches it as if it were one gradient of the whole batch at θ_0 (an approximation
+  for K > 1). ``local_steps`` ("(m)") simulates the client's K steps on the dummy images, differentiably
+  (:func:`gradleak.attacks.bn_inversion.simulate_local_training`: every step's gradient stays in the autograd
+  graph), from the public training configuration (the attack's ``fl``: the client's ``client_batch_sizes`` /
+  ``client_epochs`` entry, else ``local_batch_size`` / ``local_epochs``, and the round's ``lr_at``;
+  :func:`gradleak.attacks.simulate.client_training_config`), and matches the *simulated* pseudo-gradient Σ_k ĝ_k
+  — θ' and, with the anchor, the PE tensors alike (every tensor of the update is trained in the simulation, the
+  unmatched PEs included, since they move the later steps). **Client-shuffle assumption:** the client shuffles
+  with a private seed; the simulation takes consecutive batches of the dummies (``local_schedule``). The dummies
+  are exchangeable, so epoch 1's order is without loss of generality *for the images*; it is not for the labels
+  they are paired with: dummy i carries label i (granted order or the head-gradient inference's order), so which
+  labels share a step is a guess — exact when every step's label multiset is the client's (e.g. all labels equal,
+  or one step per epoch). Epochs > 1 re-use epoch 1's order (the client's later permutations are
+  unknown: an approximation). ``local_steps`` is refused (``BadInput`` naming ``attack.emulate``) under FedSGD
+  (at config time, and on an update of kind ``gradient``), under secure aggregation (the aggregate is no single
+  client's trajectory), and when the configuration's step count differs from the update's ``local_steps``. The
+  simulation runs the model in its own mode (as the client's copy) with the attack's ``loss_fn``.
 * **Attention.** Second derivatives need eager attention (SDPA has no double backward): on the copy
   of the model, any ``config._attn_implementation`` other than ``"eager"`` is switched to ``"eager"``; a float64
   model gets ``"eager_precise"`` (:mod:`gradleak.models.attention`), since HF's eager softmax runs in float32.
@@ -206,6 +225,7 @@ def _force_eager_attention(model: nn.Module) -> bool:
 
 
 LabelMode = Literal["known", "idlg", "auto"]
+EmulateMode = Literal["single_step", "local_steps"]
 
 
 class InvertingGradientsConfig(AttackConfig):
@@ -227,9 +247,16 @@ class InvertingGradientsConfig(AttackConfig):
                                  "the authors' fork: 0.1)")
     time_fwdbwd: bool = Field(True, description="time one forward+backward of the sent model for "
                               "timings.iteration_to_fwdbwd_ratio")
+    emulate: EmulateMode = Field("single_step", description="FedAvg: match the pseudo-gradient as one gradient "
+                                 "(single_step) or simulate the client's K local SGD steps (local_steps; paper 001 "
+                                 "Supp. M)")
 
 
 CPU_STEPS = 300  # the CPU-scale default of ig / dlg / april (issue 14: "few hundred iterations"; set attack.steps)
+#: paper scale (``scale: paper``) of ig / dlg / april / gradvit: paper 001 gives iterations only for GIAS (2000 latent
+#: + 8000 generator steps, Supp. D); the optimisation baselines get GIAS's stage-1 budget, 2000 steps per restart
+#: (also the registered ``inverting_gradients``' default)
+PAPER_STEPS = 2000
 
 
 class IGConfig(InvertingGradientsConfig):
@@ -275,6 +302,18 @@ class InvertingGradients(AttackBase):
     distance: ClassVar[str] = "cosine"
     #: APRIL matches the input-PE gradient by cosine even without the anchor (its own positional term)
     input_pe_term: ClassVar[bool] = False
+    #: ``scale:`` (experiment config) -> the attack parameters it sets unless the config sets them
+    scales: ClassVar[dict[str, dict[str, Any]]] = {"cpu": {"steps": CPU_STEPS}, "paper": {"steps": PAPER_STEPS}}
+
+    @classmethod
+    def check_fl(cls, cfg, fl) -> None:
+        """Config-time check of the FL protocol: ``emulate: local_steps`` simulates FedAvg's local steps."""
+        if getattr(cfg, "emulate", "single_step") != "local_steps":
+            return
+        if fl.algorithm != "fedavg":
+            raise _emulate_needs_fedavg(fl.algorithm)
+        if fl.secure_aggregation:
+            raise _emulate_no_secagg()
 
     @classmethod
     def requires(cls, cfg=None) -> dict[str, bool]:
@@ -295,14 +334,15 @@ class InvertingGradients(AttackBase):
 
     @classmethod
     def from_config(cls, cfg, ctx):
-        return cls(**cfg.model_dump(), seed=ctx.seed)
+        return cls(**cfg.model_dump(), seed=ctx.seed, fl=dict(ctx.fl))
 
     def __init__(self, steps: int = 2000, lr: float = 0.1, tv_weight: float = 1e-4, restarts: int = 1,
                  labels: str = "known", seed: int = 0, image_shape: Sequence[int] | None = None,
                  progress: ProgressFn | None = None, *, signed: bool = True, box: str = "clamp",
                  similarity: str = "global", loss_fn: LossFn = default_classification_loss,
                  client_index: int = 0, label_param: str | None = None, log_every: int | None = None,
-                 anchor: bool = False, anchor_weight: float = 1.0, time_fwdbwd: bool = True):
+                 anchor: bool = False, anchor_weight: float = 1.0, time_fwdbwd: bool = True,
+                 emulate: str = "single_step", fl: Optional[dict[str, Any]] = None):
         if int(steps) < 1:
             raise BadInput("attack.steps", f"steps must be >= 1, got {steps}.", "use e.g. 2000.")
         if not lr > 0:
@@ -321,6 +361,10 @@ class InvertingGradients(AttackBase):
             raise BadInput("attack.image_shape", f"image_shape must be (C, H, W), got {image_shape}.", "e.g. (3, 32, 32).")
         if not anchor_weight >= 0:
             raise BadInput("attack.anchor_weight", f"must be >= 0, got {anchor_weight}.", "use 1 (eq. 7) or 0.1.")
+        if emulate not in ("single_step", "local_steps"):
+            raise BadInput("attack.emulate", f"unknown emulation {emulate!r}.", "use 'single_step' or 'local_steps'.")
+        if emulate == "local_steps" and fl and fl.get("algorithm", "fedavg") != "fedavg":
+            raise _emulate_needs_fedavg(fl.get("algorithm"))
         self.steps = int(steps)
         self.lr = float(lr)
         self.tv_weight = float(tv_weight)
@@ -339,6 +383,8 @@ class InvertingGradients(AttackBase):
         self.anchor = bool(anchor)
         self.anchor_weight = float(anchor_weight)
         self.time_fwdbwd = bool(time_fwdbwd)
+        self.emulate = emulate
+        self.fl = dict(fl or {})  # the public training configuration (local_steps reads the client's schedule)
 
     # ------------------------------------------------------------------ protocol
     def prepare(self, model: nn.Module, threat: ThreatModel) -> nn.Module:
@@ -406,11 +452,14 @@ class InvertingGradients(AttackBase):
                            "attack an update with non-zero gradients.")
         if pe_terms and float(norms["pe"]) == 0.0:
             pe_terms = groups["pe"] = []  # nothing to anchor on (recorded in info)
+        emulation = None
+        if self.emulate == "local_steps":  # matching_terms finds the client's schedule on the attack's model copy
+            emulation = model._gradleak_local_steps = self._emulation(view, update, names, batch_size)
         return SimpleNamespace(update=update, model=model, eager_switched=eager_switched, names=names, params=params,
                                targets=targets, device=device, dtype=dtype, batch_size=batch_size, bs_source=bs_source,
                                shape=shape, labels=labels, label_source=label_source, groups=groups, norms=norms,
                                main=main, pe_terms=pe_terms, unmatched=unmatched, fb_probe=fb_probe,
-                               fb_samples=fb_samples)
+                               fb_samples=fb_samples, emulation=emulation)
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
         t0 = time.perf_counter()
@@ -448,6 +497,7 @@ class InvertingGradients(AttackBase):
             "history": trials[best]["history"], "best_restart": best,
             "restart_final_losses": [t["final_matching_loss"] for t in trials], "diverged": diverged,
             "attention_switched_to_eager": eager_switched, "update_kind": update.kind,
+            **self._emulation_info(st.emulation),
             "seconds": time.perf_counter() - t0,
             "timings": {"attack_seconds": time.perf_counter() - t0, "iteration_seconds": t_iter,
                         "fwdbwd_seconds": t_fb, "iteration_to_fwdbwd_ratio": ratio},
@@ -462,6 +512,51 @@ class InvertingGradients(AttackBase):
         return Reconstruction({"images": images, "labels": labels.cpu()}, info, metrics)
 
     # ------------------------------------------------------------------ view reading
+    def _emulation(self, view: ServerView, update: Update, names: list[str], n: int) -> SimpleNamespace:
+        """The client's local-training schedule for ``emulate: local_steps`` (module docstring): its batch size,
+        epochs and lr from the public training configuration, checked against the update's step count."""
+        from gradleak.attacks.bn_inversion import local_schedule
+        from gradleak.attacks.simulate import client_training_config
+
+        if update.kind != "pseudo_gradient":
+            raise _emulate_needs_fedavg("fedsgd" if update.kind == "gradient" else update.kind)
+        if view.secure_aggregation or update.client_id < 0:
+            raise _emulate_no_secagg()
+        r = len(view.rounds) - 1 if view.rounds else -1  # view.updates is the last observed round
+        b, e, lr = client_training_config(self.fl, int(update.client_id), n, r)
+        schedule = local_schedule(n, b, e)
+        if update.local_steps and len(schedule) != int(update.local_steps):
+            raise BadInput("attack.emulate", f"the public training configuration gives client {update.client_id} "
+                           f"{len(schedule)} local step(s) ({n} samples, batch size {b}, {e} epoch(s)) but its update "
+                           f"reports {update.local_steps}.", "give the attack the clients' training configuration "
+                           "(fl: local_batch_size / local_epochs / client_batch_sizes / client_epochs, lr_at), or use "
+                           "attack.emulate=single_step.")
+        if lr is None and len(schedule) > 1:
+            raise BadInput("attack.emulate", "the clients' learning rate is unknown, so their local steps cannot be "
+                           "simulated.", "run through the pipeline (gradleak run), or give the attack fl={'lr': ...}.")
+        return SimpleNamespace(names=list(names), schedule=schedule, lr=float(lr) if lr is not None else 0.0,
+                               batch_size=b, epochs=e, steps=len(schedule), round=r)
+
+    def _simulated_gradients(self, model: nn.Module, used: list[int], x: torch.Tensor, labels: torch.Tensor,
+                             create_graph: bool) -> list[torch.Tensor]:
+        """The pseudo-gradient Σ_k ĝ_k of the client's K simulated local steps on ``x`` (tensors ``used``)."""
+        from gradleak.attacks.bn_inversion import simulate_local_training
+
+        emu = getattr(model, "_gradleak_local_steps", None)
+        if emu is None:
+            raise BadInput("attack.emulate", "local_steps needs the client's schedule, which is set up with the "
+                           "attack's copy of the model.", "call reconstruct / matching_objective on the view.")
+        sim = simulate_local_training(model, x, labels, lr=emu.lr, schedule=emu.schedule, param_names=emu.names,
+                                      create_graph=create_graph, loss_fn=self.loss_fn, train_mode=None)
+        return [sim.pseudo_gradient[emu.names[i]] for i in used]
+
+    def _emulation_info(self, emu: Optional[SimpleNamespace]) -> dict[str, Any]:
+        if emu is None:
+            return {}
+        return {"emulation": {"mode": "local_steps", "local_steps": emu.steps, "batch_size": emu.batch_size,
+                              "epochs": emu.epochs, "lr": emu.lr, "round": emu.round,
+                              "shuffle": "consecutive batches of the dummies; later epochs re-use epoch 1's order"}}
+
     def _bind(self, model: nn.Module, update: Update):
         named = dict(model.named_parameters())
         missing = [k for k in update.tensors if k not in named]
@@ -554,8 +649,11 @@ class InvertingGradients(AttackBase):
                        create_graph: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(total, θ'-term, PE-term or None) of eq. 7 for dummy images ``x`` (model range [−1, 1])."""
         used = groups["main"] + groups["pe"]
-        loss = self.loss_fn(model, x, labels)
-        got = torch.autograd.grad(loss, [params[i] for i in used], create_graph=create_graph, allow_unused=True)
+        if self.emulate == "local_steps":  # FedAvg "(m)": the simulated pseudo-gradient of the client's K steps
+            got = self._simulated_gradients(model, used, x, labels, create_graph)
+        else:
+            loss = self.loss_fn(model, x, labels)
+            got = torch.autograd.grad(loss, [params[i] for i in used], create_graph=create_graph, allow_unused=True)
         grads: list[Any] = [None] * len(params)
         for i, g in zip(used, got):
             grads[i] = g if g is not None else torch.zeros_like(params[i])
@@ -645,6 +743,19 @@ class InvertingGradients(AttackBase):
                 "final_matching_loss": final, "final_main_term": float(main),
                 "final_pe_term": float(pe) if pe is not None else None, "history": history,
                 "step_seconds": step_seconds, "diverged_at_step": diverged_at}
+
+
+def _emulate_needs_fedavg(algorithm) -> BadInput:
+    return BadInput("attack.emulate", f"is local_steps, but the clients run {algorithm} (one gradient of the whole "
+                    "batch): there are no local steps to emulate.",
+                    "use attack.emulate=single_step, or fl.algorithm=fedavg (local steps: fl.local_batch_size, "
+                    "fl.local_epochs).")
+
+
+def _emulate_no_secagg() -> BadInput:
+    return BadInput("attack.emulate", "is local_steps, but the server sees only the secure aggregate of the clients' "
+                    "updates, which is no single client's local-training trajectory.",
+                    "use attack.emulate=single_step, or individual updates (fl.secure_aggregation=false).")
 
 
 def _no_layer_pe() -> BadInput:

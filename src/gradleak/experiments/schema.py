@@ -10,8 +10,10 @@
 
 The ``attack:`` section holds ``name`` plus the attack's parameters, either flat (``attack.sigma``) or
 under ``attack.params`` (``attack.params.eps_bag``); both are validated against the attack's ``Config``
-class, so a bad value exits 2 naming ``attack.<parameter>``. Fields that belong to the other modality
-(``data.max_length`` in an image experiment, ``model.patch_size`` in a text one) are refused.
+class, so a bad value exits 2 naming ``attack.<parameter>``. ``scale: cpu | paper`` fills the optimisation attacks'
+iteration parameters the config leaves unset from the attack class's ``scales`` table (``ig``: 300 / 2000 steps;
+``gias``: 300 + 100 / 2000 + 8000); the dump records them under ``scale_resolved``. Fields that belong to the other
+modality (``data.max_length`` in an image experiment, ``model.patch_size`` in a text one) are refused.
 """
 
 from __future__ import annotations
@@ -159,6 +161,9 @@ class ExperimentConfig(Strict):
     device: str = "cpu"
     threads: Optional[int] = Field(None, ge=1, le=1024, description="torch CPU threads (results must not depend on it)")
     trials: int = Field(1, ge=1, le=10_000)
+    scale: Optional[Literal["cpu", "paper"]] = Field(None, description="iteration budget of the optimisation attacks: "
+                                                     "paper (the paper's steps/restarts) or cpu (CPU-scale defaults), "
+                                                     "filling the attack parameters the config does not set")
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     peft: PeftConfig = Field(default_factory=PeftConfig)
@@ -173,6 +178,7 @@ class ExperimentConfig(Strict):
     _modality: str = "image"
     _attack_cls: Any = None
     _attack_cfg: Any = None
+    _scale_filled: dict = {}
     _threat: Optional[ThreatModel] = None
     _defense: Any = None
 
@@ -250,6 +256,9 @@ class ExperimentConfig(Strict):
         check_peft = getattr(self._attack_cls, "check_peft", None)  # e.g. attack.anchor needs peft.layer_pe
         if check_peft is not None:
             check_peft(self._attack_cfg, self.peft)
+        check_fl = getattr(self._attack_cls, "check_fl", None)  # e.g. attack.emulate=local_steps needs FedAvg
+        if check_fl is not None:
+            check_fl(self._attack_cfg, self.fl)
         if self._attack_cls.needs_float64 and self.model.dtype == "float32":
             raise BadInput("model.dtype", f"attack '{self._attack_cls.name}' is exact only in float64 (the server ships "
                            "the model in float64).", "remove model.dtype or set it to float64.")
@@ -374,8 +383,12 @@ class ExperimentConfig(Strict):
         if self.peft.kind not in cls.peft_kinds:
             raise BadInput("peft.kind", f"attack '{name}' applies to peft.kind in {{{', '.join(cls.peft_kinds)}}}, "
                            f"not {self.peft.kind}.", f"change peft.kind, or use one of: {', '.join(applicable) or '(none)'}.")
+        merged = self.attack.merged()
+        # scale: the attack's iteration budget for that scale, for every parameter the config does not set itself
+        filled = {k: v for k, v in (getattr(cls, "scales", None) or {}).get(self.scale, {}).items() if k not in merged}
+        self._scale_filled = filled
         try:
-            acfg = cls.Config(**self.attack.merged())
+            acfg = cls.Config(**{**merged, **filled})
         except ValidationError as err:
             from gradleak.experiments.config import describe_validation_error
 
@@ -390,6 +403,8 @@ class ExperimentConfig(Strict):
         out = self.model_dump(mode="json")
         out["attack"] = {"name": self.attack.name, **(self._attack_cfg.model_dump(mode="json") if self._attack_cfg else {})}
         out["threat_resolved"] = self._threat.as_dict() if self._threat else None
+        if self.scale is not None:  # which attack parameters the scale set (the others: the config's own)
+            out["scale_resolved"] = {"scale": self.scale, "attack_parameters_set": dict(self._scale_filled)}
         if self._defense is not None:
             out["defense"] = {"name": self.defense.name, **self._defense.cfg.model_dump(mode="json")}
         return out
