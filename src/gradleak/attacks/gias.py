@@ -59,7 +59,7 @@ from torch import nn
 
 from gradleak.attacks.glr import GroupLazyRegularizer, GroupMember, optimise_group, step_decay_milestones
 from gradleak.attacks.gradvit import GLRFields, GroupInversion, glr_start_of
-from gradleak.attacks.optimization import CPU_STEPS, EmulateMode, LabelMode, total_variation
+from gradleak.attacks.optimization import CPU_STEPS, LabelMode, MatchingFields, total_variation
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
 from gradleak.registry import ATTACKS
@@ -70,7 +70,7 @@ PAPER_GENERATOR_STEPS = 8000
 CPU_GENERATOR_STEPS = 100
 
 
-class GIASConfig(GLRFields):
+class GIASConfig(GLRFields, MatchingFields):
     generator: str = Field("faces", min_length=1, description="safetensors file of `gradleak train-generator`, or 'faces' "
                            "(the pretrained 64×64 face DCGAN, the default: the one generator that ships offline)")
     latent_steps: int = Field(PAPER_LATENT_STEPS, ge=0, le=10_000_000, description="stage 1: Adam steps on z, "
@@ -88,20 +88,6 @@ class GIASConfig(GLRFields):
     labels: LabelMode = Field("auto", description="known, idlg (from the head gradient) or auto (granted labels if "
                               "granted, else from the head gradient)")
     signed: bool = Field(False, description="Adam on the sign of the gradient (GIAS: plain gradient)")
-    similarity: Literal["global", "per_parameter"] = Field("global", description="one cosine over all tensors, or the "
-                                                           "mean per tensor")
-    client_index: int = Field(0, ge=0, description="which observed update to attack")
-    label_param: Optional[str] = Field(None, description="name of the head bias (idlg); default: detected")
-    log_every: Optional[int] = Field(None, ge=1, description="progress every N steps")
-    anchor: bool = Field(False, description="add the cosine term on the gradients of all positional embeddings "
-                         "(paper 001 eq. 7; needs peft.layer_pe=true)")
-    anchor_weight: float = Field(1.0, ge=0, le=1e6, description="weight of the PE-gradient cosine term (eq. 7: 1; "
-                                 "the authors' fork: 0.1)")
-    time_fwdbwd: bool = Field(True, description="time one forward+backward of the sent model for "
-                              "timings.iteration_to_fwdbwd_ratio")
-    emulate: EmulateMode = Field("single_step", description="FedAvg: match the pseudo-gradient as one gradient "
-                                 "(single_step) or simulate the client's K local SGD steps (local_steps; paper 001 "
-                                 "Supp. M)")
 
 
 def resolve_generator(spec: Any) -> tuple[nn.Module, str]:

@@ -228,15 +228,12 @@ LabelMode = Literal["known", "idlg", "auto"]
 EmulateMode = Literal["single_step", "local_steps"]
 
 
-class InvertingGradientsConfig(AttackConfig):
-    steps: int = Field(2000, ge=1, le=10_000_000, description="Adam steps per restart")
-    lr: float = Field(0.1, gt=0, le=100, description="initial step size (cosine-decayed to 0)")
-    tv_weight: float = Field(1e-4, ge=0, description="total-variation weight α_TV")
-    restarts: int = Field(1, ge=1, le=1000, description="independent trials; the best final matching loss wins")
+class MatchingFields(AttackConfig):
+    """The gradient-matching parameters every optimisation attack here shares (ig, dlg, april, gradvit, gias)."""
+
     labels: LabelMode = Field("known", description="known (granted by the threat model), idlg (from the head gradient) "
                               "or auto (granted if granted, else from the head gradient)")
     signed: bool = Field(True, description="Adam on the sign of the gradient (IG)")
-    box: Literal["clamp", "tanh"] = Field("clamp", description="box constraint on the pixels")
     similarity: Literal["global", "per_parameter"] = Field("global", description="one cosine over all tensors, or the mean per tensor")
     client_index: int = Field(0, ge=0, description="which observed update to attack")
     label_param: Optional[str] = Field(None, description="name of the head bias (idlg); default: detected")
@@ -250,6 +247,14 @@ class InvertingGradientsConfig(AttackConfig):
     emulate: EmulateMode = Field("single_step", description="FedAvg: match the pseudo-gradient as one gradient "
                                  "(single_step) or simulate the client's K local SGD steps (local_steps; paper 001 "
                                  "Supp. M)")
+
+
+class InvertingGradientsConfig(MatchingFields):
+    steps: int = Field(2000, ge=1, le=10_000_000, description="Adam steps per restart")
+    lr: float = Field(0.1, gt=0, le=100, description="initial step size (cosine-decayed to 0)")
+    tv_weight: float = Field(1e-4, ge=0, description="total-variation weight α_TV")
+    restarts: int = Field(1, ge=1, le=1000, description="independent trials; the best final matching loss wins")
+    box: Literal["clamp", "tanh"] = Field("clamp", description="box constraint on the pixels")
 
 
 CPU_STEPS = 300  # the CPU-scale default of ig / dlg / april (issue 14: "few hundred iterations"; set attack.steps)

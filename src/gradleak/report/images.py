@@ -48,11 +48,17 @@ def save_image_grid(images: torch.Tensor, path: str | Path, nrow: int = 8, upsca
     img = Image.fromarray(grid_array(images, nrow=nrow, padding=padding))
     if upscale and upscale > 1:
         img = img.resize((img.width * upscale, img.height * upscale), Image.NEAREST)
+    return save_png_atomically(path, lambda tmp: img.save(tmp, format="PNG"))
+
+
+def save_png_atomically(path, write) -> Path:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it to ``path`` (readable by all)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".png.tmp")
     os.close(fd)
     try:
-        img.save(tmp, format="PNG")
+        write(tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:

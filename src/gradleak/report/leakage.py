@@ -17,9 +17,7 @@ All PNGs are written atomically (temp file + ``os.replace``).
 from __future__ import annotations
 
 import math
-import os
 import re
-import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -188,18 +186,9 @@ def save_tsne_plot(embedding: dict, path: str | Path, meta: dict[str, dict] | No
     ax.set_yticks([])
     ax.legend(fontsize=7, loc="best", framealpha=0.8)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".png.tmp")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    from gradleak.report.images import save_png_atomically
+
+    return save_png_atomically(path, lambda tmp: fig.savefig(tmp, format="png"))
 
 
 __all__ = ["leakage_rows", "leakage_table", "leakage_markdown", "verdict", "is_leakage", "save_reconstruction_grid",
