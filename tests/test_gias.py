@@ -15,13 +15,13 @@ from gradleak.attacks.gias import GIAS, generator_fit, resize_generated, resolve
 from gradleak.attacks.optimization import IG
 from gradleak.cli import app
 from gradleak.errors import BadInput, MissingAsset
-from gradleak.fl.core import Client, ServerView
 from gradleak.metrics import psnr
-from gradleak.models import ModelHandle
 from gradleak.models.generator import DCGANGenerator, save_generator
 from gradleak.models.vit import vit
-from gradleak.peft import PeftConfig, apply_peft
+from gradleak.peft import PeftConfig
 from gradleak.registry import ATTACKS
+
+from _tiny_vit import lora_pe_vit, view_of  # tests/ is on sys.path (rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "lora_vit" / "cifar_b1.yaml"
@@ -40,20 +40,6 @@ def contrast_generator(latent_dim: int = 16, width: int = 8, channels: int = 3, 
             if isinstance(m, torch.nn.ConvTranspose2d):
                 m.weight.mul_(5.0)
     return gen
-
-
-def view_of(model, images01, targets, **public) -> ServerView:
-    x = images01.to(next(model.parameters()).dtype) * 2 - 1
-    upd = Client(0, x, targets).local_update(model)
-    return ServerView(model=model, updates=[upd], public={"image_shape": tuple(x.shape[1:]), "num_classes": 4,
-                                                          "batch_size": len(x), **public})
-
-
-def lora_pe_vit(layers=2, size=8) -> ModelHandle:
-    model = vit("vit-tiny", image_size=size, patch_size=4, hidden_size=32, heads=2, layers=layers, num_classes=4, seed=0)
-    handle = ModelHandle(model, "image", "vit-tiny", "image", 32, layers)
-    apply_peft(handle, PeftConfig(kind="lora", lora_rank=4, lora_targets=["query", "value"], layer_pe=True), seed=0)
-    return handle
 
 
 def test_registered_requires_and_paper_defaults():

@@ -18,13 +18,12 @@ from gradleak.attacks.optimization import IG
 from gradleak.cli import app
 from gradleak.data import load
 from gradleak.errors import BadInput
-from gradleak.fl.core import Client, ServerView
 from gradleak.metrics import psnr
-from gradleak.models import ModelHandle
 from gradleak.models.vit import vit
-from gradleak.peft import PeftConfig, apply_peft
 from gradleak.peft.layer_pe import add_layer_pe
 from gradleak.registry import ATTACKS
+
+from _tiny_vit import lora_pe_vit, view_of  # tests/ is on sys.path (rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "lora_vit" / "cifar_b1.yaml"
@@ -50,20 +49,6 @@ def tiny_backbone():
     torch.manual_seed(0)
     return Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                     patch_size=14, image_size=28, attn_implementation="eager")).eval()
-
-
-def lora_pe_vit(layers=2) -> ModelHandle:
-    model = vit("vit-tiny", image_size=8, patch_size=4, hidden_size=32, heads=2, layers=layers, num_classes=4, seed=0)
-    handle = ModelHandle(model, "image", "vit-tiny", "image", 32, layers)
-    apply_peft(handle, PeftConfig(kind="lora", lora_rank=4, lora_targets=["query", "value"], layer_pe=True), seed=0)
-    return handle
-
-
-def view_of(model, images01, targets, **public) -> ServerView:
-    x = images01.to(next(model.parameters()).dtype) * 2 - 1
-    upd = Client(0, x, targets).local_update(model)
-    return ServerView(model=model, updates=[upd], public={"image_shape": tuple(x.shape[1:]), "num_classes": 4,
-                                                          "batch_size": len(x), **public})
 
 
 # ------------------------------------------------------------------------------------------------ GLR

@@ -16,13 +16,15 @@ from gradleak.attacks.optimization import (IG, DLG, April, InvertingGradients, i
 from gradleak.cli import app
 from gradleak.data import load
 from gradleak.errors import BadInput
-from gradleak.fl.core import Client, ServerView, Update
+from gradleak.fl.core import Client, Update
 from gradleak.metrics import psnr
 from gradleak.models import ModelHandle
 from gradleak.models.vit import vit
 from gradleak.peft import PeftConfig, apply_peft
 from gradleak.peft.layer_pe import add_layer_pe, pe_parameter_names
 from gradleak.registry import ATTACKS
+
+from _tiny_vit import lora_pe_vit, view_of  # tests/ is on sys.path (rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "lora_vit" / "cifar_b1.yaml"
@@ -36,23 +38,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def images8() -> torch.Tensor:
     """Real CIFAR images, area-resized to 8×8, in [0, 1]."""
     return F.interpolate(load("cifar-samples", n=4).images, size=8, mode="area")
-
-
-def lora_pe_vit(dtype=torch.float32, layers=2, init="zeros", rank=4, seed=0) -> ModelHandle:
-    """A tiny ViT (8×8 images, patch 4: 4 tokens + CLS, d = 32) with LoRA on query + value and layer-wise PEs."""
-    model = vit("vit-tiny", image_size=8, patch_size=4, hidden_size=32, heads=2, layers=layers, num_classes=4,
-                dtype=dtype, seed=seed)
-    handle = ModelHandle(model, "image", "vit-tiny", "image", 32, layers)
-    apply_peft(handle, PeftConfig(kind="lora", lora_rank=rank, lora_targets=["query", "value"], layer_pe=True,
-                                  layer_pe_init=init), seed=seed)
-    return handle
-
-
-def view_of(model, images01, targets, **public) -> ServerView:
-    x = images01.to(next(model.parameters()).dtype) * 2 - 1
-    upd = Client(0, x, targets).local_update(model)
-    return ServerView(model=model, updates=[upd], public={"image_shape": tuple(x.shape[1:]), "num_classes": 4,
-                                                          "batch_size": len(x), **public})
 
 
 def test_names_registered_and_old_name_kept():
