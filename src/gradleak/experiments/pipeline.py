@@ -11,6 +11,8 @@ Timings: ``attack_to_client_step_ratio`` = (attack prepare + per-round server mo
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from typing import Any
 
@@ -391,18 +393,45 @@ def _candidates(data, trial, batches, threat, cfg):
     return cands, member
 
 
+@contextlib.contextmanager
+def _final_global_model(model, outcome, cfg, *, eval_mode: bool):
+    """``model`` as the global model after the last round's aggregate (parameters stepped at the last round's lr, BN
+    buffers by the mean change), optionally in eval mode; restored to what the server sent on exit."""
+    from gradleak.fl.core import batchnorm_buffers
+    from gradleak.fl.protocol import apply_buffer_change
+
+    agg = outcome.last_aggregate
+    lr = cfg.fl.lr_at(cfg.fl.rounds - 1)
+    params = {n: p.detach().clone() for n, p in model.named_parameters() if n in agg.tensors}
+    buffers = batchnorm_buffers(model)
+    was = model.training
+    try:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in agg.tensors:
+                    p.sub_(lr * agg.tensors[n].to(device=p.device, dtype=p.dtype))
+            if agg.buffers is not None:
+                apply_buffer_change(model, agg.buffers)
+        if eval_mode:
+            model.eval()
+        yield model
+    finally:  # leave the model as the server sent it (later trials restore it anyway)
+        with torch.no_grad():
+            named = dict(model.named_parameters())
+            for n, v in params.items():
+                named[n].copy_(v)
+            nb = dict(model.named_buffers())
+            for n, v in buffers.items():
+                nb[n].copy_(v.to(nb[n].device))
+        model.train(was)
+
+
 def _utility(handle, model, outcome, cfg, test, dev) -> dict[str, float]:
     """Accuracy of the global model after the last round's aggregate, on held-out samples: the classification
     accuracy (bidirectional models) or the next-token accuracy (causal LMs, whose clients train the LM loss)."""
     texts, labels = test
-    agg = outcome.last_aggregate
-    final = {n: p.detach().clone() for n, p in model.named_parameters() if n in agg.tensors}
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n in agg.tensors:
-                p.sub_(cfg.fl.lr * agg.tensors[n].to(device=p.device, dtype=p.dtype))
     correct = total = 0
-    with torch.no_grad():
+    with _final_global_model(model, outcome, cfg, eval_mode=False), torch.no_grad():
         for a in range(0, len(texts), 64):
             enc = handle.text_model.encode(texts[a:a + 64], cfg.data.max_length)
             ids, mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
@@ -414,49 +443,20 @@ def _utility(handle, model, outcome, cfg, test, dev) -> dict[str, float]:
             else:
                 correct += int((out.argmax(-1).cpu() == labels[a:a + 64]).sum())
                 total += len(ids)
-    with torch.no_grad():  # leave the model as the server sent it (later trials restore it anyway)
-        for n, p in model.named_parameters():
-            if n in final:
-                p.copy_(final[n])
     return {"accuracy": correct / max(total, 1), "test_samples": float(len(texts))}
 
 
 def _image_utility(model, outcome, cfg, test, dev) -> dict[str, float]:
-    """Test accuracy of the global model after the last round's aggregate (parameters at the last round's lr, BN
-    buffers by the mean change), in eval mode (running statistics), on ``data.test_size`` held-out images; the
-    model is left as the server sent it."""
-    from gradleak.fl.core import batchnorm_buffers
-    from gradleak.fl.protocol import apply_buffer_change
-
+    """Test accuracy of the global model after the last round's aggregate, in eval mode (running statistics), on
+    ``data.test_size`` held-out images."""
     x, y = test
-    agg = outcome.last_aggregate
-    lr = cfg.fl.lr_at(cfg.fl.rounds - 1)
-    params = {n: p.detach().clone() for n, p in model.named_parameters() if n in agg.tensors}
-    buffers = batchnorm_buffers(model)
-    was = model.training
     correct = 0
-    try:
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n in agg.tensors:
-                    p.sub_(lr * agg.tensors[n].to(device=p.device, dtype=p.dtype))
-            if agg.buffers is not None:
-                apply_buffer_change(model, agg.buffers)
-            model.eval()
-            dtype = next(model.parameters()).dtype
-            for a in range(0, len(x), 256):
-                out = model((x[a:a + 256].to(dtype) * 2 - 1).to(dev))
-                logits = out.logits if hasattr(out, "logits") else out
-                correct += int((logits.argmax(-1).cpu() == y[a:a + 256]).sum())
-    finally:
-        with torch.no_grad():
-            named = dict(model.named_parameters())
-            for n, v in params.items():
-                named[n].copy_(v)
-            nb = dict(model.named_buffers())
-            for n, v in buffers.items():
-                nb[n].copy_(v.to(nb[n].device))
-        model.train(was)
+    with _final_global_model(model, outcome, cfg, eval_mode=True), torch.no_grad():
+        dtype = next(model.parameters()).dtype
+        for a in range(0, len(x), 256):
+            out = model((x[a:a + 256].to(dtype) * 2 - 1).to(dev))
+            logits = out.logits if hasattr(out, "logits") else out
+            correct += int((logits.argmax(-1).cpu() == y[a:a + 256]).sum())
     return {"accuracy": correct / max(len(x), 1), "test_samples": float(len(x))}
 
 
