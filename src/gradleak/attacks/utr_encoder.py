@@ -175,26 +175,51 @@ class EncoderChainSearch:
         return out
 
     def _length_hypotheses(self, limit: int = 12) -> list[list[int]]:
-        """Other length multisets for the chains that no [SEP] pins down (B above the number of distinct lengths):
-        the inferred one first, then the others by their per-position deficit (positions holding more tokens than
-        chains cover them; a false stage-1 pair can cause one, so deficits order rather than exclude)."""
+        """Length multisets to try, the inferred one first.
+
+        (a) B above the number of distinct lengths: the chains no [SEP] pins down may take any read length
+        (ordered by their per-position deficit: positions holding more tokens than chains cover them; a false
+        stage-1 pair can cause one, so deficits order rather than exclude). (b) A false [SEP] pair (a rounding
+        artefact of stage 1, e.g. float32 reductions that differ with the thread count): one read length is not a
+        sentence's, so B chains over the other lengths, the freed chain on any of them. The (a) hypotheses come
+        first (up to ``limit``), then (b), also ordered by deficit."""
         from itertools import combinations_with_replacement
 
         base = list(self.lengths)
-        extra = len(base) - len(self.seps)
-        if extra <= 0 or not self.seps:
+        if not self.seps:
             return [base]
 
         def deficit(ls):
             return sum(max(0, len(self.by_pos[q]) - sum(1 for ell in ls if ell > q)) for q in self.by_pos)
 
+        seen = {tuple(sorted(base, reverse=True))}
+
+        def fresh(ls):
+            key = tuple(sorted(ls, reverse=True))
+            if key in seen:
+                return False
+            seen.add(key)
+            return True
+
+        extra = len(base) - len(self.seps)
         hyps = []
-        for add in combinations_with_replacement(self.seps, extra):
-            ls = sorted(list(self.seps) + list(add), reverse=True)
-            if ls != sorted(base, reverse=True):
-                hyps.append(ls)
-        hyps.sort(key=lambda ls: (deficit(ls), -sum(ls)))
-        return [base] + hyps[: limit - 1]
+        if extra > 0:
+            for add in combinations_with_replacement(self.seps, extra):
+                ls = sorted(list(self.seps) + list(add), reverse=True)
+                if fresh(ls):
+                    hyps.append(ls)
+            hyps.sort(key=lambda ls: (deficit(ls), -sum(ls)))
+            hyps = hyps[: limit - 1]
+        drop_one = []
+        if len(self.seps) >= 2:
+            for drop in self.seps:
+                rest = [e for e in self.seps if e != drop]
+                for add in combinations_with_replacement(rest, len(base) - len(rest)):
+                    ls = sorted(rest + list(add), reverse=True)
+                    if fresh(ls):
+                        drop_one.append(ls)
+            drop_one.sort(key=lambda ls: (deficit(ls), -sum(ls)))
+        return [base] + hyps + drop_one[: max(limit, len(self.seps) * 2)]
 
     # ------------------------------------------------------------------ scoring
     def _res(self, h: torch.Tensor) -> torch.Tensor:
@@ -551,9 +576,30 @@ class EncoderChainSearch:
             return [], {**info, "forward_passes": 0, "layer_evaluations": 0}
         if self.joint and sum(self.lengths) + len(self.lengths) < self.sub.dim:
             return self._run_hypotheses(info, t0)
-        chains = self._construct()
         if self.joint:  # more layer states than the hidden size: nothing can be verified, one best-effort sweep
             self.sweeps = 1
+            out, inf = self._run_plain(dict(info), t0)
+            return out, inf
+        # a chain that fails its test may come from a wrong length multiset: try the others until every chain
+        # passes (cheap below the bottleneck: a run is a few forward passes)
+        best, tried = None, 0
+        for lengths in self._length_hypotheses():
+            if tried and time.perf_counter() - t0 > self.time_budget:
+                break
+            self.lengths = lengths
+            out, inf = self._run_plain(dict(info), t0)
+            tried += 1
+            if best is None or inf["verified_sentences"] > best[1]["verified_sentences"]:
+                best = (out, inf)
+            if inf["verified_sentences"] == len(lengths):
+                break
+        best[1]["length_hypotheses_tried"] = tried
+        best[1].update({"forward_passes": self.forwards, "layer_evaluations": self.evals})
+        return best
+
+    def _run_plain(self, info: dict[str, Any], t0: float) -> tuple[list[list[int]], dict[str, Any]]:
+        """Construction, sweeps and the per-position acceptance test for the current ``self.lengths``."""
+        chains = self._construct()
         accepted: set[int] = set()
         sweeps = 0
         for sweeps in range(1, self.sweeps + 1):
