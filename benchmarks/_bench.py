@@ -154,8 +154,8 @@ def fmt_num(x: Any, spec: str) -> str:
         return "–"
 
 
-def run_pipeline_cell(config: Path, overrides: list[str], out_dir: Path) -> dict:
-    """One benchmark cell through the experiment pipeline (``validate`` -> ``run_experiment``) on the CPU, writing
+def run_pipeline_cell(config: Path, overrides: list[str], out_dir: Path, device: str = "cpu") -> dict:
+    """One benchmark cell through the experiment pipeline (``validate`` -> ``run_experiment``) on ``device``, writing
     ``out_dir`` as ``gradleak run`` would (``results.json``, ``report.html``, ``report_data.json``); returns the
     pipeline's result dict with ``timings.total_seconds`` added."""
     import time
@@ -172,7 +172,7 @@ def run_pipeline_cell(config: Path, overrides: list[str], out_dir: Path) -> dict
     out_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
     t0 = time.perf_counter()
-    res = run_experiment(cfg, RunContext(out_dir, torch.device("cpu")))
+    res = run_experiment(cfg, RunContext(out_dir, torch.device(device)))
     res["timings"]["total_seconds"] = time.perf_counter() - t0
     results = {"name": cfg.name, "experiment": cfg.experiment, "config": cfg.dump(), "metrics": res["metrics"],
                "timings": res["timings"], "artifacts": res.get("artifacts", []), "details": res["details"]}

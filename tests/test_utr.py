@@ -417,7 +417,9 @@ def test_a_false_sep_pair_and_a_shared_length_are_tried_as_hypotheses(minilm):
         return bag
 
     attack.word_bag = with_false_sep
+    before = torch.get_num_threads()
     rec = attack.reconstruct(view)
+    assert torch.get_num_threads() == before  # attack.threads (1) applies inside the attack only
     want = sorted(tok.decode(tok.encode(t), skip_special_tokens=True) for t in texts)
     assert sorted(tok.decode(s, skip_special_tokens=True) for s in rec.data) == want
     assert rec.info["verified_sentences"] == 4 and rec.info["length_hypotheses_tried"] > 1
