@@ -18,6 +18,8 @@ U = ``data.seed``, K = ``seed``; summary ``<out>/lora_vit_opt_<scale>.json``; me
 Welch t-test p-values for every "+ anchor" gain, as the paper reports):
 
 * ``table1`` — B = 1: IG, APRIL, GradViT, GIAS (+ DLG at paper scale), each without / with the anchor;
+* ``table2`` — the face setting (``configs/lora_vit/faces_b1.yaml``: real LFW faces at 64×64, patch 8, the
+  pretrained face DCGAN of ``gan-face-generate``): GIAS without / with the anchor;
 * ``why`` — why the anchor does or does not pay at this scale: anchor weight 0.1 (the authors' fork) vs 1 (eq. 7),
   patch 16 vs 4, a longer GIAS schedule at patch 16 (500 + 500), LoRA init uniform (and standard at paper scale),
   a random-init ViT-S backbone (Table 12's point), IG at 300 vs 1500 steps;
@@ -352,10 +354,11 @@ def intrinsic_dimension_table(out: Path, args: argparse.Namespace | None = None)
 # reconstructions, more grid points) for a GPU.
 # ---------------------------------------------------------------------------------------------------------------------
 
-OPT_TABLES = ("table1", "why", "fig9", "fig10", "table3", "table4", "table13", "table14")
+OPT_TABLES = ("table1", "table2", "why", "fig9", "fig10", "table3", "table4", "table13", "table14")
 OPT_METRICS = ("image_psnr_mean", "image_ssim_mean", "feature_distance_mean", "reference_gray_image_psnr_mean",
                "final_matching_loss", "final_pe_term", "images_above_threshold")
 PEFTLEAK_CONFIG = ROOT / "configs" / "peftleak" / "cifar_b32.yaml"
+FACES_CONFIG = ROOT / "configs" / "lora_vit" / "faces_b1.yaml"  # Table 2's analogue: LFW faces, the face DCGAN
 #: the generator of the GIAS cells: a DCGAN trained by us on public natural-image crops (no CIFAR training set is
 #: offline; paper 001 trains its DCGAN on CIFAR-10's training split)
 GENERATOR_COMMAND = ["train-generator", "--data", "public-natural", "--n", "2048", "--image-size", "32",
@@ -364,6 +367,7 @@ GENERATOR_COMMAND = ["train-generator", "--data", "public-natural", "--n", "2048
 PAPER_PSNR = {
     ("table1", "b1", "april"): (12.75, 12.03), ("table1", "b1", "gradvit"): (15.03, 16.62),
     ("table1", "b1", "gias"): (15.77, 25.91), ("fig9", "r16", "gias"): (None, None),
+    ("table2", "lfw64/b1", "gias"): (11.71, 19.54),  # CelebA 128² (64²: 12.48 -> 22.44, Table 10)
     ("fig10", "b4", "gias"): (12.10, 20.97), ("why", "standard_init", "gias"): (13.48, 23.47),
     ("table3", "e1b8/single_step", "gias"): (11.04, 13.12), ("table3", "e1b4/single_step", "gias"): (10.82, 13.21),
     ("table3", "e2b8/single_step", "gias"): (10.84, 13.23), ("table3", "e2b4/single_step", "gias"): (10.79, 13.58),
@@ -396,12 +400,13 @@ def ensure_generator(out: Path) -> Path:
     return path
 
 
-def method_overrides(method: str, anchor: bool, gen: str) -> list[str]:
+def method_overrides(method: str, anchor: bool, gen: str | None) -> list[str]:
+    """``gen`` None: the config's own generator (the faces config names the face DCGAN)."""
     o = [f"attack.name={method}", f"attack.anchor={str(anchor).lower()}"]
     if method == "gradvit":
         o.append("threat.public_data=true")  # its ViT-S/14 feature prior reads public images
     if method == "gias":
-        o += [f"attack.generator={gen}", "threat.public_data=true"]
+        o += ([f"attack.generator={gen}"] if gen else []) + ["threat.public_data=true"]
     return o
 
 
@@ -426,7 +431,8 @@ def opt_grid(scale: str, gen: str) -> list[dict]:
     def add(table, setting, method, extra, anchor_extra=(), config=CONFIG):
         for a in (False, True):
             for u, k in opt_reps(scale, table):
-                ov = (base + method_overrides(method, a, gen) + extra + (list(anchor_extra) if a else [])
+                ov = (base + method_overrides(method, a, gen if config == CONFIG else None) + extra
+                      + (list(anchor_extra) if a else [])
                       + [f"data.seed={u}", f"seed={k}"])
                 cell = f"{table}/{setting}/{method}{'+anchor' if a else ''}/u{u}s{k}"
                 c = {"cell": cell, "table": table, "setting": setting, "method": method, "anchor": a, "user": u,
@@ -440,6 +446,8 @@ def opt_grid(scale: str, gen: str) -> list[dict]:
 
     for m in (("ig", "dlg", "april", "gradvit", "gias") if paper else ("ig", "april", "gradvit", "gias")):
         add("table1", "b1", m, [])
+    # Table 2 (CelebA 128² in the paper): real LFW faces at 64×64, patch 8 (64 tokens), the pretrained face DCGAN
+    add("table2", "lfw64/b1", "gias", [], config=FACES_CONFIG)
     # why the anchor does (not) pay at this scale (issue 14: iterations, PE weight, patch size, LoRA init)
     add("why", "weight0.1", "gias", [], anchor_extra=["attack.anchor_weight=0.1"])  # plain arm = table1's
     add("why", "patch16", "gias", ["model.patch_size=16"])
@@ -482,7 +490,7 @@ def opt_grid(scale: str, gen: str) -> list[dict]:
 
 
 #: the order the cells run in (the grid's order is the report's): what the issue asks first, then by cost
-RUN_ORDER = ("table14/", "why/patch16/steps500+500/", "table1/", "why/weight0.1/", "why/uniform_init/", "why/p16/",
+RUN_ORDER = ("table14/", "why/patch16/steps500+500/", "table1/", "table2/", "why/weight0.1/", "why/uniform_init/", "why/p16/",
              "why/patch16/", "why/", "table4/", "fig10/", "table13/", "fig9/", "table3/")
 
 
@@ -491,6 +499,8 @@ def backbone(c: dict) -> str:
     ov = dict(o.split("=", 1) for o in c["overrides"])
     if c["method"] == "peftleak":
         return "ViT-B/16 random init + adapters, patch 16"  # configs/peftleak/cifar_b32.yaml
+    if c["config"] == display(FACES_CONFIG):
+        return "ViT-S/14 pretrained, patch 8 (64 px)"
     name = {"vit-s16": "ViT-S random init"}.get(ov.get("model.name"), "ViT-S/14 pretrained")
     return f"{name}, patch {ov.get('model.patch_size', 4)}"
 
@@ -585,7 +595,7 @@ def opt_summary(cells: list[dict], jsonl: Path) -> dict:
     return out
 
 
-def opt_markdown(summary: dict, scale: str, missing: int, total: int) -> str:
+def opt_markdown(summary: dict, scale: str, missing: int, total: int, cpu_seconds: float = float("nan")) -> str:
     cols = ["table", "setting", "method", "backbone", "n", "PSNR", "PSNR + anchor", "Δ PSNR", "p", "SSIM", "SSIM + anchor",
             "Δ SSIM", "p (SSIM)", "gray PSNR", "iter/fwd+bwd", "paper PSNR (→ + anchor)"]
     table = []
@@ -613,12 +623,14 @@ def opt_markdown(summary: dict, scale: str, missing: int, total: int) -> str:
         gias = summary.get("table1/b1/gias" if B == 1 else f"fig10/b{B}/gias")
         t14.append({"B": B, "PEFTLeak PSNR (ours)": mean_std(s["plain"]["psnr"]),
                     "PEFTLeak SSIM (ours)": mean_std(s["plain"]["ssim"]),
-                    "PEFTLeak PSNR (paper 001 Table 14)": PAPER_PEFTLEAK_PSNR.get(B),
-                    "GIAS + anchor PSNR (ours)": mean_std(gias["anchor"]["psnr"]) if gias else "not in this scale's grid",
-                    "GIAS + anchor PSNR (paper)": {1: 25.91, 4: 20.97, 16: 13.71, 32: 11.83}.get(B)})
+                    "PEFTLeak PSNR (paper 001 Table 14)": fmt_num(PAPER_PEFTLEAK_PSNR.get(B), ".2f"),
+                    "GIAS + anchor PSNR (ours)": (f"{mean_std(gias['anchor']['psnr'])} ({gias['backbone']})" if gias
+                                                  else "not in this scale's grid"),
+                    "GIAS + anchor PSNR (paper)": fmt_num({1: 25.91, 4: 20.97, 16: 13.71, 32: 11.83}.get(B), ".2f")})
     t14.sort(key=lambda r: r["B"])
     findings = "\n".join(f"* {f}" for f in opt_findings(summary))
-    return (f"Scale `{scale}`; {total - missing} of {total} cells ran ({missing} not run: the table shows what ran). "
+    return (f"Scale `{scale}`; {total - missing} of {total} cells ran ({missing} not run: the table shows what ran; "
+            f"the cells that ran took {cpu_seconds / 3600:.2f} h of one-thread process time). "
             "`n` = runs without / with the anchor; mean (std) over runs; `p` = two-sided Welch t-test of the anchor arm "
             "vs the plain arm (– below 2 runs per arm); `gray PSNR` = the PSNR of a uniform mid-gray image (a "
             "reconstruction below it carries no more than the image's mean level); `iter/fwd+bwd` = one attack "
@@ -886,7 +898,9 @@ def main(argv=None) -> int:
         write_json_atomic(args.out / f"{NAME}_opt_{args.scale}.json", summary)
         done = done_cells(opt_jsonl)
         missing = sum(1 for c in every_opt if c.get("same_as", c["cell"]) not in done)
-        write_section(args, f"{NAME}_opt_{args.scale}", opt_markdown(summary, args.scale, missing, len(every_opt)),
+        ran = {r["cell"]: r for r in latest_rows(opt_jsonl) if "error" not in r}
+        secs = sum(ran[c["cell"]]["wall_seconds"] for c in every_opt if c["cell"] in ran)
+        write_section(args, f"{NAME}_opt_{args.scale}", opt_markdown(summary, args.scale, missing, len(every_opt), secs),
                       f"LoRA-ViT optimisation attacks ± spatial anchor (paper 001 Tables 1, 3, 4, 13, 14, Figs. 9, 10; "
                       f"scale {args.scale})", f"{NAME}_opt_{args.scale}")
     if "intrinsic" in only and first_lane and (not args.report_only or (args.out / f"{INTRINSIC}.json").exists()):

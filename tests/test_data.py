@@ -18,7 +18,7 @@ from gradleak.registry import DATASETS
 
 def test_registered():
     for name in ("cifar-samples", "cifar10-samples", "cifar100-samples", "imagenet-samples", "natural-crops",
-                 "public-natural", "fashion-mnist", "image-folder", "npz"):
+                 "public-natural", "fashion-mnist", "image-folder", "npz", "lfw-faces"):
         assert name in DATASETS
 
 
@@ -499,3 +499,26 @@ def test_every_builtin_image_set_has_its_sources_recorded():
     builtin_sets = [e.name for e in DATASETS if getattr(e.obj, "__module__", "") == builtin.__name__]
     assert builtin_sets and set(builtin_sets) <= set(sources.SOURCES)
     assert set().union(*sources.SOURCES.values()) <= set(sources.FAMILIES)
+
+
+def test_lfw_faces_are_the_100_real_faces_of_the_subset():
+    import skimage.data
+
+    faces = data.load("lfw-faces")
+    raw = np.asarray(skimage.data.lfw_subset())
+    assert faces.images.shape == (100, 1, 25, 25) and faces.num_classes == 20
+    assert torch.allclose(faces.images[:, 0].double(), torch.from_numpy(raw[:100]).double(), atol=1e-6)
+    assert faces.labels.tolist() == [i % 20 for i in range(100)]
+    assert data.load("lfw-faces", n=3).images.shape[0] == 3
+    sources.check_disjoint("lfw-faces", "public-natural")  # the server's public photos are no LFW face
+    assert sources.default_public("lfw-faces") == "natural-crops"
+    with pytest.raises(BadInput, match="data.public"):
+        sources.check_disjoint("lfw-faces", "lfw-faces")
+
+
+def test_lfw_faces_through_the_pipeline_loader_become_rgb_at_the_configured_size():
+    from gradleak.experiments.pipeline import load_images
+
+    x, y = load_images("lfw-faces", 4, 64, 0, "data.batch_size")
+    assert x.shape == (4, 3, 64, 64) and torch.equal(x[:, 0], x[:, 1]) and y.tolist() == [0, 1, 2, 3]
+    assert 0 <= float(x.min()) and float(x.max()) <= 1

@@ -192,3 +192,23 @@ def test_pipeline_gias_with_anchor_on_a_trained_generator_file(tmp_path):
     assert info["anchor"] and "vit.encoder.layer.1.layer_pe" in info["pe_term_parameters"]
     assert info["generator"]["resize"] == "avgpoolx4" and info["generator"]["metadata"]["data"] == "natural-crops"
     assert json.loads((tmp_path / "out" / "results.json").read_text())["config"]["attack"]["generator"] == str(path)
+
+
+def test_shipped_face_config_real_lfw_faces_and_the_face_dcgan(tmp_path, vit_s14_available):
+    """configs/lora_vit/faces_b1.yaml (paper 001 Table 2's analogue): LFW faces at 64×64 on the pretrained ViT-S/14 at
+    patch 8 (64 tokens), the pretrained 64×64 face DCGAN at its own size (no resizing), the anchor on; a few steps."""
+    pytest.importorskip("gan_face_generate")
+    from gradleak.experiments import run_config, validate
+    from gradleak.experiments.config import load_yaml
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "lora_vit" / "faces_b1.yaml"
+    raw = load_yaml(path)
+    _, cfg = validate(raw, [])
+    assert cfg.data.name == "lfw-faces" and cfg.attack_cfg.generator == "faces" and cfg.attack_cfg.anchor
+    raw["attack"].update({"latent_steps": 2, "generator_steps": 1, "restarts": 1})
+    raw["metrics"] = {"feature_distance": False}
+    res = run_config(raw, tmp_path / "out")
+    info = res["details"]["attack_info"]
+    assert info["generator"]["resize"] == "none" and res["metrics"]["images_returned"] == 1
+    assert info["image_shape"] == [3, 64, 64] and info["pe_term_parameters"]
+    assert res["timings"]["iteration_to_fwdbwd_ratio"] > 0

@@ -173,6 +173,28 @@ def _public_photos() -> tuple[tuple[Image.Image, ...], tuple[str, ...]]:
     return tuple(photos), tuple(names)
 
 
+LFW_FACES = 100  # skimage.data.lfw_subset(): 100 faces, then 100 non-faces
+LFW_CLASSES = 20  # the paper's CelebA setting: 20 identities -> 20 classes (LFW's subset has no identity labels)
+
+
+@DATASETS.register("lfw-faces", "100 real LFW face photos (scikit-image's lfw_subset, 25×25 grey; resized and "
+                   "replicated to RGB by the pipeline), labels index mod 20 (the subset has no identities)")
+def lfw_faces(n: int | None = None) -> ImageSet:
+    """The real faces of scikit-image's ``lfw_subset()`` (its first 100 images; the others are non-faces), the
+    victims of paper 001's face setting (Table 2: CelebA, 20 identities): offline, disjoint from the synthetic
+    DigiFace-1M faces the ``faces`` generator was trained on. The subset carries no identities, so the class of
+    image i is i mod 20 — a classification task for the client to train, not a claim about who is who."""
+    try:
+        import skimage.data as skdata
+
+        arr = np.asarray(skdata.lfw_subset())[:LFW_FACES]
+    except Exception as err:  # pragma: no cover - scikit-image is a hard dependency
+        raise MissingAsset("scikit-image lfw_subset", "pip install scikit-image") from err
+    x = torch.from_numpy(arr.astype(np.float32))[:, None].clamp(0, 1)
+    labels = [i % LFW_CLASSES for i in range(len(x))]
+    return _take(x, labels, [f"lfw_subset#{i}" for i in range(len(x))], LFW_CLASSES, n, "lfw-faces")
+
+
 @DATASETS.register("public-natural",
                    "public data disjoint from every attacked set: seeded random crops of scikit-image/-learn photos")
 def public_natural(n: int = 128, size: int = 32, seed: int = 0, min_scale: float = 0.25) -> ImageSet:

@@ -18,6 +18,7 @@ FAMILIES: dict[str, str] = {
     "foolbox-imagenet": "the 20 ImageNet photos shipped in foolbox",
     "skimage-sklearn": "the sample photos shipped in scikit-image and scikit-learn",
     "fashion-mnist": "Debian's Fashion-MNIST files",
+    "skimage-lfw": "the LFW faces of scikit-image's lfw_subset",
 }
 
 #: Dataset name -> the source-image families it is made of.
@@ -29,6 +30,7 @@ SOURCES: dict[str, frozenset[str]] = {
     "natural-crops": frozenset({"foolbox-imagenet"}),  # random crops of the imagenet-samples photos
     "public-natural": frozenset({"skimage-sklearn"}),  # built to be disjoint from every attacked set
     "fashion-mnist": frozenset({"fashion-mnist"}),  # train and test splits: one family (same name)
+    "lfw-faces": frozenset({"skimage-lfw"}),  # not among public-natural's photos (PUBLIC_SKIMAGE_PHOTOS)
 }
 
 #: Sets that yield any number of images, i.e. usable as public data; tried in this order.
