@@ -138,22 +138,33 @@ def run_cells(cells: list[dict], out: Path) -> None:
     print(f"{len(cells) - len(todo)} cells done, {len(todo)} to run (results in {display(out)})", flush=True)
     for i, c in enumerate(todo):
         row = {"cell": c["cell"], "table": c["table"], "overrides": c["overrides"], "command": command(c["overrides"])}
-        t0 = time.perf_counter()
-        try:
-            res = run_pipeline_cell(CONFIG, c["overrides"], out / NAME / c["cell"])
+
+        def fill(res, row):
             m, info = res["metrics"], res["details"]["attack_info"]
             row.update(metrics={k: m[k] for k in METRICS if k in m},
                        info={k: info.get(k) for k in ("backbone", "patch_size", "row_space_rank", "gradient_rows",
                                                       "system_rank", "unknowns_per_patch", "rank_condition")},
                        timings={k: res["timings"][k] for k in ("attack_reconstruct_seconds", "client_step_seconds")})
-            msg = (f"PSNR {fmt_num(m['image_psnr_mean'], '.1f')} dB, rank {info['row_space_rank']}, "
-                   f"condition {info['rank_condition'][:60]}, attack {fmt_num(m['attack_seconds'], '.3f')} s")
-        except Exception as err:  # recorded, retried on the next run
-            row["error"] = f"{type(err).__name__}: {err}"
-            msg = f"FAILED {row['error']}"
-        row["wall_seconds"] = time.perf_counter() - t0
-        append_jsonl(jsonl, row)
+            return (f"PSNR {fmt_num(m['image_psnr_mean'], '.1f')} dB, rank {info['row_space_rank']}, "
+                    f"condition {info['rank_condition'][:60]}, attack {fmt_num(m['attack_seconds'], '.3f')} s")
+
+        msg = run_and_record(jsonl, row, CONFIG, c["overrides"], out / NAME / c["cell"], fill)
         print(f"[{i + 1}/{len(todo)}] {c['cell']}: {msg} ({row['wall_seconds']:.0f} s)", flush=True)
+
+
+def run_and_record(jsonl: Path, row: dict, config: Path, overrides: list[str], out_dir: Path, fill,
+                   device: str = "cpu") -> str:
+    """Run one cell through the pipeline; ``fill(result, row) -> message`` copies what the tables need into ``row``.
+    The row is appended to ``jsonl`` either way (a failure as ``error``: retried on the next run)."""
+    t0 = time.perf_counter()
+    try:
+        msg = fill(run_pipeline_cell(config, overrides, out_dir, device), row)
+    except Exception as err:  # recorded, retried on the next run
+        row["error"] = f"{type(err).__name__}: {err}"
+        msg = f"FAILED {row['error']}"
+    row["wall_seconds"] = time.perf_counter() - t0
+    append_jsonl(jsonl, row)
+    return msg
 
 
 def summarise(out: Path, args: argparse.Namespace) -> dict:
@@ -523,22 +534,18 @@ def run_opt_cells(cells: list[dict], out: Path, jsonl: Path, device: str = "cpu"
         row = {k: c[k] for k in ("cell", "table", "setting", "method", "anchor", "user", "rep", "overrides", "config")}
         row["command"] = opt_command(c) + ("" if device == "cpu" else f" --device {device}")
         row["device"] = device
-        t0 = time.perf_counter()
-        try:
-            res = run_pipeline_cell(ROOT / c["config"], c["overrides"], out / NAME / "opt" / c["cell"], device)
+
+        def fill(res, row):
             m, t, info = res["metrics"], res["timings"], res["details"]["attack_info"]
             row["metrics"] = {k: m[k] for k in OPT_METRICS if k in m}
             row["timings"] = {k: t[k] for k in ("attack_seconds", "iteration_seconds", "fwdbwd_seconds",
                                                 "iteration_to_fwdbwd_ratio") if k in t}
             row["info"] = {k: info.get(k) for k in ("backbone", "patch_size", "anchor_weight", "emulate",
                                                     "label_source", "diverged", "warning") if k in info}
-            msg = (f"PSNR {fmt_num(m.get('image_psnr_mean'), '.2f')} dB, SSIM {fmt_num(m.get('image_ssim_mean'), '.3f')}"
-                   f", iteration/fwd+bwd {fmt_num(t.get('iteration_to_fwdbwd_ratio'), '.2f')}")
-        except Exception as err:  # recorded, retried on the next run
-            row["error"] = f"{type(err).__name__}: {err}"
-            msg = f"FAILED {row['error']}"
-        row["wall_seconds"] = time.perf_counter() - t0
-        append_jsonl(jsonl, row)
+            return (f"PSNR {fmt_num(m.get('image_psnr_mean'), '.2f')} dB, SSIM {fmt_num(m.get('image_ssim_mean'), '.3f')}"
+                    f", iteration/fwd+bwd {fmt_num(t.get('iteration_to_fwdbwd_ratio'), '.2f')}")
+
+        msg = run_and_record(jsonl, row, ROOT / c["config"], c["overrides"], out / NAME / "opt" / c["cell"], fill, device)
         print(f"[{i + 1}/{len(todo)}] {c['cell']}: {msg} ({row['wall_seconds']:.0f} s)", flush=True)
 
 
