@@ -15,7 +15,6 @@ cannot be told from noise by any test of that matrix. Writes ``runs/utr_noise_pr
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
