@@ -662,6 +662,10 @@ def opt_findings(summary: dict) -> list[str]:
            for s in groups if s.get("p_psnr") is not None and s["p_psnr"] < 0.05]
     out.append(f"Anchor PSNR gains significant at α = 0.05 (two-sided Welch): {len(sig)} of {len(groups)} settings"
                + (": " + "; ".join(sig) if sig else "") + ".")
+    sig_s = [f"{s['table']}/{s['setting']}/{s['method']} ({s['delta_ssim']:+.3f}, p = {s['p_ssim']:.2g})"
+             for s in groups if s.get("p_ssim") is not None and s["p_ssim"] < 0.05]
+    out.append(f"Anchor SSIM gains significant at α = 0.05: {len(sig_s)} of {len(groups)} settings"
+               + (": " + "; ".join(sig_s) if sig_s else "") + ".")
     pos = [s for s in groups if s.get("delta_psnr", 0) > 0]
     out.append(f"The anchor arm has the higher mean PSNR in {len(pos)} of {len(groups)} settings.")
     above, total = [], 0
