@@ -182,8 +182,11 @@ class EncoderChainSearch:
         stage-1 pair can cause one, so deficits order rather than exclude). (b) A false [SEP] pair (a rounding
         artefact of stage 1, e.g. float32 reductions that differ with the thread count): one read length is not a
         sentence's, so B chains over the other lengths, the freed chain on any of them. The (a) hypotheses come
-        first (up to ``limit``), then (b), also ordered by deficit."""
-        from itertools import combinations_with_replacement
+        first (up to ``limit``), then (b), also ordered by deficit. Each family enumerates at most ``cap`` multisets
+        (B far above the number of distinct lengths has combinatorially many)."""
+        from itertools import combinations_with_replacement, islice
+
+        cap = 5000
 
         base = list(self.lengths)
         if not self.seps:
@@ -204,7 +207,7 @@ class EncoderChainSearch:
         extra = len(base) - len(self.seps)
         hyps = []
         if extra > 0:
-            for add in combinations_with_replacement(self.seps, extra):
+            for add in islice(combinations_with_replacement(self.seps, extra), cap):
                 ls = sorted(list(self.seps) + list(add), reverse=True)
                 if fresh(ls):
                     hyps.append(ls)
@@ -214,7 +217,7 @@ class EncoderChainSearch:
         if len(self.seps) >= 2:
             for drop in self.seps:
                 rest = [e for e in self.seps if e != drop]
-                for add in combinations_with_replacement(rest, len(base) - len(rest)):
+                for add in islice(combinations_with_replacement(rest, len(base) - len(rest)), cap // len(self.seps)):
                     ls = sorted(rest + list(add), reverse=True)
                     if fresh(ls):
                         drop_one.append(ls)
@@ -583,7 +586,13 @@ class EncoderChainSearch:
         # a chain that fails its test may come from a wrong length multiset: try the others until every chain
         # passes (cheap below the bottleneck: a run is a few forward passes)
         best, tried = None, 0
-        for lengths in self._length_hypotheses():
+
+        def hypotheses():  # the alternatives are enumerated only when the inferred lengths fail
+            base = list(self.lengths)
+            yield base
+            yield from self._length_hypotheses()[1:]
+
+        for lengths in hypotheses():
             if tried and time.perf_counter() - t0 > self.time_budget:
                 break
             self.lengths = lengths
