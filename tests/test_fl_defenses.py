@@ -88,3 +88,46 @@ def test_build_defenses_errors_name_the_field():
     with pytest.raises(BadInput) as e:
         build_defenses([{"name": "clipping", "params": {"max_norm": -1}}])
     assert "max_norm" in str(e.value)
+
+
+def test_coordinate_noise_std_from_the_published_defenses():
+    from gradleak.defenses.update import coordinate_noise_std
+    from gradleak.fl.core import Update
+
+    u = Update({"w": torch.full((100,), 0.1)}, 1, 0, "gradient", 1)  # ||u|| = 1, P = 100
+    assert coordinate_noise_std([], u) is None
+    assert coordinate_noise_std([{"name": "topk_pruning", "params": {"prune_fraction": 0.9}}], u) is None
+    assert coordinate_noise_std([{"name": "gaussian_noise", "params": {"std": 0.2}}], u) == pytest.approx(0.2)
+    dp = {"name": "dp_gaussian", "params": {"noise_multiplier": 0.5, "max_norm": 2.0}}
+    assert coordinate_noise_std([dp], u) == pytest.approx(1.0)
+    assert coordinate_noise_std([dp], u, aggregate_of=4, individual=False) == pytest.approx(0.5)  # mean of 4
+    central = {"name": "dp_gaussian", "params": {"noise_multiplier": 0.5, "max_norm": 2.0, "where": "server"}}
+    assert coordinate_noise_std([central], u) is None  # the raw upload carries no noise
+    assert coordinate_noise_std([central], u, aggregate_of=4, individual=False) == pytest.approx(0.25)
+    # per-coordinate noise-to-signal ratio s: std = s ||g|| / sqrt(P), ||g|| estimated from the noisy upload
+    pc = {"name": "gaussian_noise", "params": {"std": 0.1, "per_coordinate": True}}
+    assert coordinate_noise_std([pc], u) == pytest.approx(0.1 / 10 / (1.01) ** 0.5)
+
+
+def test_server_side_dp_noises_only_the_aggregate():
+    """dp_gaussian(where=server): uploads are clipped, not noised; the mean of K clipped uploads gets
+    N(0, (σC/K)²), the same draw in the applied aggregate and in the secure-aggregation sum."""
+    from gradleak.fl.core import Client
+    from gradleak.fl.protocol import run_rounds
+    from gradleak.defenses.update import build_defenses
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 4)
+    clients = [Client(i, torch.randn(8, 64), torch.randint(0, 4, (8,))) for i in range(4)]
+    dp = build_defenses([{"name": "dp_gaussian", "params": {"noise_multiplier": 2.0, "max_norm": 1.0,
+                                                              "where": "server"}}])
+    out = run_rounds(model, clients, rounds=1, algorithm="fedsgd", lr=0.0, defenses=dp, secure_aggregation=True)
+    raw = run_rounds(model, clients, rounds=1, algorithm="fedsgd", lr=0.0, defenses=[], secure_aggregation=True)
+    for a, b in zip(out.rounds[0], raw.rounds[0]):  # individual uploads: clipped copies of the raw ones
+        f = min(1.0, 1.0 / b.norm())
+        for k in a.tensors:
+            assert torch.allclose(a.tensors[k], b.tensors[k] * f, atol=1e-6)
+    clean_mean = sum(u.flat() for u in out.rounds[0]) / 4
+    noise = out.secure_sums[0].flat() - clean_mean
+    assert torch.allclose(out.last_aggregate.flat() - clean_mean, noise, atol=1e-5)
+    assert float(noise.std()) == pytest.approx(2.0 * 1.0 / 4, rel=0.2)

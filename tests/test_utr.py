@@ -423,3 +423,59 @@ def test_a_false_sep_pair_and_a_shared_length_are_tried_as_hypotheses(minilm):
     want = sorted(tok.decode(tok.encode(t), skip_special_tokens=True) for t in texts)
     assert sorted(tok.decode(s, skip_special_tokens=True) for s in rec.data) == want
     assert rec.info["verified_sentences"] == 4 and rec.info["length_hypotheses_tried"] > 1
+
+
+def test_noise_edge_rank_recovers_a_planted_rank_and_its_tolerance_shrinks_with_the_noise():
+    """Issue 11 item 3: under i.i.d. noise the rank is the number of singular values above the noise spectrum's
+    edge sigma (sqrt(m) + sqrt(n)); the tolerance is edge / (weakest kept value) and falls with the noise."""
+    from gradleak.attacks.utr import estimate_noise_std, subspace_from_gradients
+
+    g = torch.Generator().manual_seed(0)
+    m, n, r = 192, 384, 20
+    U = torch.linalg.qr(torch.randn(m, r, generator=g, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(n, r, generator=g, dtype=torch.float64))[0]
+    S = torch.logspace(0, -1, r, dtype=torch.float64)  # singular values 1 .. 0.1
+    clean = U @ torch.diag(S) @ V.T
+    tols = []
+    for std in (1e-4, 1e-3):
+        G = clean + std * torch.randn(m, n, generator=g, dtype=torch.float64)
+        sub = subspace_from_gradients([G], noise_std=std)
+        assert sub.rank == r  # 0.1 >> edge (<= 0.034)
+        assert abs(estimate_noise_std([G]) - std) / std < 0.2  # the median rule, rank 20 of 192
+        # every planted direction is (nearly) inside the estimated subspace, a random vector is not
+        assert float(sub.residual(V.T).max()) < sub.tol
+        assert float(sub.residual(torch.randn(5, n, generator=g, dtype=torch.float64)).min()) > 0.9
+        tols.append(sub.tol)
+    assert tols[0] < tols[1] < 0.5
+    # noise whose detection threshold sigma (mn)^(1/4) = 0.165 is above the weakest planted values (0.1): those
+    # directions are (correctly) not claimed, the strong ones are
+    G = clean + 1e-2 * torch.randn(m, n, generator=g, dtype=torch.float64)
+    assert 5 < subspace_from_gradients([G], noise_std=1e-2).rank < r
+
+
+def test_noise_aware_word_bag_is_exact_where_the_exact_test_fails(minilm):
+    """Per-coordinate noise at a noise-to-signal ratio of 1e-3 (the server knows the defense's parameters): the
+    exact-tolerance bag collapses; the noise-aware bag (rank from the edge, augmented token test) is the true bag."""
+    from gradleak.attacks.utr import UTRAttack
+    from gradleak.defenses.update import build_defenses
+
+    texts = _short_rt(2)
+    view, enc = _view(minilm, texts)
+    spec = [{"name": "gaussian_noise", "params": {"std": 1e-3, "per_coordinate": True}}]
+    view.updates = [build_defenses(spec)[0].apply(view.updates[0], {"client_id": 0, "seed": 0})]
+    view.public["update_defenses"] = spec
+    true = set(enc["input_ids"][enc["attention_mask"].bool()].tolist())
+    exact = UTRAttack(noise="none").word_bag(view)
+    assert set(exact["tokens"]) != true
+    bag = UTRAttack().word_bag(view)  # noise="public": the std the published defense implies
+    assert bag["noise_std"] > 0
+    assert set(bag["tokens"]) | {0} == true | {0}  # [PAD] (id 0) is never claimed
+
+
+def test_noise_option_bad_value():
+    from gradleak.attacks.utr import UTRConfig
+
+    with pytest.raises(Exception, match="noise"):
+        UTRConfig(noise=-1.0)
+    with pytest.raises(Exception, match="noise"):
+        UTRConfig(noise="loud")

@@ -30,16 +30,29 @@ def _gen(ctx: dict, seed: int) -> torch.Generator:
                                          + int(ctx.get("seed", 0)))
 
 
-@DEFENSES.register("gaussian_noise", "add N(0, std^2) noise; std absolute or relative to the update's L2 norm")
+@DEFENSES.register("gaussian_noise", "add N(0, std^2) noise; std absolute, relative to the update's L2 norm, or "
+                   "per_coordinate: std = noise-to-signal ratio x ||update|| / sqrt(#coordinates)")
 class GaussianNoise:
-    def __init__(self, std: float, relative: bool = False, seed: int = 0):
+    """``relative``: std x ||update||; ``per_coordinate``: std x ||update|| / sqrt(P) for P coordinates, so ``std``
+    is the noise-to-signal ratio of the whole upload (E||noise|| = std ||update||)."""
+
+    def __init__(self, std: float, relative: bool = False, per_coordinate: bool = False, seed: int = 0):
+        try:
+            std = float(std)
+        except (TypeError, ValueError):
+            raise BadInput("defenses.gaussian_noise.std", f"must be a number, got {std!r}.", "use e.g. std: 0.01.") from None
         if std < 0:
             raise BadInput("defenses.gaussian_noise.std", f"std must be >= 0, got {std}.", "use a non-negative std.")
-        self.std, self.relative, self.seed = float(std), bool(relative), seed
+        if relative and per_coordinate:
+            raise BadInput("defenses.gaussian_noise", "relative and per_coordinate are exclusive.",
+                           "set one of them (per_coordinate: std is the noise-to-signal ratio).")
+        self.std, self.relative, self.per_coordinate, self.seed = float(std), bool(relative), bool(per_coordinate), seed
 
     def apply(self, update: Update, ctx: dict) -> Update:
         g = _gen(ctx, self.seed)
         scale = self.std * (update.norm() if self.relative else 1.0)
+        if self.per_coordinate:
+            scale = self.std * update.norm() / max(sum(t.numel() for t in update.tensors.values()), 1) ** 0.5
         return update.map(lambda _, t: t + scale * torch.randn(t.shape, generator=g, dtype=torch.float64).to(t))
 
 
@@ -143,16 +156,74 @@ class Clipping:
         return update.map(lambda _, t: t * factor)
 
 
-@DEFENSES.register("dp_gaussian", "clip the update to max_norm, then add N(0, (noise_multiplier*max_norm)^2) (UTR Table 3)")
+@DEFENSES.register("dp_gaussian", "clip the update to max_norm, then add N(0, (noise_multiplier*max_norm)^2) on the "
+                   "client (where=client) or N(0, (noise_multiplier*max_norm/K)^2) on the mean of K clipped updates "
+                   "(where=server: central DP, UTR Table 3)")
 class DPGaussian:
-    def __init__(self, noise_multiplier: float, max_norm: float = 1.0, seed: int = 0):
+    """Gaussian mechanism on clipped updates.
+
+    ``where="client"`` (local DP): each client clips its update to ``max_norm`` and adds N(0, (σC)²) before upload.
+    ``where="server"`` (central DP, DP-FedAvg; UTR Table 3 "the server injects Gaussian noise into the aggregated
+    adapter gradients"): each upload is clipped, and the noise N(0, (σC/K)²) goes on the mean of the K updates.
+    Then whoever sees an individual upload (an honest-but-curious server without secure aggregation) sees it
+    without noise; only the aggregate (the secure-aggregation view, the released model) is protected.
+    """
+
+    def __init__(self, noise_multiplier: float, max_norm: float = 1.0, where: str = "client", seed: int = 0):
         if noise_multiplier < 0:
             raise BadInput("defenses.dp_gaussian.noise_multiplier", "must be >= 0.", "use e.g. 1.0.")
+        if where not in ("client", "server"):
+            raise BadInput("defenses.dp_gaussian.where", f"must be 'client' or 'server', got {where!r}.",
+                           "use where: client (noise on each upload) or where: server (noise on the aggregate).")
         self.clip = Clipping(max_norm)
+        self.noise_multiplier, self.max_norm, self.where = float(noise_multiplier), float(max_norm), where
+        self.server_side = where == "server"
         self.noise = GaussianNoise(noise_multiplier * max_norm, relative=False, seed=seed)
 
     def apply(self, update: Update, ctx: dict) -> Update:
+        if self.server_side:  # the client only clips; the noise comes with the aggregate (server_apply)
+            return self.clip.apply(update, ctx)
         return self.noise.apply(self.clip.apply(update, ctx), ctx)
+
+    def server_apply(self, aggregate: Update, ctx: dict, num_updates: int) -> Update:
+        """Central DP: N(0, (σC/K)²) on the mean of K clipped updates (seeded per round: ctx["seed"])."""
+        noise = GaussianNoise(self.noise_multiplier * self.max_norm / max(num_updates, 1), seed=self.noise.seed)
+        return noise.apply(aggregate, {**ctx, "client_id": -1})
+
+
+def coordinate_noise_std(entries: list[dict] | list[DefenseConfig], update: Update, aggregate_of: int = 1,
+                         individual: bool = True) -> float | None:
+    """Per-coordinate std of the Gaussian noise the update defenses ``entries`` put on an observed upload
+    (``individual``) or on the observed mean of ``aggregate_of`` uploads; None when no defense adds Gaussian
+    noise, or when one adds noise whose scale the server cannot know (percentile-scaled noise, quantisation).
+
+    The server knows the DP configuration (it is part of the published protocol). For noise relative to the
+    update's norm, std = s ||g||, and the server estimates ||g|| from the noisy upload: E||g + n||² =
+    ||g||² (1 + P s²) for P coordinates. Independent noises add in variance; clipping scales the signal only."""
+    var, known = 0.0, True
+    P = sum(t.numel() for t in update.tensors.values())
+    for e in entries:
+        e = e if isinstance(e, DefenseConfig) else DefenseConfig(**e)
+        p = e.params
+        if e.name == "gaussian_noise":
+            std = float(p.get("std", 0.0))
+            if p.get("relative", False):
+                std = std * update.norm() / (1 + P * std * std) ** 0.5
+            elif p.get("per_coordinate", False):  # ||g + n||² ≈ ||g||² (1 + std²)
+                std = std * update.norm() / (1 + std * std) ** 0.5 / P ** 0.5
+            var += std * std / (1 if individual else aggregate_of)
+        elif e.name == "dp_gaussian":
+            std = float(p.get("noise_multiplier", 0.0)) * float(p.get("max_norm", 1.0))
+            if p.get("where", "client") == "server":
+                if not individual:
+                    var += (std / aggregate_of) ** 2
+            else:
+                var += std * std / (1 if individual else aggregate_of)
+        elif e.name in ("gaussian_percentile", "stochastic_quantization"):
+            known = False
+    if not known and var == 0.0:
+        return None
+    return var ** 0.5 if var > 0 else None
 
 
 @DEFENSES.register("topk_pruning", "zero all but the largest-magnitude (1 - prune_fraction) of the coordinates")

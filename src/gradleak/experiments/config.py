@@ -17,10 +17,25 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 safe loading, plus YAML 1.2 floats: ``1e-6`` / ``3E5`` (no dot) are numbers, not strings."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    __import__("re").compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)"
+                             r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
+def yaml_value(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 -- a SafeLoader subclass
+
+
 def parse_value(text: str) -> Any:
-    """Parse a ``--set`` value with YAML rules (``32`` -> int, ``true`` -> bool, ``[8,16]`` -> list)."""
+    """Parse a ``--set`` value with YAML rules (``32`` -> int, ``true`` -> bool, ``[8,16]`` -> list, ``1e-6`` -> float)."""
     try:
-        value = yaml.safe_load(text)
+        value = yaml_value(text)
     except yaml.YAMLError:
         return text
     if isinstance(value, str):  # YAML 1.1 reads 1e300 / 1e-3 (no dot) as strings
@@ -163,7 +178,7 @@ def load_yaml(path: str | Path) -> dict:
     except OSError as err:
         raise BadInput("CONFIG", f"cannot read '{p}': {err.strerror}.", "check the path and its permissions.") from None
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml_value(text) or {}
     except yaml.YAMLError as err:
         raise BadInput("CONFIG", f"'{p}' is not valid YAML: {err}.", "fix the YAML syntax.") from None
     if not isinstance(raw, dict):

@@ -471,11 +471,14 @@ def _pad_cat(encs: list[dict], tok) -> dict[str, torch.Tensor]:
 
 
 def _always_public(handle, cfg) -> dict[str, Any]:
-    """What the protocol makes public whatever the threat model: the architecture's interface."""
+    """What the protocol makes public whatever the threat model: the architecture's interface, and the update
+    defenses' configuration (a DP deployment publishes its mechanism and parameters; the server runs the protocol)."""
+    defenses = [d.model_dump() for d in cfg.defenses]
     if handle.modality == "image":
         return {"image_shape": (cfg.image_channels, cfg.data.image_size, cfg.data.image_size),
-                "num_classes": cfg.model.num_classes}
-    return {"tokenizer": handle.tokenizer, "model_kind": handle.kind, "model_task": handle.info.get("task")}
+                "num_classes": cfg.model.num_classes, "update_defenses": defenses, "clients": cfg.fl.clients}
+    return {"tokenizer": handle.tokenizer, "model_kind": handle.kind, "model_task": handle.info.get("task"),
+            "update_defenses": defenses, "clients": cfg.fl.clients}
 
 
 def _bottleneck(cfg, handle) -> int | None:

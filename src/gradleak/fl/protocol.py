@@ -61,6 +61,13 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
     from gradleak.fl.core import batchnorm_buffer_names
 
     out = RoundsOutcome(model=model, secure_sums=[] if secure_aggregation else None)
+    central = [d for d in defenses if getattr(d, "server_side", False)]  # central DP: noise on the aggregate
+
+    def server_noise(agg, k, r):
+        for d in central:
+            agg = d.server_apply(agg, {"seed": seed + r}, k)
+        return agg
+
     has_bn = bool(batchnorm_buffer_names(model))
     lr_of = lr_at or (lambda _r: lr)
     it = range(rounds)
@@ -127,11 +134,12 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
                                                              else params[n].dtype) for n in names}, 0, -1,
                                         "pseudo_gradient", 0)
         else:
-            out.last_aggregate = aggregate(ups)
+            out.last_aggregate = server_noise(aggregate(ups), len(ups), r)
         if keep:
             out.rounds.append(ups)
-            if secure_aggregation:
-                out.secure_sums.append(secure_aggregate(ups, seed=seed + 7 * r + 1) if ups else out.last_aggregate)
+            if secure_aggregation:  # the same server-side noise draw as the applied aggregate (seeded per round)
+                out.secure_sums.append(server_noise(secure_aggregate(ups, seed=seed + 7 * r + 1), len(ups), r)
+                                       if ups else out.last_aggregate)
     return out
 
 
