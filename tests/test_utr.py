@@ -479,3 +479,23 @@ def test_noise_option_bad_value():
         UTRConfig(noise=-1.0)
     with pytest.raises(Exception, match="noise"):
         UTRConfig(noise="loud")
+
+
+def test_noise_aware_prefix_search_recovers_causal_sentences(smollm2):
+    """SmolLM2 under per-coordinate noise at NSR 1e-4: the prefix search accepts an extension within 10x of the
+    true members' residual floor and below half the prefix's median candidate, so the sentences come back word
+    for word; none is reported verified (a noisy test proves nothing exact)."""
+    from gradleak.attacks.utr import UTRAttack
+    from gradleak.defenses.update import build_defenses
+
+    texts = _short_rt(2, skip=4)
+    view, enc = _view(smollm2, texts)
+    spec = [{"name": "gaussian_noise", "params": {"std": 1e-4, "per_coordinate": True}}]
+    view.updates = [build_defenses(spec)[0].apply(view.updates[0], {"client_id": 0, "seed": 0})]
+    view.public["update_defenses"] = spec
+    rec = UTRAttack(time_budget=60).reconstruct(view)
+    tok = smollm2.tokenizer
+    assert sorted(tok.decode(s) for s in rec.data) == sorted(tok.decode(tok.encode(t, add_special_tokens=False))
+                                                             for t in texts)
+    assert rec.info["noise_std"] > 0 and rec.info["verified_sentences"] == 0
+    assert rec.info["passed_noise_tolerance"] == 2

@@ -338,9 +338,13 @@ def bert_pair_decompose(embeddings: nn.Module, adapter: nn.Module, grads: list[t
             f = torch.nn.functional.layer_norm(x, (n,), ln.weight, ln.bias, ln.eps)
             mask = (f @ W.T + b > 0).repeat(1, 1, reps)
             viol = (mask & ~sA[i0:i0 + 64, None, :]).sum(-1) + (mask & ~sB[None]).sum(-1)
+            # under noise the supports are estimates: allow a tenth of the pair's active neurons to break them
+            # (measured, MiniLM rf=2 B=2 seed 0, NSR 1e-4: 0 violations allowed loses 12 of 70 true pairs, all
+            # of tokens that repeat ("the", "-"); a tenth loses 2 and admits no false pair; a fifth admits 10)
+            allowed = (0.1 * mask.sum(-1)).floor() if noise_std else torch.full_like(viol, max_violations)
             best = viol.argmin(1)
             for k in range(viol.shape[0]):
-                ok = (viol[k] <= max_violations).nonzero().flatten().tolist() or [int(best[k])]
+                ok = (viol[k] <= allowed[k]).nonzero().flatten().tolist() or [int(best[k])]
                 pairs[int(toks[i0 + k])] = set(ok)
     return pairs
 
@@ -441,6 +445,7 @@ class CausalPrefixSearch:
         pruned = 0
         chunk = max(1, 4096 // max(1, len(self.cands)))  # prefixes per forward (bounds the repeated cache)
         t0, truncated = time.perf_counter(), False
+        floor: list[float] = []  # noise mode: residuals of accepted extensions (the true members' noise floor)
         while frontier and len(sentences) < self.max_sentences:
             if time.perf_counter() - t0 > self.time_budget:  # a loose tolerance lets the trie explode
                 sentences += [p[1:] for p in frontier[:self.max_sentences - len(sentences)]]
@@ -454,10 +459,20 @@ class CausalPrefixSearch:
                 part = frontier[a:a + chunk]
                 res = self.sub.residual(self._newest_states(part, self.cands))  # (P, C)
                 for prefix, r in zip(part, res):
-                    # noisy uploads: a true extension stands out against the prefix's own non-members (most of the
-                    # candidates), so it must also beat half their median residual
-                    eps = min(self.eps, 0.5 * float(r.median())) if self.adaptive and len(r) >= 8 else self.eps
+                    eps = self.eps
+                    if self.adaptive:
+                        # noisy uploads: a true extension must beat half the prefix's median candidate (mostly
+                        # non-members) and stay within 10x of the residual true extensions had so far (measured,
+                        # SmolLM2 rf=2 B=2 seed 0, NSR 1e-4: true extensions 2e-4..5e-4 at every step, the best
+                        # false one 0.01..0.1, while the edge's tolerance is 0.069)
+                        if not floor:
+                            floor.append(float(r.min()))
+                        eps = min(eps, 10.0 * float(torch.tensor(floor).median()))
+                        if len(r) >= 8:
+                            eps = min(eps, 0.5 * float(r.median()))
                     ok = (r < eps).nonzero().flatten()
+                    if self.adaptive and len(ok):
+                        floor.extend(float(x) for x in r[ok][:1])
                     passing = [int(self.cands[i]) for i in ok[r[ok].argsort()].tolist()]
                     if self.eicw and len(passing) > 1:
                         non_rep = [t for t in passing if t != prefix[-1]]
