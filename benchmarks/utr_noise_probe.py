@@ -9,7 +9,8 @@ through ``dp_gaussian`` (clip to C = 1.0, then N(0, (σC)²) on every coordinate
 coordinates). For each σ the script prints the singular values of the embedding adapter's down-projection gradient,
 which is the matrix whose row space the word bag reads. It compares them with the edge of the noise spectrum,
 σ_coord·(√m + √n) for an m × n matrix of i.i.d. noise (Marchenko–Pastur / Bai–Yin): a direction below the edge
-cannot be told from noise by any test of that matrix. Writes ``runs/utr_noise_probe.json``.
+cannot be told from noise by any test of that matrix. Then, for global top-k pruning of the upload, how many of
+that matrix's entries survive against the degrees of freedom of its row space. Writes ``runs/utr_noise_probe.json``.
 """
 
 from __future__ import annotations
@@ -75,6 +76,20 @@ def main(argv=None) -> int:
             res["rows"].append(row)
             print(f"{kind:12s} σ = {s:.0e}: coordinate std {std:.3g}, noise edge {edge:.3g}, clean top / edge "
                   f"{row['clean_top_over_edge']:.3g}, noisy values above the edge {above}", flush=True)
+    # pruning: global top-k over the whole upload -- what is left of the word bag's matrix
+    res["pruning"] = []
+    r = min(states, m, n)
+    for frac in (0.9, 0.99, 0.999):
+        pr = build_defenses([{"name": "topk_pruning", "params": {"prune_fraction": frac}}])[0].apply(upd, {})
+        M = pr.tensors[PARAM] != 0
+        row = {"prune_fraction": frac, "kept_entries": int(M.sum()), "entries": M.numel(),
+               "rows_with_any": int((M.sum(1) > 0).sum()),
+               "energy_kept": float(pr.tensors[PARAM].double().norm() ** 2 / upd.tensors[PARAM].double().norm() ** 2),
+               "row_space_degrees_of_freedom": r * (m + n - r)}
+        res["pruning"].append(row)
+        print(f"topk_pruning {frac}: {row['kept_entries']} of {row['entries']} entries of {PARAM} kept "
+              f"({row['rows_with_any']} rows touched, {row['energy_kept']:.3g} of its energy) against "
+              f"{row['row_space_degrees_of_freedom']:,} degrees of freedom of a rank-{r} row space", flush=True)
     write_json_atomic(args.out, res)
     print(f"wrote {args.out}", flush=True)
     return 0

@@ -499,3 +499,24 @@ def test_noise_aware_prefix_search_recovers_causal_sentences(smollm2):
                                                              for t in texts)
     assert rec.info["noise_std"] > 0 and rec.info["verified_sentences"] == 0
     assert rec.info["passed_noise_tolerance"] == 2
+
+
+def test_lamp_end_to_end_on_a_real_sentence(minilm):
+    """LAMP (issue 11 item 4) on MiniLM, B = 1: the cosine loss falls from the best random init, the discrete
+    steps run, the result has the true length, and with ``bag_only`` every token comes from UTR's word bag."""
+    from gradleak.attacks.lamp import LAMPAttack
+    from gradleak.attacks.utr import UTRAttack
+
+    texts = _short_rt(1, max_words=6)
+    view, enc = _view(minilm, texts, labels=[1])
+    n = int(enc["attention_mask"].sum())
+    view.public.update({"lengths": [n], "labels": [1]})
+    rec = LAMPAttack(steps=60, discrete_every=20, candidates=8, lm="none", init_candidates=4, bag_only=True,
+                     seed=0).reconstruct(view)
+    assert len(rec.data) == 1 and len(rec.data[0]) == n - 2
+    assert rec.info["best_rec"] < rec.info["init_rec"]
+    assert rec.info["discrete_steps"] >= 2
+    bag = set(UTRAttack().word_bag(view)["tokens"])
+    assert set(rec.data[0]) <= bag
+    with pytest.raises(BadInput, match="lm"):
+        LAMPAttack(steps=1, lm="self").reconstruct(view)
