@@ -32,8 +32,9 @@ Welch t-test p-values for every "+ anchor" gain, as the paper reports):
 
 ``--scale cpu`` (default): few images (3 for table1, 2 for table2 and why, 1 for the others), the attacks' cpu iteration counts
 (``scale: cpu`` of the config: IG/APRIL/GradViT 300 steps, GIAS 300 + 100, 3 restarts), and the secondary tables at
-patch 16 (about 3× cheaper per iteration; the authors' public fork uses patch 16 for CIFAR); about 2.5 h of two
-processes on 2 cores for the whole grid, resumable. ``--scale paper``: ``scale=paper`` (2000 steps; GIAS 2000 +
+patch 16 (about 3× cheaper per iteration; the authors' public fork uses patch 16 for CIFAR); resumable. Measured
+(one torch thread per process): the paper's tables (``--only table1,table2,fig9,fig10,table3,table4,table13,table14``)
+take 4.0 h of process time, about 2 h as two ``--lane`` processes on 2 cores; the ``why`` study adds 2.5 h (1.25 h). ``--scale paper``: ``scale=paper`` (2000 steps; GIAS 2000 +
 8000, 3 restarts), 10 users × 3 reconstructions, patch 4 everywhere, the full grids: for a GPU (``--device cuda``).
 The GIAS cells need a DCGAN: ``--generator FILE``, else ``<out>/lora_vit/generators/natural32.safetensors``, trained
 once by ``gradleak train-generator --data public-natural --n 2048 --image-size 32 --epochs 10 --seed 0`` (public
@@ -850,8 +851,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=",".join(every), help=f"comma-separated tables of {every}")
     ap.add_argument("--cells", default="*", help="glob over cell ids, e.g. 'b1/r128/p4/*' or 'table1/*/gias*'")
     ap.add_argument("--scale", choices=("cpu", "paper"), default="cpu",
-                    help="optimisation tables: cpu (few images, cpu iteration counts; resumable, ~2 h on 2 cores as "
-                         "two --lane processes) or paper (scale=paper: 2000 + 8000 GIAS iterations, 10 users × 3 "
+                    help="optimisation tables: cpu (few images, cpu iteration counts; resumable; the paper's tables "
+                         "~2 h on 2 cores as two --lane processes, the why study 1.25 h more) or paper (scale=paper: 2000 + 8000 GIAS iterations, 10 users × 3 "
                          "reconstructions; for a GPU: add --device cuda)")
     ap.add_argument("--device", default="cpu", help="optimisation cells: torch device (cuda for the paper scale)")
     ap.add_argument("--lane", default="", help="K/N: run every N-th optimisation cell starting at K (parallel processes)")
