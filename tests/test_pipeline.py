@@ -102,6 +102,7 @@ def _spy_views(monkeypatch, cls):
     ({"preset": "malicious", "knows_labels": True, "knows_batch_size": True, "public_data": True}, "known",
      {"image_shape", "num_classes", "labels", "batch_size"}),
 ])
+# every view also carries what the protocol publishes: the update defenses' configuration and the client count
 def test_view_carries_exactly_the_granted_keys_through_the_runner(tmp_path, monkeypatch, threat, labels, expected):
     from gradleak.attacks.optimization import InvertingGradients
     from gradleak.experiments import run_config
@@ -110,7 +111,8 @@ def test_view_carries_exactly_the_granted_keys_through_the_runner(tmp_path, monk
     raw = {**TINY_IMAGE, "threat": threat, "attack": {**TINY_IMAGE["attack"], "labels": labels}}
     res = run_config(raw, tmp_path)
     (view,) = seen
-    assert set(view.public) == expected
+    assert set(view.public) == expected | {"update_defenses", "clients"}
+    assert view.public["update_defenses"] == [] and view.public["clients"] == raw.get("fl", {}).get("clients", 1)
     if "labels" in expected:
         assert len(view.public["labels"]) == 2
     assert res["config"]["threat_resolved"]["knows_labels"] == threat["knows_labels"]
@@ -125,12 +127,14 @@ def test_text_view_grants_lengths_only_under_the_flag(tmp_path, monkeypatch):
 
     seen = _spy_views(monkeypatch, UTRAttack)
     res = run_config({**TEXT, "attack": {"name": "utr"}}, tmp_path / "utr")
-    assert set(seen[0].public) == {"tokenizer", "model_kind", "model_task", "batch_size"}
+    protocol_public = {"update_defenses", "clients"}  # published by the protocol itself
+    assert set(seen[0].public) == {"tokenizer", "model_kind", "model_task", "batch_size"} | protocol_public
     assert res["metrics"]["rouge1"] == 100 and res["metrics"]["sentences_verified"] == 1
     seen = _spy_views(monkeypatch, LAMPAttack)
-    run_config({**TEXT, "attack": {"name": "lamp", "steps": 1, "discrete_every": 1, "swaps": 1},
+    run_config({**TEXT, "attack": {"name": "lamp", "steps": 1, "discrete_every": 1, "candidates": 1, "lm": "none",
+                                   "init_candidates": 1},
                 "threat": {"knows_lengths": True, "knows_labels": True, "knows_batch_size": False}}, tmp_path / "lamp")
-    assert set(seen[0].public) == {"tokenizer", "model_kind", "model_task", "lengths", "labels"}
+    assert set(seen[0].public) == {"tokenizer", "model_kind", "model_task", "lengths", "labels"} | protocol_public
     assert all(u.num_samples == 0 for u in seen[0].updates)  # batch size withheld: the sample count too
 
 

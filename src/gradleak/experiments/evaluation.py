@@ -364,6 +364,7 @@ def evaluate_tokens(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalua
         rows.append({"trial": trial, "reference": ref, "reconstruction": r,
                      "verified": "yes" if (j is not None and j < len(verified) and verified[j]) else "no",
                      "exact": "yes" if ref.lower().split() == r.lower().split() else "no"})
+    out["sentences_exact"] = sum(r["exact"] == "yes" for r in rows)  # private sentences recovered word for word
     used = {m for m in matched if m is not None}
     extra = [recs[j] for j in range(len(recs)) if j not in used]
     for r in extra:
