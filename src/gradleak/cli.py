@@ -96,6 +96,46 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/peftl
     out_console.print(f"report: {out / 'report.html'}")
 
 
+@app.command()
+def audit(config: Path = typer.Argument(..., help="YAML config of the federated PEFT setup, e.g. configs/audit/vit_adapters.yaml"),
+          out: Path = typer.Option(..., "--out", help="output directory for audit.json and report.html"),
+          set_: Optional[List[str]] = typer.Option(None, "--set", help="override a config key: dotted.key=value"),
+          device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or auto (default: the config's)"),
+          only: Optional[str] = typer.Option(None, "--only", help="comma list of attacks to try (default: every registered one)")):
+    """Run every applicable attack on one setup; write DIR/audit.json and DIR/report.html with a verdict."""
+    from gradleak.errors import BadInput
+
+    try:
+        from gradleak.experiments.config import load_yaml
+
+        raw = load_yaml(config)
+        from gradleak.experiments.runner import check_out_dir
+
+        check_out_dir(out)
+        from gradleak.experiments.audit import run_audit
+
+        cmd = " ".join(["gradleak", "audit", str(config), "--out", str(out)]
+                       + [f"--set {x}" for x in (set_ or [])] + ([f"--only {only}"] if only else [])
+                       + ([f"--device {device}"] if device else []))
+        result = run_audit(raw, out, list(set_ or []), device,
+                           only=[x.strip() for x in only.split(",") if x.strip()] if only else None,
+                           command=cmd, log=lambda msg: console.print(msg, highlight=False))
+    except BadInput as err:
+        _fail_bad_input(err)
+    table = Table(title=f"audit -> {out}/audit.json")
+    for col in ("attack", "applicable", "result", "headline", "note"):
+        table.add_column(col)
+    for a in result["attacks"]:
+        val = a.get("value")
+        table.add_row(a["name"], "yes" if a.get("applicable") else ("upgrade" if a.get("applicable_under") else "no"),
+                      "SUCCESS" if a.get("success") else ("no" if "success" in a else "not run"),
+                      f"{a['metric']} = {val:.4g}" if isinstance(val, (int, float)) else "–",
+                      (a.get("reason") or "")[:90])
+    out_console.print(table)
+    out_console.print(result["headline"])
+    out_console.print(f"report: {out / 'report.html'}")
+
+
 def _field_lines(cls) -> list[str]:
     lines = []
     for name, f in getattr(cls, "model_fields", {}).items():

@@ -511,6 +511,10 @@ class InvertingGradients(AttackBase):
             info["warning"] = (f"{self.name}: the objective became NaN/inf in {len(diverged)} of {self.restarts} "
                                "restart(s); those stopped early" + (" (all of them: the image is the last finite "
                                "iterate)" if len(diverged) == self.restarts else ", the others were kept"))
+        if getattr(self, "input_pe_term", False) and not pe_terms:
+            info["warning"] = ((info.get("warning", "") + "; ") if info.get("warning") else "") + (
+                f"{self.name}: the upload holds no positional-embedding gradient (the client does not train a PE), "
+                "so the PE cosine term is absent and this run is plain Euclidean gradient matching (DLG)")
         metrics = {"final_matching_loss": float(trials[best]["final_matching_loss"])}
         if pe_terms:
             metrics["final_pe_term"] = float(trials[best]["final_pe_term"])

@@ -241,6 +241,11 @@ class PEFTLeakServer:
     def prepare(self, model: nn.Module) -> nn.Module:
         """Poison the backbone and head in place; plan the rounds. Returns the model (float64)."""
         cfg = model.config
+        layer0 = model.vit.encoder.layer[0] if hasattr(model, "vit") else None
+        if layer0 is None or not hasattr(getattr(layer0, "output", None), "dense") or not hasattr(layer0, "intermediate"):
+            raise BadInput("model.name", f"PEFTLeak's poisoning is written for the HF ViT block layout (intermediate + "
+                           f"output.dense), not {type(layer0).__name__ if layer0 is not None else type(model).__name__}.",
+                           "use a random-init HF ViT (model.name=vit-b16, vit-s16, vit-tiny ...).")
         if getattr(model, "pooling", "mean") != "mean":
             raise BadInput("model.pooling", "PEFTLeak's identity attention gives patch tokens no gradient under CLS pooling.",
                            "use model.pooling=mean (the server prescribes the head).")

@@ -52,11 +52,22 @@ class AdapterSlot:
 
     block: int
     kind: str
+    mlp_out: str = "output.dense"  # the MLP's output projection: HF ViT ``output.dense``, DINOv2 ``mlp.fc2``
 
     @property
     def prefix(self) -> str:
-        where = "attention.output.dense" if self.kind == "msa" else "output.dense"
+        where = "attention.output.dense" if self.kind == "msa" else self.mlp_out
         return f"vit.encoder.layer.{self.block}.{where}.adapter"
+
+
+def _mlp_out(layer: nn.Module) -> str:
+    """Path of a ViT block's MLP output projection (HF ViTLayer, or the DINOv2 layout of the pretrained ViT-S/14)."""
+    if isinstance(getattr(getattr(layer, "output", None), "dense", None), nn.Linear):
+        return "output.dense"
+    if isinstance(getattr(getattr(layer, "mlp", None), "fc2", None), nn.Linear):
+        return "mlp.fc2"
+    raise BadInput("peft.kind", f"bottleneck adapters do not know the MLP layout of {type(layer).__name__}.",
+                   "use peft.kind=lora, or a ViT with HF ViT or DINOv2 blocks.")
 
 
 def add_vit_adapters(model: nn.Module, bottleneck: int, train_head: bool = True) -> list[AdapterSlot]:
@@ -74,8 +85,11 @@ def add_vit_adapters(model: nn.Module, bottleneck: int, train_head: bool = True)
     slots = []
     for i, layer in enumerate(model.vit.encoder.layer):
         layer.attention.output.dense = AdaptedLinear(layer.attention.output.dense, BottleneckAdapter(dim, bottleneck).to(dtype))
-        layer.output.dense = AdaptedLinear(layer.output.dense, BottleneckAdapter(dim, bottleneck).to(dtype))
-        slots += [AdapterSlot(i, "msa"), AdapterSlot(i, "mlp")]
+        mlp = _mlp_out(layer)
+        parent = layer.get_submodule(mlp.rsplit(".", 1)[0])
+        leaf = mlp.rsplit(".", 1)[1]
+        setattr(parent, leaf, AdaptedLinear(getattr(parent, leaf), BottleneckAdapter(dim, bottleneck).to(dtype)))
+        slots += [AdapterSlot(i, "msa", mlp), AdapterSlot(i, "mlp", mlp)]
     for n, p in model.named_parameters():
         if ".adapter." in n or (train_head and n.startswith("head.")):
             p.requires_grad_(True)

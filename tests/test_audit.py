@@ -1,0 +1,71 @@
+"""gradleak audit (issue 12): every registered attack appears, the gate decides applicability, the verdict rule,
+audit.json / report.html, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gradleak.errors import BadInput
+
+TINY = {"experiment": "image", "seed": 0, "data": {"name": "cifar-samples", "batch_size": 2, "image_size": 16},
+        "model": {"name": "vit-tiny", "layers": 1}, "peft": {"kind": "adapters", "bottleneck": 8},
+        "metrics": {"feature_distance": False}, "threat": {"preset": "honest-but-curious"},
+        "audit": {"params": {"dlg": {"steps": 2}}}}
+
+
+def test_audit_end_to_end_tiny_vit_leaks_only_under_a_malicious_server(tmp_path):
+    """A real audit on a tiny ViT + adapters: DLG (2 steps) runs under the configured honest server and fails;
+    PEFTLeak is refused there but runs under the malicious upgrade and recovers the images exactly; UTR and
+    lora_span are not applicable (modality, PEFT kind) with the gate's reason."""
+    from gradleak.experiments.audit import run_audit
+
+    res = run_audit(TINY, tmp_path, only=["dlg", "peftleak", "utr", "lora_span"], log=lambda m: None)
+    by = {a["name"]: a for a in res["attacks"]}
+    assert set(by) == {"dlg", "peftleak", "utr", "lora_span"}
+    assert by["dlg"]["applicable"] and by["dlg"]["success"] is False
+    assert not by["peftleak"]["applicable"] and by["peftleak"]["applicable_under"] == "upgraded"
+    assert by["peftleak"]["threat"] == "malicious" and by["peftleak"]["success"]
+    assert by["peftleak"]["n_success"] == by["peftleak"]["n_total"] == 8  # 2 images x 4 patches, all exact
+    assert "text" in by["utr"]["reason"] and "lora" in by["lora_span"]["reason"]
+    assert res["verdict"] == "leaks_malicious_only"
+    assert res["headline"].startswith("LEAKS ONLY UNDER A STRONGER SERVER: 8 of 8 private image patches")
+    saved = json.loads((tmp_path / "audit.json").read_text())
+    assert saved["verdict"] == res["verdict"] and len(saved["attacks"]) == 4
+    page = (tmp_path / "report.html").read_text()
+    assert 'id="verdict"' in page and "peftleak" in page and "attacks/peftleak/" in page
+    assert (tmp_path / "attacks" / "peftleak" / "results.json").exists()
+
+
+def test_every_registered_attack_appears_and_the_verdict_follows_the_configured_threat(tmp_path, monkeypatch):
+    """With the runs faked, the audit still walks the whole registry: one entry per attack, each either run or
+    refused with a reason; a success under the configured threat gives `leaks`."""
+    from gradleak.experiments import audit as mod
+    from gradleak.registry import ATTACKS, load_all
+
+    load_all()
+    calls = []
+
+    def fake_run(cand, out, device=None):
+        calls.append(cand["attack"]["name"])
+        ok = cand["attack"]["name"] == "ig"
+        return {"metrics": {"images_above_threshold": 2.0 if ok else 0.0, "psnr": 40.0 if ok else 9.0}, "artifacts": []}
+
+    monkeypatch.setattr("gradleak.experiments.runner.run_config", fake_run)
+    res = mod.run_audit(TINY, tmp_path, log=lambda m: None)
+    assert [a["name"] for a in res["attacks"]] == ATTACKS.names()
+    for a in res["attacks"]:
+        assert ("success" in a) or a.get("reason"), a
+    assert "ig" in calls and "utr" not in calls
+    assert res["verdict"] == "leaks" and "by ig under a honest-but-curious server" in res["headline"]
+
+
+def test_audit_bad_input(tmp_path):
+    from gradleak.experiments.audit import run_audit
+
+    with pytest.raises(BadInput, match="--only.*choose from"):
+        run_audit(TINY, tmp_path, only=["nope"], log=lambda m: None)
+    bad = {**TINY, "model": {"name": "vit-tiny", "layers": 1, "colour": 3}}
+    with pytest.raises(BadInput, match="colour"):
+        run_audit(bad, tmp_path, only=["dlg"], log=lambda m: None)
