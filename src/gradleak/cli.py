@@ -55,8 +55,12 @@ def _progress():
 def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/peftleak/cifar_b32.yaml"),
         out: Path = typer.Option(..., "--out", help="output directory for results.json and report.html"),
         set_: Optional[List[str]] = typer.Option(None, "--set", help="override a config key: dotted.key=value"),
-        device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or auto (default: the config's)")):
-    """Run one experiment and write DIR/results.json and DIR/report.html."""
+        device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or auto (default: the config's)"),
+        executor: str = typer.Option("local", "--executor", help="sweeps (a config with grid:): local process pool or ray"),
+        workers: Optional[int] = typer.Option(None, "--workers", help="sweeps: parallel cells (default: CPU cores)"),
+        yes: bool = typer.Option(False, "--yes", help="sweeps: run a grid larger than the cell limit")):
+    """Run one experiment and write DIR/results.json and DIR/report.html (a config with grid: runs a resumable
+    sweep: DIR/results.jsonl, DIR/sweep.json)."""
     from gradleak.errors import BadInput
 
     try:
@@ -66,6 +70,17 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/peftl
         from gradleak.experiments.runner import check_out_dir
 
         check_out_dir(out)
+        if "grid" in raw:
+            from gradleak.experiments.sweep import run_sweep
+
+            summary = run_sweep(raw, out, list(set_ or []), device, executor=executor, workers=workers, yes=yes,
+                                log=lambda msg: console.print(msg, highlight=False))
+            out_console.print(f"sweep: {summary['done']} of {summary['cells']} cells done"
+                              + (f", {len(summary['failed'])} failed (rerun to retry)" if summary["failed"] else "")
+                              + f" -> {out}/results.jsonl, {out}/sweep.json")
+            if summary["failed"]:
+                raise typer.Exit(code=1)
+            return
         from gradleak.experiments import run_config
 
         prog = _progress()

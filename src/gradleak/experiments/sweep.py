@@ -1,0 +1,274 @@
+"""Sweeps: a config's ``grid:`` section, run cell by cell, resumable (issue 12 item 2).
+
+``grid:`` maps dotted config keys (checked against the schema like ``--set`` keys) to lists of values; the sweep
+is their Cartesian product, in a stable order. Each cell is the config with those values set, run through the one
+pipeline (:func:`gradleak.experiments.run_config`) into ``OUT/cells/<cell id>/``, and appends one line to
+``OUT/results.jsonl`` (an atomic rewrite, from the parent process only). A rerun skips cells whose latest line has
+no ``error``; failed cells are retried (once more at the end of the run, and again on the next run) and never
+count as done. So a killed sweep restarts without redoing or duplicating a cell.
+
+Executors: ``local`` (default) -- a process pool (spawned workers, one torch thread each, one cell per task);
+``ray`` -- plain ``ray.remote`` tasks on a cluster (the ``sweeps`` extra), started once per sweep. Cells are seeded
+by their config, so the metrics do not depend on the executor or on the worker a cell lands on.
+
+``OUT/sweep.json`` collects the latest row of every cell; a grid with one numeric key besides ``seed`` (a
+defense-strength sweep) also gets ``OUT/sweep.png``: the headline metric against that key (mean over the other
+keys), the model's accuracy on a second axis when the runs measure one.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from gradleak.errors import BadInput
+
+MAX_CELLS = 64  # a larger grid needs --yes
+HEADLINES = ("psnr", "rouge1", "auc", "rdlv_high_risk_client")
+
+
+def cell_id(assign: dict[str, Any]) -> str:
+    return ",".join(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in assign.items()) or "base"
+
+
+def assign(raw: dict, key: str, value: Any) -> dict:
+    """``raw`` with the dotted ``key`` set to ``value``. Keys are checked against the schema as ``--set`` keys are;
+    a numeric part indexes a list (``defenses.0.params.std``: the first defense's std)."""
+    from gradleak.experiments.config import apply_overrides
+    from gradleak.experiments.schema import ExperimentConfig
+
+    parts = key.split(".")
+    if not any(p.isdigit() for p in parts):
+        return apply_overrides(raw, [f"{key}={json.dumps(value)}"], ExperimentConfig)
+    out = copy.deepcopy(raw)
+    node: Any = out
+    for i, part in enumerate(parts):
+        here = ".".join(parts[:i + 1])
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise BadInput(f"grid.{key}", f"'{here}': the list '{'.'.join(parts[:i])}' has {len(node)} entries.",
+                               f"index it with 0..{len(node) - 1}.")
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+        elif isinstance(node, dict):
+            if i == 0:
+                apply_overrides(copy.deepcopy(raw), [f"{part}={json.dumps(raw.get(part))}"], ExperimentConfig)
+            if last:
+                node[part] = value
+            else:
+                if part not in node:
+                    if parts[i + 1].isdigit():
+                        raise BadInput(f"grid.{key}", f"the config has no list '{here}'.", f"add {here}: [...] first.")
+                    node[part] = {}
+                node = node[part]
+        else:
+            raise BadInput(f"grid.{key}", f"'{'.'.join(parts[:i])}' is not a section.", "check the key.")
+    return out
+
+
+def expand_grid(raw: dict) -> tuple[dict, list[tuple[str, dict]]]:
+    """(the config without ``grid``, [(cell id, {key: value})]). Grid keys are checked against the schema."""
+    grid = raw.get("grid")
+    base = {k: v for k, v in raw.items() if k != "grid"}
+    if grid is None:
+        return base, [("base", {})]
+    if not isinstance(grid, dict) or not grid:
+        raise BadInput("grid", "must map dotted config keys to lists of values.",
+                       "write e.g. grid: {seed: [0, 1], defenses.0.params.std: [0.01, 0.1]}.")
+    keys = list(grid)
+    for k in keys:
+        vals = grid[k]
+        if not isinstance(vals, list) or not vals:
+            raise BadInput(f"grid.{k}", "must be a non-empty list of values.", f"write e.g. grid: {{{k}: [a, b]}}.")
+        try:  # the key must exist in the schema, as for --set
+            assign(base, k, vals[0])
+        except BadInput as err:
+            raise BadInput(f"grid.{k}", err.problem, err.fix) from None
+    cells = []
+    for combo in itertools.product(*(grid[k] for k in keys)):
+        a = dict(zip(keys, combo))
+        cells.append((cell_id(a), a))
+    return base, cells
+
+
+def cell_config(base: dict, a: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in a.items():
+        out = assign(out, k, v)
+    return out
+
+
+def _run_cell(raw: dict, out_dir: str, device: str | None) -> dict:
+    """One cell (in a worker): one torch thread, the pipeline, the row's payload."""
+    import torch
+
+    torch.set_num_threads(1)
+    from gradleak.experiments.runner import run_config
+
+    t0 = time.perf_counter()
+    res = run_config(raw, out_dir, None, device)
+    return {"metrics": res["metrics"], "timings": res["timings"], "seconds": time.perf_counter() - t0,
+            "warnings": (res.get("details") or {}).get("warnings", [])}
+
+
+def _latest(jsonl: Path) -> dict[str, dict]:
+    from gradleak.experiments.results import read_jsonl
+
+    by: dict[str, dict] = {}
+    if jsonl.exists():
+        for r in read_jsonl(jsonl):
+            if "cell" in r:
+                by[r["cell"]] = r
+    return by
+
+
+def run_sweep(raw: dict, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,
+              executor: str = "local", workers: int | None = None, yes: bool = False,
+              log: Callable[[str], Any] = print) -> dict:
+    """Run (or resume) the sweep of ``raw``'s ``grid`` into ``out_dir``; returns the summary (``sweep.json``)."""
+    from gradleak.experiments.config import apply_overrides
+    from gradleak.experiments.results import append_jsonl, write_json_atomic
+    from gradleak.experiments.runner import check_out_dir, validate
+    from gradleak.experiments.schema import ExperimentConfig
+
+    out = check_out_dir(out_dir)
+    if overrides:
+        grid = raw.get("grid")
+        raw = apply_overrides({k: v for k, v in raw.items() if k != "grid"}, overrides, ExperimentConfig)
+        if grid is not None:
+            raw["grid"] = grid
+    base, cells = expand_grid(raw)
+    if len(cells) > MAX_CELLS and not yes:
+        raise BadInput("grid", f"{len(cells)} cells exceed the limit of {MAX_CELLS} for one sweep.",
+                       "shrink the grid, or pass --yes to run all of them.")
+    for cid, a in cells:  # every cell must validate before any runs (a typo must not surface after an hour)
+        try:
+            validate(cell_config(base, a))
+        except BadInput as err:
+            raise BadInput(err.field, f"(grid cell {cid}) {err.problem}", err.fix) from None
+    jsonl = out / "results.jsonl"
+    done = {c for c, r in _latest(jsonl).items() if "error" not in r}
+    todo = [(c, a) for c, a in cells if c not in done]
+    log(f"[sweep] {len(cells)} cells: {len(cells) - len(todo)} done, {len(todo)} to run ({executor} executor)")
+    for attempt in range(2):  # failed cells get one more try in this run (and again on the next run)
+        if not todo:
+            break
+        failed = []
+        for cid, ov, payload in _execute(todo, base, out, device, executor, workers):
+            row = {"cell": cid, "assign": ov}
+            if isinstance(payload, Exception):
+                row["error"] = f"{type(payload).__name__}: {payload}"
+                failed.append((cid, ov))
+            else:
+                row.update(payload)
+            append_jsonl(jsonl, row)
+            log(f"[sweep] {cid}: " + (row.get("error") or ", ".join(
+                f"{k} {row['metrics'][k]:.4g}" for k in HEADLINES if k in row["metrics"]) or "done"))
+        todo = failed
+    latest = _latest(jsonl)
+    rows = [latest[c] for c, _ in cells if c in latest]
+    summary = {"cells": len(cells), "done": sum("error" not in r for r in rows),
+               "failed": [r["cell"] for r in rows if "error" in r], "rows": rows}
+    write_json_atomic(out / "sweep.json", summary)
+    _plot(raw.get("grid") or {}, rows, out)
+    return summary
+
+
+def _execute(todo, base, out, device, executor, workers):
+    """Yield (cell id, overrides, payload or exception) as cells finish."""
+    if executor == "ray":
+        try:
+            import ray
+        except ImportError:
+            raise BadInput("--executor", "the Ray executor needs Ray, which is not installed.",
+                           "pip install 'gradleak[sweeps]' (ray>=2.55), or use --executor local.") from None
+        started = not ray.is_initialized()
+        if started:
+            ray.init(num_cpus=workers or None, include_dashboard=False, log_to_driver=False)
+        remote = ray.remote(num_cpus=1)(_run_cell)
+        refs = {remote.remote(cell_config(base, ov), str(out / "cells" / _safe(cid)), device): (cid, ov)
+                for cid, ov in todo}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            cid, ov = refs[ready[0]]
+            try:
+                yield cid, ov, ray.get(ready[0])
+            except Exception as err:  # noqa: BLE001 -- the cell failed: recorded, retried
+                yield cid, ov, err
+        if started:
+            ray.shutdown()
+        return
+    if executor != "local":
+        raise BadInput("--executor", f"unknown executor '{executor}'.", "use local or ray.")
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    n = max(1, int(workers or min(len(todo), os.cpu_count() or 1)))
+    env = os.environ.copy()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the spawned workers
+    try:
+        with ProcessPoolExecutor(max_workers=n, mp_context=mp.get_context("spawn")) as pool:
+            futs = {pool.submit(_run_cell, cell_config(base, ov), str(out / "cells" / _safe(cid)), device): (cid, ov)
+                    for cid, ov in todo}
+            for f in as_completed(futs):
+                cid, ov = futs[f]
+                try:
+                    yield cid, ov, f.result()
+                except Exception as err:  # noqa: BLE001 -- the cell failed: recorded, retried
+                    yield cid, ov, err
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def _safe(cid: str) -> str:
+    import hashlib
+
+    keep = "".join(ch if ch.isalnum() or ch in "-_.=" else "_" for ch in cid)[:80]
+    return f"{keep}-{hashlib.sha1(cid.encode()).hexdigest()[:8]}"
+
+
+def _plot(grid: dict, rows: list[dict], out: Path) -> None:
+    """Leakage against the strength of a one-key numeric grid, accuracy on a second axis: ``OUT/sweep.png``."""
+    num = [k for k, v in grid.items() if k != "seed" and len(v) > 1
+           and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)]
+    ok = [r for r in rows if "error" not in r]
+    if len(num) != 1 or not ok:
+        return
+    key = num[0]
+    head = next((h for h in HEADLINES if h in ok[0]["metrics"]), None)
+    if head is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts: dict[float, list] = {}
+    for r in ok:
+        pts.setdefault(float(r["assign"][key]), []).append(r["metrics"])
+    xs = sorted(pts)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, [sum(m[head] for m in pts[x]) / len(pts[x]) for x in xs], marker="o", color="C3", label=head)
+    ax.set_xlabel(key)
+    ax.set_ylabel(head + " (leakage)")
+    if all(x > 0 for x in xs) and max(xs) / min(xs) > 20:
+        ax.set_xscale("log")
+    acc = next((k for k in ok[0]["metrics"] if "accuracy" in k), None)
+    if acc:
+        ax2 = ax.twinx()
+        ax2.plot(xs, [sum(m.get(acc, float("nan")) for m in pts[x]) / len(pts[x]) for x in xs], marker="s",
+                 color="C0", label=acc)
+        ax2.set_ylabel(acc + " (utility)")
+    fig.tight_layout()
+    fig.savefig(out / "sweep.png", dpi=110)
+    plt.close(fig)
