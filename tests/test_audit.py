@@ -36,6 +36,17 @@ def test_audit_end_to_end_tiny_vit_leaks_only_under_a_malicious_server(tmp_path)
     page = (tmp_path / "report.html").read_text()
     assert 'id="verdict"' in page and "peftleak" in page and "attacks/peftleak/" in page
     assert (tmp_path / "attacks" / "peftleak" / "results.json").exists()
+    # the same page in a real browser (headless Chromium) when the machine has one
+    import shutil
+    import sys
+    from pathlib import Path
+
+    if not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")):
+        pytest.skip("no Chromium here (apt-get install chromium): the report was checked as text only")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from check_report_in_browser import check
+
+    assert check(tmp_path / "report.html") == []
 
 
 def test_every_registered_attack_appears_and_the_verdict_follows_the_configured_threat(tmp_path, monkeypatch):

@@ -315,6 +315,12 @@ td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}.banner{{color:
 <li>config hash: {e(result['config_hash'])}; seed: {e(str(result['seed']))}</li>
 <li>versions: {e(json.dumps(result['environment']))}</li>
 <li>not tested: {e('; '.join(result['not_tested']) or 'nothing')}</li></ul>
+<script>/* a real browser marks how many evidence images decoded (the headless check reads it) */
+window.addEventListener("load", function () {{
+  var imgs = Array.from(document.images), ok = imgs.filter(function (i) {{ return i.complete && i.naturalWidth > 0; }});
+  document.body.setAttribute("data-images", ok.length + "/" + imgs.length);
+  document.body.setAttribute("data-tables", String(document.querySelectorAll("table").length));
+}});</script>
 </body></html>"""
     path = out / "report.html"
     tmp = path.with_suffix(".html.tmp")

@@ -191,8 +191,10 @@ def _execute(todo, base, out, device, executor, workers):
             raise BadInput("--executor", "the Ray executor needs Ray, which is not installed.",
                            "pip install 'gradleak[sweeps]' (ray>=2.55), or use --executor local.") from None
         started = not ray.is_initialized()
-        if started:
+        if started:  # once per sweep, not per cell
+            t0 = time.perf_counter()
             ray.init(num_cpus=workers or None, include_dashboard=False, log_to_driver=False)
+            print(f"[sweep] ray started in {time.perf_counter() - t0:.1f} s (once for the sweep)", flush=True)
         remote = ray.remote(num_cpus=1)(_run_cell)
         refs = {remote.remote(cell_config(base, ov), str(out / "cells" / _safe(cid)), device): (cid, ov)
                 for cid, ov in todo}
