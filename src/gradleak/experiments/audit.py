@@ -188,6 +188,11 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
         entry["seconds"] = time.perf_counter() - t0
         entry["out"] = f"attacks/{name}"
         entry.update(judge(A.reconstruction, res["metrics"], cfg))
+        v = entry.get("value")
+        if isinstance(v, float) and v != v:  # nan: the run could not measure its headline (e.g. too few candidates)
+            entry["undefined"] = True
+            entry["reason"] = (f"{entry['metric']} is undefined (nan) for this setup: the run measured nothing "
+                               "(for membership: too few members / non-members); not evidence either way")
         entry["metrics"] = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
         entry["artifacts"] = [a for a in res.get("artifacts", []) if str(a).endswith(".png")]
         entry["evidence_rows"] = _evidence_rows(res)
@@ -277,7 +282,8 @@ def write_audit_report(result: dict, out: Path) -> Path:
         val = a.get("value")
         rows.append("<tr>" + "".join(f"<td>{e(str(x))}</td>" for x in (
             a["name"], "yes" if a.get("applicable") else ("under upgrade" if a.get("applicable_under") == "upgraded" else "no"),
-            a.get("threat", "–"), "SUCCESS" if a.get("success") else ("no" if "success" in a else "not run"),
+            a.get("threat", "–"), "SUCCESS" if a.get("success") else ("undefined" if a.get("undefined") else
+                                                                    ("no" if "success" in a else "not run")),
             f"{a['metric']} = {val:.4g}" if isinstance(val, (int, float)) else "–",
             f"{a['n_success']} / {a['n_total']}" if a.get("n_success") is not None else "–",
             f"{a['seconds']:.0f} s" if "seconds" in a else "–", a.get("reason", ""))) + "</tr>")
