@@ -116,7 +116,9 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
           out: Path = typer.Option(..., "--out", help="output directory for audit.json and report.html"),
           set_: Optional[List[str]] = typer.Option(None, "--set", help="override a config key: dotted.key=value"),
           device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or auto (default: the config's)"),
-          only: Optional[str] = typer.Option(None, "--only", help="comma list of attacks to try (default: every registered one)")):
+          only: Optional[str] = typer.Option(None, "--only", help="comma list of attacks to try (default: every registered one)"),
+          workers: Optional[int] = typer.Option(None, "--workers", help="attacks run in parallel, one torch thread "
+                                                "each (default: the CPU cores; 1 = in this process)")):
     """Run every applicable attack on one setup; write DIR/audit.json and DIR/report.html with a verdict."""
     from gradleak.errors import BadInput
 
@@ -134,7 +136,8 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
                        + ([f"--device {device}"] if device else []))
         result = run_audit(raw, out, list(set_ or []), device,
                            only=[x.strip() for x in only.split(",") if x.strip()] if only else None,
-                           command=cmd, log=lambda msg: console.print(msg, highlight=False))
+                           command=cmd, log=lambda msg: console.print(msg, highlight=False),
+                           workers=workers if workers is not None else (__import__("os").cpu_count() or 1))
     except BadInput as err:
         _fail_bad_input(err)
     table = Table(title=f"audit -> {out}/audit.json")

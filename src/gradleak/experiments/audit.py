@@ -121,11 +121,13 @@ def config_hash(raw: dict) -> str:
 
 
 def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,
-              only: list[str] | None = None, command: str = "", log: Callable[[str], Any] = print) -> dict:
-    """Run the audit of ``raw`` (+ ``overrides``) into ``out_dir``: ``audit.json`` + ``report.html``."""
+              only: list[str] | None = None, command: str = "", log: Callable[[str], Any] = print,
+              workers: int = 1) -> dict:
+    """Run the audit of ``raw`` (+ ``overrides``) into ``out_dir``: ``audit.json`` + ``report.html``.
+    ``workers`` > 1 runs the applicable attacks in a spawned process pool (one torch thread each)."""
     from gradleak.experiments.config import apply_overrides
     from gradleak.experiments.results import environment
-    from gradleak.experiments.runner import check_out_dir, run_config, validate
+    from gradleak.experiments.runner import check_out_dir, validate
     from gradleak.experiments.schema import ExperimentConfig
     from gradleak.registry import ATTACKS
 
@@ -139,7 +141,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
         names = [n for n in names if n in only]
     # the setup itself must be valid: validate it with the first attack the gate accepts (or report the first error)
     base_err = None
-    entries = []
+    entries, planned = [], []
     t_all = time.perf_counter()
     for name in names:
         A = ATTACKS.get(name)
@@ -171,21 +173,24 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
         if threat_used == "upgraded":
             entry["reason"] = (f"needs a stronger server than configured ({cfg.threat_model.capability}"
                                f"{', public data' if cfg.threat_model.public_data else ''}); run under that upgrade")
-        log(f"[audit] {name}: running under the {threat_used} threat ({cfg.threat_model.capability})")
-        t0 = time.perf_counter()
-        try:
-            res = run_config(cand, out / "attacks" / name, device=device)
-        except BadInput as err:  # refused once the data/model are known (e.g. a generator shape)
-            entry.update({"applicable": False, "applicable_under": None, "reason": str(err)})
-            entries.append(entry)
+        planned.append((entry, cand, cfg, A))
+        entries.append(entry)
+    # run the applicable attacks: in this process (workers=1) or a spawned pool, one torch thread per worker
+    jobs = [(e["name"], cand, str(out / "attacks" / e["name"]), device) for e, cand, _, _ in planned]
+    for e, _, cfg, _ in planned:
+        log(f"[audit] {e['name']}: running under the {e['applicable_under']} threat ({cfg.threat_model.capability})")
+    results = dict(_run_all(jobs, workers))
+    for entry, cand, cfg, A in planned:
+        name = entry["name"]
+        res = results[name]
+        entry["seconds"] = res.get("seconds", 0.0)
+        if "bad_input" in res:  # refused once the data/model are known (e.g. a generator shape)
+            entry.update({"applicable": False, "applicable_under": None, "reason": res["bad_input"]})
             continue
-        except Exception as err:  # noqa: BLE001 -- one attack's crash must not lose the others' results
-            entry.update({"failed": f"{type(err).__name__}: {err}", "reason": f"the run failed: {type(err).__name__}: "
-                          f"{err}", "seconds": time.perf_counter() - t0})
-            log(f"[audit] {name}: FAILED ({type(err).__name__}: {err})")
-            entries.append(entry)
+        if "error" in res:  # one attack's crash must not lose the others' results
+            entry.update({"failed": res["error"], "reason": f"the run failed: {res['error']}"})
+            log(f"[audit] {name}: FAILED ({res['error']})")
             continue
-        entry["seconds"] = time.perf_counter() - t0
         entry["out"] = f"attacks/{name}"
         entry.update(judge(A.reconstruction, res["metrics"], cfg))
         v = entry.get("value")
@@ -202,7 +207,6 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
             entry["reason"] = "; ".join(([entry["reason"]] if entry.get("reason") else []) + entry["warnings"][:2])
         log(f"[audit] {name}: {'SUCCESS' if entry['success'] else 'no success'} "
             f"({entry['metric']} = {entry['value']}, {entry['seconds']:.0f} s)")
-        entries.append(entry)
     ran = [e for e in entries if "success" in e]
     if not ran and base_err is not None:
         raise base_err
@@ -220,6 +224,49 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     write_json_atomic(out / "audit.json", result)
     write_audit_report(result, out)
     return result
+
+
+def _run_one(name: str, cand: dict, out_dir: str, device: str | None, threads: int | None = None) -> dict:
+    """One attack's run (in this process or a worker); errors come back as values (they must cross processes)."""
+    import torch
+
+    from gradleak.experiments import runner
+
+    if threads:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    try:
+        res = runner.run_config(cand, out_dir, device=device)
+    except BadInput as err:
+        return {"bad_input": str(err), "seconds": time.perf_counter() - t0}
+    except Exception as err:  # noqa: BLE001
+        return {"error": f"{type(err).__name__}: {err}", "seconds": time.perf_counter() - t0}
+    return {"metrics": res.get("metrics", {}), "artifacts": res.get("artifacts", []),
+            "details": {"warnings": (res.get("details") or {}).get("warnings", []),
+                        "trials": (res.get("details") or {}).get("trials", [])},
+            "seconds": time.perf_counter() - t0}
+
+
+def _run_all(jobs: list[tuple], workers: int):
+    """Yield (name, result) for every job, in a pool of ``workers`` spawned processes when > 1."""
+    if workers <= 1 or len(jobs) <= 1:
+        for name, cand, out, dev in jobs:
+            yield name, _run_one(name, cand, out, dev)
+        return
+    import multiprocessing as mp
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    env = dict(os.environ)
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
+    try:
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
+            futs = [(j[0], pool.submit(_run_one, *j, threads=1)) for j in jobs]
+            for name, f in futs:
+                yield name, f.result()
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
 
 
 def _evidence_rows(res: dict) -> list[dict]:
