@@ -21,7 +21,8 @@ def test_audit_end_to_end_tiny_vit_leaks_only_under_a_malicious_server(tmp_path)
     lora_span are not applicable (modality, PEFT kind) with the gate's reason."""
     from gradleak.experiments.audit import run_audit
 
-    res = run_audit(TINY, tmp_path, only=["dlg", "peftleak", "utr", "lora_span"], log=lambda m: None)
+    res = run_audit(TINY, tmp_path, only=["dlg", "peftleak", "utr", "lora_span"], log=lambda m: None,
+                    workers=2)  # the CLI default: a process pool
     by = {a["name"]: a for a in res["attacks"]}
     assert set(by) == {"dlg", "peftleak", "utr", "lora_span"}
     assert by["dlg"]["applicable"] and by["dlg"]["success"] is False

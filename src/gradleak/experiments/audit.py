@@ -179,7 +179,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     jobs = [(e["name"], cand, str(out / "attacks" / e["name"]), device) for e, cand, _, _ in planned]
     for e, _, cfg, _ in planned:
         log(f"[audit] {e['name']}: running under the {e['applicable_under']} threat ({cfg.threat_model.capability})")
-    results = dict(_run_all(jobs, workers))
+    results = dict(_run_all(jobs, workers, log))
     for entry, cand, cfg, A in planned:
         name = entry["name"]
         res = results[name]
@@ -226,14 +226,10 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     return result
 
 
-def _run_one(name: str, cand: dict, out_dir: str, device: str | None, threads: int | None = None) -> dict:
+def _run_one(name: str, cand: dict, out_dir: str, device: str | None) -> dict:
     """One attack's run (in this process or a worker); errors come back as values (they must cross processes)."""
-    import torch
-
     from gradleak.experiments import runner
 
-    if threads:
-        torch.set_num_threads(threads)
     t0 = time.perf_counter()
     try:
         res = runner.run_config(cand, out_dir, device=device)
@@ -247,26 +243,20 @@ def _run_one(name: str, cand: dict, out_dir: str, device: str | None, threads: i
             "seconds": time.perf_counter() - t0}
 
 
-def _run_all(jobs: list[tuple], workers: int):
-    """Yield (name, result) for every job, in a pool of ``workers`` spawned processes when > 1."""
+def _run_all(jobs: list[tuple], workers: int, log: Callable[[str], Any] = print):
+    """Yield (name, result) for every job as it finishes: in this process, or in a pool of ``workers`` spawned
+    processes (one torch thread each) when > 1."""
     if workers <= 1 or len(jobs) <= 1:
         for name, cand, out, dev in jobs:
             yield name, _run_one(name, cand, out, dev)
         return
-    import multiprocessing as mp
-    import os
-    from concurrent.futures import ProcessPoolExecutor
+    from gradleak.experiments.sweep import pool_results
 
-    env = dict(os.environ)
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
-    try:
-        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
-            futs = [(j[0], pool.submit(_run_one, *j, threads=1)) for j in jobs]
-            for name, f in futs:
-                yield name, f.result()
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
+    for i, res in pool_results(_run_one, jobs, workers):
+        if isinstance(res, Exception):  # the worker itself died
+            res = {"error": f"{type(res).__name__}: {res}"}
+        log(f"[audit] {jobs[i][0]}: finished ({res.get('seconds', 0):.0f} s)")
+        yield jobs[i][0], res
 
 
 def _evidence_rows(res: dict) -> list[dict]:

@@ -211,22 +211,28 @@ def _execute(todo, base, out, device, executor, workers):
         return
     if executor != "local":
         raise BadInput("--executor", f"unknown executor '{executor}'.", "use local or ray.")
+    jobs = [(cell_config(base, ov), str(out / "cells" / _safe(cid)), device) for cid, ov in todo]
+    for i, payload in pool_results(_run_cell, jobs, workers or min(len(todo), os.cpu_count() or 1)):
+        yield todo[i][0], todo[i][1], payload
+
+
+def pool_results(fn: Callable, jobs: list[tuple], workers: int):
+    """Yield (job index, ``fn(*job)`` or the exception it raised) as jobs finish, from ``workers`` spawned processes
+    (``OMP_NUM_THREADS=1`` for them: one torch thread each). ``fn`` must be importable at module level."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    n = max(1, int(workers or min(len(todo), os.cpu_count() or 1)))
     env = os.environ.copy()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the spawned workers
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
     try:
-        with ProcessPoolExecutor(max_workers=n, mp_context=mp.get_context("spawn")) as pool:
-            futs = {pool.submit(_run_cell, cell_config(base, ov), str(out / "cells" / _safe(cid)), device): (cid, ov)
-                    for cid, ov in todo}
+        with ProcessPoolExecutor(max_workers=max(1, min(int(workers), len(jobs))),
+                                 mp_context=mp.get_context("spawn")) as pool:
+            futs = {pool.submit(fn, *job): i for i, job in enumerate(jobs)}
             for f in as_completed(futs):
-                cid, ov = futs[f]
                 try:
-                    yield cid, ov, f.result()
-                except Exception as err:  # noqa: BLE001 -- the cell failed: recorded, retried
-                    yield cid, ov, err
+                    yield futs[f], f.result()
+                except Exception as err:  # noqa: BLE001 -- the caller records it
+                    yield futs[f], err
     finally:
         os.environ.clear()
         os.environ.update(env)
