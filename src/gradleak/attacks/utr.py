@@ -97,6 +97,11 @@ def gap_index(desc: torch.Tensor, ratio: float = 20.0, below: float = 1.0, large
     return int(torch.where(ok, drop, torch.zeros_like(drop)).argmax()) if largest else int(ok.nonzero()[0])
 
 
+def stack_rows(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The (sum m_i, n) float64 matrix of the stacked gradient rows."""
+    return torch.cat([g.detach().to(torch.float64).reshape(-1, g.shape[-1]) for g in grads], 0)
+
+
 def noisy_subspace(grads: list[torch.Tensor], noise_std: float, margin: float = 1.05,
                    max_rank: int | None = None) -> Subspace:
     """Signal subspace of gradients observed through i.i.d. N(0, noise_std^2) noise on every coordinate.
@@ -107,7 +112,7 @@ def noisy_subspace(grads: list[torch.Tensor], noise_std: float, margin: float = 
     would scale the noise row by row). The tolerance a true member needs grows as the kept directions approach the
     edge: by Wedin's sin-theta bound the estimated basis is off by about edge / s for a direction of singular value
     s, so ``tol`` = edge / s_r (s_r the weakest kept value), capped at 0.5."""
-    rows = torch.cat([g.detach().to(torch.float64).reshape(-1, g.shape[-1]) for g in grads], 0)
+    rows = stack_rows(grads)
     M, n = rows.shape
     _, s, vh = torch.linalg.svd(rows, full_matrices=False)
     edge = float(noise_std) * (M ** 0.5 + n ** 0.5)
@@ -126,7 +131,7 @@ def subspace_from_gradients(grads: list[torch.Tensor], rank_rtol: float = 1e-5, 
     the rank then comes from the noise spectrum's edge (:func:`noisy_subspace`), not from the float32 gap rule."""
     if noise_std:
         return noisy_subspace(grads, noise_std, max_rank=max_rank)
-    rows = torch.cat([g.detach().to(torch.float64).reshape(-1, g.shape[-1]) for g in grads], 0)
+    rows = stack_rows(grads)
     rows = rows[rows.abs().sum(1) > 0]
     n = rows.shape[1] if rows.ndim == 2 else grads[0].shape[-1]
     if rows.numel() == 0:
@@ -167,7 +172,7 @@ def estimate_noise_std(grads: list[torch.Tensor]) -> float:
     """Per-coordinate noise std of stacked gradients from their median singular value (Gavish-Donoho 2014):
     sigma = s_med / sqrt(N mu_beta) for an M x N (M <= N) matrix; biased upwards when the signal's rank is a
     sizeable fraction of M."""
-    rows = torch.cat([g.detach().to(torch.float64).reshape(-1, g.shape[-1]) for g in grads], 0)
+    rows = stack_rows(grads)
     M, N = sorted(rows.shape)
     s = torch.linalg.svdvals(rows)
     return float(s.median()) / (N * _mp_median(M / N)) ** 0.5
@@ -311,7 +316,7 @@ def bert_pair_decompose(embeddings: nn.Module, adapter: nn.Module, grads: list[t
     g = ln.weight.detach().to(f64)
     M = torch.cat([(E - E.mean(1, keepdim=True)) * g, (Pm - Pm.mean(1, keepdim=True)) * g,
                    ln.bias.detach().to(f64)[None]], 0)  # (T+P+1, n)
-    G = torch.cat([gr.detach().to(f64).reshape(-1, gr.shape[-1]) for gr in grads], 0)  # (m_total, n)
+    G = stack_rows(grads)  # (m_total, n)
     X = torch.linalg.lstsq(M.T, G.T).solution  # (T+P+1, m_total)
     XA, XB = X[:T], X[T:T + P]
     if noise_std:
