@@ -81,3 +81,20 @@ def test_audit_bad_input(tmp_path):
     bad = {**TINY, "model": {"name": "vit-tiny", "layers": 1, "colour": 3}}
     with pytest.raises(BadInput, match="colour"):
         run_audit(bad, tmp_path, only=["dlg"], log=lambda m: None)
+
+
+def test_audit_over_seeds_reports_the_worst_run_with_median_and_spread(tmp_path):
+    """audit.seeds: every attack runs once per seed; the entry keeps the most leaking run as its evidence and
+    reports the median and range of its headline metric."""
+    from gradleak.experiments.audit import run_audit
+
+    raw = {**TINY, "audit": {"seeds": [0, 1, 2], "params": {"dlg": {"steps": 2}}}}
+    res = run_audit(raw, tmp_path, only=["dlg"], log=lambda m: None)
+    (a,) = res["attacks"]
+    per = [p["value"] for p in a["per_seed"]]
+    assert [p["seed"] for p in a["per_seed"]] == [0, 1, 2] and len(set(per)) > 1  # the seeds differ
+    assert a["value"] == max(per) and a["spread"] == [min(per), max(per)] and a["median"] == sorted(per)[1]
+    assert a["out"] == f"attacks/dlg/seed{a['worst_seed']}"
+    assert (tmp_path / "attacks" / "dlg" / "seed1" / "results.json").exists()
+    with pytest.raises(BadInput, match="audit.seeds"):
+        run_audit({**TINY, "audit": {"seeds": ["a"]}}, tmp_path, only=["dlg"], log=lambda m: None)

@@ -3,7 +3,9 @@
 The audit config is an ordinary experiment config (``experiment``, ``model``, ``peft``, ``data``, ``fl``,
 ``defenses``, ``threat``) whose ``attack`` section, if any, is ignored: the audit tries every attack in the
 registry with its default parameters, so an attack registered later appears without touching this module. An
-optional ``audit: {params: {<attack>: {...}}}`` section overrides an attack's parameters (a quick audit).
+optional ``audit:`` section overrides an attack's parameters (``params: {<attack>: {...}}``, a quick audit) and
+runs every attack on several seeds (``seeds: [0, 1, 2]``): the entry then reports the worst (most leaking) run as
+its evidence, with the median and the range of the headline metric and the per-seed results.
 
 Applicability is the pipeline's own gate (:func:`gradleak.experiments.validate`): an attack is applicable when
 the config with ``attack.name`` set to it validates. When it is refused only because the threat model withholds
@@ -175,24 +177,54 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
                                f"{', public data' if cfg.threat_model.public_data else ''}); run under that upgrade")
         planned.append((entry, cand, cfg, A))
         entries.append(entry)
-    # run the applicable attacks: in this process (workers=1) or a spawned pool, one torch thread per worker
-    jobs = [(e["name"], cand, str(out / "attacks" / e["name"]), device) for e, cand, _, _ in planned]
+    # run the applicable attacks (x the audit's seeds): in this process (workers=1) or a spawned pool
+    seeds = list(((raw.get("audit") or {}).get("seeds")) or [raw.get("seed", 0)])
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds):
+        raise BadInput("audit.seeds", f"must be a list of integers, got {seeds!r}.", "write e.g. audit: {seeds: [0, 1, 2]}.")
+    multi = len(seeds) > 1
+
+    def where(name, sd):
+        return f"attacks/{name}" + (f"/seed{sd}" if multi else "")
+
+    jobs = [(f"{e['name']}@{sd}", {**cand, "seed": sd}, str(out / where(e["name"], sd)), device)
+            for e, cand, _, _ in planned for sd in seeds]
     for e, _, cfg, _ in planned:
-        log(f"[audit] {e['name']}: running under the {e['applicable_under']} threat ({cfg.threat_model.capability})")
+        log(f"[audit] {e['name']}: running under the {e['applicable_under']} threat ({cfg.threat_model.capability})"
+            + (f", seeds {seeds}" if multi else ""))
     results = dict(_run_all(jobs, workers, log))
     for entry, cand, cfg, A in planned:
         name = entry["name"]
-        res = results[name]
-        entry["seconds"] = res.get("seconds", 0.0)
-        if "bad_input" in res:  # refused once the data/model are known (e.g. a generator shape)
-            entry.update({"applicable": False, "applicable_under": None, "reason": res["bad_input"]})
+        runs = [(sd, results[f"{name}@{sd}"]) for sd in seeds]
+        entry["seconds"] = sum(r.get("seconds", 0.0) for _, r in runs)
+        bad = next((r for _, r in runs if "bad_input" in r), None)
+        if bad is not None:  # refused once the data/model are known (e.g. a generator shape)
+            entry.update({"applicable": False, "applicable_under": None, "reason": bad["bad_input"]})
             continue
-        if "error" in res:  # one attack's crash must not lose the others' results
-            entry.update({"failed": res["error"], "reason": f"the run failed: {res['error']}"})
-            log(f"[audit] {name}: FAILED ({res['error']})")
+        err = next((r for _, r in runs if "error" in r), None)
+        if err is not None:  # one attack's crash must not lose the others' results
+            entry.update({"failed": err["error"], "reason": f"the run failed: {err['error']}"})
+            log(f"[audit] {name}: FAILED ({err['error']})")
             continue
-        entry["out"] = f"attacks/{name}"
-        entry.update(judge(A.reconstruction, res["metrics"], cfg))
+        judged = [(sd, r, judge(A.reconstruction, r["metrics"], cfg)) for sd, r in runs]
+
+        def badness(t):  # the most leaking run is the evidence (worst case for the client)
+            j = t[2]
+            v = j.get("value")
+            return (bool(j["success"]), j.get("n_success") or 0, v if isinstance(v, (int, float)) and v == v else -1e300)
+
+        sd, res, j = max(judged, key=badness)
+        entry["out"] = where(name, sd)
+        entry.update(j)
+        vals = [t[2].get("value") for t in judged if isinstance(t[2].get("value"), (int, float))
+                and t[2]["value"] == t[2]["value"]]
+        if multi:
+            entry["per_seed"] = [{"seed": t[0], "success": t[2]["success"], "value": t[2].get("value"),
+                                  "n_success": t[2].get("n_success")} for t in judged]
+            entry["worst_seed"] = sd
+            if vals:
+                srt = sorted(vals)
+                entry["median"] = srt[len(srt) // 2] if len(srt) % 2 else 0.5 * (srt[len(srt) // 2 - 1] + srt[len(srt) // 2])
+                entry["spread"] = [srt[0], srt[-1]]
         v = entry.get("value")
         if isinstance(v, float) and v != v:  # nan: the run could not measure its headline (e.g. too few candidates)
             entry["undefined"] = True
@@ -206,7 +238,8 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
             entry["warnings"] = [str(w) for w in warns]
             entry["reason"] = "; ".join(([entry["reason"]] if entry.get("reason") else []) + entry["warnings"][:2])
         log(f"[audit] {name}: {'SUCCESS' if entry['success'] else 'no success'} "
-            f"({entry['metric']} = {entry['value']}, {entry['seconds']:.0f} s)")
+            f"({entry['metric']} = {entry['value']}" + (f", worst of seeds {seeds}, median {entry.get('median')}"
+                                                         if multi else "") + f", {entry['seconds']:.0f} s)")
     ran = [e for e in entries if "success" in e]
     if not ran and base_err is not None:
         raise base_err
@@ -321,7 +354,10 @@ def write_audit_report(result: dict, out: Path) -> Path:
             a["name"], "yes" if a.get("applicable") else ("under upgrade" if a.get("applicable_under") == "upgraded" else "no"),
             a.get("threat", "–"), "SUCCESS" if a.get("success") else ("undefined" if a.get("undefined") else
                                                                     ("no" if "success" in a else "not run")),
-            f"{a['metric']} = {val:.4g}" if isinstance(val, (int, float)) else "–",
+            (f"{a['metric']} = {val:.4g}" + (f" (worst of {len(a['per_seed'])} seeds; median {a['median']:.4g}, "
+                                             f"range {a['spread'][0]:.4g}–{a['spread'][1]:.4g})"
+                                             if a.get("per_seed") and "median" in a else ""))
+            if isinstance(val, (int, float)) else "–",
             f"{a['n_success']} / {a['n_total']}" if a.get("n_success") is not None else "–",
             f"{a['seconds']:.0f} s" if "seconds" in a else "–", a.get("reason", ""))) + "</tr>")
     evidence = []
