@@ -98,3 +98,20 @@ def test_audit_over_seeds_reports_the_worst_run_with_median_and_spread(tmp_path)
     assert (tmp_path / "attacks" / "dlg" / "seed1" / "results.json").exists()
     with pytest.raises(BadInput, match="audit.seeds"):
         run_audit({**TINY, "audit": {"seeds": ["a"]}}, tmp_path, only=["dlg"], log=lambda m: None)
+
+
+def test_audit_grid_gives_a_verdict_per_cell_and_resumes(tmp_path):
+    """An audit config with grid: one audit per cell (here the server's capability), each with its own verdict;
+    a rerun reuses the cells that finished."""
+    from gradleak.experiments.audit import run_audit_grid
+
+    raw = {**TINY, "threat": {"preset": "honest-but-curious", "public_data": True},
+           "grid": {"threat.preset": ["honest-but-curious", "malicious"]}}
+    logs = []
+    s1 = run_audit_grid(raw, tmp_path, only=["dlg", "peftleak"], log=logs.append)
+    verdicts = {r["assign"]["threat.preset"]: r["verdict"] for r in s1["cells"]}
+    assert verdicts == {"honest-but-curious": "leaks_malicious_only", "malicious": "leaks"}
+    assert json.loads((tmp_path / "audit_grid.json").read_text())["cells"] == s1["cells"]
+    logs.clear()
+    s2 = run_audit_grid(raw, tmp_path, only=["dlg", "peftleak"], log=logs.append)
+    assert s2["cells"] == s1["cells"] and all("done before" in m for m in logs)

@@ -118,7 +118,8 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
           device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or auto (default: the config's)"),
           only: Optional[str] = typer.Option(None, "--only", help="comma list of attacks to try (default: every registered one)"),
           workers: Optional[int] = typer.Option(None, "--workers", help="attacks run in parallel, one torch thread "
-                                                "each (default: the CPU cores; 1 = in this process)")):
+                                                "each (default: the CPU cores; 1 = in this process)"),
+          yes: bool = typer.Option(False, "--yes", help="a grid: larger than the cell limit")):
     """Run every applicable attack on one setup; write DIR/audit.json and DIR/report.html with a verdict."""
     from gradleak.errors import BadInput
 
@@ -134,10 +135,18 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
         cmd = " ".join(["gradleak", "audit", str(config), "--out", str(out)]
                        + [f"--set {x}" for x in (set_ or [])] + ([f"--only {only}"] if only else [])
                        + ([f"--device {device}"] if device else []))
-        result = run_audit(raw, out, list(set_ or []), device,
-                           only=[x.strip() for x in only.split(",") if x.strip()] if only else None,
-                           command=cmd, log=lambda msg: console.print(msg, highlight=False),
-                           workers=workers if workers is not None else (__import__("os").cpu_count() or 1))
+        kw = dict(only=[x.strip() for x in only.split(",") if x.strip()] if only else None, command=cmd,
+                  log=lambda msg: console.print(msg, highlight=False),
+                  workers=workers if workers is not None else (__import__("os").cpu_count() or 1))
+        if "grid" in raw:  # an audit per grid cell (e.g. per defense strength), resumable
+            from gradleak.experiments.audit import run_audit_grid
+
+            summary = run_audit_grid(raw, out, list(set_ or []), device, yes=yes, **kw)
+            for row in summary["cells"]:
+                out_console.print(f"{row['cell']}: {row['headline']}")
+            out_console.print(f"-> {out}/audit_grid.json")
+            return
+        result = run_audit(raw, out, list(set_ or []), device, **kw)
     except BadInput as err:
         _fail_bad_input(err)
     table = Table(title=f"audit -> {out}/audit.json")

@@ -259,6 +259,37 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     return result
 
 
+def run_audit_grid(raw: dict, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,
+                   only: list[str] | None = None, command: str = "", log: Callable[[str], Any] = print,
+                   workers: int = 1, yes: bool = False) -> dict:
+    """An audit per cell of the config's ``grid:`` (e.g. defense strengths) into ``OUT/cells/<cell>/``; resumable
+    (a cell whose ``audit.json`` exists is not redone); ``OUT/audit_grid.json`` lists each cell's verdict."""
+    from gradleak.experiments.results import write_json_atomic
+    from gradleak.experiments.runner import check_out_dir
+    from gradleak.experiments.sweep import MAX_CELLS, _safe, cell_config, expand_grid
+
+    out = check_out_dir(out_dir)
+    base, cells = expand_grid(raw)
+    if len(cells) > MAX_CELLS and not yes:
+        raise BadInput("grid", f"{len(cells)} cells exceed the limit of {MAX_CELLS} for one audit grid.",
+                       "shrink the grid, or pass --yes.")
+    rows = []
+    for i, (cid, a) in enumerate(cells):
+        d = out / "cells" / _safe(cid)
+        if (d / "audit.json").exists():
+            res = json.loads((d / "audit.json").read_text())
+            log(f"[audit grid] {cid}: done before ({res['verdict']})")
+        else:
+            log(f"[audit grid] cell {i + 1}/{len(cells)}: {cid}")
+            res = run_audit(cell_config(base, a), d, overrides, device, only=only, command=command, log=log,
+                            workers=workers)
+        rows.append({"cell": cid, "assign": a, "verdict": res["verdict"], "headline": res["headline"],
+                     "out": str(d.relative_to(out))})
+    summary = {"cells": rows, "command": command}
+    write_json_atomic(out / "audit_grid.json", summary)
+    return summary
+
+
 def _run_one(name: str, cand: dict, out_dir: str, device: str | None) -> dict:
     """One attack's run (in this process or a worker); errors come back as values (they must cross processes)."""
     from gradleak.experiments import runner
