@@ -66,6 +66,7 @@ def test_projres_end_to_end_undefended(tmp_path, minilm_available):
     assert m["members"] == 24 and m["nonmembers"] == 60
     assert m["auc"] >= 0.95, m
     assert 0 <= m["accuracy"] <= 1 and m["test_samples"] == 16
+    assert "roc.png" in r["artifacts"] and (tmp_path / "roc.png").stat().st_size > 0  # ROC on log axes (report, audit)
 
 
 def test_fisguard_initial_forward_equals_the_pretrained_model(minilm_available):

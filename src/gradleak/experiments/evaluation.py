@@ -418,7 +418,36 @@ def evaluate_membership(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Ev
     if m["nonmembers"] < 1000:
         notes.append(f"only {int(m['nonmembers'])} non-members: TPR at 0.1 % FPR is not resolved below 1,000.")
     tables = [{"title": "ProjRes AUC per layer", "columns": ["layer", "auc", "rank", "input_width"], "rows": per_layer}]
-    return Evaluation(m, tables=tables, notes=notes)
+    figs, arts = _roc_figure(labels, flat, out_dir, trial, m)
+    return Evaluation(m, figures=figs, tables=tables, notes=notes, artifacts=arts)
+
+
+def _roc_figure(labels, scores, out_dir: Path, trial: int, m: dict) -> tuple[list[dict], list[str]]:
+    """The ROC curve on log-log axes (the low-FPR regime is what matters for membership), as ``roc*.png``."""
+    if len(set(labels)) < 2:
+        return [], []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from sklearn.metrics import roc_curve
+
+    fpr, tpr, _ = roc_curve(labels, scores)
+    name = "roc.png" if trial == 0 else f"roc_trial{trial}.png"
+    fig, ax = plt.subplots(figsize=(4.5, 4))
+    lo = 1.0 / max(1, len(labels) - sum(labels))
+    ax.plot(fpr.clip(lo), tpr.clip(lo), label=f"attack (AUC {m['auc']:.3f})")
+    ax.plot([lo, 1], [lo, 1], "--", color="grey", label="chance")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("false-positive rate")
+    ax.set_ylabel("true-positive rate")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / name, dpi=110)
+    plt.close(fig)
+    return [{"title": "ROC (log axes)", "path": name,
+             "caption": f"TPR at 1 % FPR {m.get('tpr_at_1pct_fpr', float('nan')):.3g}"}], [name]
 
 
 def split_by_guarantee(ev: Evaluation, condition: dict[str, bool]) -> None:
