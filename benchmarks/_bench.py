@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-from gradleak.experiments.results import read_jsonl  # noqa: E402
+from gradleak.experiments.results import latest_by_cell  # noqa: E402
 
 REFERENCE_OUT = ROOT / "benchmarks" / "out"
 DOCS = ROOT / "docs" / "REPRODUCTION.md"
@@ -66,11 +66,7 @@ def display(path: Path) -> str:
 
 def latest_rows(jsonl: Path) -> list[dict]:
     """The latest row of every cell (in the order cells first appear)."""
-    by: dict[str, dict] = {}
-    for r in read_jsonl(jsonl):
-        if "cell" in r:
-            by[r["cell"]] = r
-    return list(by.values())
+    return list(latest_by_cell(jsonl).values())
 
 
 def done_cells(jsonl: Path) -> set[str]:

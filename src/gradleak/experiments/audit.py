@@ -432,8 +432,8 @@ window.addEventListener("load", function () {{
   document.body.setAttribute("data-tables", String(document.querySelectorAll("table").length));
 }});</script>
 </body></html>"""
+    from gradleak.report.html import _write_atomic
+
     path = out / "report.html"
-    tmp = path.with_suffix(".html.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(path)
+    _write_atomic(path, page)
     return path

@@ -444,7 +444,9 @@ def _roc_figure(labels, scores, out_dir: Path, trial: int, m: dict) -> tuple[lis
     ax.set_ylabel("true-positive rate")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / name, dpi=110)
+    from gradleak.report.images import save_png_atomically
+
+    save_png_atomically(out_dir / name, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     plt.close(fig)
     return [{"title": "ROC (log axes)", "path": name,
              "caption": f"TPR at 1 % FPR {m.get('tpr_at_1pct_fpr', float('nan')):.3g}"}], [name]

@@ -85,6 +85,15 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return rows
 
 
+def latest_by_cell(path: str | Path, key: str = "cell") -> dict[str, dict]:
+    """The latest row of every cell of an append-only JSONL (in the order cells first appear)."""
+    by: dict[str, dict] = {}
+    for r in read_jsonl(path):
+        if key in r:
+            by[r[key]] = r
+    return by
+
+
 def finished_cells(path: str | Path, key: str = "cell") -> set[str]:
     return {r[key] for r in read_jsonl(path) if key in r}
 

@@ -119,23 +119,12 @@ def _run_cell(raw: dict, out_dir: str, device: str | None) -> dict:
             "warnings": (res.get("details") or {}).get("warnings", [])}
 
 
-def _latest(jsonl: Path) -> dict[str, dict]:
-    from gradleak.experiments.results import read_jsonl
-
-    by: dict[str, dict] = {}
-    if jsonl.exists():
-        for r in read_jsonl(jsonl):
-            if "cell" in r:
-                by[r["cell"]] = r
-    return by
-
-
 def run_sweep(raw: dict, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,
               executor: str = "local", workers: int | None = None, yes: bool = False,
               log: Callable[[str], Any] = print) -> dict:
     """Run (or resume) the sweep of ``raw``'s ``grid`` into ``out_dir``; returns the summary (``sweep.json``)."""
     from gradleak.experiments.config import apply_overrides
-    from gradleak.experiments.results import append_jsonl, write_json_atomic
+    from gradleak.experiments.results import append_jsonl, latest_by_cell, write_json_atomic
     from gradleak.experiments.runner import check_out_dir, validate
     from gradleak.experiments.schema import ExperimentConfig
 
@@ -155,7 +144,7 @@ def run_sweep(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
         except BadInput as err:
             raise BadInput(err.field, f"(grid cell {cid}) {err.problem}", err.fix) from None
     jsonl = out / "results.jsonl"
-    done = {c for c, r in _latest(jsonl).items() if "error" not in r}
+    done = {c for c, r in latest_by_cell(jsonl).items() if "error" not in r}
     todo = [(c, a) for c, a in cells if c not in done]
     log(f"[sweep] {len(cells)} cells: {len(cells) - len(todo)} done, {len(todo)} to run ({executor} executor)")
     for attempt in range(2):  # failed cells get one more try in this run (and again on the next run)
@@ -173,7 +162,7 @@ def run_sweep(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
             log(f"[sweep] {cid}: " + (row.get("error") or ", ".join(
                 f"{k} {row['metrics'][k]:.4g}" for k in HEADLINES if k in row["metrics"]) or "done"))
         todo = failed
-    latest = _latest(jsonl)
+    latest = latest_by_cell(jsonl)
     rows = [latest[c] for c, _ in cells if c in latest]
     summary = {"cells": len(cells), "done": sum("error" not in r for r in rows),
                "failed": [r["cell"] for r in rows if "error" in r], "rows": rows}
@@ -278,5 +267,7 @@ def _plot(grid: dict, rows: list[dict], out: Path) -> None:
                  color="C0", label=acc)
         ax2.set_ylabel(acc + " (utility)")
     fig.tight_layout()
-    fig.savefig(out / "sweep.png", dpi=110)
+    from gradleak.report.images import save_png_atomically
+
+    save_png_atomically(out / "sweep.png", lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     plt.close(fig)
