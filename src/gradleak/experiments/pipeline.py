@@ -282,7 +282,14 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
         if A.reconstruction == "membership":
             cands, membership = _candidates(data, trial, batches, threat, cfg)
             knowledge["public_data"] = {"candidates": cands}
-        outcome = run_rounds(model, clients, rounds=rounds, algorithm=cfg.fl.algorithm, lr=cfg.fl.lr,
+        rounds_fn = run_rounds
+        if cfg.fl.engine == "flower":  # the same rounds through a real Flower federation (issue 13)
+            from functools import partial
+
+            from gradleak.integrations.flower import run_rounds_flower
+
+            rounds_fn = partial(run_rounds_flower, flower=cfg.fl.flower)
+        outcome = rounds_fn(model, clients, rounds=rounds, algorithm=cfg.fl.algorithm, lr=cfg.fl.lr,
                              local_epochs=cfg.fl.local_epochs, local_batch_size=cfg.fl.local_batch_size,
                              defenses=defenses, seed=cfg.seed, server_hook=attack.server_model,
                              secure_aggregation=not threat.individual_updates, track=ctx.track,

@@ -100,7 +100,28 @@ class ModelConfig(Strict):
     task: Optional[Literal["classification", "lm"]] = None  # default: LM loss for causal models, else a class head
 
 
+class FlowerConfig(Strict):
+    """``fl.flower``: how the Flower engine runs (``fl.engine: flower``, :mod:`gradleak.integrations.flower`)."""
+
+    runtime: Literal["inprocess", "simulation"] = Field("inprocess", description="inprocess: every node in this "
+                                                        "process, no Ray; simulation: Flower's simulation engine (Ray)")
+    reply: Literal["weights", "update"] = Field("weights", description="clients reply with their new weights "
+                                                "(Flower's convention) or with the update itself")
+    dp: Literal["none", "server-fixed", "client-fixed", "local"] = Field(
+        "none", description="Flower's own DP: DifferentialPrivacyServerSideFixedClipping (server-fixed), "
+        "DifferentialPrivacyClientSideFixedClipping + fixedclipping_mod (client-fixed), LocalDpMod (local)")
+    noise_multiplier: float = Field(1.0, ge=0, le=1e6, description="central DP: noise std = multiplier × clipping norm / "
+                                    "clients (Flower's convention)")
+    clipping_norm: float = Field(1.0, gt=0, le=1e9, description="L2 bound of each client's weight change (Δw, not Δw/lr)")
+    local_sensitivity: float = Field(1.0, gt=0, le=1e9, description="LocalDpMod sensitivity")
+    local_epsilon: float = Field(1.0, gt=0, le=1e6, description="LocalDpMod epsilon")
+    local_delta: float = Field(1e-5, gt=0, lt=1, description="LocalDpMod delta")
+
+
 class FLConfig(Strict):
+    engine: Literal["builtin", "flower"] = Field("builtin", description="builtin: gradleak's round protocol; flower: "
+                                                 "the same rounds through a Flower ServerApp/ClientApp (the fl extra)")
+    flower: FlowerConfig = Field(default_factory=FlowerConfig)
     algorithm: Literal["fedsgd", "fedavg"] = "fedsgd"
     rounds: int = Field(1, ge=1, le=10_000)
     lr: float = Field(0.05, gt=0, le=1e4)
