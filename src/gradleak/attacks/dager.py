@@ -109,9 +109,10 @@ class DAGERAttack(AttackBase):
         model, tok = view.model, view.public["tokenizer"]
         causal = is_causal(model)
         t0 = time.perf_counter()
-        s0 = subspace_from_gradients([u.tensors[k] for u in view.updates for k in u.tensors
+        victim = view.updates[:1]  # the attacked update only: another client's tokens must not join its subspace
+        s0 = subspace_from_gradients([u.tensors[k] for u in victim for k in u.tensors
                                       if k in _names_for(u.tensors, 0)], self.rank_rtol)
-        s1 = subspace_from_gradients([u.tensors[k] for u in view.updates for k in u.tensors
+        s1 = subspace_from_gradients([u.tensors[k] for u in victim for k in u.tensors
                                       if k in _names_for(u.tensors, 1)], self.rank_rtol)
         if causal:
             E = model.get_input_embeddings().weight.detach().double()

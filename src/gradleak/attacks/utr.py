@@ -368,11 +368,13 @@ def model_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def collect_grads(view: ServerView, param: str, all_rounds: bool = False) -> list[torch.Tensor]:
-    """The observed gradients of one parameter (every client of the latest round, or of every round)."""
+    """The attacked update's gradients of one parameter: the latest round's, or every observed round's (the same
+    client: the first update of each round; the sum under secure aggregation). Other clients' updates are not
+    stacked in: their tokens would join the victim's word bag (a 2-client run reconstructed a mix of both batches)."""
     groups = view.rounds if (all_rounds and view.rounds) else [view.updates]
     out = []
     for ups in groups:
-        for u in ups:
+        for u in ups[:1]:
             if param not in u.tensors:
                 present = sorted({k.rsplit(".", 2)[0] for k in u.tensors})[:8]
                 raise BadInput("update", f"the observed update has no '{param}' (it holds {present}...).",
@@ -607,10 +609,14 @@ class UTRAttack(AttackBase):
         from gradleak.defenses.update import coordinate_noise_std
 
         specs = view.public.get("update_defenses") or []
+        rounding = float(view.public.get("upload_rounding_std") or 0.0)  # a weight reply's rounding (Flower)
         if not specs or not view.updates:
-            return None
-        return coordinate_noise_std(specs, view.updates[0], aggregate_of=int(view.public.get("clients") or 1),
-                                    individual=not view.secure_aggregation)
+            return rounding if rounding > 0 else None
+        std = coordinate_noise_std(specs, view.updates[0], aggregate_of=int(view.public.get("clients") or 1),
+                                   individual=not view.secure_aggregation)
+        if std is None:
+            return rounding if rounding > 0 else None
+        return (std ** 2 + rounding ** 2) ** 0.5
 
     def prepare(self, model: nn.Module, threat: ThreatModel) -> nn.Module:
         return model  # honest: no model modification (SPEC §3.1)

@@ -201,8 +201,6 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     from gradleak.fl.core import default_classification_loss
     from gradleak.fl.protocol import run_rounds
     from gradleak.fl.threat import build_view
-    from gradleak.models import build
-    from gradleak.peft import apply_peft
 
     A, acfg, threat, modality = cfg.attack_cls, cfg.attack_cfg, cfg.threat_model, cfg.modality
     dev = ctx.device
@@ -219,33 +217,14 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     if threat.public_data and modality == "image":
         public["public_images"] = data.public()
     # ---- model + PEFT
-    dtype = cfg.model.dtype or ("float64" if A.needs_float64 else "float32")
-    mcfg = cfg.model
-    if mcfg.init_weights is None:
-        mcfg = mcfg.model_copy(update={"init_weights": not A.rewrites_weights})
-    extra_build = {"num_channels": cfg.image_channels} if modality == "image" else {}
-    if getattr(mcfg, "pretrain", None) is not None:
-        import sys
-
-        extra_build["progress"] = lambda msg: print(msg, file=sys.stderr, flush=True)
-    with ctx.stage("model" + (" (pretraining, cached after the first run)" if "progress" in extra_build else "")):
-        handle = build(mcfg, modality, image_size=cfg.data.image_size, seed=cfg.seed, dtype=dtype, **extra_build)
-    apply_peft(handle, cfg.peft, seed=cfg.seed)
-    if cfg.model.train_all:  # full fine-tuning (the leakage study's ResNet-18)
-        for p in handle.model.parameters():
-            p.requires_grad_(True)
+    handle, mcfg = build_handle(cfg, ctx.stage)
     defense = cfg.training_defense
     defense.apply(handle, cfg, data=data)  # training-time defense (FISGuard re-parameterises the protected layers)
     timings["model_load_seconds"] = time.perf_counter() - t0
     # ---- attack: built from its config and what the threat model grants before any round
     if threat.knows_batch_size:
         public["batch_size"] = cfg.data.batch_size * (1 if threat.individual_updates else cfg.fl.clients)
-    fl_public = {"algorithm": cfg.fl.algorithm, "local_epochs": cfg.fl.local_epochs, "lr": cfg.fl.lr,
-                 "local_batch_size": cfg.fl.local_batch_size, "clients": cfg.fl.clients,
-                 # the training configuration (public, SPEC §4.1): per-client local batch size and epochs, lr schedule
-                 "client_batch_sizes": [p["batch_size"] for p in cfg.client_plan()],
-                 "client_epochs": [p["epochs"] for p in cfg.client_plan()],
-                 "lr_at": [cfg.fl.lr_at(r) for r in range(cfg.fl.rounds)]}
+    fl_public = public_protocol(cfg)
     actx = AttackContext(seed=cfg.seed, device=dev, threat=threat, fl=fl_public, public=public)
     attack = A.from_config(acfg, actx)
     t0 = time.perf_counter()
@@ -342,6 +321,43 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
         vals = [float(i["timings"][k]) for i in infos if k in (i.get("timings") or {})]
         timings.setdefault(k, float(np.mean(vals)))
     return _results(cfg, handle, evals, infos, metrics, timings)
+
+
+def public_protocol(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The federated training configuration the server runs and so knows (SPEC §4.1): algorithm, lr schedule,
+    per-client local batch size and epochs."""
+    return {"algorithm": cfg.fl.algorithm, "local_epochs": cfg.fl.local_epochs, "lr": cfg.fl.lr,
+            "local_batch_size": cfg.fl.local_batch_size, "clients": cfg.fl.clients,
+            "client_batch_sizes": [p["batch_size"] for p in cfg.client_plan()],
+            "client_epochs": [p["epochs"] for p in cfg.client_plan()],
+            "lr_at": [cfg.fl.lr_at(r) for r in range(cfg.fl.rounds)]}
+
+
+def build_handle(cfg: ExperimentConfig, stage=None):
+    """The model + PEFT exactly as the pipeline builds it for ``cfg`` (dtype: float64 when the attack needs it); also
+    what a Flower app built from the same config trains (:mod:`gradleak.integrations.flower`). Returns
+    ``(handle, model config)``."""
+    from gradleak.models import build
+    from gradleak.peft import apply_peft
+
+    A, modality = cfg.attack_cls, cfg.modality
+    dtype = cfg.model.dtype or ("float64" if A.needs_float64 else "float32")
+    mcfg = cfg.model
+    if mcfg.init_weights is None:
+        mcfg = mcfg.model_copy(update={"init_weights": not A.rewrites_weights})
+    extra_build = {"num_channels": cfg.image_channels} if modality == "image" else {}
+    if getattr(mcfg, "pretrain", None) is not None:
+        import sys
+
+        extra_build["progress"] = lambda msg: print(msg, file=sys.stderr, flush=True)
+    with (stage("model" + (" (pretraining, cached after the first run)" if "progress" in extra_build else ""))
+          if stage is not None else contextlib.nullcontext()):
+        handle = build(mcfg, modality, image_size=cfg.data.image_size, seed=cfg.seed, dtype=dtype, **extra_build)
+    apply_peft(handle, cfg.peft, seed=cfg.seed)
+    if cfg.model.train_all:  # full fine-tuning (the leakage study's ResNet-18)
+        for p in handle.model.parameters():
+            p.requires_grad_(True)
+    return handle, mcfg
 
 
 def _clients(handle, batches, loss_fn, dev, threat, cfg):

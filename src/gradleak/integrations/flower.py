@@ -126,7 +126,53 @@ def reply_update(sent: dict[str, torch.Tensor], arrays: dict[str, torch.Tensor],
         raise BadInput("reply", f"the reply holds arrays the server did not send ({', '.join(missing[:3])}), so no "
                        "update can be formed from it.", "reply with the arrays the server sent (Flower's convention).")
     tensors = {k: (sent[k].to(torch.float64) - v.to(torch.float64)) / lr for k, v in arrays.items()}
-    return Update(tensors, num_examples, client_id, kind, local_steps)
+    upd = Update(tensors, num_examples, client_id, kind, local_steps)
+    upd.rounding_std = rounding_std(arrays, lr)
+    return upd
+
+
+def rounding_std(new_weights: dict[str, torch.Tensor], lr: float) -> float:
+    """Per-coordinate std (RMS over coordinates) of the rounding a weight reply puts on the update
+    ``(sent − new) / lr``: the new weights are rounded to their dtype (error uniform in ±ulp/2, variance ulp²/12),
+    then divided by lr. 0 for float64 replies below 1e-15 relative (negligible). The server knows the dtype it
+    received and the lr, so this is public noise an attack can model (:mod:`gradleak.attacks.utr` ``noise:
+    public``)."""
+    total, count = 0.0, 0
+    for v in new_weights.values():
+        if not v.is_floating_point():
+            continue
+        x = v.detach().to(torch.float64).abs()
+        mant = torch.finfo(v.dtype).eps  # 2^-(mantissa bits)
+        ulp = torch.where(x > 0, torch.exp2(torch.floor(torch.log2(x.clamp_min(torch.finfo(v.dtype).tiny)))) * mant,
+                          torch.zeros_like(x))
+        total += float((ulp ** 2).sum()) / 12.0
+        count += v.numel()
+    return (total / max(count, 1)) ** 0.5 / lr
+
+
+def view_of(rounds: Sequence[RecordedRound], *, model, threat, knowledge: dict | None = None,
+            always_public: dict | None = None):
+    """gradleak's ServerView of recorded Flower rounds, built by the threat model's one gate
+    (:func:`gradleak.fl.threat.build_view`). A round that held only the aggregate gives the view the sum, whatever
+    the threat model would grant."""
+    from dataclasses import replace as dc_replace
+
+    from gradleak.fl.threat import build_view
+
+    rs = list(rounds)
+    if not rs:
+        raise BadInput("rounds", "no round has been recorded yet.", "run at least one Flower round first.")
+    summed = any(r.aggregated for r in rs)
+    if summed and threat.individual_updates:
+        threat = dc_replace(threat, individual_updates=False)
+    always_public = dict(always_public or {})
+    seen = [u for r in rs for u in (r.updates if not summed else [r.aggregate]) if u is not None]
+    rounding = max((float(getattr(u, "rounding_std", 0.0) or 0.0) for u in seen), default=0.0)
+    if rounding > 0:  # the rounding of the clients' weight replies: known to the server (dtype and lr)
+        always_public["upload_rounding_std"] = rounding
+    return build_view(model=model, rounds=[r.updates for r in rs], round_states=[r.sent for r in rs],
+                      threat=threat, secure_sum=[r.aggregate for r in rs] if summed else None,
+                      knowledge=knowledge or {}, always_public=always_public or {})
 
 
 # ------------------------------------------------------------------------------------------ the strategy wrapper
@@ -270,19 +316,8 @@ def _make_strategy_class():
             """gradleak's :class:`~gradleak.fl.core.ServerView` of the recorded rounds (default: all kept), built by
             the threat model's one gate, :func:`gradleak.fl.threat.build_view`. A round that held only the aggregate
             gives the view the sum even if the threat model would grant individual updates."""
-            from dataclasses import replace as dc_replace
-
-            from gradleak.fl.threat import build_view
-
-            rs = list(rounds if rounds is not None else self.rounds)
-            if not rs:
-                raise BadInput("rounds", "no round has been recorded yet.", "run at least one Flower round first.")
-            summed = any(r.aggregated for r in rs)
-            if summed and threat.individual_updates:
-                threat = dc_replace(threat, individual_updates=False)
-            return build_view(model=model, rounds=[r.updates for r in rs], round_states=[r.sent for r in rs],
-                              threat=threat, secure_sum=[r.aggregate for r in rs] if summed else None,
-                              knowledge=knowledge or {}, always_public=always_public or {})
+            return view_of(list(rounds if rounds is not None else self.rounds), model=model, threat=threat,
+                           knowledge=knowledge, always_public=always_public)
 
     return GradleakStrategy
 
@@ -547,7 +582,7 @@ def run_simulation_engine(server_app, client_app, num_supernodes: int, backend_c
     """Run the apps through Flower's simulation engine (Ray; ``gradleak[fl-simulation]``); returns seconds."""
     require_flower()
     try:
-        import ray  # noqa: F401
+        import ray  # noqa: F401 -- Flower's simulation backend
         from flwr.simulation import run_simulation
     except ImportError:
         raise BadInput("fl.flower.runtime", "Flower's simulation engine needs Ray, which is not installed.",
@@ -605,12 +640,12 @@ def run_rounds_flower(model, clients: Sequence[Any], *, rounds: int, algorithm: 
     the attacks get is what the strategy wrapper recorded, round by round. The server sends the trainable arrays,
     plus every frozen tensor that differs from the model the clients downloaded (a malicious server's poisoning)."""
     require_flower()
-    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
     from flwr.serverapp.strategy import FedAvg
 
-    from gradleak.fl.core import Update, batchnorm_buffer_names
+    from gradleak.fl.core import batchnorm_buffer_names
     from gradleak.fl.protocol import RoundsOutcome
 
     if flower is None:
@@ -750,3 +785,259 @@ def run_rounds_flower(model, clients: Sequence[Any], *, rounds: int, algorithm: 
     out.client_seconds, out.server_hook_seconds = clock["client"], clock["hook"]
     out.flower_computed = holder.get("computed", {})  # what the clients computed (tests compare the record to it)
     return out
+
+
+# ------------------------------------------------------------------------------------------ the audit, live
+
+def build_model(config):
+    """The model (+ PEFT) a Flower app trains, built from a gradleak config (a path or a dict) exactly as the
+    pipeline builds it, so the ServerApp, the ClientApps and the audit share one description. Returns
+    ``(handle, cfg)``: ``handle.model`` is the torch model, ``cfg`` the validated config."""
+    from gradleak.experiments.pipeline import build_handle
+
+    cfg = _validated(config)
+    handle, _ = build_handle(cfg)
+    return handle, cfg
+
+
+def _raw(config) -> dict:
+    from pathlib import Path
+
+    from gradleak.experiments.config import load_yaml
+
+    return load_yaml(config) if isinstance(config, (str, Path)) else copy.deepcopy(dict(config))
+
+
+def _validated(config):
+    from gradleak.experiments.runner import validate
+
+    raw = _raw(config)
+    raw.pop("audit", None)
+    if not (raw.get("attack") or {}).get("name"):
+        raise BadInput("attack.name", "the Flower app's config names no attack, so its model's dtype is not fixed.",
+                       "name the attack whose setting the app models (e.g. attack: {name: lora_span}).")
+    return validate(raw)[1]
+
+
+class FlowerAudit:
+    """gradleak's attacks on every audited Flower round: ``GradleakStrategy(..., on_round=FlowerAudit(config, out))``.
+
+    ``config`` is the gradleak config that describes the federation (model, PEFT, data kind, threat, fl); its
+    ``attack`` names the setting the app models, and every registered attack the config's gate accepts is run on
+    the round's :class:`~gradleak.fl.core.ServerView` (``attacks=[...]`` restricts them). Attacks that poison the
+    weights the server sends cannot run after the fact: they are listed as not run (run them through
+    ``server_hook`` / ``fl.engine: flower``). ``truth(server_round) -> [(inputs, labels), ...]`` (per client, the
+    pipeline's form: images in [0, 1], or texts) is what a *simulation* knows; with it every attack is scored and
+    judged as ``gradleak audit`` judges it. Without it (a real deployment) the reconstructions are saved for
+    inspection and the clients' own scalars (:func:`scoring_mod`) are reported. Writes ``OUT/round_<r>/audit.json``
+    and ``OUT/flower_audit.json`` (every audited round, rewritten atomically)."""
+
+    def __init__(self, config, out_dir, *, attacks: Sequence[str] | None = None,
+                 truth: Callable[[int], list] | None = None, device: str = "cpu", log: Callable[[str], Any] = print):
+        from pathlib import Path
+
+        from gradleak.experiments.audit import _attack_names, _candidate
+        from gradleak.experiments.runner import validate
+        from gradleak.registry import ATTACKS
+
+        self.raw = _raw(config)
+        self.cfg = _validated(self.raw)
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.truth, self.log, self.device = truth, log, torch.device(device)
+        names = list(attacks) if attacks else _attack_names()
+        unknown = sorted(set(names) - set(ATTACKS.names()))
+        if unknown:
+            raise BadInput("attacks", f"unknown attack(s) {', '.join(unknown)}.", f"choose from {', '.join(ATTACKS.names())}.")
+        self.plans, self.not_run = [], []
+        for name in names:
+            try:
+                _, cfg = validate(_candidate(self.raw, name))
+            except BadInput as err:
+                self.not_run.append({"name": name, "applicable": False, "reason": str(err)})
+                continue
+            if cfg.attack_cls.rewrites_weights:
+                self.not_run.append({"name": name, "applicable": False, "reason": "poisons the weights the server "
+                                     "sends, which a recorded honest federation did not do; run it through "
+                                     "GradleakStrategy(server_hook=...) or gradleak run with fl.engine=flower"})
+                continue
+            self.plans.append((name, cfg))
+        if not self.plans:
+            raise BadInput("attacks", "no attack applies to this federation's config: "
+                           + "; ".join(f"{e['name']}: {e['reason']}" for e in self.not_run[:4]),
+                           "check the config's model / PEFT kind / threat, or name attacks that apply.")
+        self.handle, _ = build_model(self.raw)
+        self.handle.model.to(self.device)
+        self.summary: list[dict] = []
+
+    def __call__(self, rec: RecordedRound) -> dict:
+        from gradleak.attacks.base import AttackContext
+        from gradleak.experiments.audit import _verdict, judge
+        from gradleak.experiments.evaluation import Truth, evaluate
+        from gradleak.experiments.pipeline import _always_public, _bottleneck, _clients, public_protocol
+        from gradleak.experiments.results import write_json_atomic
+        from gradleak.fl.core import default_classification_loss
+
+        t_round = time.perf_counter()
+        h, base = self.handle, self.cfg
+        model = h.model
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for k, v in rec.sent.items():
+                if k in params:
+                    params[k].copy_(v.to(device=params[k].device, dtype=params[k].dtype))
+        threat = base.threat_model
+        batches = self.truth(rec.server_round) if self.truth is not None else None
+        # every client's update is attacked in turn (the view's first update is the attacked one); under secure
+        # aggregation the one sum, against every client's data
+        victims = [None] if (rec.aggregated or not threat.individual_updates) else list(range(len(rec.updates)))
+        rdir = self.out / f"round_{rec.server_round}"
+        entries = []
+        for name, cfg in self.plans:
+            A = cfg.attack_cls
+            entry = {"name": name, "reconstruction": A.reconstruction, "applicable": True, "threat": threat.capability}
+            per, t0 = [], time.perf_counter()
+            for v in victims:
+                r_v = rec if v is None else RecordedRound(rec.server_round, rec.sent, rec.replies,
+                                                          rec.updates[v:] + rec.updates[:v], rec.aggregated,
+                                                          rec.aggregate, rec.note)
+                knowledge, truth = {}, None
+                if batches is not None:
+                    b_v = batches if v is None else [batches[rec.updates[v].client_id]] + [
+                        batches[u.client_id] for u in rec.updates if u is not rec.updates[v]]
+                    _, truth = _clients(h, b_v, h.loss_fn or default_classification_loss, self.device,
+                                        threat if v is not None else _no_individual(threat), base)
+                    knowledge = truth.pop("_knowledge")
+                view = view_of([r_v], model=model, threat=threat, knowledge=knowledge,
+                               always_public=_always_public(h, base))
+                public = {"batch_size": view.updates[0].num_samples} if threat.knows_batch_size else {}
+                ctx = AttackContext(seed=cfg.seed, device=self.device, threat=cfg.threat_model,
+                                    fl=public_protocol(cfg), public=public)
+                cid = "sum" if v is None else rec.updates[v].client_id
+                one: dict[str, Any] = {"client": cid}
+                try:
+                    attack = A.from_config(cfg.attack_cfg, ctx)
+                    attack.prepare(model, cfg.threat_model)
+                    out = attack.reconstruct(view)
+                    where = rdir / name / f"client_{cid}"
+                    if truth is not None:
+                        tr = Truth(h.modality, truth["inputs"], truth["labels"], texts=truth.get("texts"),
+                                   tokenizer=h.tokenizer, model_kind=h.kind, bottleneck=_bottleneck(cfg, h))
+                        ev = evaluate(A.reconstruction, tr, out, cfg, where, 0)
+                        one.update(judge(A.reconstruction, ev.metrics, cfg))
+                        if one.get("n_total") is not None and A.reconstruction != "patches":
+                            one["n_total"] = int(len(truth["labels"]))
+                    else:
+                        _save_reconstruction(out, where, h.tokenizer)
+                        one.update({"success": None})
+                except BadInput as err:
+                    one.update({"refused": str(err)})
+                except Exception as err:  # noqa: BLE001 -- one attack's crash must not stop the federation's audit
+                    one.update({"failed": f"{type(err).__name__}: {err}"})
+                per.append(one)
+            entry["seconds"] = time.perf_counter() - t0
+            entry["per_client"] = per
+            ran = [o for o in per if "success" in o]
+            if not ran:
+                first = per[0]
+                entry.update({"applicable": "refused" not in first,
+                              "reason": first.get("refused") or first.get("failed", "")})
+                if "failed" in first:
+                    entry["failed"] = first["failed"]
+            elif all(o["success"] is None for o in ran):
+                entry.update({"success": None, "reason": "no ground truth on the server: the reconstructions are "
+                              "saved for inspection; see the clients' own scores"})
+            else:
+                def badness(o):
+                    val = o.get("value")
+                    return (bool(o["success"]), o.get("n_success") or 0,
+                            val if isinstance(val, (int, float)) and val == val else -1e300)
+
+                worst = max(ran, key=badness)
+                entry.update({k: worst[k] for k in ("success", "metric", "value", "criterion") if k in worst})
+                entry["success"] = any(o["success"] for o in ran)
+                if all(o.get("n_success") is not None for o in ran):
+                    entry["n_success"] = sum(o["n_success"] for o in ran)
+                    entry["n_total"] = sum(o["n_total"] for o in ran)
+                    if "unit" in worst:
+                        entry["unit"] = worst["unit"]
+                entry["worst_client"] = worst["client"]
+            entries.append(entry)
+            self.log(f"[flower audit] round {rec.server_round} {name}: "
+                     + ("SUCCESS" if entry.get("success") else "no success" if entry.get("success") is False else
+                        entry.get("failed") or entry.get("reason", "")[:80])
+                     + (f" ({entry['metric']} = {entry['value']:.4g}, worst of {len(ran)} update(s))"
+                        if isinstance(entry.get("value"), (int, float)) else ""))
+        judged = [e for e in entries if e.get("success") is not None]
+        verdict, headline = _verdict(judged) if judged else ("not_scored", "no ground truth on the server: see the "
+                                                              "clients' own scores")
+        result = {"server_round": rec.server_round, "verdict": verdict, "headline": headline,
+                  "aggregated": rec.aggregated, "note": rec.note, "attacks": entries + self.not_run,
+                  "client_scores": {str(k): v for k, v in rec.client_metrics.items() if v},
+                  "seconds": time.perf_counter() - t_round}
+        rdir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(rdir / "audit.json", result)
+        self.summary.append({k: result[k] for k in ("server_round", "verdict", "headline", "aggregated", "seconds")}
+                            | {"values": {e["name"]: e.get("value") for e in entries},
+                               "client_scores": result["client_scores"]})
+        write_json_atomic(self.out / "flower_audit.json", {"rounds": self.summary, "config": self.raw})
+        return result
+
+
+def _no_individual(threat):
+    from dataclasses import replace as dc_replace
+
+    return dc_replace(threat, individual_updates=False)
+
+
+def _save_reconstruction(rec, out_dir, tokenizer=None) -> None:
+    """What an attack produced, for a human to inspect when nothing can score it (no ground truth): images as a PNG
+    grid, token sequences decoded, scores as numbers."""
+    from gradleak.experiments.results import write_json_atomic
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data, saved = rec.data, {"metrics": {k: float(v) for k, v in (getattr(rec, "metrics", {}) or {}).items()}}
+    if isinstance(data, dict) and isinstance(data.get("images"), torch.Tensor):
+        from gradleak.report import save_image_grid
+
+        save_image_grid(data["images"].detach().float().clamp(0, 1).cpu(), out_dir / "images.png")
+        saved["images"] = "images.png"
+    elif isinstance(data, dict) and "scores" in data:
+        saved["scores"] = {str(k): [float(x) for x in v] for k, v in dict(data["scores"]).items()}
+    elif isinstance(data, (list, tuple)) and tokenizer is not None:
+        saved["texts"] = [tokenizer.decode(list(s), skip_special_tokens=True).strip() for s in data]
+    write_json_atomic(out_dir / "reconstruction.json", saved)
+
+
+def client_scorer(config, data: Callable[[Any], tuple], *, attacks: Sequence[str] | None = None,
+                  out_dir=None, device: str = "cpu"):
+    """A score function for :func:`scoring_mod`: the client runs the audit's attacks on its own update, against its
+    own private batch ``data(context) -> (inputs, labels)`` (the pipeline's form), and returns only scalars:
+    ``<attack>`` = the headline metric and ``<attack>.success`` = 1 / 0 (nan when undefined)."""
+    import tempfile
+    from pathlib import Path
+
+    state: dict[str, Any] = {}
+
+    def score(sent, update, ctx) -> dict[str, float]:
+        if "audit" not in state:
+            state["audit"] = FlowerAudit(config, Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="gl-score-")),
+                                         attacks=attacks, truth=lambda _r: [state["batch"]], device=device,
+                                         log=lambda _m: None)
+        state["batch"] = data(ctx)
+        update = copy.copy(update)
+        update.client_id = 0  # the one update of this client's own audit, against its own batch (index 0)
+        rnd = int(state.setdefault("round", 0)) + 1
+        state["round"] = rnd
+        res = state["audit"](RecordedRound(rnd, sent, [ClientReply(int(ctx.node_id), 0, {}, update.num_samples, {})],
+                                           [update]))
+        out = {}
+        for e in res["attacks"]:
+            if e.get("success") is None:
+                continue
+            v = e.get("value")
+            out[e["name"]] = float(v) if isinstance(v, (int, float)) else float("nan")
+            out[f"{e['name']}.success"] = 1.0 if e["success"] else 0.0
+        return out
+
+    return score
