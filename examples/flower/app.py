@@ -188,6 +188,8 @@ def run(config: str, out: str, *, rounds: int | None = None, nodes: int | None =
         import os
 
         os.environ["GRADLEAK_FLOWER_RUN_CONFIG"] = json.dumps(run_config)
+        # Ray's workers import this module by name (``app``), so they need its folder on their path
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
         seconds = run_simulation_engine(server_app, capp, n)
     else:
         seconds = run_inprocess(server_app, capp, n, run_config)
@@ -218,4 +220,8 @@ def cli(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    # run as the module ``app`` (not ``__main__``): Ray pickles the apps' functions by module name
+    sys.path.insert(0, str(HERE))
+    import app as _app
+
+    sys.exit(_app.cli())

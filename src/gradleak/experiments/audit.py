@@ -362,6 +362,18 @@ def describe_setup(cfg) -> list[str]:
              "secure aggregation: " + ("on -- the server sees only the sum of the updates"
                                        if getattr(cfg.fl, "secure_aggregation", False)
                                        else "off -- the server sees every client's update")]
+    fl = cfg.fl
+    if getattr(fl, "engine", "builtin") == "flower":
+        f = fl.flower
+        sees = {"none": "each client's update as sent",
+                "server-fixed": "each client's raw update (Flower clips and noises on the server, after it has them)",
+                "client-fixed": "each client's clipped update, without noise (the noise goes on the aggregate)",
+                "local": "each client's clipped and noised update (LocalDpMod)"}[f.dp]
+        lines.append(f"engine: Flower ({f.runtime}; clients reply with their {'new weights' if f.reply == 'weights' else 'update'}"
+                     + (f"; Flower DP: {f.dp}, clipping norm {f.clipping_norm:g} on the weight change"
+                        + (f", noise multiplier {f.noise_multiplier:g}" if f.dp != "local" else
+                           f", epsilon {f.local_epsilon:g}, delta {f.local_delta:g}") if f.dp != "none" else "")
+                     + f") -- the server sees {sees}")
     for d in cfg.defenses:
         p = d.params
         txt = f"defense {d.name} {json.dumps(p)}"

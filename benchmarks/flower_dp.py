@@ -1,0 +1,181 @@
+"""What a Flower server sees under Flower's own DP mechanisms, and what a Flower app's reply convention costs an
+attacker (issue 13 item 3). Every cell is a real Flower federation (in-process nodes, or Flower's simulation engine).
+
+* ``dp``: ``gradleak audit CONFIG --only ATTACK --set fl.engine=flower --set fl.flower.dp=DP`` with 2 clients for
+  DP ∈ {none, server-fixed (DifferentialPrivacyServerSideFixedClipping), client-fixed
+  (DifferentialPrivacyClientSideFixedClipping + fixedclipping_mod), local (LocalDpMod)}, a clipping norm of 1e-4 on
+  the weight change (it binds: the clients' ‖Δw‖ are 0.037 / 0.042 on the ViT and 3.3e-4 on MiniLM), noise
+  multiplier 1, LocalDpMod ε = 1, δ = 1e-5, sensitivity 1. ViT-S/14 + LoRA with ``lora_span``; MiniLM + adapters
+  with ``utr``.
+* ``reply``: the example Flower app (``examples/flower/app.py``), whose clients train in float32 with torch SGD and
+  reply with their new weights (Flower's convention) or with their update: the server's ``(sent − new) / lr``
+  carries the float32 rounding of the weights, ~ulp(w) / lr per coordinate.
+* ``runtime``: the text example through the in-process runner and through Flower's simulation engine (Ray).
+
+``python benchmarks/flower_dp.py --out benchmarks/out --update-docs`` (about 3 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import ROOT, add_out_args, display, done_cells, latest_rows, resolve_out, start_fresh, write_section  # noqa: E402
+
+AUDITS = [("vit_lora", "configs/audit/vit_lora.yaml", "lora_span"), ("text_adapters", "configs/audit/text_adapters.yaml", "utr")]
+DPS = {"none": "no DP", "server-fixed": "DifferentialPrivacyServerSideFixedClipping",
+       "client-fixed": "DifferentialPrivacyClientSideFixedClipping + fixedclipping_mod", "local": "LocalDpMod"}
+SEES = {"none": "raw updates", "server-fixed": "raw updates (clipping and noise come after)",
+        "client-fixed": "clipped updates, no noise", "local": "clipped and noised updates"}
+
+
+def gradleak_exe() -> list[str]:
+    exe = Path(sys.executable).with_name("gradleak")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "gradleak.cli"]
+
+
+def cells(args):
+    for name, cfg, attack in AUDITS:
+        for dp in DPS:
+            d = args.out / "flower_dp" / f"{name}_{dp}"
+            cmd = gradleak_exe() + ["audit", cfg, "--out", str(d), "--only", attack, "--set", "fl.engine=flower",
+                                    "--set", f"fl.flower.dp={dp}", "--set", "fl.flower.clipping_norm=0.0001",
+                                    "--set", "fl.clients=2"]
+            yield f"dp|{name}|{dp}", "dp", cmd, d, {"setup": name, "dp": dp, "attack": attack}
+    ex = ROOT / "examples" / "flower" / "app.py"
+    for name, base, attack, variants in [
+            ("vit_lora", "examples/flower/vit_lora.yaml", "lora_span",
+             [("weights", {"fl": {"lr": 0.001}}), ("weights", {"fl": {"lr": 0.01}}), ("update", {"fl": {"lr": 0.001}})]),
+            ("text_adapters", "examples/flower/text_adapters.yaml", "utr",
+             [("weights", {"fl": {"lr": 0.05}}), ("update", {"fl": {"lr": 0.05}})])]:
+        for reply, over in variants:
+            lr = over["fl"]["lr"]
+            cfg = args.out / "flower_dp" / f"{name}_{reply}_lr{lr}.yaml"
+            d = args.out / "flower_dp" / f"example_{name}_{reply}_lr{lr}"
+            cmd = [sys.executable, str(ex), str(cfg), "--out", str(d), "--rounds", "1", "--attacks", attack]
+            yield (f"reply|{name}|{reply}|{lr}", "reply", cmd, d,
+                   {"setup": name, "reply": reply, "lr": lr, "attack": attack, "base": base, "config": str(cfg)})
+    for runtime in ("inprocess", "simulation"):
+        d = args.out / "flower_dp" / f"runtime_{runtime}"
+        cmd = [sys.executable, str(ex), "examples/flower/text_adapters.yaml", "--out", str(d), "--rounds", "2",
+               "--attacks", "utr", "--runtime", runtime]
+        yield f"runtime|{runtime}", "runtime", cmd, d, {"runtime": runtime}
+
+
+def write_variant(meta) -> None:
+    import yaml
+
+    raw = yaml.safe_load((ROOT / meta["base"]).read_text())
+    raw["fl"]["lr"] = meta["lr"]
+    raw["fl"].setdefault("flower", {})["reply"] = meta["reply"]
+    Path(meta["config"]).parent.mkdir(parents=True, exist_ok=True)
+    Path(meta["config"]).write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+def run_cell(kind, cmd, d, meta) -> dict:
+    if kind == "reply":
+        write_variant(meta)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
+    wall = time.perf_counter() - t0
+    row = {**meta, "wall_seconds": wall, "command": " ".join(display(Path(c)) if os.path.sep in c else c for c in cmd)}
+    if r.returncode != 0:
+        return {**row, "error": (r.stderr or r.stdout)[-1500:]}
+    if kind == "dp":
+        a = json.loads((d / "audit.json").read_text())
+        e = next(x for x in a["attacks"] if x["name"] == meta["attack"])
+        row.update(verdict=a["verdict"], value=e.get("value"), metric=e.get("metric"), n_success=e.get("n_success"),
+                   n_total=e.get("n_total"), setup_words=[s for s in a["setup"] if s.startswith("engine")])
+    else:
+        fa = json.loads((d / "flower_audit.json").read_text())
+        first = fa["rounds"][0]
+        a = json.loads((d / f"round_{first['server_round']}" / "audit.json").read_text())
+        e = next(x for x in a["attacks"] if x["name"] == meta["attack"])
+        row.update(verdict=first["verdict"], value=e.get("value"), metric=e.get("metric"), n_success=e.get("n_success"),
+                   n_total=e.get("n_total"), per_client=[o.get("value") for o in e.get("per_client", [])],
+                   rounds=len(fa["rounds"]))
+        m = [ln for ln in r.stdout.splitlines() if ln.endswith("round_<r>/audit.json") and " s;" in ln]
+        row["flower_seconds"] = float(m[-1].split(" s;")[0]) if m else None
+    return row
+
+
+def report(args, jsonl: Path) -> None:
+    rows = {r["cell"]: r for r in latest_rows(jsonl)}
+    (args.out / "flower_dp.json").write_text(json.dumps(list(rows.values()), indent=1))
+
+    def val(r):
+        v = r.get("value")
+        return "–" if v is None else (f"{v:.1f} dB" if r.get("metric") == "psnr" else f"ROUGE-1 {v:.1f}")
+
+    lines = ["Every cell is a real Flower federation; the command of each is in `benchmarks/out/flower_dp.jsonl`.", "",
+             "### What the server sees under Flower's DP mechanisms (2 clients; the audit attacks client 0)", "",
+             "| setup (attack) | Flower DP | the server sees | verdict | attack result | samples reconstructed |",
+             "|---|---|---|---|---|---|"]
+    for name, _, attack in AUDITS:
+        for dp in DPS:
+            r = rows.get(f"dp|{name}|{dp}")
+            if r is None or "error" in r:
+                continue
+            lines.append(f"| {name} ({attack}) | {DPS[dp]} | {SEES[dp]} | {r['verdict']} | {val(r)} | "
+                         f"{r['n_success']} / {r['n_total']} |")
+    lines += ["", "The central-DP wrappers protect the released model, not the individual uploads a curious server "
+              "receives: with server-side clipping it holds the raw updates, with client-side clipping a scaled copy "
+              "(both attacks are scale-invariant), so both read **leaks**; only LocalDpMod's noise (σ = 4.8 on the "
+              "weights at ε = 1) stops them.", "",
+              "### The reply convention (example app, float32 clients, 3 clients, round 1)", "",
+              "| setup (attack) | clients reply | lr | verdict | worst client | every client |", "|---|---|---|---|---|---|"]
+    for key, r in rows.items():
+        if not key.startswith("reply|") or "error" in r:
+            continue
+        per = ", ".join("–" if v is None else (f"{v:.1f}" if r.get("metric") == "psnr" else f"{v:.0f}")
+                        for v in r.get("per_client", []))
+        lines.append(f"| {r['setup']} ({r['attack']}) | {'new weights' if r['reply'] == 'weights' else 'the update'} | "
+                     f"{r['lr']:g} | {r['verdict']} | {val(r)} | {per} |")
+    lines += ["", "A float32 weight reply rounds the small step against the weights: the server's (sent − new) / lr "
+              "carries noise ≈ ulp(w) / (√12 lr) per coordinate, so the attack's precision scales with the lr. The "
+              "same clients replying with their update (FedSGD's gradient) leak exactly.", "",
+              "### Runtimes (text example, 3 nodes, 2 rounds, UTR audit every round)", "",
+              "| runtime | Flower run (s) | process wall (s) | verdict |", "|---|---|---|---|"]
+    for rt in ("inprocess", "simulation"):
+        r = rows.get(f"runtime|{rt}")
+        if r and "error" not in r:
+            lines.append(f"| {rt} | {r.get('flower_seconds') or float('nan'):.1f} | {r['wall_seconds']:.1f} | {r['verdict']} |")
+    write_section(args, "flower_dp", "\n".join(lines), "Flower: DP wrappers, reply precision, runtimes (issue 13)",
+                  "flower_dp")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_out_args(ap, "flower_dp")
+    args = ap.parse_args(argv)
+    args.out = resolve_out(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    jsonl = args.out / "flower_dp.jsonl"
+    if args.check:
+        print(f"{len(list(cells(args)))} cells", flush=True)
+        return 0
+    if args.fresh:
+        start_fresh(jsonl)
+    if not args.report_only:
+        done = done_cells(jsonl)
+        for cell, kind, cmd, d, meta in cells(args):
+            if cell in done:
+                continue
+            row = {"cell": cell, **run_cell(kind, cmd, d, meta)}
+            with open(jsonl, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{cell}: {row.get('verdict', 'ERROR')} {row.get('value', row.get('error', ''))!s:.200} "
+                  f"({row['wall_seconds']:.0f} s)", flush=True)
+    report(args, jsonl)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
