@@ -61,6 +61,17 @@ def cells(args):
             cmd = [sys.executable, str(ex), str(cfg), "--out", str(d), "--rounds", "1", "--attacks", attack]
             yield (f"reply|{name}|{reply}|{lr}", "reply", cmd, d,
                    {"setup": name, "reply": reply, "lr": lr, "attack": attack, "base": base, "config": str(cfg)})
+    for label, sets in [("FedSGD, builtin engine", ["fl.engine=builtin"]),
+                        ("FedSGD, Flower, weight replies", ["fl.engine=flower"]),
+                        ("FedSGD, Flower, update replies", ["fl.engine=flower", "fl.flower.reply=update"]),
+                        ("FedAvg 4 local steps, Flower, weight replies",
+                         ["fl.engine=flower", "fl.algorithm=fedavg", "fl.local_batch_size=4"]),
+                        ("FedAvg 4 local steps, Flower, update replies",
+                         ["fl.engine=flower", "fl.algorithm=fedavg", "fl.local_batch_size=4", "fl.flower.reply=update"])]:
+        d = args.out / "flower_dp" / ("peftleak_" + "".join(c if c.isalnum() else "_" for c in label))
+        cmd = gradleak_exe() + ["run", "configs/peftleak/cifar_b32.yaml", "--out", str(d), "--set", "data.batch_size=16",
+                                "--set", "data.test_size=24"] + [a for x in sets for a in ("--set", x)]
+        yield f"peftleak|{label}", "peftleak", cmd, d, {"label": label}
     for runtime in ("inprocess", "simulation"):
         d = args.out / "flower_dp" / f"runtime_{runtime}"
         cmd = [sys.executable, str(ex), "examples/flower/text_adapters.yaml", "--out", str(d), "--rounds", "2",
@@ -88,7 +99,11 @@ def run_cell(kind, cmd, d, meta) -> dict:
     row = {**meta, "wall_seconds": wall, "command": " ".join(display(Path(c)) if os.path.sep in c else c for c in cmd)}
     if r.returncode != 0:
         return {**row, "error": (r.stderr or r.stdout)[-1500:]}
-    if kind == "dp":
+    if kind == "peftleak":
+        m = json.loads((d / "results.json").read_text())["metrics"]
+        row.update(patch_recovery_rate=m.get("patch_recovery_rate"), patch_psnr=m.get("recovered_patch_psnr_median"),
+                   accuracy=m.get("accuracy"), test_samples=m.get("test_samples"))
+    elif kind == "dp":
         a = json.loads((d / "audit.json").read_text())
         e = next(x for x in a["attacks"] if x["name"] == meta["attack"])
         row.update(verdict=a["verdict"], value=e.get("value"), metric=e.get("metric"), n_success=e.get("n_success"),
@@ -141,6 +156,18 @@ def report(args, jsonl: Path) -> None:
     lines += ["", "A float32 weight reply rounds the small step against the weights: the server's (sent − new) / lr "
               "carries noise ≈ ulp(w) / (√12 lr) per coordinate, so the attack's precision scales with the lr. The "
               "same clients replying with their update (FedSGD's gradient) leak exactly.", "",
+              "### PEFTLeak through Flower (malicious server, ViT-B/16 + adapters, B = 16 real CIFAR images)", "",
+              "| protocol | patches recovered | median patch PSNR | test accuracy after the round |", "|---|---|---|---|"]
+    for key, r in rows.items():
+        if key.startswith("peftleak|") and "error" not in r:
+            p = r.get("patch_psnr")
+            lines.append(f"| {r['label']} | {100 * (r.get('patch_recovery_rate') or 0):.1f} % | "
+                         f"{'–' if p is None or p != p else f'{p:.1f} dB'} | "
+                         f"{100 * (r.get('accuracy') or 0):.1f} % of {int(r.get('test_samples') or 0)} |")
+    lines += ["", "The poisoned model has no utility (chance is 10 %). Its adapters are large, so a weight reply "
+              "rounds the FedSGD step away even in float64 (lr 0.05); the clients' own local steps (FedAvg) move the "
+              "poisoned weights, and PEFTLeak recovers fewer patches than from one gradient (the paper: one "
+              "reconstruction, then none).", "",
               "### Runtimes (text example, 3 nodes, 2 rounds, UTR audit every round)", "",
               "| runtime | Flower run (s) | process wall (s) | verdict |", "|---|---|---|---|"]
     for rt in ("inprocess", "simulation"):

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import ROOT, add_out_args, display, latest_rows, resolve_out, save_figure, start_fresh, write_section  # noqa: E402
+from _bench import add_out_args, display, latest_rows, resolve_out, save_figure, start_fresh, write_section  # noqa: E402
 
 ARMS = {"no noise": 0.0, "noise σ = 0.01": 0.01, "noise σ = 0.1": 0.1}
 PAPER = "no-DP PSNR ≈ 14.6 → 12.1 dB over 100 rounds, ≈ 9.3–10.8 dB under DP (Fig. 12; annotations partly garbled)"

@@ -602,25 +602,27 @@ def _quiet_flower(verbose: bool) -> None:
     logging.getLogger("flwr").setLevel(logging.INFO if verbose else logging.WARNING)
 
 
-def _dp_pieces(flower_cfg, inner, n_clients: int):
-    """Flower's own DP mechanisms for ``fl.flower.dp``: (strategy, client mods)."""
-    dp = flower_cfg.dp
-    if dp == "none":
-        return inner, []
+def _dp_strategy(flower_cfg, inner, n_clients: int):
+    """``inner`` wrapped in Flower's central-DP strategy for ``fl.flower.dp`` server-fixed / client-fixed."""
     from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, DifferentialPrivacyServerSideFixedClipping
 
-    if dp == "server-fixed":
-        return DifferentialPrivacyServerSideFixedClipping(inner, flower_cfg.noise_multiplier, flower_cfg.clipping_norm,
-                                                         n_clients), []
-    if dp == "client-fixed":
+    wrap = {"server-fixed": DifferentialPrivacyServerSideFixedClipping,
+            "client-fixed": DifferentialPrivacyClientSideFixedClipping}.get(flower_cfg.dp)
+    return inner if wrap is None else wrap(inner, flower_cfg.noise_multiplier, flower_cfg.clipping_norm, n_clients)
+
+
+def _dp_mods(flower_cfg) -> list:
+    """Flower's client-side DP mods for ``fl.flower.dp`` (client-fixed: fixedclipping_mod; local: LocalDpMod)."""
+    if flower_cfg.dp == "client-fixed":
         from flwr.client.mod import fixedclipping_mod
 
-        return (DifferentialPrivacyClientSideFixedClipping(inner, flower_cfg.noise_multiplier, flower_cfg.clipping_norm,
-                                                           n_clients), [legacy_mod(fixedclipping_mod)])
-    from flwr.client.mod import LocalDpMod
+        return [legacy_mod(fixedclipping_mod)]
+    if flower_cfg.dp == "local":
+        from flwr.client.mod import LocalDpMod
 
-    return inner, [legacy_mod(LocalDpMod(flower_cfg.clipping_norm, flower_cfg.local_sensitivity,
-                                         flower_cfg.local_epsilon, flower_cfg.local_delta))]
+        return [legacy_mod(LocalDpMod(flower_cfg.clipping_norm, flower_cfg.local_sensitivity, flower_cfg.local_epsilon,
+                                      flower_cfg.local_delta))]
+    return []
 
 
 def run_rounds_flower(model, clients: Sequence[Any], *, rounds: int, algorithm: str, lr: float, local_epochs: int = 1,
@@ -714,7 +716,7 @@ def run_rounds_flower(model, clients: Sequence[Any], *, rounds: int, algorithm: 
     def _main(grid, context):
         inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=n, min_train_nodes=n,
                        min_evaluate_nodes=0)
-        strategy, _ = _dp_pieces(flower, inner, n)
+        strategy = _dp_strategy(flower, inner, n)
         s = GradleakStrategy(strategy, lr=lambda sr: lr_of(sr - 1), algorithm=algorithm, reply=flower.reply,
                              secure_aggregation=secure_aggregation, on_round=on_round, server_hook=hook, keep=1,
                              send_lr=True)
@@ -724,9 +726,7 @@ def run_rounds_flower(model, clients: Sequence[Any], *, rounds: int, algorithm: 
                 timeout=None)
 
     # -- client side: the pipeline's Client on its own copy of what it was sent
-    capp_mods = []
-    _, dp_mods = _dp_pieces(flower, None, n) if flower.dp in ("client-fixed", "local") else (None, [])
-    capp_mods += dp_mods  # outermost: Flower's DP acts last on the reply, as its docs ask
+    capp_mods = _dp_mods(flower)  # outermost: Flower's DP acts last on the reply, as its docs ask
     if defenses:
         capp_mods.append(defense_mod(list(defenses), seed=seed, algorithm=algorithm, names=None))
     capp = ClientApp(mods=capp_mods)
