@@ -76,7 +76,7 @@ def cells(args):
         d = args.out / "flower_dp" / f"runtime_{runtime}"
         cmd = [sys.executable, str(ex), "examples/flower/text_adapters.yaml", "--out", str(d), "--rounds", "2",
                "--attacks", "utr", "--runtime", runtime]
-        yield f"runtime|{runtime}", "runtime", cmd, d, {"runtime": runtime}
+        yield f"runtime|{runtime}", "runtime", cmd, d, {"runtime": runtime, "attack": "utr"}
 
 
 def write_variant(meta) -> None:
@@ -164,10 +164,12 @@ def report(args, jsonl: Path) -> None:
             lines.append(f"| {r['label']} | {100 * (r.get('patch_recovery_rate') or 0):.1f} % | "
                          f"{'–' if p is None or p != p else f'{p:.1f} dB'} | "
                          f"{100 * (r.get('accuracy') or 0):.1f} % of {int(r.get('test_samples') or 0)} |")
-    lines += ["", "The poisoned model has no utility (chance is 10 %). Its adapters are large, so a weight reply "
-              "rounds the FedSGD step away even in float64 (lr 0.05); the clients' own local steps (FedAvg) move the "
-              "poisoned weights, and PEFTLeak recovers fewer patches than from one gradient (the paper: one "
-              "reconstruction, then none).", "",
+    lines += ["", "The poisoned model has no utility (chance is 10 %). Its down-projection biases are ≈ 6e4–7e4 "
+              "and weights ≈ 200, their FedSGD gradients ≈ 1e-12 and 3e-11 (lr 0.05), so a weight reply rounds the "
+              "step away even in float64: the server's (sent − new) / lr is off by 60–100 % on exactly the tensors "
+              "PEFTLeak reads (`python benchmarks/flower_precision_probe.py`); with the update itself the "
+              "attack is exact. When the clients train the poisoned weights for 4 local steps (FedAvg) PEFTLeak "
+              "recovers far fewer patches, with either reply (the paper: one reconstruction, then none).", "",
               "### Runtimes (text example, 3 nodes, 2 rounds, UTR audit every round)", "",
               "| runtime | Flower run (s) | process wall (s) | verdict |", "|---|---|---|---|"]
     for rt in ("inprocess", "simulation"):
@@ -198,7 +200,8 @@ def main(argv=None) -> int:
             row = {"cell": cell, **run_cell(kind, cmd, d, meta)}
             with open(jsonl, "a") as f:
                 f.write(json.dumps(row) + "\n")
-            print(f"{cell}: {row.get('verdict', 'ERROR')} {row.get('value', row.get('error', ''))!s:.200} "
+            print(f"{cell}: {'ERROR' if 'error' in row else row.get('verdict', 'done')} "
+                  f"{row.get('value', row.get('patch_recovery_rate', row.get('error', '')))!s:.200} "
                   f"({row['wall_seconds']:.0f} s)", flush=True)
     report(args, jsonl)
     return 0
