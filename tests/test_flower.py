@@ -306,3 +306,13 @@ def test_flower_example_text_adapters_is_audited_every_round(tmp_path):
     res = app.run(str(root / "examples/flower/text_adapters.yaml"), str(tmp_path), rounds=1, attacks=["utr"])
     r = res["rounds"][0]
     assert r["verdict"] == "leaks" and "6 of 6" in r["headline"]
+
+
+def test_flower_example_through_the_simulation_engine_where_ray_is_installed(tmp_path):
+    """The same example app through Flower's simulation engine (Ray actors import it by module name)."""
+    pytest.importorskip("ray")
+    pytest.importorskip("flwr.simulation")
+    app, root = _example_app()
+    res = app.run(str(root / "examples/flower/text_adapters.yaml"), str(tmp_path), rounds=1, attacks=["utr"],
+                  runtime="simulation")
+    assert res["rounds"][0]["verdict"] == "leaks" and "6 of 6" in res["rounds"][0]["headline"]

@@ -187,10 +187,18 @@ def run(config: str, out: str, *, rounds: int | None = None, nodes: int | None =
     if runtime == "simulation":
         import os
 
+        saved = {k: os.environ.get(k) for k in ("GRADLEAK_FLOWER_RUN_CONFIG", "PYTHONPATH")}
         os.environ["GRADLEAK_FLOWER_RUN_CONFIG"] = json.dumps(run_config)
         # Ray's workers import this module by name (``app``), so they need its folder on their path
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-        seconds = run_simulation_engine(server_app, capp, n)
+        try:
+            seconds = run_simulation_engine(server_app, capp, n)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     else:
         seconds = run_inprocess(server_app, capp, n, run_config)
     res = json.loads((Path(out) / "flower_audit.json").read_text())
