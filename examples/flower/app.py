@@ -217,7 +217,19 @@ def cli(argv=None) -> int:
     p.add_argument("--defense", action="append", default=[], help="a defenses: entry as JSON (repeatable)")
     p.add_argument("--client-score", action="store_true", help="every client scores its own leakage (scalars only)")
     p.add_argument("--attacks", nargs="*", help="restrict the audit to these attacks")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the config (as gradleak run --set); the resolved config is OUT/config.yaml")
     a = p.parse_args(argv)
+    if a.set:  # one resolved file, so the server, the clients and the audit read the same config
+        import yaml
+
+        from gradleak.experiments.config import apply_overrides, load_yaml
+        from gradleak.experiments.schema import ExperimentConfig
+
+        resolved = Path(a.out) / "config.yaml"
+        resolved.parent.mkdir(parents=True, exist_ok=True)
+        resolved.write_text(yaml.safe_dump(apply_overrides(load_yaml(a.config), a.set, ExperimentConfig), sort_keys=False))
+        a.config = str(resolved)
     res = run(a.config, a.out, rounds=a.rounds, nodes=a.nodes, runtime=a.runtime, audit_every=a.audit_every,
               defenses=[json.loads(d) for d in a.defense], client_score=a.client_score, attacks=a.attacks)
     for r in res["rounds"]:
