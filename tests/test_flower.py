@@ -43,7 +43,8 @@ def _flower_app(data, *, strategy_fn, rounds=2, mods=(), local_steps=2):
         pid = ctx.node_config["partition-id"]
         m = _net()
         m.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-        opt = torch.optim.SGD(m.parameters(), lr=msg.content["config"]["lr"])
+        conf = msg.content["config"]
+        opt = torch.optim.SGD(m.parameters(), lr=conf["lr"] if "lr" in conf else conf["client-lr"])
         x, y = data[pid]
         for _ in range(local_steps):
             opt.zero_grad()
@@ -229,6 +230,18 @@ def test_flower_bad_input_is_named():
     sapp, capp, _, _ = _flower_app(data, rounds=1, mods=[mod], strategy_fn=lambda: glf.GradleakStrategy(_fedavg(), lr=LR))
     with pytest.raises(BadInput, match="defense_mod.names.*do not match the model.*unknown: bias"):
         glf.run_inprocess(sapp, capp, 3)
+    def no_lr_in_config(msg, ctx, call_next):  # a deployment whose train config does not carry the lr
+        conf = dict(msg.content["config"])
+        conf["client-lr"] = conf.pop("lr")
+        return call_next(Message(content=RecordDict({"arrays": msg.content["arrays"], "config": ConfigRecord(conf)}),
+                                 metadata=msg.metadata), ctx)
+
+    for name, m in (("scoring_mod", glf.scoring_mod(lambda *a: {})),
+                    ("defense_mod", glf.defense_mod([{"name": "clipping", "params": {"max_norm": 1}}]))):
+        sapp, capp, _, _ = _flower_app(data, rounds=1, mods=[no_lr_in_config, m],
+                                       strategy_fn=lambda: glf.GradleakStrategy(_fedavg(), lr=LR))
+        with pytest.raises(BadInput, match=rf"{name}.lr: the client's learning rate is needed"):
+            glf.run_inprocess(sapp, capp, 3)
     with pytest.raises(BadInput, match="not a flwr.serverapp.strategy.Strategy"):
         glf.GradleakStrategy(object(), lr=LR)
     with pytest.raises(BadInput, match="reply"):

@@ -118,6 +118,13 @@ def judge(kind: str, metrics: dict, cfg) -> dict:
             "criterion": f"no success rule for '{kind}'"}
 
 
+def leak_rank(j: dict) -> tuple:
+    """Order judged runs by how much they leak (success, samples reconstructed, headline value; nan last): the
+    worst case for the client is the evidence."""
+    v = j.get("value")
+    return (bool(j["success"]), j.get("n_success") or 0, v if isinstance(v, (int, float)) and v == v else -1e300)
+
+
 def config_hash(raw: dict) -> str:
     return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -207,12 +214,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
             continue
         judged = [(sd, r, judge(A.reconstruction, r["metrics"], cfg)) for sd, r in runs]
 
-        def badness(t):  # the most leaking run is the evidence (worst case for the client)
-            j = t[2]
-            v = j.get("value")
-            return (bool(j["success"]), j.get("n_success") or 0, v if isinstance(v, (int, float)) and v == v else -1e300)
-
-        sd, res, j = max(judged, key=badness)
+        sd, res, j = max(judged, key=lambda t: leak_rank(t[2]))  # the most leaking run is the evidence
         entry["out"] = where(name, sd)
         entry.update(j)
         vals = [t[2].get("value") for t in judged if isinstance(t[2].get("value"), (int, float))

@@ -177,15 +177,9 @@ def view_of(rounds: Sequence[RecordedRound], *, model, threat, knowledge: dict |
 
 # ------------------------------------------------------------------------------------------ the strategy wrapper
 
-def _require_strategy_base():
+def _make_strategy_class():
     require_flower()
     from flwr.serverapp.strategy import Strategy
-
-    return Strategy
-
-
-def _make_strategy_class():
-    Strategy = _require_strategy_base()
 
     class GradleakStrategy(Strategy):
         """Wrap ``strategy`` and record every client's reply as the server sees it (see the module docstring).
@@ -200,8 +194,7 @@ def _make_strategy_class():
         def __init__(self, strategy, *, lr: float | Callable[[int], float], algorithm: str = "fedavg",
                      reply: str = "weights", secure_aggregation: bool = False, audit_every: int = 1,
                      on_round: Callable[[RecordedRound], Any] | None = None,
-                     server_hook: Callable[[int, dict], dict] | None = None,
-                     apply_update: Callable[[int, dict, Any], dict] | None = None, keep: int | None = None,
+                     server_hook: Callable[[int, dict], dict] | None = None, keep: int | None = None,
                      send_lr: bool = False):
             if not isinstance(strategy, Strategy):
                 raise BadInput("strategy", f"{type(strategy).__name__} is not a flwr.serverapp.strategy.Strategy "
@@ -217,7 +210,7 @@ def _make_strategy_class():
             self.strategy, self.reply, self.algorithm = strategy, reply, algorithm
             self._lr = lr if callable(lr) else (lambda _r, v=float(lr): v)
             self.secure_aggregation, self.audit_every = bool(secure_aggregation), int(audit_every)
-            self.on_round, self.server_hook, self.apply_update, self.keep = on_round, server_hook, apply_update, keep
+            self.on_round, self.server_hook, self.keep = on_round, server_hook, keep
             self.send_lr = bool(send_lr)
             self.rounds: list[RecordedRound] = []
             self._sent: dict[int, dict[str, torch.Tensor]] = {}
@@ -252,9 +245,8 @@ def _make_strategy_class():
 
                     rec.aggregate = Update(agg, sum(r.num_examples for r in rec.replies) or 1, -1,
                                            rec.updates[0].kind if rec.updates else "pseudo_gradient")
-                    new = (self.apply_update(server_round, rec.sent, rec.aggregate) if self.apply_update else
-                           {k: (rec.sent[k].to(torch.float64) - self.lr(server_round) * agg[k].to(torch.float64))
-                           .to(rec.sent[k].dtype) for k in agg})
+                    new = {k: (rec.sent[k].to(torch.float64) - self.lr(server_round) * agg[k].to(torch.float64))
+                           .to(rec.sent[k].dtype) for k in agg}
                     arrays = to_arrays(new)
                 else:
                     rec.aggregate = reply_update(rec.sent, agg, reply="weights", algorithm=self.algorithm,
@@ -346,6 +338,29 @@ def _rebuild_reply(out, key: str, arrays: dict[str, torch.Tensor]):
     return out
 
 
+def _reply_of(msg, out, ctx, *, algorithm: str, lr: float | None, mod: str):
+    """What a client mod needs of a train message and its reply: ``(sent, reply key, reply arrays, update, config,
+    is_update, lr)``. The lr comes from the message's config, else the mod's argument; a weight reply without either
+    is refused (the update would be wrong by an unknown factor)."""
+    _, sent_rec = _single(msg.content.array_records, "ArrayRecord", mod)
+    sent = to_tensors(sent_rec)
+    key, arr = _single(out.content.array_records, "ArrayRecord", "reply")
+    got = to_tensors(arr)
+    conf = next(iter(msg.content.config_records.values()), {})
+    is_update = bool(conf.get(UPDATE_KEY, False))
+    step = float(conf.get("lr", lr if lr is not None else float("nan")))
+    if not is_update and not step == step:
+        raise BadInput(f"{mod}.lr", "the client's learning rate is needed to turn its new weights into its update, "
+                       "but the message's config has no 'lr'.",
+                       f"pass {mod}(..., lr=<the clients' lr>) or send 'lr' in the train config.")
+    metrics = {k: float(v) for mr in out.content.metric_records.values() for k, v in mr.items()
+               if isinstance(v, (int, float))}
+    upd = reply_update(sent, got, reply="update" if is_update else "weights", algorithm=algorithm, lr=step,
+                       num_examples=int(metrics.get("num-examples", 1)),
+                       client_id=int(metrics.get("partition-id", ctx.node_id)))
+    return sent, key, got, upd, conf, is_update, step
+
+
 def defense_mod(defenses: list, *, seed: int = 0, algorithm: str = "fedavg", lr: float | None = None,
                 names: Iterable[str] | None = None):
     """A client mod that applies gradleak's update defenses (``defenses:`` entries, e.g.
@@ -369,10 +384,10 @@ def defense_mod(defenses: list, *, seed: int = 0, algorithm: str = "fedavg", lr:
     def mod(msg, ctx, call_next):
         if not _train_message(msg):
             return call_next(msg, ctx)
-        key_in, sent_rec = _single(msg.content.array_records, "ArrayRecord", "defense_mod")
-        sent = to_tensors(sent_rec)
-        if expected is not None and set(sent) != expected:
-            extra, miss = sorted(set(sent) - expected), sorted(expected - set(sent))
+        _, sent_rec = _single(msg.content.array_records, "ArrayRecord", "defense_mod")
+        names_sent = set(sent_rec.keys())
+        if expected is not None and names_sent != expected:
+            extra, miss = sorted(names_sent - expected), sorted(expected - names_sent)
             raise BadInput("defense_mod.names", "the parameters sent do not match the model the mod was given"
                            + (f"; unknown: {', '.join(extra[:3])}" if extra else "")
                            + (f"; missing: {', '.join(miss[:3])}" if miss else "") + ".",
@@ -380,20 +395,9 @@ def defense_mod(defenses: list, *, seed: int = 0, algorithm: str = "fedavg", lr:
         out = call_next(msg, ctx)
         if out.has_error():
             return out
-        key, arr = _single(out.content.array_records, "ArrayRecord", "reply")
-        got = to_tensors(arr)
-        conf = next(iter(msg.content.config_records.values()), {})
-        is_update = bool(conf.get(UPDATE_KEY, False))
-        step = float(conf.get("lr", lr if lr is not None else float("nan")))
-        if not is_update and not step == step:
-            raise BadInput("defense_mod.lr", "the client's learning rate is needed to turn its new weights into the "
-                           "update the defenses act on, but the message's config has no 'lr'.",
-                           "pass defense_mod(..., lr=<the clients' lr>) or send 'lr' in the train config.")
-        metrics = {k: float(v) for mr in out.content.metric_records.values() for k, v in mr.items()
-                   if isinstance(v, (int, float))}
-        cid = int(metrics.get("partition-id", ctx.node_id))
-        upd = reply_update(sent, got, reply="update" if is_update else "weights", algorithm=algorithm, lr=step,
-                           num_examples=int(metrics.get("num-examples", 1)), client_id=cid)
+        sent, key, got, upd, conf, is_update, step = _reply_of(msg, out, ctx, algorithm=algorithm, lr=lr,
+                                                               mod="defense_mod")
+        cid = upd.client_id
         server_round = int(conf.get("server-round", 1))
         for d in built:
             upd = d.apply(upd, {"client_id": cid, "seed": seed + server_round - 1, "lr": step})
@@ -415,18 +419,11 @@ def scoring_mod(score: Callable[[dict[str, torch.Tensor], Any, Any], dict[str, f
     def mod(msg, ctx, call_next):
         if not _train_message(msg):
             return call_next(msg, ctx)
-        _, sent_rec = _single(msg.content.array_records, "ArrayRecord", "scoring_mod")
-        sent = to_tensors(sent_rec)
         out = call_next(msg, ctx)
         if out.has_error():
             return out
-        _, arr = _single(out.content.array_records, "ArrayRecord", "reply")
-        conf = next(iter(msg.content.config_records.values()), {})
-        is_update = bool(conf.get(UPDATE_KEY, False))
-        step = float(conf.get("lr", lr if lr is not None else 1.0))
-        mkey, mrec = _single(out.content.metric_records, "MetricRecord", "reply")
-        upd = reply_update(sent, to_tensors(arr), reply="update" if is_update else "weights", algorithm=algorithm,
-                           lr=step, num_examples=int(mrec.get("num-examples", 1)), client_id=int(ctx.node_id))
+        sent, _, _, upd, _, _, _ = _reply_of(msg, out, ctx, algorithm=algorithm, lr=lr, mod="scoring_mod")
+        _, mrec = _single(out.content.metric_records, "MetricRecord", "reply")
         values = score(sent, upd, ctx) or {}
         for k, v in values.items():
             v = float(v)
@@ -872,7 +869,7 @@ class FlowerAudit:
 
     def __call__(self, rec: RecordedRound) -> dict:
         from gradleak.attacks.base import AttackContext
-        from gradleak.experiments.audit import _verdict, judge
+        from gradleak.experiments.audit import _verdict, judge, leak_rank
         from gradleak.experiments.evaluation import Truth, evaluate
         from gradleak.experiments.pipeline import _always_public, _bottleneck, _clients, public_protocol
         from gradleak.experiments.results import write_json_atomic
@@ -891,29 +888,31 @@ class FlowerAudit:
         # every client's update is attacked in turn (the view's first update is the attacked one); under secure
         # aggregation the one sum, against every client's data
         victims = [None] if (rec.aggregated or not threat.individual_updates) else list(range(len(rec.updates)))
+        always = _always_public(h, base)
         rdir = self.out / f"round_{rec.server_round}"
+        targets = []  # (client id, view, truth) per attacked update: the same for every attack
+        for v in victims:
+            r_v = rec if v is None else RecordedRound(rec.server_round, rec.sent, rec.replies,
+                                                      rec.updates[v:] + rec.updates[:v], rec.aggregated,
+                                                      rec.aggregate, rec.note)
+            knowledge, truth = {}, None
+            if batches is not None:
+                b_v = batches if v is None else [batches[rec.updates[v].client_id]] + [
+                    batches[u.client_id] for u in rec.updates if u is not rec.updates[v]]
+                _, truth = _clients(h, b_v, h.loss_fn or default_classification_loss, self.device,
+                                    threat if v is not None else _no_individual(threat), base)
+                knowledge = truth.pop("_knowledge")
+            view = view_of([r_v], model=model, threat=threat, knowledge=knowledge, always_public=always)
+            targets.append(("sum" if v is None else rec.updates[v].client_id, view, truth))
         entries = []
         for name, cfg in self.plans:
             A = cfg.attack_cls
             entry = {"name": name, "reconstruction": A.reconstruction, "applicable": True, "threat": threat.capability}
             per, t0 = [], time.perf_counter()
-            for v in victims:
-                r_v = rec if v is None else RecordedRound(rec.server_round, rec.sent, rec.replies,
-                                                          rec.updates[v:] + rec.updates[:v], rec.aggregated,
-                                                          rec.aggregate, rec.note)
-                knowledge, truth = {}, None
-                if batches is not None:
-                    b_v = batches if v is None else [batches[rec.updates[v].client_id]] + [
-                        batches[u.client_id] for u in rec.updates if u is not rec.updates[v]]
-                    _, truth = _clients(h, b_v, h.loss_fn or default_classification_loss, self.device,
-                                        threat if v is not None else _no_individual(threat), base)
-                    knowledge = truth.pop("_knowledge")
-                view = view_of([r_v], model=model, threat=threat, knowledge=knowledge,
-                               always_public=_always_public(h, base))
+            for cid, view, truth in targets:
                 public = {"batch_size": view.updates[0].num_samples} if threat.knows_batch_size else {}
                 ctx = AttackContext(seed=cfg.seed, device=self.device, threat=cfg.threat_model,
                                     fl=public_protocol(cfg), public=public)
-                cid = "sum" if v is None else rec.updates[v].client_id
                 one: dict[str, Any] = {"client": cid}
                 try:
                     attack = A.from_config(cfg.attack_cfg, ctx)
@@ -948,12 +947,7 @@ class FlowerAudit:
                 entry.update({"success": None, "reason": "no ground truth on the server: the reconstructions are "
                               "saved for inspection; see the clients' own scores"})
             else:
-                def badness(o):
-                    val = o.get("value")
-                    return (bool(o["success"]), o.get("n_success") or 0,
-                            val if isinstance(val, (int, float)) and val == val else -1e300)
-
-                worst = max(ran, key=badness)
+                worst = max(ran, key=leak_rank)
                 entry.update({k: worst[k] for k in ("success", "metric", "value", "criterion") if k in worst})
                 entry["success"] = any(o["success"] for o in ran)
                 if all(o.get("n_success") is not None for o in ran):
