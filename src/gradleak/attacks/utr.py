@@ -550,6 +550,8 @@ class UTRConfig(SpanTestConfig):
     all_rounds: bool = Field(True, description="stack the embedding-adapter gradients of every observed round")
     sentence_layer: str = Field("layer_0", description="adapter whose input space tests sentences")
     time_budget: float = Field(600.0, gt=0, description="seconds before the sentence search stops")
+    value_test: bool = Field(True, description="past the first layer's bottleneck (bidirectional models), test and "
+                             "move candidate sentences on the embedding adapter's gradient values (one-step uploads)")
     threads: Optional[int] = Field(1, ge=1, le=1024, description="torch threads during the attack (the run's "
                                    "`threads` for the client steps is untouched); default 1: the search is many "
                                    "small float64 products that gain nothing from threads and slow down 3-4x when "
@@ -587,7 +589,7 @@ class UTRAttack(AttackBase):
                  max_positions: int = 128, max_len: int = 128, max_branches: int | None = None, eicw: bool = True,
                  lm_prior: bool = True, all_rounds: bool = True, sentence_layer: str = "layer_0",
                  screen_tol: float = 0.05, time_budget: float = 600.0, threads: int | None = 1,
-                 noise: float | str = "public"):
+                 noise: float | str = "public", value_test: bool = True):
         self.eps_bag, self.eps_sentence, self.rank_rtol = float(eps_bag), float(eps_sentence), float(rank_rtol)
         self.max_positions, self.max_len = int(max_positions), int(max_len)
         self.max_branches = None if max_branches is None else int(max_branches)
@@ -597,6 +599,7 @@ class UTRAttack(AttackBase):
         self.time_budget = float(time_budget)
         self.threads = None if threads is None else int(threads)
         self.noise = noise
+        self.value_test = bool(value_test)
 
     def noise_std(self, view: ServerView, grads: list[torch.Tensor]) -> float | None:
         """Per-coordinate std of the noise on the observed uploads (see ``noise``), or None: exact tests."""
@@ -749,12 +752,18 @@ class UTRAttack(AttackBase):
         else:
             from gradleak.attacks.utr_encoder import EncoderChainSearch
 
+            value_test = None
+            if la_saturated and self.value_test and not bag["noise_std"]:
+                from gradleak.attacks.utr_values import TokenGradientTest
+
+                value_test = TokenGradientTest(model, collect_grads(view, adapter_param("embedding"))[0],
+                                               bag["pairs"])
             search = EncoderChainSearch(model, self.sentence_layer, sub_la, eps_sentence, sp["cls"], sp["sep"],
                                         sp["mask"], bag["pairs"], view.public.get("batch_size"),
                                         time_budget=self.time_budget,
                                         # S_LA saturated: chains verified in subsets are peeled out of S_LA;
                                         # the whole batch is verified jointly (beyond the paper)
-                                        joint=la_saturated)
+                                        joint=la_saturated, value_test=value_test)
             sents, sinfo = search.run()
         t2 = time.perf_counter()
         info = {

@@ -117,8 +117,13 @@ class EncoderChainSearch:
     def __init__(self, model: nn.Module, probe_name: str, sub, eps: float, cls: int, sep: int, mask: int,
                  pairs: dict[int, set[int]], batch_size: int | None = None, sweeps: int = 8, window: int = 2,
                  time_budget: float = float("inf"), progress=None, probe_fn=None, joint: bool = False,
-                 max_peel_sweeps: int = 60):
+                 max_peel_sweeps: int = 60, value_test=None, value_live_max: int = 4):
         self.joint, self.max_peel_sweeps = bool(joint), int(max_peel_sweeps)
+        # saturated S_LA: chains tested one at a time on the embedding adapter's gradient values
+        # (gradleak.attacks.utr_values.TokenGradientTest), and moved by that test's residuals when few are left
+        self.value_test = value_test if value_test is not None and value_test.usable else None
+        self.value_live_max = int(value_live_max)
+        self.value_accepted = self.value_moves = self._stale = 0
         self.probe_fn = probe_fn  # (model, ids) -> layer states; default: the input of adapter ``probe_name``
         self.model, self.probe_name, self.sub, self.eps = model, probe_name, sub, float(eps)
         self.cls, self.sep, self.mask = cls, sep, mask
@@ -373,6 +378,11 @@ class EncoderChainSearch:
     def _moves(self, chains: list[list[int]], accepted: set[int]) -> bool:
         """One round of moves on the chains not yet accepted: point moves, splices, segment swaps (when few chains
         are left or nothing else moved), then unconstrained point moves as the last resort. True if changed."""
+        if (self.value_test is not None and self._stale >= 2
+                and 0 < len(chains) - len(accepted) <= self.value_live_max):
+            # the subspace moves stalled on few chains: moves graded by the value test
+            if self._value_moves(chains, accepted):
+                return True
         moved = self._reassign(chains, accepted)
         moved = self._splice_sweep(chains, accepted) or moved
         if not moved or len(chains) - len(accepted) <= 3:
@@ -394,6 +404,112 @@ class EncoderChainSearch:
         if self.progress:
             self.progress(sweeps, len(accepted), len(chains))
         return moved
+
+    def _value_cost(self, sents: list[list[int]], blocked: list[set], profile: list | None = None) -> list[float]:
+        """Mean value-test residual of each sentence (utr_values); 10 for a sentence with no tested position."""
+        return [m if n else 10.0 for _, m, n in self.value_test.score(sents, blocked, profile)]
+
+    def _value_moves(self, chains: list[list[int]], frozen: set[int], gain: float = 0.9, near: int = 2,
+                     peaks: int = 3) -> bool:
+        """Moves graded by the value test, for the chains not yet accepted: point moves (one position's token
+        replaced by another stage-1 candidate there), first at the positions next to each chain's largest residuals
+        (a wrong token moves every position's delta, its neighbours' most: measured peaks within 2 positions), then
+        anywhere; then a chain's length moved to another read [SEP] position (cut, or extended by the tokens the
+        accepted chains leave there); then splices of two chains (tails exchanged at a cut, which also exchanges
+        their lengths). The best move of each chain is applied when it lowers the chain's mean residual by more than
+        a tenth (a right chain drops to the float floor, a wrong one stays >= 0.03). True if anything moved."""
+        live = [i for i in range(len(chains)) if i not in frozen]
+        blocked = self.value_test.held_by_others(chains)
+        prof: list = []
+        cur = dict(zip(live, self._value_cost([chains[i] for i in live], [blocked[i] for i in live], prof)))
+        hot = {}
+        for i, pr in zip(live, prof):
+            top = [p for p, _ in sorted(pr, key=lambda t: -t[1])[:peaks]]
+            hot[i] = {q for p in top for q in range(p - near, p + near + 1)}
+
+        def points(where):
+            cands, owner, blk = [], [], []
+            for i in live:
+                c = chains[i]
+                for q in range(1, len(c) - 1):
+                    if where(i, q):
+                        for v in self.by_pos.get(q, ()):
+                            if v != c[q]:
+                                cands.append(c[:q] + [v] + c[q + 1:])
+                                owner.append((i,))
+                                blk.append(blocked[i])
+            return cands, owner, blk
+
+        def lengths():  # a chain moved to another read [SEP] position: cut, or extended by the leftover tokens
+            cands, owner, blk = [], [], []
+            for i in live:
+                c = chains[i]
+                for ell in self.seps:
+                    if ell == len(c) - 1:
+                        continue
+                    if ell < len(c) - 1:
+                        new = c[:ell] + [self.sep]
+                    else:
+                        fill = []
+                        for q in range(len(c) - 1, ell):
+                            used = {chains[j][q] for j in frozen if len(chains[j]) - 1 > q}
+                            opts = self.by_pos.get(q) or [self.mask]
+                            fill.append(next((v for v in opts if v not in used), opts[0]))
+                        new = c[:-1] + fill + [self.sep]
+                    cands.append(new)
+                    owner.append((i,))
+                    blk.append(blocked[i])
+            return cands, owner, blk
+
+        def splices():
+            cands, owner, blk = [], [], []
+            for x in range(len(live)):
+                for y in range(x + 1, len(live)):
+                    i, j = live[x], live[y]
+                    rest = self.value_test.held_by_others(chains, skip=(i, j))[i]
+                    for q in range(2, min(len(chains[i]), len(chains[j]))):
+                        a, b = chains[i][:q] + chains[j][q:], chains[j][:q] + chains[i][q:]
+                        if a == chains[i]:
+                            continue
+                        pa, pb = {(v, p) for p, v in enumerate(a)}, {(v, p) for p, v in enumerate(b)}
+                        cands += [a, b]
+                        owner += [(i, j, 0), (i, j, 1)]
+                        blk += [rest | pb, rest | pa]
+            return cands, owner, blk
+
+        for family in (lambda: points(lambda i, q: q in hot[i]), lambda: points(lambda i, q: q not in hot[i]),
+                       lengths, splices):
+            cands, owner, blk = family()
+            if not cands:
+                continue
+            cost = self._value_cost(cands, blk)
+            best: dict[tuple, tuple[float, list]] = {}  # move key -> (new total cost, new chains)
+            k = 0
+            while k < len(cands):
+                o = owner[k]
+                if len(o) == 1:
+                    i = o[0]
+                    if cost[k] < gain * cur[i] and cost[k] < best.get((i,), (math.inf,))[0]:
+                        best[(i,)] = (cost[k], [cands[k]])
+                    k += 1
+                else:
+                    i, j, _ = o
+                    tot = cost[k] + cost[k + 1]
+                    if tot < gain * (cur[i] + cur[j]) and tot < best.get((i, j), (math.inf,))[0]:
+                        best[(i, j)] = (tot, [cands[k], cands[k + 1]])
+                    k += 2
+            if not best:
+                continue
+            done: set[int] = set()  # the largest improvements first, each chain moved at most once per call
+            for key, (tot, new) in sorted(best.items(), key=lambda kv: kv[1][0] - sum(cur[i] for i in kv[0])):
+                if done & set(key):
+                    continue
+                for i, c in zip(key, new):
+                    chains[i] = c
+                done |= set(key)
+            self.value_moves += len(done)
+            return True
+        return False
 
     def _segment_swap(self, chains: list[list[int]], frozen: set[int]) -> bool:
         """Two chains that exchanged a middle segment [a, b) need two cuts at once (a single cut only moves the
@@ -488,9 +604,16 @@ class EncoderChainSearch:
         todo = [i for i in range(len(chains)) if i not in accepted]
         if not todo:
             return set()
+        if self.value_test is not None:  # exact per chain at any saturation (utr_values)
+            ok = {i for i, good in zip(todo, self.value_test.passing(chains, self.eps, todo)) if good}
+            if ok:
+                self.value_accepted += len(ok)
+                return ok
         if self._exact:
             res = self._full_residuals([chains[i] for i in todo])
             return {i for i, r in zip(todo, res) if float(r.max()) < self.eps}
+        if sum(len(c) for c in chains) >= self.sub.dim:  # more states than the hidden size: no subspace test
+            return set()
         st = self._states_full([chains[i] for i in todo])
         st = [h - (h @ self._F64) @ self._F64.T for h in st]
         total = sum(len(h) for h in st)
@@ -519,6 +642,7 @@ class EncoderChainSearch:
         accepted: set[int] = set()
         self._exact = False
         self.subset_tests = 0
+        self.value_moves = self.value_accepted = 0
         stale, sweeps = 0, 0
         for sweeps in range(1, self.max_peel_sweeps + 1):
             new = self._accept_peel(chains, accepted)
@@ -529,6 +653,7 @@ class EncoderChainSearch:
                     self._peel(chains, accepted)
             else:
                 stale += 1
+            self._stale = stale
             moved = self._sweep(chains, accepted, info, t0, sweeps)
             if moved is None:
                 break
@@ -541,6 +666,7 @@ class EncoderChainSearch:
         order = sorted(accepted) + [i for i in range(len(chains)) if i not in accepted]
         info.update({"forward_passes": self.forwards, "layer_evaluations": self.evals, "sweeps": sweeps,
                      "joint_residual": joint, "subset_tests": self.subset_tests,
+                     "value_accepted": self.value_accepted, "value_moves": self.value_moves,
                      "verified_sentences": verified, "unverified_sentences": len(chains) - verified})
         return [chains[i][1:-1] for i in order], info
 
@@ -577,7 +703,7 @@ class EncoderChainSearch:
                                 "search_truncated": False}
         if not self.lengths:
             return [], {**info, "forward_passes": 0, "layer_evaluations": 0}
-        if self.joint and sum(self.lengths) + len(self.lengths) < self.sub.dim:
+        if self.joint and (sum(self.lengths) + len(self.lengths) < self.sub.dim or self.value_test is not None):
             return self._run_hypotheses(info, t0)
         if self.joint:  # more layer states than the hidden size: nothing can be verified, one best-effort sweep
             self.sweeps = 1
