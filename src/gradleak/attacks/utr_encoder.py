@@ -117,12 +117,12 @@ class EncoderChainSearch:
     def __init__(self, model: nn.Module, probe_name: str, sub, eps: float, cls: int, sep: int, mask: int,
                  pairs: dict[int, set[int]], batch_size: int | None = None, sweeps: int = 8, window: int = 2,
                  time_budget: float = float("inf"), progress=None, probe_fn=None, joint: bool = False,
-                 max_peel_sweeps: int = 60, value_test=None, value_live_max: int = 4):
+                 max_peel_sweeps: int = 60, value_test=None, value_live_max: int | None = 4):
         self.joint, self.max_peel_sweeps = bool(joint), int(max_peel_sweeps)
         # saturated S_LA: chains tested one at a time on the embedding adapter's gradient values
         # (gradleak.attacks.utr_values.TokenGradientTest), and moved by that test's residuals when few are left
         self.value_test = value_test if value_test is not None and value_test.usable else None
-        self.value_live_max = int(value_live_max)
+        self.value_live_max = int(value_live_max) if value_live_max is not None else 10 ** 9
         self.value_accepted = self.value_moves = self._stale = 0
         self.probe_fn = probe_fn  # (model, ids) -> layer states; default: the input of adapter ``probe_name``
         self.model, self.probe_name, self.sub, self.eps = model, probe_name, sub, float(eps)
@@ -414,8 +414,8 @@ class EncoderChainSearch:
         """Moves graded by the value test, for the chains not yet accepted: point moves (one position's token
         replaced by another stage-1 candidate there), first at the positions next to each chain's largest residuals
         (a wrong token moves every position's delta, its neighbours' most: measured peaks within 2 positions), then
-        anywhere; then a chain's length moved to another read [SEP] position (cut, or extended by the tokens the
-        accepted chains leave there); then splices of two chains (tails exchanged at a cut, which also exchanges
+        anywhere -- after a chain's length moved to another read [SEP] position (cut, or extended by the tokens no
+        other chain holds there), the cheapest family; then splices of two chains (tails exchanged at a cut, which also exchanges
         their lengths). The best move of each chain is applied when it lowers the chain's mean residual by more than
         a tenth (a right chain drops to the float floor, a wrong one stays >= 0.03). True if anything moved."""
         live = [i for i in range(len(chains)) if i not in frozen]
@@ -451,10 +451,12 @@ class EncoderChainSearch:
                         new = c[:ell] + [self.sep]
                     else:
                         fill = []
-                        for q in range(len(c) - 1, ell):
-                            used = {chains[j][q] for j in frozen if len(chains[j]) - 1 > q}
+                        for q in range(len(c) - 1, ell):  # a token no other chain holds there, else no accepted one
                             opts = self.by_pos.get(q) or [self.mask]
-                            fill.append(next((v for v in opts if v not in used), opts[0]))
+                            held = {chains[j][q] for j in range(len(chains)) if j != i and len(chains[j]) - 1 > q}
+                            acc = {chains[j][q] for j in frozen if len(chains[j]) - 1 > q}
+                            fill.append(next((v for v in opts if v not in held),
+                                             next((v for v in opts if v not in acc), opts[0])))
                         new = c[:-1] + fill + [self.sep]
                     cands.append(new)
                     owner.append((i,))
@@ -477,8 +479,8 @@ class EncoderChainSearch:
                         blk += [rest | pb, rest | pa]
             return cands, owner, blk
 
-        for family in (lambda: points(lambda i, q: q in hot[i]), lambda: points(lambda i, q: q not in hot[i]),
-                       lengths, splices):
+        for family in (lengths, lambda: points(lambda i, q: q in hot[i]), lambda: points(lambda i, q: q not in hot[i]),
+                       splices):
             cands, owner, blk = family()
             if not cands:
                 continue
@@ -753,9 +755,21 @@ class EncoderChainSearch:
             for i, r in zip([i for i in range(len(chains)) if i not in accepted], res):
                 if float(r.max()) < self.eps:
                     accepted.add(i)
+        rounds = 0
+        while (self.value_test is not None and 0 < len(chains) - len(accepted) <= self.value_live_max
+               and rounds < 6 and time.perf_counter() - t0 <= self.time_budget):
+            # chains the moves left wrong (often a false [SEP] length): value-graded moves, the exact test after each
+            rounds += 1
+            if not self._value_moves(chains, accepted):
+                break
+            todo = [i for i in range(len(chains)) if i not in accepted]
+            for i, r in zip(todo, self._full_residuals([chains[i] for i in todo])):
+                if float(r.max()) < self.eps:
+                    accepted.add(i)
         # verified sentences first, then the best unverified chains (partial text still leaks; flagged in info)
         out = [chains[i][1:-1] for i in sorted(accepted)]
         rest = [chains[i][1:-1] for i in range(len(chains)) if i not in accepted]
         info.update({"forward_passes": self.forwards, "layer_evaluations": self.evals, "sweeps": sweeps,
-                     "verified_sentences": len(out), "unverified_sentences": len(rest)})
+                     "verified_sentences": len(out), "unverified_sentences": len(rest),
+                     "value_moves": self.value_moves})
         return out + rest, info
