@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/utr.py                    # full grid (hours on CPU)
     .venv/bin/python benchmarks/utr.py --only table1,capacity
     .venv/bin/python benchmarks/utr.py --check            # validate every cell's config, run nothing
+    .venv/bin/python benchmarks/utr.py --out benchmarks/out --cells 't1/minilm/utr/B8' --rerun   # one cell again
     .venv/bin/python benchmarks/utr.py --report-only      # rebuild utr.json + docs section from --out
     .venv/bin/python benchmarks/utr.py --out benchmarks/out --report-only   # ... from the shipped reference
 
@@ -420,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help=f"comma list of {','.join(GROUPS)}")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     ap.add_argument("--cells", default="", help="glob over cell ids, e.g. 't1/minilm/lamp*/*' (with --only)")
+    ap.add_argument("--rerun", action="store_true", help="recompute the selected cells even when finished (a new "
+                    "line each; the latest line of a cell is the one reported)")
     add_out_args(ap, "utr")
     args = ap.parse_args(argv)
     args.out = resolve_out(args.out)
@@ -441,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             from fnmatch import fnmatch
 
             sel = [c for c in sel if fnmatch(c[1], args.cells)]
-        todo = [c for c in sel if c[1] not in done]
+        todo = [c for c in sel if args.rerun or c[1] not in done]
         print(f"{len(sel) - len(todo)} cells done, {len(todo)} to run (results in {display(args.out)})", flush=True)
         for group, cell, raw in todo:
             t0 = time.perf_counter()

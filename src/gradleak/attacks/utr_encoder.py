@@ -140,6 +140,7 @@ class EncoderChainSearch:
             self.by_pos[p].sort()
         self.bag = sorted({int(v) for v in pairs if v not in (cls, sep)})
         self.seps = sorted(int(p) for p in pairs.get(sep, set()) if p >= 1)
+        self.seps_read = list(self.seps)  # every [SEP] position stage 1 read (_lengths may drop some as false)
         self.lengths = self._lengths(batch_size)
         self.layer = BertFirstLayer(model)
         self._reset_peel()
@@ -444,7 +445,7 @@ class EncoderChainSearch:
             cands, owner, blk = [], [], []
             for i in live:
                 c = chains[i]
-                for ell in self.seps:
+                for ell in self.seps_read:
                     if ell == len(c) - 1:
                         continue
                     if ell < len(c) - 1:
