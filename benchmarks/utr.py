@@ -328,11 +328,19 @@ NOTES = """### Notes
   chains exactly (true pairs ~1e-12, one wrong token ~3e-5 mean squared sine). Accepted chains are projected
   out of S_LA (*peeled*) until the remaining states fit the projected subspace and the per-position test is
   exact again; the whole batch is finally checked jointly. Lengths the [SEP] positions leave open are tried as
-  hypotheses. `t1/minilm/utr/B8` (225 states in 192 rows) went from 77.1/67.8 to 96.7/96.2 (21 of 24 sentences
-  exact); the batch it misses (286 states, 149 % of the bottleneck, 3 long chains of 46–52 tokens) never gets a
-  verifiable subset (> N - b = 94 correct states) out of the local search, and is reported unverified.
-  A leave-one-chain-out cost (each chain scored against S_LA projected orthogonally to the other chains) got it
-  to within 18 wrong tokens in a dev run but did not converge; not shipped.
+  hypotheses. This alone took `t1/minilm/utr/B8` (225 states in 192 rows) from 77.1/67.8 to 96.7/96.2; it
+  needs more than N - b right states at once, which the local search does not always reach.
+* **Value test (issue 11 item 1, beyond the paper).** The embedding adapter's gradient *values* test one sentence
+  at a time: stage 1's coefficient row of a token that occurs once in the batch is that state's exact bottleneck
+  signal (times its known LayerNorm scale), and the server computes a candidate sentence's signals with one
+  forward/backward of the model it sent; a 2-class head leaves one scalar per sentence (the label picks it). True
+  sentences match at every such position (relative residual <= 2e-6, MiniLM rf = 2 B = 8), one wrong token anywhere
+  leaves >= 0.03 at every position (`gradleak.attacks.utr_values`). Chains are accepted one by one and peeled;
+  stalled ones are moved by these residuals (point moves near the peaks, lengths moved to any [SEP] position stage 1
+  read, splices). On 12 batches of 8 (seeds 0, 1, 777, 4242; 165-278 states, up to 145 % of the bottleneck) every
+  sentence is recovered and verified. It needs only stage 1's condition (bag + positions + 1 <= hidden size) and a
+  one-step upload (FedSGD); causal models are not covered (their prefix search sees incomplete sentences, whose
+  signals depend on the suffix).
 * **More unique tokens than bottleneck neurons (beyond the paper).** When the server sees the same client batch in
   two rounds, the embedding adapter's input is the frozen embeddings, so stacking both rounds' gradients doubles
   the bag's rank: `cap/minilm/rf8-2rounds/B2` recovers the exact bag of 57 unique tokens with 48 neurons

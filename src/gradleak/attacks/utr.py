@@ -24,7 +24,9 @@ Stage 2 (sentences, SPEC §3.4) uses the first layer adapter's subspace S_LA = s
 * bidirectional models (whole sentence): the exact (token, position) pairs and [SEP] positions of stage 1 turn
   the search into assigning each position's tokens to B sentences; :mod:`gradleak.attacks.utr_encoder` solves it
   with Hungarian assignments scored by S_LA residuals (construction, point moves, splices, segment swaps) and
-  accepts a sentence only when every position passes the membership test (``eps_sentence``).
+  accepts a sentence only when every position passes the membership test (``eps_sentence``). Past the first
+  layer's bottleneck (more layer states than rows), :mod:`gradleak.attacks.utr_values` tests each candidate sentence
+  on the embedding adapter's gradient values instead (``value_test``; exact for one-step uploads).
 
 Filters (SPEC A3.1, not specified in the paper): EICW rejects an extension equal to the previous token unless
 nothing else passes (real text does repeat tokens: "very very", "..."). CG/CS -- there is no grammar service

@@ -23,6 +23,12 @@ chains exactly. Accepted chains are projected out of S_LA (*peeled*): what is le
 chains' projected states, of dimension min(b, N - m), and once that fits, the per-position test is exact again.
 Chain lengths the [SEP] positions leave open (B above the number of distinct lengths) are tried as hypotheses.
 
+Value test (beyond the paper, issue 11 item 1): the subset tests need more than N - b right states at once; the
+embedding adapter's gradient *values* test one chain at a time (:mod:`gradleak.attacks.utr_values`). With it, chains
+are accepted (and peeled) one by one, and when the subspace moves stall on a few chains, moves graded by the value
+residuals repair them: point moves near the largest residuals, length moves to any [SEP] position stage 1 read (a
+false [SEP] pair no longer needs a length hypothesis of its own), splices.
+
 Speed (beyond the paper): layer-1 states are computed by :class:`BertFirstLayer` from per-(token, position)
 precomputed query/key/value vectors, and only at the few query positions a move can change -- a splice costs a
 handful of attention rows instead of a whole forward pass. Its output equals the HF layer (tested to 1e-5).
@@ -416,8 +422,8 @@ class EncoderChainSearch:
         replaced by another stage-1 candidate there), first at the positions next to each chain's largest residuals
         (a wrong token moves every position's delta, its neighbours' most: measured peaks within 2 positions), then
         anywhere -- after a chain's length moved to another read [SEP] position (cut, or extended by the tokens no
-        other chain holds there), the cheapest family; then splices of two chains (tails exchanged at a cut, which also exchanges
-        their lengths). The best move of each chain is applied when it lowers the chain's mean residual by more than
+        other chain holds there), the cheapest family; then splices of two chains (tails exchanged at a cut, which
+        also exchanges their lengths). The best move of each chain is applied when it lowers the chain's mean residual by more than
         a tenth (a right chain drops to the float floor, a wrong one stays >= 0.03). True if anything moved."""
         live = [i for i in range(len(chains)) if i not in frozen]
         blocked = self.value_test.held_by_others(chains)
