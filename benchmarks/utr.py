@@ -353,10 +353,15 @@ NOTES = """### Notes
   bottleneck equals the hidden size, so once the batch has more states than that, S_LA is numerically the whole
   space and the membership test is blind: MiniLM rf = 1 B = 16 (484 states, 278 unique tokens), true states'
   residual median 0.004 vs 0.005 for sentences with a wrong token (`pytest tests/test_utr.py -k blind -s`).
-  This is why `t2/minilm/utr/B16` (45.3) and `t2/smollm2/utr/B32` (767 prefix states in 576 dimensions, 0.4)
-  fail although their unique tokens fit the bottleneck; the authors' code, which checks the true order, fails
-  wherever the batch's tokens overflow the bottleneck (as the issue measured it). No first-layer search can verify
-  sentences there.
+  This is why `t2/minilm/utr/B16` and `t2/smollm2/utr/B32` (767 prefix states in 576 dimensions, 0.4) fail
+  although their unique tokens fit the bottleneck; the authors' code, which checks the true order, fails
+  wherever the batch's tokens overflow the bottleneck (as the issue measured it). The value test still verifies
+  sentences there (it does not read the first layer): `t2/minilm/utr/B16` went from 45.3/24.6 to 73.6/62.4 with
+  2 of 16 sentences verified in its 120 s budget, but the construction and the subspace moves that feed it have no
+  signal once states exceed the hidden size, and stage 1 reads 22 [SEP] positions for 14 true lengths there
+  (seed 0), so most chains start too far from a sentence for value moves to repair (letting them move every chain
+  gave 0 of 16 in 300 s). The causal prefix search has no value test (a prefix's backward signals depend on the
+  suffix).
 * **Defenses (Table 3) and noise (issue 11 item 3).** Noise: UTR takes the per-coordinate std the published
   defense implies (`attack.params.noise: public`; the server knows its DP parameters), ranks the gradient
   matrices from the noise spectrum's edge σ(√m + √n) and sets its tolerances from the noise floor; nothing is

