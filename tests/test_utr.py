@@ -400,7 +400,8 @@ def test_rank_takes_the_noise_floor_gap_not_a_step_inside_the_spectrum():
 def test_a_false_sep_pair_and_a_shared_length_are_tried_as_hypotheses(minilm):
     """Stage 1 may keep a false [SEP] pair (float rounding that differs with the thread count): with B = 4 and two
     sentences of one length, a false [SEP] makes B distinct lengths, and the inferred lengths are wrong. Stage 2
-    drops one read length per hypothesis until every chain verifies, and returns the exact batch."""
+    returns the exact batch, verified: the value test's length moves put the wrong chain at a read [SEP] position
+    within the first hypothesis; without the value test, hypotheses that drop one read length are tried."""
     from gradleak.attacks.utr import UTRAttack
 
     tok = minilm.tokenizer
@@ -429,6 +430,12 @@ def test_a_false_sep_pair_and_a_shared_length_are_tried_as_hypotheses(minilm):
     rec = attack.reconstruct(view)
     assert torch.get_num_threads() == before  # attack.threads (1) applies inside the attack only
     want = sorted(tok.decode(tok.encode(t), skip_special_tokens=True) for t in texts)
+    assert sorted(tok.decode(s, skip_special_tokens=True) for s in rec.data) == want
+    assert rec.info["verified_sentences"] == 4 and rec.info["length_hypotheses_tried"] == 1
+    assert rec.info["value_moves"] >= 1
+    plain = UTRAttack(value_test=False)
+    plain.word_bag = with_false_sep
+    rec = plain.reconstruct(view)
     assert sorted(tok.decode(s, skip_special_tokens=True) for s in rec.data) == want
     assert rec.info["verified_sentences"] == 4 and rec.info["length_hypotheses_tried"] > 1
 
