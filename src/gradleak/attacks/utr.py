@@ -765,7 +765,7 @@ class UTRAttack(AttackBase):
                                         time_budget=self.time_budget,
                                         # S_LA saturated: chains verified in subsets are peeled out of S_LA;
                                         # the whole batch is verified jointly (beyond the paper)
-                                        joint=la_saturated, value_test=value_test)
+                                        joint=la_saturated, value_test=value_test, layer_grad=grads_la[0])
             sents, sinfo = search.run()
         t2 = time.perf_counter()
         info = {

@@ -77,17 +77,19 @@ class TokenGradientTest:
         self.usable = bool(self.obs)
 
     # ------------------------------------------------------------------ candidate deltas
-    def deltas(self, sents: list[list[int]]) -> list[torch.Tensor]:
+    def deltas(self, sents: list[list[int]], adapter: nn.Module | None = None, inputs: list | None = None
+               ) -> list[torch.Tensor]:
         """Per position (L_s, C - 1, b) float64 bottleneck signals of each sentence (complete token lists, [CLS] ...
-        [SEP]) for the head's C - 1 independent logit differences, one batched forward/backward per chunk."""
+        [SEP]) for the head's C - 1 independent logit differences, one batched forward/backward per chunk, at the
+        embedding adapter (default) or ``adapter``; ``inputs`` receives each sentence's (L_s, n) adapter inputs."""
         out: list[torch.Tensor] = []
-        down = self.adapter.down
+        down = (adapter or self.adapter).down
         pad = int(getattr(getattr(self.model, "config", None), "pad_token_id", 0) or 0)
         cap: dict[str, torch.Tensor] = {}
 
-        def hook(_m, _i, o):
+        def hook(_m, i, o):
             o.retain_grad()
-            cap["z"] = o
+            cap["z"], cap["x"] = o, i[0].detach()
 
         flags = [(p, p.requires_grad) for p in (down.weight, down.bias)]
         h = down.register_forward_hook(hook)
@@ -111,6 +113,8 @@ class TokenGradientTest:
                         cols.append(cap["z"].grad.detach().to(torch.float64))
                     d = torch.stack(cols, 2)  # (N, L, C - 1, b)
                     out += [d[i, :len(s)] for i, s in enumerate(part)]
+                    if inputs is not None:
+                        inputs += [cap["x"][i, :len(s)].to(torch.float64) for i, s in enumerate(part)]
                     self.evaluations += len(part)
         finally:
             h.remove()
@@ -120,16 +124,36 @@ class TokenGradientTest:
                 p.grad = None
         return out
 
+    def contribution(self, sents: list[list[int]], adapter: nn.Module,
+                     blocked: list[set[tuple[int, int]]] | None = None) -> torch.Tensor:
+        """The sentences' exact share of ``adapter``'s down-projection gradient in the upload, (b, n) float64: each
+        sentence's sum_t delta_t x_t^T per logit difference, weighted by the coefficients the value test fits (the
+        label scale; ``blocked`` as in :meth:`score`). Subtracting it from the upload leaves the other sentences'
+        gradient alone."""
+        coefs: list = []
+        self.score(sents, blocked, coefs=coefs)
+        xs: list = []
+        ds = self.deltas(sents, adapter, xs)
+        total = torch.zeros(ds[0].shape[-1], xs[0].shape[-1], dtype=torch.float64)
+        for d, x, c in zip(ds, xs, coefs):
+            if c is None:
+                raise ValueError("a sentence without a tested position has no fitted label scale")
+            total += torch.einsum("lcb,c,ln->bn", d, c, x)
+        return total
+
     # ------------------------------------------------------------------ the test
     def score(self, sents: list[list[int]], blocked: list[set[tuple[int, int]]] | None = None,
-              profile: list | None = None) -> list[tuple[float, float, int]]:
+              profile: list | None = None, coefs: list | None = None) -> list[tuple[float, float, int]]:
         """(max, mean, number) of the relative residuals ||obs - delta c|| / ||obs|| over each sentence's tested
         positions: those holding a once-placed token, except the (token, position) pairs in ``blocked[i]`` (held by
         another chain too: a shared pair sums two deltas). A sentence with no tested position gets (inf, inf, 0).
-        ``profile``: a list that receives, per sentence, the (position, residual) pairs."""
+        ``profile``: a list that receives, per sentence, the (position, residual) pairs; ``coefs``: the fitted
+        (C - 1,) coefficients (None without a tested position)."""
         res: list[tuple[float, float, int]] = [(math.inf, math.inf, 0)] * len(sents)
         if profile is not None:
             profile[:] = [[] for _ in sents]
+        if coefs is not None:
+            coefs[:] = [None for _ in sents]
         pos = [[(p, (v, p)) for p, v in enumerate(s) if (v, p) in self.obs
                 and (blocked is None or (v, p) not in blocked[i])] for i, s in enumerate(sents)]
         todo = [i for i in range(len(sents)) if pos[i]]
@@ -144,6 +168,8 @@ class TokenGradientTest:
             res[i] = (float(r.max()), float(r.mean()), len(pos[i]))
             if profile is not None:
                 profile[i] = [(p, float(x)) for (p, _), x in zip(pos[i], r)]
+            if coefs is not None:
+                coefs[i] = coef[:, 0]
         return res
 
     @staticmethod
