@@ -588,3 +588,14 @@ def test_value_test_checks_each_sentence_past_the_bottleneck_and_repairs_moves()
         if vt.passing(cut, 1e-3)[0] or not s._value_moves(cut, {1, 2, 3}):
             break
     assert cut == truth
+    # peel by subtraction: three sentences' exact share of the first layer's gradient removed, the fourth's states
+    # are what is left -- the per-position test is exact for it again, and refuses it with one token changed
+    s2 = EncoderChainSearch(tm.model, "layer_0", sub, 1e-3, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id,
+                            bag["pairs"], 4, joint=True, value_test=vt,
+                            layer_grad=collect_grads(view, adapter_param("layer_0"))[0])
+    s2._peel(truth, {1, 2, 3})
+    assert s2._exact and s2._F64.shape[1] == 0
+    assert float(s2._full_residuals([truth[0]])[0].max()) < 1e-3
+    one = list(truth[0])
+    one[q] = truth[1][q]
+    assert float(s2._full_residuals([one])[0].max()) > 1e-2
