@@ -592,7 +592,11 @@ class EncoderChainSearch:
         span(F) is spanned by the projected states of the *other* chains, and its dimension is
         min(bottleneck, N - |F|): once the remaining states fit it, the per-position membership test is exact
         again for the remaining chains (beyond the paper: peeling turns a saturated subspace into a clean one)."""
-        if self.value_test is not None and self.layer_grad is not None and self.probe_fn is None:
+        remaining = sum(len(chains[i]) for i in range(len(chains)) if i not in accepted)
+        if (self.value_test is not None and self.layer_grad is not None and self.probe_fn is None
+                and remaining < min(self.layer_grad.shape)):
+            # the subtraction leaves an exact subspace only below the bottleneck; above it the rest's row space is
+            # the whole bottleneck's worth and grades nothing, so the projection keeps the search going until then
             return self._peel_values(chains, accepted)
         st = torch.cat(self._states_full([chains[i] for i in sorted(accepted)]))
         F = self._orth(st, 1e-9)
