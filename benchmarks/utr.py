@@ -337,8 +337,11 @@ NOTES = """### Notes
   sentences match at every such position (relative residual <= 2e-6, MiniLM rf = 2 B = 8), one wrong token anywhere
   leaves >= 0.03 at every position (`gradleak.attacks.utr_values`). Chains are accepted one by one and peeled;
   stalled ones are moved by these residuals (point moves near the peaks, lengths moved to any [SEP] position stage 1
-  read, splices). On 12 batches of 8 (seeds 0, 1, 777, 4242; 165-278 states, up to 145 % of the bottleneck) every
-  sentence is recovered and verified. It needs only stage 1's condition (bag + positions + 1 <= hidden size) and a
+  read, splices). Once fewer states than bottleneck rows are left, accepted chains are peeled by *subtraction*
+  instead of projection: their exact share of the first layer adapter's gradient (backward signals x inputs, at
+  the fitted label scales) is taken off the upload, and the rest's row space is exact at any batch size. On 12
+  batches of 8 (seeds 0, 1, 777, 4242; 165-278 states, up to 145 % of the bottleneck) every sentence is recovered
+  and verified. It needs only stage 1's condition (bag + positions + 1 <= hidden size) and a
   one-step upload (FedSGD); causal models are not covered (their prefix search sees incomplete sentences, whose
   signals depend on the suffix).
 * **More unique tokens than bottleneck neurons (beyond the paper).** When the server sees the same client batch in
@@ -356,12 +359,16 @@ NOTES = """### Notes
   This is why `t2/minilm/utr/B16` and `t2/smollm2/utr/B32` (767 prefix states in 576 dimensions, 0.4) fail
   although their unique tokens fit the bottleneck; the authors' code, which checks the true order, fails
   wherever the batch's tokens overflow the bottleneck (as the issue measured it). The value test still verifies
-  sentences there (it does not read the first layer): `t2/minilm/utr/B16` went from 45.3/24.6 to 73.6/62.4 with
-  2 of 16 sentences verified in its 120 s budget, but the construction and the subspace moves that feed it have no
-  signal once states exceed the hidden size, and stage 1 reads 22 [SEP] positions for 14 true lengths there
-  (seed 0), so most chains start too far from a sentence for value moves to repair (letting them move every chain
-  gave 0 of 16 in 300 s). The causal prefix search has no value test (a prefix's backward signals depend on the
-  suffix).
+  sentences there (it does not read the first layer), and the subtraction makes the first layer exact again once
+  the verified sentences leave fewer states than rows: MiniLM rf = 1 B = 16 seed 4242 (419 states, 109 % of the
+  hidden size) gives 92.9/91.9 with 14 of 16 verified in a 300 s budget (`gradleak run
+  configs/utr/minilm_rt.yaml --set data.batch_size=16 --set peft.reduction_factor=1 --set seed=4242 --set
+  attack.params.time_budget=300`). `t2/minilm/utr/B16` (seed 0, 484 states, 126 %) needs 4 verified sentences
+  before that point and gets 2: the construction and the subspace moves that feed the value test have no signal
+  once states exceed the hidden size, and stage 1 reads 22 [SEP] positions for 14 true lengths there, so most
+  chains start too far from a sentence for value moves to repair (letting them move every chain gave 0 of 16 in
+  300 s; the unverified chains' ROUGE moves with the budget, 35-74). The causal prefix search has no value test
+  (a prefix's backward signals depend on the suffix).
 * **Defenses (Table 3) and noise (issue 11 item 3).** Noise: UTR takes the per-coordinate std the published
   defense implies (`attack.params.noise: public`; the server knows its DP parameters), ranks the gradient
   matrices from the noise spectrum's edge σ(√m + √n) and sets its tolerances from the noise floor; nothing is

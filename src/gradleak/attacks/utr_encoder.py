@@ -27,7 +27,10 @@ Value test (beyond the paper, issue 11 item 1): the subset tests need more than 
 embedding adapter's gradient *values* test one chain at a time (:mod:`gradleak.attacks.utr_values`). With it, chains
 are accepted (and peeled) one by one, and when the subspace moves stall on a few chains, moves graded by the value
 residuals repair them: point moves near the largest residuals, length moves to any [SEP] position stage 1 read (a
-false [SEP] pair no longer needs a length hypothesis of its own), splices.
+false [SEP] pair no longer needs a length hypothesis of its own), splices. Once the accepted chains leave fewer
+states than bottleneck rows, they are peeled by subtracting their exact share of the first layer adapter's gradient
+(``layer_grad``), which leaves an exact subspace however many states the batch had (the projection needs all states
+to fit the hidden size).
 
 Speed (beyond the paper): layer-1 states are computed by :class:`BertFirstLayer` from per-(token, position)
 precomputed query/key/value vectors, and only at the few query positions a move can change -- a splice costs a
