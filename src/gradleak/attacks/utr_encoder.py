@@ -782,27 +782,27 @@ class EncoderChainSearch:
         best[1].update({"forward_passes": self.forwards, "layer_evaluations": self.evals})
         return best
 
+    def _accept_exact(self, chains: list[list[int]], accepted: set[int]) -> None:
+        """Add to ``accepted`` the other chains whose every position passes the per-position test."""
+        todo = [i for i in range(len(chains)) if i not in accepted]
+        for i, r in zip(todo, self._full_residuals([chains[i] for i in todo])):
+            if float(r.max()) < self.eps:
+                accepted.add(i)
+
     def _run_plain(self, info: dict[str, Any], t0: float) -> tuple[list[list[int]], dict[str, Any]]:
         """Construction, sweeps and the per-position acceptance test for the current ``self.lengths``."""
         chains = self._construct()
         accepted: set[int] = set()
         sweeps = 0
         for sweeps in range(1, self.sweeps + 1):
-            res = self._full_residuals([chains[i] for i in range(len(chains)) if i not in accepted])
-            todo = [i for i in range(len(chains)) if i not in accepted]
-            for i, r in zip(todo, res):
-                if float(r.max()) < self.eps:
-                    accepted.add(i)
+            self._accept_exact(chains, accepted)
             moved = self._sweep(chains, accepted, info, t0, sweeps)
             if moved is None:
                 break
             if not moved:
                 break
         else:
-            res = self._full_residuals([chains[i] for i in range(len(chains)) if i not in accepted])
-            for i, r in zip([i for i in range(len(chains)) if i not in accepted], res):
-                if float(r.max()) < self.eps:
-                    accepted.add(i)
+            self._accept_exact(chains, accepted)
         rounds = 0
         while (self.value_test is not None and 0 < len(chains) - len(accepted) <= self.value_live_max
                and rounds < 6 and time.perf_counter() - t0 <= self.time_budget):
@@ -810,10 +810,7 @@ class EncoderChainSearch:
             rounds += 1
             if not self._value_moves(chains, accepted):
                 break
-            todo = [i for i in range(len(chains)) if i not in accepted]
-            for i, r in zip(todo, self._full_residuals([chains[i] for i in todo])):
-                if float(r.max()) < self.eps:
-                    accepted.add(i)
+            self._accept_exact(chains, accepted)
         # verified sentences first, then the best unverified chains (partial text still leaks; flagged in info)
         out = [chains[i][1:-1] for i in sorted(accepted)]
         rest = [chains[i][1:-1] for i in range(len(chains)) if i not in accepted]
