@@ -369,8 +369,10 @@ NOTES = """### Notes
   chains start too far from a sentence for value moves to repair (letting them move every chain gave 0 of 16 in
   300 s). Its ROUGE is that of unverified chains and moves with how many sweeps the 120 s budget allows on a
   loaded machine: 73.6/62.4 with an earlier state of this change, 38.1/15.0 with the final one, 35.2/14.4 at
-  300 s. The causal prefix search has no value test
-  (a prefix's backward signals depend on the suffix).
+  300 s. A construction on the value test itself is not possible as it stands: on prefixes with a [MASK] suffix
+  it does not grade (median residual 0.60 for true prefixes, 0.70 with one wrong previous token;
+  `benchmarks/utr_value_prefix_probe.py`). For the same reason the causal prefix search has no value test (a
+  prefix's backward signals depend on the suffix).
 * **Defenses (Table 3) and noise (issue 11 item 3).** Noise: UTR takes the per-coordinate std the published
   defense implies (`attack.params.noise: public`; the server knows its DP parameters), ranks the gradient
   matrices from the noise spectrum's edge σ(√m + √n) and sets its tolerances from the noise floor; nothing is
