@@ -175,3 +175,24 @@ def run_pipeline_cell(config: Path, overrides: list[str], out_dir: Path, device:
     write_json_atomic(out_dir / "results.json", results)
     write_report(results, out_dir, res.get("report", {}))
     return res
+
+
+def minilm_rt_update(batch: int, rf: int, seed: int):
+    """The probes' common case: MiniLM (2 layers) with UTR's adapters at reduction factor ``rf``, one client's
+    FedSGD update on ``batch`` Rotten Tomatoes sentences drawn with ``seed``. Returns (text model, encoding,
+    update, true token ids of each sentence)."""
+    import torch
+
+    from gradleak.data.text import load_text
+    from gradleak.fl.core import Client
+    from gradleak.models.text import load_text_model, text_loss
+    from gradleak.peft.text_adapters import add_text_adapters
+
+    tm = load_text_model("minilm", 2)
+    add_text_adapters(tm.model, tm.layers(), tm.hidden_size, rf)
+    texts, labels = load_text("rt-sentences").batch(batch, seed=seed)
+    enc = tm.encode(texts)
+    x = torch.stack([enc["input_ids"], enc["attention_mask"]], 1)
+    upd = Client(0, x, torch.as_tensor(labels) % 2, loss_fn=text_loss(tm.kind)).local_update(tm.model)
+    truth = [enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist() for i in range(batch)]
+    return tm, enc, upd, truth

@@ -26,12 +26,9 @@ if str(ROOT / "src") not in sys.path:
 
 import torch  # noqa: E402
 
-from gradleak.data.text import load_text  # noqa: E402
+from _bench import minilm_rt_update  # noqa: E402
 from gradleak.defenses.update import build_defenses  # noqa: E402
 from gradleak.experiments.results import write_json_atomic  # noqa: E402
-from gradleak.fl.core import Client  # noqa: E402
-from gradleak.models.text import load_text_model, text_loss  # noqa: E402
-from gradleak.peft.text_adapters import add_text_adapters  # noqa: E402
 
 PARAM = "text_adapters.embedding.down.weight"
 SIGMAS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
@@ -45,12 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "utr_noise_probe.json")
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
-    tm = load_text_model("minilm", 2)
-    add_text_adapters(tm.model, tm.layers(), tm.hidden_size, args.rf)
-    texts, labels = load_text("rt-sentences").batch(args.batch, seed=args.seed)
-    enc = tm.encode(texts)
-    x = torch.stack([enc["input_ids"], enc["attention_mask"]], 1)
-    upd = Client(0, x, torch.as_tensor(labels), loss_fn=text_loss(tm.kind)).local_update(tm.model)
+    # (RT labels are 0/1: the helper's `% 2` leaves them as they are)
+    tm, enc, upd, _ = minilm_rt_update(args.batch, args.rf, args.seed)
     P = sum(t.numel() for t in upd.tensors.values())
     clean = torch.linalg.svdvals(upd.tensors[PARAM].double())
     states = int(enc["attention_mask"].sum())

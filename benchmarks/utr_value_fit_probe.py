@@ -30,11 +30,8 @@ if str(ROOT / "src") not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from gradleak.data.text import load_text  # noqa: E402
+from _bench import minilm_rt_update  # noqa: E402
 from gradleak.experiments.results import write_json_atomic  # noqa: E402
-from gradleak.fl.core import Client  # noqa: E402
-from gradleak.models.text import load_text_model, text_loss  # noqa: E402
-from gradleak.peft.text_adapters import add_text_adapters  # noqa: E402
 
 
 class GradientValueFit:
@@ -147,14 +144,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    tm = load_text_model("minilm", 2)
-    add_text_adapters(tm.model, tm.layers(), tm.hidden_size, 2)
     B = args.batch
-    texts, labels = load_text("rt-sentences").batch(B, seed=args.seed)
-    enc = tm.encode(texts)
-    x = torch.stack([enc["input_ids"], enc["attention_mask"]], 1)
-    upd = Client(0, x, torch.as_tensor(labels) % 2, loss_fn=text_loss(tm.kind)).local_update(tm.model)
-    truth = [enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist() for i in range(B)]
+    tm, _, upd, truth = minilm_rt_update(B, 2, args.seed)
     swap = [list(t) for t in truth]
     swap[0][3], swap[1][3] = swap[1][3], swap[0][3]
     one = [list(t) for t in truth]

@@ -25,13 +25,12 @@ if str(ROOT / "src") not in sys.path:
 
 import torch  # noqa: E402
 
+from _bench import minilm_rt_update  # noqa: E402
 from gradleak.attacks.utr import UTRAttack, collect_grads  # noqa: E402
 from gradleak.attacks.utr_values import TokenGradientTest  # noqa: E402
-from gradleak.data.text import load_text  # noqa: E402
 from gradleak.experiments.results import write_json_atomic  # noqa: E402
-from gradleak.fl.core import Client, ServerView  # noqa: E402
-from gradleak.models.text import load_text_model, text_loss  # noqa: E402
-from gradleak.peft.text_adapters import adapter_param, add_text_adapters  # noqa: E402
+from gradleak.fl.core import ServerView  # noqa: E402
+from gradleak.peft.text_adapters import adapter_param  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,15 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    tm = load_text_model("minilm", 2)
-    add_text_adapters(tm.model, tm.layers(), tm.hidden_size, args.rf)
     B = args.batch
-    texts, labels = load_text("rt-sentences").batch(B, seed=args.seed)
-    enc = tm.encode(texts)
-    x = torch.stack([enc["input_ids"], enc["attention_mask"]], 1)
-    upd = Client(0, x, torch.as_tensor(labels) % 2, loss_fn=text_loss(tm.kind)).local_update(tm.model)
+    tm, _, upd, truth = minilm_rt_update(B, args.rf, args.seed)
     view = ServerView(tm.model, [upd], public={"tokenizer": tm.tokenizer, "batch_size": B})
-    truth = [enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist() for i in range(B)]
     bag = UTRAttack().word_bag(view)
     vt = TokenGradientTest(tm.model, collect_grads(view, adapter_param("embedding"))[0], bag["pairs"])
     mask = tm.tokenizer.mask_token_id
