@@ -126,13 +126,13 @@ class EncoderChainSearch:
     def __init__(self, model: nn.Module, probe_name: str, sub, eps: float, cls: int, sep: int, mask: int,
                  pairs: dict[int, set[int]], batch_size: int | None = None, sweeps: int = 8, window: int = 2,
                  time_budget: float = float("inf"), progress=None, probe_fn=None, joint: bool = False,
-                 max_peel_sweeps: int = 60, value_test=None, value_live_max: int | None = 4,
+                 max_peel_sweeps: int = 60, value_test=None, value_live_max: int = 4,
                  layer_grad: torch.Tensor | None = None):
         self.joint, self.max_peel_sweeps = bool(joint), int(max_peel_sweeps)
         # saturated S_LA: chains tested one at a time on the embedding adapter's gradient values
         # (gradleak.attacks.utr_values.TokenGradientTest), and moved by that test's residuals when few are left
         self.value_test = value_test if value_test is not None and value_test.usable else None
-        self.value_live_max = int(value_live_max) if value_live_max is not None else 10 ** 9
+        self.value_live_max = int(value_live_max)
         self.value_accepted = self.value_moves = self._stale = 0
         # the probed adapter's observed down-projection gradient: with the value test, accepted chains are peeled by
         # subtracting their exact contributions from it (valid at any number of states, unlike the projection)
