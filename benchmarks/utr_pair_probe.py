@@ -1,0 +1,149 @@
+"""Issue 11, a probe (not a benchmark table): exact per-pair signals from the embedding adapter's up AND down gradients.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/utr_pair_probe.py [--batch 16] [--rf 1] [--seed 0]
+
+Stage 1 places tokens by a support test, which cannot place a token that occurs many times: [SEP] occurs once per
+sentence, so the union of its masks covers almost every neuron and it passes at most positions (MiniLM rf = 1
+B = 16 seed 0: 22 [SEP] positions read for 14 true lengths, 61 false pairs in all). The stage-2 length logic then
+starts from wrong lengths. The upload holds more than the down-projection gradient the support test reads:
+
+* up-projection: G_up = sum_l delta_l h_l^T (+ bias sum_l delta_l), where h_l = ReLU(W_down f_l + b) is known for
+  every candidate pair l (f_l = the frozen embedding output of (token, position)). So Delta = Delta0 + N C, with
+  N the null space of [H, 1]^T: n - rank unknown directions per hidden coordinate, n the candidate pairs;
+* down-projection: G_down = sum_l (D_l W_up^T delta_l) f_l^T (+ bias), with D_l the pair's known ReLU mask. For
+  neuron j only the pairs active there enter, and u_lj = (W_up^T delta_l)_j = (Delta0 W_up)_lj + (N c_j)_l,
+  c_j = C W_up[:, j]: one small least-squares problem per neuron ((n + 1) equations' worth of rows,
+  n - rank unknowns), valid at any reduction factor.
+
+The result is each candidate pair's exact bottleneck signal u_l (masked by D_l): zero for a false pair, the
+signal of one state for a pair one sentence holds, the sum for a pair several hold. False pairs whose norms fall
+far below the others are dropped and the rest solved again (fewer pairs, fewer unknowns). Reported: the norms of
+true and false pairs, [SEP] per read position, and the match with the value test's signals of once-placed tokens
+(``gradleak.attacks.utr_values``). Writes ``runs/utr_pair_probe.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+from _bench import minilm_rt_update  # noqa: E402
+from gradleak.attacks.utr import UTRAttack, collect_grads  # noqa: E402
+from gradleak.attacks.utr_values import TokenGradientTest  # noqa: E402
+from gradleak.experiments.results import write_json_atomic  # noqa: E402
+from gradleak.fl.core import ServerView  # noqa: E402
+from gradleak.peft.text_adapters import PREFIX, adapter_param  # noqa: E402
+
+f64 = torch.float64
+
+
+def pair_signals(F: torch.Tensor, Wd: torch.Tensor, bd: torch.Tensor, Wu: torch.Tensor,
+                 grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """(n, b) bottleneck signals of the n candidate pairs with embedding outputs ``F`` (module docstring)."""
+    n = F.shape[0]
+    Z = F @ Wd.T + bd
+    D, H = Z > 0, torch.relu(Z)
+    Ht = torch.cat([H, torch.ones(n, 1, dtype=f64)], 1)  # (n, b + 1)
+    Yu = torch.cat([grads["up.weight"], grads["up.bias"][:, None]], 1)  # (d, b + 1) = Delta^T Ht
+    delta0 = torch.linalg.lstsq(Ht.T, Yu.T, driver="gelsd").solution  # (n, d)
+    Uh, Sh, _ = torch.linalg.svd(Ht, full_matrices=True)
+    rk = int((Sh > 1e-10 * Sh[0]).sum())
+    N = Uh[:, rk:]  # (n, m): Delta0 + N C solves the up-projection equations
+    U0 = delta0 @ Wu  # (n, b)
+    Ft = torch.cat([F, torch.ones(n, 1, dtype=f64)], 1)
+    Yd = torch.cat([grads["down.weight"], grads["down.bias"][:, None]], 1)  # (b, d + 1)
+    U = torch.zeros(n, Wd.shape[0], dtype=f64)
+    short, worst = 0, 0.0
+    for j in range(Wd.shape[0]):
+        a = D[:, j]
+        if not bool(a.any()):
+            continue
+        rhs = Yd[j] - Ft[a].T @ U0[a, j]
+        if N.shape[1]:
+            Mj = Ft[a].T @ N[a]
+            c = torch.linalg.lstsq(Mj, rhs[:, None], driver="gelsd").solution[:, 0]
+            sv = torch.linalg.svdvals(Mj)
+            short += int((sv > 1e-9 * sv[0]).sum()) < N.shape[1]
+            worst = max(worst, float((Mj @ c - rhs).norm() / Yd[j].norm().clamp_min(1e-300)))
+            U[:, j] = (U0[:, j] + N @ c) * a
+        else:
+            U[:, j] = U0[:, j] * a
+    return U, {"null_dim": N.shape[1], "neurons_underdetermined": short, "down_fit_residual": worst}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--rf", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--drop", type=float, default=0.05, help="drop pairs below this x the median norm, re-solve")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "utr_pair_probe.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    tm, _, upd, truth = minilm_rt_update(args.batch, args.rf, args.seed)
+    view = ServerView(tm.model, [upd], public={"tokenizer": tm.tokenizer, "batch_size": args.batch})
+    pairs = UTRAttack().word_bag(view)["pairs"]
+    true_pairs: dict[int, set[int]] = {}
+    for t in truth:
+        for p, v in enumerate(t):
+            true_pairs.setdefault(v, set()).add(p)
+    t0 = time.perf_counter()
+    emb = tm.model.base_model.embeddings
+    ln = emb.LayerNorm
+    ad = getattr(tm.model, PREFIX)["embedding"]
+    Wd, bd, Wu = (w.detach().to(f64) for w in (ad.down.weight, ad.down.bias, ad.up.weight))
+    L = [(v, p) for v in sorted(pairs) for p in sorted(pairs[v])]
+    true = torch.tensor([p in true_pairs.get(v, ()) for v, p in L])
+    x = torch.stack([emb.word_embeddings.weight.detach().to(f64)[v] + emb.position_embeddings.weight.detach().to(f64)[p]
+                     + emb.token_type_embeddings.weight.detach().to(f64)[0] for v, p in L])
+    F = torch.nn.functional.layer_norm(x, (x.shape[1],), ln.weight.detach().to(f64), ln.bias.detach().to(f64), ln.eps)
+    grads = {k: upd.tensors[adapter_param("embedding", k)].to(f64)
+             for k in ("down.weight", "down.bias", "up.weight", "up.bias")}
+    keep = torch.ones(len(L), dtype=torch.bool)
+    rounds = []
+    for _ in range(5):
+        Uk, st = pair_signals(F[keep], Wd, bd, Wu, grads)
+        U = torch.zeros(len(L), Wd.shape[0], dtype=f64)
+        U[keep] = Uk
+        nrm = U.norm(dim=1)
+        rel = nrm / nrm.max()
+        r = {**st, "pairs_kept": int(keep.sum()), "true_kept": int((keep & true).sum()),
+             "true_min": float(rel[true].min()), "false_max": float(rel[~true].max()) if bool((~true).any()) else 0.0}
+        rounds.append(r)
+        print(f"pairs {r['pairs_kept']} (true {r['true_kept']} of {int(true.sum())}), null dim {r['null_dim']}, "
+              f"underdetermined neurons {r['neurons_underdetermined']}: true pairs' norm >= {r['true_min']:.2e}, "
+              f"false pairs' <= {r['false_max']:.2e} (of the largest)")
+        new = keep & (nrm > args.drop * nrm[keep].median())
+        if bool((new == keep).all()):
+            break
+        keep = new
+    secs = time.perf_counter() - t0
+    vt = TokenGradientTest(tm.model, collect_grads(view, adapter_param("embedding"))[0], true_pairs)
+    diffs = [float((U[i] - vt.obs[k]).norm() / vt.obs[k].norm()) for i, k in enumerate(L) if k in vt.obs]
+    sep = tm.tokenizer.sep_token_id
+    seps = [{"position": p, "norm": float(rel[i]), "true": bool(true[i])} for i, (v, p) in enumerate(L) if v == sep]
+    sep_true = [s["norm"] for s in seps if s["true"]]
+    sep_false = [s["norm"] for s in seps if not s["true"]]
+    print(f"[SEP]: {len(sep_true)} true positions, norm >= {min(sep_true):.2e}; {len(sep_false)} false, norm <= "
+          f"{max(sep_false, default=0):.2e}")
+    print(f"once-placed tokens: {len(diffs)} pairs, max relative difference to the value test's signals "
+          f"{max(diffs, default=float('nan')):.1e}; {secs:.1f} s")
+    res = {"batch": args.batch, "rf": args.rf, "seed": args.seed, "layer_states": sum(len(t) for t in truth),
+           "pairs_read": len(L), "true_pairs": int(true.sum()), "rounds": rounds, "sep": seps,
+           "value_test_pairs": len(diffs), "value_test_max_diff": max(diffs, default=None), "seconds": secs}
+    write_json_atomic(args.out, res)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
