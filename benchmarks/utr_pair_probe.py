@@ -12,8 +12,8 @@ starts from wrong lengths. The upload holds more than the down-projection gradie
   N the null space of [H, 1]^T: n - rank unknown directions per hidden coordinate, n the candidate pairs;
 * down-projection: G_down = sum_l (D_l W_up^T delta_l) f_l^T (+ bias), with D_l the pair's known ReLU mask. For
   neuron j only the pairs active there enter, and u_lj = (W_up^T delta_l)_j = (Delta0 W_up)_lj + (N c_j)_l,
-  c_j = C W_up[:, j]: one small least-squares problem per neuron ((n + 1) equations' worth of rows,
-  n - rank unknowns), valid at any reduction factor.
+  c_j = C W_up[:, j]: one small least-squares problem per neuron (d + 1 equations, n - rank unknowns), valid
+  at any reduction factor.
 
 The result is each candidate pair's exact bottleneck signal u_l (masked by D_l): zero for a false pair, the
 signal of one state for a pair one sentence holds, the sum for a pair several hold. False pairs whose norms fall
