@@ -15,10 +15,9 @@ starts from wrong lengths. The upload holds more than the down-projection gradie
   c_j = C W_up[:, j]: one small least-squares problem per neuron (d + 1 equations, n - rank unknowns), valid
   at any reduction factor.
 
-The result is each candidate pair's exact bottleneck signal u_l (masked by D_l): zero for a false pair, the
-signal of one state for a pair one sentence holds, the sum for a pair several hold. False pairs whose norms fall
-far below the others are dropped and the rest solved again (fewer pairs, fewer unknowns). Reported: the norms of
-true and false pairs, [SEP] per read position, and the match with the value test's signals of once-placed tokens
+The solve now runs in stage 1 (``gradleak.attacks.utr_pairs.refine_pairs``); this probe starts from the support
+test's pairs (``word_bag(...)["support_pairs"]``) and reports the norms of true and false pairs, [SEP] per read
+position, and the match with the value test's coefficient route for once-placed tokens
 (``gradleak.attacks.utr_values``). Writes ``runs/utr_pair_probe.json``.
 """
 
@@ -37,46 +36,13 @@ import torch  # noqa: E402
 
 from _bench import minilm_rt_update  # noqa: E402
 from gradleak.attacks.utr import UTRAttack, collect_grads  # noqa: E402
+from gradleak.attacks.utr_pairs import refine_pairs  # noqa: E402
 from gradleak.attacks.utr_values import TokenGradientTest  # noqa: E402
 from gradleak.experiments.results import write_json_atomic  # noqa: E402
 from gradleak.fl.core import ServerView  # noqa: E402
 from gradleak.peft.text_adapters import PREFIX, adapter_param  # noqa: E402
 
 f64 = torch.float64
-
-
-def pair_signals(F: torch.Tensor, Wd: torch.Tensor, bd: torch.Tensor, Wu: torch.Tensor,
-                 grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-    """(n, b) bottleneck signals of the n candidate pairs with embedding outputs ``F`` (module docstring)."""
-    n = F.shape[0]
-    Z = F @ Wd.T + bd
-    D, H = Z > 0, torch.relu(Z)
-    Ht = torch.cat([H, torch.ones(n, 1, dtype=f64)], 1)  # (n, b + 1)
-    Yu = torch.cat([grads["up.weight"], grads["up.bias"][:, None]], 1)  # (d, b + 1) = Delta^T Ht
-    delta0 = torch.linalg.lstsq(Ht.T, Yu.T, driver="gelsd").solution  # (n, d)
-    Uh, Sh, _ = torch.linalg.svd(Ht, full_matrices=True)
-    rk = int((Sh > 1e-10 * Sh[0]).sum())
-    N = Uh[:, rk:]  # (n, m): Delta0 + N C solves the up-projection equations
-    U0 = delta0 @ Wu  # (n, b)
-    Ft = torch.cat([F, torch.ones(n, 1, dtype=f64)], 1)
-    Yd = torch.cat([grads["down.weight"], grads["down.bias"][:, None]], 1)  # (b, d + 1)
-    U = torch.zeros(n, Wd.shape[0], dtype=f64)
-    short, worst = 0, 0.0
-    for j in range(Wd.shape[0]):
-        a = D[:, j]
-        if not bool(a.any()):
-            continue
-        rhs = Yd[j] - Ft[a].T @ U0[a, j]
-        if N.shape[1]:
-            Mj = Ft[a].T @ N[a]
-            c = torch.linalg.lstsq(Mj, rhs[:, None], driver="gelsd").solution[:, 0]
-            sv = torch.linalg.svdvals(Mj)
-            short += int((sv > 1e-9 * sv[0]).sum()) < N.shape[1]
-            worst = max(worst, float((Mj @ c - rhs).norm() / Yd[j].norm().clamp_min(1e-300)))
-            U[:, j] = (U0[:, j] + N @ c) * a
-        else:
-            U[:, j] = U0[:, j] * a
-    return U, {"null_dim": N.shape[1], "neurons_underdetermined": short, "down_fit_residual": worst}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,41 +57,34 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     tm, _, upd, truth = minilm_rt_update(args.batch, args.rf, args.seed)
     view = ServerView(tm.model, [upd], public={"tokenizer": tm.tokenizer, "batch_size": args.batch})
-    pairs = UTRAttack().word_bag(view)["pairs"]
+    bag = UTRAttack().word_bag(view)
+    pairs = bag["support_pairs"] or bag["pairs"]  # the support test's pairs, before the exact solve cleans them
     true_pairs: dict[int, set[int]] = {}
     for t in truth:
         for p, v in enumerate(t):
             true_pairs.setdefault(v, set()).add(p)
     t0 = time.perf_counter()
     emb = tm.model.base_model.embeddings
-    ln = emb.LayerNorm
     ad = getattr(tm.model, PREFIX)["embedding"]
-    Wd, bd, Wu = (w.detach().to(f64) for w in (ad.down.weight, ad.down.bias, ad.up.weight))
     L = [(v, p) for v in sorted(pairs) for p in sorted(pairs[v])]
     true = torch.tensor([p in true_pairs.get(v, ()) for v, p in L])
-    x = torch.stack([emb.word_embeddings.weight.detach().to(f64)[v] + emb.position_embeddings.weight.detach().to(f64)[p]
-                     + emb.token_type_embeddings.weight.detach().to(f64)[0] for v, p in L])
-    F = torch.nn.functional.layer_norm(x, (x.shape[1],), ln.weight.detach().to(f64), ln.bias.detach().to(f64), ln.eps)
-    grads = {k: upd.tensors[adapter_param("embedding", k)].to(f64)
-             for k in ("down.weight", "down.bias", "up.weight", "up.bias")}
-    keep = torch.ones(len(L), dtype=torch.bool)
-    rounds = []
-    for _ in range(5):
-        Uk, st = pair_signals(F[keep], Wd, bd, Wu, grads)
-        U = torch.zeros(len(L), Wd.shape[0], dtype=f64)
-        U[keep] = Uk
-        nrm = U.norm(dim=1)
-        rel = nrm / nrm.max()
-        r = {**st, "pairs_kept": int(keep.sum()), "true_kept": int((keep & true).sum()),
-             "true_min": float(rel[true].min()), "false_max": float(rel[~true].max()) if bool((~true).any()) else 0.0}
-        rounds.append(r)
-        print(f"pairs {r['pairs_kept']} (true {r['true_kept']} of {int(true.sum())}), null dim {r['null_dim']}, "
-              f"underdetermined neurons {r['neurons_underdetermined']}: true pairs' norm >= {r['true_min']:.2e}, "
-              f"false pairs' <= {r['false_max']:.2e} (of the largest)")
-        new = keep & (nrm > args.drop * nrm[keep].median())
-        if bool((new == keep).all()):
-            break
-        keep = new
+    parts = ("down.weight", "down.bias", "up.weight", "up.bias")
+    grads = {k: upd.tensors[adapter_param("embedding", k)] for k in parts}
+    out = refine_pairs(emb, ad, grads, pairs, drops=(args.drop,))
+    if out is None:
+        print("the up + down equations do not fit the support test's pairs (a true pair missed)")
+        return 1
+    _, signals, info = out
+    U = torch.stack([signals.get(k, torch.zeros(ad.down.weight.shape[0], dtype=f64)) for k in L])
+    nrm = U.norm(dim=1)
+    rel = nrm / nrm.max()
+    rounds = info["rounds"]
+    for r in rounds:
+        print(f"pairs {r['pairs']}, null dim {r['null_dim']}, underdetermined neurons "
+              f"{r['neurons_underdetermined']}, fit residual (median) {r['fit_median']:.1e}")
+    kept = nrm > 0
+    print(f"kept {int(kept.sum())} pairs, true {int((kept & true).sum())} of {int(true.sum())}, false "
+          f"{int((kept & ~true).sum())}")
     secs = time.perf_counter() - t0
     vt = TokenGradientTest(tm.model, collect_grads(view, adapter_param("embedding"))[0], true_pairs)
     diffs = [float((U[i] - vt.obs[k]).norm() / vt.obs[k].norm()) for i, k in enumerate(L) if k in vt.obs]

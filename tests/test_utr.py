@@ -599,3 +599,63 @@ def test_value_test_checks_each_sentence_past_the_bottleneck_and_repairs_moves()
     one = list(truth[0])
     one[q] = truth[1][q]
     assert float(s2._full_residuals([one])[0].max()) > 1e-2
+
+
+def test_exact_pair_signals_drop_false_pairs_and_refuse_what_does_not_fit():
+    """Issue 11: the embedding adapter's up- and down-projection equations give every candidate pair's exact
+    bottleneck signal. On a real saturated batch (MiniLM rf = 4, B = 4) stage 1 returns exactly the batch's pairs
+    (a planted false pair is dropped), the signals agree with the value test's coefficient route for once-placed
+    tokens, a missing true pair or a several-step upload makes the equations refuse (None), not guess."""
+    from gradleak.attacks.utr import collect_grads
+    from gradleak.attacks.utr_pairs import refine_pairs
+    from gradleak.attacks.utr_values import TokenGradientTest
+    from gradleak.peft.text_adapters import PREFIX, adapter_param
+
+    torch.manual_seed(0)
+    tm, view, enc, bag, sub = _saturated_rf4_b4()
+    ids, m = enc["input_ids"], enc["attention_mask"].bool()
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    true = set(zip(ids[m].tolist(), pos[m].tolist()))
+    assert bag["exact_pairs"] == "ok"
+    assert {(v, p) for v, ps in bag["pairs"].items() for p in ps} == true
+    assert set(bag["signals"]) == true
+    coef = TokenGradientTest(tm.model, collect_grads(view, adapter_param("embedding"))[0], bag["pairs"])
+    assert len(coef.obs) >= 10
+    for k, u in coef.obs.items():
+        assert float((bag["signals"][k] - u).norm() / u.norm()) < 1e-4
+    emb, ad = tm.model.base_model.embeddings, getattr(tm.model, PREFIX)["embedding"]
+    up = view.updates[0].tensors
+    grads = {k: up[adapter_param("embedding", k)] for k in ("down.weight", "down.bias", "up.weight", "up.bias")}
+    planted = {v: set(ps) for v, ps in bag["pairs"].items()}
+    the = tm.tokenizer.convert_tokens_to_ids("the")
+    free = next(p for p in range(1, 20) if (the, p) not in true)
+    planted.setdefault(the, set()).add(free)
+    clean, signals, info = refine_pairs(emb, ad, grads, planted)
+    assert {(v, p) for v, ps in clean.items() for p in ps} == true and info["pairs_dropped"] == 1
+    missing = {v: set(ps) for v, ps in bag["pairs"].items()}
+    v0 = next(v for v, ps in missing.items() if len(ps) == 1 and v not in (tm.tokenizer.cls_token_id,))
+    del missing[v0]
+    assert refine_pairs(emb, ad, grads, missing) is None
+    from gradleak.fl.core import Client
+    from gradleak.models.text import text_loss
+
+    x = torch.stack([enc["input_ids"], enc["attention_mask"]], 1)
+    y = torch.tensor([i % 2 for i in range(4)])
+    multi = Client(0, x, y, loss_fn=text_loss(tm.kind)).local_update(tm.model, algorithm="fedavg", epochs=3, lr=0.5,
+                                                                  batch_size=2)
+    mg = {k: multi.tensors[adapter_param("embedding", k)] for k in grads}
+    assert refine_pairs(emb, ad, mg, bag["pairs"]) is None
+
+
+def test_extra_chains_go_where_the_sep_signal_says_several_sentences_end():
+    """With exact signals, the chains no token count forces take the length whose [SEP] signal stands off the
+    one-sentence trend (a shared [SEP] sums several sentences' signals); without, the longest length."""
+    from gradleak.attacks.utr_encoder import EncoderChainSearch
+
+    s = EncoderChainSearch.__new__(EncoderChainSearch)
+    s.seps, s.by_pos = [5, 9, 14, 20], {q: [1] for q in range(1, 20)}
+    s.sep_dev = {}
+    assert s._lengths(6) == [20, 20, 20, 14, 9, 5]
+    s.sep_dev = {5: 0.01, 9: 0.6, 14: 0.02, 20: 0.0}
+    assert s._lengths(6) == [20, 14, 9, 9, 9, 5]
+    assert s._multiplicity_cost([20, 14, 9, 9, 5]) < s._multiplicity_cost([20, 20, 14, 9, 5])

@@ -554,6 +554,9 @@ class UTRConfig(SpanTestConfig):
     time_budget: float = Field(600.0, gt=0, description="seconds before the sentence search stops")
     value_test: bool = Field(True, description="past the first layer's bottleneck (bidirectional models), test and "
                              "move candidate sentences on the embedding adapter's gradient values (one-step uploads)")
+    soft_rank: Optional[float] = Field(None, gt=0, le=1, description="past the first layer's bottleneck (with the "
+                                       "value test): grade chains by this fraction of the upload's strongest "
+                                       "directions instead of its whole (saturated) row space; null = off")
     threads: Optional[int] = Field(1, ge=1, le=1024, description="torch threads during the attack (the run's "
                                    "`threads` for the client steps is untouched); default 1: the search is many "
                                    "small float64 products that gain nothing from threads and slow down 3-4x when "
@@ -591,7 +594,7 @@ class UTRAttack(AttackBase):
                  max_positions: int = 128, max_len: int = 128, max_branches: int | None = None, eicw: bool = True,
                  lm_prior: bool = True, all_rounds: bool = True, sentence_layer: str = "layer_0",
                  screen_tol: float = 0.05, time_budget: float = 600.0, threads: int | None = 1,
-                 noise: float | str = "public", value_test: bool = True):
+                 noise: float | str = "public", value_test: bool = True, soft_rank: float | None = None):
         self.eps_bag, self.eps_sentence, self.rank_rtol = float(eps_bag), float(eps_sentence), float(rank_rtol)
         self.max_positions, self.max_len = int(max_positions), int(max_len)
         self.max_branches = None if max_branches is None else int(max_branches)
@@ -602,6 +605,7 @@ class UTRAttack(AttackBase):
         self.threads = None if threads is None else int(threads)
         self.noise = noise
         self.value_test = bool(value_test)
+        self.soft_rank = None if soft_rank is None else float(soft_rank)
 
     def noise_std(self, view: ServerView, grads: list[torch.Tensor]) -> float | None:
         """Per-coordinate std of the noise on the observed uploads (see ``noise``), or None: exact tests."""
@@ -627,6 +631,37 @@ class UTRAttack(AttackBase):
         return model  # honest: no model modification (SPEC §3.1)
 
     # -- stage 1
+    def exact_pairs(self, view: ServerView, pairs: dict[int, set[int]], tokens: list[int], npos: int,
+                    sigma: float | None = None) -> tuple[dict[int, set[int]], dict | None, dict[str, Any]]:
+        """Stage 1's pairs cleaned by every candidate's exact bottleneck signal (:mod:`gradleak.attacks.utr_pairs`):
+        needs the embedding adapter's up-projection in the upload; when the support test's pairs do not fit the
+        equations (a true pair missed), the candidates of one allowed support violation are solved instead.
+        Under noise the equations hold only approximately: not tried. Returns (pairs, signals or None, info)."""
+        from gradleak.attacks.utr_pairs import refine_pairs
+
+        if sigma:
+            return pairs, None, {"exact_pairs": "not tried (noisy upload)"}
+        model = view.model
+        up = view.updates[0].tensors if view.updates else {}
+        parts = ("down.weight", "down.bias", "up.weight", "up.bias")
+        if not pairs or any(adapter_param("embedding", k) not in up for k in parts):
+            return pairs, None, {"exact_pairs": "not tried (no up-projection in the upload)"}
+        grads = {k: collect_grads(view, adapter_param("embedding", k))[0] for k in parts}
+        emb, ad = model.base_model.embeddings, getattr(model, PREFIX)["embedding"]
+        ref = refine_pairs(emb, ad, grads, pairs)
+        tried = 0
+        if ref is None:
+            tried = 1
+            wide = bert_pair_decompose(emb, ad, [grads["down.weight"]], tokens, npos, max_violations=1)
+            ref = refine_pairs(emb, ad, grads, wide) if wide is not None else None
+        if ref is None:
+            return pairs, None, {"exact_pairs": "no fit (not a one-step upload?)"}
+        clean, signals, info = ref
+        return clean, signals, {"exact_pairs": "ok", "exact_pairs_violations_allowed": tried,
+                                "exact_pairs_dropped": sum(len(p) for p in pairs.values()) - sum(
+                                    len(p) for p in clean.values()),
+                                "exact_pairs_fit": info["rounds"][-1]["fit_median"]}
+
     def word_bag(self, view: ServerView) -> dict[str, Any]:
         model = view.model
         if not hasattr(model, PREFIX) or "embedding" not in getattr(model, PREFIX):
@@ -647,11 +682,13 @@ class UTRAttack(AttackBase):
             pairs = {int(v): set() for v in tokens}
             min_res = res
             positions_ok, augmented = True, False
+            signals, exact_info, support = None, {}, None
         else:
             emb = model.base_model.embeddings
             npos = min(self.max_positions, emb.position_embeddings.weight.shape[0])
             positions_ok, augmented = True, False
             pairs, tokens, min_res = {}, [], None
+            signals, exact_info, support = None, {}, None
             # Near or at the bottleneck (BERT pairs fill S), test tokens against S + span{b_p, beta} instead; under
             # noise too: distinct tokens' a_v stand far apart (random tokens' residual ~0.4), while a pair's nearest
             # false pair (the same token at the next position) is a few degrees away and drowns first (measured,
@@ -680,6 +717,8 @@ class UTRAttack(AttackBase):
                                               noise_std=sigma)
                 if dec is not None:
                     pairs = {v: ps for v, ps in dec.items() if ps}
+                    support = pairs
+                    pairs, signals, exact_info = self.exact_pairs(view, pairs, cand, npos, sigma)
                     tokens, augmented = sorted(pairs), True
                 else:
                     positions_ok = False
@@ -706,6 +745,8 @@ class UTRAttack(AttackBase):
                                               noise_std=sigma)
                     if dec is not None:
                         pairs = dec
+                        support = pairs
+                        pairs, signals, exact_info = self.exact_pairs(view, pairs, tokens, npos_seen, sigma)
                     else:  # T + P + 1 > n: the bag is right but tokens cannot be placed (capacity for positions)
                         positions_ok = False
                 elif sub.saturated:
@@ -713,7 +754,7 @@ class UTRAttack(AttackBase):
         secs = time.perf_counter() - t0
         return {"tokens": tokens, "pairs": pairs, "subspace": sub, "seconds": secs, "min_residual": min_res,
                 "causal": causal, "positions_ok": positions_ok, "augmented": augmented, "noise_std": sigma,
-                "eps_bag": eps_bag}
+                "eps_bag": eps_bag, "signals": signals, "support_pairs": support, **exact_info}
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
         prev = torch.get_num_threads()
@@ -759,13 +800,14 @@ class UTRAttack(AttackBase):
                 from gradleak.attacks.utr_values import TokenGradientTest
 
                 value_test = TokenGradientTest(model, collect_grads(view, adapter_param("embedding"))[0],
-                                               bag["pairs"])
+                                               bag["pairs"], signals=bag["signals"])
             search = EncoderChainSearch(model, self.sentence_layer, sub_la, eps_sentence, sp["cls"], sp["sep"],
                                         sp["mask"], bag["pairs"], view.public.get("batch_size"),
                                         time_budget=self.time_budget,
                                         # S_LA saturated: chains verified in subsets are peeled out of S_LA;
                                         # the whole batch is verified jointly (beyond the paper)
-                                        joint=la_saturated, value_test=value_test, layer_grad=grads_la[0])
+                                        joint=la_saturated, value_test=value_test, layer_grad=grads_la[0],
+                                        soft_rank=self.soft_rank)
             sents, sinfo = search.run()
         t2 = time.perf_counter()
         info = {
@@ -789,6 +831,7 @@ class UTRAttack(AttackBase):
             "eps_sentence_used": eps_sentence,
             "word_bag_seconds": bag["seconds"],
             "word_bag_augmented": bool(bag["augmented"]),
+            **{k: v for k, v in bag.items() if k.startswith("exact_pairs")},
             "sentence_seconds": t2 - t1,
             **sinfo,
         }

@@ -38,10 +38,13 @@ class TokenGradientTest:
     """Exact per-sentence test from the embedding adapter's down-projection gradient (module docstring).
 
     ``grad``: that gradient (b, n) of the attacked update (one round); ``pairs``: stage 1's token -> positions;
-    ``num_labels``: classes of the head (default: the model's ``config.num_labels``)."""
+    ``num_labels``: classes of the head (default: the model's ``config.num_labels``); ``signals``: every pair's
+    exact bottleneck signal (:func:`gradleak.attacks.utr_pairs.refine_pairs`), which tests every position, not
+    only those of once-placed tokens."""
 
     def __init__(self, model: nn.Module, grad: torch.Tensor, pairs: dict[int, set[int]], token_type: int = 0,
-                 num_labels: int | None = None, chunk: int = 64):
+                 num_labels: int | None = None, chunk: int = 64,
+                 signals: dict[tuple[int, int], torch.Tensor] | None = None):
         f64 = torch.float64
         self.model, self.chunk = model, int(chunk)
         self.adapter = getattr(model, PREFIX)["embedding"]
@@ -54,7 +57,14 @@ class TokenGradientTest:
         self.evaluations = 0
         self.obs: dict[tuple[int, int], torch.Tensor] = {}  # (token, position) of a once-placed token -> its delta
         self.fit_residual = float("nan")
+        self.exact_signals = False
         if not self.usable:
+            return
+        if signals:
+            self.obs = {(int(v), int(p)): u.to(f64) for (v, p), u in signals.items() if float(u.norm()) > 0}
+            self.fit_residual = 0.0
+            self.exact_signals = True
+            self.usable = bool(self.obs)
             return
         toks = torch.tensor(self.tokens)
         E = emb.word_embeddings.weight.detach().to(f64)[toks]
