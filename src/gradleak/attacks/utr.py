@@ -554,7 +554,7 @@ class UTRConfig(SpanTestConfig):
     time_budget: float = Field(600.0, gt=0, description="seconds before the sentence search stops")
     value_test: bool = Field(True, description="past the first layer's bottleneck (bidirectional models), test and "
                              "move candidate sentences on the embedding adapter's gradient values (one-step uploads)")
-    soft_rank: Optional[float] = Field(None, gt=0, le=1, description="past the first layer's bottleneck (with the "
+    soft_rank: Optional[float] = Field(0.96, gt=0, le=1, description="past the first layer's bottleneck (with the "
                                        "value test): grade chains by this fraction of the upload's strongest "
                                        "directions instead of its whole (saturated) row space; null = off")
     threads: Optional[int] = Field(1, ge=1, le=1024, description="torch threads during the attack (the run's "
@@ -594,7 +594,7 @@ class UTRAttack(AttackBase):
                  max_positions: int = 128, max_len: int = 128, max_branches: int | None = None, eicw: bool = True,
                  lm_prior: bool = True, all_rounds: bool = True, sentence_layer: str = "layer_0",
                  screen_tol: float = 0.05, time_budget: float = 600.0, threads: int | None = 1,
-                 noise: float | str = "public", value_test: bool = True, soft_rank: float | None = None):
+                 noise: float | str = "public", value_test: bool = True, soft_rank: float | None = 0.96):
         self.eps_bag, self.eps_sentence, self.rank_rtol = float(eps_bag), float(eps_sentence), float(rank_rtol)
         self.max_positions, self.max_len = int(max_positions), int(max_len)
         self.max_branches = None if max_branches is None else int(max_branches)
