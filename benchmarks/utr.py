@@ -351,38 +351,42 @@ NOTES = """### Notes
   sentences stay below 90 (87.1/77.1 and 46.7/22.7, unverified): stage 2 uses one round's layer adapter, whose
   input moves with the trained embedding adapter from round to round, so its subspaces do not stack, and 71 and
   255 layer states are 148 % and 266 % of the bottleneck.
-* **The limit of stage 2 is layer states, not unique tokens.** The first layer adapter's subspace holds one
-  direction per distinct layer state (every token on BERT, every distinct prefix on causal LMs). At rf = 1 the
-  bottleneck equals the hidden size, so once the batch has more states than that, S_LA is numerically the whole
-  space and the membership test is blind: MiniLM rf = 1 B = 16 (484 states, 278 unique tokens), true states'
-  residual median 0.004 vs 0.005 for sentences with a wrong token (`pytest tests/test_utr.py -k blind -s`).
-  This is why `t2/minilm/utr/B16` and `t2/smollm2/utr/B32` (767 prefix states in 576 dimensions, 0.4) fail
-  although their unique tokens fit the bottleneck; the authors' code, which checks the true order, fails
-  wherever the batch's tokens overflow the bottleneck (as the issue measured it). The value test still verifies
-  sentences there (it does not read the first layer), and the subtraction makes the first layer exact again once
-  the verified sentences leave fewer states than rows: MiniLM rf = 1 B = 16 seed 4242 (419 states, 109 % of the
-  hidden size) gives 92.9/91.9 with 14 of 16 verified in a 300 s budget (`gradleak run
-  configs/utr/minilm_rt.yaml --set data.batch_size=16 --set peft.reduction_factor=1 --set seed=4242 --set
-  attack.params.time_budget=300`). `t2/minilm/utr/B16` (seed 0, 484 states, 126 %) needs 4 verified sentences
-  before that point and gets 2: the construction and the subspace moves that feed the value test have no signal
-  once states exceed the hidden size, and stage 1 reads 22 [SEP] positions for 14 true lengths there, so most
-  chains start too far from a sentence for value moves to repair (letting them move every chain gave 0 of 16 in
-  300 s). Its ROUGE is that of unverified chains and moves with how many sweeps the 120 s budget allows on a
-  loaded machine: 73.6/62.4 with an earlier state of this change, 38.1/15.0 with the final one, 35.2/14.4 at
-  300 s. A construction on the value test itself is not possible as it stands: on prefixes with a [MASK] suffix
-  it does not grade (median residual 0.60 for true prefixes, 0.70 with one wrong previous token;
-  `benchmarks/utr_value_prefix_probe.py`). For the same reason the causal prefix search has no value test (a
-  prefix's backward signals depend on the suffix).
-* **What the next step reads (probes, not yet in the attack).** Two signals were measured on that seed-0 batch.
-  The lengths: the up-projection gradient G_up = sum_l delta_l h_l^T, whose inputs h_l are known per candidate
-  pair, and the down-projection gradient, solved one neuron at a time, give every (token, position) pair its
-  exact bottleneck signal. Then all 61 false pairs are 0 after two re-solves, all 449 true pairs are kept, and the
-  [SEP] positions are exact (14 of 14; the 8 false ones 0). Held out, seed 4242: 37 false pairs at 0, all 384
-  true kept. `OMP_NUM_THREADS=1 python benchmarks/utr_pair_probe.py --seed 0`. The search: past the hidden size
-  the first layer's top 370 of 384 singular directions still grade states. A one-token change raises a state's
-  residual with AUC 0.94 and a sentence's summed residual in 99 % of the cases. A dev run with that basis and
-  peel by subtraction got ROUGE 76.7/69.7 (1 verified) on seed 0 and 97.6/97.3 (13 verified) on seed 4242, both
-  at 300 s; it is not shipped, and the wrong lengths were what was left.
+* **The limit of the row-space test is layer states, not unique tokens.** The first layer adapter's subspace
+  holds one direction per distinct layer state (every token on BERT, every distinct prefix on causal LMs). At
+  rf = 1 the bottleneck equals the hidden size, so once the batch has more states than that, S_LA is numerically
+  the whole space and the per-position membership test is blind: MiniLM rf = 1 B = 16 (484 states, 278 unique
+  tokens), true states' residual median 0.004 vs 0.005 for sentences with a wrong token
+  (`pytest tests/test_utr.py -k blind -s`). The authors' code, which checks the true order, fails wherever the
+  batch's tokens overflow the bottleneck (as the issue measured it).
+* **Exact pairs and a soft basis past the bottleneck (issue 11, beyond the paper).** Two more reads of the upload
+  take MiniLM past that limit:
+  - *Stage 1, exact.* The support test cannot place a token most sentences hold: on `t2/minilm/utr/B16` it read
+    22 [SEP] positions for 14 true lengths (61 false pairs). The embedding adapter's up-projection gradient
+    G_up = sum_l delta_l h_l^T has inputs h_l that are known for every candidate pair, and the down-projection
+    gradient, one neuron at a time, fixes what G_up leaves open (`gradleak.attacks.utr_pairs`). The result is
+    every candidate pair's exact bottleneck signal: zero for a false pair. Pairs far below the median are dropped
+    and the rest solved again, a drop kept only while the equations still fit at the float32 floor. When the
+    support test missed a true pair the equations do not fit, and the candidates of one allowed support violation
+    are solved instead. MiniLM rf = 1 B = 16, seeds 0, 1, 777, 4242: exactly the true pairs every time
+    (449/432/428/384; 59/40/51/36 false pairs dropped); rf = 2 B = 8 seed 0: 244 of 244, 27 dropped. The value
+    test then checks every position of a chain, not only once-placed tokens.
+  - *Lengths.* Sentences that share a length also share the "." before [SEP], so token counts cannot say how many
+    chains end there. A shared [SEP] pair carries the sum of several sentences' signals and stands off the
+    one-sentence trend of its norm (same labels add up, opposite ones cancel); that orders the length
+    multisets. The inferred lengths were the true ones first on all four seeds above.
+  - *Search.* Past the bottleneck the row space is everything, but the states' shares differ by orders of
+    magnitude: the top 96 % of the first layer upload's singular directions (`soft_rank`) still grade states (a
+    one-token change raises the state's residual with AUC 0.94 on seed 0, 0.99 on seed 4242). Chains the value
+    test accepts are peeled by subtraction at any number of states.
+  - *Measured, 300 s budget, one thread:* `gradleak run configs/utr/minilm_rt.yaml --out D --set
+    data.batch_size=16 --set peft.reduction_factor=1 --set seed=S --set attack.params.time_budget=300 --set
+    threads=1`. ROUGE 100/100 with 16 of 16 verified on seeds 0 (tuned on; 40 s), 1, 777 and 4242 (held out;
+    38, 98 and 23 s), and on news sentences (`--set data.name=news-sentences`, 447 states, 24 s). rf = 2 B = 8
+    (`--set data.batch_size=8`): 100/100, 8 of 8 verified, 3.4-11.5 s on seeds 0, 1, 777, 4242. Before these
+    changes seed 0 gave 39.0/13.7 (2 verified). Further past: B = 20 at rf = 1 (559 states, 146 %) gives
+    46.2/28.2 with none verified, and B = 24 loses the positions (366 unique tokens + positions + 1 exceed the
+    hidden size). Causal models are not covered: SmolLM2 rf = 1 B = 32 stays at 0.4 (the prefix search sees
+    incomplete sentences, whose signals depend on the suffix; stage 1 has no positions under RoPE).
 * **Defenses (Table 3) and noise (issue 11 item 3).** Noise: UTR takes the per-coordinate std the published
   defense implies (`attack.params.noise: public`; the server knows its DP parameters), ranks the gradient
   matrices from the noise spectrum's edge σ(√m + √n) and sets its tolerances from the noise floor; nothing is

@@ -11,7 +11,10 @@ tokens}. We build an orthonormal basis by SVD (float64, relative singular-value 
   V x P matrices built from three matmuls (see :func:`bert_pair_residuals`). The test yields the token bag and
   the maximal length; it cannot place tokens once the batch has T + P + 1 distinct pairs (then every bag token
   passes at every seen position). :func:`bert_pair_decompose` recovers the exact pairs from the gradient's
-  coefficients and the ReLU masks (beyond the paper); the positions of [SEP] give the sentence lengths.
+  coefficients and the ReLU masks (beyond the paper); the positions of [SEP] give the sentence lengths. When the
+  upload holds the adapter's up-projection, :mod:`gradleak.attacks.utr_pairs` solves every candidate pair's exact
+  bottleneck signal from the up + down equations and drops the pairs no sentence holds (the support test keeps
+  false pairs for tokens most sentences share, such as [SEP]).
 
 Stage 2 (sentences, SPEC §3.4) uses the first layer adapter's subspace S_LA = span{h_1 of the batch}:
 
@@ -26,7 +29,8 @@ Stage 2 (sentences, SPEC §3.4) uses the first layer adapter's subspace S_LA = s
   with Hungarian assignments scored by S_LA residuals (construction, point moves, splices, segment swaps) and
   accepts a sentence only when every position passes the membership test (``eps_sentence``). Past the first
   layer's bottleneck (more layer states than rows), :mod:`gradleak.attacks.utr_values` tests each candidate sentence
-  on the embedding adapter's gradient values instead (``value_test``; exact for one-step uploads).
+  on the embedding adapter's gradient values instead (``value_test``; exact for one-step uploads), and grades
+  chains by the upload's strongest directions (``soft_rank``).
 
 Filters (SPEC A3.1, not specified in the paper): EICW rejects an extension equal to the previous token unless
 nothing else passes (real text does repeat tokens: "very very", "..."). CG/CS -- there is no grammar service
