@@ -253,13 +253,9 @@ def bert_pair_residuals(embeddings: nn.Module, sub: Subspace, num_positions: int
 def bert_pair_exact(embeddings: nn.Module, sub: Subspace, tokens: torch.Tensor, positions: torch.Tensor,
                     token_type: int = 0) -> torch.Tensor:
     """Exact float64 relative residuals of explicit f_0(v, p) vectors for the given (token, position) pairs."""
-    f64 = torch.float64
-    x = embeddings.word_embeddings.weight.detach().to(f64)[tokens] \
-        + embeddings.position_embeddings.weight.detach().to(f64)[positions] \
-        + embeddings.token_type_embeddings.weight.detach().to(f64)[token_type]
-    ln = embeddings.LayerNorm
-    f = torch.nn.functional.layer_norm(x, (x.shape[-1],), ln.weight.detach().to(f64), ln.bias.detach().to(f64), ln.eps)
-    return sub.residual(f)
+    from gradleak.attacks.utr_pairs import pair_inputs
+
+    return sub.residual(pair_inputs(embeddings, tokens, positions, token_type))
 
 
 def bert_augmented_bag(embeddings: nn.Module, sub: Subspace, num_positions: int, eps: float,
