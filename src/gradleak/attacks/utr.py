@@ -660,7 +660,7 @@ class UTRAttack(AttackBase):
         return clean, signals, {"exact_pairs": "ok", "exact_pairs_violations_allowed": tried,
                                 "exact_pairs_dropped": sum(len(p) for p in pairs.values()) - sum(
                                     len(p) for p in clean.values()),
-                                "exact_pairs_fit": info["rounds"][-1]["fit_median"]}
+                                "exact_pairs_fit": info["fit_median"]}
 
     def word_bag(self, view: ServerView) -> dict[str, Any]:
         model = view.model

@@ -664,7 +664,8 @@ class EncoderChainSearch:
         if (self.value_test is not None and self.layer_grad is not None and self.probe_fn is None
                 and (remaining < min(self.layer_grad.shape) or self.soft_rank is not None)):
             # the subtraction leaves an exact subspace only below the bottleneck; above it the rest's row space is
-            # the whole bottleneck's worth and grades nothing, so the projection keeps the search going until then
+            # the whole bottleneck's worth and grades nothing: with soft_rank its strongest directions grade (see
+            # _soft_basis), without it the projection keeps the search going until then
             return self._peel_values(chains, accepted)
         st = torch.cat(self._states_full([chains[i] for i in sorted(accepted)]))
         F = self._orth(st, 1e-9)

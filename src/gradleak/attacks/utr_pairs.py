@@ -129,5 +129,5 @@ def refine_pairs(embeddings: nn.Module, adapter: nn.Module, grads: dict[str, tor
     out: dict[int, set[int]] = {}
     for v, p in kept:
         out.setdefault(v, set()).add(p)
-    signals = {k: U[i] for i, k in enumerate(kept)}
-    return out, signals, {"rounds": log, "pairs_dropped": len(L) - len(kept)}
+    signals = {pair: U[i] for i, pair in enumerate(kept)}
+    return out, signals, {"rounds": log, "pairs_dropped": len(L) - len(kept), "fit_median": st["fit_median"]}
