@@ -496,6 +496,19 @@ def test_noise_option_bad_value():
         UTRConfig(noise="loud")
 
 
+def test_soft_rank_bad_value_names_the_field():
+    import yaml
+
+    from gradleak.experiments.runner import validate
+
+    raw = yaml.safe_load((ROOT / "configs" / "utr" / "minilm_rt.yaml").read_text())
+    for bad in ("1.5", "0"):
+        with pytest.raises(BadInput, match="soft_rank"):
+            validate(raw, [f"attack.params.soft_rank={bad}"])
+    _, cfg = validate(raw, ["attack.params.soft_rank=null"])  # off: the saturated row space, as before
+    assert cfg.attack.params["soft_rank"] is None
+
+
 def test_noise_aware_prefix_search_recovers_causal_sentences(smollm2):
     """SmolLM2 under per-coordinate noise at NSR 1e-4: the prefix search accepts an extension within 10x of the
     true members' residual floor and below half the prefix's median candidate, so the sentences come back word
