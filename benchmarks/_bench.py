@@ -181,6 +181,11 @@ def minilm_rt_update(batch: int, rf: int, seed: int):
     """The probes' common case: MiniLM (2 layers) with UTR's adapters at reduction factor ``rf``, one client's
     FedSGD update on ``batch`` Rotten Tomatoes sentences drawn with ``seed``. Returns (text model, encoding,
     update, true token ids of each sentence)."""
+    return text_rt_update("minilm", batch, rf, seed)
+
+
+def text_rt_update(model: str, batch: int, rf: int, seed: int):
+    """:func:`minilm_rt_update` for any text model the pipeline loads (``minilm``, ``smollm2``, a local path)."""
     import torch
 
     from gradleak.data.text import load_text
@@ -188,7 +193,7 @@ def minilm_rt_update(batch: int, rf: int, seed: int):
     from gradleak.models.text import load_text_model, text_loss
     from gradleak.peft.text_adapters import add_text_adapters
 
-    tm = load_text_model("minilm", 2)
+    tm = load_text_model(model, 2)
     add_text_adapters(tm.model, tm.layers(), tm.hidden_size, rf)
     texts, labels = load_text("rt-sentences").batch(batch, seed=seed)
     enc = tm.encode(texts)

@@ -510,7 +510,10 @@ def cap_to_batch(sents: list[list[int]], info: dict[str, Any], batch_size: int |
     which proves it only while the subspace is not saturated and the search did not run out of time.
     ``info["verified"]`` gets one flag per returned sentence.
     """
-    if causal:
+    if causal and info.get("value_verified"):  # the value test checked every sentence (verified ones first)
+        k = int(info.get("verified_sentences", 0) or 0)
+        flags = [i < k for i in range(len(sents))]
+    elif causal:
         proven = not info.get("search_truncated", False) and not info.get("capacity_exhausted", False)
         flags = [proven] * len(sents)
         if batch_size and len(sents) > batch_size:  # spurious branches die early: keep the longest
@@ -552,8 +555,9 @@ class UTRConfig(SpanTestConfig):
     all_rounds: bool = Field(True, description="stack the embedding-adapter gradients of every observed round")
     sentence_layer: str = Field("layer_0", description="adapter whose input space tests sentences")
     time_budget: float = Field(600.0, gt=0, description="seconds before the sentence search stops")
-    value_test: bool = Field(True, description="past the first layer's bottleneck (bidirectional models), test and "
-                             "move candidate sentences on the embedding adapter's gradient values (one-step uploads)")
+    value_test: bool = Field(True, description="test candidate sentences on the embedding adapter's gradient values "
+                             "(one-step uploads): past the first layer's bottleneck, bidirectional models move chains "
+                             "by it, causal models verify sentences, peel them from the upload and search the rest")
     soft_rank: Optional[float] = Field(0.96, gt=0, le=1, description="past the first layer's bottleneck (with the "
                                        "value test): grade chains by this fraction of the upload's strongest "
                                        "directions instead of its whole (saturated) row space; null = off")
@@ -756,6 +760,45 @@ class UTRAttack(AttackBase):
                 "causal": causal, "positions_ok": positions_ok, "augmented": augmented, "noise_std": sigma,
                 "eps_bag": eps_bag, "signals": signals, "support_pairs": support, **exact_info}
 
+    def _causal_peel(self, view: ServerView, bag: dict, sp: dict, cands: torch.Tensor, sents: list[list[int]],
+                     sinfo: dict[str, Any], eps_sentence: float) -> tuple[list[list[int]], dict[str, Any]]:
+        """Causal models: test the prefix search's sentences on the gradient values, peel the verified ones from the
+        upload and search the rest again, soft-graded past the bottleneck (:mod:`gradleak.attacks.utr_causal`).
+        Keeps the prefix search's result when the value test cannot be set up (bag wider than the bottleneck)."""
+        from gradleak.attacks.utr_causal import CausalPeelSearch, CausalValueTest
+
+        model = view.model
+        upload = view.updates[0].tensors
+        mods = getattr(model, PREFIX)
+        names = [self.sentence_layer] + [n for n in (f"layer_{int(self.sentence_layer.split('_')[-1]) + 1}",)
+                                         if self.sentence_layer.startswith("layer_") and n in mods]
+        keys = tuple(adapter_param(n) for n in names)
+        if any(k not in upload for k in keys + (adapter_param("embedding", "up.weight"),)):
+            return sents, sinfo
+        pad = sp["pad"] if sp["pad"] is not None else sp["bos"]
+        test = CausalValueTest(model, upload, bag["tokens"], pad, peel_names=keys)
+        if not test.usable:
+            return sents, {**sinfo, "value_test": "unusable"}
+        B = view.public.get("batch_size")
+
+        def strict(sub: Subspace, c: torch.Tensor) -> list[list[int]]:
+            return CausalPrefixSearch(model, [self.sentence_layer], sub, eps_sentence, sp["bos"], c,
+                                      max_len=self.max_len, max_branches=self.max_branches or max(8, int(B or 8)),
+                                      max_sentences=max(4 * int(B or 64), 64), time_budget=self.time_budget,
+                                      eicw=self.eicw, lm_prior=self.lm_prior).run()[0]
+
+        peel = CausalPeelSearch(model, names, test, cands, sp["bos"], sp["eos"], B, eps=eps_sentence,
+                                rank_rtol=self.rank_rtol, max_len=self.max_len, time_budget=self.time_budget,
+                                strict_search=strict)
+        out, pinfo = peel.run(first=sents)
+        info = {**sinfo, **pinfo, "value_verified": True, "joint_residual": pinfo["upload_left_after_peeling"],
+                "forward_passes": sinfo.get("forward_passes", 0) + pinfo["forward_passes"],
+                "search_truncated": bool(sinfo.get("search_truncated")) or pinfo["search_truncated"]}
+        info["unverified_sentences"] = len(out) - pinfo["verified_sentences"]
+        if pinfo["upload_left_after_peeling"] > 1e-4:  # part of the batch is missing: not verified jointly
+            info["joint_residual"] = None
+        return out, info
+
     def reconstruct(self, view: ServerView) -> Reconstruction:
         prev = torch.get_num_threads()
         if self.threads is not None:
@@ -788,6 +831,8 @@ class UTRAttack(AttackBase):
                                         time_budget=self.time_budget,
                                         eicw=self.eicw, lm_prior=self.lm_prior)
             sents, sinfo = search.run()
+            if self.value_test and not bag["noise_std"]:
+                sents, sinfo = self._causal_peel(view, bag, sp, cands, sents, sinfo, eps_sentence)
         elif not bag["positions_ok"]:
             # bidirectional model past its positional capacity: every bag token passes at every position, a
             # sentence search over that would only burn time -- report the bag, no sentences

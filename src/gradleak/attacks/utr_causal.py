@@ -1,0 +1,310 @@
+"""UTR stage 2 for causal LMs past the first-layer limit: sentence tests on the gradient values and peeling.
+
+The prefix search of :class:`gradleak.attacks.utr.CausalPrefixSearch` tests a prefix by its newest layer state's
+residual against the first layer adapter's row space. Once the batch holds more distinct prefixes than the adapter
+has rows, that space is numerically everything and the strict test passes nothing (measured: SmolLM2 rf = 1 B = 24,
+609 states in 576 rows, ROUGE 0.5). What is left:
+
+* **soft grading.** The states' shares of the upload differ by orders of magnitude, so the top singular directions
+  (the numerical rank) still rank a prefix's extensions: the true next token is the best of ~400 bag tokens 78 %
+  of the time on layer_0's upload and 86 % with layer_1's residual added (SmolLM2 rf = 1 B = 24 seed 0). Not a test,
+  but a search order;
+* **an exact test of a complete sentence** (:class:`CausalValueTest`). Under RoPE the embedding adapter's input is
+  the token embedding alone, so its up-projection gradient G_up = sum_l g_l a(x_l)^T gives every bag token's summed
+  output gradient g_v = sum_{l: x_l = v} g_l by least squares (exact while the bag has at most as many tokens as
+  the bottleneck has neurons). The server sent the model, so for a candidate sentence (BOS ... EOS) it computes
+  every position's g_l with one forward/backward pass; the LM loss is the mean over the batch's targets, so one
+  global scale w = 1 / targets multiplies them. A token that occurs once in the batch matches exactly (relative
+  residual ~1e-7); g_l sums the losses of every later position, so one wrong token anywhere, or a wrong end, moves
+  it (>= 1e-2);
+* **peeling.** A verified sentence's exact share of every adapter gradient (w times its summed-loss gradient) is
+  subtracted from the upload: the rest holds only the other sentences' states, so the soft grading sharpens, more
+  tokens become once-occurring in what is left of g_v, and once the states left fit the rows the strict prefix
+  search is exact again. When everything is peeled, the upload is explained to the float32 floor (a joint check
+  of the whole batch).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradleak.peft.text_adapters import PREFIX, capture_inputs
+
+f64 = torch.float64
+
+
+def _base(model: nn.Module) -> nn.Module:
+    return model.model if hasattr(model, "model") else model.base_model
+
+
+class CausalValueTest:
+    """Exact test of complete candidate sentences of a causal LM on the embedding adapter's gradient values.
+
+    ``upload``: parameter name -> tensor of the attacked update (the embedding adapter's ``up.weight`` gradient is
+    read; the names in ``peel_names`` are peeled along); ``bag``: stage 1's tokens."""
+
+    def __init__(self, model: nn.Module, upload: dict[str, torch.Tensor], bag: list[int], pad: int,
+                 peel_names: tuple[str, ...] = (), chunk: int = 32):
+        self.model, self.pad, self.chunk = model, int(pad), int(chunk)
+        self.adapter = getattr(model, PREFIX)["embedding"]
+        self.bag = sorted(int(v) for v in bag)
+        self.index = {v: i for i, v in enumerate(self.bag)}
+        E = model.get_input_embeddings().weight.detach().to(f64)[self.bag]
+        a = self.adapter
+        A = torch.relu(E @ a.down.weight.detach().to(f64).T + a.down.bias.detach().to(f64))  # (T, r)
+        G = upload[f"{PREFIX}.embedding.up.weight"].detach().to(f64)  # (d, r) = sum_v g_v a_v^T
+        self.usable = len(self.bag) <= A.shape[1] and int(torch.linalg.matrix_rank(A)) == len(self.bag)
+        X = torch.linalg.lstsq(A.T, G.T).solution if self.usable else torch.zeros(len(self.bag), G.shape[0], dtype=f64)
+        self.fit = float((X.T @ A - G).norm() / G.norm().clamp_min(1e-300)) if self.usable else float("inf")
+        self.usable = self.usable and self.fit < 1e-4
+        self.obs = X  # (T, d): what is left of every bag token's summed output gradient
+        self.norms = self.obs.norm(dim=1).clamp_min(1e-300)  # of the full upload: residuals stay relative to it
+        self.peel_names = tuple(peel_names)
+        self.rest = {n: upload[n].detach().to(f64).clone() for n in self.peel_names}
+        self.scale: float | None = None  # 1 / (targets in the batch), fixed by the first verified sentence
+        self.evaluations = 0
+
+    # ------------------------------------------------------------------ candidate gradients
+    def _backward(self, sents: list[list[int]], params: list[nn.Parameter] = ()):
+        """Per sentence {token: summed embedding-adapter output gradient} under the *summed* token loss, and the
+        gradients of ``params`` (summed over the sentences)."""
+        out: list[dict[int, torch.Tensor]] = []
+        totals = [torch.zeros_like(p, dtype=f64) for p in params]
+        rec: list[torch.Tensor] = []
+
+        def hook(_m, _i, o):
+            o.retain_grad()
+            rec.append(o)
+
+        flags = [(p, p.requires_grad) for p in params]
+        h = self.adapter.register_forward_hook(hook)
+        try:
+            for p, _ in flags:
+                p.requires_grad_(True)
+            with torch.enable_grad():
+                for a in range(0, len(sents), self.chunk):
+                    part = sents[a:a + self.chunk]
+                    L = max(len(s) for s in part)
+                    ids = torch.full((len(part), L), self.pad, dtype=torch.long)
+                    am = torch.zeros_like(ids)
+                    for i, s in enumerate(part):
+                        ids[i, :len(s)] = torch.tensor(s)
+                        am[i, :len(s)] = 1
+                    rec.clear()
+                    logits = self.model(input_ids=ids, attention_mask=am).logits[:, :-1]
+                    tgt = ids[:, 1:].masked_fill(am[:, 1:] == 0, -100)
+                    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                       tgt.reshape(-1), ignore_index=-100, reduction="sum")
+                    grads = torch.autograd.grad(loss, [rec[0]] + list(params))
+                    g = grads[0].detach().to(f64)
+                    for t, pg in zip(totals, grads[1:]):
+                        t += pg.detach().to(f64)
+                    for i, s in enumerate(part):
+                        per: dict[int, torch.Tensor] = {}
+                        for pos, v in enumerate(s):
+                            per[v] = per[v] + g[i, pos] if v in per else g[i, pos].clone()
+                        out.append(per)
+                    self.evaluations += len(part)
+        finally:
+            h.remove()
+            for p, f in flags:
+                p.requires_grad_(f)
+        return out, totals
+
+    # ------------------------------------------------------------------ the test
+    def residuals(self, sents: list[list[int]]) -> list[tuple[float, float]]:
+        """(best relative residual over the sentence's tokens, the scale fitted there) per sentence: at each token v,
+        || obs_v - w g_v(s) || / || obs_v || (what is left of obs_v after peeling) with w fitted, or the batch
+        scale once known; tokens whose occurrences are all peeled are skipped."""
+        per, _ = self._backward(sents)
+        res = []
+        for d in per:
+            best, w_best = math.inf, float("nan")
+            for v, g in d.items():
+                i = self.index.get(v)
+                gn = float(g.norm())
+                if i is None or gn == 0.0:
+                    continue
+                o = self.obs[i]
+                on = float(o.norm())
+                if on < 1e-4 * float(self.norms[i]):  # every occurrence peeled: nothing left to match
+                    continue
+                w = float(o @ g) / gn ** 2 if self.scale is None else self.scale
+                r = float((o - w * g).norm()) / on
+                if r < best:
+                    best, w_best = r, w
+            res.append((best, w_best))
+        return res
+
+    def peel(self, sents: list[list[int]]) -> None:
+        """Subtract the sentences' exact shares (at the batch scale) from g_v and from the peeled gradients."""
+        mods = dict(self.model.named_parameters())
+        params = [mods[n] for n in self.peel_names]
+        per, totals = self._backward(sents, params)
+        w = float(self.scale)
+        for d in per:
+            for v, g in d.items():
+                if v in self.index:
+                    self.obs[self.index[v]] -= w * g
+        for n, t in zip(self.peel_names, totals):
+            self.rest[n] -= w * t
+
+    def left(self) -> float:
+        """What is left of g_v relative to the upload's (0 once every sentence is peeled)."""
+        return float(self.obs.norm() / self.norms.norm())
+
+
+class CausalPeelSearch:
+    """Stage 2 for a causal LM whose first layer adapter is saturated (module docstring): rounds of a soft-graded
+    prefix search whose nodes are tested as complete sentences (prefix + EOS) by ``test``; verified sentences are
+    peeled and the next round searches what is left, strictly (exact membership) once the states left fit.
+
+    ``probe_names``: the layer adapters whose row spaces grade extensions (their gradients must be among
+    ``test.peel_names``, as ``PREFIX.<name>.down.weight``)."""
+
+    def __init__(self, model: nn.Module, probe_names: list[str], test: CausalValueTest, candidates: torch.Tensor,
+                 bos: int, eos: int, batch_size: int | None, eps: float = 1e-3, rank_rtol: float = 1e-5,
+                 tol: float = 1e-4, max_len: int = 128, branch_ratio: float = 2.0, time_budget: float = float("inf"),
+                 strict_search=None):
+        self.model, self.names, self.test = model, list(probe_names), test
+        self.cands, self.bos, self.eos = candidates, int(bos), int(eos)
+        self.B = int(batch_size) if batch_size else None
+        self.eps, self.rtol, self.tol, self.max_len = eps, rank_rtol, tol, max_len
+        self.branch_ratio, self.time_budget = float(branch_ratio), float(time_budget)
+        self.strict_search = strict_search  # callable(sub, cands) -> sentences (the exact prefix search)
+        self.forwards = 0
+
+    def _key(self, name: str) -> str:
+        return f"{PREFIX}.{name}.down.weight"
+
+    def _states(self, prefixes: list[list[int]]) -> list[torch.Tensor]:
+        """Per probe, the (P, C, d) newest states of every prefix (all of one length) extended by every candidate."""
+        from transformers import DynamicCache
+
+        base = _base(self.model)
+        P, C = len(prefixes), len(self.cands)
+        with torch.no_grad():
+            out = base(input_ids=torch.tensor(prefixes), use_cache=True)
+            legacy = out.past_key_values.to_legacy_cache() if hasattr(out.past_key_values, "to_legacy_cache") \
+                else out.past_key_values
+            cache = DynamicCache.from_legacy_cache(tuple(
+                (kk.repeat_interleave(C, 0), vv.repeat_interleave(C, 0)) for kk, vv in legacy))
+            ids = self.cands.repeat(P)[:, None]
+            pos = torch.full((P * C, 1), len(prefixes[0]), dtype=torch.long)
+            cap = capture_inputs(self.model, self.names, stop=True)
+            with cap:
+                base(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
+        self.forwards += 2
+        return [r[-1][:, -1].reshape(P, C, -1) for r in cap.records]
+
+    def _bases(self) -> list[torch.Tensor]:
+        from gradleak.attacks.utr import subspace_from_gradients
+
+        return [subspace_from_gradients([self.test.rest[self._key(n)]], self.rtol).basis for n in self.names]
+
+    def _score(self, prefixes: list[list[int]], bases: list[torch.Tensor]) -> torch.Tensor:
+        """(P, C) sum over the probes of log relative residuals against the soft bases (lower = better)."""
+        chunk = max(1, 4096 // max(1, len(self.cands)))
+        rows = []
+        for a in range(0, len(prefixes), chunk):
+            hs = self._states(prefixes[a:a + chunk])
+            s = 0
+            for h, Q in zip(hs, bases):
+                h = h.to(f64)
+                r = (h - (h @ Q) @ Q.T).norm(dim=-1) / h.norm(dim=-1).clamp_min(1e-300)
+                s = s + r.clamp_min(1e-30).log()
+            rows.append(s)
+        return torch.cat(rows)
+
+    def _verify(self, sents: list[list[int]]) -> list[bool]:
+        """Complete sentences (BOS ... EOS) that pass the value test; the first fixes the batch scale."""
+        if not sents:
+            return []
+        res = self.test.residuals(sents)
+        ok = [r < self.tol for r, _ in res]
+        if self.test.scale is None and any(ok):
+            self.test.scale = next(w for (r, w), o in zip(res, ok) if o)
+            res = self.test.residuals(sents)  # again at the fixed scale
+            ok = [r < self.tol for r, _ in res]
+        return ok
+
+    def _soft_round(self, t0: float, found: set[tuple[int, ...]]) -> list[list[int]]:
+        bases = self._bases()
+        frontier, new = [[self.bos]], []
+        cap = max(2 * (self.B or 16), 16)
+        while frontier and len(frontier[0]) < self.max_len and time.perf_counter() - t0 < self.time_budget:
+            sc = self._score(frontier, bases)
+            ext: list[tuple[float, list[int]]] = []
+            for prefix, row in zip(frontier, sc):
+                order = row.argsort()
+                best = float(row[order[0]])
+                ext.append((best, prefix + [int(self.cands[order[0]])]))
+                if len(order) > 1 and float(row[order[1]]) - best < math.log(self.branch_ratio):
+                    ext.append((float(row[order[1]]), prefix + [int(self.cands[order[1]])]))
+            ext.sort(key=lambda e: e[0])
+            nxt = [p for _, p in ext[:cap]]
+            full = [p + [self.eos] for p in nxt if tuple(p + [self.eos]) not in found]
+            ok = self._verify(full)
+            hits = [s for s, o in zip(full, ok) if o]
+            new += hits
+            found.update(tuple(s) for s in hits)
+            hit_prefixes = {tuple(s[:-1]) for s in hits}
+            frontier = [p for p in nxt if tuple(p) not in hit_prefixes]
+            if hits:  # peel them and let the strict search try what is left
+                break
+        return new
+
+    def run(self, first: list[list[int]] | None = None) -> tuple[list[list[int]], dict[str, Any]]:
+        """Rounds: the strict prefix search on what is left of the upload (``first``: its result on the full
+        upload, already computed), its sentences tested and the verified ones peeled; a soft round when the strict
+        search has nothing new. Returns verified sentences first, then the last strict round's unverified ones."""
+        from gradleak.attacks.utr import subspace_from_gradients
+
+        t0 = time.perf_counter()
+        found: set[tuple[int, ...]] = set()
+        verified: list[list[int]] = []
+        unverified: list[list[int]] = []
+        strict_rounds = soft_rounds = 0
+        log: list[dict[str, Any]] = []  # per round: kind, seconds, sentences verified
+        while (time.perf_counter() - t0 < self.time_budget and not (self.B and len(verified) >= self.B)
+               and self.test.left() > 1e-4):  # the upload explained: every sentence found
+            t1 = time.perf_counter()
+            if first is not None:
+                sents, first = first, None
+            else:
+                sub = subspace_from_gradients([self.test.rest[self._key(self.names[0])]], self.rtol)
+                sents = self.strict_search(sub, self.cands) if self.strict_search is not None else []
+            strict_rounds += 1
+            full = [[self.bos] + s + [self.eos] for s in sents if s]
+            full = [f for f in full if tuple(f) not in found]
+            ok = self._verify(full)
+            new = [f for f, o in zip(full, ok) if o]
+            unverified = [f for f, o in zip(full, ok) if not o]
+            log.append({"round": "strict", "seconds": round(time.perf_counter() - t1, 2), "verified": len(new)})
+            if not new and self._saturated():
+                t1 = time.perf_counter()
+                soft_rounds += 1
+                new = self._soft_round(t0, found)
+                log.append({"round": "soft", "seconds": round(time.perf_counter() - t1, 2), "verified": len(new)})
+            if not new:
+                break
+            found.update(tuple(f) for f in new)
+            verified += new
+            self.test.peel(new)
+        sents = [f[1:-1] for f in verified] + [f[1:-1] for f in unverified if tuple(f) not in found]
+        return sents, {"forward_passes": self.forwards, "strict_rounds": strict_rounds, "soft_rounds": soft_rounds,
+                       "verified_sentences": len(verified), "value_test_evaluations": self.test.evaluations,
+                       "upload_left_after_peeling": self.test.left(),
+                       "search_truncated": time.perf_counter() - t0 >= self.time_budget, "peel_log": log}
+
+    def _saturated(self) -> bool:
+        """Whether the rest's states still fill the probed adapter's rows (then the strict search sees nothing)."""
+        from gradleak.attacks.utr import subspace_from_gradients
+
+        sub = subspace_from_gradients([self.test.rest[self._key(self.names[0])]], self.rtol)
+        return sub.rank >= 0.9 * min(sub.rows, sub.dim)
