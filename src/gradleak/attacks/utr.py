@@ -23,7 +23,10 @@ Stage 2 (sentences, SPEC §3.4) uses the first layer adapter's subspace S_LA = s
   after layer 1) and keep the extensions whose newest state lies in S_LA. Several passing extensions mean
   several batch sentences share the prefix: the search branches (a trie), which *separates the sentences*.
   A sentence ends when no extension passes (the final EOS gets no gradient under the LM loss, so it is
-  invisible, SPEC A3.6).
+  invisible, SPEC A3.6). With ``value_test`` (one-step uploads), :mod:`gradleak.attacks.utr_causal` then tests
+  every complete sentence on the embedding adapter's gradient values, peels the verified ones from the upload and
+  searches the rest again -- soft-graded by the upload's strongest directions while the states left still fill
+  the bottleneck, strictly once they fit (beyond the paper).
 * bidirectional models (whole sentence): the exact (token, position) pairs and [SEP] positions of stage 1 turn
   the search into assigning each position's tokens to B sentences; :mod:`gradleak.attacks.utr_encoder` solves it
   with Hungarian assignments scored by S_LA residuals (construction, point moves, splices, segment swaps) and
@@ -399,6 +402,21 @@ def specials(tokenizer, causal: bool) -> dict[str, int]:
 # ----------------------------------------------------------------------------------------------- stage 2 search
 
 
+def extension_inputs(base: nn.Module, prefixes: list[list[int]], cands: torch.Tensor):
+    """Inputs of one forward over every one-token extension ``prefix + [c]`` (prefixes all of one length): the
+    candidate ids (P*C, 1), the prefixes' KV cache repeated per candidate, and the new position. One forward of the
+    prefixes builds the cache (call under ``torch.no_grad``)."""
+    from transformers import DynamicCache
+
+    P, C = len(prefixes), len(cands)
+    out = base(input_ids=torch.tensor(prefixes), use_cache=True)
+    legacy = out.past_key_values.to_legacy_cache() if hasattr(out.past_key_values, "to_legacy_cache") \
+        else out.past_key_values
+    cache = DynamicCache.from_legacy_cache(tuple(
+        (kk.repeat_interleave(C, 0), vv.repeat_interleave(C, 0)) for kk, vv in legacy))
+    return cands.repeat(P)[:, None], cache, torch.full((P * C, 1), len(prefixes[0]), dtype=torch.long)
+
+
 class CausalPrefixSearch:
     """Prefix-wise search for causal LMs (SPEC §3.4 item 4) against a layer subspace probed at adapter ``probe``."""
 
@@ -418,19 +436,11 @@ class CausalPrefixSearch:
         """Layer states of ``prefix + [c]`` at the newest position for every prefix (all of one length) and every
         candidate c: one forward of the prefixes builds the KV cache, one forward of all P x C one-token
         extensions (cache repeated per candidate) gives the states. Returns (P, C, d)."""
-        from transformers import DynamicCache
-
         model = self.model
         base = model.model if hasattr(model, "model") else model.base_model
         P, C = len(prefixes), len(cands)
         with torch.no_grad():
-            out = base(input_ids=torch.tensor(prefixes), use_cache=True)
-            legacy = out.past_key_values.to_legacy_cache() if hasattr(out.past_key_values, "to_legacy_cache") \
-                else out.past_key_values
-            cache = DynamicCache.from_legacy_cache(tuple(
-                (kk.repeat_interleave(C, 0), vv.repeat_interleave(C, 0)) for kk, vv in legacy))
-            ids = cands.repeat(P)[:, None]
-            pos = torch.full((P * C, 1), len(prefixes[0]), dtype=torch.long)
+            ids, cache, pos = extension_inputs(base, prefixes, cands)
             if self.probe_fn is not None:
                 h = self.probe_fn(base, ids, cache, pos)
             else:
@@ -794,7 +804,8 @@ class UTRAttack(AttackBase):
         info = {**sinfo, **pinfo, "value_verified": True, "joint_residual": pinfo["upload_left_after_peeling"],
                 "forward_passes": sinfo.get("forward_passes", 0) + pinfo["forward_passes"],
                 "search_truncated": bool(sinfo.get("search_truncated")) or pinfo["search_truncated"]}
-        info["unverified_sentences"] = len(out) - pinfo["verified_sentences"]
+        kept = min(len(out), int(B)) if B else len(out)  # cap_to_batch keeps the verified ones first
+        info["unverified_sentences"] = kept - pinfo["verified_sentences"]
         if pinfo["upload_left_after_peeling"] > 1e-4:  # part of the batch is missing: not verified jointly
             info["joint_residual"] = None
         return out, info

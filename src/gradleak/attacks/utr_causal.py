@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradleak.attacks.utr_values import pad_right
 from gradleak.peft.text_adapters import PREFIX, capture_inputs
 
 f64 = torch.float64
@@ -89,12 +90,7 @@ class CausalValueTest:
             with torch.enable_grad():
                 for a in range(0, len(sents), self.chunk):
                     part = sents[a:a + self.chunk]
-                    L = max(len(s) for s in part)
-                    ids = torch.full((len(part), L), self.pad, dtype=torch.long)
-                    am = torch.zeros_like(ids)
-                    for i, s in enumerate(part):
-                        ids[i, :len(s)] = torch.tensor(s)
-                        am[i, :len(s)] = 1
+                    ids, am = pad_right(part, self.pad)
                     rec.clear()
                     logits = self.model(input_ids=ids, attention_mask=am).logits[:, :-1]
                     tgt = ids[:, 1:].masked_fill(am[:, 1:] == 0, -100)
@@ -184,18 +180,12 @@ class CausalPeelSearch:
 
     def _states(self, prefixes: list[list[int]]) -> list[torch.Tensor]:
         """Per probe, the (P, C, d) newest states of every prefix (all of one length) extended by every candidate."""
-        from transformers import DynamicCache
+        from gradleak.attacks.utr import extension_inputs
 
         base = _base(self.model)
         P, C = len(prefixes), len(self.cands)
         with torch.no_grad():
-            out = base(input_ids=torch.tensor(prefixes), use_cache=True)
-            legacy = out.past_key_values.to_legacy_cache() if hasattr(out.past_key_values, "to_legacy_cache") \
-                else out.past_key_values
-            cache = DynamicCache.from_legacy_cache(tuple(
-                (kk.repeat_interleave(C, 0), vv.repeat_interleave(C, 0)) for kk, vv in legacy))
-            ids = self.cands.repeat(P)[:, None]
-            pos = torch.full((P * C, 1), len(prefixes[0]), dtype=torch.long)
+            ids, cache, pos = extension_inputs(base, prefixes, self.cands)
             cap = capture_inputs(self.model, self.names, stop=True)
             with cap:
                 base(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
@@ -303,8 +293,12 @@ class CausalPeelSearch:
                        "search_truncated": time.perf_counter() - t0 >= self.time_budget, "peel_log": log}
 
     def _saturated(self) -> bool:
-        """Whether the rest's states still fill the probed adapter's rows (then the strict search sees nothing)."""
+        """Whether the rest's states may still fill the probed adapter's rows, so that a strict search that found
+        nothing new calls for a soft round. 80 %, not the 90 % of ``la_saturated``: near the ceiling the float32
+        floor of the upload blurs the rank (measured: SmolLM2 rf = 1 B = 24 seed 0, 609 states in 576 rows, numerical
+        rank 520; one sentence peeled leaves a rank below 90 % with the rest still out of the strict search's
+        reach). Below 80 % a sentence the value test cannot check (no once-used token) does not start soft rounds."""
         from gradleak.attacks.utr import subspace_from_gradients
 
         sub = subspace_from_gradients([self.test.rest[self._key(self.names[0])]], self.rtol)
-        return sub.rank >= 0.9 * min(sub.rows, sub.dim)
+        return sub.rank >= 0.8 * min(sub.rows, sub.dim)

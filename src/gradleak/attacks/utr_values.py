@@ -34,6 +34,17 @@ from torch import nn
 from gradleak.peft.text_adapters import PREFIX
 
 
+def pad_right(sents: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as a right-padded (N, L) id tensor and its attention mask (how the client batches them)."""
+    L = max(len(s) for s in sents)
+    ids = torch.full((len(sents), L), int(pad), dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for i, s in enumerate(sents):
+        ids[i, :len(s)] = torch.tensor(s)
+        am[i, :len(s)] = 1
+    return ids, am
+
+
 class TokenGradientTest:
     """Exact per-sentence test from the embedding adapter's down-projection gradient (module docstring).
 
@@ -109,12 +120,7 @@ class TokenGradientTest:
             with torch.enable_grad():
                 for a in range(0, len(sents), self.chunk):
                     part = sents[a:a + self.chunk]
-                    L = max(len(s) for s in part)
-                    ids = torch.full((len(part), L), pad, dtype=torch.long)
-                    am = torch.zeros_like(ids)
-                    for i, s in enumerate(part):
-                        ids[i, :len(s)] = torch.tensor(s)
-                        am[i, :len(s)] = 1
+                    ids, am = pad_right(part, pad)
                     logits = self.model(input_ids=ids, attention_mask=am).logits
                     cols = []
                     for c in range(1, self.num_labels):
