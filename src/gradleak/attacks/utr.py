@@ -780,8 +780,10 @@ class UTRAttack(AttackBase):
         model = view.model
         upload = view.updates[0].tensors
         mods = getattr(model, PREFIX)
-        names = [self.sentence_layer] + [n for n in (f"layer_{int(self.sentence_layer.split('_')[-1]) + 1}",)
-                                         if self.sentence_layer.startswith("layer_") and n in mods]
+        names = [self.sentence_layer]  # and the adapter after it, when there is one: a second soft grade
+        if self.sentence_layer.startswith("layer_"):
+            nxt = f"layer_{int(self.sentence_layer.split('_')[-1]) + 1}"
+            names += [nxt] if nxt in mods else []
         keys = tuple(adapter_param(n) for n in names)
         if any(k not in upload for k in keys + (adapter_param("embedding", "up.weight"),)):
             return sents, sinfo

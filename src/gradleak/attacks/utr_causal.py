@@ -14,9 +14,9 @@ has rows, that space is numerically everything and the strict test passes nothin
   output gradient g_v = sum_{l: x_l = v} g_l by least squares (exact while the bag has at most as many tokens as
   the bottleneck has neurons). The server sent the model, so for a candidate sentence (BOS ... EOS) it computes
   every position's g_l with one forward/backward pass; the LM loss is the mean over the batch's targets, so one
-  global scale w = 1 / targets multiplies them. A token that occurs once in the batch matches exactly (relative
-  residual ~1e-7); g_l sums the losses of every later position, so one wrong token anywhere, or a wrong end, moves
-  it (>= 1e-2);
+  global scale w = 1 / targets multiplies them. A token that occurs once in the batch matches at the float32 floor
+  (relative residual <= 3.1e-6, SmolLM2 rf = 1 B = 24 seed 0); g_l sums the losses of every later position, so one
+  wrong token anywhere, or a wrong end, moves it (>= 4.7e-3 there);
 * **peeling.** A verified sentence's exact share of every adapter gradient (w times its summed-loss gradient) is
   subtracted from the upload: the rest holds only the other sentences' states, so the soft grading sharpens, more
   tokens become once-occurring in what is left of g_v, and once the states left fit the rows the strict prefix
@@ -117,7 +117,10 @@ class CausalValueTest:
         """(best relative residual over the sentence's tokens, the scale fitted there) per sentence: at each token v,
         || obs_v - w g_v(s) || / || obs_v || (what is left of obs_v after peeling) with w fitted, or the batch
         scale once known; tokens whose occurrences are all peeled are skipped."""
-        per, _ = self._backward(sents)
+        return self._match(self._backward(sents)[0])
+
+    def _match(self, per: list[dict[int, torch.Tensor]]) -> list[tuple[float, float]]:
+        """:meth:`residuals` for per-sentence token gradients already computed."""
         res = []
         for d in per:
             best, w_best = math.inf, float("nan")
@@ -192,10 +195,12 @@ class CausalPeelSearch:
         self.forwards += 2
         return [r[-1][:, -1].reshape(P, C, -1) for r in cap.records]
 
-    def _bases(self) -> list[torch.Tensor]:
+    def _bases(self, first) -> list[torch.Tensor]:
+        """Soft bases of the rest's uploads, one per probe (``first``: the first probe's subspace, already known)."""
         from gradleak.attacks.utr import subspace_from_gradients
 
-        return [subspace_from_gradients([self.test.rest[self._key(n)]], self.rtol).basis for n in self.names]
+        return [first.basis] + [subspace_from_gradients([self.test.rest[self._key(n)]], self.rtol).basis
+                                for n in self.names[1:]]
 
     def _score(self, prefixes: list[list[int]], bases: list[torch.Tensor]) -> torch.Tensor:
         """(P, C) sum over the probes of log relative residuals against the soft bases (lower = better)."""
@@ -215,16 +220,17 @@ class CausalPeelSearch:
         """Complete sentences (BOS ... EOS) that pass the value test; the first fixes the batch scale."""
         if not sents:
             return []
-        res = self.test.residuals(sents)
+        per, _ = self.test._backward(sents)
+        res = self.test._match(per)
         ok = [r < self.tol for r, _ in res]
         if self.test.scale is None and any(ok):
             self.test.scale = next(w for (r, w), o in zip(res, ok) if o)
-            res = self.test.residuals(sents)  # again at the fixed scale
+            res = self.test._match(per)  # again at the fixed scale
             ok = [r < self.tol for r, _ in res]
         return ok
 
-    def _soft_round(self, t0: float, found: set[tuple[int, ...]]) -> list[list[int]]:
-        bases = self._bases()
+    def _soft_round(self, t0: float, found: set[tuple[int, ...]], sub) -> list[list[int]]:
+        bases = self._bases(sub)
         frontier, new = [[self.bos]], []
         cap = max(2 * (self.B or 16), 16)
         while frontier and len(frontier[0]) < self.max_len and time.perf_counter() - t0 < self.time_budget:
@@ -264,10 +270,10 @@ class CausalPeelSearch:
         while (time.perf_counter() - t0 < self.time_budget and not (self.B and len(verified) >= self.B)
                and self.test.left() > 1e-4):  # the upload explained: every sentence found
             t1 = time.perf_counter()
+            sub = subspace_from_gradients([self.test.rest[self._key(self.names[0])]], self.rtol)
             if first is not None:
                 sents, first = first, None
             else:
-                sub = subspace_from_gradients([self.test.rest[self._key(self.names[0])]], self.rtol)
                 sents = self.strict_search(sub, self.cands) if self.strict_search is not None else []
             strict_rounds += 1
             full = [[self.bos] + s + [self.eos] for s in sents if s]
@@ -276,10 +282,10 @@ class CausalPeelSearch:
             new = [f for f, o in zip(full, ok) if o]
             unverified = [f for f, o in zip(full, ok) if not o]
             log.append({"round": "strict", "seconds": round(time.perf_counter() - t1, 2), "verified": len(new)})
-            if not new and self._saturated():
+            if not new and self._saturated(sub):
                 t1 = time.perf_counter()
                 soft_rounds += 1
-                new = self._soft_round(t0, found)
+                new = self._soft_round(t0, found, sub)
                 log.append({"round": "soft", "seconds": round(time.perf_counter() - t1, 2), "verified": len(new)})
             if not new:
                 break
@@ -292,13 +298,12 @@ class CausalPeelSearch:
                        "upload_left_after_peeling": self.test.left(),
                        "search_truncated": time.perf_counter() - t0 >= self.time_budget, "peel_log": log}
 
-    def _saturated(self) -> bool:
+    @staticmethod
+    def _saturated(sub) -> bool:
         """Whether the rest's states may still fill the probed adapter's rows, so that a strict search that found
         nothing new calls for a soft round. 80 %, not the 90 % of ``la_saturated``: near the ceiling the float32
         floor of the upload blurs the rank (measured: SmolLM2 rf = 1 B = 24 seed 0, 609 states in 576 rows, numerical
-        rank 520; one sentence peeled leaves a rank below 90 % with the rest still out of the strict search's
-        reach). Below 80 % a sentence the value test cannot check (no once-used token) does not start soft rounds."""
-        from gradleak.attacks.utr import subspace_from_gradients
-
-        sub = subspace_from_gradients([self.test.rest[self._key(self.names[0])]], self.rtol)
+        rank 520; with a 90 % threshold the run stopped after one soft round and one peeled sentence, the other 23
+        still out of the strict search's reach). Below 80 % a sentence the value test cannot check (no once-used
+        token) does not start soft rounds. ``sub``: the rest's subspace at the first probe."""
         return sub.rank >= 0.8 * min(sub.rows, sub.dim)
