@@ -15,6 +15,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -150,16 +151,18 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
     except BadInput as err:
         _fail_bad_input(err)
     table = Table(title=f"audit -> {out}/audit.json")
-    for col in ("attack", "applicable", "result", "headline", "note"):
+    for col in ("attack", "applicable", "level", "headline (null p99)", "worst client", "note"):
         table.add_column(col)
     for a in result["attacks"]:
-        val = a.get("value")
+        val, p99 = a.get("value"), a.get("null_p99")
         table.add_row(a["name"], "yes" if a.get("applicable") else ("upgrade" if a.get("applicable_under") else "no"),
-                      "SUCCESS" if a.get("success") else ("no" if "success" in a else "not run"),
-                      f"{a['metric']} = {val:.4g}" if isinstance(val, (int, float)) else "–",
+                      a.get("level", "not run"),
+                      (f"{a['metric']} = {val:.4g}" + (f" ({p99:.4g})" if isinstance(p99, (int, float)) else ""))
+                      if isinstance(val, (int, float)) else "–", str(a.get("worst_client", "–")),
                       (a.get("reason") or "")[:90])
     out_console.print(table)
-    out_console.print(result["headline"])
+    colour = {"leaks": "red", "leaks_stronger_server": "yellow", "no_leak_found": "green"}.get(result["verdict"], "white")
+    out_console.print(f"[bold {colour}]{escape(result['headline'])}[/]")
     out_console.print(f"report: {out / 'report.html'}")
 
 

@@ -86,6 +86,14 @@ class AttackBase:
         return {}
 
     @classmethod
+    def audit_variants(cls, params: dict[str, Any], defenses: list[dict]) -> list[dict[str, Any]]:
+        """Parameter sets the audit runs *besides* ``params`` so that the attack is judged at full strength
+        (issue 26: declared defenses are public; no verdict may rest on a default tolerance). ``params``: the
+        attack's parameters as configured; ``defenses``: the update defenses the deployment declares. Each returned
+        dict overrides ``params``; the audit keeps the most leaking run. Default: none (no key tolerance)."""
+        return []
+
+    @classmethod
     def from_config(cls, cfg: AttackConfig, ctx: AttackContext) -> "AttackBase":
         return cls(**cfg.model_dump())
 

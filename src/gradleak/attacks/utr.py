@@ -599,6 +599,16 @@ class UTRAttack(AttackBase):
 
     name = "utr"
     Config = UTRConfig
+
+    @classmethod
+    def audit_variants(cls, params, defenses):
+        """Against a declared update defense the published noise level need not be the one the upload carries
+        (quantisation; a std too small to matter): the audit also runs the noise read off the upload's spectrum
+        ('estimate', measured: stochastic quantisation 16 bits ROUGE-1 50.8 -> 97.9). Exact tests ('none') on a
+        noisy upload only exhaust the search's time budget, so they are not a variant."""
+        if defenses and params.get("noise", "public") != "estimate":
+            return [{"noise": "estimate", "time_budget": min(float(params.get("time_budget", 600.0)), 120.0)}]
+        return []
     modality = "text"
     peft_kinds = ("adapters",)
     reconstruction = "token_sequences"

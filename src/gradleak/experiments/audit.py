@@ -15,17 +15,16 @@ what makes the verdict "leaks only under a malicious server" possible. Refusals 
 PEFT kind, facts of the deployment such as leaked sequence lengths or individual updates) are reported with the
 gate's own message.
 
-Success, per reconstruction kind (thresholds stated in the report and in ``audit.json``):
+Levels, per reconstruction kind (:mod:`gradleak.evaluation.levels`; each beyond a null computed the same way as
+the attack's score, :mod:`gradleak.evaluation.nulls`): ``exact`` / ``strong`` / ``partial`` / ``none`` /
+``undefined``. Every client of the audited round is attacked (``metrics.attack_clients: all``) and the worst client
+is the evidence. Each attack runs at full strength: besides its configured parameters, the audit runs the
+variants the attack declares from the declared defenses (:meth:`AttackBase.audit_variants`: UTR's noise mode and
+tolerances, lora_span's rank cut) and keeps the most leaking run.
 
-* images -- a private image reconstructed at PSNR >= ``metrics.psnr_threshold_db`` (default 30 dB);
-* patches (PEFTLeak) -- private image patches recovered, their median PSNR >= the same threshold;
-* token sequences -- a private sentence reconstructed word for word;
-* membership -- TPR at 1 % FPR >= 0.1 (ten times chance at that false-positive rate);
-* leakage (BN-aware inversion) -- the high-risk client's RDLV lower bound above 0 (reconstructions closer to the
-  client's images than the prior image is).
-
-Verdict: ``leaks`` when an attack succeeds under the configured threat; ``leaks_malicious_only`` when only an
-upgraded one does; ``no_attack_succeeded`` otherwise (evidence, not proof).
+Verdict: ``leaks`` when an attack reaches ``partial`` or more under the configured threat;
+``leaks_stronger_server`` when only an upgraded server's does; ``no_leak_found`` otherwise (evidence, not proof).
+An attack that crashed or measured nothing is ``undefined`` and listed as such, never counted as "ran".
 """
 
 from __future__ import annotations
@@ -52,12 +51,22 @@ def _attack_names() -> list[str]:
     return ATTACKS.names()
 
 
-def _candidate(raw: dict, name: str, threat: dict | None = None) -> dict:
+def _candidate(raw: dict, name: str, threat: dict | None = None, variant: dict | None = None) -> dict:
     """The run config of one attack: the setup, ``attack.name`` and the attack's defaults, plus any
-    ``audit.params.<attack>`` the audit config gives (e.g. fewer steps for a quick audit)."""
+    ``audit.params.<attack>`` the audit config gives (e.g. fewer steps for a quick audit) and a full-strength
+    ``variant``; every client of the round is attacked (``metrics.attack_clients: all``)."""
     cand = copy.deepcopy(raw)
     extra = ((cand.pop("audit", None) or {}).get("params") or {}).get(name) or {}
-    cand["attack"] = {"name": name, **extra}
+    flat = {k: v for k, v in (cand.get("attack") or {}).items() if k not in ("name", "params")}
+    # a flat `--set attack.<param>=...` on the audit applies to every attack that has that parameter
+    from gradleak.registry import ATTACKS
+
+    fields = set(getattr(ATTACKS.get(name).Config, "model_fields", {}))
+    inherited = {k: v for k, v in flat.items() if k in fields}
+    cand["attack"] = {"name": name, **inherited, **extra, **(variant or {})}
+    metrics = dict(cand.get("metrics") or {})
+    metrics.setdefault("attack_clients", "all")
+    cand["metrics"] = metrics
     if threat is not None:
         cand["threat"] = threat
     return cand
@@ -82,47 +91,65 @@ def _upgrade(raw: dict, name: str) -> dict | None:
     return threat if threat != dict(raw.get("threat") or {}) else None
 
 
-def _total(cfg) -> int:
-    return int(cfg.data.batch_size) * int(getattr(cfg.fl, "clients", 1) or 1) * int(cfg.trials or 1)
+#: the headline metric of each reconstruction kind (its null sits beside it in the results)
+HEADLINE = {"images": "psnr_max", "patches": "psnr_max", "token_sequences": "rouge1_f1", "membership": "auc",
+            "leakage": "rdlv"}
+
+
+def client_metric_sets(kind: str, metrics: dict, per_client: list[dict] | None = None) -> list[tuple[Any, dict]]:
+    """``[(client, metrics)]`` of one run: the per-client results of ``metrics.attack_clients: all`` (else the run's
+    metrics, client 0); for the leakage kind every client's ``*_client<c>`` metrics (last attacked round)."""
+    if kind == "leakage":
+        import re
+
+        out: dict[int, dict] = {}
+        for k, v in metrics.items():
+            mt = re.fullmatch(r"(.+)_client(\d+)", k)
+            if mt:
+                out.setdefault(int(mt.group(2)), {})[mt.group(1)] = v
+        return sorted(out.items()) or [(0, dict(metrics))]
+    if per_client:
+        return [(p.get("client", 0) if p.get("trial", 0) in (0, None) else f"{p.get('client', 0)}@trial{p['trial']}",
+                 p["metrics"]) for p in per_client]
+    return [(0, dict(metrics))]
 
 
 def judge(kind: str, metrics: dict, cfg) -> dict:
-    """Success and the headline metric of one attack's run (see the module docstring for the thresholds)."""
+    """The level of one client's metrics, with the headline metric beside its null (module docstring)."""
+    from gradleak.evaluation.levels import LEAKING, grade
+
+    g = grade(kind, metrics, cfg.metrics.psnr_threshold_db)
+    head = HEADLINE.get(kind)
     m = metrics
+    out = {"level": g["level"], "rule": g["rule"], "evidence": g["evidence"], "success": g["level"] in LEAKING,
+           "metric": head, "value": m.get(head), "null_median": m.get(f"{head}_null_median"),
+           "null_p99": m.get(f"{head}_null_p99"), "p_value": m.get(f"{head}_p_value"),
+           "n_success": None, "n_total": None, "criterion": g["rule"]}
     if kind == "images":
-        n = int(m.get("images_above_threshold", 0))
-        return {"success": n > 0, "n_success": n, "n_total": _total(cfg), "metric": "psnr",
-                "value": m.get("psnr"), "criterion": f"PSNR >= {cfg.metrics.psnr_threshold_db:g} dB"}
-    if kind == "patches":  # PEFTLeak: exact patches; an image counts through its recovered patches
-        thr = cfg.metrics.psnr_threshold_db
-        total = int(m.get("num_true_patches", 0))
-        ok = m.get("recovered_patch_psnr_median", 0) >= thr
-        n = int(round(m.get("patch_recovery_rate", 0.0) * total)) if ok else 0
-        return {"success": n > 0, "n_success": n, "n_total": total, "unit": "image patches", "metric": "psnr",
-                "value": m.get("psnr"), "criterion": f"patch PSNR >= {thr:g} dB (median of the recovered patches)"}
-    if kind == "token_sequences":
-        n = int(m.get("sentences_exact", 0))
-        return {"success": n > 0, "n_success": n, "n_total": _total(cfg), "metric": "rouge1",
-                "value": m.get("rouge1"), "criterion": "sentence reconstructed word for word"}
-    if kind == "membership":
-        tpr = m.get("tpr_at_1pct_fpr")
-        ok = tpr is not None and tpr == tpr and tpr >= TPR_THRESHOLD
-        return {"success": bool(ok), "n_success": None, "n_total": None, "metric": "tpr_at_1pct_fpr", "value": tpr,
-                "auc": m.get("auc"), "criterion": f"TPR at 1 % FPR >= {TPR_THRESHOLD:g}"}
-    if kind == "leakage":
-        low = m.get("rdlv_high_risk_client_low")
-        ok = low is not None and low == low and low > 0
-        return {"success": bool(ok), "n_success": None, "n_total": None, "metric": "rdlv_high_risk_client",
-                "value": m.get("rdlv_high_risk_client"), "criterion": "RDLV lower bound > 0 (closer than the prior)"}
-    return {"success": False, "n_success": None, "n_total": None, "metric": None, "value": None,
-            "criterion": f"no success rule for '{kind}'"}
+        out.update(n_success=int(m.get("images_above_threshold", 0) or 0), n_total=int(m.get("images_total", 0) or 0))
+    elif kind == "patches":
+        out.update(n_success=int(m.get("patches_exact", 0) or 0), n_total=int(m.get("num_true_patches", 0) or 0),
+                   unit="image patches")
+    elif kind == "token_sequences":
+        out.update(n_success=int(m.get("sentences_exact", 0) or 0), n_total=int(m.get("sentences_total", 0) or 0),
+                   unit="sentences")
+    elif kind == "leakage":
+        out["rdlv_excess"] = m.get("rdlv_excess")
+    elif kind == "membership":
+        out.update(tpr_at_1pct_fpr=m.get("tpr_at_1pct_fpr"), auc_interval=[m.get("auc_low"), m.get("auc_high")])
+    return out
 
 
 def leak_rank(j: dict) -> tuple:
-    """Order judged runs by how much they leak (success, samples reconstructed, headline value; nan last): the
-    worst case for the client is the evidence."""
+    """Order judged runs by how much they leak (level, samples reconstructed, p-value low first, headline value;
+    nan last): the worst case for the client is the evidence."""
+    from gradleak.evaluation.levels import level_rank
+
     v = j.get("value")
-    return (bool(j["success"]), j.get("n_success") or 0, v if isinstance(v, (int, float)) and v == v else -1e300)
+    p = j.get("p_value")
+    return (level_rank(j.get("level", "undefined")), j.get("n_success") or 0,
+            -p if isinstance(p, (int, float)) and p == p else -2.0,
+            v if isinstance(v, (int, float)) and v == v else -1e300)
 
 
 def config_hash(raw: dict) -> str:
@@ -180,8 +207,10 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
         entry.update({"applicable": threat_used == "configured", "applicable_under": threat_used,
                       "threat": cfg.threat_model.capability})
         if threat_used == "upgraded":
-            entry["reason"] = (f"needs a stronger server than configured ({cfg.threat_model.capability}"
-                               f"{', public data' if cfg.threat_model.public_data else ''}); run under that upgrade")
+            entry["threat_words"] = server_words(cfg.threat_model)
+            entry["reason"] = f"needs a stronger server than configured: run as {entry['threat_words']}"
+        else:
+            entry["threat_words"] = server_words(cfg.threat_model)
         planned.append((entry, cand, cfg, A))
         entries.append(entry)
     # run the applicable attacks (x the audit's seeds): in this process (workers=1) or a spawned pool
@@ -193,67 +222,115 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     def where(name, sd):
         return f"attacks/{name}" + (f"/seed{sd}" if multi else "")
 
-    jobs = [(f"{e['name']}@{sd}", {**cand, "seed": sd}, str(out / where(e["name"], sd)), device)
-            for e, cand, _, _ in planned for sd in seeds]
+    defenses = list(raw.get("defenses") or [])
+    variants: dict[str, list[dict]] = {}
+    for e, cand, cfg, A in planned:
+        configured = cfg.attack_cfg.model_dump(mode="json")
+        vs = [{}]
+        if not A.rewrites_weights:
+            for v in A.audit_variants(configured, defenses):
+                try:  # a variant the attack's config refuses is skipped (it would not be a stronger attack)
+                    validate({**cand, "attack": {**cand["attack"], **v}})
+                    vs.append(v)
+                except BadInput:
+                    pass
+        variants[e["name"]] = vs
+        e["variants"] = vs
+
+    def vdir(name, sd, k):
+        return where(name, sd) + (f"/variant{k}" if k else "")
+
+    jobs = [(f"{e['name']}@{sd}#{k}", {**cand, "attack": {**cand["attack"], **v}, "seed": sd},
+             str(out / vdir(e["name"], sd, k)), device)
+            for e, cand, _, _ in planned for sd in seeds for k, v in enumerate(variants[e["name"]])]
     for e, _, cfg, _ in planned:
         log(f"[audit] {e['name']}: running under the {e['applicable_under']} threat ({cfg.threat_model.capability})"
             + (f", seeds {seeds}" if multi else ""))
     results = dict(_run_all(jobs, workers, log))
     for entry, cand, cfg, A in planned:
         name = entry["name"]
-        runs = [(sd, results[f"{name}@{sd}"]) for sd in seeds]
-        entry["seconds"] = sum(r.get("seconds", 0.0) for _, r in runs)
-        bad = next((r for _, r in runs if "bad_input" in r), None)
-        if bad is not None:  # refused once the data/model are known (e.g. a generator shape)
+        runs = [(sd, k, results[f"{name}@{sd}#{k}"]) for sd in seeds for k in range(len(variants[name]))]
+        entry["seconds"] = sum(r.get("seconds", 0.0) for _, _, r in runs)
+        ok_runs = [(sd, k, r) for sd, k, r in runs if "metrics" in r]
+        bad = next((r for _, _, r in runs if "bad_input" in r), None)
+        if bad is not None and not ok_runs:  # refused once the data/model are known (e.g. a generator shape)
             entry.update({"applicable": False, "applicable_under": None, "reason": bad["bad_input"]})
             continue
-        err = next((r for _, r in runs if "error" in r), None)
-        if err is not None:  # one attack's crash must not lose the others' results
-            entry.update({"failed": err["error"], "reason": f"the run failed: {err['error']}"})
-            log(f"[audit] {name}: FAILED ({err['error']})")
+        err = next((r for _, _, r in runs if "error" in r), None)
+        if err is not None:  # one attack's crash must not lose the others' results: recorded, level undefined
+            entry["failed"] = err["error"]
+            log(f"[audit] {name}: a run FAILED ({err['error']})")
+        if not ok_runs:
+            entry.update({"level": "undefined", "success": False, "undefined": True, "metric": HEADLINE.get(A.reconstruction),
+                          "value": None, "rule": "the run failed: nothing was measured",
+                          "reason": f"the run failed: {err['error'] if err else 'no result'}"})
             continue
-        judged = [(sd, r, judge(A.reconstruction, r["metrics"], cfg)) for sd, r in runs]
-
-        sd, res, j = max(judged, key=lambda t: leak_rank(t[2]))  # the most leaking run is the evidence
-        entry["out"] = where(name, sd)
+        judged = []  # (seed, variant, result, client, judgement) for every client of every run
+        for sd, k, r in ok_runs:
+            per = (r.get("details") or {}).get("per_client")
+            for client, mets in client_metric_sets(A.reconstruction, r["metrics"], per):
+                judged.append((sd, k, r, client, judge(A.reconstruction, mets, cfg)))
+        sd, k, res, client, j = max(judged, key=lambda t: leak_rank(t[4]))  # the most leaking client/run is the evidence
+        entry["out"] = vdir(name, sd, k)
         entry.update(j)
-        vals = [t[2].get("value") for t in judged if isinstance(t[2].get("value"), (int, float))
-                and t[2]["value"] == t[2]["value"]]
+        entry["worst_client"] = client
+        if len(variants[name]) > 1:
+            entry["worst_variant"] = variants[name][k] or "as configured"
+        run0 = [t for t in judged if t[0] == sd and t[1] == k]
+        entry["per_client"] = [{"client": t[3], "level": t[4]["level"], "value": t[4].get("value"),
+                                "null_p99": t[4].get("null_p99"), "p_value": t[4].get("p_value"),
+                                "n_success": t[4].get("n_success"), "n_total": t[4].get("n_total")} for t in run0]
+        by_run: dict = {}
+        for t in judged:
+            if leak_rank(t[4]) > leak_rank(by_run.get((t[0], t[1]), {"level": "undefined"})):
+                by_run[(t[0], t[1])] = t[4]
+        if len(variants[name]) > 1:
+            entry["per_variant"] = [{"variant": variants[name][kk] or "as configured", "seed": s0,
+                                     "level": jj["level"], "value": jj.get("value")}
+                                    for (s0, kk), jj in sorted(by_run.items(), key=lambda t: (t[0][0], t[0][1]))]
+        vals = [jj.get("value") for (s0, kk), jj in by_run.items() if kk == 0
+                and isinstance(jj.get("value"), (int, float)) and jj["value"] == jj["value"]]
         if multi:
-            entry["per_seed"] = [{"seed": t[0], "success": t[2]["success"], "value": t[2].get("value"),
-                                  "n_success": t[2].get("n_success")} for t in judged]
+            entry["per_seed"] = [{"seed": s0, "success": jj["success"], "level": jj["level"], "value": jj.get("value"),
+                                  "n_success": jj.get("n_success")} for (s0, kk), jj in sorted(by_run.items()) if kk == 0]
             entry["worst_seed"] = sd
             if vals:
                 srt = sorted(vals)
                 entry["median"] = srt[len(srt) // 2] if len(srt) % 2 else 0.5 * (srt[len(srt) // 2 - 1] + srt[len(srt) // 2])
                 entry["spread"] = [srt[0], srt[-1]]
-        v = entry.get("value")
-        if isinstance(v, float) and v != v:  # nan: the run could not measure its headline (e.g. too few candidates)
+        if entry["level"] == "undefined":
             entry["undefined"] = True
-            entry["reason"] = (f"{entry['metric']} is undefined (nan) for this setup: the run measured nothing "
-                               "(for membership: too few members / non-members); not evidence either way")
-        entry["metrics"] = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
+            missing = ""
+            if A.reconstruction == "membership" and not (res["metrics"].get("nonmembers") or 0):
+                missing = " -- no non-member candidates: set data.nonmembers (e.g. 100)"
+            entry["reason"] = (f"undefined: {entry['rule']}{missing}; the run measured nothing, so it is not evidence "
+                               "either way")
+        entry["metrics"] = {kk: v for kk, v in res["metrics"].items() if isinstance(v, (int, float))}
         entry["artifacts"] = [a for a in res.get("artifacts", []) if str(a).endswith(".png")]
         entry["evidence_rows"] = _evidence_rows(res)
         warns = (res.get("details") or {}).get("warnings") or []
         if warns:
             entry["warnings"] = [str(w) for w in warns]
             entry["reason"] = "; ".join(([entry["reason"]] if entry.get("reason") else []) + entry["warnings"][:2])
-        log(f"[audit] {name}: {'SUCCESS' if entry['success'] else 'no success'} "
-            f"({entry['metric']} = {entry['value']}" + (f", worst of seeds {seeds}, median {entry.get('median')}"
-                                                         if multi else "") + f", {entry['seconds']:.0f} s)")
-    ran = [e for e in entries if "success" in e]
+        v = entry.get("value")
+        log(f"[audit] {name}: {entry['level'].upper()} ({entry['metric']} = {v if not isinstance(v, float) else round(v, 4)}"
+            f", null p99 {entry.get('null_p99')}, worst client {client}"
+            + (f", worst of seeds {seeds}, median {entry.get('median')}" if multi else "") + f", {entry['seconds']:.0f} s)")
+    ran = [e for e in entries if "level" in e]
     if not ran and base_err is not None:
         raise base_err
     verdict, headline = _verdict(entries)
-    _, shown = validate(_candidate(raw, next(e["name"] for e in ran)) if ran else _candidate(raw, names[0]))
+    shown_cand = next((c for e, c, _, _ in planned if e in ran), None)
+    _, shown = validate(shown_cand if shown_cand is not None else _candidate(raw, names[0]))
     result = {"verdict": verdict, "headline": headline, "attacks": entries,
-              "thresholds": {"psnr_db": shown.metrics.psnr_threshold_db, "text": "exact sentence",
-                             "membership_tpr_at_1pct_fpr": TPR_THRESHOLD, "leakage": "RDLV lower bound > 0"},
+              "levels": {"psnr_db": shown.metrics.psnr_threshold_db, "rules": LEVEL_RULES,
+                         "null": f"{shown.metrics.null_draws} seeded draws of public samples of the data's own source, "
+                                 "matched as the reconstruction; beyond the null = above its 99th percentile"},
               "setup": describe_setup(shown), "threat": shown.threat_model.describe(),
               "config": raw, "config_hash": config_hash(raw), "command": command,
               "seed": shown.seed, "environment": environment(), "seconds": time.perf_counter() - t_all,
-              "not_tested": [f"{e['name']}: {e['reason']}" for e in entries if "success" not in e]}
+              "not_tested": [f"{e['name']}: {e['reason']}" for e in entries if "level" not in e],
+              "undefined": [f"{e['name']}: {e['reason']}" for e in entries if e.get("level") == "undefined"]}
     from gradleak.experiments.results import write_json_atomic
 
     write_json_atomic(out / "audit.json", result)
@@ -305,7 +382,8 @@ def _run_one(name: str, cand: dict, out_dir: str, device: str | None) -> dict:
         return {"error": f"{type(err).__name__}: {err}", "seconds": time.perf_counter() - t0}
     return {"metrics": res.get("metrics", {}), "artifacts": res.get("artifacts", []),
             "details": {"warnings": (res.get("details") or {}).get("warnings", []),
-                        "trials": (res.get("details") or {}).get("trials", [])},
+                        "trials": (res.get("details") or {}).get("trials", []),
+                        "per_client": (res.get("details") or {}).get("per_client", [])},
             "seconds": time.perf_counter() - t0}
 
 
@@ -333,27 +411,66 @@ def _evidence_rows(res: dict) -> list[dict]:
     return rows[:16]
 
 
-def _verdict(entries: list[dict]) -> tuple[str, str]:
-    def order(e):
-        return (-(e.get("n_success") or 0), -(e.get("value") or 0) if isinstance(e.get("value"), (int, float)) else 0)
+LEVEL_RULES = {
+    "images": "exact: an image at PSNR >= the threshold / strong: best-image SSIM beyond the null and >= 0.5 / "
+              "partial: best-image PSNR beyond the null (and the mean public / grey image)",
+    "patches": "exact: patches recovered at PSNR >= the threshold / strong, partial: as images",
+    "token_sequences": "exact: a sentence word for word / strong: ROUGE-2 F1 beyond the null (and the word bag in "
+                       "random order) and >= 50 / partial: word-bag recall (or ROUGE-1 F1) beyond the null",
+    "membership": "strong: TPR at 1 % FPR >= 0.1 and beyond the null / partial: |AUC - 0.5| beyond the null",
+    "leakage": "exact: a reconstruction at PSNR >= the threshold / strong: SSIM beyond the null and >= 0.5 / "
+               "partial: RDLV beyond the null (rdlv_excess > 0)",
+}
 
-    ok = sorted([e for e in entries if e.get("success") and e.get("applicable")], key=order)
-    up = sorted([e for e in entries if e.get("success") and not e.get("applicable")], key=order)
+
+def server_words(tm) -> str:
+    """The server an attack ran under, named for what it is."""
+    if tm.malicious:
+        who = "a malicious server (sets the weights it sends)"
+    elif tm.prescribes_architecture:
+        who = "a server that prescribes the trainable architecture"
+    else:
+        who = "an honest-but-curious server"
+    if tm.public_data:
+        who += " holding public data"
+    return who
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, (int, float)) and v == v else "n/a"
+
+
+def _verdict(entries: list[dict]) -> tuple[str, str]:
+    """The verdict and the banner: the worst level, the attack, the client and the evidence (never green while an
+    attack is at ``partial`` or more)."""
+    from gradleak.evaluation.levels import LEAKING, verdict_of
+
+    verdict = verdict_of(entries)
+    leaking = sorted([e for e in entries if e.get("level") in LEAKING], key=leak_rank, reverse=True)
+    conf = [e for e in leaking if e.get("applicable")]
 
     def words(e):
-        if e.get("n_success") is not None:
-            return (f"{e['n_success']} of {e['n_total']} private {e.get('unit', 'samples')} reconstructed "
-                    f"({e['criterion']}) by "
-                    f"{e['name']} under a {e['threat']} server")
-        return f"{e['name']} succeeded ({e['criterion']}; {e['metric']} = {e['value']:.3g}) under a {e['threat']} server"
+        ev = (f"{e['metric']} = {_fmt(e.get('value'))} against a null 99th percentile of {_fmt(e.get('null_p99'))}"
+              f" (p = {_fmt(e.get('p_value'))})")
+        n = (f"; {e['n_success']} of {e['n_total']} private {e.get('unit', 'samples')} exact"
+             if e.get("n_success") else "")
+        client = f", client {e['worst_client']}" if e.get("worst_client") is not None else ""
+        return (f"{e['level'].upper()} leakage by {e['name']}{client} under {e.get('threat_words', e.get('threat'))}: "
+                f"{e['rule']} -- {ev}{n}")
 
-    if ok:
-        return "leaks", "LEAKS: " + words(ok[0])
-    if up:
-        return "leaks_malicious_only", "LEAKS ONLY UNDER A STRONGER SERVER: " + words(up[0])
-    n = len([e for e in entries if "success" in e])
-    return "no_attack_succeeded", (f"NO ATTACK SUCCEEDED: {n} attack(s) ran with their default settings and none met "
-                                   "its success threshold (evidence, not proof)")
+    if verdict == "leaks":
+        return verdict, "LEAKS: " + words(conf[0])
+    if verdict == "leaks_stronger_server":
+        return verdict, "LEAKS ONLY UNDER A STRONGER SERVER: " + words(leaking[0])
+    ran = [e for e in entries if e.get("level") in ("none",)]
+    undef = [e for e in entries if e.get("level") == "undefined"]
+    tried = ", ".join(f"{e['name']} ({len(e.get('variants') or [{}])} setting(s), "
+                      f"{len(e.get('per_client') or [1])} client(s))" for e in ran)
+    text = (f"NO LEAK FOUND: {len(ran)} attack(s) measured at full strength, none above its null -- {tried or 'none'}"
+            " (evidence, not proof)")
+    if undef:
+        text += f"; {len(undef)} undefined (measured nothing): " + ", ".join(e["name"] for e in undef)
+    return verdict, text
 
 
 def describe_setup(cfg) -> list[str]:
@@ -361,8 +478,9 @@ def describe_setup(cfg) -> list[str]:
     lines = [f"model: {cfg.model.name}; PEFT: {cfg.peft.kind}; data: {cfg.data.name}, batch size {cfg.data.batch_size}",
              f"federated: {cfg.fl.algorithm}, {cfg.fl.clients} client(s), {cfg.fl.rounds} round(s)"
              + (f", {cfg.fl.local_epochs} local epoch(s)" if cfg.fl.algorithm == "fedavg" else ""),
-             "secure aggregation: " + ("on -- the server sees only the sum of the updates"
-                                       if getattr(cfg.fl, "secure_aggregation", False)
+             "secure aggregation: " + (("on, over one client -- the sum of one update is that update: the server "
+                                        "sees it" if cfg.fl.clients <= 1 else "on -- the server sees only the sum of "
+                                        "the updates") if getattr(cfg.fl, "secure_aggregation", False)
                                        else "off -- the server sees every client's update")]
     fl = cfg.fl
     if getattr(fl, "engine", "builtin") == "flower":
@@ -391,24 +509,37 @@ def describe_setup(cfg) -> list[str]:
 def write_audit_report(result: dict, out: Path) -> Path:
     """One self-contained HTML page: verdict banner, setup, threat, per-attack table, evidence worst first."""
     e = html.escape
-    colour = {"leaks": "#b00020", "leaks_malicious_only": "#b36b00", "no_attack_succeeded": "#2e7d32"}[result["verdict"]]
+    colour = {"leaks": "#b00020", "leaks_stronger_server": "#b36b00", "no_leak_found": "#2e7d32",
+              "undefined": "#555555"}[result["verdict"]]
     rows = []
     for a in result["attacks"]:
         val = a.get("value")
         rows.append("<tr>" + "".join(f"<td>{e(str(x))}</td>" for x in (
             a["name"], "yes" if a.get("applicable") else ("under upgrade" if a.get("applicable_under") == "upgraded" else "no"),
-            a.get("threat", "–"), "SUCCESS" if a.get("success") else ("undefined" if a.get("undefined") else
-                                                                    ("no" if "success" in a else "not run")),
-            (f"{a['metric']} = {val:.4g}" + (f" (worst of {len(a['per_seed'])} seeds; median {a['median']:.4g}, "
-                                             f"range {a['spread'][0]:.4g}–{a['spread'][1]:.4g})"
+            a.get("threat_words", a.get("threat", "–")), a.get("level", "not run"),
+            (f"{a['metric']} = {_fmt(val)}" + (f" (worst of {len(a['per_seed'])} seeds; median {_fmt(a.get('median'))})"
                                              if a.get("per_seed") and "median" in a else ""))
             if isinstance(val, (int, float)) else "–",
+            _fmt(a.get("null_p99")) if "level" in a else "–", _fmt(a.get("p_value")) if "level" in a else "–",
+            str(a.get("worst_client", "–")),
             f"{a['n_success']} / {a['n_total']}" if a.get("n_success") is not None else "–",
-            f"{a['seconds']:.0f} s" if "seconds" in a else "–", a.get("reason", ""))) + "</tr>")
+            f"{a['seconds']:.0f} s" if "seconds" in a else "–",
+            "; ".join(x for x in (a.get("rule", "") if "level" in a else "", a.get("reason", "")) if x))) + "</tr>")
     evidence = []
-    ran = sorted([a for a in result["attacks"] if "success" in a], key=lambda a: (not a["success"], a["name"]))
+    from gradleak.evaluation.levels import level_rank
+
+    ran = sorted([a for a in result["attacks"] if "level" in a], key=lambda a: (-level_rank(a["level"]), a["name"]))
     for a in ran:
-        parts = [f"<h3>{e(a['name'])} — {'SUCCESS' if a['success'] else 'no success'} ({e(a['criterion'])})</h3>"]
+        parts = [f"<h3>{e(a['name'])} — {e(a['level'].upper())} ({e(a.get('rule', ''))})</h3>"]
+        if a.get("per_client") and len(a["per_client"]) > 1:
+            parts.append("<table><tr><th>client</th><th>level</th><th>value</th><th>null p99</th><th>p</th></tr>"
+                         + "".join(f"<tr><td>{e(str(c['client']))}</td><td>{e(c['level'])}</td><td>{_fmt(c.get('value'))}"
+                                   f"</td><td>{_fmt(c.get('null_p99'))}</td><td>{_fmt(c.get('p_value'))}</td></tr>"
+                                   for c in a["per_client"]) + "</table>")
+        if a.get("per_variant"):
+            parts.append("<p>full-strength settings tried: " + e("; ".join(
+                f"{json.dumps(v['variant']) if isinstance(v['variant'], dict) else v['variant']} (seed {v['seed']}): "
+                f"{v['level']}, {_fmt(v.get('value'))}" for v in a["per_variant"])) + "</p>")
         for img in a.get("artifacts", []):
             parts.append(f'<figure><img src="{e(a["out"])}/{e(img)}" alt="{e(img)}" style="max-width:100%">'
                          f"<figcaption>{e(img)}</figcaption></figure>")
@@ -420,25 +551,29 @@ def write_audit_report(result: dict, out: Path) -> Path:
                 tr.append(f"<tr{style}><td>{e(r['reference'])}</td><td>{e(str(r['reconstruction']))}</td>"
                           f"<td>{'exact' if exact else ''}</td></tr>")
             parts.append("<table><tr><th>private</th><th>reconstruction</th><th></th></tr>" + "".join(tr) + "</table>")
-        parts.append(f'<p><a href="{e(a["out"])}/report.html">full report of this attack</a></p>')
+        if a.get("out"):
+            parts.append(f'<p><a href="{e(a["out"])}/report.html">full report of this attack</a></p>')
         evidence.append("\n".join(parts))
-    th = result["thresholds"]
+    lv = result["levels"]
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>gradleak audit</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}.banner{{color:#fff;background:{colour};padding:1em;font-size:1.2em}}</style>
 </head><body>
 <div class="banner" id="verdict">{e(result['headline'])}</div>
-<p>Thresholds: images PSNR &ge; {th['psnr_db']:g} dB; text: {e(th['text'])}; membership: TPR at 1 % FPR &ge;
-{th['membership_tpr_at_1pct_fpr']:g}; leakage: {e(th['leakage'])}. Every attack ran with its default settings.</p>
+<p>Levels (each beyond its null: {e(lv['null'])}; exact-image threshold {lv['psnr_db']:g} dB):</p>
+<ul>{''.join(f'<li>{e(k)}: {e(v)}</li>' for k, v in lv['rules'].items())}</ul>
+<p>Every client of the audited round was attacked; each attack also ran the full-strength settings it derives from
+the declared defenses (listed under its evidence); the worst client and setting are the evidence.</p>
 <h2>Configuration</h2><ul>{''.join(f'<li>{e(x)}</li>' for x in result['setup'])}</ul>
 <h2>Threat model (configured)</h2><ul>{''.join(f'<li>{e(x)}</li>' for x in result['threat'])}</ul>
-<h2>Attacks</h2><table id="attacks"><tr><th>attack</th><th>applicable</th><th>threat</th><th>result</th><th>headline</th>
-<th>samples</th><th>time</th><th>note</th></tr>{''.join(rows)}</table>
-<h2>Evidence (successes first)</h2>{''.join(evidence) or '<p>no attack ran</p>'}
+<h2>Attacks</h2><table id="attacks"><tr><th>attack</th><th>applicable</th><th>server</th><th>level</th><th>headline</th>
+<th>null p99</th><th>p</th><th>worst client</th><th>exact samples</th><th>time</th><th>rule / note</th></tr>{''.join(rows)}</table>
+<h2>Evidence (worst level first)</h2>{''.join(evidence) or '<p>no attack ran</p>'}
 <h2>Reproducibility</h2><ul><li>command: <code>{e(result['command'])}</code></li>
 <li>config hash: {e(result['config_hash'])}; seed: {e(str(result['seed']))}</li>
 <li>versions: {e(json.dumps(result['environment']))}</li>
-<li>not tested: {e('; '.join(result['not_tested']) or 'nothing')}</li></ul>
+<li>not tested: {e('; '.join(result['not_tested']) or 'nothing')}</li>
+<li>undefined (measured nothing): {e('; '.join(result.get('undefined') or []) or 'none')}</li></ul>
 <script>/* a real browser marks how many evidence images decoded (the headless check reads it) */
 window.addEventListener("load", function () {{
   var imgs = Array.from(document.images), ok = imgs.filter(function (i) {{ return i.complete && i.naturalWidth > 0; }});

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from gradleak.registry import Registry
@@ -43,6 +44,8 @@ class Truth:
     client_inputs: list[torch.Tensor] | None = None  # leakage: every client's training images in [0, 1]
     client_validation: list[torch.Tensor] | None = None  # leakage: every client's validation images (IIP pool)
     client_steps: list[int] | None = None  # leakage: every client's local steps (picks the high-risk client)
+    null_pool: Any = None  # public samples of the same source no client holds (images in [0, 1] / sentences)
+    null_source: str | None = None  # what the null pool is, in words
 
 
 @dataclass
@@ -53,6 +56,36 @@ class Evaluation:
     artifacts: list[str] = field(default_factory=list)
     rows: list[dict] = field(default_factory=list)  # per-sample rows (text: reference vs reconstruction)
     notes: list[str] = field(default_factory=list)
+    client: int = 0  # the attacked client (metrics.attack_clients = all: every client in turn)
+    trial: Any = 0
+
+
+def attach_null(metrics: dict, key: str, null, lower_is_leak: bool = False) -> None:
+    """``metrics[key]`` gets its null beside it: ``<key>_null_median``, ``<key>_null_p99``, ``<key>_p_value``."""
+    from gradleak.evaluation.nulls import summarize
+
+    s = summarize(metrics.get(key, float("nan")), null, lower_is_leak)
+    metrics[f"{key}_null_median"], metrics[f"{key}_null_p99"], metrics[f"{key}_p_value"] = (
+        s["null_median"], s["null_p99"], s["p_value"])
+
+
+def _null_images(truth: Truth, truth01: torch.Tensor, n: int, match: str, cfg, metrics: dict, notes: list) -> None:
+    """The image nulls (random public images matched like the reconstruction; the mean public and grey images)."""
+    from gradleak.evaluation.nulls import image_null, reference_images
+
+    pool = truth.null_pool
+    if pool is None or not cfg.metrics.null:
+        return
+    pool = pool.to(torch.float32)
+    if pool.shape[1:] != truth01.shape[1:]:
+        pool = torch.nn.functional.interpolate(pool, size=truth01.shape[-2:], mode="bilinear", align_corners=False)
+    nul = image_null(truth01.float(), pool, n=n, match=match, draws=cfg.metrics.null_draws, seed=cfg.seed + 17)
+    for k in ("psnr", "ssim", "psnr_max", "ssim_max"):
+        attach_null(metrics, k, nul[k])
+    metrics.update(reference_images(truth01.float(), pool))
+    notes.append(f"null: {cfg.metrics.null_draws} draws of {n} random images of {truth.null_source} "
+                 f"({len(pool)} in the pool), matched {'in order' if match == 'paired' else 'by MSE (Hungarian)'} "
+                 "as the reconstruction; *_mean_public / *_grey: the mean public image and the grey image.")
 
 
 def evaluate(kind: str, truth: Truth, rec, cfg, out_dir: Path, trial: int = 0) -> Evaluation:
@@ -117,6 +150,17 @@ def evaluate_patches(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
     recon01 = (torch.stack([patches_to_image(placed[i], C, S, P) for i in range(B)]) + 1) / 2
     metrics = {k2: float(v) for k2, v in m.items() if isinstance(v, (int, float))}
     metrics.update(_image_metrics(truth01, recon01, cfg))
+    from gradleak.metrics import psnr as _psnr
+    from gradleak.metrics import ssim as _ssim2
+
+    filled = torch.nan_to_num(recon01, nan=0.5)
+    metrics["psnr_max"] = float(_psnr(filled, truth01).max())
+    metrics["ssim_max"] = float(_ssim2(filled.float(), truth01.float()).max())
+    total = int(metrics.get("num_true_patches", 0))
+    ok = metrics.get("recovered_patch_psnr_median", 0) >= thr
+    metrics["patches_exact"] = float(round(metrics.get("patch_recovery_rate", 0.0) * total)) if ok else 0.0
+    null_notes: list[str] = []
+    _null_images(truth, truth01.float(), B, "paired", cfg, metrics, null_notes)
     if k == 1:
         ok = ~torch.isnan(placed[..., 0])
         if ok.any():
@@ -139,7 +183,7 @@ def evaluate_patches(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
     notes = [f"{rec.info.get('unique_patches')} patches returned from {rec.info.get('bins')} bins over "
              f"{rec.info.get('rounds')} round(s).",
              f"A true patch counts as recovered only if a patch at its image and position has PSNR ≥ {thr:g} dB "
-             "(gradleak.metrics.patches)."]
+             "(gradleak.metrics.patches)."] + null_notes
     return Evaluation(metrics, figs, [], arts, notes=notes)
 
 
@@ -160,15 +204,22 @@ def evaluate_images(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalua
     matched[torch.as_tensor(ti)] = x[torch.as_tensor(ri)]
     metrics = _image_metrics(truth01, matched, cfg)
     metrics["images_returned"] = float(len(x))
+    metrics["images_total"] = float(len(truth01))
     metrics["reference_gray_image_psnr_mean"] = float(psnr(torch.full_like(truth01, 0.5), truth01).mean())
-    metrics["images_above_threshold"] = float((psnr(torch.nan_to_num(matched, nan=0.5), truth01)
-                                               >= cfg.metrics.psnr_threshold_db).sum())
+    per_image = psnr(torch.nan_to_num(matched, nan=0.5), truth01)
+    metrics["images_above_threshold"] = float((per_image >= cfg.metrics.psnr_threshold_db).sum())
+    from gradleak.metrics import ssim as _ssim
+
+    metrics["psnr_max"] = float(per_image.max())
+    metrics["ssim_max"] = float(_ssim(torch.nan_to_num(matched, nan=0.5), truth01).max())
+    notes: list[str] = []
+    _null_images(truth, truth01, len(x), "hungarian", cfg, metrics, notes)
     for key in ("initial_matching_loss", "final_matching_loss"):
         if key in rec.info:
             metrics[key] = float(rec.info[key])
     figs, arts = _grids(truth01, torch.nan_to_num(matched, nan=0.5), out_dir, trial, "reconstruction (order-matched)",
                         f"{n} of {len(truth01)} images matched to the private batch by MSE")
-    return Evaluation(metrics, figs, [], arts)
+    return Evaluation(metrics, figs, [], arts, notes=notes)
 
 
 @EVALUATORS.register("leakage", "per client and round: SSIM vs prior, RDLV with bootstrap 95 % interval, adjusted IIP")
@@ -217,12 +268,31 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
     figs, arts = [], []
     rec_feats: dict = {}  # (client, round) → reconstruction features (IIP), reused by the t-SNE map
     last_round = max(d["round"] for d in per) if per else None
+    null_pool = None
+    if cfg.metrics.null and truth.null_pool is not None and len(truth.null_pool):
+        from gradleak.evaluation.nulls import rdlv_null
+
+        null_pool = truth.null_pool.to(torch.float64).cpu()
+    null_cache: dict = {}
     suffix = "" if trial == 0 else f"_trial{trial}"
     for d in per:
         c, r, x = d["client"], d["round"], d["images"].to(torch.float64)
         res = rdlv(x, originals[c], prior, ssim=cfg.metrics.leakage_ssim, match="best", seed=cfg.seed)
         vals = {"ssim": float(res.ssim_reconstruction.mean()), "ssim_prior": float(res.ssim_prior.mean()),
                 "rdlv": res.mean, "rdlv_low": res.low, "rdlv_high": res.high, "rdlv_max": res.max}
+        from gradleak.metrics import psnr as _psnr
+
+        vals["psnr_max"] = float(_psnr(x[res.matched_index].float(), originals[c].float()).max())
+        if null_pool is not None:  # chance: random held-out images as the client's reconstructions, best of N
+            key = (c, len(x))
+            if key not in null_cache:
+                null_cache[key] = rdlv_null(originals[c], null_pool, prior, n=len(x), ssim=cfg.metrics.leakage_ssim,
+                                            draws=cfg.metrics.null_draws, seed=cfg.seed + 31 + c)
+            for k in ("rdlv", "ssim"):
+                tmp = {k: vals[k]}
+                attach_null(tmp, k, null_cache[key][k])
+                vals.update({kk: vv for kk, vv in tmp.items() if kk != k})
+            vals["rdlv_excess"] = vals["rdlv"] - vals["rdlv_null_p99"]
         if use_iip:
             own = pool_feats[int(offsets[2 * c]):int(offsets[2 * c + 1])]
             feats = image_features(x.float())
@@ -262,6 +332,8 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
                 "ssim_prior_high_risk_client": "ssim_prior", "iip_high_risk_client": "iip"}
     for key, k in headline.items():
         metrics[key] = metrics.get(f"{k}_client{high}", nan)
+    for k in ("rdlv_null_median", "rdlv_null_p99", "rdlv_p_value", "rdlv_excess", "psnr_max"):
+        metrics[f"{k}_high_risk_client"] = metrics.get(f"{k}_client{high}", nan)
     others = [metrics[f"rdlv_low_client{c}"] for c in attacked if c != high and math.isfinite(metrics[f"rdlv_low_client{c}"])]
     metrics["rdlv_max_other_clients"] = max(others) if others else nan
     notes = [f"RDLV = (SSIM(x̂, x) − SSIM(prior, x)) / SSIM(prior, x) per original, best-matching reconstruction; "
@@ -269,6 +341,11 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
              "with one image has a degenerate interval.",
              f"high-risk client: {high}; rdlv_max_other_clients = the largest lower bound among clients "
              f"{[c for c in attacked if c != high]} (round {last_round})."]
+    if null_pool is not None:
+        notes.append(f"null: {cfg.metrics.null_draws} draws of N random held-out images of {truth.null_source} "
+                     f"({len(null_pool)} in the pool) as a client's N reconstructions, each original taking its best "
+                     "match, as the attack's RDLV does; rdlv_excess_client<c> = RDLV − the null's 99th percentile "
+                     "(> 0: beyond chance).")
     if use_iip:
         from gradleak.metrics.features import BACKBONE_NAME
 
@@ -350,6 +427,7 @@ def evaluate_tokens(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalua
         "recovered_tokens": int(sum(len(s) for s in rec.data)),
         "word_bag_size": len(bag),
         "sentences_returned": len(recs),
+        "sentences_total": len(refs),
         "sentences_verified": n_verified,
         # a batch is flagged unless the attack verified one sentence per private sentence
         "unverified_batch": float(n_verified < len(refs)),
@@ -370,27 +448,49 @@ def evaluate_tokens(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalua
     for r in extra:
         rows.append({"trial": trial, "reference": "(none: extra output)", "reconstruction": r, "verified": "-", "exact": "no"})
     notes = []
+    if cfg.metrics.null and truth.null_pool:
+        _null_text(truth, refs, recs, true_tokens, bag, out, cfg, notes)
     if n_verified < len(refs):
         notes.append(f"trial {trial}: {n_verified} of {len(refs)} sentences verified by the attack — "
                      "unverified text is a best guess, not a proven reconstruction.")
     return Evaluation(out, rows=rows, notes=notes)
 
 
+def _null_text(truth: Truth, refs: list[str], recs: list[str], true_tokens: set, bag: set, out: dict, cfg,
+               notes: list) -> None:
+    """The text nulls: N random public sentences (ROUGE F1, the same matching), a random word bag of the attack's
+    size from the public sentences' tokens (word-bag recall), and the attack's own bag in random order (ROUGE)."""
+    from gradleak.evaluation.nulls import bag_order_null, text_null, word_bag_null
+
+    tok, pool = truth.tokenizer, list(truth.null_pool)
+    draws, seed = cfg.metrics.null_draws, cfg.seed + 23
+    nul = text_null(refs, pool, n=len(recs) or len(refs), draws=draws, seed=seed)
+    for k in ("rouge1_f1", "rouge2_f1"):
+        attach_null(out, k, nul[k])
+    special = set(getattr(tok, "all_special_ids", []) or [])
+    token_pool = [t for sent in pool for t in set(tok(sent, add_special_tokens=False)["input_ids"]) if t not in special]
+    what = f"{draws} draws of {len(recs) or len(refs)} random sentences of {truth.null_source} ({len(pool)} in the pool)"
+    if "word_bag_recall" in out:
+        attach_null(out, "word_bag_recall", word_bag_null(true_tokens, len(bag), token_pool, draws=draws, seed=seed))
+        words = []
+        for t in sorted(bag):
+            w = tok.convert_ids_to_tokens(int(t))
+            w = str(w).replace("##", "").replace("\u0120", " ").replace("\u2581", " ").strip()
+            if w and int(t) not in special:
+                words.append(w)
+        lengths = [len(r.split()) for r in refs]
+        bo = bag_order_null(refs, words, lengths, draws=200, seed=seed)
+        for k in ("rouge1_f1", "rouge2_f1"):
+            vals = bo[k][np.isfinite(bo[k])] if len(bo[k]) else bo[k]
+            out[f"{k}_bag_order"] = float(np.quantile(vals, 0.99)) if len(vals) else float("nan")
+        what += (f"; word bag: {draws} random bags of {len(bag)} tokens from the pool's tokens (weighted by how many "
+                 "sentences hold each); *_bag_order: the 99th percentile of the attack's own bag in random order")
+    notes.append("null: " + what + ".")
+
+
 # ------------------------------------------------------------------------------------------------ membership
 
-def roc_summary(labels, scores) -> dict[str, float]:
-    """ROC AUC (ties count ½) and the largest TPR at FPR ≤ 1 % and ≤ 0.1 %."""
-    import numpy as np
-    from sklearn.metrics import roc_auc_score, roc_curve
-
-    y, s = np.asarray(labels, dtype=int), np.nan_to_num(np.asarray(scores, dtype=float), neginf=-1e300, posinf=1e300)
-    if y.min() == y.max():
-        return {"auc": float("nan"), "tpr_at_1pct_fpr": float("nan"), "tpr_at_0.1pct_fpr": float("nan")}
-    fpr, tpr, _ = roc_curve(y, s)
-    out = {"auc": float(roc_auc_score(y, s))}
-    for name, at in (("tpr_at_1pct_fpr", 0.01), ("tpr_at_0.1pct_fpr", 0.001)):
-        out[name] = float(tpr[fpr <= at].max()) if (fpr <= at).any() else 0.0
-    return out
+from gradleak.evaluation.nulls import roc_summary  # noqa: E402 -- re-exported (its home: the evaluation unit)
 
 
 @EVALUATORS.register("membership", "membership scores: ROC AUC, TPR at 1 % / 0.1 % FPR, per layer")
@@ -404,6 +504,16 @@ def evaluate_membership(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Ev
     m = roc_summary(labels, flat)
     m["members"] = float(sum(labels))
     m["nonmembers"] = float(len(labels) - sum(labels))
+    if cfg.metrics.null:  # random member sets (label permutations); bootstrap / exact binomial intervals
+        from gradleak.evaluation.nulls import membership_null
+
+        nul = membership_null(labels, flat, draws=cfg.metrics.null_draws, seed=cfg.seed + 29)
+        m["auc_distance"] = abs(m["auc"] - 0.5)
+        attach_null(m, "auc", nul["auc"])
+        attach_null(m, "auc_distance", np.abs(nul["auc"] - 0.5))
+        attach_null(m, "tpr_at_1pct_fpr", nul["tpr_at_1pct_fpr"])
+        m["auc_low"], m["auc_high"] = nul["auc_interval"]
+        m["tpr_at_1pct_fpr_low"], m["tpr_at_1pct_fpr_high"] = nul["tpr_interval"]
     per_layer = []
     for name, by_client in (rec.info.get("layer_scores") or {}).items():
         ls = [v for ci in scored for v in by_client[ci]]

@@ -24,6 +24,8 @@ from gradleak.experiments.evaluation import Truth, evaluate
 from gradleak.experiments.schema import ExperimentConfig
 
 GENERATED = ("natural-crops", "public-natural")
+#: reconstruction kinds attacked one client at a time (membership and leakage attacks score every client themselves)
+PER_CLIENT_KINDS = ("images", "patches", "token_sequences")
 USER_IMAGE_SETS = ("image-folder", "npz")
 
 
@@ -132,6 +134,31 @@ class ImageData:
         held = self._extra[1]
         return held.mean(0) if len(held) else None
 
+    def null_pool(self, trial: int, k: int | None = None) -> tuple[torch.Tensor, str]:
+        """Up to ``k`` images of the private dataset's own source that no client, validation, prior or test chunk
+        uses (the chunk after all of them, from the same seeded draw): the nulls' chance reconstructions
+        (:mod:`gradleak.evaluation.nulls`). A fixed set too small to spare any falls back to the public set."""
+        from gradleak.data import load
+        from gradleak.evaluation.nulls import NULL_POOL
+
+        c = self.cfg
+        k = NULL_POOL if k is None else k
+        sizes, val, prior = self._layout()
+        used = sum(sizes) + val * len(sizes) + prior + self._test_size()
+        n = used + k
+        if c.data.name not in GENERATED:
+            kwargs = {"size": c.data.image_size} if c.data.name == "imagenet-samples" else {}
+            if c.data.path is not None:
+                kwargs["path"] = c.data.path
+            total = len(load(c.data.name, **kwargs).images)
+            n = min(n, total - 1 if c.data.seed + 7919 * trial else total)  # a permuted draw must stay a permutation
+        if n > used:
+            imgs, _ = self._load(trial, n)
+            return imgs[used:], f"{c.data.name} (held-out images no client holds)"
+        name = _public_name(c)
+        imgs, _ = load_images(name, k, c.data.image_size, c.data.seed + 2000, "data.public", channels=c.image_channels)
+        return imgs, f"{name} (the private set '{c.data.name}' spares no image)"
+
     def public(self):
         c = self.cfg
         imgs, _ = load_images(_public_name(c), c.data.public_size, c.data.image_size, c.data.seed + 1000, "data.public",
@@ -162,6 +189,17 @@ class TextData:
     def _chunk(self, n: int, offset: int):
         texts, labels = self.ds.batch(n, seed=self.cfg.seed, offset=offset)
         return list(texts), torch.as_tensor(labels, dtype=torch.long)
+
+    def null_pool(self, trial: int, k: int | None = None) -> tuple[list[str], str]:
+        """Up to ``k`` sentences of the same dataset that no client holds in any trial (seeded): the nulls' chance
+        reconstructions (:mod:`gradleak.evaluation.nulls`)."""
+        from gradleak.evaluation.nulls import NULL_POOL
+
+        k = NULL_POOL if k is None else k
+        members = {t for tr in range(self.cfg.trials) for texts, _ in self.clients(tr, 1 << 30) for t in texts}
+        order = np.random.default_rng(self.cfg.seed + 104729).permutation(len(self.ds))
+        pool = [self.ds.texts[i] for i in order if self.ds.texts[i] not in members][:k]
+        return pool, f"{self.cfg.data.name} (sentences no client holds)"
 
     def nonmembers(self, trial: int, client: int) -> list[str]:
         k = self.cfg.data.nonmembers
@@ -279,32 +317,55 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
                              lr_at=cfg.fl.lr_at)
         t_client += outcome.client_seconds
         t_hook += outcome.server_hook_seconds
-        view = build_view(model=outcome.model, rounds=outcome.rounds, round_states=outcome.round_states,
-                          threat=threat, secure_sum=outcome.secure_sums, knowledge=knowledge,
-                          always_public=_always_public(handle, cfg))
-        with ctx.stage(f"attack {A.name}" + (f" (trial {trial + 1}/{cfg.trials})" if cfg.trials > 1 else "")):
-            t0 = time.perf_counter()
-            rec = attack.reconstruct(view)
-            t_rec += time.perf_counter() - t0
-        with ctx.stage("evaluation"):
-            tr = Truth(modality, truth["inputs"], truth["labels"], texts=truth.get("texts"), tokenizer=handle.tokenizer,
-                       model_kind=handle.kind, bottleneck=bottleneck, membership=membership)
-            if A.reconstruction == "leakage":  # every client's training and validation images (per-client evaluation)
-                tr.client_inputs = [b[0] for b in batches]
-                tr.client_validation = data.validation()
-                tr.client_steps = [p["epochs"] * -(-p["images"] // p["batch_size"]) for p in cfg.client_plan()]
-            ev = evaluate(A.reconstruction, tr, rec, cfg, ctx.out_dir, trial)
-            if hasattr(defense, "layer_condition"):
-                from gradleak.experiments.evaluation import split_by_guarantee
+        # the attacked updates: the first client's (the view's first update), or every client's in turn
+        # (metrics.attack_clients = all; the audit): the view's rounds rotated so the victim comes first
+        per_client = (cfg.metrics.attack_clients == "all" and threat.individual_updates and len(batches) > 1
+                      and A.reconstruction in PER_CLIENT_KINDS)
+        victims = list(range(len(batches))) if per_client else [0]
+        null_pool = None
+        if cfg.metrics.null and A.reconstruction != "membership":
+            null_pool = data.null_pool(trial)
+        for v in victims:
+            rounds_v = [list(r[v:]) + list(r[:v]) for r in outcome.rounds] if v else outcome.rounds
+            truth_v, knowledge_v = truth, knowledge
+            if v:
+                _, truth_v = _clients(handle, batches[v:] + batches[:v], loss_fn, dev, threat, cfg)
+                knowledge_v = truth_v.pop("_knowledge")
+                for k in ("public_data",):
+                    if k in knowledge:
+                        knowledge_v[k] = knowledge[k]
+            view = build_view(model=outcome.model, rounds=rounds_v, round_states=outcome.round_states,
+                              threat=threat, secure_sum=outcome.secure_sums, knowledge=knowledge_v,
+                              always_public=_always_public(handle, cfg))
+            label = (f" (trial {trial + 1}/{cfg.trials})" if cfg.trials > 1 else "") + \
+                (f" (client {v + 1}/{len(victims)})" if per_client else "")
+            with ctx.stage(f"attack {A.name}" + label):
+                t0 = time.perf_counter()
+                rec = attack.reconstruct(view)
+                t_rec += time.perf_counter() - t0
+            with ctx.stage("evaluation"):
+                tr = Truth(modality, truth_v["inputs"], truth_v["labels"], texts=truth_v.get("texts"),
+                           tokenizer=handle.tokenizer, model_kind=handle.kind, bottleneck=bottleneck,
+                           membership=membership)
+                if null_pool is not None:
+                    tr.null_pool, tr.null_source = null_pool
+                if A.reconstruction == "leakage":  # every client's training and validation images (per-client evaluation)
+                    tr.client_inputs = [b[0] for b in batches]
+                    tr.client_validation = data.validation()
+                    tr.client_steps = [p["epochs"] * -(-p["images"] // p["batch_size"]) for p in cfg.client_plan()]
+                ev = evaluate(A.reconstruction, tr, rec, cfg, ctx.out_dir, trial if not v else f"{trial}_client{v}")
+                if hasattr(defense, "layer_condition"):
+                    from gradleak.experiments.evaluation import split_by_guarantee
 
-                split_by_guarantee(ev, defense.layer_condition(view.rounds))
-            ev.metrics.update(defense.report(view.rounds))
-            test = data.test(mcfg.num_classes)
-            if test is not None:
-                ev.metrics.update(_utility(handle, model, outcome, cfg, test, dev) if modality == "text"
-                                  else _image_utility(model, outcome, cfg, test, dev))
-            evals.append(ev)
-        infos.append(rec.info)
+                    split_by_guarantee(ev, defense.layer_condition(view.rounds))
+                ev.metrics.update(defense.report(view.rounds))
+                test = data.test(mcfg.num_classes)
+                if test is not None:
+                    ev.metrics.update(_utility(handle, model, outcome, cfg, test, dev) if modality == "text"
+                                      else _image_utility(model, outcome, cfg, test, dev))
+                ev.client, ev.trial = v, trial
+                evals.append(ev)
+            infos.append(rec.info)
     metrics = {k: float(np.mean([e.metrics[k] for e in evals if k in e.metrics])) for k in evals[0].metrics}
     attack_time = t_prepare + t_hook + t_rec
     timings.update({"attack_prepare_seconds": t_prepare, "attack_adapter_state_seconds": t_hook,
@@ -535,6 +596,9 @@ def _results(cfg, handle, evals, infos, metrics, timings) -> dict[str, Any]:
                           "requires": cfg.attack_cls.requires(cfg.attack_cfg)},
                "threat": threat.as_dict(),
                "trials": [{"info": _jsonable(i)} for i in infos], "warnings": warnings}
+    details["per_client"] = [{"trial": e.trial, "client": e.client,
+                              "metrics": {k: v for k, v in e.metrics.items() if isinstance(v, (int, float))}}
+                             for e in evals]
     if handle.modality == "image":
         details["feature_distance_backbone"] = BACKBONE_NAME if cfg.metrics.feature_distance else None
         details["lpips"] = lpips_status()[1]

@@ -151,6 +151,12 @@ class MetricsConfig(Strict):
     leakage_ssim: Literal["gaussian", "nvflare"] = Field("gaussian", description="SSIM of the RDLV: 11×11 Gaussian "
                                                          "window, or NVFlare's skimage settings")
     iip: bool = Field(True, description="adjusted image identifiability precision on ViT-S/14 features (offline)")
+    attack_clients: Literal["first", "all"] = Field(
+        "first", description="which observed updates a reconstruction attack is run on: the first client's ('first'), "
+        "or every client's in turn ('all': the audit's setting; per-client results in details.per_client)")
+    null: bool = Field(True, description="score chance (random public samples, matched like the reconstruction) on "
+                       "every headline metric: <m>_null_median / _null_p99 / _p_value (gradleak.evaluation.nulls)")
+    null_draws: int = Field(1000, ge=200, le=100_000, description="draws of every null (>= 200)")
 
 
 class AttackSection(BaseModel):
@@ -283,7 +289,7 @@ class ExperimentConfig(Strict):
         if self._attack_cls.needs_float64 and self.model.dtype == "float32":
             raise BadInput("model.dtype", f"attack '{self._attack_cls.name}' is exact only in float64 (the server ships "
                            "the model in float64).", "remove model.dtype or set it to float64.")
-        self._threat = self.threat.resolve(self.fl.secure_aggregation)
+        self._threat = self.threat.resolve(self.fl.secure_aggregation, clients=self.fl.clients)
         if self.peft.layer_pe and not self._threat.prescribes_architecture:  # paper 001 §3.4: the server's architecture
             raise BadInput("threat.preset", f"peft.layer_pe adds server-prescribed layer-wise positional embeddings, "
                            f"which a {self._threat.capability} server cannot choose.",

@@ -66,6 +66,8 @@ class ThreatModel:
     knows_lengths: bool = False
     public_data: bool = False
     rounds_observed: Optional[int] = None
+    #: why individual updates are exposed although the config asked for secure aggregation (None: not the case)
+    exposure: Optional[str] = None
 
     def grants(self, flag: str) -> bool:
         return bool(getattr(self, flag))
@@ -79,6 +81,8 @@ class ThreatModel:
         for f in FLAG_MEANING:
             out.append(f"{'yes' if self.grants(f) else 'no '} — {FLAG_MEANING[f]}")
         out.append("rounds observed: " + ("all" if self.rounds_observed is None else str(self.rounds_observed)))
+        if self.exposure:
+            out.append(self.exposure)
         return out
 
 
@@ -95,11 +99,17 @@ class ThreatConfig(BaseModel):
     public_data: Optional[bool] = None
     rounds_observed: Optional[int] = Field(None, ge=1)
 
-    def resolve(self, secure_aggregation: bool = False) -> ThreatModel:
+    def resolve(self, secure_aggregation: bool = False, clients: int | None = None) -> ThreatModel:
+        """The resolved threat model. Secure aggregation hides individual updates -- except over one client: the sum
+        of one update is that update, so the server sees it (``exposure`` says why)."""
         base = ThreatModel(capability=self.preset, **PRESETS[self.preset])
         over = {k: v for k, v in self.model_dump().items() if k != "preset" and v is not None}
         tm = replace(base, **over)
         if secure_aggregation:
+            if clients is not None and clients <= 1:
+                return replace(tm, individual_updates=True, exposure=(
+                    "secure aggregation over one client exposes its update: the sum of one update is that update "
+                    "(the server sees it as if there were no secure aggregation)"))
             if self.individual_updates:
                 raise BadInput("threat.individual_updates", "is true, but fl.secure_aggregation hides individual updates.",
                                "set one of them: secure aggregation on means the server sees only the sum.")
@@ -107,7 +117,7 @@ class ThreatConfig(BaseModel):
         return tm
 
 
-THREAT_FLAGS = tuple(f.name for f in fields(ThreatModel) if f.name not in ("capability", "rounds_observed"))
+THREAT_FLAGS = tuple(f.name for f in fields(ThreatModel) if f.name not in ("capability", "rounds_observed", "exposure"))
 
 
 def check_requirements(attack_name: str, required: dict[str, bool], threat: ThreatModel) -> None:

@@ -26,22 +26,67 @@ def normalize(s: str) -> str:
     return " ".join(s.lower().split())
 
 
-def match_sentences(references: Sequence[str], candidates: Sequence[str]) -> list[int | None]:
-    """For each reference the index of its matched candidate (or None)."""
-    if not references or not candidates:
-        return [None] * len(references)
+class RougeTokens(tuple):
+    """A sentence as ROUGE sees it: ``(tokens, normalized)`` -- rouge-score's tokens (lower-cased, alphanumeric,
+    no stemming) and the lower-cased whitespace-joined text (:func:`normalize`, the exact-sentence test)."""
+
+    @property
+    def tokens(self) -> list[str]:
+        return self[0]
+
+    @property
+    def normalized(self) -> str:
+        return self[1]
+
+
+def tokenize_for_rouge(text) -> RougeTokens:
+    """The tokens rouge-score's default tokenizer gives ``text`` (a list of words is taken as already split)."""
+    if isinstance(text, RougeTokens):
+        return text
+    if isinstance(text, (list, tuple)):
+        words = [str(w).lower() for w in text]
+        return RougeTokens((words, " ".join(words)))
+    from rouge_score import tokenize
+
+    return RougeTokens((tokenize.tokenize(text, None), normalize(text)))
+
+
+def _counts(toks: list[str], n: int):
+    from collections import Counter
+
+    return Counter(tuple(toks[i:i + n]) for i in range(len(toks) - n + 1))
+
+
+def _f1(overlap: int, ref: int, cand: int) -> float:
+    if not ref or not cand or not overlap:
+        return 0.0
+    p, r = overlap / cand, overlap / ref
+    return 2 * p * r / (p + r)
+
+
+def _match_tokenized(refs: list[RougeTokens], cands: list[RougeTokens]) -> list[int | None]:
+    if not refs or not cands:
+        return [None] * len(refs)
     from scipy.optimize import linear_sum_assignment
 
-    sc = _scorer(("rouge1",))
-    w = np.zeros((len(references), len(candidates)))
-    for i, r in enumerate(references):
-        for j, c in enumerate(candidates):
-            w[i, j] = sc.score(r, c)["rouge1"].fmeasure + (1.0 if normalize(r) == normalize(c) else 0.0)
+    rc = [_counts(r.tokens, 1) for r in refs]
+    cc = [_counts(c.tokens, 1) for c in cands]
+    w = np.zeros((len(refs), len(cands)))
+    for i, r in enumerate(refs):
+        for j, c in enumerate(cands):
+            w[i, j] = _f1(sum((rc[i] & cc[j]).values()), len(r.tokens), len(c.tokens)) \
+                + (1.0 if r.normalized == c.normalized else 0.0)
     rows, cols = linear_sum_assignment(-w)
-    out: list[int | None] = [None] * len(references)
+    out: list[int | None] = [None] * len(refs)
     for i, j in zip(rows, cols):
         out[i] = int(j) if w[i, j] > 0 else None
     return out
+
+
+def match_sentences(references: Sequence[str], candidates: Sequence[str]) -> list[int | None]:
+    """For each reference the index of its matched candidate (or None): a maximum-weight matching on ROUGE-1 F
+    (+ 1 for an exact sentence)."""
+    return _match_tokenized([tokenize_for_rouge(r) for r in references], [tokenize_for_rouge(c) for c in candidates])
 
 
 def rouge_scores(references: Sequence[str], candidates: Sequence[str]) -> dict[str, float]:
@@ -64,15 +109,6 @@ def rouge_scores(references: Sequence[str], candidates: Sequence[str]) -> dict[s
     return out
 
 
-def _ngrams(text: str, n: int):
-    from collections import Counter
-
-    from rouge_score import tokenize
-
-    toks = tokenize.tokenize(text, None)
-    return Counter(tuple(toks[i:i + n]) for i in range(len(toks) - n + 1))
-
-
 def rouge_f1_scores(references: Sequence[str], candidates: Sequence[str]) -> dict[str, float]:
     """Batch-level ROUGE-1/2 F1 (0-100) that penalises extra output.
 
@@ -84,15 +120,24 @@ def rouge_f1_scores(references: Sequence[str], candidates: Sequence[str]) -> dic
     """
     if not references:
         return {}
-    match = match_sentences(references, candidates)
+    return rouge_f1_tokenized([tokenize_for_rouge(r) for r in references], [tokenize_for_rouge(c) for c in candidates])
+
+
+def rouge_f1_tokenized(references: Sequence, candidates: Sequence) -> dict[str, float]:
+    """:func:`rouge_f1_scores` on sentences already passed through :func:`tokenize_for_rouge` (the nulls score
+    thousands of draws with it: tokenizing once is what makes them cheap)."""
+    refs = [tokenize_for_rouge(r) for r in references]
+    cands = [tokenize_for_rouge(c) for c in candidates]
+    if not refs:
+        return {}
+    match = _match_tokenized(refs, cands)
     out = {}
     for n in (1, 2):
-        ref_total = sum(sum(_ngrams(r, n).values()) for r in references)
-        cand_total = sum(sum(_ngrams(c, n).values()) for c in candidates)
-        overlap = 0
-        for r, j in zip(references, match):
-            if j is not None:
-                overlap += sum((_ngrams(r, n) & _ngrams(candidates[j], n)).values())
+        rc = [_counts(r.tokens, n) for r in refs]
+        cc = [_counts(c.tokens, n) for c in cands]
+        ref_total = sum(sum(c.values()) for c in rc)
+        cand_total = sum(sum(c.values()) for c in cc)
+        overlap = sum(sum((rc[i] & cc[j]).values()) for i, j in enumerate(match) if j is not None)
         rec = overlap / ref_total if ref_total else 0.0
         prec = overlap / cand_total if cand_total else 0.0
         out[f"rouge{n}_f1"] = 100.0 * (2 * prec * rec / (prec + rec) if prec + rec > 0 else 0.0)
