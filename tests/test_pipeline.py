@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from gradleak.cli import app
 from gradleak.errors import BadInput
+from gradleak.fl.threat import FLAG_MEANING
 from gradleak.registry import ATTACKS, load_all
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,8 +80,20 @@ def test_every_attack_declares_the_protocol():
         c = e.obj
         assert c.modality in ("image", "text") and c.reconstruction in ("patches", "images", "token_sequences", "membership", "leakage")
         assert set(c.peft_kinds) <= {"adapters", "lora", "none"} and c.peft_kinds
-        for m in ("prepare", "server_model", "reconstruct", "rounds_wanted", "from_config"):
-            assert callable(getattr(c, m))
+        from inspect import signature
+
+        from gradleak.attacks.base import AttackBase
+
+        assert issubclass(c, AttackBase) and e.name == c.name
+        assert c.reconstruct is not AttackBase.reconstruct, f"{e.name} does not implement reconstruct(view)"
+        # the protocol's signatures (an override that drops or renames an argument breaks the runner's calls)
+        for m, args in (("prepare", ["model", "threat"]), ("server_model", ["round_index", "model"]),
+                        ("reconstruct", ["view"]), ("rounds_wanted", ["fl_rounds"]),
+                        ("observes_round", ["round_index", "total_rounds"])):
+            params = [p for p in signature(getattr(c, m)).parameters if p != "self"]
+            assert params[:len(args)] == args, (e.name, m, params)
+        assert list(signature(c.from_config).parameters)[:2] == ["cfg", "ctx"]
+        assert isinstance(c.requires(), dict) and set(c.requires()) <= set(FLAG_MEANING)
         c.Config()  # defaults validate
 
 

@@ -65,7 +65,8 @@ def test_projres_end_to_end_undefended(tmp_path, minilm_available):
     m = r["metrics"]
     assert m["members"] == 24 and m["nonmembers"] == 60
     assert m["auc"] >= 0.95, m
-    assert 0 <= m["accuracy"] <= 1 and m["test_samples"] == 16
+    # the global model's accuracy counts the 16 held-out sentences: k / 16 (not any number in [0, 1])
+    assert m["test_samples"] == 16 and m["accuracy"] * 16 == round(m["accuracy"] * 16)
     assert "roc.png" in r["artifacts"] and (tmp_path / "roc.png").stat().st_size > 0  # ROC on log axes (report, audit)
 
 
@@ -227,13 +228,16 @@ def test_minmax_without_weight_uploads_the_plain_gradient_and_regularises_with_i
     client = Client(0, torch.stack([enc["input_ids"], enc["attention_mask"]], 1), data.clients(0, 2)[0][1],
                     loss_fn=text_loss(tm.kind))
     plain = client.local_update(copy.deepcopy(tm.model))
-    ups = {}
+    ups, accs = {}, {}
     for lam in (0.0, 5.0):
         d = MinMax(MinMaxParams(coefficient=lam, reference_size=8))
         d.apply(handle, cfg, data=data)
         ups[lam] = d.local_update(client, copy.deepcopy(tm.model), seed=0)
-        acc = d.report([])["minmax_inference_accuracy"]
-        assert 0.0 <= acc <= 1.0
+        accs[lam] = d.report([])["minmax_inference_accuracy"]
+        assert d.report([]) == {}  # the report resets the inference model: the next trial's clients start afresh
+    # the inference model's accuracy on its own 8 member + 8 reference pairs (k / 16); it is trained *before* the
+    # classifier's step, from the same seeded start, so the coefficient (which only enters that step) cannot change it
+    assert accs[0.0] * 16 == round(accs[0.0] * 16) and accs[0.0] == accs[5.0]
     for k, g in plain.tensors.items():
         assert torch.allclose(ups[0.0].tensors[k], g, atol=1e-6, rtol=1e-4), k
     diff = sum(float((ups[5.0].tensors[k] - g).norm()) for k, g in plain.tensors.items())
@@ -242,7 +246,11 @@ def test_minmax_without_weight_uploads_the_plain_gradient_and_regularises_with_i
 
 def test_minmax_end_to_end_and_refuses_fedavg(tmp_path, minilm_available):
     r = _run(tmp_path, defense={"name": "minmax", "coefficient": 1.0, "reference_size": 8})
-    assert 0.0 <= r["metrics"]["minmax_inference_accuracy"] <= 1.0 and 0 <= r["metrics"]["auc"] <= 1
+    acc = r["metrics"]["minmax_inference_accuracy"]
+    assert acc * 48 == round(acc * 48)  # the mean over 3 clients of k / 16 pairs
+    # the regulariser acts on the model's output distribution, not on the input span ProjRes' residual reads: the
+    # members stay separated (measured AUC 1.0, as undefended)
+    assert r["metrics"]["auc"] >= 0.95
     with pytest.raises(BadInput) as e:
         _run(tmp_path / "b", defense={"name": "minmax"}, fl={"algorithm": "fedavg"})
     assert e.value.field == "fl.algorithm"
