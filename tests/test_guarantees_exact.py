@@ -1,0 +1,177 @@
+"""Issue 31 (mutation check, docs/MUTATION.md): the exact contracts of the update transforms, the view and the
+aggregation, pinned where the statistical tests of test_guarantees_defenses cannot see a change:
+
+* every transform keeps an upload's metadata (sample count, client, kind, local steps, BN buffers) and dtype;
+* the noise is exactly the documented seeded draw (defense seed, client id, round), added, not subtracted;
+* the percentile is numpy's (linear interpolation), over the non-zero entries;
+* the secure-aggregation sum averages the BN buffer changes too, at the documented fixed-point precision.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gradleak.defenses.update import (
+    Clipping,
+    DPGaussian,
+    GaussianNoise,
+    GaussianPercentileNoise,
+    StochasticQuantization,
+    TopKPruning,
+    _percentile,
+)
+from gradleak.fl.core import Update, aggregate, secure_aggregate
+from gradleak.fl.threat import ThreatModel, build_view
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _gen(seed: int, client: int, round_seed: int) -> torch.Generator:
+    """The documented seeding: per defense seed, client id and round (ctx["seed"])."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + client * 7_919 + round_seed)
+
+
+def _meta_update(dtype=torch.float32) -> Update:
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(4, 3, generator=g).to(dtype), "b": torch.randn(5, generator=g).to(dtype),
+               "c": torch.randn(2, 2, generator=g).to(dtype)}
+    buffers = {"bn.running_mean": torch.randn(3, generator=g, dtype=torch.float64),
+               "bn.num_batches_tracked": torch.tensor(1.0, dtype=torch.float64)}
+    return Update(tensors, 7, 5, "pseudo_gradient", 3, buffers)
+
+
+TRANSFORMS = [
+    ("clipping", lambda: Clipping(0.1)),
+    ("gaussian_noise", lambda: GaussianNoise(0.1, seed=2)),
+    ("gaussian_relative", lambda: GaussianNoise(0.1, relative=True, seed=2)),
+    ("gaussian_per_coordinate", lambda: GaussianNoise(0.1, per_coordinate=True, seed=2)),
+    ("percentile", lambda: GaussianPercentileNoise(2.0, include_buffers=False, seed=2)),
+    ("percentile_buffers", lambda: GaussianPercentileNoise(2.0, seed=2)),
+    ("dp_client", lambda: DPGaussian(1.0, max_norm=0.1, seed=2)),
+    ("dp_server", lambda: DPGaussian(1.0, max_norm=0.1, where="server", seed=2)),
+    ("topk", lambda: TopKPruning(0.5)),
+    ("quantization", lambda: StochasticQuantization(2, seed=2)),
+]
+
+
+@pytest.mark.parametrize("name,make", TRANSFORMS, ids=[t[0] for t in TRANSFORMS])
+def test_every_transform_keeps_the_metadata_and_the_dtype(name, make):
+    u = _meta_update()
+    out = make().apply(u, {"client_id": 5, "seed": 1, "lr": 0.5})
+    assert (out.num_samples, out.client_id, out.kind, out.local_steps) == (7, 5, "pseudo_gradient", 3)
+    assert out.buffers is not None and out.buffers.keys() == u.buffers.keys()
+    if name != "percentile_buffers":  # only this one noises the buffers (tested below)
+        assert all(torch.equal(out.buffers[k], u.buffers[k]) for k in u.buffers)
+    assert out.tensors.keys() == u.tensors.keys()
+    for k, t in u.tensors.items():
+        assert out.tensors[k].dtype == t.dtype == torch.float32 and out.tensors[k].shape == t.shape
+
+
+def test_update_map_flat_unflat_round_trip_keeps_everything():
+    u = _meta_update(torch.float64)
+    back = u.unflat(u.flat().to(torch.float32))
+    assert (back.num_samples, back.client_id, back.kind, back.local_steps) == (7, 5, "pseudo_gradient", 3)
+    assert back.buffers is u.buffers
+    for k, t in u.tensors.items():  # three tensors: each from its own slice, in its own dtype
+        assert back.tensors[k].dtype == torch.float64 and torch.allclose(back.tensors[k], t, atol=1e-6)
+    assert u.norm() == pytest.approx(float(torch.sqrt((u.flat() ** 2).sum())), rel=1e-12)
+
+
+def test_gaussian_noise_is_the_documented_seeded_draw_added_to_the_update():
+    u = _meta_update()
+    ctx = {"client_id": 5, "seed": 3}
+    for d, scale in ((GaussianNoise(0.2, seed=4), 0.2), (GaussianNoise(0.2, relative=True, seed=4), 0.2 * u.norm())):
+        out = d.apply(u, ctx)
+        g = _gen(4, 5, 3)
+        for k, t in u.tensors.items():
+            want = t + scale * torch.randn(t.shape, generator=g, dtype=torch.float64).to(t)
+            assert torch.equal(out.tensors[k], want), k
+    one = Update({"w": torch.tensor([3.0], dtype=torch.float64)}, 1)  # one coordinate: std = s ||u|| / sqrt(1)
+    out = GaussianNoise(0.5, per_coordinate=True, seed=1).apply(one, {})
+    want = 3.0 + 0.5 * 3.0 * torch.randn(1, generator=_gen(1, 0, 0), dtype=torch.float64)
+    assert torch.equal(out.tensors["w"], want)
+
+
+def test_dp_gaussian_noise_is_the_documented_draw_on_the_client_and_on_the_aggregate():
+    u = _meta_update(torch.float64)
+    d = DPGaussian(2.0, max_norm=0.1, seed=9)
+    clipped = Clipping(0.1).apply(u, {})
+    out = d.apply(u, {"client_id": 5, "seed": 3})
+    g = _gen(9, 5, 3)
+    for k, t in clipped.tensors.items():
+        assert torch.equal(out.tensors[k], t + 0.2 * torch.randn(t.shape, generator=g, dtype=torch.float64))
+    central = DPGaussian(2.0, max_norm=0.1, where="server", seed=9)
+    agg = central.server_apply(u, {"seed": 3}, 4)
+    g = _gen(9, -1, 3)  # the server's draw: client id -1, the defense's own seed
+    for k, t in u.tensors.items():
+        assert torch.equal(agg.tensors[k], t + 0.05 * torch.randn(t.shape, generator=g, dtype=torch.float64))
+
+
+def test_percentile_noise_is_the_documented_draw_and_an_all_zero_update_gets_none():
+    u = _meta_update(torch.float64)
+    d = GaussianPercentileNoise(2.0, include_buffers=False, seed=6)
+    out = d.apply(u, {"client_id": 5, "seed": 3, "lr": 0.5})
+    s = d.sigmas(u, {"lr": 0.5})["p:a"]
+    g = _gen(6, 5, 3)
+    for k, t in u.tensors.items():
+        assert torch.equal(out.tensors[k], t + (s / 0.5 * torch.randn(t.shape, generator=g, dtype=torch.float64)))
+    zero = Update({"w": torch.zeros(10, dtype=torch.float64)}, 1)
+    assert d.sigmas(zero, {}) == {"p:w": 0.0}
+    assert torch.equal(d.apply(zero, {}).tensors["w"], zero.tensors["w"])
+
+
+def test_percentile_is_over_the_nonzero_entries_in_float64():
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(1000, generator=g).to(torch.float32)
+    t[::2] = 0.0  # half the entries are exact zeros (e.g. a pruned upload)
+    u = Update({"w": t}, 1)
+    s = GaussianPercentileNoise(1.0, percentile=95).sigmas(u, {})["p:w"]
+    v = t.double().numpy()
+    assert s == pytest.approx(float(np.percentile(np.abs(v[v != 0]), 95)), rel=1e-15)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("q", [0.5, 10.0, 50.0, 90.0, 95.0, 100.0])
+def test_percentile_equals_numpys_linear_interpolation(n, q):
+    v = torch.tensor([0.3, 2.0, 1.1, 5.0, 0.7, 4.2, 3.3, 0.9][:n], dtype=torch.float64)
+    assert float(_percentile(v, q)) == pytest.approx(float(np.percentile(v.numpy(), q)), rel=1e-12)
+
+
+def test_stochastic_quantization_is_the_documented_seeded_rounding():
+    u = _meta_update()
+    out = StochasticQuantization(3, seed=8).apply(u, {"client_id": 5, "seed": 2})
+    g = _gen(8, 5, 2)
+    for k, t in u.tensors.items():
+        lo, hi = t.min(), t.max()
+        scaled = (t - lo) / (hi - lo) * 7
+        floor = scaled.floor()
+        up = (torch.rand(t.shape, generator=g, dtype=torch.float64).to(t) < (scaled - floor)).to(t.dtype)
+        assert torch.equal(out.tensors[k], lo + (floor + up) / 7 * (hi - lo)), k
+
+
+def test_secure_sum_averages_the_buffers_and_keeps_the_metadata():
+    ups = [_meta_update(torch.float64) for _ in range(3)]
+    for i, u in enumerate(ups):
+        u.num_samples, u.client_id, u.local_steps = i + 1, i, i + 1
+        u.buffers = {k: b + i for k, b in u.buffers.items()}
+    s, plain = secure_aggregate(ups, seed=4), aggregate(ups)
+    assert (s.num_samples, s.client_id, s.kind, s.local_steps) == (6, -1, "pseudo_gradient", 3)
+    assert s.buffers.keys() == plain.buffers.keys()
+    for k in plain.buffers:
+        assert torch.allclose(s.buffers[k], plain.buffers[k], rtol=0, atol=1e-9)
+    # the documented precision: 40 fraction bits below the largest magnitude (the mask seed changes nothing)
+    for k in plain.tensors:
+        assert torch.equal(s.tensors[k], secure_aggregate(ups, seed=11, frac_bits=40).tensors[k])
+    assert secure_aggregate([Update({"w": torch.ones(2)}, 1), Update({"w": torch.ones(2)}, 1)]).buffers is None
+
+
+def test_withheld_batch_size_strips_only_the_count():
+    u = _meta_update()
+    v = build_view(model=torch.nn.Linear(1, 1), rounds=[[u]], round_states=[{}],
+                   threat=ThreatModel(knows_batch_size=False), secure_sum=None, knowledge={}, always_public={})
+    (seen,) = v.updates
+    assert seen.num_samples == 0
+    assert (seen.client_id, seen.kind, seen.local_steps, seen.buffers) == (5, "pseudo_gradient", 3, u.buffers)
+    assert seen.tensors is u.tensors
