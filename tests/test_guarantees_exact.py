@@ -175,3 +175,75 @@ def test_withheld_batch_size_strips_only_the_count():
     assert seen.num_samples == 0
     assert (seen.client_id, seen.kind, seen.local_steps, seen.buffers) == (5, "pseudo_gradient", 3, u.buffers)
     assert seen.tensors is u.tensors
+
+
+def test_documented_defaults_and_bounds():
+    """The defaults `gradleak list` prints (and configs rely on when they leave a parameter out)."""
+    import inspect
+
+    from gradleak.defenses.update import DEFENSES
+
+    want = {"gaussian_noise": {"relative": False, "per_coordinate": False, "seed": 0},
+            "gaussian_percentile": {"percentile": 95.0, "per_tensor": False, "include_buffers": True,
+                                    "absolute": False, "seed": 0},
+            "dp_gaussian": {"max_norm": 1.0, "where": "client", "seed": 0},
+            "stochastic_quantization": {"seed": 0}}
+    for name, defaults in want.items():
+        params = inspect.signature(DEFENSES.get(name)).parameters
+        assert {k: params[k].default for k in defaults} == defaults, name
+    d = DPGaussian(0.5)
+    assert (d.max_norm, d.where, d.server_side, d.noise.std, d.noise.relative) == (1.0, "client", False, 0.5, False)
+    p = GaussianPercentileNoise(1.0)
+    assert p.include_buffers and p.percentile == 95.0 and not p.per_tensor and not p.absolute
+    assert GaussianPercentileNoise(1.0, percentile=100).percentile == 100.0  # (0, 100]: both ends as documented
+    assert GaussianPercentileNoise(1.0, percentile=0.5).percentile == 0.5
+    assert StochasticQuantization(3).levels == 7 and StochasticQuantization(1).levels == 1
+
+
+# ------------------------------------------------------------------------------------------- secure aggregation masks
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_every_client_sends_a_masked_vector_and_the_masks_cancel_in_the_sum(k):
+    """What each client sends is its fixed-point vector plus masks: never its plain encoding (a missing mask pair,
+    e.g. between neighbours, fails here); a fresh mask seed changes every upload but not the sum."""
+    from gradleak.fl.core import MODULUS, fixed_point, masked_uploads
+
+    g = torch.Generator().manual_seed(3)
+    dicts = [{"w": torch.randn(64, generator=g, dtype=torch.float64), "b": torch.randn(3, generator=g,
+                                                                                      dtype=torch.float64)}
+             for _ in range(k)]
+    weights = [1.0 / k] * k
+    plain, scale = fixed_point(dicts, weights, 40)
+    sent, scale2 = masked_uploads(dicts, weights, torch.Generator().manual_seed(0), 40)
+    again, _ = masked_uploads(dicts, weights, torch.Generator().manual_seed(1), 40)
+    assert scale == scale2
+    for i in range(k):
+        for key in ("w", "b"):
+            assert not bool((sent[i][key] == plain[i][key]).any()), (i, key)  # masked in every coordinate
+            assert not bool((sent[i][key] == again[i][key]).any())
+            assert bool((sent[i][key] >= 0).all() and (sent[i][key] < MODULUS).all())
+    for key in ("w", "b"):
+        total = lambda vs: torch.remainder(sum(v[key] for v in vs), MODULUS)  # noqa: E731
+        assert torch.equal(total(sent), total(plain)) and torch.equal(total(again), total(plain))
+
+
+def test_secure_aggregation_of_one_client_is_its_update():
+    u = Update({"w": torch.randn(5, dtype=torch.float64), "h": torch.randn(2, 2).to(torch.float32)}, 3, 0)
+    s = secure_aggregate([u])
+    assert s.tensors["h"].dtype == torch.float32 and s.num_samples == 3
+    assert torch.allclose(s.tensors["w"], u.tensors["w"], rtol=0, atol=1e-9)
+
+
+# ------------------------------------------------------------------------------------------- threat resolution
+def test_threat_resolution_presets_defaults_and_one_client_exposure():
+    from gradleak.fl.threat import ThreatConfig
+
+    tm = ThreatConfig().resolve()
+    assert tm.capability == "honest-but-curious" and tm.individual_updates is True and tm.exposure is None
+    assert ThreatConfig(preset="malicious").resolve().capability == "malicious"
+    assert ThreatConfig(preset="malicious").resolve().malicious is True
+    hidden = ThreatConfig().resolve(secure_aggregation=True)  # clients unknown: hidden
+    assert hidden.individual_updates is False and hidden.exposure is None
+    assert ThreatConfig().resolve(True, clients=2).individual_updates is False
+    one = ThreatConfig(knows_labels=True).resolve(True, clients=1)  # the sum of one update is that update
+    assert one.individual_updates is True and one.exposure and "one client" in one.exposure
+    assert one.knows_labels is True and one.capability == "honest-but-curious"  # the rest of the threat is kept

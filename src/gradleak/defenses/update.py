@@ -6,6 +6,7 @@ the defense's ``seed`` and the client id in ``ctx`` so runs are reproducible.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -270,7 +271,9 @@ def build_defenses(entries: list[DefenseConfig] | list[dict], seed: int = 0) -> 
         e = e if isinstance(e, DefenseConfig) else DefenseConfig(**e)
         cls = DEFENSES.get(e.name, field=f"defenses[{i}].name")
         params = dict(e.params)
-        if "seed" in cls.__init__.__code__.co_varnames and "seed" not in params:
+        # the signature, not __code__.co_varnames: those also list locals, and a wrapped __init__ (mutmut's
+        # trampolines, any decorator using functools.wraps) has its own code object
+        if "seed" in inspect.signature(cls).parameters and "seed" not in params:
             params["seed"] = seed
         try:
             out.append(cls(**params))

@@ -232,20 +232,38 @@ def secure_aggregate(updates: Sequence[Update], seed: int = 0, frac_bits: int = 
     return Update(out, total, -1, ups[0].kind, max(u.local_steps for u in ups), buffers)
 
 
-def _masked_mean(dicts: Sequence[dict[str, torch.Tensor]], weights: Sequence[float], gen: torch.Generator,
-                 frac_bits: int) -> dict[str, torch.Tensor]:
-    """The weighted sum of ``dicts`` as the server computes it from pairwise-masked fixed-point vectors."""
-    modulus = 2**62
+MODULUS = 2**62  # the ring Z_M of the secure-aggregation simulation
+
+
+def fixed_point(dicts: Sequence[dict[str, torch.Tensor]], weights: Sequence[float],
+                frac_bits: int) -> tuple[list[dict[str, torch.Tensor]], float]:
+    """Each client's weighted update in fixed point in Z_M (before masking), and the common scale."""
     weighted = [{k: v.double() * w for k, v in d.items()} for d, w in zip(dicts, weights)]
     bound = max(float(t.abs().max()) for w in weighted for t in w.values()) or 1.0
     scale = 2.0**frac_bits / bound
-    encoded = [{k: torch.remainder(torch.round(v * scale).long(), modulus) for k, v in w.items()} for w in weighted]
+    return [{k: torch.remainder(torch.round(v * scale).long(), MODULUS) for k, v in w.items()} for w in weighted], scale
+
+
+def masked_uploads(dicts: Sequence[dict[str, torch.Tensor]], weights: Sequence[float], gen: torch.Generator,
+                   frac_bits: int) -> tuple[list[dict[str, torch.Tensor]], float]:
+    """What each client sends under secure aggregation: its fixed-point vector plus a mask +m_ij / −m_ij shared with
+    every other client j (uniform in Z_M), and the scale. Each vector alone is uniformly random; the masks cancel in
+    the sum."""
+    encoded, scale = fixed_point(dicts, weights, frac_bits)
     for i in range(len(dicts)):
         for j in range(i + 1, len(dicts)):
             for k in encoded[i]:
-                m = torch.randint(0, modulus, encoded[i][k].shape, generator=gen, dtype=torch.long)
-                encoded[i][k] = torch.remainder(encoded[i][k] + m, modulus)
-                encoded[j][k] = torch.remainder(encoded[j][k] - m, modulus)
+                m = torch.randint(0, MODULUS, encoded[i][k].shape, generator=gen, dtype=torch.long)
+                encoded[i][k] = torch.remainder(encoded[i][k] + m, MODULUS)
+                encoded[j][k] = torch.remainder(encoded[j][k] - m, MODULUS)
+    return encoded, scale
+
+
+def _masked_mean(dicts: Sequence[dict[str, torch.Tensor]], weights: Sequence[float], gen: torch.Generator,
+                 frac_bits: int) -> dict[str, torch.Tensor]:
+    """The weighted sum of ``dicts`` as the server computes it from pairwise-masked fixed-point vectors."""
+    modulus = MODULUS
+    encoded, scale = masked_uploads(dicts, weights, gen, frac_bits)
     out = {}
     for k in encoded[0]:
         acc = torch.zeros_like(encoded[0][k])
