@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install assets clean bench
+.PHONY: demo test install assets clean bench mutation
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -12,7 +12,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[peft,text,dp,dev,fl]'
+	$(BIN)/pip install -q -e '.[peft,text,dp,dev,fl,fl-simulation,sweeps]'
 	$(MAKE) assets
 	touch $(STAMP)
 
@@ -50,8 +50,29 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
 
+# Mutation check of the privacy-critical code (issue 31; report: docs/MUTATION.md). Not part of `make test`.
+# mutmut (config: [tool.mutmut] in pyproject.toml: the files it may mutate and the tests it runs) mutates a copy of src/
+# under mutants/ and keeps only the functions named below (mutant-name globs, `x<function>` / `xǁClassǁmethod`).
+# To add the evaluation/verdict units: add src/gradleak/evaluation/*.py to only_mutate and their tests to the test
+# selection in pyproject.toml, and their globs (e.g. 'gradleak.evaluation.*') to MUTATION_EVALUATION here.
+MUTATION_THREAT := 'gradleak.fl.threat.x_build_view*' 'gradleak.fl.threat.x__strip_count*' \
+	'gradleak.fl.threat.x_check_requirements*' 'gradleak.fl.threat.xǁThreatConfigǁresolve*' \
+	'gradleak.fl.threat.xǁThreatModelǁgrants*'
+MUTATION_AGGREGATION := 'gradleak.fl.core.x_aggregate*' 'gradleak.fl.core.x_secure_aggregate*' \
+	'gradleak.fl.core.x_fixed_point*' 'gradleak.fl.core.x_masked_uploads*' 'gradleak.fl.core.x__masked_mean*' \
+	'gradleak.fl.core.xǁUpdateǁ*'
+MUTATION_DEFENSES := 'gradleak.defenses.update.xǁ*' 'gradleak.defenses.update.x__gen*' \
+	'gradleak.defenses.update.x__percentile*' 'gradleak.defenses.update.x_build_defenses*'
+MUTATION_EVALUATION :=
+MUTATION_TARGETS := $(MUTATION_THREAT) $(MUTATION_AGGREGATION) $(MUTATION_DEFENSES) $(MUTATION_EVALUATION)
+
+mutation: $(STAMP)
+	rm -rf mutants
+	OMP_NUM_THREADS=1 $(BIN)/mutmut run --max-children $$(nproc) $(MUTATION_TARGETS)
+	$(BIN)/mutmut results
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/peftleak.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache mutants
