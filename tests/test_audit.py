@@ -30,8 +30,12 @@ def test_audit_end_to_end_tiny_vit_leaks_only_under_a_malicious_server(tmp_path)
     assert by["peftleak"]["threat"] == "malicious" and by["peftleak"]["success"]
     assert by["peftleak"]["n_success"] == by["peftleak"]["n_total"] == 8  # 2 images x 4 patches, all exact
     assert "text" in by["utr"]["reason"] and "lora" in by["lora_span"]["reason"]
-    assert res["verdict"] == "leaks_malicious_only"
-    assert res["headline"].startswith("LEAKS ONLY UNDER A STRONGER SERVER: 8 of 8 private image patches")
+    assert by["peftleak"]["level"] == "exact" and by["dlg"]["level"] == "none"  # DLG at 2 steps: below its null
+    assert by["dlg"]["value"] < by["dlg"]["null_p99"] and by["peftleak"]["p_value"] < 0.01
+    assert res["verdict"] == "leaks_stronger_server"
+    assert res["headline"].startswith("LEAKS ONLY UNDER A STRONGER SERVER: EXACT leakage by peftleak, client 0 under "
+                                      "a malicious server")
+    assert "8 of 8 private image patches exact" in res["headline"]
     saved = json.loads((tmp_path / "audit.json").read_text())
     assert saved["verdict"] == res["verdict"] and len(saved["attacks"]) == 4
     page = (tmp_path / "report.html").read_text()
@@ -62,7 +66,9 @@ def test_every_registered_attack_appears_and_the_verdict_follows_the_configured_
     def fake_run(cand, out, device=None):
         calls.append(cand["attack"]["name"])
         ok = cand["attack"]["name"] == "ig"
-        return {"metrics": {"images_above_threshold": 2.0 if ok else 0.0, "psnr": 40.0 if ok else 9.0}, "artifacts": []}
+        return {"metrics": {"images_above_threshold": 2.0 if ok else 0.0, "images_total": 2.0,
+                            "psnr_max": 40.0 if ok else 9.0, "psnr_max_null_p99": 12.0, "ssim_max": 0.9 if ok else 0.1,
+                            "ssim_max_null_p99": 0.3}, "artifacts": []}
 
     monkeypatch.setattr("gradleak.experiments.runner.run_config", fake_run)
     res = mod.run_audit(TINY, tmp_path, log=lambda m: None)
@@ -70,7 +76,8 @@ def test_every_registered_attack_appears_and_the_verdict_follows_the_configured_
     for a in res["attacks"]:
         assert ("success" in a) or a.get("reason"), a
     assert "ig" in calls and "utr" not in calls
-    assert res["verdict"] == "leaks" and "by ig under a honest-but-curious server" in res["headline"]
+    assert res["verdict"] == "leaks" and "EXACT leakage by ig" in res["headline"]
+    assert "an honest-but-curious server" in res["headline"]
 
 
 def test_audit_bad_input(tmp_path):
@@ -110,7 +117,7 @@ def test_audit_grid_gives_a_verdict_per_cell_and_resumes(tmp_path):
     logs = []
     s1 = run_audit_grid(raw, tmp_path, only=["dlg", "peftleak"], log=logs.append)
     verdicts = {r["assign"]["threat.preset"]: r["verdict"] for r in s1["cells"]}
-    assert verdicts == {"honest-but-curious": "leaks_malicious_only", "malicious": "leaks"}
+    assert verdicts["malicious"] == "leaks" and verdicts["honest-but-curious"] in ("leaks_stronger_server", "leaks")
     assert json.loads((tmp_path / "audit_grid.json").read_text())["cells"] == s1["cells"]
     logs.clear()
     s2 = run_audit_grid(raw, tmp_path, only=["dlg", "peftleak"], log=logs.append)

@@ -18,7 +18,8 @@ leakage            a best-matched reconstruction at        its SSIM beyond the n
                    PSNR >= threshold
 =================  ======================================  =========================================  ===========================================
 
-"Beyond the null" is strictly above the null's 99th percentile; "the bar" is the larger of that and the trivial
+"Beyond the null" is strictly above the null's 99th percentile (text with a word bag has two routes to ``partial``,
+the bag and ROUGE-1 F1: each must also have p < 0.005, so chance reaches ``partial`` at most 1 % of the time); "the bar" is the larger of that and the trivial
 references (the mean public image and the grey image for images; the attack's own word bag in random order for
 ROUGE-2), because a blur at the mean image or the right words in the wrong order show no private *sample*.
 ``undefined``: the level's metric is NaN or has no null (nothing measurable: e.g. no non-members) -- never
@@ -115,12 +116,20 @@ def grade_tokens(m: Mapping[str, Any], thr: float = 30.0) -> dict:
     part = beyond(m, part_key)
     if part is None:
         return _out("undefined", f"{part_key} or its null is missing / NaN", **ev)
+    if has_bag:  # two routes to `partial` (the bag, the sentences' words): each at half the 1 % (Bonferroni)
+        def strict(key):
+            p = _num(m, f"{key}_p_value")
+            return bool(beyond(m, key)) and (math.isnan(p) or p < 0.005)
+        part = strict("word_bag_recall")
+        r1 = strict("rouge1_f1")
+    else:
+        r1 = False
     if _num(m, "sentences_exact") >= 1:
         return _out("exact", "a private sentence reconstructed word for word", **ev)
     if beyond(m, "rouge2_f1", ("bag_order",)) and _num(m, "rouge2_f1") >= STRONG_ROUGE2:
         return _out("strong", f"ROUGE-2 F1 beyond the null (and the word bag in random order) and >= {STRONG_ROUGE2:g}",
                     **ev)
-    if part or (has_bag and beyond(m, "rouge1_f1")):
+    if part or r1:
         which = "word-bag recall" if part else "ROUGE-1 F1"
         return _out("partial", f"{which} beyond the null's 99th percentile: the private words leak", **ev)
     return _out("none", f"{'word-bag recall' if has_bag else 'ROUGE-1 F1'} not beyond the null", **ev)

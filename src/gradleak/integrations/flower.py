@@ -866,10 +866,19 @@ class FlowerAudit:
         self.handle, _ = build_model(self.raw)
         self.handle.model.to(self.device)
         self.summary: list[dict] = []
+        self.null_pool = None  # chance, for the levels (public samples of the config's data no client holds)
+        if truth is not None:
+            from gradleak.experiments.pipeline import ImageData, TextData
+
+            try:
+                data = ImageData(self.cfg) if self.cfg.modality == "image" else TextData(self.cfg)
+                self.null_pool = data.null_pool(0)
+            except (BadInput, OSError, ValueError) as err:
+                self.log(f"[flower audit] no null pool ({err}): levels will be undefined")
 
     def __call__(self, rec: RecordedRound) -> dict:
         from gradleak.attacks.base import AttackContext
-        from gradleak.experiments.audit import _verdict, judge, leak_rank
+        from gradleak.experiments.audit import _verdict, judge, leak_rank, server_words
         from gradleak.experiments.evaluation import Truth, evaluate
         from gradleak.experiments.pipeline import _always_public, _bottleneck, _clients, public_protocol
         from gradleak.experiments.results import write_json_atomic
@@ -922,6 +931,8 @@ class FlowerAudit:
                     if truth is not None:
                         tr = Truth(h.modality, truth["inputs"], truth["labels"], texts=truth.get("texts"),
                                    tokenizer=h.tokenizer, model_kind=h.kind, bottleneck=_bottleneck(cfg, h))
+                        if self.null_pool is not None:
+                            tr.null_pool, tr.null_source = self.null_pool
                         ev = evaluate(A.reconstruction, tr, out, cfg, where, 0)
                         one.update(judge(A.reconstruction, ev.metrics, cfg))
                         if one.get("n_total") is not None and A.reconstruction != "patches":
@@ -948,7 +959,11 @@ class FlowerAudit:
                               "saved for inspection; see the clients' own scores"})
             else:
                 worst = max(ran, key=leak_rank)
-                entry.update({k: worst[k] for k in ("success", "metric", "value", "criterion") if k in worst})
+                entry.update({k: worst[k] for k in ("success", "level", "rule", "evidence", "metric", "value",
+                                                    "null_median", "null_p99", "p_value", "criterion") if k in worst})
+                entry["threat_words"] = server_words(threat)
+                entry["per_client_levels"] = [{"client": o["client"], "level": o.get("level"), "value": o.get("value")}
+                                              for o in ran]
                 entry["success"] = any(o["success"] for o in ran)
                 if all(o.get("n_success") is not None for o in ran):
                     entry["n_success"] = sum(o["n_success"] for o in ran)
@@ -962,7 +977,7 @@ class FlowerAudit:
                         entry.get("failed") or entry.get("reason", "")[:80])
                      + (f" ({entry['metric']} = {entry['value']:.4g}, worst of {len(ran)} update(s))"
                         if isinstance(entry.get("value"), (int, float)) else ""))
-        judged = [e for e in entries if e.get("success") is not None]
+        judged = [e for e in entries if e.get("success") is not None and "level" in e]
         verdict, headline = _verdict(judged) if judged else ("not_scored", "no ground truth on the server: see the "
                                                               "clients' own scores")
         result = {"server_round": rec.server_round, "verdict": verdict, "headline": headline,
