@@ -247,3 +247,74 @@ def test_threat_resolution_presets_defaults_and_one_client_exposure():
     one = ThreatConfig(knows_labels=True).resolve(True, clients=1)  # the sum of one update is that update
     assert one.individual_updates is True and one.exposure and "one client" in one.exposure
     assert one.knows_labels is True and one.capability == "honest-but-curious"  # the rest of the threat is kept
+
+
+# ------------------------------------------------------------------------------------------- killed survivors (round 2)
+def test_seeded_defenses_default_to_seed_0():
+    u = _meta_update(torch.float64)
+    ctx = {"client_id": 1, "seed": 2, "lr": 0.5}
+    for plain, seeded in ((GaussianNoise(0.3), GaussianNoise(0.3, seed=0)),
+                          (GaussianPercentileNoise(1.0), GaussianPercentileNoise(1.0, seed=0)),
+                          (DPGaussian(1.0), DPGaussian(1.0, seed=0)),
+                          (StochasticQuantization(2), StochasticQuantization(2, seed=0))):
+        assert torch.equal(plain.apply(u, ctx).flat(), seeded.apply(u, ctx).flat()), type(plain).__name__
+
+
+def test_build_defenses_takes_config_objects_and_defaults_to_seed_0():
+    from gradleak.defenses.update import DefenseConfig, build_defenses
+
+    (d,) = build_defenses([DefenseConfig(name="gaussian_noise", params={"std": 0.1})])
+    assert isinstance(d, GaussianNoise) and d.seed == 0 and d.std == 0.1
+
+
+def test_aggregate_keeps_kind_steps_and_buffers_of_one_or_many_updates():
+    one = _meta_update()
+    one.buffers = {k: b.to(torch.float32) for k, b in one.buffers.items()}
+    a = aggregate([one])  # a single update: its own mean
+    assert (a.num_samples, a.client_id, a.kind, a.local_steps) == (7, -1, "pseudo_gradient", 3)
+    assert all(b.dtype == torch.float64 for b in a.buffers.values())  # BN changes averaged in float64
+    assert all(torch.equal(a.tensors[k], one.tensors[k]) for k in one.tensors)
+    two = _meta_update()
+    two.local_steps, two.num_samples = 5, 3
+    assert aggregate([one, two]).local_steps == 5 and aggregate([one, two]).num_samples == 10
+
+
+def test_update_map_passes_the_parameter_name():
+    u = _meta_update(torch.float64)
+    m = u.map(lambda k, t: t * (2.0 if k == "a" else 1.0))
+    assert torch.equal(m.tensors["a"], 2 * u.tensors["a"]) and torch.equal(m.tensors["b"], u.tensors["b"])
+
+
+def test_view_holds_the_model_the_server_sent_and_a_missing_sum_is_named():
+    model = torch.nn.Linear(2, 2)
+    v = build_view(model=model, rounds=[[_meta_update()]], round_states=[{}], threat=ThreatModel(), secure_sum=None,
+                   knowledge={}, always_public={})
+    assert v.model is model
+    with pytest.raises(ValueError, match=r"^secure aggregation requested but no sums were computed$"):
+        build_view(model=model, rounds=[[_meta_update()]], round_states=[{}],
+                   threat=ThreatModel(individual_updates=False), secure_sum=None, knowledge={}, always_public={})
+
+
+@pytest.mark.parametrize("flag,fix", [("malicious", "threat.preset=malicious"),
+                                      ("prescribes_architecture", "threat.preset=prescribes-architecture"),
+                                      ("individual_updates", "fl.secure_aggregation=false"),
+                                      ("knows_labels", "--set threat.knows_labels=true"),
+                                      ("public_data", "--set threat.public_data=true")])
+def test_the_gate_tells_how_to_grant_each_flag(flag, fix):
+    from dataclasses import replace
+
+    from gradleak.errors import BadInput
+    from gradleak.fl.threat import check_requirements
+
+    with pytest.raises(BadInput) as e:
+        check_requirements("atk", {flag: True}, replace(ThreatModel(), **{flag: False}))
+    assert fix in e.value.fix and "atk" in e.value.problem
+    with pytest.raises(ValueError, match="atk.*unknown threat flag 'telepathy'"):
+        check_requirements("atk", {"telepathy": True}, ThreatModel())
+
+
+def test_one_client_exposure_overrides_a_configured_secure_view():
+    from gradleak.fl.threat import ThreatConfig
+
+    tm = ThreatConfig(individual_updates=False).resolve(True, clients=1)
+    assert tm.individual_updates is True and tm.exposure
