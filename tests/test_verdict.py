@@ -242,3 +242,68 @@ def test_random_public_sentences_and_member_sets_stay_below_their_null(tmp_path,
         ev = evaluate("membership", tr, Reconstruction({"scores": scores}), cfg, tmp_path, d)
         hits += grade("membership", ev.metrics)["level"] != "none"
     assert hits <= 2, hits
+
+
+# ------------------------------------------------------------------------------------------------ the audit's false-safe cases
+
+TEXT = {"experiment": "text", "seed": 0, "model": {"name": "minilm", "layers": 2},
+        "peft": {"kind": "adapters", "reduction_factor": 2}, "data": {"name": "rt-sentences", "batch_size": 2,
+                                                                     "nonmembers": 30},
+        "fl": {"algorithm": "fedsgd", "rounds": 1, "clients": 2}, "threat": {"preset": "honest-but-curious"}}
+
+
+@pytest.mark.timeout(600)
+def test_text_audit_every_client_tiny_noise_is_a_leak_and_nothing_is_lost(tmp_path):
+    """The issue's green-over-a-leak cases on the text audit, in one run: DP noise of 1e-9 (near-verbatim sentences)
+    gives `leaks`; both clients are attacked (builtin engine); `--only projres,utr` (ProjRes under the public-data
+    upgrade) writes audit.json with both results; ProjRes with non-members is measured, not undefined."""
+    import json
+
+    from gradleak.experiments.audit import run_audit
+
+    raw = {**TEXT, "defenses": [{"name": "dp_gaussian", "params": {"noise_multiplier": 1.0e-9, "max_norm": 1.0}}]}
+    res = run_audit(raw, tmp_path, only=["projres", "utr"], log=lambda m: None)
+    by = {a["name"]: a for a in res["attacks"]}
+    assert res["verdict"] == "leaks" and res["headline"].startswith("LEAKS: ")
+    assert by["utr"]["level"] in ("partial", "strong", "exact") and by["utr"]["value"] > by["utr"]["null_p99"]
+    assert sorted(c["client"] for c in by["utr"]["per_client"]) == [0, 1]
+    assert len(by["utr"]["variants"]) == 2  # as configured + the noise read off the upload (a declared defense)
+    assert by["projres"]["level"] != "undefined" and by["projres"]["applicable_under"] == "upgraded"
+    assert "public data" in by["projres"]["threat_words"]
+    saved = json.loads((tmp_path / "audit.json").read_text())
+    assert saved["verdict"] == "leaks" and {a["name"] for a in saved["attacks"]} == {"projres", "utr"}
+
+
+def test_membership_without_non_members_is_undefined_not_ran(tmp_path, monkeypatch):
+    """ProjRes that measured nothing (NaN AUC: no non-members) is `undefined`, named with what is missing, and an
+    audit where nothing was measured is not green."""
+    from gradleak.experiments.audit import run_audit
+
+    def fake_run(cand, out, device=None):
+        return {"metrics": {"auc": NAN, "tpr_at_1pct_fpr": NAN, "members": 2.0, "nonmembers": 0.0}, "artifacts": []}
+
+    monkeypatch.setattr("gradleak.experiments.runner.run_config", fake_run)
+    raw = {**TEXT, "data": {"name": "rt-sentences", "batch_size": 2}, "threat": {"public_data": True}}
+    res = run_audit(raw, tmp_path, only=["projres"], log=lambda m: None)
+    (a,) = res["attacks"]
+    assert a["level"] == "undefined" and "data.nonmembers" in a["reason"]
+    assert res["verdict"] == "undefined" and not res["headline"].startswith("NO LEAK")
+
+
+def test_secure_aggregation_over_one_client_does_not_hide_the_update_from_peftleak(tmp_path):
+    """fl.secure_aggregation with one client: PEFTLeak is not refused (the sum of one update is that update) and
+    recovers the patches under the malicious upgrade; the setup says why."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_audit import TINY
+
+    from gradleak.experiments.audit import run_audit
+
+    raw = {**TINY, "fl": {"secure_aggregation": True, "clients": 1}}
+    res = run_audit(raw, tmp_path, only=["peftleak"], log=lambda m: None)
+    (a,) = res["attacks"]
+    assert a["level"] == "exact" and res["verdict"] == "leaks_stronger_server"
+    assert any("over one client" in line for line in res["setup"])
+    assert any("sum of one update" in line for line in res["threat"])

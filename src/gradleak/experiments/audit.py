@@ -464,6 +464,9 @@ def _verdict(entries: list[dict]) -> tuple[str, str]:
         return verdict, "LEAKS ONLY UNDER A STRONGER SERVER: " + words(leaking[0])
     ran = [e for e in entries if e.get("level") in ("none",)]
     undef = [e for e in entries if e.get("level") == "undefined"]
+    if verdict == "undefined":
+        return verdict, ("UNDEFINED: no attack measured anything (" + "; ".join(
+            f"{e['name']}: {e.get('reason', e.get('rule', ''))}" for e in undef) + ") -- this is not evidence of safety")
     tried = ", ".join(f"{e['name']} ({len(e.get('variants') or [{}])} setting(s), "
                       f"{len(e.get('per_client') or [1])} client(s))" for e in ran)
     text = (f"NO LEAK FOUND: {len(ran)} attack(s) measured at full strength, none above its null -- {tried or 'none'}"
