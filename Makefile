@@ -69,7 +69,7 @@ MUTATION_TARGETS := $(MUTATION_THREAT) $(MUTATION_AGGREGATION) $(MUTATION_DEFENS
 mutation: $(STAMP)
 	rm -rf mutants
 	OMP_NUM_THREADS=1 $(BIN)/mutmut run --max-children $$(nproc) $(MUTATION_TARGETS)
-	$(BIN)/mutmut results
+	$(BIN)/mutmut results | grep -v "not checked" || true  # survivors (equivalent ones: docs/MUTATION.md)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/peftleak.py

@@ -215,6 +215,8 @@ def test_every_client_sends_a_masked_vector_and_the_masks_cancel_in_the_sum(k):
     plain, scale = fixed_point(dicts, weights, 40)
     sent, scale2 = masked_uploads(dicts, weights, torch.Generator().manual_seed(0), 40)
     again, _ = masked_uploads(dicts, weights, torch.Generator().manual_seed(1), 40)
+    same, _ = masked_uploads(dicts, weights, torch.Generator().manual_seed(0), 40)  # the simulation is seeded
+    assert all(torch.equal(a[key], b[key]) for a, b in zip(sent, same) for key in ("w", "b"))
     assert scale == scale2
     for i in range(k):
         for key in ("w", "b"):
