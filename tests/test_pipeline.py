@@ -226,7 +226,7 @@ BAD_PEFTLEAK = [
     ("attack.up_scale=0", "attack.up_scale"), ("model.hidden_size=100", "model.hidden_size"),
     ("data.public=cifar-samples", "data.public"), ("peft.kind=lora", "peft.kind"),
     ("data.max_length=8", "data.max_length"), ("threat.preset=honest-but-curious", "threat.malicious"),
-    ("fl.secure_aggregation=true", "threat.individual_updates"), ("defenses=[{name: nope}]", "defenses[0].name"),
+    ("defenses=[{name: nope}]", "defenses[0].name"),
     ("model.dtype=float32", "model.dtype"),
 ]
 BAD_UTR = [("data.limit=-1", "data.limit"), ("data.max_length=0", "data.max_length"), ("attack.name=peftleak", "attack.name"),
@@ -242,6 +242,25 @@ def test_bad_input_exits_2_naming_the_field(tmp_path, config, override, field):
     assert res.exit_code == 2, res.output
     assert field in res.output, res.output
     assert "Traceback" not in res.output
+
+
+def test_secure_aggregation_refuses_peftleak_only_when_it_hides_individual_updates(tmp_path):
+    """Secure aggregation over two clients withholds individual updates (PEFTLeak refused, exit 2 naming
+    threat.individual_updates); over one client the sum is the update, so the gate lets it through (issue 26)."""
+    from gradleak.errors import BadInput
+    from gradleak.experiments.config import apply_overrides, load_yaml
+    from gradleak.experiments.runner import validate
+    from gradleak.experiments.schema import ExperimentConfig
+
+    res = runner.invoke(app, ["run", str(PEFTLEAK), "--out", str(tmp_path / "o"), "--set", "fl.secure_aggregation=true",
+                              "--set", "fl.clients=2"])
+    assert res.exit_code == 2 and "threat.individual_updates" in res.output and "Traceback" not in res.output
+    raw = apply_overrides(load_yaml(PEFTLEAK), ["fl.secure_aggregation=true", "fl.clients=1"], ExperimentConfig)
+    _, cfg = validate(raw)
+    assert cfg.threat_model.individual_updates and "sum of one update" in cfg.threat_model.exposure
+    raw2 = apply_overrides(load_yaml(PEFTLEAK), ["fl.secure_aggregation=true", "fl.clients=2"], ExperimentConfig)
+    with pytest.raises(BadInput, match="individual"):
+        validate(raw2)
 
 
 def test_bad_paths_devices_and_results(tmp_path):
