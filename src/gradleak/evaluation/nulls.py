@@ -237,25 +237,47 @@ def word_bag_null(true_tokens: set[int], bag_size: int, token_pool: Sequence[int
 def roc_summary(labels, scores) -> dict[str, float]:
     """ROC AUC (ties count ½) and the largest TPR at FPR ≤ 1 % and ≤ 0.1 % (the values of scikit-learn's
     ``roc_auc_score`` / ``roc_curve``, computed from one sort so the nulls can afford thousands of them)."""
-    from scipy.stats import rankdata
-
     y = np.asarray(labels, dtype=int)
     s = np.nan_to_num(np.asarray(scores, dtype=float), neginf=-1e300, posinf=1e300)
     n1 = int(y.sum())
     n0 = y.size - n1
     if y.size == 0 or n1 == 0 or n0 == 0:
         return {"auc": float("nan"), "tpr_at_1pct_fpr": float("nan"), "tpr_at_0.1pct_fpr": float("nan")}
-    ranks = rankdata(s)
-    out = {"auc": float((ranks[y == 1].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))}
     order = np.argsort(-s, kind="mergesort")
     ss, yy = s[order], y[order]
     last = np.r_[ss[1:] != ss[:-1], True]  # the end of every run of tied scores: one ROC point per threshold
     tp = np.cumsum(yy)[last] / n1
     fp = np.cumsum(1 - yy)[last] / n0
+    # the trapezoid area under the ROC points is the Mann-Whitney AUC with ties counted 1/2
+    tpz, fpz = np.r_[0.0, tp], np.r_[0.0, fp]
+    out = {"auc": float(np.sum((fpz[1:] - fpz[:-1]) * (tpz[1:] + tpz[:-1]) / 2))}
     for name, at in (("tpr_at_1pct_fpr", 0.01), ("tpr_at_0.1pct_fpr", 0.001)):
         ok = fp <= at
         out[name] = float(tp[ok].max()) if ok.any() else 0.0
     return out
+
+
+def _roc_rows(Y: np.ndarray, S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`roc_summary`'s AUC and TPR at 1 % FPR for every row of labels ``Y`` / scores ``S`` at once (each row
+    holds both classes)."""
+    S = np.nan_to_num(np.asarray(S, dtype=float), neginf=-1e300, posinf=1e300)
+    order = np.argsort(-S, axis=1, kind="mergesort")
+    ss = np.take_along_axis(S, order, 1)
+    yy = np.take_along_axis(np.asarray(Y, dtype=float), order, 1)
+    n1 = yy.sum(1, keepdims=True)
+    n0 = yy.shape[1] - n1
+    tp, fp = np.cumsum(yy, 1) / n1, np.cumsum(1 - yy, 1) / n0
+    tie_next = np.concatenate([ss[:, 1:] == ss[:, :-1], np.zeros((len(ss), 1), bool)], 1)
+    # inside a run of ties only the run's end is a ROC point: every position takes its run's end
+    n = ss.shape[1]
+    end = np.where(tie_next, n, np.arange(n)[None, :])
+    end = np.minimum.accumulate(end[:, ::-1], axis=1)[:, ::-1]
+    tp, fp = np.take_along_axis(tp, end, 1), np.take_along_axis(fp, end, 1)
+    tpz = np.concatenate([np.zeros((len(tp), 1)), tp], 1)
+    fpz = np.concatenate([np.zeros((len(fp), 1)), fp], 1)
+    auc = np.sum((fpz[:, 1:] - fpz[:, :-1]) * (tpz[:, 1:] + tpz[:, :-1]) / 2, 1)
+    tpr = np.where(fp <= 0.01, tp, 0.0).max(1)
+    return auc, tpr
 
 
 def membership_null(labels: Sequence[int], scores: Sequence[float], *, draws: int = NULL_DRAWS, seed: int = 0,
@@ -272,14 +294,11 @@ def membership_null(labels: Sequence[int], scores: Sequence[float], *, draws: in
         out.update({"auc_interval": (math.nan, math.nan), "tpr_interval": (math.nan, math.nan)})
         return out
     rng = np.random.default_rng(seed)
-    for d in range(draws):
-        r = roc_summary(rng.permutation(y), s)
-        out["auc"][d], out["tpr_at_1pct_fpr"][d] = r["auc"], r["tpr_at_1pct_fpr"]
+    perm = np.stack([rng.permutation(y) for _ in range(draws)])
+    out["auc"], out["tpr_at_1pct_fpr"] = _roc_rows(perm, np.broadcast_to(s, perm.shape))
     mem, non = np.flatnonzero(y == 1), np.flatnonzero(y == 0)
-    boots = []
-    for _ in range(bootstrap):
-        ix = np.concatenate([rng.choice(mem, mem.size), rng.choice(non, non.size)])
-        boots.append(roc_summary(y[ix], s[ix])["auc"])
+    ix = np.concatenate([rng.choice(mem, (bootstrap, mem.size)), rng.choice(non, (bootstrap, non.size))], axis=1)
+    boots, _ = _roc_rows(y[ix], s[ix])
     lo, hi = np.quantile(boots, [0.025, 0.975])
     tpr = roc_summary(y, s)["tpr_at_1pct_fpr"]
     k, m = int(round(tpr * mem.size)), mem.size
