@@ -86,6 +86,15 @@ class DAGERConfig(SpanTestConfig):
 class DAGERAttack(AttackBase):
     name = "dager"
     Config = DAGERConfig
+
+    @classmethod
+    def audit_variants(cls, params, defenses):
+        """Its span checks decide on a relative-residual tolerance that noise can push a true token past: under a
+        declared update defense the audit also runs both tolerances 10x looser (capped below 1)."""
+        if not defenses:
+            return []
+        eb, es = float(params.get("eps_bag", 1e-3)), float(params.get("eps_sentence", 1e-3))
+        return [{"eps_bag": min(eb * 10, 0.5), "eps_sentence": min(es * 10, 0.5)}]
     modality = "text"
     peft_kinds = ("adapters", "lora")
     reconstruction = "token_sequences"
