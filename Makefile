@@ -63,7 +63,7 @@ MUTATION_AGGREGATION := 'gradleak.fl.core.x_aggregate*' 'gradleak.fl.core.x_secu
 	'gradleak.fl.core.xǁUpdateǁ*'
 MUTATION_DEFENSES := 'gradleak.defenses.update.xǁ*' 'gradleak.defenses.update.x__gen*' \
 	'gradleak.defenses.update.x__percentile*' 'gradleak.defenses.update.x_build_defenses*'
-MUTATION_EVALUATION :=
+MUTATION_EVALUATION := 'gradleak.evaluation.levels.*'
 MUTATION_TARGETS := $(MUTATION_THREAT) $(MUTATION_AGGREGATION) $(MUTATION_DEFENSES) $(MUTATION_EVALUATION)
 
 mutation: $(STAMP)
