@@ -106,14 +106,17 @@ def run_cell(kind, cmd, d, meta) -> dict:
     elif kind == "dp":
         a = json.loads((d / "audit.json").read_text())
         e = next(x for x in a["attacks"] if x["name"] == meta["attack"])
-        row.update(verdict=a["verdict"], value=e.get("value"), metric=e.get("metric"), n_success=e.get("n_success"),
+        row.update(verdict=a["verdict"], level=e.get("level"), value=e.get("value"), metric=e.get("metric"),
+                   null_p99=e.get("null_p99"), p_value=e.get("p_value"), worst_client=e.get("worst_client"),
+                   per_client=[o.get("value") for o in e.get("per_client", [])], n_success=e.get("n_success"),
                    n_total=e.get("n_total"), setup_words=[s for s in a["setup"] if s.startswith("engine")])
     else:
         fa = json.loads((d / "flower_audit.json").read_text())
         first = fa["rounds"][0]
         a = json.loads((d / f"round_{first['server_round']}" / "audit.json").read_text())
         e = next(x for x in a["attacks"] if x["name"] == meta["attack"])
-        row.update(verdict=first["verdict"], value=e.get("value"), metric=e.get("metric"), n_success=e.get("n_success"),
+        row.update(verdict=first["verdict"], level=e.get("level"), value=e.get("value"), metric=e.get("metric"),
+                   null_p99=e.get("null_p99"), worst_client=e.get("worst_client"), n_success=e.get("n_success"),
                    n_total=e.get("n_total"), per_client=[o.get("value") for o in e.get("per_client", [])],
                    rounds=len(fa["rounds"]))
         m = [ln for ln in r.stdout.splitlines() if ln.endswith("round_<r>/audit.json") and " s;" in ln]
@@ -127,32 +130,41 @@ def report(args, jsonl: Path) -> None:
 
     def val(r):
         v = r.get("value")
-        return "–" if v is None else (f"{v:.1f} dB" if r.get("metric") == "psnr" else f"ROUGE-1 {v:.1f}")
+        return "–" if v is None else (f"{v:.1f} dB" if r.get("metric") == "psnr" else f"ROUGE-1 F1 {v:.1f}")
+
+    def null(r):
+        v = r.get("null_p99")
+        return "–" if v is None else (f"{v:.1f} dB" if r.get("metric") == "psnr" else f"{v:.1f}")
 
     lines = ["Every cell is a real Flower federation; the command of each is in `benchmarks/out/flower_dp.jsonl`.", "",
-             "### What the server sees under Flower's DP mechanisms (2 clients; the audit attacks client 0)", "",
-             "| setup (attack) | Flower DP | the server sees | verdict | attack result | samples reconstructed |",
-             "|---|---|---|---|---|---|"]
+             "### What the server sees under Flower's DP mechanisms (2 clients; the audit attacks every client)", "",
+             "Verdict and level as `gradleak audit` grades them (issue 26): the worst client's headline against "
+             "chance matched the same way (null p99: the 99th percentile of 1000 seeded draws of random held-out "
+             "images / public sentences).", "",
+             "| setup (attack) | Flower DP | the server sees | verdict | level | worst client: result | null p99 | "
+             "every client |", "|---|---|---|---|---|---|---|---|"]
     for name, _, attack in AUDITS:
         for dp in DPS:
             r = rows.get(f"dp|{name}|{dp}")
             if r is None or "error" in r:
                 continue
-            lines.append(f"| {name} ({attack}) | {DPS[dp]} | {SEES[dp]} | {r['verdict']} | {val(r)} | "
-                         f"{r['n_success']} / {r['n_total']} |")
+            per = ", ".join("–" if v is None else f"{v:.1f}" for v in r.get("per_client") or [])
+            lines.append(f"| {name} ({attack}) | {DPS[dp]} | {SEES[dp]} | {r['verdict']} | {r.get('level', '–')} | "
+                         f"{r.get('worst_client', '–')}: {val(r)} | {null(r)} | {per or '–'} |")
     lines += ["", "The central-DP wrappers protect the released model, not the individual uploads a curious server "
               "receives: with server-side clipping it holds the raw updates, with client-side clipping a scaled copy "
               "(both attacks are scale-invariant), so both read **leaks**; only LocalDpMod's noise (σ = 4.8 on the "
               "weights at ε = 1) stops them.", "",
               "### The reply convention (example app, float32 clients, 3 clients, round 1)", "",
-              "| setup (attack) | clients reply | lr | verdict | worst client | every client |", "|---|---|---|---|---|---|"]
+              "| setup (attack) | clients reply | lr | verdict | level | worst client | null p99 | every client |",
+              "|---|---|---|---|---|---|---|---|"]
     for key, r in rows.items():
         if not key.startswith("reply|") or "error" in r:
             continue
         per = ", ".join("–" if v is None else (f"{v:.1f}" if r.get("metric") == "psnr" else f"{v:.0f}")
                         for v in r.get("per_client", []))
         lines.append(f"| {r['setup']} ({r['attack']}) | {'new weights' if r['reply'] == 'weights' else 'the update'} | "
-                     f"{r['lr']:g} | {r['verdict']} | {val(r)} | {per} |")
+                     f"{r['lr']:g} | {r['verdict']} | {r.get('level', '–')} | {val(r)} | {null(r)} | {per} |")
     lines += ["", "A float32 weight reply rounds the small step against the weights: the server's (sent − new) / lr "
               "carries noise ≈ ulp(w) / (√12 lr) per coordinate, so the attack's precision scales with the lr. The "
               "same clients replying with their update (FedSGD's gradient) leak exactly.", "",

@@ -52,7 +52,7 @@ def summarize(value: float, null: np.ndarray, lower_is_leak: bool = False) -> di
     return {"value": v, "null_median": float(np.median(nul)), "null_p99": p99, "p_value": float(p)}
 
 
-def _subsets(pool: int, n: int, draws: int, seed: int) -> np.ndarray:
+def draw_subsets(pool: int, n: int, draws: int, seed: int) -> np.ndarray:
     """``draws`` × ``n`` indices into a pool of ``pool``: distinct within a draw when the pool allows it."""
     rng = np.random.default_rng(seed)
     if pool >= n:
@@ -96,7 +96,7 @@ def image_null(originals01: torch.Tensor, pool01: torch.Tensor, *, n: int | None
     grey = torch.full_like(originals01[:1], 0.5).expand(N, -1, -1, -1).to(torch.float32)
     g_psnr = psnr(grey, originals01.to(torch.float32)).numpy()
     g_ssim = ssim(grey, originals01.to(torch.float32)).numpy()
-    idx = _subsets(len(pool01), n, draws, seed)
+    idx = draw_subsets(len(pool01), n, draws, seed)
     out = {k: np.empty(draws) for k in ("psnr", "ssim", "psnr_max", "ssim_max")}
     for d in range(draws):
         rows = idx[d]
@@ -150,7 +150,7 @@ def rdlv_null(originals01: torch.Tensor, pool01: torch.Tensor, prior01: torch.Te
     pri = pri.unsqueeze(0) if pri.ndim == 3 else pri
     sp = np.array([float(pairwise_ssim(pri[:1], originals01[j:j + 1].to(torch.float64), ssim,
                                        rescale_sources=False)[0, 0]) for j in range(N)])
-    idx = _subsets(mat.shape[1], n, draws, seed)
+    idx = draw_subsets(mat.shape[1], n, draws, seed)
     out = {k: np.empty(draws) for k in ("rdlv", "ssim", "rdlv_max")}
     for d in range(draws):
         sr = mat[:, idx[d]].max(1)
@@ -176,7 +176,7 @@ def text_null(references: Sequence[str], pool_sentences: Sequence[str], *, n: in
     out = {k: np.full(draws, np.nan) for k in ("rouge1_f1", "rouge2_f1")}
     if not pool or not refs or n == 0:
         return out
-    idx = _subsets(len(pool), n, draws, seed)
+    idx = draw_subsets(len(pool), n, draws, seed)
     for d in range(draws):
         s = rouge_f1_tokenized(refs, [pool[i] for i in idx[d]])
         out["rouge1_f1"][d], out["rouge2_f1"][d] = s["rouge1_f1"], s["rouge2_f1"]
