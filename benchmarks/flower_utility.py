@@ -61,11 +61,11 @@ def run_arm(args, arm: str, sigma: float, jsonl: Path) -> None:
     from gradleak.attacks.base import AttackContext
     from gradleak.defenses.update import build_defenses
     from gradleak.experiments.evaluation import Truth, evaluate
-    from gradleak.experiments.pipeline import _always_public, build_handle, load_images, public_protocol
+    from gradleak.experiments.pipeline import always_public, build_handle, load_images, public_protocol
     from gradleak.experiments.runner import validate
     from gradleak.fl.core import Client, default_classification_loss
     from gradleak.fl.threat import build_view
-    from gradleak.integrations.flower import run_rounds_flower
+    from gradleak.fl.engines.flower import run_rounds_flower
 
     torch.manual_seed(args.seed)
     raw = base_config(args)
@@ -83,10 +83,10 @@ def run_arm(args, arm: str, sigma: float, jsonl: Path) -> None:
     t0 = time.perf_counter()
     out = run_rounds_flower(model, clients, rounds=args.rounds, algorithm="fedavg", lr=args.lr, local_epochs=1,
                             local_batch_size=args.local_batch, defenses=defenses, seed=args.seed,
-                            keep_round=lambda r: r in measured)
+                            keep_round=lambda r: r in measured, flower=cfg.fl.flower)
     train_seconds = time.perf_counter() - t0
     A = cfg.attack_cls
-    always = _always_public(handle, cfg)
+    always = always_public(handle, cfg)
     icfg = None
     if args.second_attack:
         _, icfg = validate({**raw, "scale": "cpu", "attack": {"name": args.second_attack}})

@@ -16,7 +16,9 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from gradleak.errors import BadInput  # noqa: E402
 from gradleak.fl import Client  # noqa: E402
-from gradleak.fl.protocol import run_rounds  # noqa: E402
+from gradleak.fl.engines.builtin import run_rounds  # noqa: E402
+from gradleak.fl.engines import flower as gle  # noqa: E402
+from gradleak.fl.engines import flower_bridge as glb  # noqa: E402
 from gradleak.integrations import flower as glf  # noqa: E402
 
 LR = 0.1
@@ -73,8 +75,8 @@ def _fedavg(n=3):
 
 def test_flower_record_equals_what_the_clients_computed_exactly():
     data = _data()
-    sapp, capp, computed, holder = _flower_app(data, strategy_fn=lambda: glf.GradleakStrategy(_fedavg(), lr=LR))
-    glf.run_inprocess(sapp, capp, 3)
+    sapp, capp, computed, holder = _flower_app(data, strategy_fn=lambda: glb.GradleakStrategy(_fedavg(), lr=LR))
+    glb.run_inprocess(sapp, capp, 3)
     s = holder["s"]
     assert [r.server_round for r in s.rounds] == [1, 2]
     for rec in s.rounds:
@@ -109,8 +111,8 @@ def test_flower_identical_replies_are_detected_as_an_aggregate():
         return out
 
     sapp, capp, _, holder = _flower_app(data, rounds=1, mods=[same_reply],
-                                        strategy_fn=lambda: glf.GradleakStrategy(_fedavg(), lr=LR))
-    glf.run_inprocess(sapp, capp, 3)
+                                        strategy_fn=lambda: glb.GradleakStrategy(_fedavg(), lr=LR))
+    glb.run_inprocess(sapp, capp, 3)
     rec = holder["s"].rounds[0]
     assert rec.aggregated and "only the sum is attackable" in rec.note
     assert len(rec.updates) == 1 and rec.updates[0] is rec.aggregate
@@ -136,7 +138,7 @@ def test_flower_engine_equals_the_builtin_round_protocol(algorithm):
                                        {"name": "gaussian_noise", "params": {"std": 0.01}}], seed=5))
     ref = run_rounds(_net(), _clients(data), **kw)
     for reply in ("weights", "update"):
-        got = glf.run_rounds_flower(_net(), _clients(data), flower=FlowerConfig(reply=reply), **kw)
+        got = gle.run_rounds_flower(_net(), _clients(data), flower=FlowerConfig(reply=reply), **kw)
         assert got.kept_rounds == ref.kept_rounds == [0, 1, 2]
         for ra, rb in zip(ref.rounds, got.rounds):
             assert [u.client_id for u in rb] == [0, 1, 2]
@@ -148,7 +150,7 @@ def test_flower_engine_equals_the_builtin_round_protocol(algorithm):
             assert all(torch.allclose(sa[k], sb[k], atol=1e-12) for k in sa)
     # without defenses, what the engine's clients computed is what the strategy recorded, bit for bit
     for reply in ("weights", "update"):
-        got = glf.run_rounds_flower(_net(), _clients(data), flower=FlowerConfig(reply=reply), **{**kw, "defenses": []})
+        got = gle.run_rounds_flower(_net(), _clients(data), flower=FlowerConfig(reply=reply), **{**kw, "defenses": []})
         for r, ups in enumerate(got.rounds):
             for u in ups:
                 sent = got.round_states[r]
@@ -161,7 +163,7 @@ def test_flower_engine_secure_aggregation_keeps_only_the_sum():
     from gradleak.experiments.schema import FlowerConfig
 
     data = _data()
-    got = glf.run_rounds_flower(_net(), _clients(data), rounds=1, algorithm="fedsgd", lr=LR, secure_aggregation=True,
+    got = gle.run_rounds_flower(_net(), _clients(data), rounds=1, algorithm="fedsgd", lr=LR, secure_aggregation=True,
                                 flower=FlowerConfig())
     assert got.rounds == [[]] and len(got.secure_sums) == 1
     ref = run_rounds(_net(), _clients(data), rounds=1, algorithm="fedsgd", lr=LR)
@@ -187,7 +189,7 @@ def test_flower_dp_wrappers_what_the_server_sees():
     seen = {}
     for dp in ("server-fixed", "client-fixed", "local"):
         cfg = FlowerConfig(dp=dp, clipping_norm=clip, noise_multiplier=1.0, local_epsilon=10.0)
-        seen[dp] = glf.run_rounds_flower(_net(), _clients(data), flower=cfg, **kw).rounds[0]
+        seen[dp] = gle.run_rounds_flower(_net(), _clients(data), flower=cfg, **kw).rounds[0]
     for a, b in zip(raw, seen["server-fixed"]):  # raw
         assert all(torch.allclose(a.tensors[k].double(), b.tensors[k], atol=1e-12) for k in a.tensors)
     for a, b in zip(raw, seen["client-fixed"]):  # clipped to the norm, same direction, no noise
@@ -205,8 +207,8 @@ def test_flower_scoring_mod_sends_only_scalars():
         return {"update_norm": _norm(update), "undefined": float("nan")}
 
     sapp, capp, computed, holder = _flower_app(data, rounds=1, mods=[glf.scoring_mod(score, lr=LR)],
-                                               strategy_fn=lambda: glf.GradleakStrategy(_fedavg(), lr=LR))
-    glf.run_inprocess(sapp, capp, 3)
+                                               strategy_fn=lambda: glb.GradleakStrategy(_fedavg(), lr=LR))
+    glb.run_inprocess(sapp, capp, 3)
     rec = holder["s"].rounds[0]
     for rep, upd in zip(rec.replies, rec.updates):
         assert rec.client_metrics[rep.client_id]["gradleak.update_norm"] == pytest.approx(_norm(upd), rel=1e-12)
@@ -217,8 +219,8 @@ def test_flower_defense_mod_defends_a_plain_flower_client():
     data = _data()
     mod = glf.defense_mod([{"name": "clipping", "params": {"max_norm": 0.01}}], lr=LR, names=["weight", "bias"])
     sapp, capp, computed, holder = _flower_app(data, rounds=1, mods=[mod],
-                                               strategy_fn=lambda: glf.GradleakStrategy(_fedavg(), lr=LR))
-    glf.run_inprocess(sapp, capp, 3)
+                                               strategy_fn=lambda: glb.GradleakStrategy(_fedavg(), lr=LR))
+    glb.run_inprocess(sapp, capp, 3)
     for upd in holder["s"].rounds[0].updates:
         assert _norm(upd) == pytest.approx(0.01, rel=1e-9)
 
@@ -227,9 +229,9 @@ def test_flower_bad_input_is_named():
     data = _data()
     # a mod given parameters that do not match the model
     mod = glf.defense_mod([{"name": "clipping", "params": {"max_norm": 1}}], lr=LR, names=["encoder.weight"])
-    sapp, capp, _, _ = _flower_app(data, rounds=1, mods=[mod], strategy_fn=lambda: glf.GradleakStrategy(_fedavg(), lr=LR))
+    sapp, capp, _, _ = _flower_app(data, rounds=1, mods=[mod], strategy_fn=lambda: glb.GradleakStrategy(_fedavg(), lr=LR))
     with pytest.raises(BadInput, match="defense_mod.names.*do not match the model.*unknown: bias"):
-        glf.run_inprocess(sapp, capp, 3)
+        glb.run_inprocess(sapp, capp, 3)
     def no_lr_in_config(msg, ctx, call_next):  # a deployment whose train config does not carry the lr
         conf = dict(msg.content["config"])
         conf["client-lr"] = conf.pop("lr")
@@ -239,26 +241,26 @@ def test_flower_bad_input_is_named():
     for name, m in (("scoring_mod", glf.scoring_mod(lambda *a: {})),
                     ("defense_mod", glf.defense_mod([{"name": "clipping", "params": {"max_norm": 1}}]))):
         sapp, capp, _, _ = _flower_app(data, rounds=1, mods=[no_lr_in_config, m],
-                                       strategy_fn=lambda: glf.GradleakStrategy(_fedavg(), lr=LR))
+                                       strategy_fn=lambda: glb.GradleakStrategy(_fedavg(), lr=LR))
         with pytest.raises(BadInput, match=rf"{name}.lr: the client's learning rate is needed"):
-            glf.run_inprocess(sapp, capp, 3)
+            glb.run_inprocess(sapp, capp, 3)
     with pytest.raises(BadInput, match="not a flwr.serverapp.strategy.Strategy"):
-        glf.GradleakStrategy(object(), lr=LR)
+        glb.GradleakStrategy(object(), lr=LR)
     with pytest.raises(BadInput, match="reply"):
-        glf.GradleakStrategy(_fedavg(), lr=LR, reply="gradients")
+        glb.GradleakStrategy(_fedavg(), lr=LR, reply="gradients")
     with pytest.raises(BadInput, match="server-side mechanism"):
         glf.defense_mod([{"name": "dp_gaussian", "params": {"noise_multiplier": 1, "max_norm": 1, "where": "server"}}])
     with pytest.raises(BadInput, match="num_supernodes"):
-        glf.run_inprocess(ServerApp(), ClientApp(), 0)
+        glb.run_inprocess(ServerApp(), ClientApp(), 0)
 
 
 def test_flower_missing_or_unsupported_version_is_named(monkeypatch):
     monkeypatch.setattr(flwr, "__version__", "1.20.0")
     with pytest.raises(BadInput, match=r"Flower 1.20.0 is installed.*flwr >= 1.42, < 2.*pip install"):
-        glf.require_flower()
+        glb.require_flower()
     monkeypatch.setitem(sys.modules, "flwr", None)  # import flwr -> ImportError
     with pytest.raises(BadInput, match=r"optional `fl` extra.*pip install 'gradleak\[fl\]'"):
-        glf.require_flower()
+        glb.require_flower()
 
 
 def test_flower_engine_through_the_pipeline_matches_builtin(tmp_path):

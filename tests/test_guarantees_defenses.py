@@ -24,7 +24,7 @@ from gradleak.defenses.update import (
 )
 from gradleak.errors import BadInput
 from gradleak.fl.core import Client, Update, aggregate
-from gradleak.fl.protocol import run_rounds
+from gradleak.fl.engines.builtin import run_rounds
 
 pytestmark = pytest.mark.timeout(300)
 

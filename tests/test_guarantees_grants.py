@@ -120,7 +120,7 @@ def _spy(monkeypatch, cls):
 
 
 def _spy_clients(monkeypatch):
-    from gradleak.fl import protocol
+    from gradleak.fl.engines import builtin as protocol
 
     seen = []
     real = protocol.run_rounds

@@ -3,7 +3,7 @@
 Pinned from both sides: with individual updates granted the view holds every client's upload (round by round); under
 secure aggregation ``view.updates`` *and every round of* ``view.rounds`` hold exactly one update, the secure sum, and
 nothing equal to any client's upload. Checked on :func:`gradleak.fl.threat.build_view` directly, on the round protocol
-(:func:`gradleak.fl.protocol.run_rounds`: the sums are the weighted means of the uploads) and through the real pipeline
+(:func:`gradleak.fl.engines.builtin.run_rounds`: the sums are the weighted means of the uploads) and through the real pipeline
 (what an attack's ``reconstruct`` receives).
 """
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gradleak.fl.core import Client, ServerView, Update, aggregate, secure_aggregate
-from gradleak.fl.protocol import run_rounds
+from gradleak.fl.engines.builtin import run_rounds
 from gradleak.fl.threat import ThreatConfig, ThreatModel, build_view
 
 pytestmark = pytest.mark.timeout(300)
@@ -170,7 +170,7 @@ def _spy(monkeypatch, cls, what):
 
 
 def _keep_outcomes(monkeypatch):
-    from gradleak.fl import protocol
+    from gradleak.fl.engines import builtin as protocol
 
     outcomes = []
     real = protocol.run_rounds

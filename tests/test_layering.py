@@ -48,21 +48,12 @@ ALLOWED: dict[str, set[str]] = {
 ALLOWLIST: set[str] = {
     "cycle: gradleak.attacks.utr -> gradleak.attacks.utr_causal -> gradleak.attacks.utr",
     "cycle: gradleak.defenses.filter -> gradleak.defenses.training -> gradleak.defenses.filter",
-    "cycle: gradleak.experiments.audit -> gradleak.experiments.runner -> gradleak.experiments.pipeline -> gradleak.integrations.flower -> gradleak.experiments.audit",
     "cycle: gradleak.models -> gradleak.models.dinov2 -> gradleak.models",
     "edge: defenses -> attacks (gradleak.defenses.filter -> gradleak.attacks.bn_inversion)",
     "edge: defenses -> attacks (gradleak.defenses.filter -> gradleak.attacks.bn_stats)",
     "edge: defenses -> experiments (gradleak.defenses.filter -> gradleak.experiments.config)",
-    "edge: experiments -> integrations (gradleak.experiments.pipeline -> gradleak.integrations.flower)",
     "edge: metrics -> data (gradleak.metrics.features -> gradleak.data)",
     "edge: models -> metrics (gradleak.models.dinov2 -> gradleak.metrics.features)",
-    "private: gradleak.experiments.audit -> gradleak.report.html._write_atomic",
-    "private: gradleak.integrations.flower -> gradleak.experiments.audit._attack_names",
-    "private: gradleak.integrations.flower -> gradleak.experiments.audit._candidate",
-    "private: gradleak.integrations.flower -> gradleak.experiments.audit._verdict",
-    "private: gradleak.integrations.flower -> gradleak.experiments.pipeline._always_public",
-    "private: gradleak.integrations.flower -> gradleak.experiments.pipeline._bottleneck",
-    "private: gradleak.integrations.flower -> gradleak.experiments.pipeline._clients",
     "private: gradleak.models.dinov2 -> gradleak.metrics.features._cached_state_dict",
 }
 

@@ -175,7 +175,7 @@ def test_dpsgd_noise_epsilon_per_client_worst_client_and_monotone_in_sigma(one_t
     the worst; finite for σ > 0, decreasing in σ, infinite for σ = 0; the noise is seeded."""
     from opacus.accountants import RDPAccountant
 
-    from gradleak.fl.protocol import run_rounds
+    from gradleak.fl.engines.builtin import run_rounds
 
     g = torch.Generator().manual_seed(0)
     clients = [Client(0, torch.rand(4, 1, 8, 8, generator=g, dtype=torch.float64), torch.tensor([0, 1, 2, 0])),

@@ -13,7 +13,7 @@ from torch import nn
 
 from gradleak.errors import BadInput
 from gradleak.fl.core import Client
-from gradleak.fl.protocol import run_rounds
+from gradleak.fl.engines.builtin import run_rounds
 
 ROOT = Path(__file__).resolve().parents[1]
 LEAKAGE = ROOT / "configs" / "leakage" / "fmnist_resnet18.yaml"

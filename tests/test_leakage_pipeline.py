@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from gradleak.cli import app
 from gradleak.errors import BadInput
 from gradleak.fl.core import Client, ServerView, Update, aggregate, batchnorm_buffer_names, secure_aggregate
-from gradleak.fl.protocol import run_rounds
+from gradleak.fl.engines.builtin import run_rounds
 
 ROOT = Path(__file__).resolve().parents[1]
 LEAKAGE = ROOT / "configs" / "leakage" / "fmnist_resnet18.yaml"

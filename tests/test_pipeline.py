@@ -154,7 +154,7 @@ def test_text_view_grants_lengths_only_under_the_flag(tmp_path, monkeypatch):
 def test_secure_aggregation_shows_only_the_sum_and_clients_train_their_own_copy(tmp_path, monkeypatch):
     from gradleak.attacks.optimization import InvertingGradients
     from gradleak.experiments import run_config
-    from gradleak.fl import protocol
+    from gradleak.fl.engines import builtin as protocol
 
     outcomes = []
     real = protocol.run_rounds

@@ -44,14 +44,14 @@ SERVER_CAPABILITIES = ("malicious", "prescribes_architecture", "public_data")
 TPR_THRESHOLD = 0.1
 
 
-def _attack_names() -> list[str]:
+def attack_names() -> list[str]:
     from gradleak.registry import ATTACKS, load_all
 
     load_all()  # every attack module registers itself: later families appear here untouched
     return ATTACKS.names()
 
 
-def _candidate(raw: dict, name: str, threat: dict | None = None, variant: dict | None = None) -> dict:
+def candidate(raw: dict, name: str, threat: dict | None = None, variant: dict | None = None) -> dict:
     """The run config of one attack: the setup, ``attack.name`` and the attack's defaults, plus any
     ``audit.params.<attack>`` the audit config gives (e.g. fewer steps for a quick audit) and a full-strength
     ``variant``; every client of the round is attacked (``metrics.attack_clients: all``)."""
@@ -169,7 +169,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
 
     out = check_out_dir(out_dir)
     raw = apply_overrides(copy.deepcopy(raw), overrides or [], ExperimentConfig) if overrides else copy.deepcopy(raw)
-    names = _attack_names()
+    names = attack_names()
     if only:
         bad = sorted(set(only) - set(names))
         if bad:
@@ -184,14 +184,14 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
         summary = next((x.summary for x in ATTACKS if x.name == name), "")
         entry: dict[str, Any] = {"name": name, "description": summary, "reconstruction": A.reconstruction,
                                  "applicable": False}
-        cand, threat_used = _candidate(raw, name), "configured"
+        cand, threat_used = candidate(raw, name), "configured"
         try:
             _, cfg = validate(cand)
         except BadInput as err:
             up = _upgrade(raw, name) if err.field.startswith("threat") else None
             if up is not None:
                 try:
-                    cand = _candidate(raw, name, up)
+                    cand = candidate(raw, name, up)
                     _, cfg = validate(cand)
                     threat_used = "upgraded"
                     entry["upgrade"] = up
@@ -319,9 +319,9 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     ran = [e for e in entries if "level" in e]
     if not ran and base_err is not None:
         raise base_err
-    verdict, headline = _verdict(entries)
+    verdict, headline = verdict_and_headline(entries)
     shown_cand = next((c for e, c, _, _ in planned if e in ran), None)
-    _, shown = validate(shown_cand if shown_cand is not None else _candidate(raw, names[0]))
+    _, shown = validate(shown_cand if shown_cand is not None else candidate(raw, names[0]))
     result = {"verdict": verdict, "headline": headline, "attacks": entries,
               "levels": {"psnr_db": shown.metrics.psnr_threshold_db, "rules": LEVEL_RULES,
                          "null": f"{shown.metrics.null_draws} seeded draws of public samples of the data's own source, "
@@ -440,7 +440,7 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, (int, float)) and v == v else "n/a"
 
 
-def _verdict(entries: list[dict]) -> tuple[str, str]:
+def verdict_and_headline(entries: list[dict]) -> tuple[str, str]:
     """The verdict and the banner: the worst level, the attack, the client and the evidence (never green while an
     attack is at ``partial`` or more)."""
     from gradleak.evaluation.levels import LEAKING, verdict_of
@@ -584,8 +584,8 @@ window.addEventListener("load", function () {{
   document.body.setAttribute("data-tables", String(document.querySelectorAll("table").length));
 }});</script>
 </body></html>"""
-    from gradleak.report.html import _write_atomic
+    from gradleak.report.html import write_atomic
 
     path = out / "report.html"
-    _write_atomic(path, page)
+    write_atomic(path, page)
     return path

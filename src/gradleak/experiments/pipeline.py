@@ -237,7 +237,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     from gradleak.attacks.base import AttackContext
     from gradleak.defenses.update import build_defenses
     from gradleak.fl.core import default_classification_loss
-    from gradleak.fl.protocol import run_rounds
+    from gradleak.fl.engines import rounds_engine
     from gradleak.fl.threat import build_view
 
     A, acfg, threat, modality = cfg.attack_cls, cfg.attack_cfg, cfg.threat_model, cfg.modality
@@ -281,7 +281,6 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
 
         loss_fn = text_loss(handle.kind, task=handle.info.get("task"), **defense.loss_options())
     loss_fn = defense.wrap_loss(loss_fn, model)
-    bottleneck = _bottleneck(cfg, handle)
     evals, infos = [], []
     t_client = t_hook = t_rec = 0.0
     for trial in range(cfg.trials):
@@ -291,7 +290,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
                     if n in start_state:
                         p.copy_(start_state[n])
         batches = data.clients(trial, mcfg.num_classes)
-        clients, truth = _clients(handle, batches, loss_fn, dev, threat, cfg)
+        clients, truth = clients_and_truth(handle, batches, loss_fn, dev, threat, cfg)
         knowledge = truth.pop("_knowledge")
         if modality == "image" and data.wants_prior and data.prior_image() is not None:
             knowledge.setdefault("public_data", {})["prior_image"] = data.prior_image()
@@ -299,13 +298,8 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
         if A.reconstruction == "membership":
             cands, membership = _candidates(data, trial, batches, threat, cfg)
             knowledge["public_data"] = {"candidates": cands}
-        rounds_fn = run_rounds
-        if cfg.fl.engine == "flower":  # the same rounds through a real Flower federation (issue 13)
-            from functools import partial
-
-            from gradleak.integrations.flower import run_rounds_flower
-
-            rounds_fn = partial(run_rounds_flower, flower=cfg.fl.flower)
+        # builtin, or the same rounds through a real Flower federation (fl.engine: flower, issue 13)
+        rounds_fn = rounds_engine(cfg.fl.engine, flower=cfg.fl.flower)
         outcome = rounds_fn(model, clients, rounds=rounds, algorithm=cfg.fl.algorithm, lr=cfg.fl.lr,
                              local_epochs=cfg.fl.local_epochs, local_batch_size=cfg.fl.local_batch_size,
                              defenses=defenses, seed=cfg.seed, server_hook=attack.server_model,
@@ -329,14 +323,14 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
             rounds_v = [list(r[v:]) + list(r[:v]) for r in outcome.rounds] if v else outcome.rounds
             truth_v, knowledge_v = truth, knowledge
             if v:
-                _, truth_v = _clients(handle, batches[v:] + batches[:v], loss_fn, dev, threat, cfg)
+                _, truth_v = clients_and_truth(handle, batches[v:] + batches[:v], loss_fn, dev, threat, cfg)
                 knowledge_v = truth_v.pop("_knowledge")
                 for k in ("public_data",):
                     if k in knowledge:
                         knowledge_v[k] = knowledge[k]
             view = build_view(model=outcome.model, rounds=rounds_v, round_states=outcome.round_states,
                               threat=threat, secure_sum=outcome.secure_sums, knowledge=knowledge_v,
-                              always_public=_always_public(handle, cfg))
+                              always_public=always_public(handle, cfg))
             label = (f" (trial {trial + 1}/{cfg.trials})" if cfg.trials > 1 else "") + \
                 (f" (client {v + 1}/{len(victims)})" if per_client else "")
             with ctx.stage(f"attack {A.name}" + label):
@@ -344,16 +338,14 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
                 rec = attack.reconstruct(view)
                 t_rec += time.perf_counter() - t0
             with ctx.stage("evaluation"):
-                tr = Truth(modality, truth_v["inputs"], truth_v["labels"], texts=truth_v.get("texts"),
-                           tokenizer=handle.tokenizer, model_kind=handle.kind, bottleneck=bottleneck,
-                           membership=membership)
-                if null_pool is not None:
-                    tr.null_pool, tr.null_source = null_pool
+                per_client_truth = {}
                 if A.reconstruction == "leakage":  # every client's training and validation images (per-client evaluation)
-                    tr.client_inputs = [b[0] for b in batches]
-                    tr.client_validation = data.validation()
-                    tr.client_steps = [p["epochs"] * -(-p["images"] // p["batch_size"]) for p in cfg.client_plan()]
-                ev = evaluate(A.reconstruction, tr, rec, cfg, ctx.out_dir, trial if not v else f"{trial}_client{v}")
+                    per_client_truth = {"client_inputs": [b[0] for b in batches], "client_validation": data.validation(),
+                                        "client_steps": [p["epochs"] * -(-p["images"] // p["batch_size"])
+                                                         for p in cfg.client_plan()]}
+                ev = evaluate_update(rec, truth_v, handle=handle, cfg=cfg, out_dir=ctx.out_dir,
+                                     label=trial if not v else f"{trial}_client{v}", null_pool=null_pool,
+                                     membership=membership, **per_client_truth)
                 if hasattr(defense, "layer_condition"):
                     from gradleak.experiments.evaluation import split_by_guarantee
 
@@ -384,6 +376,19 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     return _results(cfg, handle, evals, infos, metrics, timings)
 
 
+def evaluate_update(rec, truth: dict, *, handle, cfg: ExperimentConfig, out_dir, label, null_pool=None,
+                    **truth_fields):
+    """The evaluation step of one attacked update (the pipeline's trial body and the Flower audit's, one code path):
+    ``rec`` (what the attack reconstructed) against ``truth`` (:func:`clients_and_truth`'s private samples of the
+    update) and ``null_pool`` (chance reconstructions, ``(samples, source)``). ``truth_fields``: further
+    :class:`~gradleak.experiments.evaluation.Truth` fields (``membership``; the leakage kind's per-client data)."""
+    tr = Truth(cfg.modality, truth["inputs"], truth["labels"], texts=truth.get("texts"), tokenizer=handle.tokenizer,
+               model_kind=handle.kind, bottleneck=peft_bottleneck(cfg, handle), **truth_fields)
+    if null_pool is not None:
+        tr.null_pool, tr.null_source = null_pool
+    return evaluate(cfg.attack_cls.reconstruction, tr, rec, cfg, out_dir, label)
+
+
 def public_protocol(cfg: ExperimentConfig) -> dict[str, Any]:
     """The federated training configuration the server runs and so knows (SPEC §4.1): algorithm, lr schedule,
     per-client local batch size and epochs."""
@@ -396,7 +401,7 @@ def public_protocol(cfg: ExperimentConfig) -> dict[str, Any]:
 
 def build_handle(cfg: ExperimentConfig, stage=None):
     """The model + PEFT exactly as the pipeline builds it for ``cfg`` (dtype: float64 when the attack needs it); also
-    what a Flower app built from the same config trains (:mod:`gradleak.integrations.flower`). Returns
+    what a Flower app built from the same config trains (:func:`gradleak.integrations.flower.build_model`). Returns
     ``(handle, model config)``."""
     from gradleak.models import build
     from gradleak.peft import apply_peft
@@ -421,7 +426,7 @@ def build_handle(cfg: ExperimentConfig, stage=None):
     return handle, mcfg
 
 
-def _clients(handle, batches, loss_fn, dev, threat, cfg):
+def clients_and_truth(handle, batches, loss_fn, dev, threat, cfg):
     """Clients from the private batches, plus the truth for evaluation and the facts the view may be granted."""
     from gradleak.fl.core import Client
 
@@ -482,7 +487,7 @@ def _final_global_model(model, outcome, cfg, *, eval_mode: bool):
     """``model`` as the global model after the last round's aggregate (parameters stepped at the last round's lr, BN
     buffers by the mean change), optionally in eval mode; restored to what the server sent on exit."""
     from gradleak.fl.core import batchnorm_buffers
-    from gradleak.fl.protocol import apply_buffer_change
+    from gradleak.fl.engines.builtin import apply_buffer_change
 
     agg = outcome.last_aggregate
     lr = cfg.fl.lr_at(cfg.fl.rounds - 1)
@@ -554,7 +559,7 @@ def _pad_cat(encs: list[dict], tok) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def _always_public(handle, cfg) -> dict[str, Any]:
+def always_public(handle, cfg) -> dict[str, Any]:
     """What the protocol makes public whatever the threat model: the architecture's interface, and the update
     defenses' configuration (a DP deployment publishes its mechanism and parameters; the server runs the protocol)."""
     defenses = [d.model_dump() for d in cfg.defenses]
@@ -565,7 +570,8 @@ def _always_public(handle, cfg) -> dict[str, Any]:
             "update_defenses": defenses, "clients": cfg.fl.clients}
 
 
-def _bottleneck(cfg, handle) -> int | None:
+def peft_bottleneck(cfg, handle) -> int | None:
+    """The PEFT bottleneck width the evaluation reads (adapter width, LoRA rank), or None."""
     if cfg.peft.kind == "adapters":
         return handle.hidden_size // cfg.peft.reduction_factor if handle.modality == "text" else (cfg.peft.bottleneck or 64)
     if cfg.peft.kind == "lora":

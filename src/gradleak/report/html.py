@@ -200,7 +200,8 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o)}")
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a temporary file beside it, then a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
@@ -249,9 +250,9 @@ def write_report(results: dict, out_dir: str | Path, extra: dict | None = None) 
     """
     out = Path(out_dir)
     extra = dict(extra or {})
-    _write_atomic(out / "report_data.json", json.dumps(extra, indent=2, default=_json_default, allow_nan=True))
+    write_atomic(out / "report_data.json", json.dumps(extra, indent=2, default=_json_default, allow_nan=True))
     html_path = out / "report.html"
-    _write_atomic(html_path, render_html(results, out, extra))
+    write_atomic(html_path, render_html(results, out, extra))
     return html_path
 
 

@@ -1,4 +1,5 @@
-"""The round protocol: server -> clients -> defenses -> (secure) aggregation, round by round (DESIGN §1).
+"""The builtin round engine (``fl.engine: builtin``), gradleak's round protocol: server -> clients -> defenses ->
+(secure) aggregation, round by round (DESIGN §1).
 
 Each round the server sends a model: the honest global model (updated by aggregation after every
 round), or what the attack sets through its ``server_model(round, model)`` hook (a malicious server
