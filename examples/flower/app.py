@@ -40,9 +40,8 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from gradleak.fl.engines.flower_bridge import (GradleakStrategy, run_inprocess, run_simulation_engine, to_arrays,
-                                               to_tensors)
-from gradleak.integrations.flower import FlowerAudit, build_model, client_scorer, defense_mod, scoring_mod
+from gradleak.integrations.flower import (FlowerAudit, GradleakStrategy, build_model, client_scorer, defense_mod,
+                                          run_inprocess, run_simulation_engine, scoring_mod, to_arrays, to_tensors)
 
 HERE = Path(__file__).resolve().parent
 

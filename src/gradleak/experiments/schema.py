@@ -101,7 +101,7 @@ class ModelConfig(Strict):
 
 
 class FlowerConfig(Strict):
-    """``fl.flower``: how the Flower engine runs (``fl.engine: flower``, :mod:`gradleak.integrations.flower`)."""
+    """``fl.flower``: how the Flower engine runs (``fl.engine: flower``, :mod:`gradleak.fl.engines.flower`)."""
 
     runtime: Literal["inprocess", "simulation"] = Field("inprocess", description="inprocess: every node in this "
                                                         "process, no Ray; simulation: Flower's simulation engine (Ray)")

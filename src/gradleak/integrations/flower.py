@@ -27,8 +27,14 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from gradleak.errors import BadInput
-from gradleak.fl.engines.flower_bridge import (ClientReply, RecordedRound, is_train_message, reply_of,
-                                               require_flower, single_record, update_defense_mod, view_of)
+from gradleak.fl.engines.flower_bridge import (ClientReply, GradleakStrategy, RecordedRound, is_train_message,
+                                               legacy_mod, reply_of, require_flower, run_inprocess,
+                                               run_simulation_engine, single_record, to_arrays, to_tensors,
+                                               update_defense_mod, view_of)
+
+# The user-facing Flower API, one import away (the mechanics live below the pipeline, in fl/engines/flower_bridge.py).
+__all__ = ["FlowerAudit", "GradleakStrategy", "build_model", "client_scorer", "defense_mod", "legacy_mod",
+           "run_inprocess", "run_simulation_engine", "scoring_mod", "to_arrays", "to_tensors"]
 
 # ------------------------------------------------------------------------------------------ client mods
 
