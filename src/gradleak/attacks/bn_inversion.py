@@ -27,11 +27,8 @@ Decisions the paper leaves open, recorded here:
   (gradleak's FedAvg upload, :class:`~gradleak.fl.core.Update` ``kind="pseudo_gradient"``) and the weight
   delta ``θ_K − θ_0 = −lr Σ_k g_k`` (NVFlare's ``WEIGHT_DIFF``); :func:`matching_loss` is told which one
   the observation is. Summing the gradients (not differencing weights) keeps float32 rounding out.
-* **Step schedule.** :func:`~gradleak.attacks.common.simulation.local_schedule` cuts ``num_images`` candidates into consecutive batches of
-  ``batch_size`` (last one smaller, as :meth:`gradleak.fl.core.Client.local_update`), for every epoch. The
-  client shuffles with a private seed; candidates are exchangeable, so epoch 1's assignment is without loss
-  of generality. For epochs > 1 the client's permutation is unknown and we re-use epoch 1's order
-  (an approximation; pass ``schedule=`` when the permutation is known).
+* **Step schedule.** Consecutive batches of the candidates, epoch 1's order re-used in later epochs
+  (:func:`~gradleak.attacks.common.simulation.local_schedule`, which records why).
 * **Labels.** Soft labels ``p = softmax(z)`` with the client's mean cross-entropy ``−Σ_c p_c log q_c``
   (identical to the client's loss for one-hot ``p``); NVFlare's code uses BCE-with-logits on its binary
   CXR labels. Hard (``long``) labels are accepted.

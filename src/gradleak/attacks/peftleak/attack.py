@@ -126,7 +126,8 @@ class PEFTLeak(AttackBase):
         """The malicious adapters of round ``round_index`` (:meth:`PEFTLeakServer.adapter_state`)."""
         return self.server.adapter_state(round_index)
 
-    def simulate_tokens(self, y: torch.Tensor, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def simulate_tokens(self, y: torch.Tensor,
+                        state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The recovery's per-token forward of the poisoned model (:meth:`PEFTLeakRecovery.simulate_tokens`)."""
         return self.recovery.simulate_tokens(y, state)
 
