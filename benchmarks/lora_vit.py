@@ -697,7 +697,7 @@ PROBE_T = (0.0, 0.5, 0.8, 0.9, 0.95, 1.0)
 
 
 def _probe_objective(model, x, y, anchor: bool, weight: float = 1.0):
-    from gradleak.attacks.optimization import IG
+    from gradleak.attacks.optimization.inverting_gradients import IG
     from gradleak.fl.core import Client, ServerView
 
     upd = Client(0, x, y).local_update(model)

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from gradleak.attacks.gias import GIAS
-from gradleak.attacks.gradvit import GradViT
-from gradleak.attacks.optimization import IG, April
-from gradleak.attacks.simulate import client_training_config
+from gradleak.attacks.common.simulation import client_training_config
+from gradleak.attacks.optimization.gias import GIAS
+from gradleak.attacks.optimization.gradvit import GradViT
+from gradleak.attacks.optimization.inverting_gradients import IG, April
 from gradleak.cli import app
 from gradleak.data import load
 from gradleak.errors import BadInput

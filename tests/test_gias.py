@@ -1,4 +1,4 @@
-"""GIAS (gradleak.attacks.gias): the two stages on a generator whose range holds the target, the generator checks
+"""GIAS (gradleak.attacks.optimization.gias): the two stages on a generator whose range holds the target, the generator checks
 (BadInput naming attack.generator), the anchor gate, diverging restarts and the pipeline (issue 14 item 3)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from gradleak.attacks.gias import GIAS, generator_fit, resize_generated, resolve_generator
-from gradleak.attacks.optimization import IG
+from gradleak.attacks.optimization.gias import GIAS, generator_fit, resize_generated, resolve_generator
+from gradleak.attacks.optimization.inverting_gradients import IG
 from gradleak.cli import app
 from gradleak.errors import BadInput, MissingAsset
 from gradleak.metrics import psnr

@@ -1,4 +1,4 @@
-"""GradViT (gradleak.attacks.gradvit) and group lazy regularisation (gradleak.attacks.glr): the GLR consensus, the
+"""GradViT (gradleak.attacks.optimization.gradvit) and group lazy regularisation (gradleak.attacks.optimization.glr): the GLR consensus, the
 ViT-S/14 feature prior (the substitute for GradViT's CNN BN prior), recovery on a tiny ViT, the anchor gate, diverging
 restarts and the pipeline on paper 001's config (issue 14 item 3)."""
 
@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from gradleak.attacks.glr import GroupLazyRegularizer, GroupMember, consensus, optimise_group
-from gradleak.attacks.gradvit import GradViT, l2_prior, model_patch_size, patch_prior
-from gradleak.attacks.optimization import IG
+from gradleak.attacks.optimization.glr import GroupLazyRegularizer, GroupMember, consensus, optimise_group
+from gradleak.attacks.optimization.gradvit import GradViT, l2_prior, model_patch_size, patch_prior
+from gradleak.attacks.optimization.inverting_gradients import IG
 from gradleak.cli import app
 from gradleak.data import load
 from gradleak.errors import BadInput
@@ -137,7 +137,7 @@ def test_registered_requires_and_config_descriptions():
     assert err.value.field == "threat.public_data"
     with pytest.raises(Exception):
         GradViT.Config(feature_image_size=100)  # not a multiple of 14
-    import gradleak.attacks.gradvit as mod
+    import gradleak.attacks.optimization.gradvit as mod
 
     assert "SUBSTITUTED" in mod.__doc__ and "ViT-S/14" in mod.__doc__
 

@@ -136,7 +136,7 @@ def _spy_clients(monkeypatch):
 @pytest.mark.parametrize("public_data,knows_labels", [(False, False), (True, False), (False, True), (True, True)])
 def test_pipeline_attack_gets_public_data_and_labels_only_when_granted(tmp_path, monkeypatch, one_thread,
                                                                        public_data, knows_labels):
-    from gradleak.attacks.optimization import IG
+    from gradleak.attacks.optimization.inverting_gradients import IG
     from gradleak.experiments import run_config
 
     ctxs, views = _spy(monkeypatch, IG)

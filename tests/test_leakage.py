@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from gradleak.attacks.bn_inversion import (ObjectiveWeights, inversion_objective, local_schedule, matching_loss,
-                                           measure_iteration_cost, simulate_local_training)
+from gradleak.attacks.bn_inversion import ObjectiveWeights, inversion_objective, matching_loss, measure_iteration_cost
+from gradleak.attacks.common.simulation import local_schedule, simulate_local_training
 from gradleak.attacks.bn_stats import (BatchStatsRecorder, BNTarget, batchnorm_layers, bn_statistics_loss,
                                        combined_candidate_stats, infer_bn_targets,
                                        normalised_step_weights, single_step_batch_stats, step_weights)

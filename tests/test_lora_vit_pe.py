@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from gradleak.attacks.optimization import (IG, DLG, April, InvertingGradients, infer_label_from_head_weight_gradient,
-                                           recover_labels_from_head)
+from gradleak.attacks.optimization.inverting_gradients import IG, DLG, April, InvertingGradients
+from gradleak.attacks.optimization.labels import infer_label_from_head_weight_gradient, recover_labels_from_head
 from gradleak.cli import app
 from gradleak.data import load
 from gradleak.errors import BadInput

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from gradleak.attacks.base import ThreatModel
-from gradleak.attacks.peftleak import PEFTLeak, PEFTLeakRecovery, PEFTLeakServer, group_by_coefficient, image_to_patches
+from gradleak.attacks.peftleak.attack import PEFTLeak
+from gradleak.attacks.peftleak.recovery import PEFTLeakRecovery, group_by_coefficient
+from gradleak.attacks.peftleak.server import PEFTLeakServer
 from gradleak.data import load
 from gradleak.errors import BadInput
 from gradleak.fl.core import Client, ServerView
 from gradleak.fl.threat import build_view
-from gradleak.metrics.patches import patch_recovery
+from gradleak.metrics.patches import image_to_patches, patch_recovery
 from gradleak.models.vit import vit
 from gradleak.peft.adapters import AdapterSlot, add_vit_adapters
 from gradleak.registry import ATTACKS, load_all

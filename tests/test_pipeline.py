@@ -117,7 +117,7 @@ def _spy_views(monkeypatch, cls):
 ])
 # every view also carries what the protocol publishes: the update defenses' configuration and the client count
 def test_view_carries_exactly_the_granted_keys_through_the_runner(tmp_path, monkeypatch, threat, labels, expected):
-    from gradleak.attacks.optimization import InvertingGradients
+    from gradleak.attacks.optimization.inverting_gradients import InvertingGradients
     from gradleak.experiments import run_config
 
     seen = _spy_views(monkeypatch, InvertingGradients)
@@ -152,7 +152,7 @@ def test_text_view_grants_lengths_only_under_the_flag(tmp_path, monkeypatch):
 
 
 def test_secure_aggregation_shows_only_the_sum_and_clients_train_their_own_copy(tmp_path, monkeypatch):
-    from gradleak.attacks.optimization import InvertingGradients
+    from gradleak.attacks.optimization.inverting_gradients import InvertingGradients
     from gradleak.experiments import run_config
     from gradleak.fl.engines import builtin as protocol
 

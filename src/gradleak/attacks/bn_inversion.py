@@ -1,4 +1,4 @@
-"""BN-aware gradient inversion, library pieces: a differentiable simulation of the client's local training.
+"""BN-aware gradient inversion: the client's local training simulated differentiably, BN statistics and priors.
 
 Hatamizadeh et al. 2022 (SPEC §4.2, arXiv:2202.06924 §II-B): the attacker starts from the **current global
 checkpoint**, simulates the client's local SGD (same number of iterations, batch size, lr) on candidate
@@ -6,7 +6,8 @@ images with trainable labels, and minimises
 
     L = α_match · matching(Δŵ, Δw) + α_BN · L_BN + α_TV · TV(x̂) + α_ℓ2 · ‖x̂‖₂                      (SPEC §4.2, 4.5)
 
-:func:`simulate_local_training` runs the K SGD steps with ``torch.func.functional_call`` in train mode
+:func:`~gradleak.attacks.common.simulation.simulate_local_training` (shared with the FedAvg emulation of the image
+optimisation attacks) runs the K SGD steps with ``torch.func.functional_call`` in train mode
 (BatchNorm normalises with batch statistics, as the client did), keeping every step's gradient in the
 autograd graph (``create_graph=True``), so the simulated update is a differentiable function of the
 candidate images *and* the soft labels; a :class:`~gradleak.attacks.bn_stats.BatchStatsRecorder` collects
@@ -26,11 +27,8 @@ Decisions the paper leaves open, recorded here:
   (gradleak's FedAvg upload, :class:`~gradleak.fl.core.Update` ``kind="pseudo_gradient"``) and the weight
   delta ``θ_K − θ_0 = −lr Σ_k g_k`` (NVFlare's ``WEIGHT_DIFF``); :func:`matching_loss` is told which one
   the observation is. Summing the gradients (not differencing weights) keeps float32 rounding out.
-* **Step schedule.** :func:`local_schedule` cuts ``num_images`` candidates into consecutive batches of
-  ``batch_size`` (last one smaller, as :meth:`gradleak.fl.core.Client.local_update`), for every epoch. The
-  client shuffles with a private seed; candidates are exchangeable, so epoch 1's assignment is without loss
-  of generality. For epochs > 1 the client's permutation is unknown and we re-use epoch 1's order
-  (an approximation; pass ``schedule=`` when the permutation is known).
+* **Step schedule.** Consecutive batches of the candidates, epoch 1's order re-used in later epochs
+  (:func:`~gradleak.attacks.common.simulation.local_schedule`, which records why).
 * **Labels.** Soft labels ``p = softmax(z)`` with the client's mean cross-entropy ``−Σ_c p_c log q_c``
   (identical to the client's loss for one-hot ``p``); NVFlare's code uses BCE-with-logits on its binary
   CXR labels. Hard (``long``) labels are accepted.
@@ -49,123 +47,20 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping, Optional
 
 import torch
 from pydantic import Field
 from torch import nn
-from torch.func import functional_call
 
 from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction
-
+from gradleak.attacks.common.simulation import (Simulation, client_training_config, local_schedule, output_logits,
+                                             simulate_local_training, soft_cross_entropy)
 from gradleak.attacks.bn_stats import (BatchStatsRecorder, BNTarget, batchnorm_layers, bn_statistics_loss,
                                        combined_candidate_stats, infer_bn_targets, normalised_step_weights)
 from gradleak.errors import BadInput
 from gradleak.registry import ATTACKS
-
-
-def local_schedule(num_images: int, batch_size: int, epochs: int = 1) -> list[torch.Tensor]:
-    """Index tensors of the client's local steps: consecutive batches of ``batch_size``, every epoch."""
-    if num_images < 1 or batch_size < 1 or epochs < 1:
-        raise BadInput("fl", f"need num_images, batch_size, epochs ≥ 1 (got {num_images}, {batch_size}, {epochs}).")
-    one = [torch.arange(i, min(i + batch_size, num_images)) for i in range(0, num_images, batch_size)]
-    return [idx for _ in range(epochs) for idx in one]
-
-
-def _logits(out: Any) -> torch.Tensor:
-    return out.logits if hasattr(out, "logits") else out
-
-
-def soft_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy; ``labels`` are class ids (long) or per-sample distributions (B×C)."""
-    if labels.dtype == torch.long:
-        return nn.functional.cross_entropy(logits, labels)
-    return -(labels * torch.log_softmax(logits, dim=1)).sum(1).mean()
-
-
-@dataclass
-class Simulation:
-    """Result of :func:`simulate_local_training` (every tensor differentiable in images and labels)."""
-
-    pseudo_gradient: dict[str, torch.Tensor]  # Σ_k g_k = (θ_0 − θ_K)/lr
-    lr: float
-    step_stats: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
-    step_weights: torch.Tensor  # normalised K-step weights of the first BN layer (per layer: its own momentum)
-    combined_stats: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    losses: list[torch.Tensor] = field(default_factory=list)
-
-    def weight_delta(self) -> dict[str, torch.Tensor]:
-        """θ_K − θ_0 = −lr Σ_k g_k (NVFlare's WEIGHT_DIFF)."""
-        return {n: -self.lr * g for n, g in self.pseudo_gradient.items()}
-
-
-def simulate_local_training(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *, lr: float,
-                            schedule: Sequence[torch.Tensor] | None = None, batch_size: int | None = None,
-                            epochs: int = 1, params: Mapping[str, torch.Tensor] | None = None,
-                            param_names: Sequence[str] | None = None, create_graph: bool = True,
-                            bn_momentum_steps_before: int = 0, loss_fn: Any = None,
-                            train_mode: Optional[bool] = True) -> Simulation:
-    """Simulate the client's K local SGD steps (no momentum) from the global checkpoint on candidates.
-
-    ``model``: the global model (its weights = θ_0 unless ``params`` overrides them; never modified: the BN
-    buffers are cloned, the module is switched to train mode for the call and restored). ``labels``: soft
-    (B×C, rows summing to 1) or hard. ``param_names``: the parameters the client trains (default: those
-    with ``requires_grad``); the others stay fixed. ``bn_momentum_steps_before``: ``num_batches_tracked``
-    of the checkpoint (only matters for ``momentum=None``). ``loss_fn``: the client's loss
-    ``loss_fn(model, inputs, labels)`` (a :data:`~gradleak.fl.core.LossFn`; it receives a callable that runs the
-    model on the simulated weights), default the soft/hard mean cross-entropy. ``train_mode``: the module mode of
-    the simulation (``None``: the model's own mode, as the client that trains a copy of it without BatchNorm).
-    """
-    if schedule is None:
-        schedule = local_schedule(len(images), batch_size or len(images), epochs)
-    if not schedule:
-        raise BadInput("fl", "an empty local-training schedule.", "simulate at least one local step.")
-    names = list(param_names) if param_names is not None else [n for n, p in model.named_parameters() if p.requires_grad]
-    if not names:
-        raise BadInput("model", "no trainable parameter to simulate.", "give param_names or unfreeze parameters.")
-    all_params = dict(model.named_parameters())
-    base = {n: (params[n] if params is not None and n in params else p.detach()) for n, p in all_params.items()}
-    for n in names:  # θ_0: differentiable leaves (the step gradients are taken with respect to them)
-        if not base[n].requires_grad:
-            base[n] = base[n].detach().requires_grad_(True)
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # BN updates these in place, not the model's
-    bn = {n: m for n, m in model.named_modules()  # none in a GroupNorm model (DP-SGD): no statistics to record
-          if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats}
-    layer_weights = {n: normalised_step_weights(mod.momentum, len(schedule), bn_momentum_steps_before)
-                     for n, mod in bn.items()}  # each layer's own momentum
-    weights = (next(iter(layer_weights.values())) if layer_weights
-               else torch.full((len(schedule),), 1.0 / len(schedule), dtype=torch.float64))
-    current = dict(base)
-    total: dict[str, torch.Tensor] = {}
-    losses = []
-    was_training = model.training
-    if train_mode is not None:
-        model.train(train_mode)
-    rec = BatchStatsRecorder(model, allow_none=True)
-    try:
-        with rec:
-            for k, idx in enumerate(schedule):
-                rec.new_step()
-                if loss_fn is None:
-                    out = functional_call(model, {**current, **buffers}, (images[idx],))
-                    loss = soft_cross_entropy(_logits(out), labels[idx])
-                else:
-                    state = {**current, **buffers}
-                    loss = loss_fn(lambda inp, _s=state: functional_call(model, _s, (inp,)), images[idx], labels[idx])
-                grads = torch.autograd.grad(loss, [current[n] for n in names], create_graph=create_graph,
-                                            allow_unused=True)
-                last = k == len(schedule) - 1
-                for n, g in zip(names, grads):
-                    if g is None:
-                        g = torch.zeros_like(current[n])
-                    total[n] = g if n not in total else total[n] + g
-                    if not last:  # θ_K itself is never used: skip the last update (a parameter-sized pass)
-                        current[n] = torch.add(current[n], g, alpha=-lr)  # one op, one backward pass
-                losses.append(loss)
-    finally:
-        model.train(was_training)
-    return Simulation(total, float(lr), rec.steps, weights, combined_candidate_stats(rec.steps, layer_weights), losses)
 
 
 def matching_loss(sim: Simulation, observed: Mapping[str, torch.Tensor], *, kind: str = "pseudo_gradient",
@@ -294,7 +189,7 @@ def measure_iteration_cost(model: nn.Module, images: torch.Tensor, labels: torch
     hard = labels.argmax(1) if labels.dtype != torch.long else labels
 
     def fwd_bwd() -> None:
-        loss = soft_cross_entropy(_logits(model(images[:per])), hard[:per])
+        loss = soft_cross_entropy(output_logits(model(images[:per])), hard[:per])
         torch.autograd.grad(loss, params)
 
     sched = local_schedule(per * steps, per)
@@ -306,7 +201,7 @@ def measure_iteration_cost(model: nn.Module, images: torch.Tensor, labels: torch
     x = images.clone().requires_grad_(True)
     model.eval()
     with torch.no_grad():
-        num_classes = _logits(model(images[:1])).shape[1]
+        num_classes = output_logits(model(images[:1])).shape[1]
     model.train()
     z = torch.zeros(len(images), num_classes, dtype=images.dtype).requires_grad_(True)
 
@@ -573,8 +468,6 @@ class BNInversion(AttackBase):
         return torch.as_tensor(p, dtype=torch.float32)
 
     def _client_config(self, cid: int, n: int, r: int) -> tuple[int, int, float]:
-        from gradleak.attacks.simulate import client_training_config  # (shared with the FedAvg emulation of ig & co.)
-
         return client_training_config(self.fl, cid, n, r)
 
     def _invert(self, view, upd, state: Mapping[str, torch.Tensor], r: int, prior: torch.Tensor) -> dict:
@@ -662,6 +555,5 @@ class BNInversion(AttackBase):
                 "terms": {"initial": first, "final": final, "last_iteration": last}}
 
 
-__all__ = ["local_schedule", "soft_cross_entropy", "Simulation", "simulate_local_training", "matching_loss",
-           "total_variation_l2", "ObjectiveWeights", "inversion_objective", "measure_iteration_cost",
+__all__ = ["matching_loss", "total_variation_l2", "ObjectiveWeights", "inversion_objective", "measure_iteration_cost",
            "BNInversion", "BNInversionConfig", "labels_from_head", "ABLATIONS"]

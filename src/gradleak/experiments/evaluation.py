@@ -132,7 +132,7 @@ def _grids(truth01: torch.Tensor, recon01: torch.Tensor, out_dir: Path, trial: i
 
 @EVALUATORS.register("patches", "PEFTLeak patches: recovery rate, grouping, image PSNR/SSIM")
 def evaluate_patches(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evaluation:
-    from gradleak.attacks.peftleak import image_to_patches, patches_to_image, upsample_patch
+    from gradleak.metrics.patches import image_to_patches, patches_to_image, upsample_patch
     from gradleak.metrics import ssim
     from gradleak.metrics.patches import assemble_images, patch_recovery
 

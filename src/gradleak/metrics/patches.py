@@ -7,6 +7,9 @@ default). Reconstructed images (the attacker's groups) are matched one-to-one to
 the assignment that maximises the number of correctly placed patches (Hungarian algorithm).
 
 PSNR is computed on [0, 1] pixels (inputs are in [-1, 1] and are mapped), per patch.
+
+The patch geometry of a ViT's grid (:func:`image_to_patches`, :func:`patches_to_image`, :func:`upsample_patch`) lives
+here too: the attack that recovers patches and the evaluation that places them share it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,38 @@ from scipy.optimize import linear_sum_assignment
 
 from gradleak.registry import METRICS
 
+
+# ------------------------------------------------------------------------------------------ patch geometry
+
+def image_to_patches(images: torch.Tensor, patch: int, reduce: int = 1) -> torch.Tensor:
+    """(B, C, H, W) -> (B, N, C·(P/reduce)²) in the conv's flatten order (c, i, j), row-major positions.
+
+    ``reduce = k`` averages k×k pixel blocks first (ViT-B/32 low-resolution variant, Table 3).
+    """
+    b, c, h, w = images.shape
+    x = images.reshape(b, c, h // patch, patch, w // patch, patch).permute(0, 2, 4, 1, 3, 5)
+    x = x.reshape(b, (h // patch) * (w // patch), c, patch, patch)
+    if reduce > 1:
+        x = x.reshape(*x.shape[:3], patch // reduce, reduce, patch // reduce, reduce).mean((4, 6))
+    return x.reshape(b, x.shape[1], -1)
+
+
+def patches_to_image(patches: torch.Tensor, channels: int, image_size: int, patch: int) -> torch.Tensor:
+    """(N, C·P²) patches (NaN allowed) -> (C, H, W) image."""
+    g = image_size // patch
+    x = patches.reshape(g, g, channels, patch, patch).permute(2, 0, 3, 1, 4)
+    return x.reshape(channels, image_size, image_size)
+
+
+def upsample_patch(vec: torch.Tensor, channels: int, patch: int, reduce: int) -> torch.Tensor:
+    """Reduced patch vector -> full-resolution patch vector (nearest, k×k repeat)."""
+    p = patch // reduce
+    x = vec.reshape(-1, channels, p, p)
+    x = x.repeat_interleave(reduce, 2).repeat_interleave(reduce, 3)
+    return x.reshape(vec.shape[0], -1)
+
+
+# ------------------------------------------------------------------------------------------ metrics
 
 def _psnr01(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     mse = ((a - b) ** 2).mean(-1) / 4.0  # [-1,1] -> [0,1] scale

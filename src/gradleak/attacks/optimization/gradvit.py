@@ -1,6 +1,6 @@
 """GradViT (Hatamizadeh, Yin, Roth, Li, Kautz, Xu, Molchanov, *GradViT: Gradient Inversion of Vision Transformers*,
 CVPR 2022), the optimisation baseline of paper 001 (SPEC §2.3, Table 1: "GradViT" / "GradViT + Ours"), on the
-gradient-matching machinery of :mod:`gradleak.attacks.optimization`.
+gradient-matching machinery of :mod:`gradleak.attacks.optimization.inverting_gradients`.
 
 Objective of one restart with dummy images x (model range [−1, 1]):
 
@@ -56,9 +56,9 @@ from typing import Any, Literal, Optional, Sequence
 import torch
 from pydantic import Field
 
-from gradleak.attacks.base import AttackConfig
-from gradleak.attacks.glr import GroupLazyRegularizer, GroupMember, finite_or_inf, optimise_group
-from gradleak.attacks.optimization import CPU_STEPS, IG, PAPER_STEPS, IGConfig, total_variation
+from gradleak.attacks.base import AttackConfig, AttackContext, Reconstruction
+from gradleak.attacks.optimization.glr import GroupLazyRegularizer, GroupMember, finite_or_inf, optimise_group
+from gradleak.attacks.optimization.inverting_gradients import CPU_STEPS, IG, PAPER_STEPS, IGConfig, total_variation
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
 from gradleak.registry import ATTACKS
@@ -94,10 +94,11 @@ class ViTFeaturePrior:
 
     ``public_images``: [0, 1] N×C×H×W (the granted public set); ``backbone``: a ``Dinov2Model``-like module returning
     ``hidden_states`` (default: the offline ViT-S/14 of :mod:`gradleak.metrics.features`); ``layers``: 0-based block
-    indices (default: every block); ``image_size``: the backbone's input side (multiple of its patch size)."""
+    indices (``None``: every block); ``image_size``: the backbone's input side (multiple of its patch size);
+    ``max_images``: the public images the statistics are taken over (GradViT's config sets all three)."""
 
-    def __init__(self, public_images: torch.Tensor, *, image_size: int = 112, layers: Optional[Sequence[int]] = None,
-                 max_images: int = 256, backbone: Any = None, chunk: int = 32):
+    def __init__(self, public_images: torch.Tensor, *, image_size: int, layers: Optional[Sequence[int]],
+                 max_images: int, backbone: Any = None, chunk: int = 32):
         if public_images is None or len(public_images) < 2:
             raise BadInput("threat.public_data", "the ViT-S/14 feature prior needs at least 2 public images.",
                            "grant threat.public_data=true (data.public, data.public_size), or attack.feature_weight=0.")
@@ -240,7 +241,8 @@ def glr_start_of(start: Optional[int], steps: int) -> int:
 
 class GroupInversion(IG):
     """IG's setup, matching and checks with the restarts optimised together as one GLR group (:mod:`.glr`): the
-    result assembly shared by :class:`GradViT` and :class:`~gradleak.attacks.gias.GIAS` (not registered)."""
+    result assembly shared by :class:`GradViT` and :class:`~gradleak.attacks.optimization.gias.GIAS` (not
+    registered)."""
 
     def _final(self, st, m: GroupMember, record: bool = True) -> dict[str, Any]:
         """The matching terms of member ``m``'s current image (priors excluded; +inf if it diverged)."""
@@ -260,8 +262,6 @@ class GroupInversion(IG):
     def _result(self, t0, st, members, finals, glr, step_seconds, extra: dict[str, Any], data_extra=None,
                 timings_extra=None):
         """The Reconstruction: the best member's image, IG's info keys, the GLR record and ``extra``."""
-        from gradleak.attacks.base import Reconstruction
-
         best = min(range(len(finals)), key=lambda i: finals[i]["final_matching_loss"])
         images = ((finals[best]["x"] + 1.0) / 2.0).clamp(0.0, 1.0).detach()
         t_iter = float(statistics.median(step_seconds)) if step_seconds else float("nan")
@@ -309,11 +309,12 @@ class GroupInversion(IG):
 @ATTACKS.register("gradvit", "GradViT: 1 − cos matching + TV/ℓ2/patch priors + ViT-S/14 feature prior (substitute for "
                   "the CNN BN prior) + GLR; anchor as ig (Hatamizadeh et al. 2022)")
 class GradViT(GroupInversion):
-    """GradViT with the spatial anchor option (module docstring). Parameters beyond IG's: ``l2_weight``,
+    """GradViT with the spatial anchor option (module docstring). Parameters (``Config``) beyond IG's: ``l2_weight``,
     ``patch_weight``, ``feature_weight`` / ``feature_image_size`` / ``feature_layers`` / ``feature_public_images``
     (the ViT-S/14 prior, substituted for GradViT's BN prior), ``glr_weight`` / ``glr_every`` / ``glr_start`` /
-    ``glr_norm`` (GLR), ``public_images`` ([0, 1], the granted public set) and ``feature_backbone`` (another backbone
-    for the prior, e.g. in tests)."""
+    ``glr_norm`` (GLR); provided by the run: ``public_images`` ([0, 1], the granted public set) and
+    ``feature_backbone`` (another backbone for the prior, e.g. in tests), besides IG's ``seed``, ``image_shape``,
+    ``progress``, ``loss_fn`` and ``fl``."""
 
     name = "gradvit"
     Config = GradViTConfig
@@ -328,44 +329,28 @@ class GradViT(GroupInversion):
         return req
 
     @classmethod
-    def from_config(cls, cfg, ctx):
-        return cls(**cfg.model_dump(), seed=ctx.seed, public_images=ctx.public.get("public_images"), fl=dict(ctx.fl))
+    def from_config(cls, cfg: AttackConfig, ctx: AttackContext) -> "GradViT":
+        return cls(config=cfg, seed=ctx.seed, public_images=ctx.public.get("public_images"), fl=dict(ctx.fl))
 
-    def __init__(self, steps: int = CPU_STEPS, lr: float = 0.1, tv_weight: float = 1e-4, restarts: int = 3,
-                 labels: str = "auto", seed: int = 0, image_shape: Sequence[int] | None = None, progress=None, *,
-                 l2_weight: float = 1e-4, patch_weight: float = 1e-4, feature_weight: float = 1e-2,
-                 feature_image_size: int = 112, feature_layers: Optional[Sequence[int]] = None,
-                 feature_public_images: int = 256, glr_weight: float = 1e-4, glr_every: int = 100,
-                 glr_start: Optional[int] = None, glr_norm: str = "squared", public_images: torch.Tensor | None = None,
-                 feature_backbone: Any = None, **kwargs):
-        super().__init__(steps, lr, tv_weight, restarts, labels=labels, seed=seed, image_shape=image_shape,
-                         progress=progress, **kwargs)
-        for key, v in (("l2_weight", l2_weight), ("patch_weight", patch_weight), ("feature_weight", feature_weight),
-                       ("glr_weight", glr_weight)):
-            if not v >= 0:
-                raise BadInput(f"attack.{key}", f"must be >= 0, got {v}.", "use 0 to switch the term off.")
-        if int(glr_every) < 1:
-            raise BadInput("attack.glr_every", f"must be >= 1, got {glr_every}.", "use e.g. 100.")
-        if glr_norm not in ("squared", "l2"):
-            raise BadInput("attack.glr_norm", f"unknown norm {glr_norm!r}.", "use 'squared' or 'l2'.")
-        if int(feature_image_size) < 14 or int(feature_image_size) % 14:
-            raise BadInput("attack.feature_image_size", f"must be a positive multiple of 14, got {feature_image_size}.",
-                           "use e.g. 112 (8×8 patches of the ViT-S/14).")
-        self.l2_weight = float(l2_weight)
-        self.patch_weight = float(patch_weight)
-        self.feature_weight = float(feature_weight)
-        self.glr_weight = float(glr_weight)
-        self.glr_every = int(glr_every)
-        self.glr_start = glr_start
-        self.glr_norm = glr_norm
+    def __init__(self, config: Optional[GradViTConfig] = None, *, public_images: torch.Tensor | None = None,
+                 feature_backbone: Any = None, **kwargs: Any):
+        super().__init__(config, **kwargs)
+        cfg = self.config
+        self.l2_weight = cfg.l2_weight
+        self.patch_weight = cfg.patch_weight
+        self.feature_weight = cfg.feature_weight
+        self.glr_weight = cfg.glr_weight
+        self.glr_every = cfg.glr_every
+        self.glr_start = cfg.glr_start
+        self.glr_norm = cfg.glr_norm
         self.feature_prior: Optional[ViTFeaturePrior] = None
         if self.feature_weight > 0:
             if public_images is None:
                 raise BadInput("threat.public_data", "GradViT's feature prior (ViT-S/14 token statistics) needs public "
                                "images, but none were granted.",
                                "set threat.public_data=true (data.public names the set), or attack.feature_weight=0.")
-            self.feature_prior = ViTFeaturePrior(public_images, image_size=int(feature_image_size),
-                                                 layers=feature_layers, max_images=int(feature_public_images),
+            self.feature_prior = ViTFeaturePrior(public_images, image_size=cfg.feature_image_size,
+                                                 layers=cfg.feature_layers, max_images=cfg.feature_public_images,
                                                  backbone=feature_backbone)
 
     # ------------------------------------------------------------------ objective

@@ -1,6 +1,6 @@
 """GIAS — gradient inversion with a generative image prior (Jeon, Kim, Lee, Oh, Ok, *Gradient Inversion with
 Generative Image Prior*, NeurIPS 2021), the generative attack of paper 001 (SPEC §2.3, eq. 8; "GIAS" / "GIAS + Ours"),
-on the gradient-matching machinery of :mod:`gradleak.attacks.optimization`.
+on the gradient-matching machinery of :mod:`gradleak.attacks.optimization.inverting_gradients`.
 
 Two stages per restart, the restarts optimised together as the GLR group (:mod:`.glr`):
 
@@ -40,7 +40,7 @@ Decisions the papers leave open (SPEC A2.5, §2.8 — the GIAS code's choices un
 * Iterations: the defaults are paper 001's (2000 + 8000, given for CelebA/CARS); they are far beyond CPU scale —
   override ``latent_steps`` / ``generator_steps``, or set the experiment's ``scale: cpu`` (300 + 100, ours).
 * FedAvg: ``emulate: local_steps`` simulates the client's local steps on the generated images (IG's, see
-  :mod:`gradleak.attacks.optimization`).
+  :mod:`gradleak.attacks.optimization.inverting_gradients`).
 * NaN/inf: a restart whose objective is not finite stops (``info["diverged"]``, stage and step), leaves the group and
   scores +inf; a restart that diverged in stage 1 is not fine-tuned.
 """
@@ -57,11 +57,14 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from gradleak.attacks.glr import GroupLazyRegularizer, GroupMember, optimise_group, step_decay_milestones
-from gradleak.attacks.gradvit import GLRFields, GroupInversion, glr_start_of
-from gradleak.attacks.optimization import CPU_STEPS, LabelMode, MatchingFields, total_variation
+from gradleak.attacks.base import AttackConfig, AttackContext
+from gradleak.attacks.common.parameters import attack_parameters
+from gradleak.attacks.optimization.glr import GroupLazyRegularizer, GroupMember, optimise_group, step_decay_milestones
+from gradleak.attacks.optimization.gradvit import GLRFields, GroupInversion, glr_start_of
+from gradleak.attacks.optimization.inverting_gradients import (CPU_STEPS, LabelMode, MatchingFields, ProgressFn,
+                                                               total_variation)
 from gradleak.errors import BadInput
-from gradleak.fl.core import ServerView
+from gradleak.fl.core import LossFn, ServerView, default_classification_loss
 from gradleak.registry import ATTACKS
 
 FIELD = "attack.generator"
@@ -157,42 +160,32 @@ class GIAS(GroupInversion):
         return req
 
     @classmethod
-    def from_config(cls, cfg, ctx):
-        return cls(**cfg.model_dump(), seed=ctx.seed, fl=dict(ctx.fl))
+    def from_config(cls, cfg: AttackConfig, ctx: AttackContext) -> "GIAS":
+        return cls(config=cfg, seed=ctx.seed, fl=dict(ctx.fl))
 
-    def __init__(self, generator: Any, latent_steps: int = PAPER_LATENT_STEPS,
-                 generator_steps: int = PAPER_GENERATOR_STEPS, latent_lr: float = 3e-2, generator_lr: float = 1e-3,
-                 *, restarts: int = 3, tv_weight: float = 1e-6, labels: str = "auto", seed: int = 0,
-                 image_shape: Sequence[int] | None = None, progress=None, signed: bool = False,
-                 schedule: str = "step", stage2_restarts: str = "all", glr_weight: float = 1e-4,
-                 glr_every: int = 100, glr_start: Optional[int] = None, glr_norm: str = "squared", **kwargs):
-        for key, v in (("latent_steps", latent_steps), ("generator_steps", generator_steps)):
-            if int(v) < 0:
-                raise BadInput(f"attack.{key}", f"must be >= 0, got {v}.", "use e.g. the paper's 2000 + 8000.")
-        if int(latent_steps) + int(generator_steps) < 1:
+    def __init__(self, generator: str | nn.Module | None = None, *, config: Optional[GIASConfig] = None, seed: int = 0,
+                 image_shape: Sequence[int] | None = None, progress: ProgressFn | None = None,
+                 loss_fn: LossFn = default_classification_loss, fl: Optional[dict[str, Any]] = None, **params: Any):
+        """``generator``: a path or ``"faces"`` (the config's ``generator``), or an ``nn.Module``; ``config`` /
+        ``params``: the attack's parameters as for IG; the rest is provided by the run (as for IG)."""
+        module = generator if isinstance(generator, nn.Module) else None
+        if generator is not None and module is None:
+            params["generator"] = generator
+        cfg = attack_parameters(self.Config, config, params)
+        if cfg.latent_steps + cfg.generator_steps < 1:
             raise BadInput("attack.latent_steps", "both stages have 0 steps.", "give at least one step.")
-        for key, v in (("latent_lr", latent_lr), ("generator_lr", generator_lr)):
-            if not v > 0:
-                raise BadInput(f"attack.{key}", f"must be > 0, got {v}.", "use 3e-2 (latent) / 1e-3 (generator).")
-        if schedule not in ("step", "cosine"):
-            raise BadInput("attack.schedule", f"unknown schedule {schedule!r}.", "use 'step' or 'cosine'.")
-        if stage2_restarts not in ("all", "best"):
-            raise BadInput("attack.stage2_restarts", f"unknown value {stage2_restarts!r}.", "use 'all' or 'best'.")
-        if not glr_weight >= 0:
-            raise BadInput("attack.glr_weight", f"must be >= 0, got {glr_weight}.", "use 1e-4 (paper 001) or 0.")
-        if int(glr_every) < 1:
-            raise BadInput("attack.glr_every", f"must be >= 1, got {glr_every}.", "use e.g. 100.")
-        if glr_norm not in ("squared", "l2"):
-            raise BadInput("attack.glr_norm", f"unknown norm {glr_norm!r}.", "use 'squared' or 'l2'.")
-        super().__init__(int(latent_steps) + int(generator_steps), latent_lr, tv_weight, restarts, labels=labels,
-                         seed=seed, image_shape=image_shape, progress=progress, signed=signed, **kwargs)
-        self.box = "generator"  # (IG's box constraint does not apply: the generator's tanh bounds the pixels)
-        self.latent_steps, self.generator_steps = int(latent_steps), int(generator_steps)
-        self.latent_lr, self.generator_lr = float(latent_lr), float(generator_lr)
-        self.schedule, self.stage2_restarts = schedule, stage2_restarts
-        self.glr_weight, self.glr_every, self.glr_start, self.glr_norm = float(glr_weight), int(glr_every), glr_start, \
-            glr_norm
-        gen, self.generator_source = resolve_generator(generator)
+        self.config = cfg
+        self._set_matching(cfg, seed=seed, image_shape=image_shape, progress=progress, loss_fn=loss_fn, fl=fl)
+        # the budget of the two stages together (IG's progress period); the box constraint does not apply (the
+        # generator's tanh bounds the pixels)
+        self._set_optimiser(steps=cfg.latent_steps + cfg.generator_steps, lr=cfg.latent_lr, tv_weight=cfg.tv_weight,
+                            restarts=cfg.restarts, box="generator", log_every=cfg.log_every)
+        self.latent_steps, self.generator_steps = cfg.latent_steps, cfg.generator_steps
+        self.latent_lr, self.generator_lr = cfg.latent_lr, cfg.generator_lr
+        self.schedule, self.stage2_restarts = cfg.schedule, cfg.stage2_restarts
+        self.glr_weight, self.glr_every, self.glr_start, self.glr_norm = (cfg.glr_weight, cfg.glr_every, cfg.glr_start,
+                                                                          cfg.glr_norm)
+        gen, self.generator_source = resolve_generator(module if module is not None else cfg.generator)
         for attr in ("latent_dim", "image_size", "channels"):
             if not isinstance(getattr(gen, attr, None), int):
                 raise BadInput(FIELD, f"the generator has no integer attribute '{attr}'.",

@@ -14,7 +14,8 @@ baseline PEFTLeak §4 runs against adapter-tuned ViTs (SPEC §1.9; Figs 8, 10, 1
 
 Registered names: ``inverting_gradients`` (the original entry, ``labels: known`` by default) and ``ig`` (the same
 attack under paper 001's contract name, ``labels: auto``); ``dlg`` (Euclidean matching, :class:`DLG`); ``april``
-(Euclidean matching + PE cosine, :class:`April`). GradViT and GIAS (image priors, generators) are not here.
+(Euclidean matching + PE cosine, :class:`April`). GradViT and GIAS (image priors, generators) are the sibling
+modules :mod:`~gradleak.attacks.optimization.gradvit` and :mod:`~gradleak.attacks.optimization.gias`.
 
 **Spatial anchoring (paper 001 §3.5, eq. 7; SPEC §2.3).** On a model with the server-prescribed layer-wise PEs
 (``peft.layer_pe: true``, :mod:`gradleak.peft.layer_pe`), the update holds the gradients of the input position table
@@ -66,7 +67,8 @@ Decisions the papers leave open, recorded here:
   refined point).
 * **TV weight.** ``tv_weight = 1e-4`` (IG's CIFAR setting). PEFTLeak gives no value.
 * **Labels.** ``labels="known"``: ``view.public["labels"]`` must be granted (IG assumes known labels).
-  ``labels="idlg"``: inferred from the gradient of the classification-head bias (iDLG, Zhao et al.
+  ``labels="idlg"`` (:mod:`gradleak.attacks.optimization.labels`): inferred from the gradient of the
+  classification-head bias (iDLG, Zhao et al.
   2020): with the mean cross-entropy, ``∂L/∂b_c = mean_i p_ic − n_c / B``. For B = 1 the unique negative
   entry is the label (exact). For B > 1 we assign labels greedily: repeatedly take the most negative
   residual entry and add ``1/B`` to it (exact when every predicted probability is below ``1/B``, which
@@ -84,10 +86,10 @@ Decisions the papers leave open, recorded here:
   (:meth:`gradleak.fl.core.Client.local_update`, ``Update.kind == "pseudo_gradient"``). ``single_step`` (default,
   the paper's baseline "(s)") matches it as if it were one gradient of the whole batch at θ_0 (an approximation
   for K > 1). ``local_steps`` ("(m)") simulates the client's K steps on the dummy images, differentiably
-  (:func:`gradleak.attacks.bn_inversion.simulate_local_training`: every step's gradient stays in the autograd
+  (:func:`gradleak.attacks.common.simulation.simulate_local_training`: every step's gradient stays in the autograd
   graph), from the public training configuration (the attack's ``fl``: the client's ``client_batch_sizes`` /
   ``client_epochs`` entry, else ``local_batch_size`` / ``local_epochs``, and the round's ``lr_at``;
-  :func:`gradleak.attacks.simulate.client_training_config`), and matches the *simulated* pseudo-gradient Σ_k ĝ_k
+  :func:`gradleak.attacks.common.simulation.client_training_config`), and matches the *simulated* pseudo-gradient Σ_k ĝ_k
   — θ' and, with the anchor, the PE tensors alike (every tensor of the update is trained in the simulation, the
   unmatched PEs included, since they move the later steps). **Client-shuffle assumption:** the client shuffles
   with a private seed; the simulation takes consecutive batches of the dummies (``local_schedule``). The dummies
@@ -111,16 +113,17 @@ import math
 import statistics
 import time
 from types import SimpleNamespace
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Literal, Optional, Sequence
 
 import torch
+from pydantic import Field
 from torch import nn
 
-from typing import Literal, Optional
-
-from pydantic import Field
-
-from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction, ThreatModel
+from gradleak.attacks.base import AttackBase, AttackConfig, AttackContext, Reconstruction, ThreatModel
+from gradleak.attacks.common.parameters import attack_parameters
+from gradleak.attacks.common.simulation import (client_training_config, local_schedule, output_logits,
+                                                simulate_local_training)
+from gradleak.attacks.optimization.labels import recover_labels_from_head
 from gradleak.errors import BadInput
 from gradleak.fl.core import LossFn, ServerView, Update, default_classification_loss
 from gradleak.registry import ATTACKS
@@ -136,69 +139,6 @@ def total_variation(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] > 1:
         tv = tv + (x[..., 1:] - x[..., :-1]).abs().mean()
     return tv
-
-
-def infer_labels_from_bias_gradient(bias_grad: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """iDLG label inference from ``∂L/∂b`` of the head (mean cross-entropy); see the module docstring."""
-    residual = bias_grad.detach().to(torch.float64).clone()
-    labels = []
-    for _ in range(batch_size):
-        c = int(torch.argmin(residual))
-        labels.append(c)
-        residual[c] += 1.0 / batch_size
-    return torch.tensor(sorted(labels), dtype=torch.long)
-
-
-def infer_label_from_head_weight_gradient(weight_grad: torch.Tensor) -> int:
-    """Exact label of a single sample (B = 1) from ``∂L/∂W`` of a linear head (mean cross-entropy).
-
-    Row c of the gradient is ``(p_c − y_c)·h̄`` for the head input h̄: every row is a multiple of the same vector,
-    positive for the C − 1 other classes (p_c > 0) and negative for the label (p_y − 1 < 0). Projecting the rows on
-    the largest one, the label is the single row whose sign differs from the others. With two classes both signs
-    occur once (ambiguous without the sign of h̄): refused."""
-    W = weight_grad.detach().to(torch.float64).reshape(weight_grad.shape[0], -1)
-    if W.shape[0] < 3:
-        raise BadInput("attack.labels", "label recovery from the head weight gradient is ambiguous with 2 classes "
-                       "(the two rows are ± the same vector).",
-                       "train the head bias (its gradient gives the label), or grant labels (threat.knows_labels=true).")
-    ref = W[int(W.norm(dim=1).argmax())]
-    coef = W @ ref
-    pos, neg = (coef > 0).nonzero().reshape(-1), (coef < 0).nonzero().reshape(-1)
-    if len(pos) == 1 and len(neg) >= 1:
-        return int(pos[0])
-    if len(neg) == 1 and len(pos) >= 1:
-        return int(neg[0])
-    raise BadInput("attack.labels", "the head weight gradient is not rank one with one sign-flipped row (several "
-                   "samples in the update?), so the label cannot be read from it.",
-                   "train the head bias, or grant labels (threat.knows_labels=true).")
-
-
-def recover_labels_from_head(update: Update, num_logits: int, batch_size: int,
-                             label_param: str | None = None) -> tuple[torch.Tensor, str]:
-    """Labels from the head gradient when the threat model grants none (paper 001 §3.5 assumes labels "known or
-    recovered from the last-layer gradients", iDLG): the head-bias gradient if the update holds one
-    (:func:`infer_labels_from_bias_gradient`: exact at B = 1, greedy for B > 1), else at B = 1 the head weight
-    gradient's rows (:func:`infer_label_from_head_weight_gradient`). Returns the labels and their source."""
-    key = label_param
-    if key is None:
-        cands = [k for k, t in update.tensors.items() if t.ndim == 1 and t.numel() == num_logits and k.endswith("bias")]
-        key = cands[-1] if cands else None
-    if key is not None:
-        if key not in update.tensors:
-            raise BadInput("attack.label_param", f"the update holds no tensor named {key!r}.",
-                           "name the head bias of this model, or leave label_param unset.")
-        return infer_labels_from_bias_gradient(update.tensors[key], batch_size), f"idlg:{key}"
-    wc = [k for k, t in update.tensors.items() if t.ndim == 2 and t.shape[0] == num_logits and k.endswith("weight")]
-    if wc and batch_size == 1:
-        k = wc[-1]
-        return torch.tensor([infer_label_from_head_weight_gradient(update.tensors[k])], dtype=torch.long), f"head_rows:{k}"
-    raise BadInput("attack.labels", "labels are not granted and the update holds no classification-head bias gradient"
-                   + (" (the head weight rows give the label only at B = 1)" if wc else "") + ".",
-                   "grant labels (threat.knows_labels=true, attack.labels=known) or train the head (peft.train_head=true).")
-
-
-def _logits(out: Any) -> torch.Tensor:
-    return out.logits if hasattr(out, "logits") else out
 
 
 def _force_eager_attention(model: nn.Module) -> bool:
@@ -286,17 +226,19 @@ class AprilConfig(DLGConfig):
 class InvertingGradients(AttackBase):
     """Inverting Gradients (Geiping et al. 2020) on whatever parameters the observed update holds.
 
-    Parameters: ``steps`` Adam steps per restart; ``lr`` initial step size (cosine-decayed to 0);
-    ``tv_weight`` α_TV; ``restarts`` independent trials (best final matching loss wins);
-    ``labels`` ``"known"`` (from ``view.public["labels"]``), ``"idlg"`` (from the head gradient) or ``"auto"``;
-    ``seed``; ``image_shape`` (C, H, W) of one image (default: ``view.public["image_shape"]``,
-    else the model config's ``num_channels``/``image_size``); ``progress`` a callable receiving a dict
-    (``restart``, ``step``, ``steps``, ``matching_loss``, ``tv``, ``lr``) every ``log_every`` steps;
-    ``signed`` use the sign of the gradient (IG); ``box`` ``"clamp"`` or ``"tanh"``;
-    ``similarity`` ``"global"`` or ``"per_parameter"``; ``loss_fn`` the training loss;
-    ``client_index`` which update of the view to attack; ``label_param`` name of the head bias;
-    ``anchor`` / ``anchor_weight`` the PE-gradient cosine term of paper 001 eq. 7; ``time_fwdbwd`` time one
-    forward + backward for ``iteration_to_fwdbwd_ratio``.
+    Parameters: the fields of ``Config`` (their defaults and constraints live there only): ``steps`` Adam steps
+    per restart; ``lr`` initial step size (cosine-decayed to 0); ``tv_weight`` α_TV; ``restarts`` independent trials
+    (best final matching loss wins); ``labels`` ``"known"`` (from ``view.public["labels"]``), ``"idlg"`` (from the
+    head gradient) or ``"auto"``; ``signed`` use the sign of the gradient (IG); ``box`` ``"clamp"`` or ``"tanh"``;
+    ``similarity`` ``"global"`` or ``"per_parameter"``; ``client_index`` which update of the view to attack;
+    ``label_param`` name of the head bias; ``log_every`` progress period; ``anchor`` / ``anchor_weight`` the
+    PE-gradient cosine term of paper 001 eq. 7; ``time_fwdbwd`` time one forward + backward for
+    ``iteration_to_fwdbwd_ratio``; ``emulate`` the FedAvg emulation.
+
+    Provided by the run, not configuration: ``seed``; ``image_shape`` (C, H, W) of one image (default:
+    ``view.public["image_shape"]``, else the model config's ``num_channels``/``image_size``); ``progress`` a callable
+    receiving a dict (``restart``, ``step``, ``steps``, ``matching_loss``, ``tv``, ``lr``) every ``log_every``
+    steps; ``loss_fn`` the training loss; ``fl`` the public training configuration (``emulate: local_steps``).
     """
 
     name = "inverting_gradients"
@@ -313,7 +255,7 @@ class InvertingGradients(AttackBase):
     @classmethod
     def check_fl(cls, cfg, fl) -> None:
         """Config-time check of the FL protocol: ``emulate: local_steps`` simulates FedAvg's local steps."""
-        if getattr(cfg, "emulate", "single_step") != "local_steps":
+        if cfg.emulate != "local_steps":
             return
         if fl.algorithm != "fedavg":
             raise _emulate_needs_fedavg(fl.algorithm)
@@ -338,58 +280,54 @@ class InvertingGradients(AttackBase):
                            " or attack.anchor=false.")
 
     @classmethod
-    def from_config(cls, cfg, ctx):
-        return cls(**cfg.model_dump(), seed=ctx.seed, fl=dict(ctx.fl))
+    def from_config(cls, cfg: AttackConfig, ctx: AttackContext) -> "InvertingGradients":
+        return cls(config=cfg, seed=ctx.seed, fl=dict(ctx.fl))
 
-    def __init__(self, steps: int = 2000, lr: float = 0.1, tv_weight: float = 1e-4, restarts: int = 1,
-                 labels: str = "known", seed: int = 0, image_shape: Sequence[int] | None = None,
-                 progress: ProgressFn | None = None, *, signed: bool = True, box: str = "clamp",
-                 similarity: str = "global", loss_fn: LossFn = default_classification_loss,
-                 client_index: int = 0, label_param: str | None = None, log_every: int | None = None,
-                 anchor: bool = False, anchor_weight: float = 1.0, time_fwdbwd: bool = True,
-                 emulate: str = "single_step", fl: Optional[dict[str, Any]] = None):
-        if int(steps) < 1:
-            raise BadInput("attack.steps", f"steps must be >= 1, got {steps}.", "use e.g. 2000.")
-        if not lr > 0:
-            raise BadInput("attack.lr", f"lr must be > 0, got {lr}.", "use e.g. 0.1 (IG).")
-        if tv_weight < 0:
-            raise BadInput("attack.tv_weight", f"tv_weight must be >= 0, got {tv_weight}.", "use e.g. 1e-4.")
-        if int(restarts) < 1:
-            raise BadInput("attack.restarts", f"restarts must be >= 1, got {restarts}.", "use 1 or more.")
-        if labels not in ("known", "idlg", "auto"):
-            raise BadInput("attack.labels", f"unknown label strategy '{labels}'.", "use 'known', 'idlg' or 'auto'.")
-        if box not in ("clamp", "tanh"):
-            raise BadInput("attack.box", f"unknown box constraint '{box}'.", "use 'clamp' or 'tanh'.")
-        if similarity not in ("global", "per_parameter"):
-            raise BadInput("attack.similarity", f"unknown similarity '{similarity}'.", "use 'global' or 'per_parameter'.")
+    def __init__(self, config: Optional[MatchingFields] = None, *, seed: int = 0,
+                 image_shape: Sequence[int] | None = None, progress: ProgressFn | None = None,
+                 loss_fn: LossFn = default_classification_loss, fl: Optional[dict[str, Any]] = None, **params: Any):
+        """``config``: the attack's ``Config`` (default: its defaults); ``params``: parameters overriding it (the
+        config's fields, validated by it: a bad one raises ``BadInput`` naming ``attack.<field>``). The rest is not
+        configuration but what the run provides (see the class docstring)."""
+        cfg = attack_parameters(self.Config, config, params)
+        self.config = cfg
+        self._set_matching(cfg, seed=seed, image_shape=image_shape, progress=progress, loss_fn=loss_fn, fl=fl)
+        self._set_optimiser(steps=cfg.steps, lr=cfg.lr, tv_weight=cfg.tv_weight, restarts=cfg.restarts, box=cfg.box,
+                            log_every=cfg.log_every)
+
+    def _set_matching(self, cfg: MatchingFields, *, seed: int, image_shape: Sequence[int] | None,
+                      progress: ProgressFn | None, loss_fn: LossFn, fl: Optional[dict[str, Any]]) -> None:
+        """The gradient-matching settings every attack of this package shares (:class:`MatchingFields`) and the
+        run-provided ones."""
         if image_shape is not None and len(tuple(image_shape)) != 3:
             raise BadInput("attack.image_shape", f"image_shape must be (C, H, W), got {image_shape}.", "e.g. (3, 32, 32).")
-        if not anchor_weight >= 0:
-            raise BadInput("attack.anchor_weight", f"must be >= 0, got {anchor_weight}.", "use 1 (eq. 7) or 0.1.")
-        if emulate not in ("single_step", "local_steps"):
-            raise BadInput("attack.emulate", f"unknown emulation {emulate!r}.", "use 'single_step' or 'local_steps'.")
-        if emulate == "local_steps" and fl and fl.get("algorithm", "fedavg") != "fedavg":
+        if cfg.emulate == "local_steps" and fl and fl.get("algorithm", "fedavg") != "fedavg":
             raise _emulate_needs_fedavg(fl.get("algorithm"))
+        self.labels = cfg.labels
+        self.seed = int(seed)
+        self.image_shape = tuple(int(s) for s in image_shape) if image_shape is not None else None
+        self.progress = progress
+        self.signed = cfg.signed
+        self.similarity = cfg.similarity
+        self.loss_fn = loss_fn
+        self.client_index = cfg.client_index
+        self.label_param = cfg.label_param
+        self.anchor = cfg.anchor
+        self.anchor_weight = cfg.anchor_weight
+        self.time_fwdbwd = cfg.time_fwdbwd
+        self.emulate = cfg.emulate
+        self.fl = dict(fl or {})  # the public training configuration (local_steps reads the client's schedule)
+
+    def _set_optimiser(self, *, steps: int, lr: float, tv_weight: float, restarts: int, box: str,
+                       log_every: Optional[int]) -> None:
+        """The optimisation budget: Adam steps per restart, initial lr, TV weight, restarts, box constraint, and the
+        progress period (default: every twentieth of the steps)."""
         self.steps = int(steps)
         self.lr = float(lr)
         self.tv_weight = float(tv_weight)
         self.restarts = int(restarts)
-        self.labels = labels
-        self.seed = int(seed)
-        self.image_shape = tuple(int(s) for s in image_shape) if image_shape is not None else None
-        self.progress = progress
-        self.signed = bool(signed)
         self.box = box
-        self.similarity = similarity
-        self.loss_fn = loss_fn
-        self.client_index = int(client_index)
-        self.label_param = label_param
         self.log_every = int(log_every) if log_every else max(1, self.steps // 20)
-        self.anchor = bool(anchor)
-        self.anchor_weight = float(anchor_weight)
-        self.time_fwdbwd = bool(time_fwdbwd)
-        self.emulate = emulate
-        self.fl = dict(fl or {})  # the public training configuration (local_steps reads the client's schedule)
 
     # ------------------------------------------------------------------ protocol
     def prepare(self, model: nn.Module, threat: ThreatModel) -> nn.Module:
@@ -511,7 +449,7 @@ class InvertingGradients(AttackBase):
             info["warning"] = (f"{self.name}: the objective became NaN/inf in {len(diverged)} of {self.restarts} "
                                "restart(s); those stopped early" + (" (all of them: the image is the last finite "
                                "iterate)" if len(diverged) == self.restarts else ", the others were kept"))
-        if getattr(self, "input_pe_term", False) and not pe_terms:
+        if self.input_pe_term and not pe_terms:
             info["warning"] = ((info.get("warning", "") + "; ") if info.get("warning") else "") + (
                 f"{self.name}: the upload holds no positional-embedding gradient (the client does not train a PE), "
                 "so the PE cosine term is absent and this run is plain Euclidean gradient matching (DLG)")
@@ -524,9 +462,6 @@ class InvertingGradients(AttackBase):
     def _emulation(self, view: ServerView, update: Update, names: list[str], n: int) -> SimpleNamespace:
         """The client's local-training schedule for ``emulate: local_steps`` (module docstring): its batch size,
         epochs and lr from the public training configuration, checked against the update's step count."""
-        from gradleak.attacks.bn_inversion import local_schedule
-        from gradleak.attacks.simulate import client_training_config
-
         if update.kind != "pseudo_gradient":
             raise _emulate_needs_fedavg("fedsgd" if update.kind == "gradient" else update.kind)
         if view.secure_aggregation or update.client_id < 0:
@@ -549,8 +484,6 @@ class InvertingGradients(AttackBase):
     def _simulated_gradients(self, model: nn.Module, used: list[int], x: torch.Tensor, labels: torch.Tensor,
                              create_graph: bool) -> list[torch.Tensor]:
         """The pseudo-gradient Σ_k ĝ_k of the client's K simulated local steps on ``x`` (tensors ``used``)."""
-        from gradleak.attacks.bn_inversion import simulate_local_training
-
         emu = getattr(model, "_gradleak_local_steps", None)
         if emu is None:
             raise BadInput("attack.emulate", "local_steps needs the client's schedule, which is set up with the "
@@ -631,7 +564,7 @@ class InvertingGradients(AttackBase):
         num_logits = view.public.get("num_classes")
         if num_logits is None:
             with torch.no_grad():
-                num_logits = _logits(model(torch.zeros((1, *shape), device=device, dtype=dtype))).shape[-1]
+                num_logits = output_logits(model(torch.zeros((1, *shape), device=device, dtype=dtype))).shape[-1]
         labels, source = recover_labels_from_head(update, int(num_logits), batch_size, self.label_param)
         return labels.to(device), source
 
@@ -783,9 +716,6 @@ class IG(InvertingGradients):
     name = "ig"
     Config = IGConfig
 
-    def __init__(self, steps: int = CPU_STEPS, *args, labels: str = "auto", **kwargs):
-        super().__init__(steps, *args, labels=labels, **kwargs)
-
 
 @ATTACKS.register("dlg", "Deep Leakage from Gradients: Euclidean gradient matching (Zhu et al. 2019); anchor as ig")
 class DLG(InvertingGradients):
@@ -799,10 +729,6 @@ class DLG(InvertingGradients):
     name = "dlg"
     Config = DLGConfig
     distance = "l2"
-
-    def __init__(self, steps: int = CPU_STEPS, lr: float = 0.1, tv_weight: float = 0.0, *args, signed: bool = False,
-                 labels: str = "auto", **kwargs):
-        super().__init__(steps, lr, tv_weight, *args, signed=signed, labels=labels, **kwargs)
 
 
 @ATTACKS.register("april", "APRIL, optimisation variant: Euclidean matching + PE-gradient cosine (Lu et al. 2022)")

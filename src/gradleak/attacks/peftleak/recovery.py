@@ -1,0 +1,359 @@
+"""PEFTLeak's analysis (SPEC §1; :mod:`gradleak.attacks.peftleak`): eq. (24)–(25) per bin, the consistency and trust
+checks, peeling, deduplication and grouping by the image coefficient g — from the server's secrets and the
+:class:`~gradleak.fl.core.ServerView` only."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradleak.attacks.base import Reconstruction
+from gradleak.attacks.peftleak.geometry import F64, PatchGeometry, slot_scales
+from gradleak.attacks.peftleak.server import PEFTLeakServer, RoundPlan
+from gradleak.errors import BadInput
+from gradleak.fl.core import ServerView
+from gradleak.peft.adapters import AdapterSlot
+
+#: two recovered patches closer than this (max-abs, pixels in [-1, 1]) are the same patch found twice
+#: (each copy is exact to ~1e-4; distinct natural patches differ by far more)
+SAME_PATCH = 1e-3
+
+
+class PEFTLeakRecovery:
+    """The attacker's side of PEFTLeak: eq. (24)–(25) per bin, the consistency and trust checks, peeling,
+    deduplication and grouping by the image coefficient g.
+
+    Built from a prepared server (``PEFTLeakRecovery(server)``); reads the server's secrets (plans,
+    positional embeddings, ``M``, thresholds, scales) through ``self.server`` and, in :meth:`reconstruct`,
+    the observed updates and per-round adapter states of the :class:`~gradleak.fl.core.ServerView` only.
+    Holds no reference to the model or to any client data.
+    """
+
+    def __init__(self, server: PEFTLeakServer):
+        self.server = server
+        # per reconstruction: tolerance on g agreement, and each slot's bin differences Δb of the round
+        self._match_tol = 1e-6
+        self._dgb: dict[int, torch.Tensor] = {}
+
+    def simulate_tokens(self, y: torch.Tensor, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Per-token forward of the poisoned model for embedding outputs ``y`` (n × D).
+
+        Under the poisoned backbone the MSA of a token is exactly its LayerNorm output (one-hot softmax,
+        identity Q/K/V/W_O) and the MLP is the identity (±γ biases), so a token's path is
+        ``x ← x + A(LN(x))`` twice per block with A the round's adapters. Returns the final LayerNorm
+        output and every adapter output (in slot order). ``tests/test_peftleak.py`` checks it against the
+        real model.
+        """
+        srv = self.server
+        D = srv.D
+        ln_w = torch.full((D,), srv.sigma, dtype=F64)
+        ln_b = torch.zeros(D, dtype=F64)
+        x = y
+        outs = []
+        for b in range(srv.L):
+            for kind in ("msa", "mlp"):
+                pre = AdapterSlot(b, kind).prefix
+                z = nn.functional.layer_norm(x, (D,), ln_w, ln_b, srv.eps)
+                act = torch.relu(z @ state[f"{pre}.down.weight"].T + state[f"{pre}.down.bias"])
+                out = z + act @ state[f"{pre}.up.weight"].T + state[f"{pre}.up.bias"]
+                outs.append(out)
+                x = x + out
+        return nn.functional.layer_norm(x, (D,), torch.full((D,), srv.final_ln, dtype=F64), ln_b, srv.eps), outs
+
+    def _token_coefficients(self, state: dict[str, torch.Tensor], x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """κ (n × slots): the coefficient a lone token adds to every neuron's bias gradient per unit g,
+        where g = ∂L/∂logit_0 of its image: κ = up_scale · u_outᵀ ∂(head_scale/N · ŵᵀ LN_f(token))/∂(adapter out)."""
+        srv = self.server
+        y = (0.5 * (x @ srv.M.T) + srv.pos[positions]).requires_grad_(True)
+        with torch.enable_grad():
+            final, outs = self.simulate_tokens(y, state)
+            for o in outs:
+                o.retain_grad()
+            ((srv.head_scale / srv.N) * (final @ srv.w_head)).sum().backward()
+        return torch.stack([o.grad @ srv.u_out for o in outs], 1).detach() * srv.up_scale
+
+    def reconstruct(self, view: ServerView) -> Reconstruction:
+        """Recover patches from the observed per-round adapter gradients and group them into images.
+
+        ``data``: ``patches`` (n × P²C/reduce², in [-1, 1]), their ``positions`` (1..N), image ``groups``,
+        image coefficients ``g``, and the geometry the evaluation needs to place them (``reduce``,
+        ``patch_size``, ``channels``, ``num_positions``, ``image_size``, ``attacked_positions``: the
+        positions attacked in the rounds the view holds). ``metrics``: the plan's numbers (no ground truth).
+        """
+        srv = self.server
+        if view.secure_aggregation or not view.rounds:
+            raise BadInput("fl.secure_aggregation", "PEFTLeak needs the victim's individual per-round updates.",
+                           "turn secure aggregation off for this attack (it then sees only the aggregate).")
+        n_rounds = min(len(view.rounds), len(srv.plans))
+        # how closely the image coefficient g of two patches of one image agree: to float64 rounding
+        # after one gradient step; to ~1e-4 after several FedAvg steps (the adapters move a little)
+        multi_step = any(u.kind == "pseudo_gradient" and u.local_steps > 1 for r in view.rounds for u in r)
+        self._match_tol = 1e-4 if multi_step else 1e-6
+        found: list[dict[str, Any]] = []
+        bins_seen = 0
+        for k in range(n_rounds):
+            upd = view.rounds[k][0]
+            state = {n: v.detach().cpu() for n, v in view.round_states[k].items()}  # the analysis runs on the CPU
+            found += self._recover_round(k, upd, state)
+            bins_seen += sum(len(sp.usable_bins) for sp in srv.plans[k].slots)
+        patches, positions, gvals = self._dedupe(found)
+        groups = group_by_coefficient(gvals, positions, self._match_tol)
+        info = {"candidates": len(found), "unique_patches": int(len(patches)), "rounds": n_rounds,
+                "bins": bins_seen, "groups": int(groups.max() + 1) if len(groups) else 0,
+                "design": srv.design}
+        attacked = sorted({sp.position for plan in srv.plans[:n_rounds] for sp in plan.slots})
+        data = {"patches": patches, "positions": positions, "groups": groups, "g": gvals, "reduce": srv.reduce,
+                "patch_size": srv.P, "channels": srv.C, "num_positions": srv.N, "image_size": srv.S,
+                "attacked_positions": attacked}
+        metrics = {"attacked_positions": len(attacked), "rounds_used": n_rounds, "adapters_per_position": srv.K,
+                   "hash_directions_per_position": srv.K if srv.multi_direction else 1,
+                   "positions_per_round": srv.ppr, "rounds_needed_all_positions": srv.num_rounds}
+        return Reconstruction(data, info, metrics)
+
+    def _recover_round(self, k: int, upd, state: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+        plan = self.server.plans[k]
+        self._dgb: dict[int, torch.Tensor] = {}
+        nonempty: dict[int, torch.Tensor] = {}
+        bins: list[dict[str, Any]] = []  # every nonempty bin of this round
+        for sp in plan.slots:
+            pre = sp.slot.prefix
+            if f"{pre}.down.weight" not in upd.tensors:
+                raise BadInput("update", f"the observed update lacks '{pre}.down.weight'.",
+                               "the client must upload the adapter gradients (adapters trainable).")
+            GW = upd.tensors[f"{pre}.down.weight"].to("cpu", F64)
+            Gb = upd.tensors[f"{pre}.down.bias"].to("cpu", F64)
+            dGb = torch.cat([Gb[:-1] - Gb[1:], Gb[-1:]])  # bin j = neuron j minus neuron j+1; top bin alone
+            dGW = torch.cat([GW[:-1] - GW[1:], GW[-1:]])
+            scale = float(Gb.abs().max()) + 1e-300
+            ok = torch.zeros(self.server.r, dtype=torch.bool)
+            ok[sp.usable_bins] = True
+            tol = (1e-6 if upd.kind == "pseudo_gradient" else 1e-9) * scale  # FedAvg: update is a weight difference
+            ok &= dGb.abs() > tol
+            nonempty[sp.index] = dGb.abs() > tol
+            self._dgb[sp.index] = dGb
+            for j in torch.nonzero(ok)[:, 0].tolist():
+                bins.append({"plan": sp, "bin": j, "db": float(dGb[j]), "dw": dGW[j]})
+        if not bins:
+            return []
+        cands = self._candidates(bins, [b["db"] for b in bins], torch.stack([b["dw"] for b in bins]), k)
+        if self.server.multi_direction:
+            cands = self._filter_consistent(cands, plan, nonempty)
+        self._attach_g(cands, state)
+        if self.server.multi_direction:
+            cands = self._trusted(cands, plan)
+        if self.server.peel and self.server.multi_direction:
+            cands = self._peel(cands, bins, plan, nonempty, state)
+        return cands
+
+    def _trusted(self, cands: list[dict], plan: RoundPlan) -> list[dict]:
+        """Keep a candidate if another adapter confirms it (its predicted bin there holds exactly
+        ``g·κ``: it is alone there too) or another patch of a different position shares its image
+        coefficient g. A mixture of colliding patches has a meaningless g and fails both."""
+        if not cands:
+            return []
+        t = torch.tensor([c["position"] for c in cands])
+        g = torch.tensor([c["g"] for c in cands], dtype=F64)
+        kappa = torch.stack([c["kappa"] for c in cands])
+        own = torch.tensor([c["bin"]["plan"].index for c in cands])
+        trusted = torch.zeros(len(cands), dtype=torch.bool)
+        for idx, b in self._candidate_bins(cands, plan).items():
+            rows = torch.nonzero((b >= 0) & (own != idx))[:, 0]
+            if len(rows):
+                observed = self._dgb[idx][b[rows]]
+                expected = g[rows] * kappa[rows, idx]
+                trusted[rows] |= (observed - expected).abs() <= self._match_tol * observed.abs()
+        order = torch.argsort(g)
+        gs, ts = g[order], t[order]
+        close = (gs[1:] - gs[:-1]).abs() <= self._match_tol * torch.maximum(gs[1:].abs(), gs[:-1].abs())
+        pair = close & (ts[1:] != ts[:-1])
+        shared = torch.zeros(len(cands), dtype=torch.bool)
+        shared[order[1:][pair]] = True
+        shared[order[:-1][pair]] = True
+        keep = trusted | shared
+        return [c for c, k in zip(cands, keep.tolist()) if k]
+
+    def _candidates(self, bins: list[dict], db: list[float], dw: torch.Tensor, k: int) -> list[dict]:
+        """Eq. (24)–(25) for every bin at once: h = Δw/Δb, then undo LayerNorm scale and embedding."""
+        if not bins:
+            return []
+        H = dw / torch.tensor(db, dtype=F64)[:, None]
+        t = torch.tensor([b["plan"].position for b in bins])
+        idx = torch.tensor([b["plan"].index for b in bins])
+        X = self._h_to_pixels(H, t, idx)
+        return [{"x": X[i], "position": int(t[i]), "bin": {**bins[i], "db": db[i]}, "round": k} for i in range(len(bins))]
+
+    def _h_to_pixels(self, h: torch.Tensor, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Adapter inputs h (n × D) -> reduced pixel vectors: solve φ(v)²v = ‖h‖²/D for the variance v,
+        divide out the LayerNorm scale φ, subtract E_pos and invert E = 0.5·M (eq. 25)."""
+        srv = self.server
+        target = (h * h).sum(1) / srv.D
+        lo = torch.full_like(target, -30.0)
+        hi = torch.full_like(target, 30.0)
+        for _ in range(64):  # bisection on log v; φ(v)²v is increasing in v
+            mid = 0.5 * (lo + hi)
+            v = torch.exp(mid)
+            val = slot_scales(v, srv.L, srv.sigma, srv.eps).gather(1, idx[:, None])[:, 0] ** 2 * v
+            up = val < target
+            lo = torch.where(up, mid, lo)
+            hi = torch.where(up, hi, mid)
+        v = torch.exp(0.5 * (lo + hi))
+        phi = slot_scales(v, srv.L, srv.sigma, srv.eps).gather(1, idx[:, None])
+        x = 2 * (h / phi - srv.pos_c[t]) @ srv.M
+        if srv.lost_dir is not None:
+            x = x + srv.lost_mean * srv.lost_dir
+        return x
+
+    def _bins_of(self, X: torch.Tensor, t: torch.Tensor, plan: RoundPlan) -> dict[int, torch.Tensor]:
+        """Bin index of each patch in every slot of its position (-2: other position, -1: below c_1)."""
+        geo = self.server.geometry(X)
+        out = {}
+        for sp in plan.slots:
+            b = torch.full((len(X),), -2, dtype=torch.long)
+            rows = torch.nonzero(t == sp.position)[:, 0]
+            if len(rows):
+                sub = PatchGeometry(geo.Mx_c[rows], geo.norm2[rows], geo.pdot[rows])
+                s = self.server.stats(sub, sp.position, sp.index, sp.weight)
+                b[rows] = torch.searchsorted(sp.thresholds, s) - 1
+            out[sp.index] = b
+        return out
+
+    def _candidate_bins(self, cands: list[dict], plan: RoundPlan) -> dict[int, torch.Tensor]:
+        """``_bins_of`` for candidates, computed once per candidate and kept in ``c["bins"]`` (the
+        consistency filter, the trust check and every peeling pass ask for the same bins)."""
+        missing = [c for c in cands if "bins" not in c]
+        if missing:
+            X = torch.stack([c["x"] for c in missing])
+            t = torch.tensor([c["position"] for c in missing])
+            where = self._bins_of(X, t, plan)
+            for i, c in enumerate(missing):
+                c["bins"] = torch.stack([where[sp.index][i] for sp in plan.slots])
+        table = torch.stack([c["bins"] for c in cands])  # n × slots of the round, in plan order
+        return {sp.index: table[:, k] for k, sp in enumerate(plan.slots)}
+
+    def _filter_consistent(self, cands: list[dict], plan: RoundPlan, nonempty: dict[int, torch.Tensor]) -> list[dict]:
+        """Keep candidates in [-1, 1] that fall, in every adapter of their position, into a nonempty bin
+        (a mixture of colliding patches almost never does)."""
+        if not cands:
+            return []
+        X = torch.stack([c["x"] for c in cands])
+        keep = X.abs().amax(1) <= 1.0 + 1e-3
+        for idx, b in self._candidate_bins(cands, plan).items():
+            mine = b != -2
+            ok = torch.zeros_like(keep)
+            ok[mine] = (b[mine] >= 0) & nonempty[idx][b[mine].clamp(min=0)]
+            keep &= ~mine | ok
+        return [c for c, k in zip(cands, keep.tolist()) if k]
+
+    def _attach_g(self, cands: list[dict], state: dict[str, torch.Tensor]) -> None:
+        if not cands:
+            return
+        X = torch.stack([c["x"] for c in cands])
+        pos = torch.tensor([c["position"] for c in cands])
+        kappa = self._token_coefficients(state, X, pos)
+        for c, kap in zip(cands, kappa):
+            c["kappa"] = kap
+            c["g"] = c["bin"]["db"] / float(kap[c["bin"]["plan"].index])
+
+    def _peel(self, cands: list[dict], bins: list[dict], plan: RoundPlan, nonempty: dict[int, torch.Tensor],
+              state: dict[str, torch.Tensor]) -> list[dict]:
+        """Subtract the exact contribution ``g·κ·(h, 1)`` of recovered patches from collided bins and
+        recover what is left when it is a lone patch (checked like any candidate)."""
+        known = self._unique(cands)
+        for _ in range(8):
+            if not known:
+                break
+            X = torch.stack([c["x"] for c in known])
+            t = torch.tensor([c["position"] for c in known])
+            g = torch.tensor([c["g"] for c in known], dtype=F64)
+            kappa = torch.stack([c["kappa"] for c in known])
+            where = self._candidate_bins(known, plan)
+            geo = self.server.geometry(X)
+            res_b, res_w, res_bins = [], [], []
+            for b in bins:
+                sp = b["plan"]
+                members = torch.nonzero(where[sp.index] == b["bin"])[:, 0]
+                if len(members) == 0:
+                    continue
+                coef = g[members] * kappa[members, sp.index]
+                sub = PatchGeometry(geo.Mx_c[members], geo.norm2[members], geo.pdot[members])
+                h = self.server.adapter_inputs(sub, t[members], torch.full((len(members),), sp.index))
+                db = b["db"] - float(coef.sum())
+                if abs(db) <= 1e-6 * abs(b["db"]):
+                    continue
+                res_b.append(db)
+                res_w.append(b["dw"] - coef @ h)
+                res_bins.append(b)
+            if not res_bins:
+                break
+            new = self._candidates(res_bins, res_b, torch.stack(res_w), known[0]["round"])
+            new = self._filter_consistent(new, plan, nonempty)
+            new = self._unique(known + new)[len(known):]  # known is duplicate-free, so its entries all stay
+            if not new:
+                break
+            self._attach_g(new, state)
+            ok = {id(c) for c in self._trusted(known + new, plan)}
+            new = [c for c in new if id(c) in ok]
+            if not new:
+                break
+            known += new
+        return known
+
+    @staticmethod
+    def _unique(cands: list[dict]) -> list[dict]:
+        seen: list[dict] = []
+        by_pos: dict[int, list[torch.Tensor]] = {}
+        for c in cands:
+            lst = by_pos.setdefault(c["position"], [])
+            if lst and float((torch.stack(lst) - c["x"]).abs().amax(1).min()) < SAME_PATCH:
+                continue
+            lst.append(c["x"])
+            seen.append(c)
+        return seen
+
+    def _dedupe(self, found: list[dict]):
+        uniq = self._unique(found)  # the same patch isolated by two adapters is one patch
+        if not uniq:
+            return (torch.zeros(0, self.server.Pd, dtype=F64), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=F64))
+        X = torch.stack([c["x"] for c in uniq]).clamp(-1, 1)
+        pos = torch.tensor([c["position"] for c in uniq], dtype=torch.long)
+        g = torch.tensor([c.get("g", float("nan")) for c in uniq], dtype=F64)
+        return X, pos, g
+
+
+def group_by_coefficient(g: torch.Tensor, positions: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
+    """Group patches whose image coefficient g agrees to ``rel_tol``; at most one patch per position
+    per group (a second patch at a taken position opens a new group). Returns a group id per patch."""
+    n = len(g)
+    groups = torch.full((n,), -1, dtype=torch.long)
+    if n == 0:
+        return groups
+    order = torch.argsort(g)
+    clusters: list[list[int]] = []
+    prev = None
+    for i in order.tolist():
+        gi = float(g[i])
+        if prev is None or not math.isfinite(gi) or abs(gi - prev) > rel_tol * max(abs(gi), abs(prev)):
+            clusters.append([])
+        clusters[-1].append(i)
+        prev = gi
+    gid = 0
+    for cl in clusters:
+        taken: list[set[int]] = []
+        for i in cl:
+            t = int(positions[i])
+            for k, s in enumerate(taken):
+                if t not in s:
+                    s.add(t)
+                    groups[i] = gid + k
+                    break
+            else:
+                taken.append({t})
+                groups[i] = gid + len(taken) - 1
+        gid += len(taken)
+    return groups
+
+
+__all__ = ["PEFTLeakRecovery", "SAME_PATCH", "group_by_coefficient"]
