@@ -59,9 +59,10 @@ from torch.func import functional_call
 
 from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction
 
-from gradleak.attacks.bn_stats import (BatchStatsRecorder, BNTarget, batchnorm_layers, bn_statistics_loss,
+from gradleak.attacks.bn_stats import (BatchStatsRecorder, BNTarget, bn_statistics_loss,
                                        combined_candidate_stats, infer_bn_targets, normalised_step_weights)
 from gradleak.errors import BadInput
+from gradleak.models.batchnorm import batchnorm_layers
 from gradleak.registry import ATTACKS
 
 

@@ -370,7 +370,7 @@ def defense_mod(defenses: list, *, seed: int = 0, algorithm: str = "fedavg", lr:
     model's parameter names; a message whose arrays do not match them is refused (wrong model). Server-side
     mechanisms (``dp_gaussian`` with ``where: server``) belong to the server: use Flower's central-DP wrappers."""
     require_flower()
-    from gradleak.defenses.update import build_defenses
+    from gradleak.defenses import build_defenses
 
     entries = list(defenses)
     built = [d for d in entries if hasattr(d, "apply")]  # already-built defenses (the pipeline's) pass through
