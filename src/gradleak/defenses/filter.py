@@ -79,8 +79,8 @@ class RDLVFilter(TrainingDefense):
     Config = RDLVFilterParams
     modalities = ("image",)
 
-    def __init__(self, cfg: RDLVFilterParams):
-        super().__init__(cfg)
+    def setup(self) -> None:
+        cfg = self.cfg
         if not math.isfinite(cfg.threshold):
             raise BadInput("defense.threshold", f"the RDLV threshold must be a finite number, got {cfg.threshold}.",
                            "use e.g. 0 (withhold what leaks beyond the prior).")
