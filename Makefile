@@ -62,7 +62,7 @@ MUTATION_AGGREGATION := 'gradleak.fl.core.x_aggregate*' 'gradleak.fl.core.x_secu
 	'gradleak.fl.core.x_fixed_point*' 'gradleak.fl.core.x_masked_uploads*' 'gradleak.fl.core.x__masked_mean*' \
 	'gradleak.fl.core.xǁUpdateǁ*'
 MUTATION_DEFENSES := 'gradleak.defenses.update.xǁ*' 'gradleak.defenses.update.x__gen*' \
-	'gradleak.defenses.update.x__percentile*' 'gradleak.defenses.update.x_build_defenses*'
+	'gradleak.defenses.update.x__percentile*' 'gradleak.defenses.base.x_build_defenses*'
 MUTATION_EVALUATION := 'gradleak.evaluation.levels.*'
 MUTATION_TARGETS := $(MUTATION_THREAT) $(MUTATION_AGGREGATION) $(MUTATION_DEFENSES) $(MUTATION_EVALUATION)
 

@@ -109,7 +109,7 @@ def check_configs(items: Iterable[tuple[str, dict, list[str]]]) -> int:
     disjoint from the private one) when the threat model grants public data, and the defenses.
     Returns the process exit code (0: every config is valid)."""
     from gradleak.data import check_disjoint, dataset_modality, default_public
-    from gradleak.defenses.update import build_defenses
+    from gradleak.defenses import build_defenses
     from gradleak.errors import BadInput
     from gradleak.experiments import validate
 

@@ -131,7 +131,7 @@ def invert(iters: int, variant: str) -> None:
 def negvar() -> None:
     """Per-tensor percentile noise on the BN buffer changes makes running variances negative (the model then
     outputs NaN: chance accuracy); the global reading does not (its p95 is set by the weights)."""
-    from gradleak.defenses.update import GaussianPercentileNoise
+    from gradleak.defenses.update import PercentileNoise
     from gradleak.experiments import validate
     from gradleak.experiments.config import load_yaml
     from gradleak.fl.core import Client, default_classification_loss
@@ -150,7 +150,7 @@ def negvar() -> None:
         copy.deepcopy(m), algorithm="fedavg", lr=0.01, batch_size=4)
     rv = {n: b for n, b in m.named_buffers() if n.endswith("running_var")}
     for s0, per_tensor in ((1, True), (10, True), (1000, False), (5000, False)):
-        u = GaussianPercentileNoise(s0, per_tensor=per_tensor, seed=0).apply(upd, {"client_id": 0, "seed": 0, "lr": 0.01})
+        u = PercentileNoise(s0, per_tensor=per_tensor, seed=0).apply(upd, {"client_id": 0, "seed": 0, "lr": 0.01})
         neg = sum(int(((rv[n] + u.buffers[n].float()) < 0).sum()) for n in rv)
         print(f"sigma0={s0} per_tensor={per_tensor}: {neg}/{sum(v.numel() for v in rv.values())} running variances "
               "negative after one noised 8-image update", flush=True)

@@ -27,7 +27,7 @@ if str(ROOT / "src") not in sys.path:
 import torch  # noqa: E402
 
 from _bench import minilm_rt_update  # noqa: E402
-from gradleak.defenses.update import build_defenses  # noqa: E402
+from gradleak.defenses import build_defenses  # noqa: E402
 from gradleak.experiments.results import write_json_atomic  # noqa: E402
 
 PARAM = "text_adapters.embedding.down.weight"

@@ -113,8 +113,8 @@ def test_server_side_dp_noises_only_the_aggregate():
     """dp_gaussian(where=server): uploads are clipped, not noised; the mean of K clipped uploads gets
     N(0, (σC/K)²), the same draw in the applied aggregate and in the secure-aggregation sum."""
     from gradleak.fl.core import Client
+    from gradleak.defenses import build_defenses
     from gradleak.fl.engines.builtin import run_rounds
-    from gradleak.defenses.update import build_defenses
 
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 4)

@@ -13,14 +13,14 @@ import math
 import pytest
 import torch
 
+from gradleak.defenses import build_defenses
 from gradleak.defenses.update import (
     Clipping,
     DPGaussian,
     GaussianNoise,
-    GaussianPercentileNoise,
+    PercentileNoise as GaussianPercentileNoise,
     StochasticQuantization,
     TopKPruning,
-    build_defenses,
 )
 from gradleak.errors import BadInput
 from gradleak.fl.core import Client, Update, aggregate

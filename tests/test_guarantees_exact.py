@@ -17,7 +17,7 @@ from gradleak.defenses.update import (
     Clipping,
     DPGaussian,
     GaussianNoise,
-    GaussianPercentileNoise,
+    PercentileNoise as GaussianPercentileNoise,
     StochasticQuantization,
     TopKPruning,
     _percentile,
@@ -181,7 +181,7 @@ def test_documented_defaults_and_bounds():
     """The defaults `gradleak list` prints (and configs rely on when they leave a parameter out)."""
     import inspect
 
-    from gradleak.defenses.update import DEFENSES
+    from gradleak.registry import DEFENSES
 
     want = {"gaussian_noise": {"relative": False, "per_coordinate": False, "seed": 0},
             "gaussian_percentile": {"percentile": 95.0, "per_tensor": False, "include_buffers": True,
@@ -263,7 +263,7 @@ def test_seeded_defenses_default_to_seed_0():
 
 
 def test_build_defenses_takes_config_objects_and_defaults_to_seed_0():
-    from gradleak.defenses.update import DefenseConfig, build_defenses
+    from gradleak.defenses import DefenseConfig, build_defenses
 
     (d,) = build_defenses([DefenseConfig(name="gaussian_noise", params={"std": 0.1})])
     assert isinstance(d, GaussianNoise) and d.seed == 0 and d.std == 0.1

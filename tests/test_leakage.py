@@ -12,13 +12,14 @@ from torch import nn
 
 from gradleak.attacks.bn_inversion import ObjectiveWeights, inversion_objective, matching_loss, measure_iteration_cost
 from gradleak.attacks.common.simulation import local_schedule, simulate_local_training
-from gradleak.attacks.bn_stats import (BatchStatsRecorder, BNTarget, batchnorm_layers, bn_statistics_loss,
+from gradleak.attacks.bn_stats import (BatchStatsRecorder, BNTarget, bn_statistics_loss,
                                        combined_candidate_stats, infer_bn_targets,
                                        normalised_step_weights, single_step_batch_stats, step_weights)
 from gradleak.errors import BadInput
 from gradleak.fl.core import Client
 from gradleak.metrics.image import ssim as gaussian_ssim
 from gradleak.metrics.leakage import bootstrap_interval, identifiability_precision, rdlv, ssim_vs_prior
+from gradleak.models.batchnorm import batchnorm_layers
 
 
 def tiny_resnet(dtype=torch.float64, num_classes=3, seed=0):

@@ -100,7 +100,7 @@ def _upd():
 
 
 def test_percentile_noise_sigma_matches_numpy_over_nonzero_entries_on_the_weight_delta_scale():
-    from gradleak.defenses.update import GaussianPercentileNoise
+    from gradleak.defenses.update import PercentileNoise as GaussianPercentileNoise
 
     u, lr = _upd(), 0.1
     d = GaussianPercentileNoise(10.0, seed=0)

@@ -473,7 +473,7 @@ def test_noise_aware_word_bag_is_exact_where_the_exact_test_fails(minilm):
     """Per-coordinate noise at a noise-to-signal ratio of 1e-3 (the server knows the defense's parameters): the
     exact-tolerance bag collapses; the noise-aware bag (rank from the edge, augmented token test) is the true bag."""
     from gradleak.attacks.utr import UTRAttack
-    from gradleak.defenses.update import build_defenses
+    from gradleak.defenses import build_defenses
 
     texts = _short_rt(2)
     view, enc = _view(minilm, texts)
@@ -515,7 +515,7 @@ def test_noise_aware_prefix_search_recovers_causal_sentences(smollm2):
     true members' residual floor and below half the prefix's median candidate, so the sentences come back word
     for word; none is reported verified (a noisy test proves nothing exact)."""
     from gradleak.attacks.utr import UTRAttack
-    from gradleak.defenses.update import build_defenses
+    from gradleak.defenses import build_defenses
 
     texts = _short_rt(2, skip=4)
     view, enc = _view(smollm2, texts)

@@ -175,14 +175,6 @@ def _field_lines(cls) -> list[str]:
     return lines
 
 
-def _init_params(cls) -> list[str]:
-    import inspect
-
-    sig = inspect.signature(cls.__init__)
-    return [f"{n}" + (" (required)" if p.default is inspect._empty else f" = {p.default}")
-            for n, p in sig.parameters.items() if n not in ("self", "seed")]
-
-
 @app.command("list")
 def list_():
     """Print every experiment preset, model, PEFT kind, attack (parameters, threat requirements), defense,
@@ -224,17 +216,16 @@ def list_():
         line(f"threat requires: {', '.join(req)}", 6)
         for fl in _field_lines(c.Config):
             line(f"attack.{fl}", 6)
-    head("update defenses (defenses: [{name, params}])")
-    for e in DEFENSES:
-        line(f"{e.name} — {e.summary}")
-        line("params: " + ", ".join(_init_params(e.obj)), 6)
-    from gradleak.defenses.training import TRAINING_DEFENSES
-
-    head("training defenses (defense: {name, <parameters>})")
-    for e in TRAINING_DEFENSES:
-        line(f"{e.name} — {e.summary}")
-        for fl in _field_lines(e.obj.Config):
-            line(f"defense.{fl}", 6)
+    for stage, title, prefix in (("update", "update defenses (defenses: [{name, params}])", "params."),
+                                 ("training", "training defenses (defense: {name, <parameters>})", "defense.")):
+        head(title)
+        for e in DEFENSES:
+            if e.obj.stage != stage:
+                continue
+            aliases = DEFENSES.aliases(e.name)
+            line(f"{e.name} — {e.summary}" + (f" (also: {', '.join(aliases)})" if aliases else ""))
+            for fl in _field_lines(e.obj.Config):
+                line(f"{prefix}{fl}", 6)
     simple(DATASETS)
     simple(EVALUATORS)
     simple(METRICS)

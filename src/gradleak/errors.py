@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
 
 class GradleakError(Exception):
     """Base class of the errors gradleak raises on purpose."""
@@ -28,3 +33,13 @@ class MissingAsset(BadInput):
                          f"install it with `{install}` (or run `make demo`, which installs every asset).")
         self.asset = asset
         self.install = install
+
+
+def describe_validation_error(err: "ValidationError") -> BadInput:
+    """The first error of a pydantic validation as a BadInput naming its field (dotted location)."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-")) or "(config)"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        return BadInput(loc, "this config key does not exist.", "remove it or check its spelling against the shipped configs.")
+    return BadInput(loc, f"{msg} (got {first.get('input')!r}).", "change this value in the config or with --set.")

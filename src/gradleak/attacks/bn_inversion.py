@@ -55,11 +55,12 @@ from pydantic import Field
 from torch import nn
 
 from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction
+from gradleak.attacks.bn_stats import (BNTarget, bn_statistics_loss,
+                                       combined_candidate_stats, infer_bn_targets)
 from gradleak.attacks.common.simulation import (Simulation, client_training_config, local_schedule, output_logits,
-                                             simulate_local_training, soft_cross_entropy)
-from gradleak.attacks.bn_stats import (BatchStatsRecorder, BNTarget, batchnorm_layers, bn_statistics_loss,
-                                       combined_candidate_stats, infer_bn_targets, normalised_step_weights)
+                                                simulate_local_training, soft_cross_entropy)
 from gradleak.errors import BadInput
+from gradleak.models.batchnorm import batchnorm_layers
 from gradleak.registry import ATTACKS
 
 

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from gradleak.errors import BadInput
+from gradleak.models.batchnorm import batchnorm_layers
 
 _BN = nn.modules.batchnorm._BatchNorm
 
@@ -57,17 +58,6 @@ class BNTarget:
     var: torch.Tensor
     steps: int
     weights: torch.Tensor  # normalised step weights (sum 1), length ``steps``
-
-
-def batchnorm_layers(model: nn.Module, field: str = "model") -> dict[str, nn.Module]:
-    """Named BN modules that track running statistics; BadInput when the model has none."""
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, _BN) and m.track_running_stats}
-    if not layers:
-        raise BadInput(field, f"the model ({type(model).__name__}) has no BatchNorm layer with running statistics, "
-                       "so a BN-aware attack or BN-statistics inference has nothing to read.",
-                       "use a BatchNorm model (e.g. model.name: resnet18), or an attack that does not need BN "
-                       "statistics (e.g. inverting_gradients).")
-    return layers
 
 
 def momenta(momentum: float | None, steps: int, num_batches_tracked: int = 0) -> torch.Tensor:
@@ -247,6 +237,6 @@ def bn_statistics_loss(candidate: Mapping[str, tuple[torch.Tensor, torch.Tensor]
     return total
 
 
-__all__ = ["BNTarget", "batchnorm_layers", "momenta", "step_weights", "normalised_step_weights",
+__all__ = ["BNTarget", "momenta", "step_weights", "normalised_step_weights",
            "single_step_batch_stats", "multi_step_target", "combine_step_stats", "infer_bn_targets",
            "BatchStatsRecorder", "combined_candidate_stats", "bn_statistics_loss"]

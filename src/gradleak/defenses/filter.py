@@ -6,7 +6,8 @@ relative data leakage value of the reconstruction against its own images; when t
 bound exceeds ``threshold`` the update is not sent this round (the round protocol records it in
 ``RoundsOutcome.withheld`` and aggregates the other clients only).
 
-The audit reuses the attack: :meth:`gradleak.attacks.bn_inversion.BNInversion._invert` (simulation from the
+The audit reuses the attack, found by name in :data:`gradleak.registry.ATTACKS` (``bn_inversion``; defenses sit below
+attacks in the pipeline, so they never import one): its ``_invert`` (simulation from the
 received checkpoint, BN targets from the client's own buffer change, the dataset-mean prior the pipeline computes,
 Adam on images and soft labels), fed with a minimal server view (the checkpoint the client received, the class
 count) and the client's public training configuration (its batch size, epochs, this round's lr); the RDLV is
@@ -14,7 +15,7 @@ count) and the client's public training configuration (its batch size, epochs, t
 
 Decisions recorded:
 
-* **Which attack.** ``attack:`` (a dict validated into :class:`~gradleak.attacks.bn_inversion.BNInversionConfig`)
+* **Which attack.** ``attack:`` (a dict validated into the registered attack's ``Config``, ``BNInversionConfig``)
   on top of the experiment's own attack settings when that attack is ``bn_inversion`` (else its defaults);
   ``iterations`` (default 100) sets the audit's iterations unless only ``attack.iterations`` is given. With the
   experiment's attack settings and iterations the audit reproduces the server's reconstruction (CPU,
@@ -37,10 +38,14 @@ from types import SimpleNamespace
 from typing import Any, Literal, Optional
 
 import torch
-from pydantic import Field
+from pydantic import Field, ValidationError
 
-from gradleak.defenses.training import TRAINING_DEFENSES, DefenseParams, TrainingDefense
-from gradleak.errors import BadInput
+from gradleak.defenses.base import DefenseParams, TrainingDefense
+from gradleak.errors import BadInput, describe_validation_error
+from gradleak.registry import ATTACKS, DEFENSES
+
+#: the registered attack the client audits its update with
+AUDIT_ATTACK = "bn_inversion"
 
 
 class RDLVFilterParams(DefenseParams):
@@ -57,7 +62,7 @@ class RDLVFilterParams(DefenseParams):
 
 
 def _check_bn(model, field: str = "model.name") -> None:
-    from gradleak.attacks.bn_stats import batchnorm_layers
+    from gradleak.models.batchnorm import batchnorm_layers
 
     try:
         batchnorm_layers(model, field=field)
@@ -68,14 +73,14 @@ def _check_bn(model, field: str = "model.name") -> None:
                        "term alone (defense.attack.ablation=gradient_only).") from err
 
 
-@TRAINING_DEFENSES.register("rdlv_filter", "RDLV filter (Hatamizadeh et al. 2022): each client inverts its own update "
+@DEFENSES.register("rdlv_filter", "RDLV filter (Hatamizadeh et al. 2022): each client inverts its own update "
                             "with the BN-aware attack and withholds it when the RDLV lower 95 % bound > threshold")
 class RDLVFilter(TrainingDefense):
     Config = RDLVFilterParams
     modalities = ("image",)
 
-    def __init__(self, cfg: RDLVFilterParams):
-        super().__init__(cfg)
+    def setup(self) -> None:
+        cfg = self.cfg
         if not math.isfinite(cfg.threshold):
             raise BadInput("defense.threshold", f"the RDLV threshold must be a finite number, got {cfg.threshold}.",
                            "use e.g. 0 (withhold what leaks beyond the prior).")
@@ -101,28 +106,23 @@ class RDLVFilter(TrainingDefense):
         self.audit_seconds = 0.0
 
     def _attack_config(self, base: dict):
-        from pydantic import ValidationError
-
-        from gradleak.attacks.bn_inversion import BNInversionConfig
-
+        config_cls = ATTACKS.get(AUDIT_ATTACK).Config
         merged = {k: v for k, v in base.items() if k not in ("rounds", "clients")}
         if merged.get("ablation") == "stale_checkpoint":
             merged["ablation"] = "none"
         merged["iterations"] = self.cfg.iterations
         merged.update(self.cfg.attack)  # attack.iterations wins only where `iterations` is not set (else refused)
         try:
-            return BNInversionConfig(**merged)
+            return config_cls(**merged)
         except ValidationError as err:
-            from gradleak.experiments.config import describe_validation_error
-
             bad = describe_validation_error(err)
             raise BadInput(f"defense.attack.{bad.field}", bad.problem,
-                           f"settings of bn_inversion: {', '.join(BNInversionConfig.model_fields)}.") from None
+                           f"settings of {AUDIT_ATTACK}: {', '.join(config_cls.model_fields)}.") from None
 
     # ---- pipeline hooks
     def apply(self, handle, experiment_cfg, data=None) -> None:
         base = {}
-        if getattr(experiment_cfg.attack, "name", None) == "bn_inversion" and experiment_cfg.attack_cfg is not None:
+        if getattr(experiment_cfg.attack, "name", None) == AUDIT_ATTACK and experiment_cfg.attack_cfg is not None:
             base = experiment_cfg.attack_cfg.model_dump()
         self.attack_cfg = self._attack_config(base)
         self._check_model(handle.model)
@@ -174,7 +174,6 @@ class RDLVFilter(TrainingDefense):
 
     def local_update(self, client, model, *, seed: int, algorithm: str = "fedavg", lr: float = 0.01,
                      round_index: int = 0, epochs: int = 1, batch_size: Optional[int] = None, **_: Any):
-        from gradleak.attacks.bn_inversion import BNInversion
         from gradleak.metrics.leakage import rdlv
 
         if algorithm not in ("fedavg", "fedsgd"):
@@ -203,7 +202,7 @@ class RDLVFilter(TrainingDefense):
             num_classes = int((out.logits if hasattr(out, "logits") else out).shape[-1])
         fl = {"algorithm": algorithm, "local_batch_size": batch_size, "local_epochs": epochs,
               "lr_at": [float(lr)] * (r + 1)}
-        attacker = BNInversion(self.attack_cfg, fl=fl, device=next(model.parameters()).device)
+        attacker = ATTACKS.get(AUDIT_ATTACK)(self.attack_cfg, fl=fl, device=next(model.parameters()).device)
         view = SimpleNamespace(model=model, public={"num_classes": num_classes, "image_shape": tuple(images.shape[1:])})
         was_training = model.training
         try:

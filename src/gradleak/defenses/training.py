@@ -1,18 +1,22 @@
-"""Training-time defenses (the config's ``defense:`` section), as opposed to the update transforms of
-``defenses:``. Each is registered in ``TRAINING_DEFENSES`` with a pydantic ``Config`` and may
+"""Training-time defenses (stage ``training`` of :mod:`gradleak.defenses.base`; the config's ``defense:`` section),
+as opposed to the update transforms of ``defenses:`` (:mod:`gradleak.defenses.update`). Each is registered in
+:data:`gradleak.registry.DEFENSES` with a pydantic ``Config`` and overrides the hooks it needs of
+:class:`~gradleak.defenses.base.TrainingDefense`:
 
 * ``apply(handle, experiment_cfg, data=None)`` — change the model before training (FISGuard re-parameterises
   layers, dropout installs hooks); ``data`` is the experiment's data source (min-max draws its reference set);
 * ``wrap_loss(loss_fn, model)`` — change the client's objective (L2, dropout's training switch);
 * ``loss_options()`` — options of the task loss itself (label smoothing);
 * ``report(rounds)`` — numbers about the observed updates (FISGuard's rank condition);
-* ``layer_condition(rounds)`` — optional: per protected layer, whether the defense's guarantee held
-  (the evaluation splits the per-layer AUCs by it).
-
-* ``local_update(client, model, seed=...)`` — replace the client's training step (DP-SGD).
+* ``layer_condition(rounds)`` — per protected layer, whether the defense's guarantee held (the evaluation splits
+  the per-layer AUCs by it);
+* ``local_update(client, model, seed=...)`` — replace the client's training step (DP-SGD, min-max, the RDLV filter
+  of :mod:`gradleak.defenses.filter`).
 
 MIA defenses compared in paper 004 (SPEC §5.3): FISGuard, DP-SGD (Opacus), L2 regularisation, dropout, label
-smoothing and min-max adversarial regularisation (Nasr et al. 2018), each registered here.
+smoothing and min-max adversarial regularisation (Nasr et al. 2018), each registered here. Hatamizadeh et al.'s
+percentile noise, which the ``defense:`` section also takes, is the update transform
+:class:`gradleak.defenses.update.PercentileNoise`.
 """
 
 from __future__ import annotations
@@ -20,38 +24,14 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from gradleak.defenses.base import DefenseParams, TrainingDefense
 from gradleak.errors import BadInput
-from gradleak.registry import Registry
-
-TRAINING_DEFENSES: Registry[Any] = Registry("training defense")
+from gradleak.registry import DEFENSES
 
 
-class DefenseParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TrainingDefense:
-    Config: type[DefenseParams] = DefenseParams
-
-    def __init__(self, cfg: DefenseParams):
-        self.cfg = cfg
-
-    def apply(self, handle, experiment_cfg, data=None) -> None:
-        return None
-
-    def wrap_loss(self, loss_fn, model):
-        return loss_fn
-
-    def loss_options(self) -> dict[str, Any]:
-        return {}
-
-    def report(self, rounds) -> dict[str, float]:
-        return {}
-
-
-@TRAINING_DEFENSES.register("none", "no training-time defense")
+@DEFENSES.register("none", "no training-time defense")
 class NoDefense(TrainingDefense):
     pass
 
@@ -67,9 +47,14 @@ class FISGuardParams(DefenseParams):
 PUBLIC_TEXT_DEFAULTS = ("wordnet-examples", "news-sentences", "rt-sentences")
 
 
-@TRAINING_DEFENSES.register("fisguard", "FISGuard: fixed input subspaces (Q from public data, U = 0 trained)")
+@DEFENSES.register("fisguard", "FISGuard: fixed input subspaces (Q from public data, U = 0 trained)")
 class FISGuard(TrainingDefense):
     Config = FISGuardParams
+
+    def check_experiment(self, cfg) -> None:
+        if cfg.peft.kind not in ("adapters", "lora"):
+            raise BadInput("peft.kind", f"FISGuard protects adapters or LoRA, not peft.kind={cfg.peft.kind}.",
+                           "use peft.kind=adapter or lora.")
 
     def apply(self, handle, experiment_cfg, data=None) -> None:
         from gradleak.data.text import load_text
@@ -115,7 +100,7 @@ class L2Params(DefenseParams):
     coefficient: float = Field(1e-3, ge=0, le=1e6, description="λ in loss + λ·‖θ_trainable‖²")
 
 
-@TRAINING_DEFENSES.register("l2", "L2 regularisation of the trainable parameters")
+@DEFENSES.register("l2", "L2 regularisation of the trainable parameters")
 class L2(TrainingDefense):
     Config = L2Params
 
@@ -133,7 +118,7 @@ class DropoutParams(DefenseParams):
     rate: float = Field(0.1, ge=0, lt=1, description="dropout on the inputs of every trainable linear layer")
 
 
-@TRAINING_DEFENSES.register("dropout", "dropout on the inputs of the trainable layers during client training")
+@DEFENSES.register("dropout", "dropout on the inputs of the trainable layers during client training")
 class Dropout(TrainingDefense):
     Config = DropoutParams
 
@@ -160,7 +145,7 @@ class LabelSmoothingParams(DefenseParams):
     factor: float = Field(0.1, ge=0, lt=1, description="label smoothing of the task loss")
 
 
-@TRAINING_DEFENSES.register("label_smoothing", "label smoothing of the clients' cross-entropy")
+@DEFENSES.register("label_smoothing", "label smoothing of the clients' cross-entropy")
 class LabelSmoothing(TrainingDefense):
     Config = LabelSmoothingParams
 
@@ -181,7 +166,7 @@ def _refuse_batchnorm(model) -> None:
                        "set model.norm=group (resnet18 with GroupNorm instead of BatchNorm).")
 
 
-@TRAINING_DEFENSES.register("dpsgd", "DP-SGD (Opacus per-sample gradients): clip each sample to C, add N(0, σ²C²)")
+@DEFENSES.register("dpsgd", "DP-SGD (Opacus per-sample gradients): clip each sample to C, add N(0, σ²C²)")
 class DPSGD(TrainingDefense):
     """DP-SGD as the client's local training, for text and image clients. Every step: Opacus'
     ``GradSampleModule`` gives the per-sample gradients of the trainable parameters on the step's batch of B
@@ -210,6 +195,10 @@ class DPSGD(TrainingDefense):
     Config = DPSGDParams
     modalities = ("text", "image")
 
+    def setup(self) -> None:
+        self.seed = 0  # the experiment's seed, set by apply (a direct local_update call draws with seed 0)
+        self._reset_accounting()
+
     def check_experiment(self, cfg) -> None:
         """Refuse a BatchNorm ResNet-18 at validation (before the model, or its pretraining, is built)."""
         model = getattr(cfg, "model", None)
@@ -236,8 +225,6 @@ class DPSGD(TrainingDefense):
     def _account(self, client_id: int, sample_rate: float, steps: int = 1) -> None:
         from opacus.accountants import RDPAccountant
 
-        if not hasattr(self, "steps"):  # local_update called without apply (tests)
-            self._reset_accounting()
         acc = self.accountants.setdefault(client_id, RDPAccountant())
         self.steps[client_id] = self.steps.get(client_id, 0) + steps
         if self.cfg.noise_multiplier > 0:
@@ -282,7 +269,7 @@ class DPSGD(TrainingDefense):
         x, y = client._inputs.to(device), client._labels.to(device)
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         params = [p for p in model.parameters() if p.requires_grad]
-        gen = torch.Generator().manual_seed(int(getattr(self, "seed", 0)) * 1_000_003 + int(client.client_id) * 7_919
+        gen = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + int(client.client_id) * 7_919
                                             + int(seed))
         gsm = GradSampleModule(model, batch_first=True, loss_reduction="mean")
         try:
@@ -324,8 +311,6 @@ class DPSGD(TrainingDefense):
         from opacus.accountants import RDPAccountant
 
         sigma = self.cfg.noise_multiplier
-        if not hasattr(self, "steps"):
-            self._reset_accounting()
         out: dict[str, float] = {}
         if not self.steps:  # no local step recorded: one full-batch step, as before per-client accounting
             acc = RDPAccountant()
@@ -362,7 +347,7 @@ def _logits(model, x: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-@TRAINING_DEFENSES.register("minmax", "min-max adversarial regularisation (Nasr et al. 2018): train against a local inference model")
+@DEFENSES.register("minmax", "min-max adversarial regularisation (Nasr et al. 2018): train against a local inference model")
 class MinMax(TrainingDefense):
     """Min-max adversarial regularisation (Nasr, Shokri, Houmansadr, CCS 2018; paper 004 SPEC §5.3 baseline).
 
@@ -456,41 +441,3 @@ class MinMax(TrainingDefense):
         out = {"minmax_inference_accuracy": sum(self.accuracy.values()) / len(self.accuracy)}
         self.attackers, self.accuracy = {}, {}  # the next trial's clients start afresh
         return out
-
-
-class PercentileNoiseParams(DefenseParams):
-    sigma0: float = Field(0.0, le=1e9, description="σ = σ0 × percentile of |update| (0: no noise; < 0 refused)")
-    percentile: float = Field(95.0, description="the percentile (the paper's: 95)")
-    per_tensor: bool = Field(False, description="one percentile per tensor instead of over all entries (NVFlare)")
-    include_buffers: bool = Field(True, description="BN running-statistics changes in the percentile and noised")
-    absolute: bool = Field(False, description="σ = sigma0 itself (on the Δw scale), e.g. the paper's 1e-2")
-
-
-@TRAINING_DEFENSES.register("percentile_noise", "Gaussian noise on the upload, σ = σ0 × p95(|Δw|) (Hatamizadeh et al. "
-                            "2022; NVFlare GaussianPrivacy), as `defense: {name: percentile_noise, sigma0: ...}`")
-class PercentileNoise(TrainingDefense):
-    """The update transform :class:`gradleak.defenses.update.GaussianPercentileNoise` (its docstring records the
-    readings) offered in the ``defense:`` section, so that ``--set defense.sigma0=25`` sweeps it (issue 9's
-    contract). It changes no training step: the pipeline appends :meth:`update_transforms` to the ``defenses:``
-    list (after them)."""
-
-    Config = PercentileNoiseParams
-    modalities = ("image", "text")
-
-    def __init__(self, cfg: PercentileNoiseParams):
-        super().__init__(cfg)
-        from gradleak.defenses.update import GaussianPercentileNoise
-
-        GaussianPercentileNoise(cfg.sigma0, cfg.percentile, cfg.per_tensor, cfg.include_buffers, cfg.absolute)  # checks
-
-    def update_transforms(self, seed: int = 0) -> list:
-        from gradleak.defenses.update import GaussianPercentileNoise
-
-        c = self.cfg
-        return [GaussianPercentileNoise(c.sigma0, c.percentile, c.per_tensor, c.include_buffers, c.absolute, seed=seed)]
-
-    def report(self, rounds) -> dict[str, float]:
-        return {"noise_sigma0": float(self.cfg.sigma0)}
-
-
-from gradleak.defenses import filter as _rdlv_filter  # noqa: E402,F401  (registers rdlv_filter)

@@ -1,28 +1,19 @@
 """Update transforms applied by the client before upload (PEFTLeak Fig. 21; UTR Table 3).
 
-Each defense is a registered class with ``apply(update, ctx) -> update``. Randomness is seeded from
-the defense's ``seed`` and the client id in ``ctx`` so runs are reproducible.
+Each defense is a registered :class:`~gradleak.defenses.base.UpdateDefense` with a pydantic ``Config`` and
+``apply(update, ctx) -> update``. Randomness is seeded from the defense's ``seed`` and the client id in ``ctx`` so runs
+are reproducible.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Any
-
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from gradleak.defenses.base import DefenseConfig, DefenseParams, UpdateDefense, build_defenses
 from gradleak.errors import BadInput
 from gradleak.fl.core import Update
 from gradleak.registry import DEFENSES
-
-
-class DefenseConfig(BaseModel):
-    """One entry of a config's ``defenses:`` list: ``{name: ..., <parameters>}``."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    params: dict[str, Any] = Field(default_factory=dict)
 
 
 def _gen(ctx: dict, seed: int) -> torch.Generator:
@@ -33,21 +24,26 @@ def _gen(ctx: dict, seed: int) -> torch.Generator:
 
 @DEFENSES.register("gaussian_noise", "add N(0, std^2) noise; std absolute, relative to the update's L2 norm, or "
                    "per_coordinate: std = noise-to-signal ratio x ||update|| / sqrt(#coordinates)")
-class GaussianNoise:
+class GaussianNoise(UpdateDefense):
     """``relative``: std x ||update||; ``per_coordinate``: std x ||update|| / sqrt(P) for P coordinates, so ``std``
     is the noise-to-signal ratio of the whole upload (E||noise|| = std ||update||)."""
 
-    def __init__(self, std: float, relative: bool = False, per_coordinate: bool = False, seed: int = 0):
-        try:
-            std = float(std)
-        except (TypeError, ValueError):
-            raise BadInput("defenses.gaussian_noise.std", f"must be a number, got {std!r}.", "use e.g. std: 0.01.") from None
-        if std < 0:
-            raise BadInput("defenses.gaussian_noise.std", f"std must be >= 0, got {std}.", "use a non-negative std.")
-        if relative and per_coordinate:
+    class Config(DefenseParams):
+        std: float = Field(description="noise std (absolute, or a ratio: relative / per_coordinate)")
+        relative: bool = Field(False, description="std x ||update||")
+        per_coordinate: bool = Field(False, description="std x ||update|| / sqrt(#coordinates)")
+        seed: int = Field(0, description="noise seed (default: the run's seed)")
+
+    seeded = True
+
+    def setup(self) -> None:
+        c = self.cfg
+        if c.std < 0:
+            raise BadInput("defenses.gaussian_noise.std", f"std must be >= 0, got {c.std}.", "use a non-negative std.")
+        if c.relative and c.per_coordinate:
             raise BadInput("defenses.gaussian_noise", "relative and per_coordinate are exclusive.",
                            "set one of them (per_coordinate: std is the noise-to-signal ratio).")
-        self.std, self.relative, self.per_coordinate, self.seed = float(std), bool(relative), bool(per_coordinate), seed
+        self.std, self.relative, self.per_coordinate, self.seed = c.std, c.relative, c.per_coordinate, c.seed
 
     def apply(self, update: Update, ctx: dict) -> Update:
         g = _gen(ctx, self.seed)
@@ -55,6 +51,17 @@ class GaussianNoise:
         if self.per_coordinate:
             scale = self.std * update.norm() / max(sum(t.numel() for t in update.tensors.values()), 1) ** 0.5
         return update.map(lambda _, t: t + scale * torch.randn(t.shape, generator=g, dtype=torch.float64).to(t))
+
+    def observed_noise_variance(self, update: Update, aggregate_of: int = 1, individual: bool = True) -> float:
+        """For noise relative to the update's norm, std = s ||g||, and the server estimates ||g|| from the noisy
+        upload: E||g + n||² = ||g||² (1 + P s²) for P coordinates."""
+        P = sum(t.numel() for t in update.tensors.values())
+        std = self.std
+        if self.relative:
+            std = std * update.norm() / (1 + P * std * std) ** 0.5
+        elif self.per_coordinate:  # ||g + n||² ≈ ||g||² (1 + std²)
+            std = std * update.norm() / (1 + std * std) ** 0.5 / P ** 0.5
+        return std * std / (1 if individual else aggregate_of)
 
 
 def _percentile(values: torch.Tensor, q: float) -> torch.Tensor:
@@ -67,10 +74,17 @@ def _percentile(values: torch.Tensor, q: float) -> torch.Tensor:
     return a + (b - a) * (pos - lo)
 
 
-@DEFENSES.register("gaussian_percentile", "Gaussian noise σ = σ0 × p-th percentile of |update| (NVFlare GaussianPrivacy, "
-                   "Hatamizadeh et al. 2022); BN buffer changes included; per-tensor variant; or an absolute σ")
-class GaussianPercentileNoise:
+@DEFENSES.register("percentile_noise", "Gaussian noise σ = σ0 × p-th percentile of |Δw| (Hatamizadeh et al. 2022; "
+                   "NVFlare GaussianPrivacy); BN buffer changes included; per-tensor variant; or an absolute σ. "
+                   "Also as `defense: {name: percentile_noise, sigma0: ...}`")
+class PercentileNoise(UpdateDefense):
     """Noise on every entry of the update, σ relative to a percentile of its absolute values.
+
+    Registered as ``percentile_noise`` (the name the configs and the paper's reproduction use) and, for older
+    ``defenses:`` lists, as ``gaussian_percentile``: one class, so both names draw the same noise. In the
+    ``defense:`` section it trains nothing and runs after the ``defenses:`` list
+    (:class:`~gradleak.defenses.base.UpdateInDefenseSection`), so ``--set defense.sigma0=25`` sweeps it; its report
+    is ``noise_sigma0``.
 
     Hatamizadeh et al. 2022 §II-C (SPEC §4.3): "σ = σ0 × (95th percentile of the absolute update values),
     chosen to reduce outlier influence; noise added to every entry". Readings and decisions, recorded:
@@ -92,16 +106,27 @@ class GaussianPercentileNoise:
     * σ0 = 0 returns the update unchanged; σ0 < 0 is refused. Seeded per defense, client and round.
     """
 
-    def __init__(self, sigma0: float, percentile: float = 95.0, per_tensor: bool = False,
-                 include_buffers: bool = True, absolute: bool = False, seed: int = 0):
-        if sigma0 < 0:
-            raise BadInput("defense.sigma0", f"σ0 must be ≥ 0, got {sigma0}.",
+    class Config(DefenseParams):
+        sigma0: float = Field(0.0, le=1e9, description="σ = σ0 × percentile of |update| (0: no noise; < 0 refused)")
+        percentile: float = Field(95.0, description="the percentile (the paper's: 95)")
+        per_tensor: bool = Field(False, description="one percentile per tensor instead of over all entries (NVFlare)")
+        include_buffers: bool = Field(True, description="BN running-statistics changes in the percentile and noised")
+        absolute: bool = Field(False, description="σ = sigma0 itself (on the Δw scale), e.g. the paper's 1e-2")
+        seed: int = Field(0, description="noise seed (default: the run's seed)")
+
+    seeded = True
+    modalities = ("image", "text")
+
+    def setup(self) -> None:
+        c = self.cfg
+        if c.sigma0 < 0:
+            raise BadInput("defense.sigma0", f"σ0 must be ≥ 0, got {c.sigma0}.",
                            "use σ0 = 0 (no noise) or a positive multiple of the percentile (e.g. 10, 25, 50).")
-        if not 0 < percentile <= 100:
-            raise BadInput("defense.percentile", f"the percentile must be in (0, 100], got {percentile}.",
+        if not 0 < c.percentile <= 100:
+            raise BadInput("defense.percentile", f"the percentile must be in (0, 100], got {c.percentile}.",
                            "use e.g. 95 (the paper's).")
-        self.sigma0, self.percentile, self.per_tensor = float(sigma0), float(percentile), bool(per_tensor)
-        self.include_buffers, self.absolute, self.seed = bool(include_buffers), bool(absolute), seed
+        self.sigma0, self.percentile, self.per_tensor = c.sigma0, c.percentile, c.per_tensor
+        self.include_buffers, self.absolute, self.seed = c.include_buffers, c.absolute, c.seed
 
     def _entries(self, update: Update, scale: float) -> dict[str, tuple[torch.Tensor, float]]:
         """Name -> (tensor, factor to the Δw scale) of every entry that is noised."""
@@ -144,13 +169,25 @@ class GaussianPercentileNoise:
             buffers = {k: (noised(t, sig[f"b:{k}"]) if f"b:{k}" in sig else t) for k, t in buffers.items()}
         return Update(tensors, update.num_samples, update.client_id, update.kind, update.local_steps, buffers)
 
+    def observed_noise_variance(self, update: Update, aggregate_of: int = 1, individual: bool = True) -> None:
+        return None  # σ follows the (unseen) clean update's percentile
+
+    def report(self, rounds: list) -> dict[str, float]:
+        return {"noise_sigma0": float(self.sigma0)}
+
+
+DEFENSES.alias("gaussian_percentile", "percentile_noise")
+
 
 @DEFENSES.register("clipping", "scale the whole update down to L2 norm <= max_norm")
-class Clipping:
-    def __init__(self, max_norm: float):
-        if max_norm <= 0:
-            raise BadInput("defenses.clipping.max_norm", f"max_norm must be > 0, got {max_norm}.", "use e.g. 1.0.")
-        self.max_norm = float(max_norm)
+class Clipping(UpdateDefense):
+    class Config(DefenseParams):
+        max_norm: float = Field(description="L2 bound of the whole update")
+
+    def setup(self) -> None:
+        if self.cfg.max_norm <= 0:
+            raise BadInput("defenses.clipping.max_norm", f"max_norm must be > 0, got {self.cfg.max_norm}.", "use e.g. 1.0.")
+        self.max_norm = self.cfg.max_norm
 
     def apply(self, update: Update, ctx: dict) -> Update:
         factor = min(1.0, self.max_norm / max(update.norm(), 1e-300))
@@ -160,7 +197,7 @@ class Clipping:
 @DEFENSES.register("dp_gaussian", "clip the update to max_norm, then add N(0, (noise_multiplier*max_norm)^2) on the "
                    "client (where=client) or N(0, (noise_multiplier*max_norm/K)^2) on the mean of K clipped updates "
                    "(where=server: central DP, UTR Table 3)")
-class DPGaussian:
+class DPGaussian(UpdateDefense):
     """Gaussian mechanism on clipped updates.
 
     ``where="client"`` (local DP): each client clips its update to ``max_norm`` and adds N(0, (σC)²) before upload.
@@ -170,16 +207,25 @@ class DPGaussian:
     without noise; only the aggregate (the secure-aggregation view, the released model) is protected.
     """
 
-    def __init__(self, noise_multiplier: float, max_norm: float = 1.0, where: str = "client", seed: int = 0):
-        if noise_multiplier < 0:
+    class Config(DefenseParams):
+        noise_multiplier: float = Field(description="σ: noise std = σ · max_norm (client) or σ · max_norm / K (server)")
+        max_norm: float = Field(1.0, description="C: L2 clipping bound of each update")
+        where: str = Field("client", description="client: noise on each upload (local DP); server: on the aggregate")
+        seed: int = Field(0, description="noise seed (default: the run's seed)")
+
+    seeded = True
+
+    def setup(self) -> None:
+        c = self.cfg
+        if c.noise_multiplier < 0:
             raise BadInput("defenses.dp_gaussian.noise_multiplier", "must be >= 0.", "use e.g. 1.0.")
-        if where not in ("client", "server"):
-            raise BadInput("defenses.dp_gaussian.where", f"must be 'client' or 'server', got {where!r}.",
+        if c.where not in ("client", "server"):
+            raise BadInput("defenses.dp_gaussian.where", f"must be 'client' or 'server', got {c.where!r}.",
                            "use where: client (noise on each upload) or where: server (noise on the aggregate).")
-        self.clip = Clipping(max_norm)
-        self.noise_multiplier, self.max_norm, self.where = float(noise_multiplier), float(max_norm), where
-        self.server_side = where == "server"
-        self.noise = GaussianNoise(noise_multiplier * max_norm, relative=False, seed=seed)
+        self.clip = Clipping(c.max_norm)
+        self.noise_multiplier, self.max_norm, self.where = c.noise_multiplier, c.max_norm, c.where
+        self.server_side = c.where == "server"
+        self.noise = GaussianNoise(c.noise_multiplier * c.max_norm, relative=False, seed=c.seed)
 
     def apply(self, update: Update, ctx: dict) -> Update:
         if self.server_side:  # the client only clips; the noise comes with the aggregate (server_apply)
@@ -191,6 +237,12 @@ class DPGaussian:
         noise = GaussianNoise(self.noise_multiplier * self.max_norm / max(num_updates, 1), seed=self.noise.seed)
         return noise.apply(aggregate, {**ctx, "client_id": -1})
 
+    def observed_noise_variance(self, update: Update, aggregate_of: int = 1, individual: bool = True) -> float:
+        std = self.noise_multiplier * self.max_norm
+        if self.server_side:  # the raw upload carries no noise; the mean of K uploads N(0, (σC/K)²)
+            return 0.0 if individual else (std / aggregate_of) ** 2
+        return std * std / (1 if individual else aggregate_of)
+
 
 def coordinate_noise_std(entries: list[dict] | list[DefenseConfig], update: Update, aggregate_of: int = 1,
                          individual: bool = True) -> float | None:
@@ -198,42 +250,32 @@ def coordinate_noise_std(entries: list[dict] | list[DefenseConfig], update: Upda
     (``individual``) or on the observed mean of ``aggregate_of`` uploads; None when no defense adds Gaussian
     noise, or when one adds noise whose scale the server cannot know (percentile-scaled noise, quantisation).
 
-    The server knows the DP configuration (it is part of the published protocol). For noise relative to the
-    update's norm, std = s ||g||, and the server estimates ||g|| from the noisy upload: E||g + n||² =
-    ||g||² (1 + P s²) for P coordinates. Independent noises add in variance; clipping scales the signal only."""
+    The server knows the DP configuration (it is part of the published protocol); each defense says what it adds
+    (:meth:`~gradleak.defenses.base.UpdateDefense.observed_noise_variance`). Independent noises add in variance;
+    clipping scales the signal only."""
     var, known = 0.0, True
-    P = sum(t.numel() for t in update.tensors.values())
-    for e in entries:
-        e = e if isinstance(e, DefenseConfig) else DefenseConfig(**e)
-        p = e.params
-        if e.name == "gaussian_noise":
-            std = float(p.get("std", 0.0))
-            if p.get("relative", False):
-                std = std * update.norm() / (1 + P * std * std) ** 0.5
-            elif p.get("per_coordinate", False):  # ||g + n||² ≈ ||g||² (1 + std²)
-                std = std * update.norm() / (1 + std * std) ** 0.5 / P ** 0.5
-            var += std * std / (1 if individual else aggregate_of)
-        elif e.name == "dp_gaussian":
-            std = float(p.get("noise_multiplier", 0.0)) * float(p.get("max_norm", 1.0))
-            if p.get("where", "client") == "server":
-                if not individual:
-                    var += (std / aggregate_of) ** 2
-            else:
-                var += std * std / (1 if individual else aggregate_of)
-        elif e.name in ("gaussian_percentile", "stochastic_quantization"):
+    for d in build_defenses(entries):
+        v = d.observed_noise_variance(update, aggregate_of=aggregate_of, individual=individual)
+        if v is None:
             known = False
+        else:
+            var += v
     if not known and var == 0.0:
         return None
     return var ** 0.5 if var > 0 else None
 
 
 @DEFENSES.register("topk_pruning", "zero all but the largest-magnitude (1 - prune_fraction) of the coordinates")
-class TopKPruning:
-    def __init__(self, prune_fraction: float):
-        if not 0 <= prune_fraction < 1:
-            raise BadInput("defenses.topk_pruning.prune_fraction", f"must be in [0, 1), got {prune_fraction}.",
+class TopKPruning(UpdateDefense):
+    class Config(DefenseParams):
+        prune_fraction: float = Field(description="fraction of the coordinates set to zero, in [0, 1)")
+
+    def setup(self) -> None:
+        p = self.cfg.prune_fraction
+        if not 0 <= p < 1:
+            raise BadInput("defenses.topk_pruning.prune_fraction", f"must be in [0, 1), got {p}.",
                            "use e.g. 0.9 to zero 90% of the coordinates.")
-        self.prune_fraction = float(prune_fraction)
+        self.prune_fraction = p
 
     def apply(self, update: Update, ctx: dict) -> Update:
         flat = update.flat()
@@ -243,11 +285,18 @@ class TopKPruning:
 
 
 @DEFENSES.register("stochastic_quantization", "unbiased stochastic rounding of each tensor to 2^bits levels (QSGD-style)")
-class StochasticQuantization:
-    def __init__(self, bits: int, seed: int = 0):
-        if bits < 1:
-            raise BadInput("defenses.stochastic_quantization.bits", f"bits must be >= 1, got {bits}.", "use e.g. 8.")
-        self.levels, self.seed = 2 ** int(bits) - 1, seed
+class StochasticQuantization(UpdateDefense):
+    class Config(DefenseParams):
+        bits: int = Field(description="2^bits levels between each tensor's min and max")
+        seed: int = Field(0, description="rounding seed (default: the run's seed)")
+
+    seeded = True
+
+    def setup(self) -> None:
+        c = self.cfg
+        if c.bits < 1:
+            raise BadInput("defenses.stochastic_quantization.bits", f"bits must be >= 1, got {c.bits}.", "use e.g. 8.")
+        self.levels, self.seed = 2 ** c.bits - 1, c.seed
 
     def apply(self, update: Update, ctx: dict) -> Update:
         g = _gen(ctx, self.seed)
@@ -263,21 +312,9 @@ class StochasticQuantization:
 
         return update.map(q)
 
+    def observed_noise_variance(self, update: Update, aggregate_of: int = 1, individual: bool = True) -> None:
+        return None  # rounding noise depends on each tensor's (unseen) range
 
-def build_defenses(entries: list[DefenseConfig] | list[dict], seed: int = 0) -> list[Any]:
-    """Instantiate defenses from config entries, with a clear error for bad names or parameters."""
-    out = []
-    for i, e in enumerate(entries):
-        e = e if isinstance(e, DefenseConfig) else DefenseConfig(**e)
-        cls = DEFENSES.get(e.name, field=f"defenses[{i}].name")
-        params = dict(e.params)
-        # the signature, not __code__.co_varnames: those also list locals, and a wrapped __init__ (mutmut's
-        # trampolines, any decorator using functools.wraps) has its own code object
-        if "seed" in inspect.signature(cls).parameters and "seed" not in params:
-            params["seed"] = seed
-        try:
-            out.append(cls(**params))
-        except TypeError as err:
-            raise BadInput(f"defenses[{i}].params", f"bad parameters for '{e.name}': {err}.",
-                           f"see `gradleak list` and the docstring of {cls.__name__}.") from None
-    return out
+
+__all__ = ["Clipping", "DPGaussian", "GaussianNoise", "PercentileNoise", "StochasticQuantization", "TopKPruning",
+           "coordinate_noise_std"]

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from gradleak.errors import BadInput
 
@@ -152,15 +152,6 @@ def normalize_aliases(raw: dict, schema: type[BaseModel]) -> dict:
         if isinstance(v, dict) and isinstance(ann, type) and issubclass(ann, BaseModel):
             out[k] = normalize_aliases(v, ann)
     return out
-
-
-def describe_validation_error(err: ValidationError) -> BadInput:
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-")) or "(config)"
-    msg = first["msg"]
-    if first["type"] == "extra_forbidden":
-        return BadInput(loc, "this config key does not exist.", "remove it or check its spelling against the shipped configs.")
-    return BadInput(loc, f"{msg} (got {first.get('input')!r}).", "change this value in the config or with --set.")
 
 
 def load_yaml(path: str | Path) -> dict:

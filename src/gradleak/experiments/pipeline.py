@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from gradleak.errors import BadInput
-from gradleak.experiments.evaluation import Truth, evaluate
+from gradleak.experiments.evaluation import Truth, evaluate, split_by_guarantee
 from gradleak.experiments.schema import ExperimentConfig
 
 GENERATED = ("natural-crops", "public-natural")
@@ -235,7 +235,7 @@ class TextData:
 
 def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     from gradleak.attacks.base import AttackContext
-    from gradleak.defenses.update import build_defenses
+    from gradleak.defenses import build_defenses
     from gradleak.fl.core import default_classification_loss
     from gradleak.fl.engines import rounds_engine
     from gradleak.fl.threat import build_view
@@ -273,8 +273,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     start_state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     rounds = attack.rounds_wanted(cfg.fl.rounds)
     defenses = build_defenses([d.model_dump() for d in cfg.defenses], seed=cfg.seed)
-    if hasattr(defense, "update_transforms"):  # a `defense:` entry that is an update transform (percentile noise)
-        defenses = defenses + defense.update_transforms(seed=cfg.seed)
+    defenses = defenses + defense.update_transforms(seed=cfg.seed)  # a `defense:` that is an update transform
     loss_fn = handle.loss_fn or default_classification_loss
     if defense.loss_options():
         from gradleak.models.text import text_loss
@@ -306,7 +305,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
                              secure_aggregation=not threat.individual_updates, track=ctx.track,
                              keep_round=lambda r: attack.observes_round(r, rounds) and
                              (threat.rounds_observed is None or r < threat.rounds_observed),
-                             local_update=getattr(defense, "local_update", None),
+                             local_update=defense.local_update,
                              client_settings=cfg.client_plan() if cfg.fl.algorithm == "fedavg" else None,
                              lr_at=cfg.fl.lr_at)
         t_client += outcome.client_seconds
@@ -346,10 +345,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
                 ev = evaluate_update(rec, truth_v, handle=handle, cfg=cfg, out_dir=ctx.out_dir,
                                      label=trial if not v else f"{trial}_client{v}", null_pool=null_pool,
                                      membership=membership, **per_client_truth)
-                if hasattr(defense, "layer_condition"):
-                    from gradleak.experiments.evaluation import split_by_guarantee
-
-                    split_by_guarantee(ev, defense.layer_condition(view.rounds))
+                split_by_guarantee(ev, defense.layer_condition(view.rounds))  # {}: no per-layer guarantee
                 ev.metrics.update(defense.report(view.rounds))
                 test = data.test(mcfg.num_classes)
                 if test is not None:

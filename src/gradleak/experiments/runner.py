@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from pydantic import ValidationError
 
-from gradleak.errors import BadInput
-from gradleak.experiments.config import apply_overrides, describe_validation_error, load_yaml, normalize_aliases
+from gradleak.errors import BadInput, describe_validation_error
+from gradleak.experiments.config import apply_overrides, load_yaml, normalize_aliases
 from gradleak.experiments.results import environment, write_json_atomic
 
 

@@ -10,7 +10,18 @@
 
 The ``attack:`` section holds ``name`` plus the attack's parameters, either flat (``attack.sigma``) or
 under ``attack.params`` (``attack.params.eps_bag``); both are validated against the attack's ``Config``
-class, so a bad value exits 2 naming ``attack.<parameter>``. ``scale: cpu | paper`` fills the optimisation attacks'
+class, so a bad value exits 2 naming ``attack.<parameter>``.
+
+Defenses (one registry, :mod:`gradleak.defenses.base`) appear in two sections that differ in meaning, not spelling:
+
+* ``defenses:`` — a *list* of update transforms (stage ``update``), ``[{name, params: {...}}]``, applied in order to
+  every client's upload (noise, clipping, pruning, quantisation, local or central DP); a training-time name here is
+  refused, naming ``defense:``. What the server is told about them (``update_defenses``) comes from this list.
+* ``defense:`` — *one* defense that changes how clients train (stage ``training``: FISGuard, DP-SGD, L2, dropout,
+  label smoothing, min-max, the RDLV filter), ``{name, <parameters>}`` with the parameters flat so that
+  ``--set defense.<parameter>=...`` sweeps them; default ``none``. An update-stage defense may be named here too
+  (``percentile_noise``, the leakage configs' way to sweep ``defense.sigma0``): it trains nothing, and its transform
+  runs after the ``defenses:`` list. ``scale: cpu | paper`` fills the optimisation attacks'
 iteration parameters the config leaves unset from the attack class's ``scales`` table (``ig``: 300 / 2000 steps;
 ``gias``: 300 + 100 / 2000 + 8000); the dump records them under ``scale_resolved``. Fields that belong to the other
 modality (``data.max_length`` in an image experiment, ``model.patch_size`` in a text one) are refused.
@@ -23,8 +34,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
-from gradleak.defenses.update import DefenseConfig
-from gradleak.errors import BadInput
+from gradleak.defenses.base import DefenseConfig, DefenseSection, build_defense_section, build_defenses
+from gradleak.errors import BadInput, describe_validation_error
 from gradleak.experiments.config import Strict
 from gradleak.fl.threat import ThreatConfig, ThreatModel
 from gradleak.peft import PeftConfig
@@ -174,13 +185,6 @@ class AttackSection(BaseModel):
         return {**flat, **self.params}
 
 
-class DefenseSection(BaseModel):
-    """``defense: {name: ..., <parameters>}`` — a training-time defense, validated against its Config."""
-
-    model_config = ConfigDict(extra="allow")
-    name: str = "none"
-
-
 class ExperimentConfig(Strict):
     experiment: str = "image"
     name: Optional[str] = None
@@ -223,7 +227,8 @@ class ExperimentConfig(Strict):
 
     @property
     def training_defense(self):
-        """The resolved training-time defense (an instance of a TRAINING_DEFENSES class)."""
+        """The resolved ``defense:`` section: a :class:`~gradleak.defenses.base.TrainingDefense` (an update-stage
+        defense named there is wrapped so that it runs after the ``defenses:`` list)."""
         return self._defense
 
     @property
@@ -296,8 +301,6 @@ class ExperimentConfig(Strict):
                            "set threat.preset=prescribes-architecture (or malicious), or peft.layer_pe=false.")
         if self._modality == "image" and self._threat.public_data and self.data.public is not None:
             check_disjoint(self.data.name, self.data.public)
-        from gradleak.defenses.update import build_defenses
-
         build_defenses([d.model_dump() for d in self.defenses], seed=self.seed)  # names and parameters
         self._resolve_defense()
         if (self._attack_cls.reconstruction == "membership" and self.peft.kind == "lora" and self.peft.lora_init == "default"
@@ -372,28 +375,8 @@ class ExperimentConfig(Strict):
                                "on a dataset that shares no source image with data.name.")
 
     def _resolve_defense(self) -> None:
-        from gradleak.defenses.training import TRAINING_DEFENSES
-
-        cls = TRAINING_DEFENSES.get(self.defense.name, field="defense.name")
-        if self.defense.name != "none" and self._modality not in getattr(cls, "modalities", ("text",)):
-            raise BadInput("defense.name", f"training defense '{self.defense.name}' is implemented for text clients.",
-                           "use defense.name=none, or the update defenses in `defenses:`.")
-        if self.defense.name == "fisguard" and self.peft.kind not in ("adapters", "lora"):
-            raise BadInput("peft.kind", f"FISGuard protects adapters or LoRA, not peft.kind={self.peft.kind}.",
-                           "use peft.kind=adapter or lora.")
-        try:
-            params = cls.Config(**(self.defense.model_extra or {}))
-        except ValidationError as err:
-            from gradleak.experiments.config import describe_validation_error
-
-            bad = describe_validation_error(err)
-            fix = bad.fix if "does not exist" not in bad.problem else \
-                f"parameters of '{self.defense.name}': {', '.join(cls.Config.model_fields) or '(none)'}."
-            raise BadInput(f"defense.{bad.field}", bad.problem, fix) from None
-        self._defense = cls(params)
-        check = getattr(self._defense, "check_experiment", None)  # e.g. DP-SGD refuses a BatchNorm model
-        if check is not None:
-            check(self)
+        self._defense = build_defense_section(self.defense, self._modality, seed=self.seed)
+        self._defense.check_experiment(self)  # e.g. FISGuard needs adapters or LoRA, DP-SGD refuses a BatchNorm model
 
     def _resolve_attack(self) -> None:
         import gradleak.attacks  # noqa: F401  (registration)
@@ -417,8 +400,6 @@ class ExperimentConfig(Strict):
         try:
             acfg = cls.Config(**{**merged, **filled})
         except ValidationError as err:
-            from gradleak.experiments.config import describe_validation_error
-
             bad = describe_validation_error(err)
             known = ", ".join(sorted(cls.Config.model_fields)) or "(none)"
             fix = bad.fix if "does not exist" not in bad.problem else f"parameters of '{name}': {known}."
@@ -433,7 +414,7 @@ class ExperimentConfig(Strict):
         if self.scale is not None:  # which attack parameters the scale set (the others: the config's own)
             out["scale_resolved"] = {"scale": self.scale, "attack_parameters_set": dict(self._scale_filled)}
         if self._defense is not None:
-            out["defense"] = {"name": self.defense.name, **self._defense.cfg.model_dump(mode="json")}
+            out["defense"] = {"name": self.defense.name, **self._defense.params()}
         return out
 
 

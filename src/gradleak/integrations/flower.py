@@ -45,7 +45,7 @@ def defense_mod(defenses: list, *, seed: int = 0, algorithm: str = "fedavg", lr:
     the client's update before it leaves (built defense objects are accepted too): see
     :func:`~gradleak.fl.engines.flower_bridge.update_defense_mod`, which runs them."""
     require_flower()
-    from gradleak.defenses.update import build_defenses
+    from gradleak.defenses import build_defenses
 
     entries = list(defenses)
     built = [d for d in entries if hasattr(d, "apply")]  # already-built defenses pass through

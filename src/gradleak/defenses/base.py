@@ -1,0 +1,258 @@
+"""The defense protocol (DESIGN §2): one registry (:data:`gradleak.registry.DEFENSES`), one base class with a stage,
+each defense with a pydantic ``Config`` that holds its parameters and their defaults.
+
+Two stages:
+
+* ``update`` (:class:`UpdateDefense`) — a transform of the client's upload, ``apply(update, ctx) -> update``, run in
+  the client after its training step and before the upload (noise, clipping, pruning, quantisation, local DP);
+  ``server_apply`` for a mechanism the server runs on the aggregate (central DP). Named in the config's
+  ``defenses:`` list (``[{name, params}]``, applied in order).
+* ``training`` (:class:`TrainingDefense`) — changes how the client trains: the model before training (``apply``),
+  its objective (``wrap_loss``, ``loss_options``), or its whole step (``local_update``: DP-SGD, the RDLV filter).
+  Named in the config's single ``defense:`` section (``{name, <parameters>}``).
+
+An update-stage defense may also be named in ``defense:`` (``defense: {name: percentile_noise, sigma0: 25}``, so
+that ``--set defense.sigma0=…`` sweeps it): it trains nothing, and its transform runs on every upload after the
+``defenses:`` list (:class:`UpdateInDefenseSection`).
+
+Every hook is declared here with its default, so callers never probe a defense for an attribute. A defense is built
+from its parameters (``GaussianNoise(0.1, relative=True)``: positional in the order of the Config's fields, or by
+name) or from a Config instance (``DPSGD(DPSGDParams(noise_multiplier=2))``); the parameters that need more than a
+type (ranges with a fix to suggest, exclusive options) are checked in :meth:`Defense.setup`, which raises
+:class:`~gradleak.errors.BadInput` naming the field.
+
+**Seeds.** A defense that draws randomness declares ``seeded = True`` and a ``seed`` field in its Config; the
+builders (:func:`build_defenses`, :func:`build_defense_section`) set that field to the run's seed when the config
+leaves it out. Nothing inspects signatures or code objects.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gradleak.errors import BadInput, describe_validation_error
+from gradleak.registry import DEFENSES
+
+if TYPE_CHECKING:
+    from gradleak.fl.core import Update
+
+Stage = Literal["update", "training"]
+
+
+class DefenseParams(BaseModel):
+    """Base of every defense's ``Config``: unknown parameters are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Defense:
+    """A registered defense: its ``Config``, its ``stage`` and the hooks both stages share."""
+
+    #: parameters, with their defaults and documentation (the one place a default is written)
+    Config: ClassVar[type[DefenseParams]] = DefenseParams
+    stage: ClassVar[Stage]
+    #: data modalities the defense is implemented for (checked when it is named in ``defense:``)
+    modalities: ClassVar[tuple[str, ...]] = ("image", "text")
+    #: True: the Config has a ``seed`` field that the builders set to the run's seed when the config leaves it out
+    seeded: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.seeded and "seed" not in cls.Config.model_fields:
+            raise TypeError(f"{cls.__name__} is seeded but {cls.Config.__name__} has no `seed` field")
+        # the signature `gradleak list`, help() and inspect show: the Config's fields and defaults
+        cls.__signature__ = inspect.Signature([
+            inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                              default=inspect.Parameter.empty if f.is_required() else f.get_default(call_default_factory=True))
+            for n, f in cls.Config.model_fields.items()])
+
+    def __init__(self, *args: Any, **params: Any):
+        if len(args) == 1 and not params and isinstance(args[0], DefenseParams):
+            if not isinstance(args[0], self.Config):
+                raise TypeError(f"{type(self).__name__} takes a {self.Config.__name__}, not a {type(args[0]).__name__}")
+            cfg = args[0]
+        else:
+            names = list(self.Config.model_fields)
+            if len(args) > len(names):
+                raise TypeError(f"{type(self).__name__} takes at most {len(names)} positional parameters "
+                                f"({', '.join(names)}), got {len(args)}")
+            for n, v in zip(names, args):
+                if n in params:
+                    raise TypeError(f"{type(self).__name__} got parameter '{n}' twice")
+                params[n] = v
+            cfg = self.Config(**params)
+        self.cfg = cfg
+        #: the seed was filled in from the run's seed (so it is not one of the configured parameters)
+        self.seed_from_run = False
+        self.setup()
+
+    def setup(self) -> None:
+        """Check the parameters beyond their types (BadInput naming the field) and derive the working state."""
+
+    def params(self) -> dict[str, Any]:
+        """The parameters as configured (JSON types); a seed taken from the run is left out (it is the run's ``seed``)."""
+        return self.cfg.model_dump(mode="json", exclude={"seed"} if self.seed_from_run else None)
+
+    def check_experiment(self, cfg: Any) -> None:
+        """Refuse an experiment the defense cannot run on, at validation time (before any model is built)."""
+
+    def report(self, rounds: list) -> dict[str, float]:
+        """Numbers about the defense in this trial, added to the run's metrics (called once per trial)."""
+        return {}
+
+
+class UpdateDefense(Defense):
+    """A transform of each client's upload (``defenses:``)."""
+
+    stage: ClassVar[Stage] = "update"
+    #: True: a mechanism the server applies to the aggregate (``server_apply``); the client step only ``apply``-s
+    server_side: bool = False
+
+    def apply(self, update: "Update", ctx: dict) -> "Update":
+        """The upload after the defense; ``ctx`` holds ``client_id``, the round's ``seed`` and ``lr``."""
+        return update
+
+    def server_apply(self, aggregate: "Update", ctx: dict, num_updates: int) -> "Update":
+        """The aggregate of ``num_updates`` uploads after the server's part of the mechanism (central DP)."""
+        return aggregate
+
+    def observed_noise_variance(self, update: "Update", aggregate_of: int = 1, individual: bool = True) -> Optional[float]:
+        """Per-coordinate variance of the Gaussian noise this defense puts on an observed upload (``individual``)
+        or on the mean of ``aggregate_of`` uploads, as the server can compute it from the published parameters
+        and the observed (noisy) ``update``; 0 for no noise, None for noise of a scale the server cannot know."""
+        return 0.0
+
+
+class TrainingDefense(Defense):
+    """A change to how clients train (``defense:``)."""
+
+    stage: ClassVar[Stage] = "training"
+    modalities: ClassVar[tuple[str, ...]] = ("text",)  # most of paper 004's MIA defenses are for text clients
+    #: ``local_update(client, model, *, seed, algorithm, lr, round_index, epochs, batch_size) -> Update | None``
+    #: replaces the client's training step (None: the client's own step); a defense that needs it defines the method
+    local_update: Optional[Callable[..., Any]] = None
+
+    def apply(self, handle: Any, experiment_cfg: Any, data: Any = None) -> None:
+        """Change the model before training (FISGuard re-parameterises layers, dropout installs hooks); ``data`` is
+        the experiment's data source."""
+
+    def wrap_loss(self, loss_fn: Callable, model: Any) -> Callable:
+        """The client's objective (L2, dropout's training switch)."""
+        return loss_fn
+
+    def loss_options(self) -> dict[str, Any]:
+        """Options of the task loss itself (label smoothing)."""
+        return {}
+
+    def layer_condition(self, rounds: list) -> dict[str, bool]:
+        """Per protected layer, whether the defense's guarantee held (empty: no per-layer guarantee)."""
+        return {}
+
+    def update_transforms(self, seed: int = 0) -> list[UpdateDefense]:
+        """Update transforms the defense adds after the ``defenses:`` list."""
+        return []
+
+
+class UpdateInDefenseSection(TrainingDefense):
+    """An update-stage defense named in ``defense:``: it trains nothing; its transform runs on every upload after the
+    ``defenses:`` list, and its report joins the metrics."""
+
+    modalities: ClassVar[tuple[str, ...]] = ("image", "text")
+
+    def __init__(self, transform: UpdateDefense):
+        self.transform = transform
+        self.cfg = transform.cfg
+        self.seed_from_run = transform.seed_from_run
+
+    def params(self) -> dict[str, Any]:
+        return self.transform.params()
+
+    def update_transforms(self, seed: int = 0) -> list[UpdateDefense]:
+        t = self.transform
+        if t.seeded and t.seed_from_run and t.cfg.seed != seed:
+            t = _with_run_seed(type(t), t.cfg.model_dump(exclude={"seed"}), seed)
+        return [t]
+
+    def check_experiment(self, cfg: Any) -> None:
+        self.transform.check_experiment(cfg)
+
+    def report(self, rounds: list) -> dict[str, float]:
+        return self.transform.report(rounds)
+
+
+# ------------------------------------------------------------------------------------------------- config entries
+
+class DefenseConfig(BaseModel):
+    """One entry of a config's ``defenses:`` list: ``{name: ..., params: {<parameters>}}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class DefenseSection(BaseModel):
+    """The config's ``defense:`` section: ``{name: ..., <parameters>}`` (flat), validated against the Config of
+    ``name``."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = "none"
+
+
+def _with_run_seed(cls: type[Defense], params: dict[str, Any], seed: int) -> Defense:
+    filled = cls.seeded and "seed" not in params
+    d = cls(**({**params, "seed": seed} if filled else params))
+    d.seed_from_run = filled
+    return d
+
+
+def _lookup(name: str, field: str, stage: Optional[Stage]) -> type[Defense]:
+    names = [e.name for e in DEFENSES if stage is None or e.obj.stage == stage]
+    if name not in DEFENSES:
+        raise BadInput(field, f"unknown defense '{name}'.", f"use one of: {', '.join(names)}.")
+    cls = DEFENSES.get(name, field=field)
+    if stage is not None and cls.stage != stage:
+        raise BadInput(field, f"'{name}' is a training-time defense; the `defenses:` list holds update transforms.",
+                       f"name it in the `defense:` section (defense: {{name: {name}, ...}}), or use one of: "
+                       f"{', '.join(names)}.")
+    return cls
+
+
+def _build(cls: type[Defense], name: str, params: dict[str, Any], seed: int, prefix: str) -> Defense:
+    try:
+        return _with_run_seed(cls, params, seed)
+    except ValidationError as err:
+        bad = describe_validation_error(err)
+        fix = bad.fix if "does not exist" not in bad.problem else \
+            f"parameters of '{name}': {', '.join(cls.Config.model_fields) or '(none)'}."
+        raise BadInput(f"{prefix}.{bad.field}", bad.problem, fix) from None
+
+
+def build_defenses(entries: list[DefenseConfig] | list[dict], seed: int = 0) -> list[UpdateDefense]:
+    """The ``defenses:`` list as update transforms, in order; BadInput naming ``defenses[i]...`` for a bad name or
+    parameter. Seeded defenses without a ``seed`` parameter get ``seed``."""
+    out = []
+    for i, e in enumerate(entries):
+        e = e if isinstance(e, DefenseConfig) else DefenseConfig(**e)
+        cls = _lookup(e.name, f"defenses[{i}].name", "update")
+        out.append(_build(cls, e.name, dict(e.params), seed, f"defenses[{i}].params"))
+    return out
+
+
+def build_defense_section(section: DefenseSection, modality: str, seed: int = 0) -> TrainingDefense:
+    """The ``defense:`` section as a training-time defense (an update-stage one wrapped in
+    :class:`UpdateInDefenseSection`); BadInput naming ``defense.<field>``."""
+    name = section.name
+    cls = _lookup(name, "defense.name", None)
+    if name != "none" and modality not in cls.modalities:
+        raise BadInput("defense.name", f"training defense '{name}' is implemented for "
+                       f"{' and '.join(cls.modalities)} clients.",
+                       "use defense.name=none, or the update defenses in `defenses:`.")
+    d = _build(cls, name, dict(section.model_extra or {}), seed, "defense")
+    return UpdateInDefenseSection(d) if isinstance(d, UpdateDefense) else d
+
+
+__all__ = ["Defense", "DefenseConfig", "DefenseParams", "DefenseSection", "Stage", "TrainingDefense", "UpdateDefense",
+           "UpdateInDefenseSection", "build_defense_section", "build_defenses"]
