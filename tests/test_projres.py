@@ -48,7 +48,7 @@ def test_residual_is_zero_for_members_in_a_full_rank_toy_case():
 
 
 def test_roc_summary_counts_ties_half():
-    from gradleak.experiments.evaluation import roc_summary
+    from gradleak.evaluation.nulls import roc_summary
 
     assert roc_summary([1, 0, 1, 0], [0.0, 0.0, 0.0, 0.0])["auc"] == 0.5
     m = roc_summary([1] * 10 + [0] * 1000, [1.0] * 10 + [0.0] * 1000)
@@ -260,7 +260,8 @@ def test_minmax_end_to_end_and_refuses_fedavg(tmp_path, minilm_available):
 
 
 def test_guarantee_split_of_the_per_layer_aucs():
-    from gradleak.experiments.evaluation import Evaluation, split_by_guarantee
+    from gradleak.evaluation import Evaluation
+    from gradleak.evaluation.membership import split_by_guarantee
 
     ev = Evaluation({"auc": 0.7}, tables=[{"title": "ProjRes AUC per layer", "columns": ["layer", "auc"], "rows": [
         {"layer": "a.up", "auc": 0.5}, {"layer": "b.up", "auc": 0.81}, {"layer": "head", "auc": 0.9}]}])

@@ -54,7 +54,7 @@ def test_random_public_images_fed_to_the_evaluators_stay_below_their_null(tmp_pa
     them: at most 1 % of 200 draws reach `partial` or more (the issue's false alarm: RDLV > 0 for random images)."""
     from gradleak.data import load
     from gradleak.attacks.base import Reconstruction
-    from gradleak.experiments.evaluation import Truth, evaluate
+    from gradleak.evaluation import Truth, evaluate
 
     for n in ("image_null", "rdlv_null"):
         _memo(monkeypatch, n)
@@ -84,7 +84,7 @@ def test_random_public_sentences_and_member_sets_stay_below_their_null(tmp_path,
     the membership evaluator: at most 1 % of 200 draws reach `partial` or more."""
     from gradleak.attacks.base import Reconstruction
     from gradleak.data.text import load_text
-    from gradleak.experiments.evaluation import Truth, evaluate
+    from gradleak.evaluation import Truth, evaluate
     from transformers import AutoTokenizer
 
     from gradleak.models.text import resolve_model
@@ -117,7 +117,7 @@ def test_random_public_sentences_and_member_sets_stay_below_their_null(tmp_path,
         hits += grade("token_sequences", ev.metrics)["level"] != "none"
     assert hits <= 2, hits
     labels = [True] * 16 + [False] * 48
-    monkeypatch.setattr("gradleak.experiments.evaluation._roc_figure", lambda *a, **k: ([], []))  # 200 plots
+    monkeypatch.setattr("gradleak.evaluation.membership._roc_figure", lambda *a, **k: ([], []))  # 200 plots
     hits = 0
     cfg = _cfg(draws=200)
     for d in range(200):

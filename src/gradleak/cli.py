@@ -184,7 +184,7 @@ def list_():
     from gradleak.registry import ATTACKS, DATASETS, DEFENSES, EXPERIMENTS, METRICS, load_all
 
     load_all()
-    from gradleak.experiments.evaluation import EVALUATORS
+    from gradleak.evaluation import EVALUATORS
     from gradleak.models import MODELS
     from gradleak.peft import KIND_FIELDS, PEFT_KINDS
 

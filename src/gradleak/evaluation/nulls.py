@@ -80,7 +80,7 @@ def _pairwise(pool01: torch.Tensor, originals01: torch.Tensor) -> dict[str, np.n
 def image_null(originals01: torch.Tensor, pool01: torch.Tensor, *, n: int | None = None, match: str = "hungarian",
                draws: int = NULL_DRAWS, seed: int = 0) -> dict[str, np.ndarray]:
     """Null draws of the image metrics: ``n`` (default: as many as originals) random pool images as the attack's
-    output, matched to the originals like :func:`gradleak.experiments.evaluation.evaluate_images` (``hungarian``:
+    output, matched to the originals like :func:`gradleak.evaluation.images.evaluate_images` (``hungarian``:
     order-free on MSE, unmatched originals scored against grey) or in order (``paired``, PEFTLeak's placement).
     Returns arrays (one value per draw) for ``psnr`` (mean over originals), ``ssim`` (mean), ``psnr_max`` and
     ``ssim_max`` (the best original) and ``images_above_threshold`` needs a threshold: see the caller."""

@@ -91,9 +91,11 @@ def _upgrade(raw: dict, name: str) -> dict | None:
     return threat if threat != dict(raw.get("threat") or {}) else None
 
 
-#: the headline metric of each reconstruction kind (its null sits beside it in the results)
-HEADLINE = {"images": "psnr_max", "patches": "psnr_max", "token_sequences": "rouge1_f1", "membership": "auc",
-            "leakage": "rdlv"}
+def headline_metric(kind: str) -> str | None:
+    """The headline metric of a reconstruction kind (its evaluation unit's; its null sits beside it)."""
+    from gradleak.evaluation import EVALUATORS
+
+    return EVALUATORS.get(kind).headline if kind in EVALUATORS else None
 
 
 def client_metric_sets(kind: str, metrics: dict, per_client: list[dict] | None = None) -> list[tuple[Any, dict]]:
@@ -116,27 +118,18 @@ def client_metric_sets(kind: str, metrics: dict, per_client: list[dict] | None =
 
 def judge(kind: str, metrics: dict, cfg) -> dict:
     """The level of one client's metrics, with the headline metric beside its null (module docstring)."""
+    from gradleak.evaluation import EVALUATORS
     from gradleak.evaluation.levels import LEAKING, grade
 
     g = grade(kind, metrics, cfg.metrics.psnr_threshold_db)
-    head = HEADLINE.get(kind)
+    head = headline_metric(kind)
     m = metrics
     out = {"level": g["level"], "rule": g["rule"], "evidence": g["evidence"], "success": g["level"] in LEAKING,
            "metric": head, "value": m.get(head), "null_median": m.get(f"{head}_null_median"),
            "null_p99": m.get(f"{head}_null_p99"), "p_value": m.get(f"{head}_p_value"),
            "n_success": None, "n_total": None, "criterion": g["rule"]}
-    if kind == "images":
-        out.update(n_success=int(m.get("images_above_threshold", 0) or 0), n_total=int(m.get("images_total", 0) or 0))
-    elif kind == "patches":
-        out.update(n_success=int(m.get("patches_exact", 0) or 0), n_total=int(m.get("num_true_patches", 0) or 0),
-                   unit="image patches")
-    elif kind == "token_sequences":
-        out.update(n_success=int(m.get("sentences_exact", 0) or 0), n_total=int(m.get("sentences_total", 0) or 0),
-                   unit="sentences")
-    elif kind == "leakage":
-        out["rdlv_excess"] = m.get("rdlv_excess")
-    elif kind == "membership":
-        out.update(tpr_at_1pct_fpr=m.get("tpr_at_1pct_fpr"), auc_interval=[m.get("auc_low"), m.get("auc_high")])
+    if kind in EVALUATORS:
+        out.update(EVALUATORS.get(kind).audit_fields(m))
     return out
 
 
@@ -261,7 +254,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
             entry["failed"] = err["error"]
             log(f"[audit] {name}: a run FAILED ({err['error']})")
         if not ok_runs:
-            entry.update({"level": "undefined", "success": False, "undefined": True, "metric": HEADLINE.get(A.reconstruction),
+            entry.update({"level": "undefined", "success": False, "undefined": True, "metric": headline_metric(A.reconstruction),
                           "value": None, "rule": "the run failed: nothing was measured",
                           "reason": f"the run failed: {err['error'] if err else 'no result'}"})
             continue

@@ -20,12 +20,11 @@ import numpy as np
 import torch
 
 from gradleak.errors import BadInput
-from gradleak.experiments.evaluation import Truth, evaluate, split_by_guarantee
+from gradleak.evaluation import Truth, evaluate, unit
+from gradleak.evaluation.membership import split_by_guarantee
 from gradleak.experiments.schema import ExperimentConfig
 
 GENERATED = ("natural-crops", "public-natural")
-#: reconstruction kinds attacked one client at a time (membership and leakage attacks score every client themselves)
-PER_CLIENT_KINDS = ("images", "patches", "token_sequences")
 USER_IMAGE_SETS = ("image-folder", "npz")
 
 
@@ -313,7 +312,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
         # the attacked updates: the first client's (the view's first update), or every client's in turn
         # (metrics.attack_clients = all; the audit): the view's rounds rotated so the victim comes first
         per_client = (cfg.metrics.attack_clients == "all" and threat.individual_updates and len(batches) > 1
-                      and A.reconstruction in PER_CLIENT_KINDS)
+                      and unit(A.reconstruction).per_client)
         victims = list(range(len(batches))) if per_client else [0]
         null_pool = None
         if cfg.metrics.null and A.reconstruction != "membership":
@@ -377,7 +376,7 @@ def evaluate_update(rec, truth: dict, *, handle, cfg: ExperimentConfig, out_dir,
     """The evaluation step of one attacked update (the pipeline's trial body and the Flower audit's, one code path):
     ``rec`` (what the attack reconstructed) against ``truth`` (:func:`clients_and_truth`'s private samples of the
     update) and ``null_pool`` (chance reconstructions, ``(samples, source)``). ``truth_fields``: further
-    :class:`~gradleak.experiments.evaluation.Truth` fields (``membership``; the leakage kind's per-client data)."""
+    :class:`~gradleak.evaluation.Truth` fields (``membership``; the leakage kind's per-client data)."""
     tr = Truth(cfg.modality, truth["inputs"], truth["labels"], texts=truth.get("texts"), tokenizer=handle.tokenizer,
                model_kind=handle.kind, bottleneck=peft_bottleneck(cfg, handle), **truth_fields)
     if null_pool is not None:

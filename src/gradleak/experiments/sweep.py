@@ -29,7 +29,13 @@ from typing import Any, Callable
 from gradleak.errors import BadInput
 
 MAX_CELLS = 64  # a larger grid needs --yes
-HEADLINES = ("psnr", "rouge1", "auc", "rdlv_high_risk_client")
+
+
+def sweep_metrics() -> tuple[str, ...]:
+    """Each evaluation unit's sweep metric (what a sweep prints per cell and plots), without repeats."""
+    from gradleak.evaluation import EVALUATORS
+
+    return tuple(dict.fromkeys(e.obj.sweep_metric for e in EVALUATORS))
 
 
 def cell_id(assign: dict[str, Any]) -> str:
@@ -160,7 +166,7 @@ def run_sweep(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
                 row.update(payload)
             append_jsonl(jsonl, row)
             log(f"[sweep] {cid}: " + (row.get("error") or ", ".join(
-                f"{k} {row['metrics'][k]:.4g}" for k in HEADLINES if k in row["metrics"]) or "done"))
+                f"{k} {row['metrics'][k]:.4g}" for k in sweep_metrics() if k in row["metrics"]) or "done"))
         todo = failed
     latest = latest_by_cell(jsonl)
     rows = [latest[c] for c, _ in cells if c in latest]
@@ -242,7 +248,7 @@ def _plot(grid: dict, rows: list[dict], out: Path) -> None:
     if len(num) != 1 or not ok:
         return
     key = num[0]
-    head = next((h for h in HEADLINES if h in ok[0]["metrics"]), None)
+    head = next((h for h in sweep_metrics() if h in ok[0]["metrics"]), None)
     if head is None:
         return
     import matplotlib

@@ -2,7 +2,7 @@
 
 * :func:`leakage_rows` — the per-client, per-round table built from a results dict alone (``results["metrics"]``
   names ``ssim_client{c}_round{r}``, ``rdlv_low_client{c}_round{r}``, …; see
-  :func:`gradleak.experiments.evaluation.evaluate_leakage`), with the verdict "leaks beyond the prior" when the
+  :func:`gradleak.evaluation.leakage.evaluate_leakage`), with the verdict "leaks beyond the prior" when the
   lower bound of the RDLV's 95 % interval is > 0 (the paper's "leaks beyond the confidence interval");
 * :func:`save_reconstruction_grid` — one PNG per attacked (client, round): the prior in the first column, then
   each original (top row) above its best-matching reconstruction (bottom row);

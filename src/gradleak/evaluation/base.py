@@ -1,0 +1,106 @@
+"""The shared ground of the evaluation units (DESIGN §2): what the evaluation sees (:class:`Truth`), what it returns
+(:class:`Evaluation`), what one reconstruction kind means (:class:`EvaluationUnit`) and the registry of units.
+
+Evaluation is the only step that sees the ground truth. An attack's ``reconstruction`` kind picks its unit; the unit
+scores the reconstruction against the private samples, puts the null beside every headline metric
+(:func:`attach_null`, :mod:`gradleak.evaluation.nulls`), and carries the level rules the audit grades with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from gradleak.registry import Registry
+
+
+@dataclass
+class Truth:
+    """The private samples the observed update came from (never shown to the attack)."""
+
+    modality: str
+    inputs: Any  # images in [0, 1] (B×C×H×W) or encoded text {"input_ids", "attention_mask"}
+    labels: torch.Tensor
+    texts: list[str] | None = None
+    tokenizer: Any = None
+    model_kind: str | None = None
+    bottleneck: int | None = None
+    membership: dict[int, list[bool]] | None = None  # per observed update: which candidates are members
+    client_inputs: list[torch.Tensor] | None = None  # leakage: every client's training images in [0, 1]
+    client_validation: list[torch.Tensor] | None = None  # leakage: every client's validation images (IIP pool)
+    client_steps: list[int] | None = None  # leakage: every client's local steps (picks the high-risk client)
+    null_pool: Any = None  # public samples of the same source no client holds (images in [0, 1] / sentences)
+    null_source: str | None = None  # what the null pool is, in words
+
+
+@dataclass
+class Evaluation:
+    metrics: dict[str, float]
+    figures: list[dict] = field(default_factory=list)
+    tables: list[dict] = field(default_factory=list)
+    artifacts: list[str] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)  # per-sample rows (text: reference vs reconstruction)
+    notes: list[str] = field(default_factory=list)
+    client: int = 0  # the attacked client (metrics.attack_clients = all: every client in turn)
+    trial: Any = 0
+
+
+
+def _no_fields(metrics: Mapping[str, Any]) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class EvaluationUnit:
+    """Everything one reconstruction kind means, in one place.
+
+    * ``evaluate(truth, rec, cfg, out_dir, trial) -> Evaluation``: the metrics against the truth, each headline with
+      its null (``<m>_null_median``, ``<m>_null_p99``, ``<m>_p_value``);
+    * ``headline``: the metric the audit reports (its null sits beside it);
+    * ``grade(metrics, psnr_threshold_db) -> {"level", "rule", "evidence"}``: the level rules
+      (:mod:`gradleak.evaluation.levels` holds the levels and the verdict);
+    * ``sweep_metric``: the metric a sweep prints and plots for this kind;
+    * ``per_client``: whether the pipeline attacks one client at a time (``metrics.attack_clients: all``); membership
+      and leakage attacks score every client themselves;
+    * ``audit_fields(metrics)``: the audit entry's extra fields (samples reconstructed, units, intervals).
+    """
+
+    kind: str
+    evaluate: Callable[..., Evaluation]
+    headline: str
+    grade: Callable[[Mapping[str, Any], float], dict]
+    sweep_metric: str
+    per_client: bool = False
+    audit_fields: Callable[[Mapping[str, Any]], dict] = _no_fields
+
+
+EVALUATORS: Registry[EvaluationUnit] = Registry("evaluator")
+
+
+def register(unit: EvaluationUnit, summary: str) -> EvaluationUnit:
+    return EVALUATORS.register(unit.kind, summary)(unit)
+
+
+def unit(kind: str) -> EvaluationUnit:
+    """The unit of a reconstruction kind (a clear error naming ``attack.reconstruction`` for an unknown one)."""
+    return EVALUATORS.get(kind, field="attack.reconstruction")
+
+
+def attach_null(metrics: dict, key: str, null, lower_is_leak: bool = False) -> None:
+    """``metrics[key]`` gets its null beside it: ``<key>_null_median``, ``<key>_null_p99``, ``<key>_p_value``."""
+    from gradleak.evaluation.nulls import summarize
+
+    s = summarize(metrics.get(key, float("nan")), null, lower_is_leak)
+    metrics[f"{key}_null_median"], metrics[f"{key}_null_p99"], metrics[f"{key}_p_value"] = (
+        s["null_median"], s["null_p99"], s["p_value"])
+
+
+
+def evaluate(kind: str, truth: Truth, rec, cfg, out_dir: Path, trial: int = 0) -> Evaluation:
+    ev = unit(kind).evaluate(truth, rec, cfg, out_dir, trial)
+    for k, v in (rec.metrics or {}).items():  # attack-side numbers (no truth involved)
+        ev.metrics.setdefault(k, float(v))
+    return ev

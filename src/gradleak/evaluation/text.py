@@ -1,0 +1,158 @@
+"""The ``token_sequences`` unit: text attacks' recovered sentences (DESIGN §2).
+
+Scores: ROUGE-1/2/L recall (the papers' metric) *and* F1 (extra output is penalised), exact sentences, word-bag
+precision/recall, sentences returned / verified, and the capacity measures computed from the truth (unique tokens,
+layer states). Null: N random sentences no client holds (ROUGE F1, the same matching), a random word bag of the
+attack's size, and the attack's own bag in random order. Levels: exact = a private sentence word for word; strong =
+ROUGE-2 F1 beyond the bar and >= 50; partial = word-bag recall (or ROUGE-1 F1) beyond its null.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from gradleak.evaluation.base import Evaluation, EvaluationUnit, Truth, attach_null, register
+from gradleak.evaluation.levels import STRONG_ROUGE2, bar, beyond, graded, number
+
+
+def evaluate_tokens(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evaluation:
+    from gradleak.metrics.text import match_sentences, rouge_f1_scores, rouge_scores, word_bag_scores
+
+    tok = truth.tokenizer
+    ids, mask = truth.inputs["input_ids"], truth.inputs["attention_mask"].bool()
+    refs = [tok.decode(i[m], skip_special_tokens=True).strip() for i, m in zip(ids, mask)]
+    recs = [tok.decode(s, skip_special_tokens=True).strip() for s in rec.data]
+    out = dict(rouge_scores(refs, recs))
+    out.update(rouge_f1_scores(refs, recs))
+    if truth.model_kind == "causal":  # the final EOS gets no gradient under the LM loss: it is not part of what leaks
+        last = mask.sum(1) - 1
+        vis = mask.clone()
+        vis[torch.arange(len(ids)), last] = False
+        true_tokens = set(ids[vis].tolist())
+        vectors = len(true_tokens)
+        lens = mask.sum(1).tolist()  # distinct layer states = distinct prefixes that receive a gradient
+        states = len({tuple(ids[i, :k + 1].tolist()) for i in range(len(ids)) for k in range(int(lens[i]) - 1)})
+    else:
+        true_tokens = set(ids[mask].tolist())
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        vectors = len(set(zip(ids[mask].tolist(), pos[mask].tolist())))
+        states = int(mask.sum())  # every token's layer state differs (the whole sentence is its context)
+    bag = set(rec.info.get("word_bag", []))
+    if "word_bag" in rec.info:
+        out.update(word_bag_scores(true_tokens, bag))
+    verified = list(rec.info.get("verified", [False] * len(recs)))
+    n_verified = int(sum(bool(v) for v in verified))
+    out.update({
+        "unique_tokens": len(true_tokens),
+        "unique_token_vectors": vectors,
+        "layer_states": states,
+        "bottleneck": truth.bottleneck if truth.bottleneck is not None else float("nan"),
+        "total_tokens": int(mask.sum()),
+        "recovered_tokens": int(sum(len(s) for s in rec.data)),
+        "word_bag_size": len(bag),
+        "sentences_returned": len(recs),
+        "sentences_total": len(refs),
+        "sentences_verified": n_verified,
+        # a batch is flagged unless the attack verified one sentence per private sentence
+        "unverified_batch": float(n_verified < len(refs)),
+        "capacity_exhausted": float(bool(rec.info.get("capacity_exhausted", False))),
+        "attack_failed": float(bool(rec.info.get("failure"))),
+        "search_truncated": float(bool(rec.info.get("search_truncated"))),
+    })
+    matched = match_sentences(refs, recs)
+    rows = []
+    for ref, j in zip(refs, matched):
+        r = recs[j] if j is not None else ""
+        rows.append({"trial": trial, "reference": ref, "reconstruction": r,
+                     "verified": "yes" if (j is not None and j < len(verified) and verified[j]) else "no",
+                     "exact": "yes" if ref.lower().split() == r.lower().split() else "no"})
+    out["sentences_exact"] = sum(r["exact"] == "yes" for r in rows)  # private sentences recovered word for word
+    used = {m for m in matched if m is not None}
+    extra = [recs[j] for j in range(len(recs)) if j not in used]
+    for r in extra:
+        rows.append({"trial": trial, "reference": "(none: extra output)", "reconstruction": r, "verified": "-", "exact": "no"})
+    notes = []
+    if cfg.metrics.null and truth.null_pool:
+        _null_text(truth, refs, recs, true_tokens, bag, out, cfg, notes)
+    if n_verified < len(refs):
+        notes.append(f"trial {trial}: {n_verified} of {len(refs)} sentences verified by the attack — "
+                     "unverified text is a best guess, not a proven reconstruction.")
+    return Evaluation(out, rows=rows, notes=notes)
+
+
+def _null_text(truth: Truth, refs: list[str], recs: list[str], true_tokens: set, bag: set, out: dict, cfg,
+               notes: list) -> None:
+    """The text nulls: N random public sentences (ROUGE F1, the same matching), a random word bag of the attack's
+    size from the public sentences' tokens (word-bag recall), and the attack's own bag in random order (ROUGE)."""
+    from gradleak.evaluation.nulls import bag_order_null, text_null, word_bag_null
+
+    tok, pool = truth.tokenizer, list(truth.null_pool)
+    draws, seed = cfg.metrics.null_draws, cfg.seed + 23
+    nul = text_null(refs, pool, n=len(recs) or len(refs), draws=draws, seed=seed)
+    for k in ("rouge1_f1", "rouge2_f1"):
+        attach_null(out, k, nul[k])
+    special = set(getattr(tok, "all_special_ids", []) or [])
+    token_pool = [t for sent in pool for t in set(tok(sent, add_special_tokens=False)["input_ids"]) if t not in special]
+    what = f"{draws} draws of {len(recs) or len(refs)} random sentences of {truth.null_source} ({len(pool)} in the pool)"
+    if "word_bag_recall" in out:
+        attach_null(out, "word_bag_recall", word_bag_null(true_tokens, len(bag), token_pool, draws=draws, seed=seed))
+        words = []
+        for t in sorted(bag):
+            w = tok.convert_ids_to_tokens(int(t))
+            w = str(w).replace("##", "").replace("\u0120", " ").replace("\u2581", " ").strip()
+            if w and int(t) not in special:
+                words.append(w)
+        lengths = [len(r.split()) for r in refs]
+        bo = bag_order_null(refs, words, lengths, draws=200, seed=seed)
+        for k in ("rouge1_f1", "rouge2_f1"):
+            vals = bo[k][np.isfinite(bo[k])] if len(bo[k]) else bo[k]
+            out[f"{k}_bag_order"] = float(np.quantile(vals, 0.99)) if len(vals) else float("nan")
+        what += (f"; word bag: {draws} random bags of {len(bag)} tokens from the pool's tokens (weighted by how many "
+                 "sentences hold each); *_bag_order: the 99th percentile of the attack's own bag in random order")
+    notes.append("null: " + what + ".")
+
+
+def grade_tokens(m: Mapping[str, Any], thr: float = 30.0) -> dict:
+    del thr
+    ev = {"rouge1_f1": number(m, "rouge1_f1"), "rouge2_f1": number(m, "rouge2_f1"),
+          "word_bag_recall": number(m, "word_bag_recall"), "sentences_exact": number(m, "sentences_exact"),
+          "rouge2_f1_bar": bar(m, "rouge2_f1", ("bag_order",)), "rouge1_f1_bar": bar(m, "rouge1_f1"),
+          "word_bag_recall_bar": bar(m, "word_bag_recall")}
+    has_bag = not math.isnan(number(m, "word_bag_recall_null_p99"))
+    part_key = "word_bag_recall" if has_bag else "rouge1_f1"
+    part = beyond(m, part_key)
+    if part is None:
+        return graded("undefined", f"{part_key} or its null is missing / NaN", **ev)
+    if has_bag:  # two routes to `partial` (the bag, the sentences' words): each at half the 1 % (Bonferroni)
+        def strict(key):
+            p = number(m, f"{key}_p_value")
+            return bool(beyond(m, key)) and (math.isnan(p) or p < 0.005)
+        part = strict("word_bag_recall")
+        r1 = strict("rouge1_f1")
+    else:
+        r1 = False
+    if number(m, "sentences_exact") >= 1:
+        return graded("exact", "a private sentence reconstructed word for word", **ev)
+    if beyond(m, "rouge2_f1", ("bag_order",)) and number(m, "rouge2_f1") >= STRONG_ROUGE2:
+        return graded("strong", f"ROUGE-2 F1 beyond the null (and the word bag in random order) and >= {STRONG_ROUGE2:g}",
+                    **ev)
+    if part or r1:
+        which = "word-bag recall" if part else "ROUGE-1 F1"
+        return graded("partial", f"{which} beyond the null's 99th percentile: the private words leak", **ev)
+    return graded("none", f"{'word-bag recall' if has_bag else 'ROUGE-1 F1'} not beyond the null", **ev)
+
+
+
+def _audit_fields(m: Mapping[str, Any]) -> dict:
+    return {"n_success": int(m.get("sentences_exact", 0) or 0), "n_total": int(m.get("sentences_total", 0) or 0),
+            "unit": "sentences"}
+
+
+UNIT = register(EvaluationUnit("token_sequences", evaluate_tokens, headline="rouge1_f1", grade=grade_tokens,
+                               sweep_metric="rouge1", per_client=True, audit_fields=_audit_fields),
+                "text: ROUGE recall and F1, exact sentences, word bag, verified sentences")
