@@ -30,7 +30,7 @@ from gradleak.attacks.common.bert_pairs import bert_pair_exact, bert_pair_residu
 from gradleak.attacks.common.config import set_config_fields
 from gradleak.attacks.common.encoder_search import EncoderChainSearch
 from gradleak.attacks.common.prefix_search import CausalPrefixSearch
-from gradleak.attacks.common.subspace import Subspace, subspace_from_gradients
+from gradleak.attacks.common.subspace import subspace_from_gradients
 from gradleak.attacks.common.text import SpanTestConfig, cap_to_batch, is_causal, model_layers, specials
 from gradleak.fl.core import ServerView
 from gradleak.peft.text_adapters import StopForward
@@ -189,7 +189,3 @@ def _names_for(tensors: dict[str, torch.Tensor], layer: int) -> set[str]:
     # softmax shift-invariance makes the key gradients sum to zero over positions (rank K-1): stack the query
     # gradient with them to recover the missing direction.
     return match(QUERY_PATTERNS) | (match(KEY_PATTERNS) if layer >= 1 else set())
-
-
-def _unused(sub: Subspace) -> None:  # pragma: no cover - keeps the import list explicit for readers
-    return None
