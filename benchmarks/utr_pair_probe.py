@@ -35,9 +35,10 @@ if str(ROOT / "src") not in sys.path:
 import torch  # noqa: E402
 
 from _bench import minilm_rt_update  # noqa: E402
-from gradleak.attacks.utr import UTRAttack, collect_grads  # noqa: E402
-from gradleak.attacks.utr_pairs import refine_pairs  # noqa: E402
-from gradleak.attacks.utr_values import TokenGradientTest  # noqa: E402
+from gradleak.attacks.common.text import collect_grads  # noqa: E402
+from gradleak.attacks.utr import UTRAttack  # noqa: E402
+from gradleak.attacks.common.pair_signals import refine_pairs  # noqa: E402
+from gradleak.attacks.utr.values import TokenGradientTest  # noqa: E402
 from gradleak.experiments.results import write_json_atomic  # noqa: E402
 from gradleak.fl.core import ServerView  # noqa: E402
 from gradleak.peft.text_adapters import PREFIX, adapter_param  # noqa: E402

@@ -200,7 +200,7 @@ def test_fedavg_delta_in_float64_on_a_float32_model():
 
 
 def test_rouge_f1_penalises_extra_output_and_the_attack_returns_at_most_b():
-    from gradleak.attacks.utr import cap_to_batch
+    from gradleak.attacks.common.text import cap_to_batch
     from gradleak.metrics.text import rouge_f1_scores, rouge_scores
 
     refs = ["the film is a delight", "suits of like design"]

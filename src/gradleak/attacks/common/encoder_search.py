@@ -1,12 +1,14 @@
-"""UTR stage 2 for bidirectional encoders (BERT family): sentences as chains over exact (token, position) pairs.
+"""Stage 2 for bidirectional encoders (BERT family): sentences as chains over exact (token, position) pairs (UTR's
+search; DAGER runs it with its own probe).
 
 Stage 1 (``bert_pair_decompose``) gives, for every position q, the set of tokens some batch sentence holds there,
 and the [SEP] positions give the sentence lengths. What is left is an *assignment* problem: which token at q
 belongs to which sentence. We keep B chains (one per sentence, B = the batch size the server configured) and
 solve it with the first layer adapter's subspace S_LA = span{h_1 of the batch}:
 
-1. lengths: one chain per [SEP] position; when B exceeds the number of distinct lengths, the extra chains take
-   the length that the per-position token counts force (a position holding c tokens is covered by >= c chains);
+1. lengths (:class:`~gradleak.attacks.common.chain_lengths.ChainLengths`): one chain per [SEP] position; when B
+   exceeds the number of distinct lengths, the extra chains take the length that the per-position token counts
+   force (a position holding c tokens is covered by >= c chains);
 2. left-to-right construction: at position q every chain covering q takes one candidate token by a Hungarian
    assignment (each candidate used at least once when there are fewer candidates than chains) whose cost is the
    S_LA residual of the chain's states around q, the unknown right part filled with [MASK];
@@ -24,7 +26,7 @@ chains' projected states, of dimension min(b, N - m), and once that fits, the pe
 Chain lengths the [SEP] positions leave open (B above the number of distinct lengths) are tried as hypotheses.
 
 Value test (beyond the paper, issue 11 item 1): the subset tests need more than N - b right states at once; the
-embedding adapter's gradient *values* test one chain at a time (:mod:`gradleak.attacks.utr_values`). With it, chains
+embedding adapter's gradient *values* test one chain at a time (:mod:`gradleak.attacks.utr.values`). With it, chains
 are accepted (and peeled) one by one, and when the subspace moves stall on a few chains, moves graded by the value
 residuals repair them: point moves near the largest residuals, length moves to any [SEP] position stage 1 read (a
 false [SEP] pair no longer needs a length hypothesis of its own), splices. Once the accepted chains leave fewer
@@ -32,9 +34,10 @@ states than bottleneck rows, they are peeled by subtracting their exact share of
 (``layer_grad``), which leaves an exact subspace however many states the batch had (the projection needs all states
 to fit the hidden size).
 
-Speed (beyond the paper): layer-1 states are computed by :class:`BertFirstLayer` from per-(token, position)
-precomputed query/key/value vectors, and only at the few query positions a move can change -- a splice costs a
-handful of attention rows instead of a whole forward pass. Its output equals the HF layer (tested to 1e-5).
+Speed (beyond the paper): layer-1 states are computed by :class:`~gradleak.attacks.common.bert_layer.BertFirstLayer`
+from per-(token, position) precomputed query/key/value vectors, and only at the few query positions a move can change
+-- a splice costs a handful of attention rows instead of a whole forward pass. Its output equals the HF layer (tested
+to 1e-5).
 """
 
 from __future__ import annotations
@@ -48,79 +51,12 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
+from gradleak.attacks.common.bert_layer import BertFirstLayer
+from gradleak.attacks.common.chain_lengths import ChainLengths
 from gradleak.peft.text_adapters import PREFIX, capture_inputs
 
 
-class BertFirstLayer:
-    """Layer-0 output of a BERT encoder (embeddings -> embedding adapter -> layer 0) for explicit sentences,
-    evaluated only at chosen query positions, from cached per-(token, position) projections."""
-
-    def __init__(self, model: nn.Module, token_type: int = 0):
-        base = model.base_model
-        emb = base.embeddings
-        self.layer = base.encoder.layer[0]
-        self.adapter = getattr(model, PREFIX)["embedding"] if "embedding" in getattr(model, PREFIX, {}) else None
-        att = self.layer.attention.self
-        self.heads = att.num_attention_heads
-        self.dh = att.attention_head_size
-        self.dtype = emb.word_embeddings.weight.dtype
-        self._emb = emb
-        self._type = token_type
-        self._cache: dict[tuple[int, int], int] = {}
-        d = emb.word_embeddings.weight.shape[1]
-        self.H0 = torch.zeros(0, d, dtype=self.dtype)
-        self.Q = torch.zeros(0, d, dtype=self.dtype)
-        self.K = torch.zeros(0, d, dtype=self.dtype)
-        self.V = torch.zeros(0, d, dtype=self.dtype)
-
-    @torch.no_grad()
-    def index(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Row index of every (token, position) of ``tokens`` (N, L) in the projection cache (adds new pairs)."""
-        N, L = tokens.shape
-        pos = torch.arange(L).expand(N, L)
-        keys = list(zip(tokens.flatten().tolist(), pos.flatten().tolist()))
-        new = [k for k in dict.fromkeys(keys) if k not in self._cache]
-        if new:
-            t = torch.tensor([k[0] for k in new])
-            p = torch.tensor([k[1] for k in new])
-            emb = self._emb
-            x = emb.word_embeddings(t) + emb.position_embeddings(p) + emb.token_type_embeddings(
-                torch.full_like(t, self._type))
-            x = emb.LayerNorm(x)
-            if self.adapter is not None:
-                x = self.adapter(x)
-            att = self.layer.attention.self
-            base = len(self.H0)
-            self.H0 = torch.cat([self.H0, x])
-            self.Q = torch.cat([self.Q, att.query(x)])
-            self.K = torch.cat([self.K, att.key(x)])
-            self.V = torch.cat([self.V, att.value(x)])
-            for i, k in enumerate(new):
-                self._cache[k] = base + i
-        return torch.tensor([self._cache[k] for k in keys]).view(N, L)
-
-    @torch.no_grad()
-    def states(self, tokens: torch.Tensor, lengths: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-        """Layer-0 outputs (N, w, d) at positions ``query`` (N, w) of sentences ``tokens`` (N, L) whose last valid
-        index is ``lengths`` (the [SEP]); keys beyond it are masked, as in a padded batch."""
-        idx = self.index(tokens)
-        N, L = tokens.shape
-        w = query.shape[1]
-        K = self.K[idx].view(N, L, self.heads, self.dh).transpose(1, 2)  # (N, h, L, dh)
-        V = self.V[idx].view(N, L, self.heads, self.dh).transpose(1, 2)
-        qi = idx.gather(1, query)
-        Qw = self.Q[qi].view(N, w, self.heads, self.dh).transpose(1, 2)  # (N, h, w, dh)
-        scores = Qw @ K.transpose(-1, -2) / math.sqrt(self.dh)
-        keymask = torch.arange(L)[None, :] > lengths[:, None]
-        scores = scores.masked_fill(keymask[:, None, None, :], float("-inf"))
-        ctx = (scores.softmax(-1) @ V).transpose(1, 2).reshape(N, w, -1)
-        lay = self.layer
-        h0 = self.H0[qi]
-        a = lay.attention.output.LayerNorm(lay.attention.output.dense(ctx) + h0)
-        return lay.output.LayerNorm(lay.output.dense(lay.intermediate(a)) + a)
-
-
-class EncoderChainSearch:
+class EncoderChainSearch(ChainLengths):
     """Assign the stage-1 (token, position) pairs to B sentences (module docstring)."""
 
     def __init__(self, model: nn.Module, probe_name: str, sub, eps: float, cls: int, sep: int, mask: int,
@@ -130,7 +66,7 @@ class EncoderChainSearch:
                  layer_grad: torch.Tensor | None = None, soft_rank: float | None = None):
         self.joint, self.max_peel_sweeps = bool(joint), int(max_peel_sweeps)
         # saturated S_LA: chains tested one at a time on the embedding adapter's gradient values
-        # (gradleak.attacks.utr_values.TokenGradientTest), and moved by that test's residuals when few are left
+        # (gradleak.attacks.utr.values.TokenGradientTest), and moved by that test's residuals when few are left
         self.value_test = value_test if value_test is not None and value_test.usable else None
         self.value_live_max = int(value_live_max)
         self.value_accepted = self.value_moves = self._stale = 0
@@ -164,135 +100,6 @@ class EncoderChainSearch:
         self.evals = 0
         self.forwards = 0
 
-    # ------------------------------------------------------------------ lengths
-    def _sep_deviation(self) -> dict[int, float]:
-        """Per read [SEP] position, how far its exact bottleneck signal's norm is off the trend of one sentence's
-        (squared log ratio; empty without exact pair signals, or with fewer than 3 [SEP] positions).
-
-        A [SEP] pair several sentences hold carries the sum of their signals, and the final "." those sentences
-        share hides the count from the per-position token counts. The norm of one sentence's [SEP] signal falls
-        smoothly with the length (a Theil-Sen fit of log norm on log position); a shared one stands off it: same
-        labels add up, opposite labels cancel (measured, MiniLM rf = 1 B = 16, seeds 0, 1, 777, 4242: one
-        sentence 0.70-1.46 x the trend, two 0.23-0.34 or 1.79-2.24, three 1.52). Used only to order the length
-        multisets tried (the exact tests decide)."""
-        vt = self.value_test
-        if vt is None or not getattr(vt, "exact_signals", False) or len(self.seps) < 3:
-            return {}
-        try:
-            y = {p: math.log(float(vt.obs[(self.sep, p)].norm())) for p in self.seps}
-        except (KeyError, ValueError):
-            return {}
-        ps = sorted(y)
-        slopes = sorted((y[b] - y[a]) / (math.log(b) - math.log(a)) for i, a in enumerate(ps) for b in ps[i + 1:])
-        b = slopes[len(slopes) // 2]
-        a = sorted(y[p] - b * math.log(p) for p in ps)[len(ps) // 2]
-        return {p: (y[p] - a - b * math.log(p)) ** 2 for p in ps}
-
-    def _multiplicity_cost(self, ls: list[int], shared: float = 0.15, each: float = 0.01) -> float:
-        """Prior cost of a length multiset under :meth:`_sep_deviation`: a length one chain takes costs its
-        squared deviation, one several chains take a flat ``shared`` (+ ``each`` per chain past two)."""
-        if not self.sep_dev:
-            return 0.0
-        from collections import Counter
-
-        cost = 0.0
-        for ell, k in Counter(ls).items():
-            dev = self.sep_dev.get(ell, 0.0)
-            cost += dev if k == 1 else shared + each * (k - 2)
-        return cost
-
-    def _lengths(self, B: int | None) -> list[int]:
-        """Sentence lengths ([SEP] index) with multiplicity, longest first."""
-        if not self.seps:
-            return []
-        seps = list(self.seps)
-        if B is not None and len(seps) > B:  # false [SEP] pairs: keep the B lengths that leave the fewest deficits
-            from itertools import combinations
-
-            def deficit(keep):
-                return sum(max(0, len(self.by_pos[q]) - sum(1 for ell in keep if ell > q)) for q in self.by_pos)
-
-            drops = list(combinations(seps, len(seps) - B))[:5000]
-            best = min(drops, key=lambda d: (deficit([e for e in seps if e not in d]), -sum(d)))
-            seps = [e for e in seps if e not in best]
-            self.seps = seps
-        mult = {ell: 1 for ell in seps}
-        limit = B if B is not None else 10 ** 9
-
-        def after(ell):  # the multiplicity prior's cost with one more chain of length ell (0 without signals)
-            m2 = dict(mult)
-            m2[ell] += 1
-            return self._multiplicity_cost([e for e, k in m2.items() for _ in range(k)])
-
-        while sum(mult.values()) < limit:  # one extra chain at a time, where the highest deficit forces it
-            short = [q for q in self.by_pos
-                     if len(self.by_pos[q]) > sum(m for ell, m in mult.items() if ell > q)]
-            above = [ell for ell in self.seps if short and ell > max(short)]
-            if not above:
-                break
-            # any length above the deficit covers it: the one the [SEP] signal favours (exact signals), else the
-            # shortest
-            mult[min(above, key=lambda ell: (after(ell), ell))] += 1
-        total = sum(mult.values())
-        if B is not None and total < B:
-            # chains no count forces: where the [SEP] signal says several sentences end (exact signals), else the
-            # longest length (whole-sentence duplicates)
-            for _ in range(B - total):
-                mult[min(self.seps, key=lambda ell: (after(ell), -ell))] += 1
-        out = []
-        for ell in sorted(mult, reverse=True):
-            out += [ell] * mult[ell]
-        return out
-
-    def _length_hypotheses(self, limit: int = 12) -> list[list[int]]:
-        """Length multisets to try, the inferred one first.
-
-        (a) B above the number of distinct lengths: the chains no [SEP] pins down may take any read length
-        (ordered by their per-position deficit: positions holding more tokens than chains cover them; a false
-        stage-1 pair can cause one, so deficits order rather than exclude). (b) A false [SEP] pair (a rounding
-        artefact of stage 1, e.g. float32 reductions that differ with the thread count): one read length is not a
-        sentence's, so B chains over the other lengths, the freed chain on any of them. The (a) hypotheses come
-        first (up to ``limit``), then (b), also ordered by deficit. Each family enumerates at most ``cap`` multisets
-        (B far above the number of distinct lengths has combinatorially many)."""
-        from itertools import combinations_with_replacement, islice
-
-        cap = 5000
-
-        base = list(self.lengths)
-        if not self.seps:
-            return [base]
-
-        def deficit(ls):
-            return sum(max(0, len(self.by_pos[q]) - sum(1 for ell in ls if ell > q)) for q in self.by_pos)
-
-        seen = {tuple(sorted(base, reverse=True))}
-
-        def fresh(ls):
-            key = tuple(sorted(ls, reverse=True))
-            if key in seen:
-                return False
-            seen.add(key)
-            return True
-
-        extra = len(base) - len(self.seps)
-        hyps = []
-        if extra > 0:
-            for add in islice(combinations_with_replacement(self.seps, extra), cap):
-                ls = sorted(list(self.seps) + list(add), reverse=True)
-                if fresh(ls):
-                    hyps.append(ls)
-            hyps.sort(key=lambda ls: (deficit(ls), self._multiplicity_cost(ls), -sum(ls)))
-            hyps = hyps[: limit - 1]
-        drop_one = []
-        if len(self.seps) >= 2:
-            for drop in self.seps:
-                rest = [e for e in self.seps if e != drop]
-                for add in islice(combinations_with_replacement(rest, len(base) - len(rest)), cap // len(self.seps)):
-                    ls = sorted(rest + list(add), reverse=True)
-                    if fresh(ls):
-                        drop_one.append(ls)
-            drop_one.sort(key=lambda ls: (deficit(ls), self._multiplicity_cost(ls), -sum(ls)))
-        return [base] + hyps + drop_one[: max(limit, len(self.seps) * 2)]
 
     # ------------------------------------------------------------------ scoring
     def _res(self, h: torch.Tensor) -> torch.Tensor:
@@ -471,7 +278,8 @@ class EncoderChainSearch:
         return moved
 
     def _value_cost(self, sents: list[list[int]], blocked: list[set], profile: list | None = None) -> list[float]:
-        """Mean value-test residual of each sentence (utr_values); 10 for a sentence with no tested position."""
+        """Mean value-test residual of each sentence (:mod:`gradleak.attacks.utr.values`); 10 for a sentence with no
+        tested position."""
         return [m if n else 10.0 for _, m, n in self.value_test.score(sents, blocked, profile)]
 
     def _value_moves(self, chains: list[list[int]], frozen: set[int], gain: float = 0.9, near: int = 2,
@@ -688,10 +496,8 @@ class EncoderChainSearch:
         fewer than the bottleneck rows, the per-position test is exact again, however many states the batch had
         (measured, MiniLM rf = 1 B = 16, 484 states in 384 dimensions: 4 sentences subtracted leave 363 states and
         a singular-value gap of 70x right at 363; all 16 leave 1.6e-6 of the upload)."""
-        from gradleak.attacks.utr_values import TokenGradientTest
-
         acc = sorted(accepted)
-        blocked = TokenGradientTest.held_by_others(chains)
+        blocked = self.value_test.held_by_others(chains)
         adapter = getattr(self.model, PREFIX)[self.probe_name]
         rest = self.layer_grad - self.value_test.contribution([chains[i] for i in acc], adapter,
                                                               [blocked[i] for i in acc])
@@ -717,7 +523,7 @@ class EncoderChainSearch:
         todo = [i for i in range(len(chains)) if i not in accepted]
         if not todo:
             return set()
-        if self.value_test is not None:  # exact per chain at any saturation (utr_values)
+        if self.value_test is not None:  # exact per chain at any saturation (gradleak.attacks.utr.values)
             ok = {i for i, good in zip(todo, self.value_test.passing(chains, self.eps, todo)) if good}
             if ok:
                 self.value_accepted += len(ok)
