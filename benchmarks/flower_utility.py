@@ -60,8 +60,9 @@ def run_arm(args, arm: str, sigma: float, jsonl: Path) -> None:
 
     from gradleak.attacks.base import AttackContext
     from gradleak.defenses import build_defenses
+    from gradleak.data.splits import load_images
     from gradleak.evaluation import Truth, evaluate
-    from gradleak.experiments.pipeline import always_public, build_handle, load_images, public_protocol
+    from gradleak.experiments.pipeline import always_public, build_handle, public_protocol
     from gradleak.experiments.runner import validate
     from gradleak.fl.core import Client, default_classification_loss
     from gradleak.fl.threat import build_view

@@ -86,7 +86,7 @@ METRICS = ("image_psnr_mean", "image_ssim_mean", "feature_distance_mean", "image
 
 
 def first_image(seed: int) -> int:
-    """Index of the image ``data.seed=seed`` gives a B = 1 client (pipeline.load_images, trial 0)."""
+    """Index of the image ``data.seed=seed`` gives a B = 1 client (gradleak.data.splits.load_images, trial 0)."""
     if seed == 0:
         return 0
     return int(torch.randperm(N_IMAGES, generator=torch.Generator().manual_seed(seed))[0])

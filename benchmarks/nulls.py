@@ -67,7 +67,7 @@ def _quantiles(a: np.ndarray, value: float | None) -> dict:
 
 
 def _image_pool(cfg):
-    from gradleak.experiments.pipeline import ImageData
+    from gradleak.data.splits import ImageData
 
     data = ImageData(cfg)
     x, _ = data.clients(0, 1 << 30)[0]
@@ -110,7 +110,7 @@ def patch_null_setting(cfg, values: dict[str, float | None]) -> dict:
 
 def text_null_setting(cfg, values: dict[str, float | None]) -> dict:
     from gradleak.evaluation.nulls import text_null
-    from gradleak.experiments.pipeline import TextData
+    from gradleak.data.splits import TextData
 
     data = TextData(cfg)
     refs, _ = data.clients(0, 1 << 30)[0]

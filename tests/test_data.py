@@ -517,7 +517,7 @@ def test_lfw_faces_are_the_100_real_faces_of_the_subset():
 
 
 def test_lfw_faces_through_the_pipeline_loader_become_rgb_at_the_configured_size():
-    from gradleak.experiments.pipeline import load_images
+    from gradleak.data.splits import load_images
 
     x, y = load_images("lfw-faces", 4, 64, 0, "data.batch_size")
     assert x.shape == (4, 3, 64, 64) and torch.equal(x[:, 0], x[:, 1]) and y.tolist() == [0, 1, 2, 3]

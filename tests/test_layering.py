@@ -46,10 +46,6 @@ ALLOWED: dict[str, set[str]] = {
 
 # Today's violations, by name. Delete a line when its violation is gone (a stale line fails the test).
 ALLOWLIST: set[str] = {
-    "cycle: gradleak.models -> gradleak.models.dinov2 -> gradleak.models",
-    "edge: metrics -> data (gradleak.metrics.features -> gradleak.data)",
-    "edge: models -> metrics (gradleak.models.dinov2 -> gradleak.metrics.features)",
-    "private: gradleak.models.dinov2 -> gradleak.metrics.features._cached_state_dict",
 }
 
 

@@ -24,7 +24,7 @@ AUDIT = {"warmup": 1, "energy": 0.1}  # bn_inversion settings of the audit (2 it
 @pytest.fixture(scope="module")
 def setup():
     """A random-init ResNet-18 at 36 px, two Fashion-MNIST clients (2 and 1 images) and the dataset-mean prior."""
-    from gradleak.experiments.pipeline import load_images
+    from gradleak.data.splits import load_images
     from gradleak.models.resnet import resnet18
 
     torch.set_num_threads(1)

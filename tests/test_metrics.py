@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gradleak import metrics
+from gradleak.models import features
 from gradleak.registry import METRICS
 
 
@@ -105,22 +106,22 @@ def test_feature_distance_identical_zero_different_positive():
     s = load("cifar-samples", n=4).images
     x, y = s[:2], s[2:4]
     noisy = (x + 0.05 * torch.randn(x.shape, generator=torch.Generator().manual_seed(0))).clamp(0, 1)
-    same = metrics.feature_distance(x[:1], x[:1].clone())
+    same = features.feature_distance(x[:1], x[:1].clone())
     assert same.shape == (1,) and same.abs().max() < 1e-5
-    feats = metrics.image_features(torch.cat([x, y, noisy]))
+    feats = features.image_features(torch.cat([x, y, noisy]))
     assert feats.shape == (6, 384) and torch.isfinite(feats).all() and feats.std(0).mean() > 0.1
     cos = lambda a, b: 1 - torch.nn.functional.cosine_similarity(a, b, dim=1)  # noqa: E731
     diff, near = cos(feats[0:2], feats[2:4]), cos(feats[0:2], feats[4:6])
     assert (diff > 0.02).all() and (diff <= 2).all()
     assert (near < diff).all()
-    assert "ViT-S/14" in metrics.feature_distance.backbone
+    assert "ViT-S/14" in features.feature_distance.backbone
 
 
 @pytest.mark.timeout(300)
 def test_feature_backbone_matches_onnx_graph(vit_s14_available):
     """The converted Dinov2Model reproduces the ONNX backbone output (onnx reference evaluator, ~15-25 s on 2 cores:
     in the default suite since issue 31; the graph's input is fixed at 224×224, so the input is one image)."""
-    from gradleak.metrics.features import verify_against_onnx
+    from gradleak.models.features import verify_against_onnx
 
     assert verify_against_onnx() < 1e-3
 

@@ -209,7 +209,7 @@ def test_minmax_without_weight_uploads_the_plain_gradient_and_regularises_with_i
 
     from gradleak.defenses.training import MinMax, MinMaxParams
     from gradleak.experiments import validate
-    from gradleak.experiments.pipeline import TextData
+    from gradleak.data.splits import TextData
     from gradleak.fl.core import Client
     from gradleak.models import ModelHandle
     from gradleak.models.text import load_text_model, text_loss

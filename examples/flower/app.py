@@ -58,7 +58,7 @@ def model_of(config: str):
 def partitions(config: str):
     """Every client's private batch, in the pipeline's form (images in [0, 1] / texts) -- each client loads its own;
     the server uses them only as the simulation's ground truth."""
-    from gradleak.experiments.pipeline import ImageData, TextData
+    from gradleak.data.splits import ImageData, TextData
 
     handle, cfg = model_of(config)
     data = ImageData(cfg) if cfg.modality == "image" else TextData(cfg)

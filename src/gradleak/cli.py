@@ -304,7 +304,7 @@ def train_generator(
             import torch
 
             from gradleak.data import dataset_modality
-            from gradleak.experiments.pipeline import load_images
+            from gradleak.data.splits import load_images
             from gradleak.models.generator import save_generator, train_dcgan
 
             if dataset_modality(data) != "image":

@@ -93,6 +93,7 @@ def load_all() -> None:
     for mod in (
         "gradleak.data",
         "gradleak.models",
+        "gradleak.models.features",  # registers the feature_distance metric
         "gradleak.peft",
         "gradleak.defenses",
         "gradleak.metrics",

@@ -47,7 +47,7 @@ def image_metrics(truth01: torch.Tensor, recon01: torch.Tensor, cfg) -> dict[str
     out["psnr"], out["ssim"] = out["image_psnr_mean"], out["image_ssim_mean"]  # the outside checks' names
     out["image_mse_mean"] = float(((filled - truth01) ** 2).mean())
     if cfg.metrics.feature_distance:
-        from gradleak.metrics import feature_distance
+        from gradleak.models.features import feature_distance
 
         out["feature_distance_mean"] = float(feature_distance(filled.float(), truth01.float()).mean())
     lp = lpips(filled.float(), truth01.float())  # None unless the user supplied AlexNet-LPIPS weights

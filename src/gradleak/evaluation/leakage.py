@@ -25,7 +25,7 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
     c's originals, each matched to its best reconstruction), ``rdlv_client{c}_round{r}`` with ``_low`` / ``_high``
     (percentile bootstrap 95 % of the mean, seeded by the config's seed), ``iip_client{c}_round{r}`` and
     ``iip_matched_cosine_client{c}_round{r}`` (features: the offline ViT-S/14 CLS token,
-    :data:`gradleak.metrics.features.BACKBONE_NAME`, not the paper's unnamed network). The same without the round
+    :data:`gradleak.models.features.BACKBONE_NAME`, not the paper's unnamed network). The same without the round
     suffix for the last attacked round, and the headline numbers of issue 9's contract (last attacked round):
 
     * ``rdlv_high_risk_client`` (+ ``_low``/``_high``): the mean RDLV of the high-risk client —
@@ -51,7 +51,7 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
     use_iip = cfg.metrics.iip
     pool_feats = owner = is_train = None
     if use_iip:
-        from gradleak.metrics.features import image_features
+        from gradleak.models.features import image_features
 
         pool = [x for c in range(len(originals)) for x in (originals[c], val[c])]
         owner = torch.tensor([c for c in range(len(originals)) for x in (originals[c], val[c]) for _ in range(len(x))])
@@ -142,7 +142,7 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
                      "match, as the attack's RDLV does; rdlv_excess_client<c> = RDLV − the null's 99th percentile "
                      "(> 0: beyond chance).")
     if use_iip:
-        from gradleak.metrics.features import BACKBONE_NAME
+        from gradleak.models.features import BACKBONE_NAME
 
         notes.append(f"adjusted IIP: nearest neighbour (cosine of {BACKBONE_NAME} features) among all clients' training "
                      f"and validation images ({int(len(owner))} in the pool) must be a training image of the attacked "

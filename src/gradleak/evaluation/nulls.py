@@ -32,7 +32,6 @@ import torch
 
 #: draws of every null (issue 26: >= 200); cheap because the pairwise scores are computed once
 NULL_DRAWS = 1000
-NULL_POOL = 256  # public samples the nulls draw from (the pipeline hands over at most this many)
 
 
 def summarize(value: float, null: np.ndarray, lower_is_leak: bool = False) -> dict[str, float]:

@@ -162,7 +162,7 @@ class FlowerAudit:
         self.summary: list[dict] = []
         self.null_pool = None  # chance, for the levels (public samples of the config's data no client holds)
         if truth is not None:
-            from gradleak.experiments.pipeline import ImageData, TextData
+            from gradleak.data.splits import ImageData, TextData
 
             try:
                 data = ImageData(self.cfg) if self.cfg.modality == "image" else TextData(self.cfg)

@@ -1,7 +1,7 @@
 """Leakage measures of Hatamizadeh et al. 2022 (SPEC §4.3; arXiv:2202.06924 §II-D, §III-C–G).
 
 Pure functions on tensors/arrays (no model is loaded here: image features come from the caller, e.g.
-:func:`gradleak.metrics.features.image_features`, the offline ViT-S/14).
+:func:`gradleak.models.features.image_features`, the offline ViT-S/14).
 
 * :func:`ssim_vs_prior` — SSIM(reconstruction, original) next to SSIM(prior, original) (§III-D: the
   "safe" criterion is SSIM(x̂, x) ≤ SSIM(x_prior, x)). Range [−1, 1] each.
@@ -35,7 +35,7 @@ Decisions the paper leaves open (A4.4), recorded here:
 * **Undefined RDLV.** Where SSIM(prior, x) ≤ 0 the ratio changes sign meaning: those originals get NaN,
   are counted in ``undefined`` and left out of mean, max and interval.
 * **IIP.** Cosine similarity of the caller's feature vectors (the paper embeds with "a pretrained
-  network"; gradleak uses the offline ViT-S/14 CLS token, :data:`gradleak.metrics.features.BACKBONE_NAME`).
+  network"; gradleak uses the offline ViT-S/14 CLS token, :data:`gradleak.models.features.BACKBONE_NAME`).
   A reconstruction counts as identified when its nearest pool image is a *training* image of the attacked
   client (the paper's adjustment: the pool holds all clients' training and validation images).
   ``matched_cosine`` is the mean nearest-neighbour cosine over the identified reconstructions (NaN if

