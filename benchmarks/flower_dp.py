@@ -130,17 +130,17 @@ def report(args, jsonl: Path) -> None:
 
     def val(r):
         v = r.get("value")
-        return "–" if v is None else (f"{v:.1f} dB" if r.get("metric") == "psnr" else f"ROUGE-1 F1 {v:.1f}")
+        return "–" if v is None else (f"{v:.1f} dB" if str(r.get("metric")).startswith("psnr") else f"ROUGE-1 F1 {v:.1f}")
 
     def null(r):
         v = r.get("null_p99")
-        return "–" if v is None else (f"{v:.1f} dB" if r.get("metric") == "psnr" else f"{v:.1f}")
+        return "–" if v is None else (f"{v:.1f} dB" if str(r.get("metric")).startswith("psnr") else f"{v:.1f}")
 
     lines = ["Every cell is a real Flower federation; the command of each is in `benchmarks/out/flower_dp.jsonl`.", "",
              "### What the server sees under Flower's DP mechanisms (2 clients; the audit attacks every client)", "",
              "Verdict and level as `gradleak audit` grades them (issue 26): the worst client's headline against "
              "chance matched the same way (null p99: the 99th percentile of 1000 seeded draws of random held-out "
-             "images / public sentences).", "",
+             "images / public sentences; for images the level's bar is the larger of that and the PSNR of the mean public and the grey image, so a value just above the null p99 can still read `none`).", "",
              "| setup (attack) | Flower DP | the server sees | verdict | level | worst client: result | null p99 | "
              "every client |", "|---|---|---|---|---|---|---|---|"]
     for name, _, attack in AUDITS:
@@ -161,7 +161,7 @@ def report(args, jsonl: Path) -> None:
     for key, r in rows.items():
         if not key.startswith("reply|") or "error" in r:
             continue
-        per = ", ".join("–" if v is None else (f"{v:.1f}" if r.get("metric") == "psnr" else f"{v:.0f}")
+        per = ", ".join("–" if v is None else (f"{v:.1f}" if str(r.get("metric")).startswith("psnr") else f"{v:.0f}")
                         for v in r.get("per_client", []))
         lines.append(f"| {r['setup']} ({r['attack']}) | {'new weights' if r['reply'] == 'weights' else 'the update'} | "
                      f"{r['lr']:g} | {r['verdict']} | {r.get('level', '–')} | {val(r)} | {null(r)} | {per} |")
