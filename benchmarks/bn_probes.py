@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from gradleak.attacks.bn_inversion import ObjectiveWeights, inversion_objective, measure_iteration_cost  # noqa: E402
 from gradleak.attacks.common.simulation import simulate_local_training  # noqa: E402
-from gradleak.attacks.bn_stats import (BatchStatsRecorder, combined_candidate_stats, infer_bn_targets,  # noqa: E402
+from gradleak.attacks.common.bn_stats import (BatchStatsRecorder, combined_candidate_stats, infer_bn_targets,  # noqa: E402
                                        single_step_batch_stats)
 from gradleak.models.resnet import resnet18  # noqa: E402
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from gradleak.attacks.bn_inversion import ObjectiveWeights, inversion_objective, matching_loss, measure_iteration_cost
 from gradleak.attacks.common.simulation import local_schedule, simulate_local_training
-from gradleak.attacks.bn_stats import (BatchStatsRecorder, BNTarget, bn_statistics_loss,
+from gradleak.attacks.common.bn_stats import (BatchStatsRecorder, BNTarget, bn_statistics_loss,
                                        combined_candidate_stats, infer_bn_targets,
                                        normalised_step_weights, single_step_batch_stats, step_weights)
 from gradleak.errors import BadInput

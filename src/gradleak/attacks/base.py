@@ -78,7 +78,20 @@ class AttackBase:
     needs_float64: ClassVar[bool] = False
     #: whether ``prepare`` overwrites every weight (then the runner skips the random initialisation)
     rewrites_weights: ClassVar[bool] = False
+    #: whether the attack reads a domain prior image (the pipeline then holds ``data.prior_size`` images out)
+    uses_prior: ClassVar[bool] = False
+    #: per ``scale`` (cpu / paper), the parameter values a config that does not set them gets (iteration budgets)
+    scales: ClassVar[dict[str, dict[str, Any]]] = {}
     summary: ClassVar[str] = ""
+
+    @classmethod
+    def check_peft(cls, cfg: AttackConfig, peft) -> None:
+        """Config-time check of the PEFT section (before any model loads), e.g. ``attack.anchor`` needs
+        ``peft.layer_pe``; raise :class:`~gradleak.errors.BadInput` naming the field. Default: nothing to check."""
+
+    @classmethod
+    def check_fl(cls, cfg: AttackConfig, fl) -> None:
+        """Config-time check of the FL section, e.g. ``attack.emulate: local_steps`` needs FedAvg. Default: none."""
 
     @classmethod
     def requires(cls, cfg: Optional[AttackConfig] = None) -> dict[str, bool]:

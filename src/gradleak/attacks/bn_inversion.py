@@ -10,9 +10,9 @@ images with trainable labels, and minimises
 optimisation attacks) runs the K SGD steps with ``torch.func.functional_call`` in train mode
 (BatchNorm normalises with batch statistics, as the client did), keeping every step's gradient in the
 autograd graph (``create_graph=True``), so the simulated update is a differentiable function of the
-candidate images *and* the soft labels; a :class:`~gradleak.attacks.bn_stats.BatchStatsRecorder` collects
+candidate images *and* the soft labels; a :class:`~gradleak.attacks.common.bn_stats.BatchStatsRecorder` collects
 every BN layer's per-step batch statistics, combined with the K-step weights of
-:mod:`gradleak.attacks.bn_stats` (like with like against :func:`~gradleak.attacks.bn_stats.infer_bn_targets`).
+:mod:`gradleak.attacks.common.bn_stats` (like with like against :func:`~gradleak.attacks.common.bn_stats.infer_bn_targets`).
 :func:`inversion_objective` assembles the loss.
 
 **The public code's defect, fixed.** NVFlare's ``FLGradientInversion`` (SPEC §4.5) forms its matching
@@ -55,7 +55,7 @@ from pydantic import Field
 from torch import nn
 
 from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction
-from gradleak.attacks.bn_stats import (BNTarget, bn_statistics_loss,
+from gradleak.attacks.common.bn_stats import (BNTarget, bn_statistics_loss,
                                        combined_candidate_stats, infer_bn_targets)
 from gradleak.attacks.common.simulation import (Simulation, client_training_config, local_schedule, output_logits,
                                                 simulate_local_training, soft_cross_entropy)
@@ -326,7 +326,7 @@ class BNInversion(AttackBase):
        noise of std ``energy × lr`` that breaks the symmetry between candidates (NVFlare);
     2. **Simulation** of c's K local SGD steps (:func:`simulate_local_training`, differentiable: the
        matching term's gradient reaches the images — the public code's defect fixed);
-    3. **BN loss** against :func:`~gradleak.attacks.bn_stats.infer_bn_targets` of the running-statistics
+    3. **BN loss** against :func:`~gradleak.attacks.common.bn_stats.infer_bn_targets` of the running-statistics
        change, combined over the K steps with the momentum weights (exact for any K, beyond the public code);
     4. **Priors** TV-ℓ2 and ‖x̂‖₂; soft labels ``softmax(z)`` trained through the simulated loss (or hard
        labels from the head-bias update, ``labels: from_head``).
@@ -447,7 +447,7 @@ class BNInversion(AttackBase):
                     raise BadInput("attack.clients", f"client {c} does not exist.",
                                    f"attack clients 0..{int(self.fl.get('clients') or 1) - 1}.")
                 t0 = time.perf_counter()
-                results.append(self._invert(view, by_id[c], state, r, prior))
+                results.append(self.invert(view, by_id[c], state, r, prior))
                 timings["inversion_seconds"] += time.perf_counter() - t0
         info = {"attacked": [(d["client"], d["round"]) for d in results], "ablation": self.cfg.ablation,
                 "no_update": missing,  # (client, round) pairs the server received nothing from
@@ -471,7 +471,9 @@ class BNInversion(AttackBase):
     def _client_config(self, cid: int, n: int, r: int) -> tuple[int, int, float]:
         return client_training_config(self.fl, cid, n, r)
 
-    def _invert(self, view, upd, state: Mapping[str, torch.Tensor], r: int, prior: torch.Tensor) -> dict:
+    def invert(self, view, upd, state: Mapping[str, torch.Tensor], r: int, prior: torch.Tensor) -> dict:
+        """Invert one client's update ``upd`` of round ``r`` (sent from ``state``) from ``prior``: the per-client step
+        of :meth:`reconstruct`, public because the RDLV filter defense runs it on a client's own update."""
         cfg = self.cfg
         if upd.buffers is None and cfg.ablation != "gradient_only":
             raise BadInput("updates", f"client {upd.client_id}'s update in round {r} carries no BatchNorm running "

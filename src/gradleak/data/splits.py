@@ -95,7 +95,7 @@ class ImageData:
     @property
     def wants_prior(self) -> bool:
         """Whether the attack reads a domain prior image (granted under threat.public_data)."""
-        return bool(getattr(self.cfg.attack_cls, "uses_prior", False))
+        return bool(self.cfg.attack_cls.uses_prior)
 
     def clients(self, trial: int, num_classes: int):
         sizes, val, prior = self._layout()

@@ -206,7 +206,7 @@ class RDLVFilter(TrainingDefense):
         view = SimpleNamespace(model=model, public={"num_classes": num_classes, "image_shape": tuple(images.shape[1:])})
         was_training = model.training
         try:
-            d = attacker._invert(view, upd, state, r, prior)
+            d = attacker.invert(view, upd, state, r, prior)
         finally:
             model.train(was_training)
         res = rdlv(d["images"].to(torch.float64), images, prior, ssim=self.ssim, match="best",

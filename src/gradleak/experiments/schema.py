@@ -285,12 +285,8 @@ class ExperimentConfig(Strict):
             raise BadInput("data.name", f"'{self.data.name}' is a {dm} dataset but experiment '{self.experiment}' works on "
                            f"{self._modality}.", f"use a {self._modality} dataset (see `gradleak list`) or experiment: {dm}.")
         self._resolve_attack()
-        check_peft = getattr(self._attack_cls, "check_peft", None)  # e.g. attack.anchor needs peft.layer_pe
-        if check_peft is not None:
-            check_peft(self._attack_cfg, self.peft)
-        check_fl = getattr(self._attack_cls, "check_fl", None)  # e.g. attack.emulate=local_steps needs FedAvg
-        if check_fl is not None:
-            check_fl(self._attack_cfg, self.fl)
+        self._attack_cls.check_peft(self._attack_cfg, self.peft)  # e.g. attack.anchor needs peft.layer_pe
+        self._attack_cls.check_fl(self._attack_cfg, self.fl)  # e.g. attack.emulate=local_steps needs FedAvg
         if self._attack_cls.needs_float64 and self.model.dtype == "float32":
             raise BadInput("model.dtype", f"attack '{self._attack_cls.name}' is exact only in float64 (the server ships "
                            "the model in float64).", "remove model.dtype or set it to float64.")
@@ -395,7 +391,7 @@ class ExperimentConfig(Strict):
                            f"not {self.peft.kind}.", f"change peft.kind, or use one of: {', '.join(applicable) or '(none)'}.")
         merged = self.attack.merged()
         # scale: the attack's iteration budget for that scale, for every parameter the config does not set itself
-        filled = {k: v for k, v in (getattr(cls, "scales", None) or {}).get(self.scale, {}).items() if k not in merged}
+        filled = {k: v for k, v in cls.scales.get(self.scale, {}).items() if k not in merged}
         self._scale_filled = filled
         try:
             acfg = cls.Config(**{**merged, **filled})

@@ -15,7 +15,7 @@ Decisions the paper (SPEC §4.4: "ImageNet-pretrained ResNet-18") leaves to us, 
   ``torch.manual_seed(seed)`` before construction, transformers' ``_init_weights``: Kaiming-normal convs,
   BN γ = 1, β = 0); a backbone pretrained by us on a disjoint split is the pipeline's job (issue 9 §1).
 * **BatchNorm** is PyTorch's default: momentum 0.1, ε = 1e-5, ``track_running_stats=True`` — the
-  NVFlare code's ``bn_momentum = 0.1`` (SPEC §4.5). :mod:`gradleak.attacks.bn_stats` reads the momentum
+  NVFlare code's ``bn_momentum = 0.1`` (SPEC §4.5). :mod:`gradleak.attacks.common.bn_stats` reads the momentum
   from the modules, so another value stays consistent.
 * **GroupNorm variant** (``norm="group"``, config ``model.norm``): for DP-SGD, which Opacus refuses on
   BatchNorm; every BN becomes ``GroupNorm(min(32, C), C)`` by hand (:func:`to_groupnorm` says why not Opacus'

@@ -26,8 +26,8 @@ Decisions (recorded where BN inversion first made them):
   (identical to the client's loss for one-hot ``p``); hard (``long``) labels are accepted.
 * **BatchNorm.** The simulation runs ``torch.func.functional_call`` on cloned buffers (the model is never
   modified) and records every BN layer's per-step batch statistics
-  (:class:`~gradleak.attacks.bn_stats.BatchStatsRecorder`), combined with the K-step weights of
-  :mod:`gradleak.attacks.bn_stats`.
+  (:class:`~gradleak.attacks.common.bn_stats.BatchStatsRecorder`), combined with the K-step weights of
+  :mod:`gradleak.attacks.common.bn_stats`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from gradleak.attacks.bn_stats import BatchStatsRecorder, combined_candidate_stats, normalised_step_weights
+from gradleak.attacks.common.bn_stats import BatchStatsRecorder, combined_candidate_stats, normalised_step_weights
 from gradleak.errors import BadInput
 
 

@@ -3,7 +3,8 @@ attacked update's gradients, the batch-size cap on the output, and the span-test
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from pydantic import Field
@@ -90,3 +91,19 @@ class SpanTestConfig(AttackConfig):
     max_len: int = Field(128, ge=2, description="longest sentence the causal search builds")
     screen_tol: float = Field(0.05, gt=0, lt=1, description="coarse screen of (token, position) pairs")
 
+
+@contextlib.contextmanager
+def hooked_with_grads(module: nn.Module, hook: Callable, params: Iterable[nn.Parameter]) -> Iterator[None]:
+    """``hook`` on ``module``'s forward and gradients on for ``params`` and autograd, for the block; both restored
+    after (the hook removed, each parameter's ``requires_grad`` as it was)."""
+    flags = [(p, p.requires_grad) for p in params]
+    h = module.register_forward_hook(hook)
+    try:
+        for p, _ in flags:
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            yield
+    finally:
+        h.remove()
+        for p, f in flags:
+            p.requires_grad_(f)

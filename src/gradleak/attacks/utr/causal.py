@@ -35,6 +35,7 @@ from torch import nn
 
 from gradleak.attacks.common.prefix_search import extension_inputs
 from gradleak.attacks.common.subspace import subspace_from_gradients
+from gradleak.attacks.common.text import hooked_with_grads
 from gradleak.attacks.utr.values import pad_right
 from gradleak.peft.text_adapters import PREFIX, capture_inputs
 
@@ -84,34 +85,25 @@ class CausalValueTest:
             o.retain_grad()
             rec.append(o)
 
-        flags = [(p, p.requires_grad) for p in params]
-        h = self.adapter.register_forward_hook(hook)
-        try:
-            for p, _ in flags:
-                p.requires_grad_(True)
-            with torch.enable_grad():
-                for a in range(0, len(sents), self.chunk):
-                    part = sents[a:a + self.chunk]
-                    ids, am = pad_right(part, self.pad)
-                    rec.clear()
-                    logits = self.model(input_ids=ids, attention_mask=am).logits[:, :-1]
-                    tgt = ids[:, 1:].masked_fill(am[:, 1:] == 0, -100)
-                    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                                       tgt.reshape(-1), ignore_index=-100, reduction="sum")
-                    grads = torch.autograd.grad(loss, [rec[0]] + list(params))
-                    g = grads[0].detach().to(f64)
-                    for t, pg in zip(totals, grads[1:]):
-                        t += pg.detach().to(f64)
-                    for i, s in enumerate(part):
-                        per: dict[int, torch.Tensor] = {}
-                        for pos, v in enumerate(s):
-                            per[v] = per[v] + g[i, pos] if v in per else g[i, pos].clone()
-                        out.append(per)
-                    self.evaluations += len(part)
-        finally:
-            h.remove()
-            for p, f in flags:
-                p.requires_grad_(f)
+        with hooked_with_grads(self.adapter, hook, params):
+            for a in range(0, len(sents), self.chunk):
+                part = sents[a:a + self.chunk]
+                ids, am = pad_right(part, self.pad)
+                rec.clear()
+                logits = self.model(input_ids=ids, attention_mask=am).logits[:, :-1]
+                tgt = ids[:, 1:].masked_fill(am[:, 1:] == 0, -100)
+                loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                   tgt.reshape(-1), ignore_index=-100, reduction="sum")
+                grads = torch.autograd.grad(loss, [rec[0]] + list(params))
+                g = grads[0].detach().to(f64)
+                for t, pg in zip(totals, grads[1:]):
+                    t += pg.detach().to(f64)
+                for i, s in enumerate(part):
+                    per: dict[int, torch.Tensor] = {}
+                    for pos, v in enumerate(s):
+                        per[v] = per[v] + g[i, pos] if v in per else g[i, pos].clone()
+                    out.append(per)
+                self.evaluations += len(part)
         return out, totals
 
     # ------------------------------------------------------------------ the test

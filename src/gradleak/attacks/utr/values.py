@@ -31,6 +31,7 @@ import math
 import torch
 from torch import nn
 
+from gradleak.attacks.common.text import hooked_with_grads
 from gradleak.peft.text_adapters import PREFIX
 
 
@@ -112,12 +113,8 @@ class TokenGradientTest:
             o.retain_grad()
             cap["z"], cap["x"] = o, i[0].detach()
 
-        flags = [(p, p.requires_grad) for p in (down.weight, down.bias)]
-        h = down.register_forward_hook(hook)
         try:
-            for p, _ in flags:
-                p.requires_grad_(True)
-            with torch.enable_grad():
+            with hooked_with_grads(down, hook, (down.weight, down.bias)):
                 for a in range(0, len(sents), self.chunk):
                     part = sents[a:a + self.chunk]
                     ids, am = pad_right(part, pad)
@@ -133,9 +130,6 @@ class TokenGradientTest:
                         inputs += [cap["x"][i, :len(s)].to(torch.float64) for i, s in enumerate(part)]
                     self.evaluations += len(part)
         finally:
-            h.remove()
-            for p, f in flags:
-                p.requires_grad_(f)
             for p in (down.weight, down.bias):
                 p.grad = None
         return out
