@@ -27,7 +27,7 @@ from pydantic import Field
 
 from gradleak.attacks.base import AttackBase, Reconstruction, ThreatModel
 from gradleak.attacks.common.bert_pairs import bert_pair_exact, bert_pair_residuals
-from gradleak.attacks.common.config import set_config_fields
+from gradleak.attacks.common.parameters import set_config_fields
 from gradleak.attacks.common.encoder_search import EncoderChainSearch
 from gradleak.attacks.common.prefix_search import CausalPrefixSearch
 from gradleak.attacks.common.subspace import subspace_from_gradients

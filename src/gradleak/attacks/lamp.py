@@ -32,7 +32,7 @@ from torch import nn
 from pydantic import Field
 
 from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction, ThreatModel
-from gradleak.attacks.common.config import set_config_fields
+from gradleak.attacks.common.parameters import set_config_fields
 from gradleak.attacks.common.text import SpanTestConfig, is_causal, specials
 from gradleak.attacks.common.word_bag import word_bag
 from gradleak.errors import BadInput

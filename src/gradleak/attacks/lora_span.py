@@ -72,11 +72,12 @@ from __future__ import annotations
 import math
 import re
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from pydantic import Field
 
+from gradleak.attacks.common.parameters import set_config_fields
 from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction
 from gradleak.errors import BadInput
 from gradleak.registry import ATTACKS
@@ -163,10 +164,8 @@ class LoraSpan(AttackBase):
     reconstruction = "images"
     devices = ("cpu", "cuda")
 
-    def __init__(self, rank_rtol: Optional[float] = None, min_gap: float = 10.0, system_tol: float = 1e-5,
-                 clip: bool = True, time_fwdbwd: bool = True):
-        self.rank_rtol, self.min_gap, self.system_tol = rank_rtol, float(min_gap), float(system_tol)
-        self.clip, self.time_fwdbwd = bool(clip), bool(time_fwdbwd)
+    def __init__(self, **params: Any):
+        set_config_fields(self, params)  # LoraSpanConfig: the one place the defaults live
 
     def prepare(self, model, threat):
         """Refuse early (before any round) a model without LoRA on block 0's attention."""

@@ -30,12 +30,13 @@ Decisions the summary leaves open (SPEC A5.2), each a parameter:
 from __future__ import annotations
 
 import copy
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from pydantic import Field
 from torch import nn
 
+from gradleak.attacks.common.parameters import set_config_fields
 from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction
 from gradleak.errors import BadInput
 from gradleak.registry import ATTACKS
@@ -112,11 +113,8 @@ class ProjRes(AttackBase):
     reconstruction = "membership"
     devices = ("cpu", "cuda")
 
-    def __init__(self, aggregation: str = "min", layers="all", layer_aggregation: str = "min_z",
-                 round_aggregation: str = "min", rank_rtol: float = 1e-5, batch_size: int = 64):
-        self.aggregation, self.layers = aggregation, layers
-        self.layer_aggregation, self.round_aggregation = layer_aggregation, round_aggregation
-        self.rank_rtol, self.batch_size = float(rank_rtol), int(batch_size)
+    def __init__(self, **params: Any):
+        set_config_fields(self, params)  # ProjResConfig: the one place the defaults live
 
     @classmethod
     def requires(cls, cfg=None) -> dict[str, bool]:
@@ -240,8 +238,8 @@ class GradientDecomposition(AttackBase):
     reconstruction = "membership"
     devices = ("cpu", "cuda")
 
-    def __init__(self, max_labels: int = 16, rank_rtol: float = 1e-10, max_clients: int | None = None):
-        self.max_labels, self.rank_rtol, self.max_clients = int(max_labels), float(rank_rtol), max_clients
+    def __init__(self, **params: Any):
+        set_config_fields(self, params)  # GradientDecompositionConfig: the one place the defaults live
 
     @classmethod
     def requires(cls, cfg=None) -> dict[str, bool]:

@@ -36,4 +36,12 @@ def attack_parameters(config_cls: type[C], config: Optional[BaseModel] = None,
                        "change this value (in the config's attack section or the constructor's keyword).") from None
 
 
-__all__ = ["attack_parameters"]
+def set_config_fields(attack: Any, params: Mapping[str, Any]) -> None:
+    """Validate ``params`` against ``type(attack).Config`` (:func:`attack_parameters`: defaults for the fields not
+    given, BadInput naming ``attack.<field>`` for a bad one) and set every field as an attribute of ``attack``."""
+    cfg = attack_parameters(type(attack).Config, None, params)
+    for name in type(cfg).model_fields:
+        setattr(attack, name, getattr(cfg, name))
+
+
+__all__ = ["attack_parameters", "set_config_fields"]

@@ -11,7 +11,7 @@ from pydantic import Field, field_validator
 from torch import nn
 
 from gradleak.attacks.base import AttackBase, Reconstruction, ThreatModel
-from gradleak.attacks.common.config import set_config_fields
+from gradleak.attacks.common.parameters import set_config_fields
 from gradleak.attacks.common.encoder_search import EncoderChainSearch
 from gradleak.attacks.common.prefix_search import CausalPrefixSearch
 from gradleak.attacks.common.subspace import Subspace, estimate_noise_std, subspace_from_gradients
