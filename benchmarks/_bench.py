@@ -3,8 +3,9 @@
 * ``--out DIR`` (default ``runs/bench/<name>``, under the repository root and git-ignored): where a script's
   JSONL, JSON, per-cell run directories and plots go. ``benchmarks/out/`` holds the published reference
   results ``docs/REPRODUCTION.md`` was built from; a script writes there only when given ``--out benchmarks/out``.
-* Resume: a cell counts as done only when its *latest* JSONL row has no ``"error"``; failed cells are retried.
-  Reports keep the latest row per cell.
+* Resume: the cells run through the one cell loop (:func:`gradleak.experiments.cells.run_cells`, via
+  :func:`run_cells` here): a cell counts as done only when its *latest* JSONL row has no ``"error"``; failed cells
+  are retried (once more in the run, and on the next run). Reports keep the latest row per cell.
 * ``--fresh``: move an existing JSONL to ``*.jsonl.bak`` and recompute every cell.
 * ``docs/REPRODUCTION.md`` is rewritten only with ``--report-only`` or ``--update-docs``; otherwise the section's
   Markdown goes to ``<out>/<name>.md``.
@@ -18,7 +19,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
@@ -69,9 +70,39 @@ def latest_rows(jsonl: Path) -> list[dict]:
     return list(latest_by_cell(jsonl).values())
 
 
-def done_cells(jsonl: Path) -> set[str]:
-    """Cells whose latest row finished without error (the others are run again)."""
-    return {r["cell"] for r in latest_rows(jsonl) if "error" not in r}
+def run_cells(jsonl: Path, cells: Iterable[tuple[dict, Callable[..., Any], tuple]], fill: Callable[[Any, dict], str],
+              *, label: str, redo: bool = False, wall_seconds: bool = True, error_fields: dict | None = None,
+              key: str = "cell") -> dict[str, dict]:
+    """Run (or resume) a benchmark's cells in this process through the one cell loop; returns the latest row per cell.
+
+    ``cells``: ``(row, job, args)`` -- the leading fields of the cell's row (its id under ``key`` first) and the job
+    ``job(*args)``. A finished cell's row is ``row`` plus what ``fill(result, row)`` copies into it (``fill`` returns
+    the progress message); a failed one's is ``row`` plus ``error`` (and ``error_fields``). Both end with
+    ``wall_seconds`` (the job's run time) unless ``wall_seconds`` is false."""
+    import copy
+
+    from gradleak.experiments.cells import Cell, error_text
+    from gradleak.experiments.cells import run_cells as cell_loop
+
+    messages: dict[str, str] = {}
+
+    def row(cell, result: Any, err: BaseException | None, seconds: float) -> dict:
+        r = copy.deepcopy(cell.info)
+        if err is None:
+            try:
+                messages[cell.id] = fill(result, r)
+            except Exception as fill_err:  # noqa: BLE001 -- a result without what the tables need is a failed cell
+                r, err = copy.deepcopy(cell.info), fill_err
+        if err is not None:
+            r["error"] = error_text(err)
+            r.update(copy.deepcopy(error_fields or {}))
+        if wall_seconds:
+            r["wall_seconds"] = seconds
+        return r
+
+    jobs = [Cell(r[key], job, tuple(args), r) for r, job, args in cells]
+    return cell_loop(jobs, jsonl, row, redo=redo, key=key, label=label,
+                     describe=lambda r: messages.get(r[key], "done"), log=lambda m: print(m, flush=True))
 
 
 def start_fresh(jsonl: Path) -> None:
@@ -148,56 +179,3 @@ def fmt_num(x: Any, spec: str) -> str:
         return format(float(x), spec)
     except (TypeError, ValueError):
         return "–"
-
-
-def run_pipeline_cell(config: Path, overrides: list[str], out_dir: Path, device: str = "cpu") -> dict:
-    """One benchmark cell through the experiment pipeline (``validate`` -> ``run_experiment``) on ``device``, writing
-    ``out_dir`` as ``gradleak run`` would (``results.json``, ``report.html``, ``report_data.json``); returns the
-    pipeline's result dict with ``timings.total_seconds`` added."""
-    import time
-
-    import torch
-
-    from gradleak.experiments import validate
-    from gradleak.experiments.config import load_yaml
-    from gradleak.experiments.results import write_json_atomic
-    from gradleak.experiments.runner import RunContext, seed_everything
-    from gradleak.report import write_report
-
-    run_experiment, cfg = validate(load_yaml(config), overrides)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    seed_everything(cfg.seed)
-    t0 = time.perf_counter()
-    res = run_experiment(cfg, RunContext(out_dir, torch.device(device)))
-    res["timings"]["total_seconds"] = time.perf_counter() - t0
-    results = {"name": cfg.name, "experiment": cfg.experiment, "config": cfg.dump(), "metrics": res["metrics"],
-               "timings": res["timings"], "artifacts": res.get("artifacts", []), "details": res["details"]}
-    write_json_atomic(out_dir / "results.json", results)
-    write_report(results, out_dir, res.get("report", {}))
-    return res
-
-
-def minilm_rt_update(batch: int, rf: int, seed: int):
-    """The probes' common case: MiniLM (2 layers) with UTR's adapters at reduction factor ``rf``, one client's
-    FedSGD update on ``batch`` Rotten Tomatoes sentences drawn with ``seed``. Returns (text model, encoding,
-    update, true token ids of each sentence)."""
-    return text_rt_update("minilm", batch, rf, seed)
-
-
-def text_rt_update(model: str, batch: int, rf: int, seed: int):
-    """:func:`minilm_rt_update` for any text model the pipeline loads (``minilm``, ``smollm2``, a local path)."""
-    import torch
-
-    from gradleak.data.text import load_text
-    from gradleak.fl.core import Client
-    from gradleak.models.text import load_text_model, text_loss
-    from gradleak.peft.text_adapters import add_text_adapters
-
-    tm = load_text_model(model, 2)
-    add_text_adapters(tm.model, tm.layers(), tm.hidden_size, rf)
-    texts, labels = load_text("rt-sentences").batch(batch, seed=seed)
-    enc = tm.encode(texts)
-    x = torch.stack([enc["input_ids"], enc["attention_mask"]], 1)
-    upd = Client(0, x, torch.as_tensor(labels) % 2, loss_fn=text_loss(tm.kind)).local_update(tm.model)
-    truth = [enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist() for i in range(batch)]
-    return tm, enc, upd, truth

@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import ROOT, add_out_args, display, done_cells, latest_rows, resolve_out, start_fresh, write_section  # noqa: E402
+from _bench import (ROOT, add_out_args, display, latest_rows, resolve_out, run_cells,  # noqa: E402
+                    start_fresh, write_section)
 
 AUDITS = [("vit_lora", "configs/audit/vit_lora.yaml", "lora_span"), ("text_adapters", "configs/audit/text_adapters.yaml", "utr")]
 DPS = {"none": "no DP", "server-fixed": "DifferentialPrivacyServerSideFixedClipping",
@@ -179,7 +180,7 @@ def report(args, jsonl: Path) -> None:
     lines += ["", "The poisoned model has no utility (chance is 10 %). Its down-projection biases are ≈ 6e4–7e4 "
               "and weights ≈ 200, their FedSGD gradients ≈ 1e-12 and 3e-11 (lr 0.05), so a weight reply rounds the "
               "step away even in float64: the server's (sent − new) / lr is off by 60–100 % on exactly the tensors "
-              "PEFTLeak reads (`python benchmarks/flower_precision_probe.py`); with the update itself the "
+              "PEFTLeak reads (`python benchmarks/probes/flower_precision_probe.py`); with the update itself the "
               "attack is exact. When the clients train the poisoned weights for 4 local steps (FedAvg) PEFTLeak "
               "recovers far fewer patches, with either reply (the paper: one reconstruction, then none).", "",
               "### Runtimes (text example, 3 nodes, 2 rounds, UTR audit every round)", "",
@@ -205,16 +206,13 @@ def main(argv=None) -> int:
     if args.fresh:
         start_fresh(jsonl)
     if not args.report_only:
-        done = done_cells(jsonl)
-        for cell, kind, cmd, d, meta in cells(args):
-            if cell in done:
-                continue
-            row = {"cell": cell, **run_cell(kind, cmd, d, meta)}
-            with open(jsonl, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            print(f"{cell}: {'ERROR' if 'error' in row else row.get('verdict', 'done')} "
-                  f"{row.get('value', row.get('patch_recovery_rate', row.get('error', '')))!s:.200} "
-                  f"({row['wall_seconds']:.0f} s)", flush=True)
+        def fill(result: dict, row: dict) -> str:  # run_cell's row (its wall time included; a failed run: error)
+            row.update(result)
+            return (f"{row.get('verdict', 'done')} "
+                    f"{row.get('value', row.get('patch_recovery_rate', ''))!s:.200}")
+
+        run_cells(jsonl, [({"cell": cell}, run_cell, (kind, cmd, d, meta)) for cell, kind, cmd, d, meta in cells(args)],
+                  fill, label="flower_dp", wall_seconds=False)
     report(args, jsonl)
     return 0
 

@@ -12,8 +12,8 @@ Setting (CPU scale, stated in the table): the pretrained ViT-S/14 resampled to p
 (grey replicated to RGB, 10 classes), LoRA r = 32 on every block's query + value (+ the head), FedAvg with one local
 epoch of batch 8 at lr 0.05. The paper: ViT-S, CIFAR-10, 100 rounds, its optimisation attack (GIAS + anchor).
 
-Resumable: one JSONL row per (arm, measured round) in ``OUT/flower_utility.jsonl``; an arm whose rows are all
-there is skipped. Run ``OMP_NUM_THREADS=1 python benchmarks/flower_utility.py --out benchmarks/out --update-docs``.
+Resumable: one JSONL row per (arm, measured round) in ``OUT/flower_utility.jsonl``, an arm's rows appended when the
+arm is done (the cell loop, :func:`gradleak.experiments.cells.run_cells`, by ``arm``); a done arm is skipped. Run ``OMP_NUM_THREADS=1 python benchmarks/flower_utility.py --out benchmarks/out --update-docs``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def split(args, labels):
     return [np.array([0])] + parts
 
 
-def run_arm(args, arm: str, sigma: float, jsonl: Path) -> None:
+def run_arm(args, arm: str, sigma: float) -> list[dict]:
+    """One arm of the federation: its rows, one per measured round."""
     import torch
 
     from gradleak.attacks.base import AttackContext
@@ -92,6 +93,7 @@ def run_arm(args, arm: str, sigma: float, jsonl: Path) -> None:
     if args.second_attack:
         _, icfg = validate({**raw, "scale": "cpu", "attack": {"name": args.second_attack}})
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    rows = []
     for k, r in enumerate(out.kept_rounds):
         state = out.round_states[k]
         with torch.no_grad():
@@ -139,10 +141,10 @@ def run_arm(args, arm: str, sigma: float, jsonl: Path) -> None:
                "attack_seconds": time.perf_counter() - t1, "train_seconds_all_rounds": train_seconds,
                "command": f"OMP_NUM_THREADS=1 python benchmarks/flower_utility.py --out {display(args.out)}"
                           + "".join(f" --{k.replace('_', '-')} {v}" for k, v in _knobs(args).items())}
-        with open(jsonl, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        rows.append(row)
         print(f"[{arm}] round {r + 1}: accuracy {acc:.3f}, high-risk client {per[0]['psnr']:.1f} dB, "
               f"{row['images_reconstructed']}/{row['images_total']} images ≥ 30 dB", flush=True)
+    return rows
 
 
 def _knobs(args) -> dict:
@@ -251,12 +253,12 @@ def main(argv=None) -> int:
     if getattr(args, "fresh", False):
         start_fresh(jsonl)
     if not args.report_only:
-        done = {r["arm"] for r in latest_rows(jsonl)} if jsonl.exists() else set()
-        for arm in args.arms:
-            if arm in done:
-                print(f"[{arm}] done before", flush=True)
-                continue
-            run_arm(args, arm, ARMS[arm], jsonl)
+        from gradleak.experiments.cells import Cell, run_cells
+
+        # one cell per arm, its rows (one per measured round) appended when the arm is done; an error stops the run
+        run_cells([Cell(arm, run_arm, (args, arm, ARMS[arm])) for arm in args.arms], jsonl,
+                  lambda cell, rows, err, seconds: rows, key="arm", fatal=(Exception,), label="flower_utility",
+                  log=lambda m: print(m, flush=True))
     report(args, jsonl)
     return 0
 

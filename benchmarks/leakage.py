@@ -34,14 +34,13 @@ import fnmatch
 import json
 import shlex
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import (ROOT, add_out_args, check_configs, display, done_cells, fmt_num,  # noqa: E402
-                    latest_rows, resolve_out, run_pipeline_cell, save_figure, start_fresh, write_section)
-from gradleak.experiments.results import append_jsonl, write_json_atomic  # noqa: E402
+from _bench import (ROOT, add_out_args, check_configs, display, fmt_num, latest_rows,  # noqa: E402
+                    resolve_out, run_cells as run_bench_cells, save_figure, start_fresh, write_section)
+from gradleak.experiments.results import write_json_atomic  # noqa: E402
 
 CONFIG = ROOT / "configs" / "leakage" / "fmnist_resnet18.yaml"
 PAPER_CONFIG = ROOT / "configs" / "leakage" / "fmnist_resnet18_paper.yaml"
@@ -122,27 +121,19 @@ def command(c: dict) -> str:
 
 
 def run_cells(sel: list[dict], out: Path) -> None:
-    jsonl = out / "leakage.jsonl"
-    done = done_cells(jsonl)
-    todo = [c for c in sel if c["cell"] not in done]
-    print(f"{len(sel) - len(todo)} cells done, {len(todo)} to run (results in {display(out)})", flush=True)
-    for i, c in enumerate(todo):
-        row = {"cell": c["cell"], "tables": c["tables"], "overrides": c["overrides"], "config": display(c["config"]),
-               "command": command(c)}
-        t0 = time.perf_counter()
-        try:
-            res = run_pipeline_cell(c["config"], c["overrides"], out / "leakage" / c["cell"])
-            m = res["metrics"]
-            row.update(metrics={k: v for k, v in m.items() if isinstance(v, (int, float))},
-                       timings=res["timings"], warnings=res["details"].get("warnings", []))
-            msg = (f"RDLV high-risk {fmt_num(m.get('rdlv_high_risk_client'), '+.3f')} others' max low "
-                   f"{fmt_num(m.get('rdlv_max_other_clients'), '+.3f')} acc {fmt_num(m.get('accuracy'), '.3f')}")
-        except Exception as err:  # recorded, not fatal (retried on the next run)
-            row["error"] = f"{type(err).__name__}: {err}"
-            msg = f"FAILED {row['error']}"
-        row["wall_seconds"] = time.perf_counter() - t0
-        append_jsonl(jsonl, row)
-        print(f"[{i + 1}/{len(todo)}] {c['cell']}: {msg} ({row['wall_seconds']:.0f} s)", flush=True)
+    from gradleak.experiments import run_file
+
+    def fill(res: dict, row: dict) -> str:
+        m = res["metrics"]
+        row.update(metrics={k: v for k, v in m.items() if isinstance(v, (int, float))},
+                   timings=res["timings"], warnings=res["details"].get("warnings", []))
+        return (f"RDLV high-risk {fmt_num(m.get('rdlv_high_risk_client'), '+.3f')} others' max low "
+                f"{fmt_num(m.get('rdlv_max_other_clients'), '+.3f')} acc {fmt_num(m.get('accuracy'), '.3f')}")
+
+    run_bench_cells(out / "leakage.jsonl", [
+        ({"cell": c["cell"], "tables": c["tables"], "overrides": c["overrides"], "config": display(c["config"]),
+          "command": command(c)}, run_file, (c["config"], out / "leakage" / c["cell"], c["overrides"], "cpu"))
+        for c in sel], fill, label="leakage")
 
 
 def measure_speed(out: Path) -> dict:
@@ -306,7 +297,7 @@ def report(args: argparse.Namespace) -> int:
     L.append(f"### Multi-step clients: K-step BN inference vs the one-step formula (`multistep`, client 0, 8 images, "
              f"{MULTISTEP_ITERS} iterations)\n")
     L.append("The exactness of the K-step combination on a toy case is a test (`tests/test_leakage.py`, ≤ 1e-5 where the "
-             "one-step formula is 13–100 % off); `benchmarks/bn_probes.py bnstats` measures it on ResNet-18.\n")
+             "one-step formula is 13–100 % off); `benchmarks/probes/bn_probes.py bnstats` measures it on ResNet-18.\n")
     L.append(_table(["K steps", "B", "SSIM (K-step)", "RDLV (K-step)", "SSIM (one-step)", "RDLV (one-step)"], mrows))
     L.append("")
     checks.append(["The attack on 2–8-step clients improves with the K-step BN inference (beyond the public code)",
@@ -439,7 +430,7 @@ def report(args: argparse.Namespace) -> int:
         f"so the BN-buffer changes (~10⁴× larger) stay nearly clean: RDLV stays > 0 up to σ0 = 250 "
         f"({_f(g('noise/global/250', 'rdlv_client2'), '+.3f')}, accuracy {_f(g('noise/global/250', 'accuracy'))}) and "
         "falls ≤ 0 only where accuracy is at chance. Per tensor, the noise on the running-variance changes makes "
-        "variances negative (`python benchmarks/bn_probes.py negvar`: 980 of 4 800 after one noised update at σ0 = 10, 7 "
+        "variances negative (`python benchmarks/probes/bn_probes.py negvar`: 980 of 4 800 after one noised update at σ0 = 10, 7 "
         f"at σ0 = 1), and accuracy is at chance (0.100) from σ0 = 2.5 on, while σ0 = 1 still leaks "
         f"({_f(g('noise/per_tensor/1', 'rdlv_client2'), '+.3f')}). Noise on the weights only, statistics sent clean: "
         f"RDLV {_f(g('noise/per_tensor_weights_only/10', 'rdlv_client2'), '+.3f')} at σ0 = 10. The absolute σ = 1e-2 "

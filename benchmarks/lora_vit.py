@@ -71,9 +71,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import (ROOT, add_out_args, check_configs, display, done_cells, fmt_num,  # noqa: E402
-                    latest_rows, resolve_out, run_pipeline_cell, start_fresh, write_section)
-from gradleak.experiments.results import append_jsonl, write_json_atomic  # noqa: E402
+from _bench import (ROOT, add_out_args, check_configs, display, fmt_num, latest_rows,  # noqa: E402
+                    resolve_out, run_cells as run_bench_cells, start_fresh, write_section)
+from gradleak.experiments.cells import done_cells  # noqa: E402
+from gradleak.experiments.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
 
 NAME = "lora_vit"
@@ -133,39 +134,20 @@ def command(overrides: list[str]) -> str:
 
 
 def run_cells(cells: list[dict], out: Path) -> None:
-    jsonl = out / f"{NAME}.jsonl"
-    done = done_cells(jsonl)
-    todo = [c for c in cells if c["cell"] not in done]
-    print(f"{len(cells) - len(todo)} cells done, {len(todo)} to run (results in {display(out)})", flush=True)
-    for i, c in enumerate(todo):
-        row = {"cell": c["cell"], "table": c["table"], "overrides": c["overrides"], "command": command(c["overrides"])}
+    from gradleak.experiments import run_file
 
-        def fill(res, row):
-            m, info = res["metrics"], res["details"]["attack_info"]
-            row.update(metrics={k: m[k] for k in METRICS if k in m},
-                       info={k: info.get(k) for k in ("backbone", "patch_size", "row_space_rank", "gradient_rows",
-                                                      "system_rank", "unknowns_per_patch", "rank_condition")},
-                       timings={k: res["timings"][k] for k in ("attack_reconstruct_seconds", "client_step_seconds")})
-            return (f"PSNR {fmt_num(m['image_psnr_mean'], '.1f')} dB, rank {info['row_space_rank']}, "
-                    f"condition {info['rank_condition'][:60]}, attack {fmt_num(m['attack_seconds'], '.3f')} s")
+    def fill(res: dict, row: dict) -> str:
+        m, info = res["metrics"], res["details"]["attack_info"]
+        row.update(metrics={k: m[k] for k in METRICS if k in m},
+                   info={k: info.get(k) for k in ("backbone", "patch_size", "row_space_rank", "gradient_rows",
+                                                  "system_rank", "unknowns_per_patch", "rank_condition")},
+                   timings={k: res["timings"][k] for k in ("attack_reconstruct_seconds", "client_step_seconds")})
+        return (f"PSNR {fmt_num(m['image_psnr_mean'], '.1f')} dB, rank {info['row_space_rank']}, "
+                f"condition {info['rank_condition'][:60]}, attack {fmt_num(m['attack_seconds'], '.3f')} s")
 
-        msg = run_and_record(jsonl, row, CONFIG, c["overrides"], out / NAME / c["cell"], fill)
-        print(f"[{i + 1}/{len(todo)}] {c['cell']}: {msg} ({row['wall_seconds']:.0f} s)", flush=True)
-
-
-def run_and_record(jsonl: Path, row: dict, config: Path, overrides: list[str], out_dir: Path, fill,
-                   device: str = "cpu") -> str:
-    """Run one cell through the pipeline; ``fill(result, row) -> message`` copies what the tables need into ``row``.
-    The row is appended to ``jsonl`` either way (a failure as ``error``: retried on the next run)."""
-    t0 = time.perf_counter()
-    try:
-        msg = fill(run_pipeline_cell(config, overrides, out_dir, device), row)
-    except Exception as err:  # recorded, retried on the next run
-        row["error"] = f"{type(err).__name__}: {err}"
-        msg = f"FAILED {row['error']}"
-    row["wall_seconds"] = time.perf_counter() - t0
-    append_jsonl(jsonl, row)
-    return msg
+    run_bench_cells(out / f"{NAME}.jsonl", [
+        ({"cell": c["cell"], "table": c["table"], "overrides": c["overrides"], "command": command(c["overrides"])},
+         run_file, (CONFIG, out / NAME / c["cell"], c["overrides"], "cpu")) for c in cells], fill, label=NAME)
 
 
 def summarise(out: Path, args: argparse.Namespace) -> dict:
@@ -527,27 +509,29 @@ def opt_command(c: dict) -> str:
 
 
 def run_opt_cells(cells: list[dict], out: Path, jsonl: Path, device: str = "cpu") -> None:
-    done = done_cells(jsonl)
-    todo = sorted((c for c in cells if c["cell"] not in done and "same_as" not in c), key=run_order)
-    print(f"{len(cells) - len(todo)} optimisation cells done or shared, {len(todo)} to run "
-          f"(results in {display(jsonl)})", flush=True)
-    for i, c in enumerate(todo):
+    """The optimisation cells (``same_as`` cells share another's run), in ``run_order``."""
+    from gradleak.experiments import run_file
+
+    todo = sorted((c for c in cells if "same_as" not in c), key=run_order)
+
+    def fill(res: dict, row: dict) -> str:
+        m, t, info = res["metrics"], res["timings"], res["details"]["attack_info"]
+        row["metrics"] = {k: m[k] for k in OPT_METRICS if k in m}
+        row["timings"] = {k: t[k] for k in ("attack_seconds", "iteration_seconds", "fwdbwd_seconds",
+                                            "iteration_to_fwdbwd_ratio") if k in t}
+        row["info"] = {k: info.get(k) for k in ("backbone", "patch_size", "anchor_weight", "emulate",
+                                                "label_source", "diverged", "warning") if k in info}
+        return (f"PSNR {fmt_num(m.get('image_psnr_mean'), '.2f')} dB, SSIM {fmt_num(m.get('image_ssim_mean'), '.3f')}"
+                f", iteration/fwd+bwd {fmt_num(t.get('iteration_to_fwdbwd_ratio'), '.2f')}")
+
+    def first(c: dict) -> dict:
         row = {k: c[k] for k in ("cell", "table", "setting", "method", "anchor", "user", "rep", "overrides", "config")}
         row["command"] = opt_command(c) + ("" if device == "cpu" else f" --device {device}")
         row["device"] = device
+        return row
 
-        def fill(res, row):
-            m, t, info = res["metrics"], res["timings"], res["details"]["attack_info"]
-            row["metrics"] = {k: m[k] for k in OPT_METRICS if k in m}
-            row["timings"] = {k: t[k] for k in ("attack_seconds", "iteration_seconds", "fwdbwd_seconds",
-                                                "iteration_to_fwdbwd_ratio") if k in t}
-            row["info"] = {k: info.get(k) for k in ("backbone", "patch_size", "anchor_weight", "emulate",
-                                                    "label_source", "diverged", "warning") if k in info}
-            return (f"PSNR {fmt_num(m.get('image_psnr_mean'), '.2f')} dB, SSIM {fmt_num(m.get('image_ssim_mean'), '.3f')}"
-                    f", iteration/fwd+bwd {fmt_num(t.get('iteration_to_fwdbwd_ratio'), '.2f')}")
-
-        msg = run_and_record(jsonl, row, ROOT / c["config"], c["overrides"], out / NAME / "opt" / c["cell"], fill, device)
-        print(f"[{i + 1}/{len(todo)}] {c['cell']}: {msg} ({row['wall_seconds']:.0f} s)", flush=True)
+    run_bench_cells(jsonl, [(first(c), run_file, (ROOT / c["config"], out / NAME / "opt" / c["cell"], c["overrides"],
+                                                 device)) for c in todo], fill, label=f"{NAME} opt")
 
 
 def welch(a: list[float], b: list[float]) -> float | None:

@@ -35,14 +35,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import (ROOT, add_out_args, check_configs, default_out, display, done_cells, fmt_num,  # noqa: E402
-                    latest_rows, resolve_out, start_fresh, write_section)
-from gradleak.experiments.results import append_jsonl, write_json_atomic  # noqa: E402
+from _bench import (ROOT, add_out_args, check_configs, default_out, display, fmt_num, latest_rows,  # noqa: E402
+                    resolve_out, run_cells as run_bench_cells, start_fresh, write_section)
+from gradleak.experiments.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
 
 CONFIG = ROOT / "configs" / "peftleak" / "cifar_b32.yaml"
@@ -155,36 +154,23 @@ def run_cells(selected, threads: int | None, out: Path) -> None:
 
     if threads:
         torch.set_num_threads(threads)
-    jsonl = out / "peftleak.jsonl"
-    done = done_cells(jsonl)
-    todo = [c for c in selected if c[1] not in done]
-    print(f"{len(selected) - len(todo)} cells done, {len(todo)} to run (results in {display(out)})", flush=True)
-    for i, (table, cell, meta, ov) in enumerate(todo):
-        overrides = _overrides(ov)
-        t0 = time.perf_counter()
-        try:
-            res = run_file(CONFIG, out / "peftleak" / cell, overrides)
-        except Exception as err:  # record and go on: a sweep must not die on one cell (retried on the next run)
-            print(f"[{i + 1}/{len(todo)}] {cell}: FAILED {type(err).__name__}: {err}", flush=True)
-            append_jsonl(jsonl, {"cell": cell, "table": table, "meta": meta, "overrides": overrides,
-                                 "command": _command(overrides), "error": f"{type(err).__name__}: {err}",
-                                 "wall_seconds": time.perf_counter() - t0})
-            continue
+
+    def fill(res: dict, row: dict) -> str:
         m, t = res["metrics"], res["timings"]
-        row = {"cell": cell, "table": table, "meta": meta, "overrides": overrides,
-               "command": _command(overrides),
-               "metrics": {k: m[k] for k in ("patch_recovery_rate", "patch_recovery_rate_attacked_positions", "isolated_patch_rate", "grouping_accuracy",
-                                             "false_positives", "recovered_patch_psnr_median", "recovered_patch_ssim_mean",
-                                             "recovered_patch_mse_mean", "rounds_used", "rounds_needed_all_positions",
-                                             "adapters_per_position", "positions_per_round", "num_true_patches")
-                           if k in m},
-               "timings": {k: t[k] for k in ("attack_total_seconds", "client_step_seconds", "attack_to_client_step_ratio") if k in t},
-               "wall_seconds": time.perf_counter() - t0}
-        append_jsonl(jsonl, row)
-        print(f"[{i + 1}/{len(todo)}] {cell}: recovery {fmt_num(m.get('patch_recovery_rate'), '.3f')} "
-              f"psnr {fmt_num(m.get('recovered_patch_psnr_median'), '.1f')} "
-              f"grouping {fmt_num(m.get('grouping_accuracy'), '.3f')} ratio {fmt_num(t.get('attack_to_client_step_ratio'), '.2f')} "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        row["metrics"] = {k: m[k] for k in ("patch_recovery_rate", "patch_recovery_rate_attacked_positions", "isolated_patch_rate", "grouping_accuracy",
+                                            "false_positives", "recovered_patch_psnr_median", "recovered_patch_ssim_mean",
+                                            "recovered_patch_mse_mean", "rounds_used", "rounds_needed_all_positions",
+                                            "adapters_per_position", "positions_per_round", "num_true_patches")
+                          if k in m}
+        row["timings"] = {k: t[k] for k in ("attack_total_seconds", "client_step_seconds", "attack_to_client_step_ratio") if k in t}
+        return (f"recovery {fmt_num(m.get('patch_recovery_rate'), '.3f')} "
+                f"psnr {fmt_num(m.get('recovered_patch_psnr_median'), '.1f')} "
+                f"grouping {fmt_num(m.get('grouping_accuracy'), '.3f')} ratio {fmt_num(t.get('attack_to_client_step_ratio'), '.2f')}")
+
+    run_bench_cells(out / "peftleak.jsonl", [
+        ({"cell": cell, "table": table, "meta": meta, "overrides": _overrides(ov), "command": _command(_overrides(ov))},
+         run_file, (CONFIG, out / "peftleak" / cell, _overrides(ov))) for table, cell, meta, ov in selected],
+        fill, label="peftleak")
 
 
 def _mean(xs):

@@ -32,18 +32,18 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import json
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import (ROOT, add_out_args, check_configs, display, done_cells, fmt_num,  # noqa: E402
-                    latest_rows, resolve_out, run_pipeline_cell, save_figure, start_fresh, write_section)
-from gradleak.experiments.results import append_jsonl, write_json_atomic  # noqa: E402
+from _bench import (ROOT, add_out_args, check_configs, display, fmt_num, latest_rows,  # noqa: E402
+                    resolve_out, run_cells as run_bench_cells, save_figure, start_fresh, write_section)
+from gradleak.experiments.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
 
 CONFIG = ROOT / "configs" / "projres" / "minilm_adapter.yaml"
@@ -169,37 +169,31 @@ def command(overrides: list[str]) -> str:
 # ------------------------------------------------------------------------------------------------ running
 
 def run_cell(overrides: list[str], out_dir: Path) -> tuple[dict, list[dict]]:
-    """One cell through the pipeline; writes the run directory as ``gradleak run`` would. Returns the run's results
-    and the rows of its 'ProjRes AUC per layer' table (what ``report_data.json`` holds)."""
-    res = run_pipeline_cell(CONFIG, overrides, out_dir)
-    layers = next((t["rows"] for t in res.get("report", {}).get("tables", []) if t["title"] == "ProjRes AUC per layer"), [])
+    """One cell exactly as ``gradleak run`` runs it (:func:`gradleak.experiments.run_file`). Returns the run's results
+    and the rows of its 'ProjRes AUC per layer' table (from the run's ``report_data.json``)."""
+    from gradleak.experiments import run_file
+
+    res = run_file(CONFIG, out_dir, overrides, "cpu")
+    report = json.loads((out_dir / "report_data.json").read_text())
+    layers = next((t["rows"] for t in report.get("tables", []) if t["title"] == "ProjRes AUC per layer"), [])
     return res, layers
 
 
 def run_cells(cells: list[dict], out: Path) -> None:
-    jsonl = out / "projres.jsonl"
-    done = done_cells(jsonl)
-    todo = [c for c in cells if c["cell"] not in done]
-    print(f"{len(cells) - len(todo)} cells done, {len(todo)} to run (results in {display(out)})", flush=True)
-    for i, c in enumerate(todo):
-        row = {"cell": c["cell"], "tables": c["tables"], "params": c["params"], "overrides": c["overrides"],
-               "command": command(c["overrides"])}
-        t0 = time.perf_counter()
-        try:
-            res, layers = run_cell(c["overrides"], out / "projres" / c["cell"])
-            m, t = res["metrics"], res["timings"]
-            row.update(metrics={k: m[k] for k in METRICS if k in m}, timings={k: t[k] for k in TIMINGS if k in t},
-                       per_layer_auc=layers, warnings=res["details"].get("warnings", []))
-            msg = (f"AUC {fmt_num(m.get('auc'), '.3f')} TPR@1%FPR {fmt_num(m.get('tpr_at_1pct_fpr'), '.3f')} "
-                   f"acc {fmt_num(m.get('accuracy'), '.3f')} client step {fmt_num(t.get('client_step_seconds'), '.1f')} s"
-                   + (f" rank condition {fmt_num(m['fisguard_rank_condition_rate'], '.2f')}"
-                      if "fisguard_rank_condition_rate" in m else ""))
-        except Exception as err:  # recorded, not fatal (retried on the next run)
-            row["error"] = f"{type(err).__name__}: {err}"
-            msg = f"FAILED {row['error']}"
-        row["wall_seconds"] = time.perf_counter() - t0
-        append_jsonl(jsonl, row)
-        print(f"[{i + 1}/{len(todo)}] {c['cell']}: {msg} ({row['wall_seconds']:.0f} s)", flush=True)
+    def fill(result: tuple[dict, list[dict]], row: dict) -> str:
+        res, layers = result
+        m, t = res["metrics"], res["timings"]
+        row.update(metrics={k: m[k] for k in METRICS if k in m}, timings={k: t[k] for k in TIMINGS if k in t},
+                   per_layer_auc=layers, warnings=res["details"].get("warnings", []))
+        return (f"AUC {fmt_num(m.get('auc'), '.3f')} TPR@1%FPR {fmt_num(m.get('tpr_at_1pct_fpr'), '.3f')} "
+                f"acc {fmt_num(m.get('accuracy'), '.3f')} client step {fmt_num(t.get('client_step_seconds'), '.1f')} s"
+                + (f" rank condition {fmt_num(m['fisguard_rank_condition_rate'], '.2f')}"
+                   if "fisguard_rank_condition_rate" in m else ""))
+
+    run_bench_cells(out / "projres.jsonl", [
+        ({"cell": c["cell"], "tables": c["tables"], "params": c["params"], "overrides": c["overrides"],
+          "command": command(c["overrides"])}, run_cell, (c["overrides"], out / "projres" / c["cell"])) for c in cells],
+        fill, label="projres")
 
 
 def measure_overhead(out: Path, pefts=("adapter",)) -> dict:
@@ -351,8 +345,6 @@ def report(args: argparse.Namespace) -> int:
 
     oh = out / "projres_overhead.json"
     if oh.exists():
-        import json
-
         o = json.loads(oh.read_text())
         t = [{"PEFT": r["peft"], "defense": r["defense"], "client step s": f"{r['client_step_seconds']:.2f}",
               "training time vs none": f"{r['overhead_ratio']:.2f}×", "setup s": f"{r['setup_seconds']:.1f}"}

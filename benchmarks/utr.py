@@ -27,16 +27,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import (add_out_args, check_configs, display, done_cells, latest_rows,  # noqa: E402
-                    resolve_out, save_figure, start_fresh, write_section)
-from gradleak.experiments.results import append_jsonl, write_json_atomic  # noqa: E402
+from _bench import (add_out_args, check_configs, display, latest_rows, resolve_out,  # noqa: E402
+                    run_cells as run_bench_cells, save_figure, start_fresh, write_section)
+from gradleak.experiments.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
 
 GROUPS = ("table1", "table2", "table3", "fig4a", "fig4b", "capacity", "noise", "bottleneck")
@@ -206,19 +205,10 @@ def noise_grid() -> list[tuple[str, str, dict]]:
 
 
 def run_cell(raw: dict, out_dir: Path) -> dict:
-    from gradleak.experiments import validate
-    from gradleak.experiments.runner import RunContext, seed_everything
+    """One cell exactly as ``gradleak run`` runs it (:func:`gradleak.experiments.run_config`, on the CPU)."""
+    from gradleak.experiments import run_config
 
-    run_experiment, cfg = validate(raw)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    seed_everything(cfg.seed)
-    t0 = time.perf_counter()
-    res = run_experiment(cfg, RunContext(out_dir, torch.device("cpu")))
-    res["timings"]["total_seconds"] = time.perf_counter() - t0
-    # the cell's run record (sentences per trial in details), next to what the evaluation wrote
-    write_json_atomic(out_dir / "results.json", {"config": cfg.dump(), "metrics": res["metrics"],
-                                                 "timings": res["timings"], "details": res["details"]})
-    return res
+    return run_config(raw, out_dir, None, "cpu")
 
 
 def r12(row: dict | None) -> str:
@@ -426,7 +416,7 @@ NOTES = """### Notes
   now; rf = 1 B = 24 seed 4242 (93 %) 80.3/76.1 with none verified before, 100/100 with 24 of 24 now; seed 0 (106 %)
   0.5/0.0 before, 69.3/66.5 with 15 of 24 verified when the 600 s budget ran out; B = 28 seed 0 (120 %) 7.6/7.1, 2
   verified. **Not reached: SmolLM2 rf = 1 B = 32 (133 %)**, the issue's target -- 600 s verify no sentence on seeds
-  0 and 4242 (nor did 1800 s on seed 0). `benchmarks/utr_causal_probe.py` measures why: the soft grading (layer_0)
+  0 and 4242 (nor did 1800 s on seed 0). `benchmarks/probes/utr_causal_probe.py` measures why: the soft grading (layer_0)
   ranks the true next token first for 80 % of prefixes at 106 %, 48 % at 120 % and 15 % at 133 % (a 25-token
   sentence needs every step right before the value test can see it); the value test itself needs the whole sentence
   (cutting it 16 tokens after a position still moves that position's gradient by 7-50 %, median 20 %); and the last
@@ -436,7 +426,7 @@ NOTES = """### Notes
 * **Defenses (Table 3) and noise (issue 11 item 3).** Noise: UTR takes the per-coordinate std the published
   defense implies (`attack.params.noise: public`; the server knows its DP parameters), ranks the gradient
   matrices from the noise spectrum's edge σ(√m + √n) and sets its tolerances from the noise floor; nothing is
-  then reported verified. `benchmarks/utr_noise_probe.py` shows why σ = 0.01 with clip 1.0 gives 0/0 here
+  then reported verified. `benchmarks/probes/utr_noise_probe.py` shows why σ = 0.01 with clip 1.0 gives 0/0 here
   whether the noise is added by the client or by the server to the mean of K = 1 clipped updates: MiniLM's
   upload has norm 0.0065 (the clip never binds) and the word-bag matrix's largest singular value is 5.2e-5
   against an edge of 0.335 (1.5e-4 of it) -- no test of that matrix can see the signal. The paper's ~100 at
@@ -445,7 +435,7 @@ NOTES = """### Notes
   the raw update (`dp0.01-server-raw`: 100/100). Pruning: global top-k over the whole upload keeps the
   largest coordinates, which lie outside the embedding adapter's down-projection: at 90 % it keeps 82 of that
   matrix's 73,728 entries (6.9 % of its energy; MiniLM B = 2, seed 0,
-  `benchmarks/utr_noise_probe.py`), far below the 35,855 degrees of freedom of its rank-71 row space, so 0/0 at 90 % is what the upload
+  `benchmarks/probes/utr_noise_probe.py`), far below the 35,855 degrees of freedom of its rank-71 row space, so 0/0 at 90 % is what the upload
   allows; the paper's ~65 needs a pruning that leaves this matrix mostly intact (per-tensor, not measured).
 * **LAMP** runs its own schedule (issue 11 item 4): 2000 Adam steps on the embeddings with step decay, the
   per-tensor cosine loss averaged over tensors, an embedding-norm regulariser, the best of 100 random inits,
@@ -587,26 +577,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         if args.fresh:
             start_fresh(jsonl)
-        done = done_cells(jsonl)
         sel = grid(args.quick, only)
         if args.cells:
             from fnmatch import fnmatch
 
             sel = [c for c in sel if fnmatch(c[1], args.cells)]
-        todo = [c for c in sel if args.rerun or c[1] not in done]
-        print(f"{len(sel) - len(todo)} cells done, {len(todo)} to run (results in {display(args.out)})", flush=True)
-        for group, cell, raw in todo:
-            t0 = time.perf_counter()
-            try:
-                res = run_cell(raw, args.out / "utr" / cell)
-                row = {"cell": cell, "group": group, "config": raw, "metrics": res["metrics"], "timings": res["timings"],
-                       "warnings": res["details"].get("warnings", [])}
-            except Exception as err:  # a failing cell is recorded, not fatal (and retried on the next run)
-                row = {"cell": cell, "group": group, "config": raw, "error": f"{type(err).__name__}: {err}",
-                       "metrics": {"rouge1": 0.0, "rouge2": 0.0}, "timings": {}}
-            append_jsonl(jsonl, row)
-            print(f"{cell}: R1={row['metrics'].get('rouge1', 0):.1f} R2={row['metrics'].get('rouge2', 0):.1f} "
-                  f"({time.perf_counter() - t0:.1f}s){' ' + row.get('error', '') if 'error' in row else ''}", flush=True)
+
+        def fill(res: dict, row: dict) -> str:
+            row.update(metrics=res["metrics"], timings=res["timings"], warnings=res["details"].get("warnings", []))
+            return f"R1={row['metrics'].get('rouge1', 0):.1f} R2={row['metrics'].get('rouge2', 0):.1f}"
+
+        run_bench_cells(jsonl, [({"cell": cell, "group": group, "config": raw}, run_cell, (raw, args.out / "utr" / cell))
+                                for group, cell, raw in sel], fill, label="utr", redo=args.rerun, wall_seconds=False,
+                        error_fields={"metrics": {"rouge1": 0.0, "rouge2": 0.0}, "timings": {}})
     latest = latest_rows(jsonl)
     rows = [r for r in latest if "error" not in r and r.get("timings")]
     failed = [r["cell"] for r in latest if "error" in r]

@@ -82,8 +82,8 @@ def test_sweep_unknown_executor_exits_2(tmp_path):
 def test_a_failed_sweep_cell_exits_1_and_is_retried_on_the_next_run(tmp_path, monkeypatch):
     """Cell seed=1 fails (in its run and its in-run retry): exit 1, error rows, not done. The rerun runs only that cell
     again, which now succeeds: exit 0, every cell done once."""
+    from gradleak.experiments import cells
     from gradleak.experiments import runner as runner_mod
-    from gradleak.experiments import sweep
 
     def in_process(fn, jobs, workers):  # the pool in this process, so that the patched run_config applies
         for i, job in enumerate(jobs):
@@ -101,7 +101,7 @@ def test_a_failed_sweep_cell_exits_1_and_is_retried_on_the_next_run(tmp_path, mo
             raise RuntimeError("transient failure of cell seed=1")
         return real(raw, out_dir, *a, **k)
 
-    monkeypatch.setattr(sweep, "pool_results", in_process)
+    monkeypatch.setattr(cells, "pool_results", in_process)
     monkeypatch.setattr(runner_mod, "run_config", flaky)
     cfg = _yaml(tmp_path, {**TINY, "grid": {"seed": [0, 1]}})
     out = tmp_path / "sweep"

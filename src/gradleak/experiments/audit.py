@@ -334,32 +334,50 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
 def run_audit_grid(raw: dict, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,
                    only: list[str] | None = None, command: str = "", log: Callable[[str], Any] = print,
                    workers: int = 1, yes: bool = False) -> dict:
-    """An audit per cell of the config's ``grid:`` (e.g. defense strengths) into ``OUT/cells/<cell>/``; resumable
-    (a cell whose ``audit.json`` exists is not redone); ``OUT/audit_grid.json`` lists each cell's verdict."""
+    """An audit per cell of the config's ``grid:`` (e.g. defense strengths) into ``OUT/cells/<cell>/``, one row per
+    cell in ``OUT/audit_grid.jsonl`` through the one cell loop (:func:`gradleak.experiments.cells.run_cells`:
+    resumable, a finished cell is not redone, a failed one is retried); ``OUT/audit_grid.json`` lists each cell's
+    verdict. A setup the audit refuses (``BadInput``) stops the grid; a cell that still fails after its retry is
+    raised once the others are done."""
+    from gradleak.experiments.cells import Cell, cell_dir_name, error_text, run_cells
     from gradleak.experiments.results import write_json_atomic
     from gradleak.experiments.runner import check_out_dir
-    from gradleak.experiments.sweep import MAX_CELLS, _safe, cell_config, expand_grid
+    from gradleak.experiments.sweep import MAX_CELLS, cell_config, expand_grid
 
     out = check_out_dir(out_dir)
     base, cells = expand_grid(raw)
     if len(cells) > MAX_CELLS and not yes:
         raise BadInput("grid", f"{len(cells)} cells exceed the limit of {MAX_CELLS} for one audit grid.",
                        "shrink the grid, or pass --yes.")
-    rows = []
+    jobs = []
     for i, (cid, a) in enumerate(cells):
-        d = out / "cells" / _safe(cid)
-        if (d / "audit.json").exists():
-            res = json.loads((d / "audit.json").read_text())
-            log(f"[audit grid] {cid}: done before ({res['verdict']})")
-        else:
-            log(f"[audit grid] cell {i + 1}/{len(cells)}: {cid}")
-            res = run_audit(cell_config(base, a), d, overrides, device, only=only, command=command, log=log,
-                            workers=workers)
-        rows.append({"cell": cid, "assign": a, "verdict": res["verdict"], "headline": res["headline"],
-                     "out": str(d.relative_to(out))})
+        d = out / "cells" / cell_dir_name(cid)
+        jobs.append(Cell(cid, _audit_cell, (cell_config(base, a), d, overrides, device, only, command, log, workers,
+                                            f"[audit grid] cell {i + 1}/{len(cells)}: {cid}"),
+                         {"cell": cid, "assign": a, "out": str(d.relative_to(out))}))
+
+    def row(cell, res, err, seconds):
+        r = {"cell": cell.id, "assign": cell.info["assign"]}
+        if err is not None:
+            return {**r, "error": error_text(err), "out": cell.info["out"]}
+        return {**r, "verdict": res["verdict"], "headline": res["headline"], "out": cell.info["out"]}
+
+    latest = run_cells(jobs, out / "audit_grid.jsonl", row, fatal=(BadInput,), label="audit grid",
+                       describe=lambda r: r["verdict"], log=log)
+    rows = list(latest.values())
     summary = {"cells": rows, "command": command}
     write_json_atomic(out / "audit_grid.json", summary)
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        raise RuntimeError(f"{len(failed)} audit grid cell(s) failed (rerun to retry): "
+                           + "; ".join(f"{r['cell']}: {r['error']}" for r in failed))
     return summary
+
+
+def _audit_cell(raw: dict, out_dir: Path, overrides, device, only, command, log, workers, announce: str) -> dict:
+    """One audit grid cell (in this process): its audit into ``out_dir``."""
+    log(announce)
+    return run_audit(raw, out_dir, overrides, device, only=only, command=command, log=log, workers=workers)
 
 
 def _run_one(name: str, cand: dict, out_dir: str, device: str | None) -> dict:
@@ -387,7 +405,7 @@ def _run_all(jobs: list[tuple], workers: int, log: Callable[[str], Any] = print)
         for name, cand, out, dev in jobs:
             yield name, _run_one(name, cand, out, dev)
         return
-    from gradleak.experiments.sweep import pool_results
+    from gradleak.experiments.cells import pool_results
 
     for i, res in pool_results(_run_one, jobs, workers):
         if isinstance(res, Exception):  # the worker itself died

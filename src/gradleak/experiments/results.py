@@ -1,4 +1,5 @@
-"""Results contract (DESIGN §4): ``results.json`` written atomically; sweeps append to ``results.jsonl``."""
+"""Results contract (DESIGN §4): ``results.json`` written atomically; the cell loop (:mod:`gradleak.experiments.cells`)
+appends to a JSONL and reads back the latest row of every cell."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import platform
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 
 def environment() -> dict[str, Any]:
@@ -93,13 +94,3 @@ def latest_by_cell(path: str | Path, key: str = "cell") -> dict[str, dict]:
             by[r[key]] = r
     return by
 
-
-def finished_cells(path: str | Path, key: str = "cell") -> set[str]:
-    return {r[key] for r in read_jsonl(path) if key in r}
-
-
-def iter_pending(cells: Iterable[tuple[str, Any]], path: str | Path) -> Iterable[tuple[str, Any]]:
-    done = finished_cells(path)
-    for cell_id, spec in cells:
-        if cell_id not in done:
-            yield cell_id, spec

@@ -3,13 +3,13 @@
 ``grid:`` maps dotted config keys (checked against the schema like ``--set`` keys) to lists of values; the sweep
 is their Cartesian product, in a stable order. Each cell is the config with those values set, run through the one
 pipeline (:func:`gradleak.experiments.run_config`) into ``OUT/cells/<cell id>/``, and appends one line to
-``OUT/results.jsonl`` (an atomic rewrite, from the parent process only). A rerun skips cells whose latest line has
-no ``error``; failed cells are retried (once more at the end of the run, and again on the next run) and never
-count as done. So a killed sweep restarts without redoing or duplicating a cell.
+``OUT/results.jsonl`` through the one cell loop (:func:`gradleak.experiments.cells.run_cells`: a rerun skips cells
+whose latest line has no ``error``; failed cells are retried once more in the run and again on the next run). So a
+killed sweep restarts without redoing or duplicating a cell.
 
-Executors: ``local`` (default) -- a process pool (spawned workers, one torch thread each, one cell per task);
-``ray`` -- plain ``ray.remote`` tasks on a cluster (the ``sweeps`` extra), started once per sweep. Cells are seeded
-by their config, so the metrics do not depend on the executor or on the worker a cell lands on.
+Executors (the loop's): ``local`` (default) -- a process pool (spawned workers, one torch thread each, one cell per
+task); ``ray`` -- plain ``ray.remote`` tasks on a cluster (the ``sweeps`` extra), started once per sweep. Cells are
+seeded by their config, so the metrics do not depend on the executor or on the worker a cell lands on.
 
 ``OUT/sweep.json`` collects the latest row of every cell; a grid with one numeric key besides ``seed`` (a
 defense-strength sweep) also gets ``OUT/sweep.png``: the headline metric against that key (mean over the other
@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -125,16 +124,34 @@ def _run_cell(raw: dict, out_dir: str, device: str | None) -> dict:
             "warnings": (res.get("details") or {}).get("warnings", [])}
 
 
+def _row(cell, payload: dict | None, err: BaseException | None, seconds: float) -> dict:
+    from gradleak.experiments.cells import error_text
+
+    row = {"cell": cell.id, "assign": cell.info}
+    if err is not None:
+        row["error"] = error_text(err)
+    else:
+        row.update(payload)
+    return row
+
+
+def _describe(row: dict) -> str:
+    return ", ".join(f"{k} {row['metrics'][k]:.4g}" for k in sweep_metrics() if k in row["metrics"]) or "done"
+
+
 def run_sweep(raw: dict, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,
               executor: str = "local", workers: int | None = None, yes: bool = False,
               log: Callable[[str], Any] = print) -> dict:
     """Run (or resume) the sweep of ``raw``'s ``grid`` into ``out_dir``; returns the summary (``sweep.json``)."""
+    from gradleak.experiments.cells import Cell, cell_dir_name, run_cells
     from gradleak.experiments.config import apply_overrides
-    from gradleak.experiments.results import append_jsonl, latest_by_cell, write_json_atomic
+    from gradleak.experiments.results import write_json_atomic
     from gradleak.experiments.runner import check_out_dir, validate
     from gradleak.experiments.schema import ExperimentConfig
 
     out = check_out_dir(out_dir)
+    if executor not in ("local", "ray"):
+        raise BadInput("--executor", f"unknown executor '{executor}'.", "use local or ray.")
     if overrides:
         grid = raw.get("grid")
         raw = apply_overrides({k: v for k, v in raw.items() if k != "grid"}, overrides, ExperimentConfig)
@@ -149,95 +166,16 @@ def run_sweep(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
             validate(cell_config(base, a))
         except BadInput as err:
             raise BadInput(err.field, f"(grid cell {cid}) {err.problem}", err.fix) from None
-    jsonl = out / "results.jsonl"
-    done = {c for c, r in latest_by_cell(jsonl).items() if "error" not in r}
-    todo = [(c, a) for c, a in cells if c not in done]
-    log(f"[sweep] {len(cells)} cells: {len(cells) - len(todo)} done, {len(todo)} to run ({executor} executor)")
-    for attempt in range(2):  # failed cells get one more try in this run (and again on the next run)
-        if not todo:
-            break
-        failed = []
-        for cid, ov, payload in _execute(todo, base, out, device, executor, workers):
-            row = {"cell": cid, "assign": ov}
-            if isinstance(payload, Exception):
-                row["error"] = f"{type(payload).__name__}: {payload}"
-                failed.append((cid, ov))
-            else:
-                row.update(payload)
-            append_jsonl(jsonl, row)
-            log(f"[sweep] {cid}: " + (row.get("error") or ", ".join(
-                f"{k} {row['metrics'][k]:.4g}" for k in sweep_metrics() if k in row["metrics"]) or "done"))
-        todo = failed
-    latest = latest_by_cell(jsonl)
-    rows = [latest[c] for c, _ in cells if c in latest]
+    jobs = [Cell(cid, _run_cell, (cell_config(base, a), str(out / "cells" / cell_dir_name(cid)), device), a)
+            for cid, a in cells]
+    latest = run_cells(jobs, out / "results.jsonl", _row, executor=executor, workers=workers, label="sweep",
+                       describe=_describe, log=log)
+    rows = list(latest.values())
     summary = {"cells": len(cells), "done": sum("error" not in r for r in rows),
                "failed": [r["cell"] for r in rows if "error" in r], "rows": rows}
     write_json_atomic(out / "sweep.json", summary)
     _plot(raw.get("grid") or {}, rows, out)
     return summary
-
-
-def _execute(todo, base, out, device, executor, workers):
-    """Yield (cell id, overrides, payload or exception) as cells finish."""
-    if executor == "ray":
-        try:
-            import ray
-        except ImportError:
-            raise BadInput("--executor", "the Ray executor needs Ray, which is not installed.",
-                           "pip install 'gradleak[sweeps]' (ray>=2.55), or use --executor local.") from None
-        started = not ray.is_initialized()
-        if started:  # once per sweep, not per cell
-            t0 = time.perf_counter()
-            ray.init(num_cpus=workers or None, include_dashboard=False, log_to_driver=False)
-            print(f"[sweep] ray started in {time.perf_counter() - t0:.1f} s (once for the sweep)", flush=True)
-        remote = ray.remote(num_cpus=1)(_run_cell)
-        refs = {remote.remote(cell_config(base, ov), str(out / "cells" / _safe(cid)), device): (cid, ov)
-                for cid, ov in todo}
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            cid, ov = refs[ready[0]]
-            try:
-                yield cid, ov, ray.get(ready[0])
-            except Exception as err:  # noqa: BLE001 -- the cell failed: recorded, retried
-                yield cid, ov, err
-        if started:
-            ray.shutdown()
-        return
-    if executor != "local":
-        raise BadInput("--executor", f"unknown executor '{executor}'.", "use local or ray.")
-    jobs = [(cell_config(base, ov), str(out / "cells" / _safe(cid)), device) for cid, ov in todo]
-    for i, payload in pool_results(_run_cell, jobs, workers or min(len(todo), os.cpu_count() or 1)):
-        yield todo[i][0], todo[i][1], payload
-
-
-def pool_results(fn: Callable, jobs: list[tuple], workers: int):
-    """Yield (job index, ``fn(*job)`` or the exception it raised) as jobs finish, from ``workers`` spawned processes
-    (``OMP_NUM_THREADS=1`` for them: one torch thread each). ``fn`` must be importable at module level."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    env = os.environ.copy()
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
-    try:
-        with ProcessPoolExecutor(max_workers=max(1, min(int(workers), len(jobs))),
-                                 mp_context=mp.get_context("spawn")) as pool:
-            futs = {pool.submit(fn, *job): i for i, job in enumerate(jobs)}
-            for f in as_completed(futs):
-                try:
-                    yield futs[f], f.result()
-                except Exception as err:  # noqa: BLE001 -- the caller records it
-                    yield futs[f], err
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
-
-
-def _safe(cid: str) -> str:
-    import hashlib
-
-    keep = "".join(ch if ch.isalnum() or ch in "-_.=" else "_" for ch in cid)[:80]
-    return f"{keep}-{hashlib.sha1(cid.encode()).hexdigest()[:8]}"
 
 
 def _plot(grid: dict, rows: list[dict], out: Path) -> None:

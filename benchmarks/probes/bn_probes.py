@@ -1,9 +1,9 @@
 """Probes of the issue-9 foundations (not the leakage benchmark itself; that is ``benchmarks/leakage.py``).
 
-    OMP_NUM_THREADS=1 python benchmarks/bn_probes.py speed B K [l2|cosine]   # iteration cost / forward+backward
-    OMP_NUM_THREADS=1 python benchmarks/bn_probes.py bnstats                 # K-step BN inference on ResNet-18
-    OMP_NUM_THREADS=1 python benchmarks/bn_probes.py negvar                  # per-tensor noise → negative BN variances
-    OMP_NUM_THREADS=1 python benchmarks/bn_probes.py invert ITERS VARIANT    # 1-image, 1-step client; VARIANT:
+    OMP_NUM_THREADS=1 python benchmarks/probes/bn_probes.py speed B K [l2|cosine]   # iteration cost / forward+backward
+    OMP_NUM_THREADS=1 python benchmarks/probes/bn_probes.py bnstats                 # K-step BN inference on ResNet-18
+    OMP_NUM_THREADS=1 python benchmarks/probes/bn_probes.py negvar                  # per-tensor noise → negative BN variances
+    OMP_NUM_THREADS=1 python benchmarks/probes/bn_probes.py invert ITERS VARIANT    # 1-image, 1-step client; VARIANT:
                                                                              # full | bn_only | match_only | priors_only
 
 All on ResNet-18 (``gradleak.models.resnet``), 64×64 grey Fashion-MNIST (bilinear upsampling of 28 px), one
@@ -18,9 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _probe import ROOT  # noqa: E402 -- puts src/ on the path
 
 import torch  # noqa: E402
 

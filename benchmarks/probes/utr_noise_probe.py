@@ -1,6 +1,6 @@
 """Where the UTR signal stands against update noise (issue 11 item 3's first question, not a benchmark table).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/utr_noise_probe.py [--batch 2] [--seed 0] [--rf 2]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/probes/utr_noise_probe.py [--batch 2] [--seed 0] [--rf 2]
 
 The default config's client (``configs/utr/minilm_rt.yaml``: MiniLM, 2 layers, adapters with reduction factor
 ``--rf``, a batch of ``--batch`` rt-sentences drawn with ``--seed``) computes its FedSGD update. That update goes
@@ -20,13 +20,12 @@ import math
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _probe import ROOT  # noqa: E402 -- puts src/ on the path
 
 import torch  # noqa: E402
 
-from _bench import minilm_rt_update  # noqa: E402
+from _probe import minilm_rt_update  # noqa: E402
 from gradleak.defenses import build_defenses  # noqa: E402
 from gradleak.experiments.results import write_json_atomic  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Issue 11, a probe (not a benchmark table): exact per-pair signals from the embedding adapter's up AND down gradients.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/utr_pair_probe.py [--batch 16] [--rf 1] [--seed 0]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/probes/utr_pair_probe.py [--batch 16] [--rf 1] [--seed 0]
 
 Stage 1 places tokens by a support test, which cannot place a token that occurs many times: [SEP] occurs once per
 sentence, so the union of its masks covers almost every neuron and it passes at most positions (MiniLM rf = 1
@@ -28,13 +28,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _probe import ROOT  # noqa: E402 -- puts src/ on the path
 
 import torch  # noqa: E402
 
-from _bench import minilm_rt_update  # noqa: E402
+from _probe import minilm_rt_update  # noqa: E402
 from gradleak.attacks.common.text import collect_grads  # noqa: E402
 from gradleak.attacks.utr import UTRAttack  # noqa: E402
 from gradleak.attacks.common.pair_signals import refine_pairs  # noqa: E402

@@ -1,6 +1,6 @@
 """Issue 11 item 1, a probe (not a benchmark table): can the value test grade *incomplete* sentences?
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/utr_value_prefix_probe.py [--batch 16] [--rf 1] [--seed 0]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/probes/utr_value_prefix_probe.py [--batch 16] [--rf 1] [--seed 0]
 
 The value test (``gradleak.attacks.utr_values``) checks a complete candidate sentence: a once-occurring token's
 observed bottleneck signal against the one the candidate's forward/backward gives. A left-to-right construction
@@ -19,13 +19,12 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _probe import ROOT  # noqa: E402 -- puts src/ on the path
 
 import torch  # noqa: E402
 
-from _bench import minilm_rt_update  # noqa: E402
+from _probe import minilm_rt_update  # noqa: E402
 from gradleak.attacks.common.text import collect_grads  # noqa: E402
 from gradleak.attacks.utr import UTRAttack  # noqa: E402
 from gradleak.attacks.utr.values import TokenGradientTest  # noqa: E402

@@ -1,6 +1,6 @@
 """Issue 11 item 1, a probe (not a benchmark table): how the gradient *values* grade a candidate batch.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/utr_value_fit_probe.py [--batch 4] [--seed 0]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/probes/utr_value_fit_probe.py [--batch 4] [--seed 0]
 
 The server sent the model, so it can recompute any candidate sentence's exact contribution to the upload. For a
 2-class head, ``grad CE(x, y) = (p_1 - y) grad(logit_1 - logit_0)``: whatever the label, one sentence's gradient is
@@ -23,14 +23,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _probe import ROOT  # noqa: E402 -- puts src/ on the path
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _bench import minilm_rt_update  # noqa: E402
+from _probe import minilm_rt_update  # noqa: E402
 from gradleak.experiments.results import write_json_atomic  # noqa: E402
 
 

@@ -1,10 +1,10 @@
 """Issue 11, a probe (not a benchmark table): why a causal LM past its first-layer bottleneck stays out of reach.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/utr_causal_probe.py [--batch 32] [--rf 1] [--seed 0]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/probes/utr_causal_probe.py [--batch 32] [--rf 1] [--seed 0]
 
 SmolLM2 (2 layers, RoPE) at rf = 1, B = 32: 767 distinct prefixes (layer states) against 576 bottleneck rows. The
 causal prefix search needs a test that a *prefix* passes; this probe measures the three reads of the upload that
-could give one, on the pipeline's batch (``_bench.text_rt_update``):
+could give one, on the pipeline's batch (``_probe.text_rt_update``):
 
 1. **Row space of the first layer adapter (layer_0).** Numerical rank of the upload against the states, and how
    a true next token ranks among every bag token by its state's residual against the top-k right singular
@@ -30,13 +30,12 @@ import random
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _probe import ROOT  # noqa: E402 -- puts src/ on the path
 
 import torch  # noqa: E402
 
-from _bench import text_rt_update  # noqa: E402
+from _probe import text_rt_update  # noqa: E402
 from gradleak.attacks.common.prefix_search import CausalPrefixSearch  # noqa: E402
 from gradleak.attacks.common.subspace import subspace_from_gradients  # noqa: E402
 from gradleak.experiments.results import write_json_atomic  # noqa: E402

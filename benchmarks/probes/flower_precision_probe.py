@@ -1,7 +1,7 @@
 """Why PEFTLeak recovers nothing from FedSGD *weight* replies through Flower (benchmarks/flower_dp.py): the recorded
 update ``(sent − new) / lr`` against the update reply, per adapter tensor, with the weights' and gradients' sizes.
 
-``OMP_NUM_THREADS=1 python benchmarks/flower_precision_probe.py`` (about a minute): runs
+``OMP_NUM_THREADS=1 python benchmarks/probes/flower_precision_probe.py`` (about a minute): runs
 ``configs/peftleak/cifar_b32.yaml`` with ``data.batch_size=16`` through ``fl.engine=flower`` once per reply and
 prints, for the first adapter tensors, the relative error of the weight-reply update, max |gradient| and max |w|.
 """
@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bench  # noqa: E402,F401 -- puts src/ on the path
+from _probe import ROOT  # noqa: E402 -- puts src/ on the path
 
 import gradleak.fl.threat as threat  # noqa: E402
 from gradleak.experiments.config import load_yaml  # noqa: E402
@@ -31,7 +31,7 @@ def main() -> int:
     got = {}
     for reply in ("update", "weights"):
         with tempfile.TemporaryDirectory() as d:
-            run_config(load_yaml(_bench.ROOT / "configs/peftleak/cifar_b32.yaml"), Path(d) / "run",
+            run_config(load_yaml(ROOT / "configs/peftleak/cifar_b32.yaml"), Path(d) / "run",
                        overrides=["data.batch_size=16", "fl.engine=flower", f"fl.flower.reply={reply}"])
         got[reply] = (seen["kw"]["rounds"][0][0], seen["kw"]["round_states"][0])
     (ua, state), (ub, _) = got["update"], got["weights"]

@@ -1,0 +1,158 @@
+"""The one resumable cell loop (issue 27): one "done" rule (the latest row has no "error"), failed cells retried in the
+run and on the next one, rows appended in the parent as they finish, the benchmarks' row helper."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradleak.errors import BadInput
+from gradleak.experiments.cells import Cell, cell_dir_name, done_cells, error_text, run_cells
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _row(cell, value, err, seconds):
+    r = {"cell": cell.id}
+    if err is not None:
+        r["error"] = error_text(err)
+    else:
+        r["value"] = value
+    return r
+
+
+def _quiet(_msg):
+    return None
+
+
+def test_done_rule_skips_finished_cells_and_reruns_failed_ones(tmp_path):
+    jsonl = tmp_path / "r.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in [
+        {"cell": "a", "value": 1}, {"cell": "b", "error": "RuntimeError: x"}, {"cell": "c", "value": 3},
+        {"cell": "c", "error": "RuntimeError: later"}]) + "\n")
+    assert done_cells(jsonl) == {"a"}  # c's latest row failed: not done
+    calls = []
+
+    def job(x):
+        calls.append(x)
+        return x * 10
+
+    latest = run_cells([Cell(c, job, (i,)) for i, c in enumerate("abcd")], jsonl, _row, log=_quiet)
+    assert calls == [1, 2, 3]
+    assert list(latest) == ["a", "b", "c", "d"] and latest["b"] == {"cell": "b", "value": 10}
+    assert [r["cell"] for r in _rows(jsonl)] == ["a", "b", "c", "c", "b", "c", "d"]  # append-only
+    calls.clear()
+    run_cells([Cell(c, job, (i,)) for i, c in enumerate("abcd")], jsonl, _row, log=_quiet)
+    assert calls == []  # nothing left to do
+
+
+def test_a_failed_cell_is_retried_once_in_the_run_and_never_counts_as_done(tmp_path):
+    jsonl = tmp_path / "r.jsonl"
+    tries = {"n": 0}
+
+    def flaky():
+        tries["n"] += 1
+        raise RuntimeError(f"try {tries['n']}")
+
+    logs = []
+    latest = run_cells([Cell("ok", int, ("4",)), Cell("bad", flaky)], jsonl, _row, log=logs.append)
+    assert tries["n"] == 2 and latest["bad"]["error"] == "RuntimeError: try 2" and latest["ok"]["value"] == 4
+    assert any("FAILED RuntimeError: try 1" in m for m in logs) and any("retrying 1" in m for m in logs)
+    assert done_cells(jsonl) == {"ok"}
+    run_cells([Cell("ok", int, ("4",)), Cell("bad", flaky)], jsonl, _row, retries=0, log=_quiet)
+    assert tries["n"] == 3  # the next run tries it again
+
+
+def test_a_row_with_error_is_a_failure_too_and_redo_reruns_everything(tmp_path):
+    jsonl = tmp_path / "r.jsonl"
+    seen = []
+
+    def row(cell, value, err, seconds):
+        seen.append(cell.id)
+        return {"cell": cell.id, **value}
+
+    run_cells([Cell("x", dict, (), None)], jsonl, lambda c, v, e, s: {"cell": c.id, "error": "no result"}, retries=0,
+              log=_quiet)
+    assert done_cells(jsonl) == set()
+    run_cells([Cell("x", dict, ()), Cell("y", dict, ())], jsonl, row, log=_quiet)
+    assert seen == ["x", "y"] and done_cells(jsonl) == {"x", "y"}
+    run_cells([Cell("x", dict, ()), Cell("y", dict, ())], jsonl, row, redo=True, log=_quiet)
+    assert seen == ["x", "y", "x", "y"]
+
+
+def test_several_rows_per_cell_under_another_key_and_fatal_errors(tmp_path):
+    jsonl = tmp_path / "r.jsonl"
+
+    def arm(name):
+        return [{"cell": f"{name}|{r}", "arm": name, "round": r} for r in range(3)]
+
+    run_cells([Cell("p", arm, ("p",)), Cell("q", arm, ("q",))], jsonl, lambda c, v, e, s: v, key="arm", log=_quiet)
+    assert [r["cell"] for r in _rows(jsonl)] == ["p|0", "p|1", "p|2", "q|0", "q|1", "q|2"]
+    assert done_cells(jsonl, key="arm") == {"p", "q"}
+
+    def refuse():
+        raise BadInput("x", "refused.", "fix it.")
+
+    with pytest.raises(BadInput, match="refused"):
+        run_cells([Cell("z", refuse)], jsonl, _row, fatal=(BadInput,), log=_quiet)
+    assert len(_rows(jsonl)) == 6  # a fatal error writes no row
+    with pytest.raises(ValueError, match="a row of cell 'w'"):
+        run_cells([Cell("w", dict)], jsonl, lambda c, v, e, s: {"cell": "other"}, log=_quiet)
+
+
+def test_rows_are_written_as_before_and_the_pool_executor_agrees(tmp_path):
+    """A row is ``json.dumps(row)`` plus a newline (the format of benchmarks/out/*.jsonl); the local pool gives the
+    rows the in-process loop gives."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    cells = [Cell(f"c{i}", pow, (i, 2)) for i in range(3)]
+    run_cells(cells, a, _row, log=_quiet)
+    run_cells(cells, b, _row, executor="local", workers=2, log=_quiet)
+    assert a.read_text() == "".join(json.dumps({"cell": f"c{i}", "value": i * i}) + "\n" for i in range(3))
+    assert sorted(a.read_text().splitlines()) == sorted(b.read_text().splitlines())
+    with pytest.raises(BadInput, match="unknown executor"):
+        run_cells(cells, a, _row, executor="threads", log=_quiet)
+    assert cell_dir_name("seed=1,x=\"a/b\"").startswith("seed=1_x=_a_b_-")
+
+
+def test_the_benchmarks_row_helper(tmp_path, monkeypatch):
+    """``_bench.run_cells``: the row's leading fields, what ``fill`` copies, ``error`` (+ error_fields) on failure,
+    ``wall_seconds`` last; the published rows' shapes."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import _bench
+
+    jsonl = tmp_path / "b.jsonl"
+
+    def job(x):
+        if x < 0:
+            raise ValueError("negative")
+        return {"metrics": {"m": x}}
+
+    def fill(res, row):
+        row.update(metrics=res["metrics"])
+        return f"m {res['metrics']['m']}"
+
+    cells = [({"cell": "p", "table": "t"}, job, (2,)), ({"cell": "n", "table": "t"}, job, (-1,))]
+    latest = _bench.run_cells(jsonl, cells, fill, label="t")
+    assert list(latest["p"]) == ["cell", "table", "metrics", "wall_seconds"]
+    assert list(latest["n"]) == ["cell", "table", "error", "wall_seconds"] and latest["n"]["error"] == "ValueError: negative"
+    rows = _rows(jsonl)
+    assert [r["cell"] for r in rows] == ["p", "n", "n"]  # n retried once in the run
+    latest = _bench.run_cells(jsonl, cells, fill, label="t", wall_seconds=False,
+                              error_fields={"metrics": {"rouge1": 0.0}, "timings": {}})
+    assert latest["n"] == {"cell": "n", "table": "t", "error": "ValueError: negative", "metrics": {"rouge1": 0.0},
+                           "timings": {}}
+    assert len(_rows(jsonl)) == 5  # p was done: not rerun
+
+
+@pytest.mark.parametrize("name", ["leakage", "peftleak", "projres", "utr", "lora_vit", "flower_dp", "flower_utility"])
+def test_published_jsonl_rows_have_the_loop_key(name):
+    """Resuming benchmarks/out must skip its finished cells: every published row carries the id the loop reads."""
+    key = "arm" if name == "flower_utility" else "cell"
+    rows = _rows(BENCHMARKS / "out" / f"{name}.jsonl")
+    assert rows and all(key in r for r in rows) and done_cells(BENCHMARKS / "out" / f"{name}.jsonl", key)
