@@ -218,13 +218,13 @@ def test_bn_inversion_view_holds_the_checkpoint_and_the_stale_ablation_reads_an_
     from gradleak.experiments.config import load_yaml
 
     seen = []
-    real = BNInversion._invert
+    real = BNInversion.invert
 
     def spy(self, view, upd, state, r, prior):
         seen.append((r, {k: v.clone() for k, v in state.items() if "running_mean" in k}, upd.buffers is not None))
         return real(self, view, upd, state, r, prior)
 
-    monkeypatch.setattr(BNInversion, "_invert", spy)
+    monkeypatch.setattr(BNInversion, "invert", spy)
     from gradleak.experiments.config import apply_overrides
 
     raw = apply_overrides(load_yaml(LEAKAGE), TINY + ["attack.clients=[1]", "attack.iterations=1"])
