@@ -3,13 +3,13 @@
 * ``--out DIR`` (default ``runs/bench/<name>``, under the repository root and git-ignored): where a script's
   JSONL, JSON, per-cell run directories and plots go. ``benchmarks/out/`` holds the published reference
   results ``docs/REPRODUCTION.md`` was built from; a script writes there only when given ``--out benchmarks/out``.
-* Resume: the cells run through the one cell loop (:func:`gradleak.experiments.cells.run_cells`, via
+* Resume: the cells run through the one cell loop (:func:`gradleak.run.cells.run_cells`, via
   :func:`run_cells` here): a cell counts as done only when its *latest* JSONL row has no ``"error"``; failed cells
   are retried (once more in the run, and on the next run). Reports keep the latest row per cell.
 * ``--fresh``: move an existing JSONL to ``*.jsonl.bak`` and recompute every cell.
 * ``docs/REPRODUCTION.md`` is rewritten only with ``--report-only`` or ``--update-docs``; otherwise the section's
   Markdown goes to ``<out>/<name>.md``.
-* ``--check``: validate every cell's config (:func:`gradleak.experiments.validate`, plus the dataset,
+* ``--check``: validate every cell's config (:func:`gradleak.run.validate`, plus the dataset,
   public-set and defense names the runner checks later) without running anything.
 """
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-from gradleak.experiments.results import latest_by_cell  # noqa: E402
+from gradleak.run.results import latest_by_cell  # noqa: E402
 
 REFERENCE_OUT = ROOT / "benchmarks" / "out"
 DOCS = ROOT / "docs" / "REPRODUCTION.md"
@@ -81,8 +81,8 @@ def run_cells(jsonl: Path, cells: Iterable[tuple[dict, Callable[..., Any], tuple
     ``wall_seconds`` (the job's run time) unless ``wall_seconds`` is false."""
     import copy
 
-    from gradleak.experiments.cells import Cell, error_text
-    from gradleak.experiments.cells import run_cells as cell_loop
+    from gradleak.run.cells import Cell, error_text
+    from gradleak.run.cells import run_cells as cell_loop
 
     messages: dict[str, str] = {}
 
@@ -135,14 +135,14 @@ def write_section(args: argparse.Namespace, key: str, body: str, title: str, nam
 def check_configs(items: Iterable[tuple[str, dict, list[str]]]) -> int:
     """Validate ``(cell, raw config, overrides)`` triples as the runner would before loading anything.
 
-    Beyond :func:`gradleak.experiments.validate` (schema, attack parameters, threat-model gate) this checks the
+    Beyond :func:`gradleak.run.validate` (schema, attack parameters, threat-model gate) this checks the
     names the runner resolves later: the dataset and its modality, the server's public set (registered and
     disjoint from the private one) when the threat model grants public data, and the defenses.
     Returns the process exit code (0: every config is valid)."""
     from gradleak.data import check_disjoint, dataset_modality, default_public
     from gradleak.defenses import build_defenses
     from gradleak.errors import BadInput
-    from gradleak.experiments import validate
+    from gradleak.run import validate
 
     n, bad = 0, []
     for cell, raw, overrides in items:

@@ -13,7 +13,7 @@ Setting (CPU scale, stated in the table): the pretrained ViT-S/14 resampled to p
 epoch of batch 8 at lr 0.05. The paper: ViT-S, CIFAR-10, 100 rounds, its optimisation attack (GIAS + anchor).
 
 Resumable: one JSONL row per (arm, measured round) in ``OUT/flower_utility.jsonl``, an arm's rows appended when the
-arm is done (the cell loop, :func:`gradleak.experiments.cells.run_cells`, by ``arm``); a done arm is skipped. Run ``OMP_NUM_THREADS=1 python benchmarks/flower_utility.py --out benchmarks/out --update-docs``.
+arm is done (the cell loop, :func:`gradleak.run.cells.run_cells`, by ``arm``); a done arm is skipped. Run ``OMP_NUM_THREADS=1 python benchmarks/flower_utility.py --out benchmarks/out --update-docs``.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def run_arm(args, arm: str, sigma: float) -> list[dict]:
     from gradleak.defenses import build_defenses
     from gradleak.data.splits import load_images
     from gradleak.evaluation import Truth, evaluate
-    from gradleak.experiments.pipeline import always_public, build_handle, public_protocol
-    from gradleak.experiments.runner import validate
+    from gradleak.run.pipeline import always_public, build_handle, public_protocol
+    from gradleak.run.runner import validate
     from gradleak.fl.core import Client, default_classification_loss
     from gradleak.fl.threat import build_view
     from gradleak.fl.engines.flower import run_rounds_flower
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     jsonl = args.out / "flower_utility.jsonl"
     if args.check:
-        from gradleak.experiments.runner import validate
+        from gradleak.run.runner import validate
 
         validate(base_config(args))
         print("config valid", flush=True)
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     if getattr(args, "fresh", False):
         start_fresh(jsonl)
     if not args.report_only:
-        from gradleak.experiments.cells import Cell, run_cells
+        from gradleak.run.cells import Cell, run_cells
 
         # one cell per arm, its rows (one per measured round) appended when the arm is done; an error stops the run
         run_cells([Cell(arm, run_arm, (args, arm, ARMS[arm])) for arm in args.arms], jsonl,

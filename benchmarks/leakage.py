@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import (ROOT, add_out_args, check_configs, display, fmt_num, latest_rows,  # noqa: E402
                     resolve_out, run_cells as run_bench_cells, save_figure, start_fresh, write_section)
-from gradleak.experiments.results import write_json_atomic  # noqa: E402
+from gradleak.run.results import write_json_atomic  # noqa: E402
 
 CONFIG = ROOT / "configs" / "leakage" / "fmnist_resnet18.yaml"
 PAPER_CONFIG = ROOT / "configs" / "leakage" / "fmnist_resnet18_paper.yaml"
@@ -124,7 +124,7 @@ def command(c: dict) -> str:
 
 
 def run_cells(sel: list[dict], out: Path) -> None:
-    from gradleak.experiments import run_file
+    from gradleak.run import run_file
 
     def fill(res: dict, row: dict) -> str:
         m = res["metrics"]
@@ -202,7 +202,7 @@ def _null_section(rows: dict, checks: list[list[str]]) -> list[str]:
     held-out images matched best-of-N (its median, 99th percentile, p), the excess over the 99th percentile, SSIM
     beside its null, and the level (:func:`gradleak.evaluation.grade` on the client's metrics)."""
     from gradleak.evaluation import grade
-    from gradleak.experiments.audit import client_metric_sets
+    from gradleak.run.audit import client_metric_sets
 
     trows, leaking = [], {}
     for s in NULL_SEEDS:
@@ -579,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--only: unknown table(s) {', '.join(sorted(only - set(TABLES)))}")
     sel = [c for c in select(args) if c["tables"] != ["speed"]]
     if args.check:
-        from gradleak.experiments.config import load_yaml
+        from gradleak.config.loading import load_yaml
 
         return check_configs((c["cell"], load_yaml(c["config"]), c["overrides"]) for c in sel)
     if not args.report_only:

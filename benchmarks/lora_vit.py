@@ -73,8 +73,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import (ROOT, add_out_args, check_configs, display, fmt_num, latest_rows,  # noqa: E402
                     resolve_out, run_cells as run_bench_cells, start_fresh, write_section)
-from gradleak.experiments.cells import done_cells  # noqa: E402
-from gradleak.experiments.results import write_json_atomic  # noqa: E402
+from gradleak.run.cells import done_cells  # noqa: E402
+from gradleak.run.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
 
 NAME = "lora_vit"
@@ -134,7 +134,7 @@ def command(overrides: list[str]) -> str:
 
 
 def run_cells(cells: list[dict], out: Path) -> None:
-    from gradleak.experiments import run_file
+    from gradleak.run import run_file
 
     def fill(res: dict, row: dict) -> str:
         m, info = res["metrics"], res["details"]["attack_info"]
@@ -217,9 +217,9 @@ def intrinsic_data(n: int):
 
 def intrinsic_model(overrides, seed: int = 0):
     """The shipped config's model (ViT-S/14 pretrained, patch 4, 110 classes) with its PEFT (or all trainable)."""
-    from gradleak.experiments import validate
-    from gradleak.experiments.config import load_yaml
-    from gradleak.experiments.runner import seed_everything
+    from gradleak.run import validate
+    from gradleak.config.loading import load_yaml
+    from gradleak.run.runner import seed_everything
     from gradleak.models import build
     from gradleak.peft import apply_peft
 
@@ -510,7 +510,7 @@ def opt_command(c: dict) -> str:
 
 def run_opt_cells(cells: list[dict], out: Path, jsonl: Path, device: str = "cpu") -> None:
     """The optimisation cells (``same_as`` cells share another's run), in ``run_order``."""
-    from gradleak.experiments import run_file
+    from gradleak.run import run_file
 
     todo = sorted((c for c in cells if "same_as" not in c), key=run_order)
 
@@ -861,7 +861,7 @@ def main(argv=None) -> int:
     opt = [c for c in opt_grid(args.scale, display(gen)) if c["table"] in only and fnmatch.fnmatch(c["cell"], args.cells)]
     opt_jsonl = args.out / f"{NAME}_opt_{args.scale}.jsonl"
     if args.check:
-        from gradleak.experiments.config import load_yaml
+        from gradleak.config.loading import load_yaml
 
         items = [(c["cell"], load_yaml(CONFIG), c["overrides"]) for c in span]
         items += [(c["cell"], load_yaml(ROOT / c["config"]), c["overrides"]) for c in opt if "same_as" not in c]

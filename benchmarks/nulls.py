@@ -39,8 +39,8 @@ PATCH_DRAWS = 200
 
 def config_from_command(command: str):
     """The validated config of a recorded ``gradleak run CONFIG --set ...`` command."""
-    from gradleak.experiments.config import load_yaml
-    from gradleak.experiments.runner import validate
+    from gradleak.config.loading import load_yaml
+    from gradleak.run.runner import validate
 
     toks = shlex.split(command.replace("OMP_NUM_THREADS=1 ", ""))
     i = toks.index("run")
@@ -49,7 +49,7 @@ def config_from_command(command: str):
 
 
 def config_from_dict(raw: dict):
-    from gradleak.experiments.runner import validate
+    from gradleak.run.runner import validate
 
     return validate(json.loads(json.dumps(raw)), [])[1]
 

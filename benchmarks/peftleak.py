@@ -1,7 +1,7 @@
 """PEFTLeak benchmark: our numbers next to the paper's (Sami et al. 2025), both designs.
 
 Every cell is one run of ``configs/peftleak/cifar_b32.yaml`` with ``--set`` overrides through
-``gradleak.experiments.run_file`` (the same code path as ``gradleak run``), written to
+``gradleak.run.run_file`` (the same code path as ``gradleak run``), written to
 ``<out>/peftleak/<cell>/results.json``; a line per cell is appended atomically to ``<out>/peftleak.jsonl``.
 A rerun skips the cells whose latest line finished without error (resume) and retries failed ones;
 ``--fresh`` moves the JSONL to ``peftleak.jsonl.bak`` and recomputes every cell. At the end
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import (ROOT, add_out_args, check_configs, default_out, display, fmt_num, latest_rows,  # noqa: E402
                     resolve_out, run_cells as run_bench_cells, start_fresh, write_section)
-from gradleak.experiments.results import write_json_atomic  # noqa: E402
+from gradleak.run.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
 
 CONFIG = ROOT / "configs" / "peftleak" / "cifar_b32.yaml"
@@ -150,7 +150,7 @@ def _command(overrides: list[str]) -> str:
 def run_cells(selected, threads: int | None, out: Path) -> None:
     import torch
 
-    from gradleak.experiments import run_file
+    from gradleak.run import run_file
 
     if threads:
         torch.set_num_threads(threads)
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--only: unknown table(s) {', '.join(sorted(unknown))}")
         sel = [c for c in sel if c[0] in keep]
     if args.check:
-        from gradleak.experiments.config import load_yaml
+        from gradleak.config.loading import load_yaml
 
         raw = load_yaml(CONFIG)
         return check_configs((cell, raw, _overrides(ov)) for _, cell, _, ov in sel)

@@ -1,7 +1,7 @@
 """PEFTLeak's baseline (SPEC §1.9, PEFTLeak §4 / Figs 8, 10, 11): Inverting Gradients on adapter gradients.
 
 Each batch size is one run of ``configs/peftleak/ig_baseline.yaml`` through the experiment pipeline
-(``gradleak.experiments.run_config``, the code path of ``gradleak run``), with ``--set`` overrides for the
+(``gradleak.run.run_config``, the code path of ``gradleak run``), with ``--set`` overrides for the
 flags below, into ``<out>/B{B}/`` (``results.json``, ``report.html``, ``ground_truth.png``,
 ``reconstruction.png``).
 
@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out = resolve_out(args.out)
     base_steps = args.steps if args.steps is not None else (80 if args.quick else 2000)
 
-    from gradleak.experiments import run_config, validate
-    from gradleak.experiments.config import load_yaml
-    from gradleak.experiments.results import write_json_atomic
+    from gradleak.run import run_config, validate
+    from gradleak.config.loading import load_yaml
+    from gradleak.run.results import write_json_atomic
 
     raw = load_yaml(CONFIG)
     plan = [(B, steps_for(B, base_steps)) for B in args.batch_sizes]

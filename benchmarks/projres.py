@@ -10,7 +10,7 @@ the MIA baselines (L2, dropout, label smoothing), against ProjRes and the adapti
 
 Every cell is ``configs/projres/minilm_adapter.yaml`` plus ``--set`` overrides (``cell_overrides``; every cell
 gets its model's ``fl.rounds`` and ``fl.lr`` from ``SCHEDULES``, changed with ``--rounds``/``--lr``), run through the experiment
-pipeline (``gradleak.experiments.validate`` -> ``run_experiment(cfg, RunContext(...))``) into
+pipeline (``gradleak.run.validate`` -> ``run_experiment(cfg, RunContext(...))``) into
 ``<out>/projres/<cell>/`` (``results.json``, ``report.html``, ``report_data.json``, as ``gradleak run`` writes
 them), and appends one line to ``<out>/projres.jsonl``. A rerun skips the cells whose latest line finished without
 error and retries failed ones; ``--fresh`` moves the JSONL aside. Cell ids name what varies
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import (ROOT, add_out_args, check_configs, display, fmt_num, latest_rows,  # noqa: E402
                     resolve_out, run_cells as run_bench_cells, save_figure, start_fresh, write_section)
-from gradleak.experiments.results import write_json_atomic  # noqa: E402
+from gradleak.run.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
 
 CONFIG = ROOT / "configs" / "projres" / "minilm_adapter.yaml"
@@ -169,9 +169,9 @@ def command(overrides: list[str]) -> str:
 # ------------------------------------------------------------------------------------------------ running
 
 def run_cell(overrides: list[str], out_dir: Path) -> tuple[dict, list[dict]]:
-    """One cell exactly as ``gradleak run`` runs it (:func:`gradleak.experiments.run_file`). Returns the run's results
+    """One cell exactly as ``gradleak run`` runs it (:func:`gradleak.run.run_file`). Returns the run's results
     and the rows of its 'ProjRes AUC per layer' table (from the run's ``report_data.json``)."""
-    from gradleak.experiments import run_file
+    from gradleak.run import run_file
 
     res = run_file(CONFIG, out_dir, overrides, "cpu")
     report = json.loads((out_dir / "report_data.json").read_text())
@@ -202,9 +202,9 @@ def measure_overhead(out: Path, pefts=("adapter",)) -> dict:
     noise hits every defense alike; a defense's client step time is its fastest repeat, divided by the undefended
     one's. Setup (FISGuard's SVD on 2,000 public sentences, Opacus wrapping) is reported apart from training.
     Written to ``<out>/projres_overhead.json`` (atomically; rerun to refresh)."""
-    from gradleak.experiments import validate
-    from gradleak.experiments.config import load_yaml
-    from gradleak.experiments.runner import RunContext, seed_everything
+    from gradleak.run import validate
+    from gradleak.config.loading import load_yaml
+    from gradleak.run.runner import RunContext, seed_everything
 
     raw = load_yaml(CONFIG)
     times: dict[str, dict[str, list[float]]] = {}
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sel and not args.report_only and not overhead:
         ap.error("no cell matches --only/--cells")
     if args.check:
-        from gradleak.experiments.config import load_yaml
+        from gradleak.config.loading import load_yaml
 
         raw = load_yaml(CONFIG)
         return check_configs((c["cell"], raw, c["overrides"]) for c in sel)

@@ -9,7 +9,7 @@
     .venv/bin/python benchmarks/utr.py --out benchmarks/out --report-only   # ... from the shipped reference
 
 Every cell is one validated config (``cell_config``) run through the experiment pipeline
-(``gradleak.experiments.validate`` -> ``run_experiment(cfg, RunContext(...))``) and appends one line to
+(``gradleak.run.validate`` -> ``run_experiment(cfg, RunContext(...))``) and appends one line to
 ``<out>/utr.jsonl`` (atomically). A rerun skips the cells whose latest line finished without error and retries
 failed ones; ``--fresh`` moves the JSONL to ``utr.jsonl.bak`` and recomputes every cell. Then ``<out>/utr.json``
 collects the latest row of every finished cell, ``<out>/utr_capacity.png`` is drawn, and the ``utr`` section
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import (add_out_args, check_configs, display, latest_rows, resolve_out,  # noqa: E402
                     run_cells as run_bench_cells, save_figure, start_fresh, write_section)
-from gradleak.experiments.results import write_json_atomic  # noqa: E402
+from gradleak.run.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
 
 GROUPS = ("table1", "table2", "table3", "fig4a", "fig4b", "capacity", "noise", "bottleneck")
@@ -205,8 +205,8 @@ def noise_grid() -> list[tuple[str, str, dict]]:
 
 
 def run_cell(raw: dict, out_dir: Path) -> dict:
-    """One cell exactly as ``gradleak run`` runs it (:func:`gradleak.experiments.run_config`, on the CPU)."""
-    from gradleak.experiments import run_config
+    """One cell exactly as ``gradleak run`` runs it (:func:`gradleak.run.run_config`, on the CPU)."""
+    from gradleak.run import run_config
 
     return run_config(raw, out_dir, None, "cpu")
 

@@ -19,7 +19,7 @@ def test_audit_end_to_end_tiny_vit_leaks_only_under_a_malicious_server(tmp_path)
     """A real audit on a tiny ViT + adapters: DLG (2 steps) runs under the configured honest server and fails;
     PEFTLeak is refused there but runs under the malicious upgrade and recovers the images exactly; UTR and
     lora_span are not applicable (modality, PEFT kind) with the gate's reason."""
-    from gradleak.experiments.audit import run_audit
+    from gradleak.run.audit import run_audit
 
     res = run_audit(TINY, tmp_path, only=["dlg", "peftleak", "utr", "lora_span"], log=lambda m: None,
                     workers=2)  # the CLI default: a process pool
@@ -57,7 +57,7 @@ def test_audit_end_to_end_tiny_vit_leaks_only_under_a_malicious_server(tmp_path)
 def test_every_registered_attack_appears_and_the_verdict_follows_the_configured_threat(tmp_path, monkeypatch):
     """With the runs faked, the audit still walks the whole registry: one entry per attack, each either run or
     refused with a reason; a success under the configured threat gives `leaks`."""
-    from gradleak.experiments import audit as mod
+    from gradleak.run import audit as mod
     from gradleak.registry import ATTACKS, load_all
 
     load_all()
@@ -70,7 +70,7 @@ def test_every_registered_attack_appears_and_the_verdict_follows_the_configured_
                             "psnr_max": 40.0 if ok else 9.0, "psnr_max_null_p99": 12.0, "ssim_max": 0.9 if ok else 0.1,
                             "ssim_max_null_p99": 0.3}, "artifacts": []}
 
-    monkeypatch.setattr("gradleak.experiments.runner.run_config", fake_run)
+    monkeypatch.setattr("gradleak.run.runner.run_config", fake_run)
     res = mod.run_audit(TINY, tmp_path, log=lambda m: None)
     assert [a["name"] for a in res["attacks"]] == ATTACKS.names()
     for a in res["attacks"]:
@@ -81,7 +81,7 @@ def test_every_registered_attack_appears_and_the_verdict_follows_the_configured_
 
 
 def test_audit_bad_input(tmp_path):
-    from gradleak.experiments.audit import run_audit
+    from gradleak.run.audit import run_audit
 
     with pytest.raises(BadInput, match="--only.*choose from"):
         run_audit(TINY, tmp_path, only=["nope"], log=lambda m: None)
@@ -93,7 +93,7 @@ def test_audit_bad_input(tmp_path):
 def test_audit_over_seeds_reports_the_worst_run_with_median_and_spread(tmp_path):
     """audit.seeds: every attack runs once per seed; the entry keeps the most leaking run as its evidence and
     reports the median and range of its headline metric."""
-    from gradleak.experiments.audit import run_audit
+    from gradleak.run.audit import run_audit
 
     raw = {**TINY, "audit": {"seeds": [0, 1, 2], "params": {"dlg": {"steps": 2}}}}
     res = run_audit(raw, tmp_path, only=["dlg"], log=lambda m: None)
@@ -110,7 +110,7 @@ def test_audit_over_seeds_reports_the_worst_run_with_median_and_spread(tmp_path)
 def test_audit_grid_gives_a_verdict_per_cell_and_resumes(tmp_path):
     """An audit config with grid: one audit per cell (here the server's capability), each with its own verdict;
     a rerun reuses the cells that finished."""
-    from gradleak.experiments.audit import run_audit_grid
+    from gradleak.run.audit import run_audit_grid
 
     raw = {**TINY, "threat": {"preset": "honest-but-curious", "public_data": True},
            "grid": {"threat.preset": ["honest-but-curious", "malicious"]}}

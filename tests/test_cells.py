@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gradleak.errors import BadInput
-from gradleak.experiments.cells import Cell, cell_dir_name, done_cells, error_text, run_cells
+from gradleak.run.cells import Cell, cell_dir_name, done_cells, error_text, run_cells
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

@@ -116,7 +116,7 @@ def test_console_script_exit_code_for_missing_config(tmp_path):
 
 def test_scientific_notation_without_a_dot_is_a_number_everywhere():
     """PyYAML reads `1e-6` as a string (YAML 1.1); configs and --set values nested in lists read it as a float."""
-    from gradleak.experiments.config import parse_value, yaml_value
+    from gradleak.config.loading import parse_value, yaml_value
 
     assert parse_value("[{name: gaussian_noise, params: {std: 1e-06}}]")[0]["params"]["std"] == 1e-6
     assert yaml_value("a: 3E5\nb: 1.5\nc: 7\nd: abc\ne: .5")== {"a": 3e5, "b": 1.5, "c": 7, "d": "abc", "e": 0.5}

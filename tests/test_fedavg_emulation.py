@@ -18,8 +18,8 @@ from gradleak.attacks.optimization.inverting_gradients import IG, April
 from gradleak.cli import app
 from gradleak.data import load
 from gradleak.errors import BadInput
-from gradleak.experiments.config import load_yaml
-from gradleak.experiments.runner import validate
+from gradleak.config.loading import load_yaml
+from gradleak.run.runner import validate
 from gradleak.fl.core import Client, ServerView
 from gradleak.models import ModelHandle
 from gradleak.models.attention import use_precise_eager

@@ -175,7 +175,7 @@ def test_nan_restart_is_stopped_and_the_others_kept():
 
 
 def test_pipeline_gias_with_anchor_on_a_trained_generator_file(tmp_path):
-    from gradleak.experiments import run_config
+    from gradleak.run import run_config
 
     path = save_generator(contrast_generator(), tmp_path / "gen.safetensors", info={"data": "natural-crops"})
     raw = {"experiment": "image", "seed": 0,
@@ -198,8 +198,8 @@ def test_shipped_face_config_real_lfw_faces_and_the_face_dcgan(tmp_path, vit_s14
     """configs/lora_vit/faces_b1.yaml (paper 001 Table 2's analogue): LFW faces at 64×64 on the pretrained ViT-S/14 at
     patch 8 (64 tokens), the pretrained 64×64 face DCGAN at its own size (no resizing), the anchor on; a few steps."""
     pytest.importorskip("gan_face_generate")
-    from gradleak.experiments import run_config, validate
-    from gradleak.experiments.config import load_yaml
+    from gradleak.run import run_config, validate
+    from gradleak.config.loading import load_yaml
 
     path = Path(__file__).resolve().parents[1] / "configs" / "lora_vit" / "faces_b1.yaml"
     raw = load_yaml(path)

@@ -82,8 +82,8 @@ def test_sweep_unknown_executor_exits_2(tmp_path):
 def test_a_failed_sweep_cell_exits_1_and_is_retried_on_the_next_run(tmp_path, monkeypatch):
     """Cell seed=1 fails (in its run and its in-run retry): exit 1, error rows, not done. The rerun runs only that cell
     again, which now succeeds: exit 0, every cell done once."""
-    from gradleak.experiments import cells
-    from gradleak.experiments import runner as runner_mod
+    from gradleak.run import cells
+    from gradleak.run import runner as runner_mod
 
     def in_process(fn, jobs, workers):  # the pool in this process, so that the patched run_config applies
         for i, job in enumerate(jobs):
@@ -157,7 +157,7 @@ def test_audit_only_restricts_the_attacks(tmp_path, one_thread):
 
 @pytest.mark.parametrize("command", ["run", "audit"])
 def test_an_internal_error_exits_1_with_the_message(tmp_path, monkeypatch, capsys, command):
-    from gradleak.experiments import runner as runner_mod
+    from gradleak.run import runner as runner_mod
 
     def boom(*a, **k):
         raise RuntimeError("simulated internal failure")

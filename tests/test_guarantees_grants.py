@@ -137,7 +137,7 @@ def _spy_clients(monkeypatch):
 def test_pipeline_attack_gets_public_data_and_labels_only_when_granted(tmp_path, monkeypatch, one_thread,
                                                                        public_data, knows_labels):
     from gradleak.attacks.optimization.inverting_gradients import IG
-    from gradleak.experiments import run_config
+    from gradleak.run import run_config
 
     ctxs, views = _spy(monkeypatch, IG)
     clients = _spy_clients(monkeypatch)
@@ -161,7 +161,7 @@ def test_pipeline_attack_gets_public_data_and_labels_only_when_granted(tmp_path,
 def test_pipeline_public_data_withheld_for_an_attack_that_needs_it_is_refused(tmp_path):
     """PEFTLeak needs public images: without the grant the gate refuses it before any round (exit 2 names the flag)."""
     from gradleak.errors import BadInput
-    from gradleak.experiments import run_config
+    from gradleak.run import run_config
 
     raw = {**TINY, "attack": {"name": "peftleak"}, "threat": {"preset": "malicious", "public_data": False}}
     with pytest.raises(BadInput) as e:

@@ -185,7 +185,7 @@ def _keep_outcomes(monkeypatch):
 
 def test_pipeline_attack_receives_only_the_sum_in_updates_and_every_round(tmp_path, monkeypatch, one_thread):
     from gradleak.attacks.optimization.inverting_gradients import InvertingGradients
-    from gradleak.experiments import run_config
+    from gradleak.run import run_config
 
     outcomes = _keep_outcomes(monkeypatch)
     seen = _spy(monkeypatch, InvertingGradients, "reconstruct")
@@ -208,7 +208,7 @@ def test_pipeline_attack_receives_only_the_sum_in_updates_and_every_round(tmp_pa
 def test_pipeline_without_secure_aggregation_attack_receives_each_upload(tmp_path, monkeypatch, one_thread):
     """The other side: with individual updates granted the same run hands the attack both clients' uploads."""
     from gradleak.attacks.optimization.inverting_gradients import InvertingGradients
-    from gradleak.experiments import run_config
+    from gradleak.run import run_config
 
     outcomes = _keep_outcomes(monkeypatch)
     seen = _spy(monkeypatch, InvertingGradients, "reconstruct")

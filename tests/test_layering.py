@@ -35,12 +35,10 @@ ALLOWED: dict[str, set[str]] = {
     "evaluation": {"metrics", "data", "models", "report"},
     "report": set(),
     "config": {"fl", "peft", "models", "data", "defenses", "attacks", "evaluation", "metrics"},
-    "experiments": {"config", "fl", "peft", "models", "data", "defenses", "attacks", "evaluation", "metrics",
-                    "report"},
     "run": {"config", "fl", "peft", "models", "data", "defenses", "attacks", "evaluation", "metrics", "report"},
-    "integrations": {"config", "run", "experiments", "fl", "peft", "models", "data", "defenses", "attacks",
+    "integrations": {"config", "run", "fl", "peft", "models", "data", "defenses", "attacks",
                      "evaluation", "metrics", "report"},
-    "cli": {"config", "run", "experiments", "integrations", "fl", "peft", "models", "data", "defenses", "attacks",
+    "cli": {"config", "run", "integrations", "fl", "peft", "models", "data", "defenses", "attacks",
             "evaluation", "metrics", "report"},
 }
 

@@ -57,7 +57,7 @@ def _tiny_gn_net(seed: int = 0) -> nn.Module:
 def test_groupnorm_resnet18_has_no_batchnorm_and_the_same_convs_and_head(one_thread, monkeypatch):
     from opacus.validators import ModuleValidator
 
-    from gradleak.experiments.schema import ModelConfig, PretrainConfig
+    from gradleak.config.schema import ModelConfig, PretrainConfig
     from gradleak.models import MODELS
     from gradleak.models.resnet import resnet18
 
@@ -103,8 +103,8 @@ def test_groupnorm_resnet18_has_no_batchnorm_and_the_same_convs_and_head(one_thr
 
 
 def test_model_norm_is_refused_for_other_models_and_lifts_the_bn_image_size_minimum():
-    from gradleak.experiments import validate
-    from gradleak.experiments.config import load_yaml
+    from gradleak.run import validate
+    from gradleak.config.loading import load_yaml
 
     raw = {"experiment": "image", "model": {"name": "vit-tiny", "norm": "group"}, "data": {"image_size": 16},
            "attack": {"name": "inverting_gradients"}}
@@ -215,8 +215,8 @@ def test_dpsgd_noise_epsilon_per_client_worst_client_and_monotone_in_sigma(one_t
 
 
 def test_dpsgd_refuses_batchnorm_naming_model_norm():
-    from gradleak.experiments import validate
-    from gradleak.experiments.config import load_yaml
+    from gradleak.run import validate
+    from gradleak.config.loading import load_yaml
 
     torch.manual_seed(0)
     bn_net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
@@ -240,8 +240,8 @@ def test_dpsgd_refuses_batchnorm_naming_model_norm():
 def test_leakage_run_with_dpsgd_on_the_groupnorm_resnet(tmp_path, one_thread):
     """`gradleak run`'s path (run_config) on the shrunk leakage config: GroupNorm ResNet-18 (no pretraining: it
     would be a separate cache), DP-SGD FedAvg clients, the gradient-only inversion (no BN statistics exist)."""
-    from gradleak.experiments import run_config
-    from gradleak.experiments.config import apply_overrides, load_yaml
+    from gradleak.run import run_config
+    from gradleak.config.loading import apply_overrides, load_yaml
 
     raw = load_yaml(LEAKAGE)
     raw["model"] = {k: v for k, v in raw["model"].items() if k != "pretrain"}

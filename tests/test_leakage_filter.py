@@ -134,8 +134,8 @@ def test_b_the_decision_uses_the_rdlv_bound_of_the_returned_reconstruction_which
 # ------------------------------------------------------------------------------------------ (c) bad input
 def test_c_bad_inputs_name_the_field(setup, one_thread):
     from gradleak.defenses.filter import RDLVFilter, RDLVFilterParams
-    from gradleak.experiments import validate
-    from gradleak.experiments.config import load_yaml
+    from gradleak.run import validate
+    from gradleak.config.loading import load_yaml
 
     model, batches, prior = setup
     for bad in (float("nan"), float("inf"), -float("inf")):
@@ -191,8 +191,8 @@ TINY = ["data.image_size=36", "data.validation_size=0", "fl.rounds=2", "fl.clien
 
 
 def test_d_leakage_pipeline_with_the_filter_copes_with_a_withheld_client(tmp_path, one_thread):
-    from gradleak.experiments import run_config
-    from gradleak.experiments.config import apply_overrides, load_yaml
+    from gradleak.run import run_config
+    from gradleak.config.loading import apply_overrides, load_yaml
 
     # random init (no cached pretraining needed); the server attacks both clients, so it notes client 0's silence
     raw = apply_overrides(load_yaml(LEAKAGE), TINY + ["attack.clients=[0,1]", "model.pretrain=null"])

@@ -73,7 +73,7 @@ def test_updates_carry_bn_buffer_changes_and_the_server_averages_them():
 
 
 def test_lr_step_decay_reaches_clients_and_server():
-    from gradleak.experiments.schema import FLConfig
+    from gradleak.config.schema import FLConfig
 
     f = FLConfig(lr=0.1, lr_decay=0.5, lr_step_rounds=2, rounds=5)
     assert [f.lr_at(r) for r in range(5)] == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025])
@@ -132,8 +132,8 @@ def test_percentile_noise_sigma_matches_numpy_over_nonzero_entries_on_the_weight
     ("peft.kind=lora", "model.train_all", "peft.kind=none"),
 ])
 def test_leakage_config_bad_input_names_the_field(override, field, match):
-    from gradleak.experiments import validate
-    from gradleak.experiments.config import load_yaml
+    from gradleak.run import validate
+    from gradleak.config.loading import load_yaml
 
     with pytest.raises(BadInput, match=match) as e:
         validate(load_yaml(LEAKAGE), [override])
@@ -141,8 +141,8 @@ def test_leakage_config_bad_input_names_the_field(override, field, match):
 
 
 def test_num_channels_is_refused_for_a_vit_and_the_shipped_config_validates():
-    from gradleak.experiments import validate
-    from gradleak.experiments.config import load_yaml
+    from gradleak.run import validate
+    from gradleak.config.loading import load_yaml
 
     raw = {"experiment": "image", "model": {"name": "vit-tiny", "num_channels": 1}, "data": {"image_size": 16},
            "attack": {"name": "inverting_gradients"}}
@@ -155,7 +155,7 @@ def test_num_channels_is_refused_for_a_vit_and_the_shipped_config_validates():
 
 
 def test_bn_inversion_refuses_a_model_without_batchnorm(tmp_path):
-    from gradleak.experiments import run_config
+    from gradleak.run import run_config
 
     raw = {"experiment": "image", "data": {"name": "cifar-samples", "batch_size": 1, "image_size": 16},
            "model": {"name": "vit-tiny", "layers": 1}, "peft": {"kind": "none"}, "fl": {"algorithm": "fedavg"},
@@ -214,8 +214,8 @@ def test_shipped_leakage_config_runs_through_gradleak_run_with_overrides(tmp_pat
 
 def test_bn_inversion_view_holds_the_checkpoint_and_the_stale_ablation_reads_an_older_one(tmp_path, monkeypatch):
     from gradleak.attacks.bn_inversion import BNInversion
-    from gradleak.experiments import run_config
-    from gradleak.experiments.config import load_yaml
+    from gradleak.run import run_config
+    from gradleak.config.loading import load_yaml
 
     seen = []
     real = BNInversion.invert
@@ -225,7 +225,7 @@ def test_bn_inversion_view_holds_the_checkpoint_and_the_stale_ablation_reads_an_
         return real(self, view, upd, state, r, prior)
 
     monkeypatch.setattr(BNInversion, "invert", spy)
-    from gradleak.experiments.config import apply_overrides
+    from gradleak.config.loading import apply_overrides
 
     raw = apply_overrides(load_yaml(LEAKAGE), TINY + ["attack.clients=[1]", "attack.iterations=1"])
     run_config(raw, tmp_path / "a")

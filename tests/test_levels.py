@@ -101,7 +101,7 @@ def test_leakage_levels(m, level):
 
 
 def test_verdict_is_never_green_over_a_leak():
-    from gradleak.experiments.audit import verdict_and_headline as _verdict
+    from gradleak.run.audit import verdict_and_headline as _verdict
 
     none = {"name": "a", "level": "none", "applicable": True, "metric": "psnr_max", "value": 9.0}
     part = {"name": "utr", "level": "partial", "applicable": True, "metric": "rouge1_f1", "value": 41.0,

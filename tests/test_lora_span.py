@@ -112,7 +112,7 @@ def test_cli_refuses_lora_span_without_lora(tmp_path):
 
 
 def test_pipeline_run_on_real_cifar_with_a_tiny_float32_vit(tmp_path):
-    from gradleak.experiments import run_config
+    from gradleak.run import run_config
 
     raw = {"experiment": "image", "seed": 0, "data": {"name": "cifar-samples", "batch_size": 1, "image_size": 16},
            "model": {"name": "vit-tiny", "layers": 1, "patch_size": 4, "num_classes": 110, "dtype": "float32"},

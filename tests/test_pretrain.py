@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from gradleak.errors import BadInput
-from gradleak.experiments import validate
-from gradleak.experiments.config import load_yaml
+from gradleak.run import validate
+from gradleak.config.loading import load_yaml
 from gradleak.models.pretrain import pretrained, pretraining_images
 from gradleak.models.resnet import resnet18
 

@@ -25,7 +25,7 @@ SMALL = {"experiment": "text", "seed": 0, "model": {"name": "minilm", "layers": 
 
 
 def _run(tmp_path, **over):
-    from gradleak.experiments import run_config
+    from gradleak.run import run_config
 
     raw = json.loads(json.dumps(SMALL))
     for k, v in over.items():
@@ -208,7 +208,7 @@ def test_minmax_without_weight_uploads_the_plain_gradient_and_regularises_with_i
     import copy
 
     from gradleak.defenses.training import MinMax, MinMaxParams
-    from gradleak.experiments import validate
+    from gradleak.run import validate
     from gradleak.data.splits import TextData
     from gradleak.fl.core import Client
     from gradleak.models import ModelHandle

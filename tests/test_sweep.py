@@ -25,7 +25,7 @@ GRID24 = {"seed": [0, 1, 2], "defenses.0.params.std": [0.0, 0.001, 0.01, 0.1], "
 
 
 def test_grid_expands_in_a_stable_order_and_sets_list_entries():
-    from gradleak.experiments.sweep import cell_config, expand_grid
+    from gradleak.run.sweep import cell_config, expand_grid
 
     base, cells = expand_grid({**BASE, "grid": GRID24})
     assert "grid" not in base and len(cells) == 24 and len({c for c, _ in cells}) == 24
@@ -36,7 +36,7 @@ def test_grid_expands_in_a_stable_order_and_sets_list_entries():
 
 
 def test_grid_bad_input(tmp_path):
-    from gradleak.experiments.sweep import run_sweep
+    from gradleak.run.sweep import run_sweep
 
     with pytest.raises(BadInput, match=r"grid\.model\.colour.*no key"):
         run_sweep({**BASE, "grid": {"model.colour": [1, 2]}}, tmp_path, log=lambda m: None)
@@ -81,8 +81,8 @@ def test_a_killed_24_cell_sweep_restarts_without_duplicated_or_lost_cells(tmp_pa
 
 
 def test_seeded_cell_same_metrics_in_process_pool_and_in_process(tmp_path):
-    from gradleak.experiments.runner import run_config
-    from gradleak.experiments.sweep import run_sweep
+    from gradleak.run.runner import run_config
+    from gradleak.run.sweep import run_sweep
 
     summary = run_sweep({**BASE, "grid": {"seed": [3]}}, tmp_path / "pool", workers=1, log=lambda m: None)
     direct = run_config({**BASE, "seed": 3, "threads": 1}, tmp_path / "direct")  # the workers' one thread
@@ -91,7 +91,7 @@ def test_seeded_cell_same_metrics_in_process_pool_and_in_process(tmp_path):
 
 def test_local_and_ray_executors_agree(tmp_path):
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'gradleak[sweeps]'); the Ray executor is untested here")
-    from gradleak.experiments.sweep import run_sweep
+    from gradleak.run.sweep import run_sweep
 
     grid = {**BASE, "grid": {"seed": [0, 1]}}
     a = run_sweep(grid, tmp_path / "local", workers=2, log=lambda m: None)

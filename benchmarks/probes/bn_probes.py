@@ -131,8 +131,8 @@ def negvar() -> None:
     """Per-tensor percentile noise on the BN buffer changes makes running variances negative (the model then
     outputs NaN: chance accuracy); the global reading does not (its p95 is set by the weights)."""
     from gradleak.defenses.update import PercentileNoise
-    from gradleak.experiments import validate
-    from gradleak.experiments.config import load_yaml
+    from gradleak.run import validate
+    from gradleak.config.loading import load_yaml
     from gradleak.fl.core import Client, default_classification_loss
     from gradleak.models import build
 

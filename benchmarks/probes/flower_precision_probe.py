@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _probe import ROOT  # noqa: E402 -- puts src/ on the path
 
 import gradleak.fl.threat as threat  # noqa: E402
-from gradleak.experiments.config import load_yaml  # noqa: E402
-from gradleak.experiments.runner import run_config  # noqa: E402
+from gradleak.config.loading import load_yaml  # noqa: E402
+from gradleak.run.runner import run_config  # noqa: E402
 
 
 def main() -> int:

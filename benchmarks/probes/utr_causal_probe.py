@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from _probe import text_rt_update  # noqa: E402
 from gradleak.attacks.common.prefix_search import CausalPrefixSearch  # noqa: E402
 from gradleak.attacks.common.subspace import subspace_from_gradients  # noqa: E402
-from gradleak.experiments.results import write_json_atomic  # noqa: E402
+from gradleak.run.results import write_json_atomic  # noqa: E402
 from gradleak.peft.text_adapters import PREFIX, capture_inputs  # noqa: E402
 
 f64 = torch.float64

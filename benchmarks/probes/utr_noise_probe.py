@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from _probe import minilm_rt_update  # noqa: E402
 from gradleak.defenses import build_defenses  # noqa: E402
-from gradleak.experiments.results import write_json_atomic  # noqa: E402
+from gradleak.run.results import write_json_atomic  # noqa: E402
 
 PARAM = "text_adapters.embedding.down.weight"
 SIGMAS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)

@@ -38,7 +38,7 @@ from gradleak.attacks.common.text import collect_grads  # noqa: E402
 from gradleak.attacks.utr import UTRAttack  # noqa: E402
 from gradleak.attacks.common.pair_signals import refine_pairs  # noqa: E402
 from gradleak.attacks.utr.values import TokenGradientTest  # noqa: E402
-from gradleak.experiments.results import write_json_atomic  # noqa: E402
+from gradleak.run.results import write_json_atomic  # noqa: E402
 from gradleak.fl.core import ServerView  # noqa: E402
 from gradleak.peft.text_adapters import PREFIX, adapter_param  # noqa: E402
 

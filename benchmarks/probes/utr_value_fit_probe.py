@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from _probe import minilm_rt_update  # noqa: E402
-from gradleak.experiments.results import write_json_atomic  # noqa: E402
+from gradleak.run.results import write_json_atomic  # noqa: E402
 
 
 class GradientValueFit:

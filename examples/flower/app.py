@@ -223,8 +223,8 @@ def cli(argv=None) -> int:
     if a.set:  # one resolved file, so the server, the clients and the audit read the same config
         import yaml
 
-        from gradleak.experiments.config import apply_overrides, load_yaml
-        from gradleak.experiments.schema import ExperimentConfig
+        from gradleak.config.loading import apply_overrides, load_yaml
+        from gradleak.config.schema import ExperimentConfig
 
         resolved = Path(a.out) / "config.yaml"
         resolved.parent.mkdir(parents=True, exist_ok=True)

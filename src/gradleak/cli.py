@@ -1,4 +1,4 @@
-"""``gradleak`` command line (typer + rich). Thin: parses, calls :mod:`gradleak.experiments`, prints.
+"""``gradleak`` command line (typer + rich). Thin: parses, calls :mod:`gradleak.run`, prints.
 
 Exit codes (DESIGN §4): 0 success, 2 bad input (a message naming the field and the fix), 1 internal error.
 ``gradleak list``, ``--version`` and config validation import neither transformers nor any model: only the
@@ -65,14 +65,14 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/peftl
     from gradleak.errors import BadInput
 
     try:
-        from gradleak.experiments.config import load_yaml
+        from gradleak.config.loading import load_yaml
 
         raw = load_yaml(config)  # the path is checked before anything heavy is imported
-        from gradleak.experiments.runner import check_out_dir
+        from gradleak.run.runner import check_out_dir
 
         check_out_dir(out)
         if "grid" in raw:
-            from gradleak.experiments.sweep import run_sweep
+            from gradleak.run.sweep import run_sweep
 
             summary = run_sweep(raw, out, list(set_ or []), device, executor=executor, workers=workers, yes=yes,
                                 log=lambda msg: console.print(msg, highlight=False))
@@ -82,7 +82,7 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/peftl
             if summary["failed"]:
                 raise typer.Exit(code=1)
             return
-        from gradleak.experiments import run_config
+        from gradleak.run import run_config
 
         prog = _progress()
 
@@ -125,13 +125,13 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
     from gradleak.errors import BadInput
 
     try:
-        from gradleak.experiments.config import load_yaml
+        from gradleak.config.loading import load_yaml
 
         raw = load_yaml(config)
-        from gradleak.experiments.runner import check_out_dir
+        from gradleak.run.runner import check_out_dir
 
         check_out_dir(out)
-        from gradleak.experiments.audit import run_audit
+        from gradleak.run.audit import run_audit
 
         cmd = " ".join(["gradleak", "audit", str(config), "--out", str(out)]
                        + [f"--set {x}" for x in (set_ or [])] + ([f"--only {only}"] if only else [])
@@ -140,7 +140,7 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
                   log=lambda msg: console.print(msg, highlight=False),
                   workers=workers if workers is not None else (__import__("os").cpu_count() or 1))
         if "grid" in raw:  # an audit per grid cell (e.g. per defense strength), resumable
-            from gradleak.experiments.audit import run_audit_grid
+            from gradleak.run.audit import run_audit_grid
 
             summary = run_audit_grid(raw, out, list(set_ or []), device, yes=yes, **kw)
             for row in summary["cells"]:

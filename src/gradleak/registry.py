@@ -98,6 +98,6 @@ def load_all() -> None:
         "gradleak.defenses",
         "gradleak.metrics",
         "gradleak.attacks",
-        "gradleak.experiments",
+        "gradleak.config",
     ):
         importlib.import_module(mod)

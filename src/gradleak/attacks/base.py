@@ -9,7 +9,7 @@ An attack is a class registered in ``ATTACKS`` that subclasses :class:`AttackBas
 * :meth:`requires` — the threat-model flags it needs (``{"malicious": True, "knows_labels": True}``);
   the runner refuses a config whose threat model withholds one (exit 2 naming ``threat.<flag>``).
 
-and implements the round protocol, called by the one runner (:mod:`gradleak.experiments.pipeline`):
+and implements the round protocol, called by the one runner (:mod:`gradleak.run.pipeline`):
 
 1. ``prepare(model, threat) -> model`` once, before round 0 (malicious attacks may rewrite weights);
 2. ``server_model(round, model) -> model`` before every round: the model the server sends that round

@@ -7,7 +7,7 @@
   candidates | test sentences | the clients' reference sets.
 * :func:`load_images` — ``n`` images of a registered set at the experiment's size and channel count.
 
-Both classes read the experiment config (``gradleak.experiments.schema.ExperimentConfig``) they are given.
+Both classes read the experiment config (``gradleak.config.schema.ExperimentConfig``) they are given.
 """
 
 from __future__ import annotations

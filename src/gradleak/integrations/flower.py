@@ -11,7 +11,7 @@ configs, registries and audit, each usable in any Flower app:
 * :func:`build_model` builds the model (+ PEFT) of a gradleak config exactly as the pipeline does, so the ServerApp,
   the ClientApps and the audit share one description.
 * :class:`FlowerAudit` is an ``on_round`` callback for ``GradleakStrategy``: gradleak's attacks on every audited
-  round, scored, judged and given a verdict by the audit's own functions (:mod:`gradleak.experiments.audit`).
+  round, scored, judged and given a verdict by the audit's own functions (:mod:`gradleak.run.audit`).
 * :func:`defense_mod` is a client mod that applies gradleak's update defenses (``defenses:`` entries) to the reply.
 * :func:`scoring_mod` is a client mod for deployments where the server has no ground truth: the client runs a
   scoring function on its own update and private data and adds only scalars (RDLV-style) to the reply's metrics;
@@ -84,7 +84,7 @@ def build_model(config):
     """The model (+ PEFT) a Flower app trains, built from a gradleak config (a path or a dict) exactly as the
     pipeline builds it, so the ServerApp, the ClientApps and the audit share one description. Returns
     ``(handle, cfg)``: ``handle.model`` is the torch model, ``cfg`` the validated config."""
-    from gradleak.experiments.pipeline import build_handle
+    from gradleak.run.pipeline import build_handle
 
     cfg = _validated(config)
     handle, _ = build_handle(cfg)
@@ -94,13 +94,13 @@ def build_model(config):
 def _raw(config) -> dict:
     from pathlib import Path
 
-    from gradleak.experiments.config import load_yaml
+    from gradleak.config.loading import load_yaml
 
     return load_yaml(config) if isinstance(config, (str, Path)) else copy.deepcopy(dict(config))
 
 
 def _validated(config):
-    from gradleak.experiments.runner import validate
+    from gradleak.run.runner import validate
 
     raw = _raw(config)
     raw.pop("audit", None)
@@ -127,8 +127,8 @@ class FlowerAudit:
                  truth: Callable[[int], list] | None = None, device: str = "cpu", log: Callable[[str], Any] = print):
         from pathlib import Path
 
-        from gradleak.experiments.audit import attack_names, candidate
-        from gradleak.experiments.runner import validate
+        from gradleak.run.audit import attack_names, candidate
+        from gradleak.run.runner import validate
         from gradleak.registry import ATTACKS
 
         self.raw = _raw(config)
@@ -172,9 +172,9 @@ class FlowerAudit:
 
     def __call__(self, rec: RecordedRound) -> dict:
         from gradleak.attacks.base import AttackContext
-        from gradleak.experiments.audit import judge, leak_rank, server_words, verdict_and_headline
-        from gradleak.experiments.pipeline import always_public, clients_and_truth, evaluate_update, public_protocol
-        from gradleak.experiments.results import write_json_atomic
+        from gradleak.run.audit import judge, leak_rank, server_words, verdict_and_headline
+        from gradleak.run.pipeline import always_public, clients_and_truth, evaluate_update, public_protocol
+        from gradleak.run.results import write_json_atomic
         from gradleak.fl.core import default_classification_loss
 
         t_round = time.perf_counter()
@@ -292,7 +292,7 @@ def _no_individual(threat):
 def _save_reconstruction(rec, out_dir, tokenizer=None) -> None:
     """What an attack produced, for a human to inspect when nothing can score it (no ground truth): images as a PNG
     grid, token sequences decoded, scores as numbers."""
-    from gradleak.experiments.results import write_json_atomic
+    from gradleak.run.results import write_json_atomic
 
     out_dir.mkdir(parents=True, exist_ok=True)
     data, saved = rec.data, {"metrics": {k: float(v) for k, v in (getattr(rec, "metrics", {}) or {}).items()}}

@@ -67,7 +67,7 @@ def run_rounds_flower(model, clients: Sequence[Any], *, rounds: int, algorithm: 
     update defenses run in :func:`~gradleak.fl.engines.flower_bridge.update_defense_mod`, Flower's client-side DP in its own mods (:func:`~gradleak.fl.engines.flower_bridge.legacy_mod`). What
     the attacks get is what the strategy wrapper recorded, round by round. The server sends the trainable arrays,
     plus every frozen tensor that differs from the model the clients downloaded (a malicious server's poisoning).
-    ``flower`` is the ``fl.flower`` section (:class:`~gradleak.experiments.schema.FlowerConfig`: runtime, reply, dp)."""
+    ``flower`` is the ``fl.flower`` section (:class:`~gradleak.config.schema.FlowerConfig`: runtime, reply, dp)."""
     require_flower()
     from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp

@@ -1,4 +1,4 @@
-"""Results contract (DESIGN §4): ``results.json`` written atomically; the cell loop (:mod:`gradleak.experiments.cells`)
+"""Results contract (DESIGN §4): ``results.json`` written atomically; the cell loop (:mod:`gradleak.run.cells`)
 appends to a JSONL and reads back the latest row of every cell."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The runner: config file -> validated config -> the one pipeline -> results.json + report.html.
 
-``experiment:`` names a preset of defaults (``EXPERIMENTS``, see :mod:`gradleak.experiments.schema`); every
-preset runs through :func:`gradleak.experiments.pipeline.run_experiment`. Validation (config keys, values,
+``experiment:`` names a preset of defaults (``EXPERIMENTS``, see :mod:`gradleak.config.schema`); every
+preset runs through :func:`gradleak.run.pipeline.run_experiment`. Validation (config keys, values,
 attack applicability, the threat-model gate, the output directory) happens before any model is loaded.
 """
 
@@ -18,8 +18,8 @@ import torch
 from pydantic import ValidationError
 
 from gradleak.errors import BadInput, describe_validation_error
-from gradleak.experiments.config import apply_overrides, load_yaml, normalize_aliases
-from gradleak.experiments.results import environment, write_json_atomic
+from gradleak.config.loading import apply_overrides, load_yaml, normalize_aliases
+from gradleak.run.results import environment, write_json_atomic
 
 
 @dataclass
@@ -77,7 +77,7 @@ def resolve_device(name: str | None) -> torch.device:
 
 def validate(raw: dict, overrides: list[str] | None = None):
     """Return (experiment runner, validated ExperimentConfig) for a raw config dict and ``--set`` overrides."""
-    from gradleak.experiments.schema import ExperimentConfig, with_defaults
+    from gradleak.config.schema import ExperimentConfig, with_defaults
 
     raw = normalize_aliases(apply_overrides(raw, overrides or [], ExperimentConfig), ExperimentConfig)
     full = with_defaults(raw)
@@ -86,7 +86,7 @@ def validate(raw: dict, overrides: list[str] | None = None):
     except ValidationError as err:
         raise describe_validation_error(err) from None
     cfg.check()
-    from gradleak.experiments.pipeline import run_experiment
+    from gradleak.run.pipeline import run_experiment
 
     return run_experiment, cfg
 

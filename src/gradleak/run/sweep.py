@@ -2,8 +2,8 @@
 
 ``grid:`` maps dotted config keys (checked against the schema like ``--set`` keys) to lists of values; the sweep
 is their Cartesian product, in a stable order. Each cell is the config with those values set, run through the one
-pipeline (:func:`gradleak.experiments.run_config`) into ``OUT/cells/<cell id>/``, and appends one line to
-``OUT/results.jsonl`` through the one cell loop (:func:`gradleak.experiments.cells.run_cells`: a rerun skips cells
+pipeline (:func:`gradleak.run.run_config`) into ``OUT/cells/<cell id>/``, and appends one line to
+``OUT/results.jsonl`` through the one cell loop (:func:`gradleak.run.cells.run_cells`: a rerun skips cells
 whose latest line has no ``error``; failed cells are retried once more in the run and again on the next run). So a
 killed sweep restarts without redoing or duplicating a cell.
 
@@ -44,8 +44,8 @@ def cell_id(assign: dict[str, Any]) -> str:
 def assign(raw: dict, key: str, value: Any) -> dict:
     """``raw`` with the dotted ``key`` set to ``value``. Keys are checked against the schema as ``--set`` keys are;
     a numeric part indexes a list (``defenses.0.params.std``: the first defense's std)."""
-    from gradleak.experiments.config import apply_overrides
-    from gradleak.experiments.schema import ExperimentConfig
+    from gradleak.config.loading import apply_overrides
+    from gradleak.config.schema import ExperimentConfig
 
     parts = key.split(".")
     if not any(p.isdigit() for p in parts):
@@ -116,7 +116,7 @@ def _run_cell(raw: dict, out_dir: str, device: str | None) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from gradleak.experiments.runner import run_config
+    from gradleak.run.runner import run_config
 
     t0 = time.perf_counter()
     res = run_config(raw, out_dir, None, device)
@@ -125,7 +125,7 @@ def _run_cell(raw: dict, out_dir: str, device: str | None) -> dict:
 
 
 def _row(cell, payload: dict | None, err: BaseException | None, seconds: float) -> dict:
-    from gradleak.experiments.cells import error_text
+    from gradleak.run.cells import error_text
 
     row = {"cell": cell.id, "assign": cell.info}
     if err is not None:
@@ -143,11 +143,11 @@ def run_sweep(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
               executor: str = "local", workers: int | None = None, yes: bool = False,
               log: Callable[[str], Any] = print) -> dict:
     """Run (or resume) the sweep of ``raw``'s ``grid`` into ``out_dir``; returns the summary (``sweep.json``)."""
-    from gradleak.experiments.cells import Cell, cell_dir_name, run_cells
-    from gradleak.experiments.config import apply_overrides
-    from gradleak.experiments.results import write_json_atomic
-    from gradleak.experiments.runner import check_out_dir, validate
-    from gradleak.experiments.schema import ExperimentConfig
+    from gradleak.run.cells import Cell, cell_dir_name, run_cells
+    from gradleak.config.loading import apply_overrides
+    from gradleak.run.results import write_json_atomic
+    from gradleak.run.runner import check_out_dir, validate
+    from gradleak.config.schema import ExperimentConfig
 
     out = check_out_dir(out_dir)
     if executor not in ("local", "ray"):

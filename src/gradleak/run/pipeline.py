@@ -23,7 +23,7 @@ from gradleak.data.splits import ImageData, TextData
 from gradleak.errors import BadInput
 from gradleak.evaluation import Truth, evaluate, unit
 from gradleak.evaluation.membership import split_by_guarantee
-from gradleak.experiments.schema import ExperimentConfig
+from gradleak.config.schema import ExperimentConfig
 
 
 

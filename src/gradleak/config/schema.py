@@ -36,7 +36,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from gradleak.defenses.base import DefenseConfig, DefenseSection, build_defense_section, build_defenses
 from gradleak.errors import BadInput, describe_validation_error
-from gradleak.experiments.config import Strict
+from gradleak.config.loading import Strict
 from gradleak.fl.threat import ThreatConfig, ThreatModel
 from gradleak.peft import PeftConfig
 from gradleak.registry import ATTACKS, EXPERIMENTS

@@ -7,7 +7,7 @@ optional ``audit:`` section overrides an attack's parameters (``params: {<attack
 runs every attack on several seeds (``seeds: [0, 1, 2]``): the entry then reports the worst (most leaking) run as
 its evidence, with the median and the range of the headline metric and the per-seed results.
 
-Applicability is the pipeline's own gate (:func:`gradleak.experiments.validate`): an attack is applicable when
+Applicability is the pipeline's own gate (:func:`gradleak.run.validate`): an attack is applicable when
 the config with ``attack.name`` set to it validates. When it is refused only because the threat model withholds
 a *server capability* (``malicious``, ``prescribes_architecture``, ``public_data``: what a dishonest server can
 take for itself), the audit runs it again under the smallest such upgrade and records that threat -- that is
@@ -154,10 +154,10 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
               workers: int = 1) -> dict:
     """Run the audit of ``raw`` (+ ``overrides``) into ``out_dir``: ``audit.json`` + ``report.html``.
     ``workers`` > 1 runs the applicable attacks in a spawned process pool (one torch thread each)."""
-    from gradleak.experiments.config import apply_overrides
-    from gradleak.experiments.results import environment
-    from gradleak.experiments.runner import check_out_dir, validate
-    from gradleak.experiments.schema import ExperimentConfig
+    from gradleak.config.loading import apply_overrides
+    from gradleak.run.results import environment
+    from gradleak.run.runner import check_out_dir, validate
+    from gradleak.config.schema import ExperimentConfig
     from gradleak.registry import ATTACKS
 
     out = check_out_dir(out_dir)
@@ -324,7 +324,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
               "seed": shown.seed, "environment": environment(), "seconds": time.perf_counter() - t_all,
               "not_tested": [f"{e['name']}: {e['reason']}" for e in entries if "level" not in e],
               "undefined": [f"{e['name']}: {e['reason']}" for e in entries if e.get("level") == "undefined"]}
-    from gradleak.experiments.results import write_json_atomic
+    from gradleak.run.results import write_json_atomic
 
     write_json_atomic(out / "audit.json", result)
     write_audit_report(result, out)
@@ -335,14 +335,14 @@ def run_audit_grid(raw: dict, out_dir: str | Path, overrides: list[str] | None =
                    only: list[str] | None = None, command: str = "", log: Callable[[str], Any] = print,
                    workers: int = 1, yes: bool = False) -> dict:
     """An audit per cell of the config's ``grid:`` (e.g. defense strengths) into ``OUT/cells/<cell>/``, one row per
-    cell in ``OUT/audit_grid.jsonl`` through the one cell loop (:func:`gradleak.experiments.cells.run_cells`:
+    cell in ``OUT/audit_grid.jsonl`` through the one cell loop (:func:`gradleak.run.cells.run_cells`:
     resumable, a finished cell is not redone, a failed one is retried); ``OUT/audit_grid.json`` lists each cell's
     verdict. A setup the audit refuses (``BadInput``) stops the grid; a cell that still fails after its retry is
     raised once the others are done."""
-    from gradleak.experiments.cells import Cell, cell_dir_name, error_text, run_cells
-    from gradleak.experiments.results import write_json_atomic
-    from gradleak.experiments.runner import check_out_dir
-    from gradleak.experiments.sweep import MAX_CELLS, cell_config, expand_grid
+    from gradleak.run.cells import Cell, cell_dir_name, error_text, run_cells
+    from gradleak.run.results import write_json_atomic
+    from gradleak.run.runner import check_out_dir
+    from gradleak.run.sweep import MAX_CELLS, cell_config, expand_grid
 
     out = check_out_dir(out_dir)
     base, cells = expand_grid(raw)
@@ -382,7 +382,7 @@ def _audit_cell(raw: dict, out_dir: Path, overrides, device, only, command, log,
 
 def _run_one(name: str, cand: dict, out_dir: str, device: str | None) -> dict:
     """One attack's run (in this process or a worker); errors come back as values (they must cross processes)."""
-    from gradleak.experiments import runner
+    from gradleak.run import runner
 
     t0 = time.perf_counter()
     try:
@@ -405,7 +405,7 @@ def _run_all(jobs: list[tuple], workers: int, log: Callable[[str], Any] = print)
         for name, cand, out, dev in jobs:
             yield name, _run_one(name, cand, out, dev)
         return
-    from gradleak.experiments.cells import pool_results
+    from gradleak.run.cells import pool_results
 
     for i, res in pool_results(_run_one, jobs, workers):
         if isinstance(res, Exception):  # the worker itself died

@@ -3,7 +3,7 @@
 A *cell* is an id and a job (``fn(*args)``). The loop reads the JSONL of earlier rows, skips every cell whose
 *latest* row has no ``"error"`` (the one "done" rule), runs the others, turns each outcome into its row(s) with the
 caller's ``row`` function and appends them as they finish -- one atomic rewrite of the file per row
-(:func:`gradleak.experiments.results.append_jsonl`), from this (the parent) process only. A failed cell (its row
+(:func:`gradleak.run.results.append_jsonl`), from this (the parent) process only. A failed cell (its row
 has ``"error"``) gets ``retries`` more tries in the same run and is run again on the next one; it never counts as
 done. A killed run therefore restarts without redoing or duplicating a finished cell.
 
@@ -55,7 +55,7 @@ def cell_dir_name(cid: str) -> str:
 
 def done_cells(jsonl: str | Path, key: str = "cell") -> set[str]:
     """The cells of ``jsonl`` whose latest row has no ``"error"`` (the one "done" rule)."""
-    from gradleak.experiments.results import latest_by_cell
+    from gradleak.run.results import latest_by_cell
 
     return {c for c, r in latest_by_cell(jsonl, key).items() if "error" not in r}
 
@@ -70,7 +70,7 @@ def run_cells(cells: Sequence[Cell], jsonl: str | Path, row: RowFn, *, executor:
     ``key``: the row field that holds the cell id (every row ``row`` returns must carry it). ``redo``: run every
     cell, finished or not (its new row becomes the latest). ``fatal``: error types that stop the loop at once
     (raised, no row written) instead of being recorded. ``describe(row)``: the progress line of a finished cell."""
-    from gradleak.experiments.results import append_jsonl, latest_by_cell
+    from gradleak.run.results import append_jsonl, latest_by_cell
 
     if executor not in EXECUTORS:
         raise BadInput("--executor", f"unknown executor '{executor}'.", "use local or ray.")
