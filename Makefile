@@ -63,7 +63,9 @@ MUTATION_AGGREGATION := 'gradleak.fl.core.x_aggregate*' 'gradleak.fl.core.x_secu
 	'gradleak.fl.core.xǁUpdateǁ*'
 MUTATION_DEFENSES := 'gradleak.defenses.update.xǁ*' 'gradleak.defenses.update.x__gen*' \
 	'gradleak.defenses.update.x__percentile*' 'gradleak.defenses.base.x_build_defenses*'
-MUTATION_EVALUATION := 'gradleak.evaluation.levels.*'
+MUTATION_EVALUATION := 'gradleak.evaluation.levels.*' 'gradleak.evaluation.images.x_grade*' \
+	'gradleak.evaluation.patches.x_grade*' 'gradleak.evaluation.text.x_grade*' 'gradleak.evaluation.membership.x_grade*' \
+	'gradleak.evaluation.leakage.x_grade*'
 MUTATION_TARGETS := $(MUTATION_THREAT) $(MUTATION_AGGREGATION) $(MUTATION_DEFENSES) $(MUTATION_EVALUATION)
 
 mutation: $(STAMP)
