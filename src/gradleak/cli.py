@@ -184,7 +184,7 @@ def _print_audit_table(result: dict, out: Path) -> None:
     table = Table(title=f"audit -> {out}/audit.json")
     for col in ("attack", "applicable", "level", "headline (null p99)", "worst client"):
         table.add_column(col, overflow="fold")
-    table.add_column("note", overflow="fold", ratio=1)
+    table.add_column("note", overflow="fold")
     for row in console_rows(result):
         table.add_row(*(Text(x) for x in row))
     out_console.print(table)

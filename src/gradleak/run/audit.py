@@ -311,12 +311,12 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
         if warns:
             entry["warnings"] = [str(w) for w in warns]
             entry["reason"] = "; ".join(([entry["reason"]] if entry.get("reason") else []) + entry["warnings"][:2])
-            for w in dict.fromkeys(entry["warnings"]):  # e.g. lora_span's under-determined setting: said, not buried
-                log(f"[audit] {name}: WARNING: {w}")
         v = entry.get("value")
         log(f"[audit] {name}: {entry['level'].upper()} ({entry['metric']} = {v if not isinstance(v, float) else round(v, 4)}"
             f", null p99 {entry.get('null_p99')}, worst client {client}"
             + (f", worst of seeds {seeds}, median {entry.get('median')}" if multi else "") + f", {entry['seconds']:.0f} s)")
+        for w in dict.fromkeys(entry.get("warnings") or []):  # e.g. lora_span's under-determined setting: said
+            log(f"[audit] {name}: WARNING: {w}")
     ran = [e for e in entries if "level" in e]
     if not ran and base_err is not None:
         raise base_err
