@@ -172,7 +172,7 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
         _fail_bad_input(err)
     _print_audit_table(result, out)
     colour = {"leaks": "red", "leaks_stronger_server": "yellow", "no_leak_found": "green"}.get(result["verdict"], "white")
-    out_console.print(f"[bold {colour}]{escape(result['headline'])}[/]")
+    out_console.print(f"[bold {colour}]{escape(result['headline'])}[/]", soft_wrap=True)
     out_console.print(f"report: {out / 'report.html'}")
 
 

@@ -771,8 +771,9 @@ def write_audit_report(result: dict, out: Path) -> Path:
                              ("training", "<code>defense: {name, ...}</code>, in local training")):
             names = [d for d in ds if d["stage"] == stage]
             if names:
-                todo.append(f"<li>Defenses this setup accepts ({where}): " + "; ".join(
-                    f"<b>{e(d['name'])}</b> — {e(d['summary'])}" for d in names) + ".</li>")
+                todo.append(f"<li>Defenses this setup accepts ({where}): " + ", ".join(
+                    f'<b title="{e(d["summary"])}">{e(d["name"])}</b>' for d in names)
+                    + " (<code>gradleak list</code> describes each and its parameters).</li>")
     if nxt["leaking"] and ds:
         todo.append("<li>To measure one, add it to the config and rerun this audit (the command under "
                     "Reproducibility); the audit attacks a defended setup at full strength.</li>")
