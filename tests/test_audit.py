@@ -122,3 +122,204 @@ def test_audit_grid_gives_a_verdict_per_cell_and_resumes(tmp_path):
     logs.clear()
     s2 = run_audit_grid(raw, tmp_path, only=["dlg", "peftleak"], log=logs.append)
     assert s2["cells"] == s1["cells"] and all("done before" in m for m in logs)
+
+
+# ----------------------------------------------------------------------------------------- the report (issue 29)
+
+from html.parser import HTMLParser  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Page(HTMLParser):
+    """The parts of an audit report the tests read: sections by id, table rows, images, text by element."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.stack, self.ids, self.rows, self.imgs, self.pairs, self.warnings = [], {}, [], [], [], []
+        self._row, self._cell, self._id, self._pair, self._warn = None, None, [], None, None
+        self.sections: dict[str, str] = {}
+        self._h2 = None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "h2":
+            self._h2 = ""
+        if a.get("id"):
+            self.ids[a["id"]] = ""
+            self._id.append((tag, a["id"]))
+        if tag == "tr":
+            self._row = []
+        if tag in ("td", "th") and self._row is not None:
+            self._cell = ""
+        if tag == "div" and a.get("class") == "pair":
+            self._pair = []
+            self.pairs.append(self._pair)
+        if tag == "img":
+            self.imgs.append(a)
+            if self._pair is not None:
+                self._pair.append(a)
+        if tag == "p" and a.get("class") == "warning":
+            self._warn = ""
+
+    def handle_endtag(self, tag):
+        if tag == "h2" and self._h2 is not None:
+            self._last_h2, self._h2 = self._h2.strip(), None
+            self.sections[self._last_h2] = ""
+        if self._id and self._id[-1][0] == tag:
+            self._id.pop()
+        if tag in ("td", "th") and self._cell is not None:
+            self._row.append(self._cell.strip())
+            self._cell = None
+        if tag == "tr" and self._row is not None:
+            self.rows.append(self._row)
+            self._row = None
+        if tag == "div":
+            self._pair = None
+        if tag == "p" and self._warn is not None:
+            self.warnings.append(self._warn)
+            self._warn = None
+
+    def handle_data(self, data):
+        for _, i in self._id:
+            self.ids[i] += data
+        if self._cell is not None:
+            self._cell += data
+        if self._h2 is not None:
+            self._h2 += data
+        elif getattr(self, "_last_h2", None):
+            self.sections[self._last_h2] += data
+        if self._warn is not None:
+            self._warn += data
+
+
+def _fake_text_audit(tmp_path, monkeypatch, only=None, warn="lora-like warning: under-determined"):
+    """The shipped text audit config with every run faked (validation only: a few seconds): utr leaks word for
+    word and warns, the others measure nothing above their null."""
+    import yaml
+
+    from gradleak.run import audit as mod
+
+    def fake_run(cand, out, device=None):
+        ok = cand["attack"]["name"] == "utr"
+        return {"metrics": {"rouge1_f1": 100.0 if ok else 0.0, "rouge1_f1_null_p99": 23.9,
+                            "rouge1_f1_null_median": 10.0}, "artifacts": [],
+                "details": {"warnings": [warn] if ok else []}}
+
+    monkeypatch.setattr("gradleak.run.runner.run_config", fake_run)
+    raw = yaml.safe_load((ROOT / "configs" / "audit" / "text_adapters.yaml").read_text())
+    logs = []
+    cmd = mod.audit_command("configs/audit/text_adapters.yaml", tmp_path,
+                            ["defenses=[{name: clipping, params: {max_norm: 1.0}}]", "seed=0"], only=only)
+    res = mod.run_audit(raw, tmp_path, only=only.split(",") if only else None, log=logs.append, command=cmd)
+    return res, _Page((tmp_path / "report.html").read_text()), logs
+
+
+def test_audit_report_next_steps_grouped_modality_quoted_command_and_warnings(tmp_path, monkeypatch):
+    """What to do next (leaking attacks, deployment facts, the defenses this setup accepts, --advise not built: no
+    advice in audit.json); the image attacks of a text audit on one row and one Reproducibility line; the command
+    copy-pasteable; the attack's warning shown on the console and in the report."""
+    import shlex
+
+    from gradleak.registry import DEFENSES
+
+    res, page, logs = _fake_text_audit(tmp_path, monkeypatch)
+    # 1. what to do next: a section with true facts, and no advice in audit.json
+    assert "next" in page.ids
+    nxt = page.sections["What to do next"]
+    assert "utr" in nxt and "Leaking here" in nxt
+    assert "threat.knows_lengths" in nxt  # lamp was kept out by a withheld deployment fact
+    assert "--advise" in nxt and "not built yet" in nxt and "does not rank or recommend" in nxt
+    names = [d["name"] for d in res["defenses_available"]]
+    assert "gaussian_noise" in names and "dpsgd" in names and "rdlv_filter" not in names  # image-only: not for text
+    assert set(names) <= set(DEFENSES.names()) and all(n in nxt for n in names)
+    saved = json.loads((tmp_path / "audit.json").read_text())
+    assert not any(k in saved for k in ("advice", "advise", "recommendation", "ranking"))
+    # 2. the image attacks: one row, one Reproducibility line, no "Fix:" per attack
+    first = [r[0] for r in page.rows]
+    image_attacks = [a["name"] for a in res["attacks"] if a.get("modality") == "image"]
+    assert len(image_attacks) >= 5 and not set(image_attacks) & set(first)
+    (grouped,) = [r for r in page.rows if r[0] == f"{len(image_attacks)} image attacks"]
+    assert "not applicable" in grouped[-1] and all(n in grouped[-1] for n in image_attacks)
+    assert "Fix:" not in grouped[-1]
+    repro = page.sections["Reproducibility"]
+    assert repro.count("Fix: attacks for text") == 0 and f"{len(image_attacks)} image attack(s)" in repro
+    assert "lamp: threat.knows_lengths" in repro
+    # 4. the command: shell-quoted, it splits back into the arguments
+    args = shlex.split(page.ids["command"])
+    assert args[args.index("--set") + 1] == "defenses=[{name: clipping, params: {max_norm: 1.0}}]"
+    assert args[:3] == ["gradleak", "audit", "configs/audit/text_adapters.yaml"]
+    # 8. the attack's warning: on the console and in the report's evidence
+    assert any("utr: WARNING: lora-like warning: under-determined" in m for m in logs)
+    assert any("under-determined" in w for w in page.warnings)
+
+
+def test_only_audit_says_what_was_left_out(tmp_path, monkeypatch):
+    res, page, _ = _fake_text_audit(tmp_path, monkeypatch, only="utr,dager")
+    left = sorted(set(res["left_out_by_only"]))
+    assert "projres" in left and "lamp" in left and "utr" not in left and res["only"] == ["utr", "dager"]
+    repro = page.sections["Reproducibility"]
+    assert "not tested: nothing" not in " ".join(repro.split())
+    assert "left out by --only: " + ", ".join(res["left_out_by_only"]) in repro
+    assert any(r[0] == f"{len(left)} left out" for r in page.rows)
+
+
+def test_audit_report_images_side_by_side_and_upscaled(tmp_path):
+    """An image attack's original and reconstruction in one row, each drawn at an integer nearest-neighbour
+    upscale (a 32-pixel image saved at 4x is shown at 12x: 408 px), and gradleak report rebuilds it from
+    audit.json."""
+    import torch
+
+    from gradleak.report import save_image_grid
+    from gradleak.run.audit import write_audit_report
+
+    d = tmp_path / "attacks" / "ig"
+    save_image_grid(torch.rand(1, 3, 32, 32), d / "reconstruction.png")
+    save_image_grid(torch.rand(1, 3, 32, 32), d / "ground_truth.png")
+    result = {"verdict": "no_leak_found", "headline": "NO LEAK FOUND", "modality": "image",
+              "attacks": [{"name": "ig", "modality": "image", "applicable": True, "level": "none", "rule": "r",
+                           "metric": "psnr_max", "value": 9.0, "out": "attacks/ig",
+                           "artifacts": ["reconstruction.png", "ground_truth.png"]}],
+              "levels": {"null": "n", "psnr_db": 40.0, "rules": {}}, "setup": [], "threat": [], "command": "c",
+              "config_hash": "h", "seed": 0, "environment": {}, "not_tested": [], "undefined": [],
+              "defenses_available": []}
+    page = _Page(write_audit_report(result, tmp_path).read_text())
+    (pair,) = page.pairs
+    assert [i["src"] for i in pair] == ["attacks/ig/ground_truth.png", "attacks/ig/reconstruction.png"]
+    assert [i["width"] for i in pair] == ["408", "408"]  # 34 px * 4 (saved) = 136 px, shown 3x
+    assert "image-rendering:pixelated" in (tmp_path / "report.html").read_text()
+    assert "not tested: nothing" in " ".join(page.sections["Reproducibility"].split())
+
+
+def test_worker_silences_only_the_kernel_override_warning(monkeypatch):
+    import warnings
+
+    from gradleak.run.audit import _run_one
+
+    def noisy(cand, out, device=None):
+        warnings.warn("Warning only once for all operators,  other operators may also be overridden.\n"
+                      "  Overriding a previously registered kernel for the same operator and the same dispatch key\n"
+                      "  operator: aten::geometric_", UserWarning)
+        warnings.warn("something else", UserWarning)
+        return {"metrics": {}}
+
+    monkeypatch.setattr("gradleak.run.runner.run_config", noisy)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert "metrics" in _run_one("x", {}, "/tmp/unused", None)
+    assert [str(w.message) for w in seen] == ["something else"]
+
+
+def test_articles_of_the_server_words():
+    from gradleak.config.schema import ExperimentConfig  # noqa: F401 -- the message below is built there
+    from gradleak.fl.threat import with_article
+    from gradleak.run import validate
+
+    assert with_article("honest-but-curious") == "an honest-but-curious"
+    assert with_article("malicious") == "a malicious" and with_article("prescribes-architecture").startswith("a p")
+    with pytest.raises(BadInput) as err:
+        validate({**{k: v for k, v in TINY.items() if k != "audit"}, "attack": {"name": "dlg"},
+                  "peft": {"kind": "lora", "layer_pe": True}})
+    assert "an honest-but-curious server" in str(err.value) and "a honest" not in str(err.value)

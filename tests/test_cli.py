@@ -120,3 +120,110 @@ def test_scientific_notation_without_a_dot_is_a_number_everywhere():
 
     assert parse_value("[{name: gaussian_noise, params: {std: 1e-06}}]")[0]["params"]["std"] == 1e-6
     assert yaml_value("a: 3E5\nb: 1.5\nc: 7\nd: abc\ne: .5")== {"a": 3e5, "b": 1.5, "c": 7, "d": "abc", "e": 0.5}
+
+
+# ------------------------------------------------------------------------------ console and report (issue 29)
+
+def _audit_result(reason="needs a stronger server than configured: run as an honest-but-curious server holding "
+                         "public data, and this note is long enough to be cut at eighty columns"):
+    return {"verdict": "leaks", "headline": "LEAKS: EXACT leakage by utr", "modality": "text",
+            "attacks": [{"name": "utr", "modality": "text", "applicable": True, "level": "exact", "metric": "rouge1_f1",
+                         "value": 100.0, "null_p99": 23.9, "worst_client": 0, "rule": "word for word", "out": "attacks/utr"},
+                        {"name": "projres_adaptive", "modality": "text", "applicable": False,
+                         "applicable_under": "upgraded", "level": "strong", "metric": "auc", "value": 1.0,
+                         "null_p99": 0.93, "worst_client": 0, "reason": reason, "rule": "auc"},
+                        *({"name": n, "modality": "image", "applicable": False,
+                           "reason": f"attack.name: '{n}' attacks image data, but this experiment's data are text. "
+                                     "Fix: attacks for text ..."} for n in ("dlg", "ig", "peftleak"))],
+            "levels": {"null": "n", "psnr_db": 40.0, "rules": {}}, "setup": ["s"], "threat": ["t"],
+            "command": "gradleak audit c.yaml --out o", "config_hash": "h", "seed": 0, "environment": {},
+            "not_tested": [], "undefined": [], "defenses_available": []}
+
+
+def test_audit_console_table_not_cut_when_not_a_tty(capsys, monkeypatch, tmp_path):
+    """Piped (not a TTY) the table is as wide as COLUMNS says, else 200: no note cut mid-word at 80 columns, no
+    ellipsis; the image attacks of a text audit are one row."""
+    from gradleak import cli
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    cli._fit_consoles()
+    cli._print_audit_table(_audit_result(), tmp_path)
+    text = capsys.readouterr().out
+    assert "…" not in text
+    tokens = text.replace("│", " ").split()
+    for word in _audit_result()["attacks"][1]["reason"].split():  # wrapped at words, never cut inside one
+        assert word in tokens, word
+    assert max(len(line) for line in text.splitlines()) > 80
+    assert any("projres_adaptive" in line for line in text.splitlines())
+    assert "3 image attacks" in text and "dlg, ig, peftleak" in text
+    assert not any(line.lstrip("│ ").startswith(("dlg ", "ig ", "peftleak ")) for line in text.splitlines())
+    monkeypatch.setenv("COLUMNS", "120")
+    cli._fit_consoles()
+    assert cli.out_console.width == 120
+
+
+def test_audit_command_line_is_shell_quoted(tmp_path, monkeypatch):
+    import shlex
+
+    seen = {}
+
+    def fake_audit(raw, out, overrides, device, **kw):
+        seen.update(kw)
+        return {**_audit_result(), "attacks": []}
+
+    monkeypatch.setattr("gradleak.run.audit.run_audit", fake_audit)
+    value = "defenses=[{name: clipping, params: {max_norm: 1.0}}]"
+    res = runner.invoke(app, ["audit", str(ROOT / "configs" / "audit" / "text_adapters.yaml"), "--out",
+                              str(tmp_path / "a b"), "--set", value, "--only", "utr", "--workers", "1"])
+    assert res.exit_code == 0, res.output
+    args = shlex.split(seen["command"])
+    assert args[4] == str(tmp_path / "a b") and args[5:7] == ["--set", value] and args[7:9] == ["--only", "utr"]
+
+
+def test_list_prints_no_pydantic_undefined():
+    res = runner.invoke(app, ["list"])
+    assert res.exit_code == 0
+    assert "PydanticUndefined" not in res.output
+    assert "defense.attack = {}" in res.output  # a default_factory's value
+
+
+def test_report_rebuilds_an_audit_report(tmp_path, monkeypatch):
+    (tmp_path / "audit.json").write_text(json.dumps(_audit_result()))
+    res = runner.invoke(app, ["report", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    page = (tmp_path / "report.html").read_text()
+    assert 'id="verdict"' in page and "What to do next" in page and "3 image attacks" in page
+    (tmp_path / "audit.json").write_text(json.dumps({"verdict": "leaks"}))
+    res = runner.invoke(app, ["report", str(tmp_path)])
+    assert res.exit_code == 2 and "DIR" in res.output and "not a gradleak audit file" in res.output
+
+
+@pytest.mark.parametrize("kind", ["audit", "run"])
+def test_report_on_a_read_only_directory_exits_2(tmp_path, monkeypatch, kind):
+    """A directory the report cannot be written to: exit 2 naming DIR and the fix, no traceback."""
+    if kind == "audit":
+        (tmp_path / "audit.json").write_text(json.dumps(_audit_result()))
+    else:
+        (tmp_path / "results.json").write_text(json.dumps({"name": "x", "metrics": {"a": 1.0}}))
+
+    def read_only(*a, **k):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr("gradleak.report.html.write_atomic", read_only)
+    res = runner.invoke(app, ["report", str(tmp_path)])
+    assert res.exit_code == 2, res.output
+    assert "DIR" in res.output and "Read-only file system" in res.output and "Traceback" not in res.output
+
+
+def test_run_prints_the_attack_warnings(tmp_path, monkeypatch):
+    """An attack's warning (e.g. lora_span on an under-determined setting) is said on the console."""
+    w = "lora_span: under-determined setting, the rank condition fails (batch of 2)"
+
+    def fake_run(raw, out, overrides, device, track, stage):
+        return {"name": "x", "metrics": {"psnr_max": 12.0}, "timings": {"total_seconds": 1.0},
+                "details": {"warnings": [w]}}
+
+    monkeypatch.setattr("gradleak.run.run_config", fake_run)
+    res = runner.invoke(app, ["run", str(CONFIG), "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "warning: " + w in " ".join(res.output.split())

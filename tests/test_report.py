@@ -73,3 +73,36 @@ def test_markdown_reexports(tmp_path):
     assert "| a |" in markdown_table([{"a": 1}], ["a"])
     update_section(tmp_path / "R.md", "k", "body")
     assert "body" in (tmp_path / "R.md").read_text()
+
+
+def test_run_report_opens_with_the_runs_warnings(tmp_path):
+    """An attack's warning (e.g. lora_span on an under-determined setting) is a box under the title, from
+    results.json alone (so `gradleak report` keeps it), not a table at the page's end."""
+    from html.parser import HTMLParser
+
+    w = "lora_span: under-determined setting, the rank condition fails (batch of 2)"
+    res = {**_results(), "details": {"warnings": [w]}}
+    extra = {"tables": [{"title": "Warnings", "columns": ["warning"], "rows": [{"warning": w}]}]}
+    page = write_report(res, tmp_path, extra).read_text()
+
+    class P(HTMLParser):
+        box, depth, h2 = "", 0, []
+
+        def handle_starttag(self, tag, attrs):
+            if dict(attrs).get("id") == "warnings" or self.depth:
+                self.depth += tag == "div"
+
+        def handle_endtag(self, tag):
+            if self.depth and tag == "div":
+                self.depth -= 1
+
+        def handle_data(self, data):
+            if self.depth:
+                self.box += data
+            if self.lasttag == "h2":
+                self.h2.append(data)
+
+    p = P()
+    p.feed(page)
+    assert w in p.box and "Warnings" not in p.h2
+    assert page.index('id="warnings"') < page.index("<h2>Metrics</h2>")

@@ -16,12 +16,31 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Measure private-data leakage in federated parameter-efficient fine-tuning.")
 console = Console(stderr=True)
 out_console = Console()
+#: the width of a console that is not a terminal (a pipe, a file, CI) when COLUMNS does not say: tables and
+#: messages are not cut at rich's 80-column default
+PIPE_WIDTH = 200
+
+
+def _fit_consoles() -> None:
+    """Not a terminal: no 80-column wrap (COLUMNS if set, else :data:`PIPE_WIDTH`); a terminal keeps its width."""
+    import os
+
+    cols = os.environ.get("COLUMNS", "")
+    for c in (console, out_console):
+        if not c.is_terminal:
+            c.width = int(cols) if cols.isdigit() and int(cols) > 0 else PIPE_WIDTH
+
+
+def _log(msg: str) -> None:
+    """A progress line on stderr: literal text (``[audit]`` is not rich markup), never wrapped."""
+    console.print(msg, highlight=False, markup=False, soft_wrap=True)
 
 
 def _fail_bad_input(err: Exception) -> None:
@@ -43,6 +62,7 @@ def _version(value: bool) -> None:
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="print the version and exit")):
     """Measure private-data leakage in federated parameter-efficient fine-tuning."""
+    _fit_consoles()
 
 
 def _progress():
@@ -75,7 +95,7 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/peftl
             from gradleak.run.sweep import run_sweep
 
             summary = run_sweep(raw, out, list(set_ or []), device, executor=executor, workers=workers, yes=yes,
-                                log=lambda msg: console.print(msg, highlight=False))
+                                log=_log)
             out_console.print(f"sweep: {summary['done']} of {summary['cells']} cells done"
                               + (f", {len(summary['failed'])} failed (rerun to retry)" if summary["failed"] else "")
                               + f" -> {out}/results.jsonl, {out}/sweep.json")
@@ -109,6 +129,8 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/peftl
     for k, v in results["timings"].items():
         table.add_row(f"time: {k}", f"{v:.4g}")
     out_console.print(table)
+    for w in dict.fromkeys((results.get("details") or {}).get("warnings") or []):  # e.g. lora_span under-determined
+        console.print(Text("warning: ", style="bold yellow") + Text(str(w)), soft_wrap=True, highlight=False)
     out_console.print(f"report: {out / 'report.html'}")
 
 
@@ -131,13 +153,11 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
         from gradleak.run.runner import check_out_dir
 
         check_out_dir(out)
-        from gradleak.run.audit import run_audit
+        from gradleak.run.audit import audit_command, run_audit
 
-        cmd = " ".join(["gradleak", "audit", str(config), "--out", str(out)]
-                       + [f"--set {x}" for x in (set_ or [])] + ([f"--only {only}"] if only else [])
-                       + ([f"--device {device}"] if device else []))
+        cmd = audit_command(config, out, list(set_ or []), only, device)  # every argument shell-quoted
         kw = dict(only=[x.strip() for x in only.split(",") if x.strip()] if only else None, command=cmd,
-                  log=lambda msg: console.print(msg, highlight=False),
+                  log=_log,
                   workers=workers if workers is not None else (__import__("os").cpu_count() or 1))
         if "grid" in raw:  # an audit per grid cell (e.g. per defense strength), resumable
             from gradleak.run.audit import run_audit_grid
@@ -150,26 +170,35 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
         result = run_audit(raw, out, list(set_ or []), device, **kw)
     except BadInput as err:
         _fail_bad_input(err)
-    table = Table(title=f"audit -> {out}/audit.json")
-    for col in ("attack", "applicable", "level", "headline (null p99)", "worst client", "note"):
-        table.add_column(col)
-    for a in result["attacks"]:
-        val, p99 = a.get("value"), a.get("null_p99")
-        table.add_row(a["name"], "yes" if a.get("applicable") else ("upgrade" if a.get("applicable_under") else "no"),
-                      a.get("level", "not run"),
-                      (f"{a['metric']} = {val:.4g}" + (f" ({p99:.4g})" if isinstance(p99, (int, float)) else ""))
-                      if isinstance(val, (int, float)) else "–", str(a.get("worst_client", "–")),
-                      (a.get("reason") or "")[:90])
-    out_console.print(table)
+    _print_audit_table(result, out)
     colour = {"leaks": "red", "leaks_stronger_server": "yellow", "no_leak_found": "green"}.get(result["verdict"], "white")
-    out_console.print(f"[bold {colour}]{escape(result['headline'])}[/]")
+    out_console.print(f"[bold {colour}]{escape(result['headline'])}[/]", soft_wrap=True)
     out_console.print(f"report: {out / 'report.html'}")
 
 
+def _print_audit_table(result: dict, out: Path) -> None:
+    """The audit's table: attacks for another modality on one row (:func:`gradleak.run.audit.console_rows`), every
+    note whole (wrapped at words, never cut)."""
+    from gradleak.run.audit import console_rows
+
+    table = Table(title=f"audit -> {out}/audit.json")
+    for col in ("attack", "applicable", "level", "headline (null p99)", "worst client"):
+        table.add_column(col, overflow="fold")
+    table.add_column("note", overflow="fold")
+    for row in console_rows(result):
+        table.add_row(*(Text(x) for x in row))
+    out_console.print(table)
+
+
 def _field_lines(cls) -> list[str]:
+    """``name = default — description`` per field: a default_factory's value, ``(required)`` without a default."""
     lines = []
     for name, f in getattr(cls, "model_fields", {}).items():
-        default = "(required)" if f.is_required() else (f.default if f.default is not None else "null")
+        if f.is_required():
+            default = "(required)"
+        else:
+            v = f.get_default(call_default_factory=True)
+            default = "null" if v is None else v
         desc = f" — {f.description}" if f.description else ""
         lines.append(f"{name} = {default}{desc}")
     return lines
@@ -232,13 +261,17 @@ def list_():
 
 
 @app.command()
-def report(directory: Path = typer.Argument(..., help="a run directory holding results.json")):
-    """(Re)build DIR/report.html from DIR/results.json."""
+def report(directory: Path = typer.Argument(..., help="a run directory (results.json) or an audit directory (audit.json)")):
+    """(Re)build DIR/report.html from DIR/results.json (a run) or DIR/audit.json (an audit)."""
     from gradleak.errors import BadInput
 
-    path = directory / "results.json"
+    path, audit_path = directory / "results.json", directory / "audit.json"
+    if not path.is_file() and audit_path.is_file():
+        _rebuild_audit_report(directory, audit_path)
+        return
     if not path.is_file():
-        _fail_bad_input(BadInput("DIR", f"'{path}' does not exist.", "pass a directory written by `gradleak run`."))
+        _fail_bad_input(BadInput("DIR", f"'{path}' does not exist (nor '{audit_path}').",
+                                 "pass a directory written by `gradleak run` or `gradleak audit`."))
     try:
         results = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(results, dict) or "metrics" not in results:
@@ -255,8 +288,41 @@ def report(directory: Path = typer.Argument(..., help="a run directory holding r
             extra = json.loads(extra_path.read_text(encoding="utf-8"))
         except ValueError:
             extra = {}
-    write_report(results, directory, extra)
+    try:
+        write_report(results, directory, extra)
+    except OSError as err:
+        _fail_bad_input(_unwritable(directory, err))
     out_console.print(f"report: {directory / 'report.html'}")
+
+
+def _unwritable(directory: Path, err: OSError):
+    from gradleak.errors import BadInput
+
+    return BadInput("DIR", f"cannot write '{directory / 'report.html'}': {err.strerror or err}.",
+                    "copy the directory somewhere writable (e.g. cp -r DIR /tmp/) and run `gradleak report` on the copy.")
+
+
+def _rebuild_audit_report(directory: Path, audit_path: Path) -> None:
+    """``gradleak report`` on an audit directory: the audit's report.html rebuilt from audit.json alone."""
+    from gradleak.errors import BadInput
+
+    keys = ("verdict", "headline", "attacks", "levels", "setup", "threat", "command", "config_hash", "seed",
+            "environment")
+    try:
+        result = json.loads(audit_path.read_text(encoding="utf-8"))
+        missing = [k for k in keys if not isinstance(result, dict) or k not in result]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+    except (ValueError, UnicodeDecodeError) as err:
+        _fail_bad_input(BadInput("DIR", f"'{audit_path}' is not a gradleak audit file ({err}).",
+                                 "rerun `gradleak audit CONFIG --out DIR` to write it again."))
+    from gradleak.run.audit import write_audit_report
+
+    try:
+        path = write_audit_report(result, directory)
+    except OSError as err:
+        _fail_bad_input(_unwritable(directory, err))
+    out_console.print(f"report: {path}")
 
 
 #: load_images' config-field names -> this command's options (its BadInput messages name the option to change)

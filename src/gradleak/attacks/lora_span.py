@@ -269,8 +269,9 @@ class LoraSpan(AttackBase):
                         "attack_to_fwdbwd_ratio": t_attack / t_fb if t_fb == t_fb and t_fb > 0 else float("nan")},
         }
         if not holds:
-            info["warning"] = (f"lora_span: rank condition fails ({info['rank_condition']}); "
-                               "the image is a least-squares guess")
+            info["warning"] = (f"lora_span: under-determined setting, the rank condition fails "
+                               f"({info['rank_condition']}); the image is a least-squares guess, not an exact "
+                               "recovery (lora_span_rank_condition_holds = 0)")
         metrics = {"lora_span_rank_condition_holds": float(holds), "lora_span_row_space_rank": float(k),
                    "lora_span_system_rank": float(srank), "lora_span_cls_residual": float(cls_res),
                    "lora_span_patch_residual_median": float(res.median()),

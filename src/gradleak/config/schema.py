@@ -37,7 +37,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from gradleak.defenses.base import DefenseConfig, DefenseSection, build_defense_section, build_defenses
 from gradleak.errors import BadInput, describe_validation_error
 from gradleak.config.loading import Strict
-from gradleak.fl.threat import ThreatConfig, ThreatModel
+from gradleak.fl.threat import ThreatConfig, ThreatModel, with_article
 from gradleak.peft import PeftConfig
 from gradleak.registry import ATTACKS, EXPERIMENTS
 
@@ -293,7 +293,7 @@ class ExperimentConfig(Strict):
         self._threat = self.threat.resolve(self.fl.secure_aggregation, clients=self.fl.clients)
         if self.peft.layer_pe and not self._threat.prescribes_architecture:  # paper 001 §3.4: the server's architecture
             raise BadInput("threat.preset", f"peft.layer_pe adds server-prescribed layer-wise positional embeddings, "
-                           f"which a {self._threat.capability} server cannot choose.",
+                           f"which {with_article(self._threat.capability)} server cannot choose.",
                            "set threat.preset=prescribes-architecture (or malicious), or peft.layer_pe=false.")
         if self._modality == "image" and self._threat.public_data and self.data.public is not None:
             check_disjoint(self.data.name, self.data.public)

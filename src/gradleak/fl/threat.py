@@ -117,6 +117,13 @@ class ThreatConfig(BaseModel):
         return tm
 
 
+def with_article(words: str) -> str:
+    """``words`` after its indefinite article, by sound: "an honest-but-curious server", "a malicious server",
+    "a prescribes-architecture server" (the silent h of *honest* takes "an")."""
+    w = words.strip()
+    return ("an " if w[:1].lower() in "aeio" or w.lower().startswith(("honest", "hour")) else "a ") + w
+
+
 THREAT_FLAGS = tuple(f.name for f in fields(ThreatModel) if f.name not in ("capability", "rounds_observed", "exposure"))
 
 

@@ -10,6 +10,9 @@ can rebuild the page) may hold:
 * ``tables``: ``[{"title", "columns": [key, ...], "rows": [dict, ...], "headers": [...] (optional)}]``;
 * ``notes``: ``[str, ...]`` — paragraphs shown under the title (e.g. which LPIPS/feature backbone was used).
 
+The run's warnings (``results["details"]["warnings"]``, e.g. an attack on an under-determined setting) are shown in
+a box under the title (a ``Warnings`` table of ``extra`` is then not repeated).
+
 Leakage runs (``results["metrics"]`` holds ``rdlv_client{c}_round{r}``) get a section after the metrics: the
 per-client, per-round table of :func:`gradleak.report.leakage.leakage_rows` (built from ``results`` alone), then
 the PNGs ``reconstructions_client{c}_round{r}.png`` and ``tsne.png`` (not repeated under Figures).
@@ -46,9 +49,11 @@ figure { margin: 0; } figure img { image-rendering: pixelated; max-width: 100%; 
 figcaption { font-size: 13px; color: #555; max-width: 40em; } figcaption b { color: #222; }
 pre { background: #f7f7f7; padding: 1em; overflow-x: auto; font-size: 13px; }
 .missing { color: #a00; }
+.warning { background: #fff4e5; border-left: 4px solid #b36b00; padding: .2em 1em; margin: 1em 0; }
 </style></head><body>
 <h1>{{ title }}</h1>
 <p class="sub">{% if experiment %}experiment <code>{{ experiment }}</code> · {% endif %}report written {{ written }}</p>
+{% if warnings %}<div class="warning" id="warnings">{% for w in warnings %}<p><b>Warning:</b> {{ w }}</p>{% endfor %}</div>{% endif %}
 {% for note in notes %}<p>{{ note }}</p>{% endfor %}
 
 <h2>Metrics</h2>
@@ -224,6 +229,9 @@ def render_html(results: dict, out_dir: Path, extra: dict | None = None) -> str:
     if leakage:  # its PNGs follow its table, not repeated under Figures
         paths = {f["path"] for f in leakage["figures"]}
         figure_rows = [row for row in ([f for f in row if f["path"] not in paths] for row in figure_rows) if row]
+    # the run's warnings (e.g. lora_span on an under-determined setting) open the page, not a table at its end
+    warnings = list(dict.fromkeys(str(w) for w in ((results.get("details") or {}).get("warnings") or [])))
+    tables = [t for t in _tables(extra) if not (t["title"] == "Warnings" and warnings)]
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     return env.from_string(TEMPLATE).render(
         title=results.get("name") or "gradleak run",
@@ -237,7 +245,8 @@ def render_html(results: dict, out_dir: Path, extra: dict | None = None) -> str:
         config=_yaml(results.get("config") or {}),
         figure_rows=figure_rows,
         leakage=leakage,
-        tables=_tables(extra),
+        tables=tables,
+        warnings=warnings,
     )
 
 
