@@ -84,9 +84,8 @@ def image_null_setting(cfg, values: dict[str, float | None]) -> dict:
 
 
 def patch_null_setting(cfg, values: dict[str, float | None]) -> dict:
-    from gradleak.attacks.peftleak import image_to_patches
     from gradleak.evaluation.nulls import draw_subsets
-    from gradleak.metrics.patches import patch_recovery
+    from gradleak.metrics.patches import image_to_patches, patch_recovery
 
     x, pool, source = _image_pool(cfg)
     P = cfg.model.patch_size or 16
@@ -117,7 +116,8 @@ def text_null_setting(cfg, values: dict[str, float | None]) -> dict:
     pool, source = data.null_pool(0)
     nul = text_null(refs, pool, n=len(refs), draws=DRAWS, seed=cfg.seed + 23)
     return {"source": source, "n": len(refs),
-            **{k: _quantiles(nul[k], values.get(k)) for k in ("rouge1_f1", "rouge2_f1")}}
+            **{k: _quantiles(nul[k], values.get(k)) for k in ("rouge1_f1", "rouge2_f1")},
+            **{f"_draws_{k}": nul[k].tolist() for k in ("rouge1_f1", "rouge2_f1")}}
 
 
 def membership_null_setting(members: int, nonmembers: int, values: dict[str, float | None], seed: int = 0) -> dict:
@@ -126,8 +126,10 @@ def membership_null_setting(members: int, nonmembers: int, values: dict[str, flo
     labels = [1] * members + [0] * nonmembers
     scores = np.random.default_rng(seed).random(members + nonmembers)  # no ties: the permutation null is exact
     nul = membership_null(labels, scores, draws=DRAWS, seed=seed + 29, bootstrap=10)
+    auc = values.get("auc")
     return {"n": f"{members} / {nonmembers}",
-            "auc": _quantiles(nul["auc"], values.get("auc")),
+            "auc": _quantiles(nul["auc"], auc),
+            "auc_distance": _quantiles(np.abs(nul["auc"] - 0.5), None if auc is None else abs(auc - 0.5)),
             "tpr_at_1pct_fpr": _quantiles(nul["tpr_at_1pct_fpr"], values.get("tpr_at_1pct_fpr"))}
 
 
@@ -153,21 +155,41 @@ def peftleak_rows() -> list[dict]:
     return rows
 
 
+UTR_GROUPS = {"table1": "Table 1", "table2": "Table 2", "table3": "Table 3 (defenses)", "fig4a": "Fig. 4a",
+              "fig4b": "Fig. 4b", "noise": "noise-aware"}
+UTR_METHODS = {"utr": "UTR rf=2", "utr_rf1": "UTR rf=1", "dager_lora": "DAGER (LoRA on query)",
+               "dager_frozen": "DAGER (adapters)", "lamp": "LAMP", "lamp_bag": "LAMP + UTR bag"}
+
+
 def utr_rows() -> list[dict]:
+    """Every cell of benchmarks/utr.py's tables with a ROUGE F1 (the text null depends on the cell's own sentences:
+    its data, batch size and seed)."""
     u = json.loads((OUT / "utr.json").read_text())
-    by = {r["cell"]: r for r in u}
-    rows = []
-    for B in (1, 2, 4, 8):
-        for model in ("minilm", "smollm2"):
-            for method, label in [("utr", "UTR rf=2"), ("dager_lora", "DAGER (LoRA on query)"), ("lamp", "LAMP")]:
-                r = by.get(f"t1/{model}/{method}/B{B}")
-                if r is None or r["metrics"].get("rouge1_f") is None:
-                    continue
-                m = r["metrics"]
-                vals = {"rouge1_f1": m.get("rouge1_f"), "rouge2_f1": m.get("rouge2_f")}
-                print(f"utr {r['cell']}", flush=True)
-                rows.append({"paper": "UTR", "setting": f"Table 1, {model}, B = {B}, {label}", "cell": r["cell"],
-                             **text_null_setting(config_from_dict(r["config"]), vals)})
+    rows, cache = [], {}
+    for r in u:
+        m = r.get("metrics") or {}
+        if r.get("group") not in UTR_GROUPS or m.get("rouge1_f") is None or "error" in r:
+            continue
+        cfg = config_from_dict(r["config"])
+        key = (cfg.data.name, cfg.data.batch_size, cfg.seed, cfg.fl.clients, cfg.trials, cfg.data.nonmembers)
+        vals = {"rouge1_f1": m.get("rouge1_f"), "rouge2_f1": m.get("rouge2_f")}
+        print(f"utr {r['cell']}", flush=True)
+        if key not in cache:
+            cache[key] = text_null_setting(cfg, {})
+        base = cache[key]
+        out = {k: v for k, v in base.items() if not isinstance(v, dict) and not k.startswith("_")}
+        for k in ("rouge1_f1", "rouge2_f1"):  # the cached draws' quantiles, with this cell's value
+            q = dict(base[k])
+            v = vals.get(k)
+            if v is not None and q["draws"]:
+                q["value"] = float(v)
+                q["beyond_null"] = bool(v > q["null_p99"])
+                q["p_value"] = float((1 + (np.asarray(base["_draws_" + k]) >= v).sum()) / (1 + q["draws"]))
+            out[k] = q
+        parts = r["cell"].split("/")
+        method = UTR_METHODS.get(parts[2], parts[2]) if len(parts) > 2 else ""
+        rows.append({"paper": "UTR", "setting": f"{UTR_GROUPS[r['group']]}: `{r['cell']}` ({method}, B = "
+                     f"{cfg.data.batch_size})", "cell": r["cell"], **out})
     return rows
 
 
@@ -175,8 +197,6 @@ def projres_rows() -> list[dict]:
     d = json.loads((OUT / "projres.json").read_text())
     rows = []
     for c in d["cells"]:
-        if "main" not in c.get("tables", []) and not c["cell"].endswith("/none"):
-            continue
         m = c.get("metrics") or {}
         if m.get("auc") is None or not m.get("members"):
             continue
@@ -190,9 +210,8 @@ def projres_rows() -> list[dict]:
 def image_rows() -> list[dict]:
     rows = []
     lv = json.loads((OUT / "lora_vit.json").read_text())
-    for key in ("b1/r128/p4/qv", "b2/r128/p4/qv", "b4/r128/p4/qv"):
-        r = lv.get(key)
-        if not r:
+    for key, r in lv.items():
+        if not isinstance(r, dict) or "psnr_median" not in r:
             continue
         print(f"lora_span {key}", flush=True)
         cmd = r["example_command"]
@@ -217,41 +236,57 @@ def image_rows() -> list[dict]:
     return rows
 
 
-def _fmt(q: dict, pct: bool = False) -> tuple[str, str, str, str]:
-    f = (lambda v: f"{100 * v:.1f} %") if pct else (lambda v: f"{v:.3g}")
+def _cell(q: dict | None, spec: str = ".3g", pct: bool = False) -> str:
+    """``ours (null p99)``; ours in bold when beyond the null."""
+    if not q:
+        return "–"
+    f = (lambda v: f"{100 * v:.1f} %") if pct else (lambda v: format(v, spec))
     v = q.get("value")
     if v is None or v != v:
-        return "–", f(q["null_median"]), f(q["null_p99"]), "–"
-    return f(v), f(q["null_median"]), f(q["null_p99"]), ("**yes**" if q["beyond_null"] else "no") + f" (p = {q['p_value']:.3g})"
+        return f"– ({f(q['null_p99'])})"
+    return (f"**{f(v)}**" if q.get("beyond_null") else f(v)) + f" ({f(q['null_p99'])})"
+
+
+def _leaks(r: dict) -> bool:
+    return any(v.get("beyond_null") for v in r.values() if isinstance(v, dict) and "beyond_null" in v)
+
+
+TABLES = [  # (paper, header, metric keys with their format)
+    ("PEFTLeak", ["patch recovery", "patch PSNR dB (null: best chance patch)"],
+     [("patch_recovery_rate", ".3g", True), ("patch_psnr_max", ".1f", False)]),
+    ("UTR", ["ROUGE-1 F1", "ROUGE-2 F1"], [("rouge1_f1", ".1f", False), ("rouge2_f1", ".1f", False)]),
+    ("ProjRes", ["members / non-members", "AUC", "abs(AUC − 0.5)", "TPR @ 1 % FPR"],
+     [("n", None, False), ("auc", ".3f", False), ("auc_distance", ".3f", False), ("tpr_at_1pct_fpr", ".3f", False)]),
+    ("lora_span", ["PSNR dB", "SSIM"], [("psnr", ".1f", False), ("ssim", ".3f", False)]),
+    ("LoRA-ViT optimisation", ["PSNR dB", "SSIM"], [("psnr", ".1f", False), ("ssim", ".3f", False)]),
+]
 
 
 def report(rows: list[dict]) -> str:
-    lines = ["Generated by `benchmarks/nulls.py` (issue 26). Each headline of the sections below, beside what chance "
+    lines = ["Generated by `benchmarks/nulls.py` (issue 26). Every headline of the sections below, beside what chance "
              "scores on the same metric in the same setting, matched the same way (the evaluators' null functions, "
              "`gradleak.evaluation.nulls`): the chance reconstructions are random samples of the private set's own "
-             f"source that no client holds ({DRAWS} seeded draws; PEFTLeak patches {PATCH_DRAWS}). 'beyond' means "
-             "above the null's 99th percentile; p is the share of draws at or above ours (+1 smoothing). The "
-             "leakage quantification section has its own table (RDLV, best-of-N). Commands: each row's cell in "
-             "`benchmarks/out/nulls.json`.", "",
-             "| paper | setting | metric | ours | null median | null p99 | beyond the null |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        metrics = [("patch_recovery_rate", "patch recovery", True), ("patch_psnr_max", "patch PSNR (ours: median of "
-                    "recovered; null: best chance patch) dB", False), ("psnr", "PSNR dB", False), ("ssim", "SSIM", False),
-                   ("rouge1_f1", "ROUGE-1 F1", False), ("rouge2_f1", "ROUGE-2 F1", False), ("auc", "AUC", False),
-                   ("tpr_at_1pct_fpr", "TPR @ 1 % FPR", False)]
-        for key, name, pct in metrics:
-            if key in r:
-                lines.append(f"| {r['paper']} | {r['setting']} | {name} | " + " | ".join(_fmt(r[key], pct)) + " |")
-    def leaks(r):
-        return any(v.get("beyond_null") for v in r.values() if isinstance(v, dict) and "beyond_null" in v)
-
-    lines += ["", "**Who leaks, restated against the null** (per paper; a comparison between arms that are both at "
+             f"source that no client holds ({DRAWS} seeded draws; PEFTLeak patches {PATCH_DRAWS}); membership: random "
+             "member sets of the same size. Each cell reads **ours** (the null's 99th percentile); bold = beyond it. "
+             "An AUC below 0.5 beyond the null of abs(AUC − 0.5) is an inverted signal and leaks too. The leakage "
+             "quantification section has its own table (RDLV, best-of-N). Each row's cell and command: "
+             "`benchmarks/out/nulls.json`.", ""]
+    for paper, heads, keys in TABLES:
+        mine = [r for r in rows if r["paper"] == paper]
+        if not mine:
+            continue
+        lines += [f"### {paper}", "", "| setting | " + " | ".join(heads) + " | beyond chance |",
+                  "|---|" + "---|" * len(heads) + "---|"]
+        for r in mine:
+            cells = [str(r.get(k, "–")) if spec is None else _cell(r.get(k), spec, pct) for k, spec, pct in keys]
+            lines.append(f"| {r['setting']} | " + " | ".join(cells) + f" | {'yes' if _leaks(r) else 'no'} |")
+        lines.append("")
+    lines += ["**Who leaks, restated against the null** (per paper; a comparison between arms that are both at "
               "chance is not a conclusion):", ""]
     for paper in dict.fromkeys(r["paper"] for r in rows):
         mine = [r for r in rows if r["paper"] == paper]
-        yes = [r for r in mine if leaks(r)]
-        no = [r["setting"] for r in mine if not leaks(r)]
-        text = f"- {paper}: {len(yes)} of {len(mine)} settings beyond chance"
+        no = [r["setting"] for r in mine if not _leaks(r)]
+        text = f"- {paper}: {len(mine) - len(no)} of {len(mine)} settings beyond chance"
         text += "." if not no else "; at chance: " + "; ".join(no) + "."
         lines.append(text)
     return "\n".join(lines)
