@@ -114,14 +114,22 @@ def apply_overrides(raw: dict, overrides: list[str], schema: type[BaseModel] | N
                     raise BadInput(f"--set {key}", f"the config has no key '{'.'.join(parts[:i + 1])}'.",
                                    f"valid keys here: {', '.join(sorted(model.model_fields))}.")
                 field = model.model_fields.get(names.get(part, part))
-                if field is not None and names.get(part, part) != part:  # an alias: write the field's own name
-                    if part in node:
-                        node[names[part]] = node.pop(part)
-                    part = names[part]
+                if field is not None:  # write the field's own name; the file's other spellings of it (aliases:
+                    own = names.get(part, part)  # num_layers for layers) are the same key, which the --set replaces
+                    spellings = [a for a, f in names.items() if f == own and a != own]
+                    if i == len(parts) - 1:
+                        for a in spellings:
+                            node.pop(a, None)
+                    else:
+                        for a in spellings:
+                            if a in node and own not in node:
+                                node[own] = node.pop(a)
+                    part = own
             else:
                 field = None
             if i == len(parts) - 1:
                 node[part] = parse_value(value, f"--set {key}")
+                _drop_other_spelling(out, parts)
             else:
                 child = node.get(part)
                 if child is not None and not isinstance(child, dict):
@@ -135,6 +143,22 @@ def apply_overrides(raw: dict, overrides: list[str], schema: type[BaseModel] | N
     if isinstance(att, dict) and file_attack and att.get("name") not in (None, file_attack):
         out["attack"] = _retarget_attack(att, explicit_attack)
     return out
+
+
+def _drop_other_spelling(out: dict, parts: list[str]) -> None:
+    """An attack parameter may be written flat (``attack.eps_bag``) or under ``attack.params``: a ``--set`` of one
+    spelling replaces the file's other spelling of the same parameter (it is the same key, and the --set wins)."""
+    att = out.get("attack")
+    if not isinstance(att, dict) or parts[0] != "attack":
+        return
+    params = att.get("params")
+    if len(parts) == 2 and parts[1] not in ("name", "params") and isinstance(params, dict) and parts[1] in params:
+        att["params"] = {k: v for k, v in params.items() if k != parts[1]}
+    elif len(parts) == 3 and parts[1] == "params":
+        att.pop(parts[2], None)
+    elif len(parts) == 2 and parts[1] == "params" and isinstance(params, dict):
+        for k in params:
+            att.pop(k, None)
 
 
 def _retarget_attack(att: dict, explicit: set[str]) -> dict:
