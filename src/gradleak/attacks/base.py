@@ -27,8 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-from pydantic import BaseModel, ConfigDict
-
 from gradleak.fl.threat import ThreatModel
 from gradleak.validation import Checked
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from gradleak.errors import BadInput
 from gradleak.registry import Registry

@@ -140,17 +140,15 @@ def audit_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def full_strength_variants(A, cand: dict, cfg, defenses: list) -> list[dict]:
-    """The parameter sets the audit runs for attack ``A`` on ``cand``: ``{}`` (as configured) and the attack's
-    :meth:`audit_variants`, less the parameters the user set (flat ``attack.<p>`` or ``audit.params.<attack>.<p>``,
-    in the file or by ``--set``): those are what runs, no variant changes them."""
+    """The parameter sets the audit runs for attack ``A`` on ``cand``: ``{}`` (as configured: with the parameters
+    the user set, flat ``attack.<p>`` or ``audit.params.<attack>.<p>``, in the file or by ``--set``) and the attack's
+    :meth:`audit_variants` (full strength: the verdict must not rest on a tolerance the config leaves)."""
     from gradleak.run.runner import validate
 
-    pinned = set(cand["attack"]) - {"name"}
     vs: list[dict] = [{}]
     if A.rewrites_weights:
         return vs
     for v in A.audit_variants(cfg.attack_cfg.model_dump(mode="json"), defenses):
-        v = {k: x for k, x in v.items() if k not in pinned}
         if not v or v in vs:
             continue
         try:  # a variant the attack's config refuses is skipped (it would not be a stronger attack)
@@ -341,7 +339,12 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     variants: dict[str, list[dict]] = {}
     for e, cand, cfg, A in planned:
         vs = full_strength_variants(A, cand, cfg, defenses)
-        e["pinned"] = sorted(set(cand["attack"]) - {"name"})
+        user = {k: v for k, v in cand["attack"].items() if k != "name"}
+        if user:  # what the user set runs as set (the first run); said, so a variant's headline is not a surprise
+            e["parameters_set"] = user
+            log(f"[audit] {e['name']}: runs with {', '.join(f'{k}={v}' for k, v in user.items())} as set"
+                + (f", and {len(vs) - 1} full-strength variant(s) ({', '.join(sorted({k for v in vs for k in v}))}); "
+                   "the most leaking run is the evidence" if len(vs) > 1 else ""))
         variants[e["name"]] = vs
         e["variants"] = vs
 
