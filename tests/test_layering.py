@@ -19,11 +19,12 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "gradleak"
 
 # Foundation every package may import.
-BASE = {"", "errors", "registry"}
+BASE = {"", "errors", "registry", "validation"}
 # package -> the packages it may import (besides itself and BASE). Dependencies point down the pipeline.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "registry": set(),
+    "validation": set(),  # the base of every user-facing pydantic model (finite numbers, no booleans for numbers)
     "": set(),  # gradleak/__init__.py
     "metrics": set(),
     "data": set(),

@@ -232,7 +232,13 @@ BAD_PEFTLEAK = [
 BAD_UTR = [("data.limit=-1", "data.limit"), ("data.max_length=0", "data.max_length"), ("attack.name=peftleak", "attack.name"),
            ("attack.name=lamp", "threat.knows_lengths"), ("model.patch_size=8", "model.patch_size"), ("peft.bottleneck=8", "peft.bottleneck"),
            ("fl.rounds=0", "fl.rounds"), ("trials=0", "trials"), ("model.name=vit-b16", "model.name"),
-           ("data.name=cifar-samples", "data.name")]
+           ("data.name=cifar-samples", "data.name"),
+           # issue 29: non-finite, boolean and fractional numbers, empty/out-of-range lists, sentence minimum
+           ("attack.noise=.nan", "attack.noise"), ("fl.lr=.nan", "fl.lr"), ("peft.init_std=.inf", "peft.init_std"),
+           ("data.batch_size=true", "data.batch_size"), ("metrics.high_risk_client=5", "metrics.high_risk_client"),
+           ("peft.layer_adapters=[99]", "peft.layer_adapters"), ("data.max_length=2", "data.max_length"),
+           ("defenses=[{name: stochastic_quantization, params: {bits: 1.5}}]", "defenses[0].params.bits"),
+           ("defenses=[{name: clipping, params: {max_norm: .nan}}]", "defenses[0].params.max_norm")]
 
 
 @pytest.mark.parametrize("config,override,field", [(PEFTLEAK, o, f) for o, f in BAD_PEFTLEAK] +

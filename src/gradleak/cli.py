@@ -78,7 +78,7 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/peftl
         set_: Optional[List[str]] = typer.Option(None, "--set", help="override a config key: dotted.key=value"),
         device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or auto (default: the config's)"),
         executor: str = typer.Option("local", "--executor", help="sweeps (a config with grid:): local process pool or ray"),
-        workers: Optional[int] = typer.Option(None, "--workers", help="sweeps: parallel cells (default: CPU cores)"),
+        workers: Optional[int] = typer.Option(None, "--workers", min=1, help="sweeps: parallel cells (default: CPU cores)"),
         yes: bool = typer.Option(False, "--yes", help="sweeps: run a grid larger than the cell limit")):
     """Run one experiment and write DIR/results.json and DIR/report.html (a config with grid: runs a resumable
     sweep: DIR/results.jsonl, DIR/sweep.json)."""
@@ -88,10 +88,7 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/peftl
         from gradleak.config.loading import load_yaml
 
         raw = load_yaml(config)  # the path is checked before anything heavy is imported
-        from gradleak.run.runner import check_out_dir
-
-        check_out_dir(out)
-        if "grid" in raw:
+        if "grid" in raw:  # the runs check --out after validating the config (no folder for a refused config)
             from gradleak.run.sweep import run_sweep
 
             summary = run_sweep(raw, out, list(set_ or []), device, executor=executor, workers=workers, yes=yes,
@@ -140,7 +137,7 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
           set_: Optional[List[str]] = typer.Option(None, "--set", help="override a config key: dotted.key=value"),
           device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or auto (default: the config's)"),
           only: Optional[str] = typer.Option(None, "--only", help="comma list of attacks to try (default: every registered one)"),
-          workers: Optional[int] = typer.Option(None, "--workers", help="attacks run in parallel, one torch thread "
+          workers: Optional[int] = typer.Option(None, "--workers", min=1, help="attacks run in parallel, one torch thread "
                                                 "each (default: the CPU cores; 1 = in this process)"),
           yes: bool = typer.Option(False, "--yes", help="a grid: larger than the cell limit")):
     """Run every applicable attack on one setup; write DIR/audit.json and DIR/report.html with a verdict."""
@@ -150,9 +147,6 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
         from gradleak.config.loading import load_yaml
 
         raw = load_yaml(config)
-        from gradleak.run.runner import check_out_dir
-
-        check_out_dir(out)
         from gradleak.run.audit import audit_command, run_audit
 
         cmd = audit_command(config, out, list(set_ or []), only, device)  # every argument shell-quoted

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -35,11 +36,23 @@ class MissingAsset(BadInput):
         self.install = install
 
 
+#: the parts of a pydantic error location that name a validator or a union member, not a config key
+_TYPE_TAG = re.compile(r"^(function-.*|float|int|str|bool|none|literal\[.*\]|list\[.*\]|dict\[.*\]|"
+                       r"constrained-.*|function-after\[.*\]|is-instance\[.*\])$")
+
+
 def describe_validation_error(err: "ValidationError") -> BadInput:
     """The first error of a pydantic validation as a BadInput naming its field (dotted location)."""
     first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-")) or "(config)"
+    loc = ".".join(str(p) for p in first["loc"] if not _TYPE_TAG.match(str(p))) or "(config)"
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         return BadInput(loc, "this config key does not exist.", "remove it or check its spelling against the shipped configs.")
+    if first["type"] == "finite_number":
+        return BadInput(loc, f"is not a finite number (got {first.get('input')!r}).",
+                        "give a finite number (NaN and infinity are not allowed here).")
+    if first["type"] == "nan_number":
+        return BadInput(loc, "is NaN, not a number.", "give a number (this field accepts .inf).")
+    if first["type"] == "bool_for_number":
+        return BadInput(loc, f"{msg}.", "give a number (true/false would be read as 1/0).")
     return BadInput(loc, f"{msg} (got {first.get('input')!r}).", "change this value in the config or with --set.")

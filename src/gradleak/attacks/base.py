@@ -27,17 +27,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-from pydantic import BaseModel, ConfigDict
-
 from gradleak.fl.threat import ThreatModel
+from gradleak.validation import Checked
 
 __all__ = ["AttackBase", "AttackConfig", "AttackContext", "Reconstruction", "ThreatModel"]
 
 
-class AttackConfig(BaseModel):
-    """Base of every attack's parameter model: unknown parameters are errors."""
-
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+class AttackConfig(Checked):
+    """Base of every attack's parameter model: unknown parameters are errors, numbers must be finite (not booleans)."""
 
 
 @dataclass

@@ -6,19 +6,43 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from gradleak.errors import BadInput
+from gradleak.validation import Checked
 
 
-class Strict(BaseModel):
-    """Base for every config section: unknown keys are rejected."""
+class Strict(Checked):
+    """Base for every config section: unknown keys are rejected, numbers must be finite numbers (not booleans)."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+class DuplicateKey(yaml.constructor.ConstructorError):
+    """A mapping gives the same key twice (YAML would keep the last silently and drop the first block)."""
+
+    def __init__(self, key: Any, first_line: int, line: int):
+        self.key, self.first_line, self.line = key, first_line, line
+        super().__init__(None, None, f"the key '{key}' is given twice (lines {first_line} and {line})")
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 safe loading, plus YAML 1.2 floats: ``1e-6`` / ``3E5`` (no dot) are numbers, not strings."""
+    """YAML 1.1 safe loading, plus YAML 1.2 floats: ``1e-6`` / ``3E5`` (no dot) are numbers, not strings; a mapping
+    that gives a key twice, at any level, is an error (:class:`DuplicateKey`) instead of keeping the last."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges; its keys may be overridden
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise DuplicateKey(key, seen[key], line)
+                    seen[key] = line
+                except TypeError:  # an unhashable key: SafeLoader reports it
+                    continue
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -32,10 +56,12 @@ def yaml_value(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 -- a SafeLoader subclass
 
 
-def parse_value(text: str) -> Any:
+def parse_value(text: str, key: str = "--set") -> Any:
     """Parse a ``--set`` value with YAML rules (``32`` -> int, ``true`` -> bool, ``[8,16]`` -> list, ``1e-6`` -> float)."""
     try:
         value = yaml_value(text)
+    except DuplicateKey as err:
+        raise BadInput(key, f"the value {text!r} gives the key '{err.key}' twice.", "give each key once.") from None
     except yaml.YAMLError:
         return text
     if isinstance(value, str):  # YAML 1.1 reads 1e300 / 1e-3 (no dot) as strings
@@ -88,14 +114,22 @@ def apply_overrides(raw: dict, overrides: list[str], schema: type[BaseModel] | N
                     raise BadInput(f"--set {key}", f"the config has no key '{'.'.join(parts[:i + 1])}'.",
                                    f"valid keys here: {', '.join(sorted(model.model_fields))}.")
                 field = model.model_fields.get(names.get(part, part))
-                if field is not None and names.get(part, part) != part:  # an alias: write the field's own name
-                    if part in node:
-                        node[names[part]] = node.pop(part)
-                    part = names[part]
+                if field is not None:  # write the field's own name; the file's other spellings of it (aliases:
+                    own = names.get(part, part)  # num_layers for layers) are the same key, which the --set replaces
+                    spellings = [a for a, f in names.items() if f == own and a != own]
+                    if i == len(parts) - 1:
+                        for a in spellings:
+                            node.pop(a, None)
+                    else:
+                        for a in spellings:
+                            if a in node and own not in node:
+                                node[own] = node.pop(a)
+                    part = own
             else:
                 field = None
             if i == len(parts) - 1:
-                node[part] = parse_value(value)
+                node[part] = parse_value(value, f"--set {key}")
+                _drop_other_spelling(out, parts)
             else:
                 child = node.get(part)
                 if child is not None and not isinstance(child, dict):
@@ -109,6 +143,22 @@ def apply_overrides(raw: dict, overrides: list[str], schema: type[BaseModel] | N
     if isinstance(att, dict) and file_attack and att.get("name") not in (None, file_attack):
         out["attack"] = _retarget_attack(att, explicit_attack)
     return out
+
+
+def _drop_other_spelling(out: dict, parts: list[str]) -> None:
+    """An attack parameter may be written flat (``attack.eps_bag``) or under ``attack.params``: a ``--set`` of one
+    spelling replaces the file's other spelling of the same parameter (it is the same key, and the --set wins)."""
+    att = out.get("attack")
+    if not isinstance(att, dict) or parts[0] != "attack":
+        return
+    params = att.get("params")
+    if len(parts) == 2 and parts[1] not in ("name", "params") and isinstance(params, dict) and parts[1] in params:
+        att["params"] = {k: v for k, v in params.items() if k != parts[1]}
+    elif len(parts) == 3 and parts[1] == "params":
+        att.pop(parts[2], None)
+    elif len(parts) == 2 and parts[1] == "params" and isinstance(params, dict):
+        for k in params:
+            att.pop(k, None)
 
 
 def _retarget_attack(att: dict, explicit: set[str]) -> dict:
@@ -170,6 +220,10 @@ def load_yaml(path: str | Path) -> dict:
         raise BadInput("CONFIG", f"cannot read '{p}': {err.strerror}.", "check the path and its permissions.") from None
     try:
         raw = yaml_value(text) or {}
+    except DuplicateKey as err:
+        raise BadInput("CONFIG", f"'{p}' gives the key '{err.key}' twice in one mapping (lines {err.first_line} and "
+                       f"{err.line}); YAML would silently keep only the second.",
+                       f"merge the two '{err.key}' blocks into one (or delete the one you do not mean).") from None
     except yaml.YAMLError as err:
         raise BadInput("CONFIG", f"'{p}' is not valid YAML: {err}.", "fix the YAML syntax.") from None
     if not isinstance(raw, dict):

@@ -40,6 +40,7 @@ from gradleak.config.loading import Strict
 from gradleak.fl.threat import ThreatConfig, ThreatModel, with_article
 from gradleak.peft import PeftConfig
 from gradleak.registry import ATTACKS, EXPERIMENTS
+from gradleak.validation import Checked
 
 IMAGE_DATA = {"image_size", "public", "public_size", "resize", "validation_size", "prior_size"}
 TEXT_DATA = {"text_column", "label_column", "split", "subset", "limit", "max_length", "nonmembers"}
@@ -47,6 +48,8 @@ IMAGE_MODEL = {"patch_size", "hidden_size", "heads", "adapter_bottleneck", "init
 #: image models whose builder takes model.num_channels (the ViTs are built for RGB)
 CHANNEL_MODELS = {"resnet18"}
 TEXT_MODEL: set[str] = {"task"}
+#: the fewest tokens a sentence takes: its two special tokens ([CLS] … [SEP], or BOS … EOS) and one word
+MIN_SENTENCE_TOKENS = 3
 
 
 class DataConfig(Strict):
@@ -69,7 +72,8 @@ class DataConfig(Strict):
     split: str = "train"
     subset: Optional[str] = None
     limit: Optional[int] = Field(None, ge=1)
-    max_length: Optional[int] = Field(None, ge=2)
+    max_length: Optional[int] = Field(None, ge=1, description=f"text: most tokens of a client's sentence, its special "
+                                      f"tokens included (at least {MIN_SENTENCE_TOKENS}); default the model's context")
     nonmembers: int = Field(0, ge=0, le=1_000_000, description="membership attacks: non-member candidates per client")
     test_size: int = Field(0, ge=0, le=1_000_000, description="held-out samples for the final model's accuracy")
 
@@ -170,7 +174,7 @@ class MetricsConfig(Strict):
     null_draws: int = Field(1000, ge=200, le=100_000, description="draws of every null (>= 200)")
 
 
-class AttackSection(BaseModel):
+class AttackSection(Checked):
     """``attack: {name: ..., params: {...}, <flat parameters>}`` — validated against the attack's Config."""
 
     model_config = ConfigDict(extra="allow")
@@ -240,7 +244,16 @@ class ExperimentConfig(Strict):
         self._modality = preset["modality"]
         _refuse_foreign("data", self.data, TEXT_DATA if self._modality == "image" else IMAGE_DATA, self._modality)
         _refuse_foreign("model", self.model, IMAGE_MODEL if self._modality == "text" else TEXT_MODEL, self._modality)
-        self.peft.check()
+        # the layers the model keeps, where the config decides it (text models: model.layers, default 2)
+        if self.data.max_length is not None and self.data.max_length < MIN_SENTENCE_TOKENS:
+            raise BadInput("data.max_length", f"{self.data.max_length} token(s) is below the minimum a sentence needs, "
+                           f"{MIN_SENTENCE_TOKENS} (its two special tokens and one word).",
+                           f"use data.max_length >= {MIN_SENTENCE_TOKENS} (every sentence must fit), or remove it.")
+        if self.metrics.high_risk_client is not None and self.metrics.high_risk_client >= self.fl.clients:
+            raise BadInput("metrics.high_risk_client", f"client {self.metrics.high_risk_client} does not exist "
+                           f"(fl.clients = {self.fl.clients}: clients 0..{self.fl.clients - 1}).",
+                           f"use a client id in 0..{self.fl.clients - 1}, or remove it (the default picks one).")
+        self.peft.check(self.model.layers or (2 if self._modality == "text" else None))
         if self.model.adapter_bottleneck is not None:
             if "bottleneck" in self.peft.model_fields_set and self.peft.bottleneck != self.model.adapter_bottleneck:
                 raise BadInput("model.adapter_bottleneck", f"is {self.model.adapter_bottleneck} but peft.bottleneck is "

@@ -23,6 +23,8 @@ from gradleak.errors import BadInput
 GENERATED = ("natural-crops", "public-natural")
 #: a user's own image sets (must have the configured size unless ``data.resize``)
 USER_IMAGE_SETS = ("image-folder", "npz")
+#: a user's own text sets: their labels are the task's, so they must lie in 0..model.num_classes-1
+USER_TEXT_SETS = ("csv", "tsv", "hf", "cola", "sst5", "imdb-folder")
 #: chance reconstructions the nulls draw from (:mod:`gradleak.evaluation.nulls`): ``null_pool``'s default size
 NULL_POOL = 256
 
@@ -42,7 +44,14 @@ def load_images(name: str, n: int, size: int, seed: int, field: str, path: str |
         kwargs["seed"] = seed
     if path is not None:
         kwargs["path"] = path
-    ds = load(name, **kwargs)
+    try:
+        ds = load(name, **kwargs)
+    except BadInput as err:
+        if not (resize and name == "image-folder" and err.field == "data.resize"):
+            raise
+        # a folder of mixed sizes with data.resize: each image resized to size×size as it is read (PIL bicubic); a
+        # folder of one size is read as is and resized below (as before)
+        ds = load(name, **kwargs, size=size)
     imgs, labels = ds.images, ds.labels
     if name not in GENERATED and seed != 0 and len(imgs) > n:
         perm = torch.randperm(len(imgs), generator=torch.Generator().manual_seed(seed))[:n]
@@ -65,6 +74,18 @@ def load_images(name: str, n: int, size: int, seed: int, field: str, path: str |
         raise BadInput("model.num_channels", f"'{name}' has {imgs.shape[1]}-channel images; the model takes {channels}.",
                        "use model.num_channels=1 (grey) or 3 (RGB).")
     return imgs[:n].clamp(0, 1), labels[:n]
+
+
+def fold_labels(labels: torch.Tensor, num_classes: int, name: str, labels_matter: bool) -> torch.Tensor:
+    """Labels in ``0..num_classes-1``. A built-in set's labels are folded modulo ``num_classes`` (their classes are
+    not the model's task: ImageNet crops, LFW identities, news sentences); a user's own set (``labels_matter``) must
+    already fit, since folding its real labels would train and score a different task."""
+    labels = torch.as_tensor(labels, dtype=torch.long)
+    if labels_matter and len(labels) and int(labels.max()) >= num_classes:
+        raise BadInput("model.num_classes", f"'{name}' has the label {int(labels.max())} but model.num_classes is "
+                       f"{num_classes}: labels must lie in 0..{num_classes - 1} (gradleak does not fold a user's labels).",
+                       f"set model.num_classes={int(labels.max()) + 1} (or more), or relabel the data.")
+    return labels % num_classes
 
 
 def _public_name(cfg) -> str:
@@ -102,12 +123,14 @@ class ImageData:
         test = self._test_size()
         imgs, labels = self._load(trial, sum(sizes) + val * len(sizes) + prior + test)
         out, a = [], 0
+        user = self.cfg.data.name in USER_IMAGE_SETS
         for n in sizes:
-            out.append((imgs[a:a + n], labels[a:a + n] % num_classes))
+            out.append((imgs[a:a + n], fold_labels(labels[a:a + n], num_classes, self.cfg.data.name, user)))
             a += n
         b = a + val * len(sizes)
         self._extra = (imgs[a:b], imgs[b:b + prior])
-        self._test = (imgs[b + prior:b + prior + test], labels[b + prior:b + prior + test] % num_classes)
+        self._test = (imgs[b + prior:b + prior + test],
+                      fold_labels(labels[b + prior:b + prior + test], num_classes, self.cfg.data.name, user))
         return out
 
     def test(self, num_classes: int):
@@ -208,7 +231,7 @@ class TextData:
         if not self.cfg.data.test_size:
             return None
         texts, labels = self._chunk(self.cfg.data.test_size, self.nonmembers_end)
-        return texts, labels % num_classes
+        return texts, fold_labels(labels, num_classes, self.cfg.data.name, self._labels_matter())
 
     def clients(self, trial: int, num_classes: int):
         c = self.cfg
@@ -216,5 +239,10 @@ class TextData:
         out = []
         for i in range(c.fl.clients):
             texts, labels = self.ds.batch(B, seed=c.seed, offset=(trial * c.fl.clients + i) * B)
-            out.append((texts, torch.as_tensor(labels, dtype=torch.long) % num_classes))
+            out.append((texts, fold_labels(labels, num_classes, c.data.name, self._labels_matter())))
         return out
+
+    def _labels_matter(self) -> bool:
+        """A user's own labelled text set trained as a classifier (an LM task, causal by default, ignores labels)."""
+        m = self.cfg.model
+        return self.cfg.data.name in USER_TEXT_SETS and (m.task == "classification" or (m.task is None and m.name == "minilm"))

@@ -31,10 +31,11 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from gradleak.errors import BadInput, describe_validation_error
 from gradleak.registry import DEFENSES
+from gradleak.validation import Checked
 
 if TYPE_CHECKING:
     from gradleak.fl.core import Update
@@ -42,10 +43,8 @@ if TYPE_CHECKING:
 Stage = Literal["update", "training"]
 
 
-class DefenseParams(BaseModel):
-    """Base of every defense's ``Config``: unknown parameters are errors."""
-
-    model_config = ConfigDict(extra="forbid")
+class DefenseParams(Checked):
+    """Base of every defense's ``Config``: unknown parameters are errors, numbers must be finite (not booleans)."""
 
 
 class Defense:
@@ -185,15 +184,13 @@ class UpdateInDefenseSection(TrainingDefense):
 
 # ------------------------------------------------------------------------------------------------- config entries
 
-class DefenseConfig(BaseModel):
+class DefenseConfig(Checked):
     """One entry of a config's ``defenses:`` list: ``{name: ..., params: {<parameters>}}``."""
-
-    model_config = ConfigDict(extra="forbid")
     name: str
     params: dict[str, Any] = Field(default_factory=dict)
 
 
-class DefenseSection(BaseModel):
+class DefenseSection(Checked):
     """The config's ``defense:`` section: ``{name: ..., <parameters>}`` (flat), validated against the Config of
     ``name``."""
 

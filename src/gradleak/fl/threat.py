@@ -28,9 +28,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from gradleak.errors import BadInput
+from gradleak.validation import Checked
 
 #: capability levels, weakest first
 CAPABILITIES = ("honest-but-curious", "prescribes-architecture", "malicious")
@@ -86,10 +87,8 @@ class ThreatModel:
         return out
 
 
-class ThreatConfig(BaseModel):
+class ThreatConfig(Checked):
     """The ``threat:`` config section. Unset flags take the preset's value, then the defaults above."""
-
-    model_config = ConfigDict(extra="forbid")
 
     preset: Literal["honest-but-curious", "prescribes-architecture", "malicious"] = "honest-but-curious"
     individual_updates: Optional[bool] = None

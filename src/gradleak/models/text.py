@@ -303,12 +303,16 @@ def use_mean_pooling(tm: "TextModel") -> None:
 
 def encode_texts(tm: TextModel, texts: list[str], max_length: int | None = None) -> dict[str, torch.Tensor]:
     """Tokenise a batch the way the client does (:func:`encode_batch` with the model's tokenizer and context)."""
-    return encode_batch(tm.tokenizer, tm.kind, texts, max_length or tm.max_length)
+    if max_length:
+        return encode_batch(tm.tokenizer, tm.kind, texts, max_length, limit_from="data.max_length")
+    return encode_batch(tm.tokenizer, tm.kind, texts, tm.max_length)
 
 
-def encode_batch(tok, kind: str, texts: list[str], limit: int | None = None) -> dict[str, torch.Tensor]:
+def encode_batch(tok, kind: str, texts: list[str], limit: int | None = None,
+                 limit_from: str | None = None) -> dict[str, torch.Tensor]:
     """[CLS] .. [SEP] for encoders, BOS .. EOS for causal LMs (``kind == "causal"``), right padding with an
-    attention mask. Raises BadInput when a sequence exceeds ``limit`` (the model's context; None: no check)."""
+    attention mask. Raises BadInput when a sequence exceeds ``limit`` (the model's context, or the config's
+    ``limit_from`` field; None: no check)."""
     if kind == "causal":
         bos, eos = causal_specials(tok)
         seqs = [[bos] + tok.encode(t, add_special_tokens=False) + [eos] for t in texts]
@@ -316,6 +320,10 @@ def encode_batch(tok, kind: str, texts: list[str], limit: int | None = None) -> 
         seqs = [tok.encode(t, add_special_tokens=True) for t in texts]
     longest = max(len(s) for s in seqs)
     if limit is not None and longest > limit:
+        if limit_from:
+            raise BadInput(limit_from, f"a sequence of the batch has {longest} tokens (with its special tokens) but "
+                           f"{limit_from} is {limit}.", f"raise {limit_from} to at least {longest}, or remove it (the "
+                           "model's context).")
         raise BadInput("data.max_length", f"a sequence of the batch has {longest} tokens but the model's context "
                        f"is {limit}.", "shorten the texts, filter long ones out, or use a model with a longer context.")
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from gradleak.errors import BadInput
 from gradleak.registry import Registry
+from gradleak.validation import Checked
 
 PEFT_KINDS: Registry[Any] = Registry("peft kind")
 
@@ -45,23 +46,24 @@ KIND_FIELDS = {
 }
 
 
-class PeftConfig(BaseModel):
+class PeftConfig(Checked):
     """The ``peft:`` config section (one class for every kind; fields of other kinds are refused)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     kind: Literal["adapters", "lora", "none"] = "adapters"
     # adapters
     bottleneck: Optional[int] = Field(None, gt=0, description="adapter hidden units (ViT; default 64)")
     reduction_factor: int = Field(2, ge=1, description="text adapters: hidden_size / reduction_factor units")
     embedding_adapter: bool = True
-    layer_adapters: Optional[list[int]] = None  # text: default after every kept layer
+    layer_adapters: Optional[list[int]] = Field(None, description="text: layers (0-based) that get an adapter; "
+                                                "default every kept layer; [] = none (the embedding adapter only)")
     init_std: float = Field(0.02, gt=0)
     # lora
     lora_rank: int = Field(128, ge=1)
     lora_alpha: Optional[float] = Field(None, gt=0)  # default: = rank
-    lora_targets: Optional[list[str]] = None  # default: query + key projections
-    lora_layers: Optional[list[int]] = None
+    lora_targets: Optional[list[str]] = Field(None, description="module names that get LoRA (default: query + key "
+                                              "projections; value for ViTs); an empty list is refused")
+    lora_layers: Optional[list[int]] = Field(None, description="layers (0-based) that get LoRA (default: every "
+                                             "layer); an empty list is refused")
     lora_init: Literal["nonzero", "default", "uniform"] = Field(
         "nonzero", description="nonzero: B ~ N(0, 0.02²); default|standard: peft's (B = 0); uniform: A, B ~ U(±1/√d_in) "
         "(paper 001 Table 11)")
@@ -83,7 +85,8 @@ class PeftConfig(BaseModel):
     def _standard(cls, v):  # `standard` (paper 001 Table 11's name for peft's init) = `default`
         return "default" if v == "standard" else v
 
-    def check(self) -> None:
+    def check(self, num_layers: Optional[int] = None) -> None:
+        """Config-time checks (no model loaded); ``num_layers``: the layers the model keeps, when the config says."""
         # a field of another kind is refused when it holds a non-default value (a config switched with
         # --set peft.kind=lora may keep the adapters' defaults; a LoRA rank under kind=adapters is a mistake)
         foreign = sorted(f for f in self.model_fields_set - {"kind"} if f not in KIND_FIELDS[self.kind]
@@ -92,6 +95,21 @@ class PeftConfig(BaseModel):
             owner = next(k for k, fs in KIND_FIELDS.items() if foreign[0] in fs)
             raise BadInput(f"peft.{foreign[0]}", f"applies to peft.kind={owner}, not to peft.kind={self.kind}.",
                            f"remove it, or set peft.kind={owner}.")
+        # an empty list where a list names "these" would silently mean "the default" (lora_targets) or "nowhere"
+        for f, fix in (("lora_targets", "name modules (e.g. [query, value]) or remove the key for the default"),
+                       ("lora_layers", "name layers (e.g. [0, 1]) or remove the key for every layer; peft.kind=none "
+                        "trains the head alone")):
+            if getattr(self, f) is not None and len(getattr(self, f)) == 0:
+                raise BadInput(f"peft.{f}", "is an empty list.", fix + ".")
+        if self.kind == "adapters" and self.layer_adapters == [] and not self.embedding_adapter:
+            raise BadInput("peft.layer_adapters", "is empty and peft.embedding_adapter is false: no adapter anywhere.",
+                           "name layers (e.g. [0]), remove peft.layer_adapters, or set peft.embedding_adapter=true.")
+        if num_layers is not None:
+            for f in ("layer_adapters", "lora_layers"):
+                bad = [i for i in (getattr(self, f) or []) if not 0 <= i < num_layers]
+                if bad and f in KIND_FIELDS[self.kind]:
+                    raise BadInput(f"peft.{f}", f"layer {bad[0]} does not exist (model.layers keeps {num_layers}).",
+                                   f"use indices in 0..{num_layers - 1}, or keep more layers (model.layers).")
 
 
 @PEFT_KINDS.register("adapters", "bottleneck adapters: ViT Houlsby placement (bottleneck) / text embedding + layer adapters")

@@ -102,8 +102,8 @@ def add_text_adapters(model: nn.Module, layers: nn.ModuleList, hidden_size: int,
     ids = list(range(len(layers))) if layer_ids is None else sorted(set(int(i) for i in layer_ids))
     for i in ids:
         if not 0 <= i < len(layers):
-            raise BadInput("peft.layers", f"layer {i} does not exist (the model has {len(layers)}).",
-                           f"use indices in 0..{len(layers) - 1}.")
+            raise BadInput("peft.layer_adapters", f"layer {i} does not exist (the model keeps {len(layers)} layer(s)).",
+                           f"use indices in 0..{len(layers) - 1}, or keep more layers (model.layers).")
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed + 7919)
     dtype = next(model.parameters()).dtype

@@ -29,6 +29,7 @@ An attack that crashed or measured nothing is ``undefined`` and listed as such, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import html
@@ -76,6 +77,121 @@ def candidate(raw: dict, name: str, threat: dict | None = None, variant: dict | 
     if threat is not None:
         cand["threat"] = threat
     return cand
+
+
+def audit_overrides(raw: dict, overrides: list[str]) -> dict:
+    """``--set`` overrides of an audit config: ``audit.params.<attack>.<parameter>=...`` and ``audit.seeds=[...]``
+    as the YAML's ``audit:`` section spells them; every other key as :func:`gradleak.config.loading.apply_overrides`.
+    The later of two overrides of the same key wins, in either group."""
+    from gradleak.config.loading import apply_overrides, parse_value
+    from gradleak.config.schema import ExperimentConfig
+    from gradleak.registry import ATTACKS
+
+    section = raw.pop("audit", None)
+    if section is not None and not isinstance(section, dict):
+        raise BadInput("audit", f"must be a mapping, got {section!r}.", "write e.g. audit: {params: {ig: {iterations: 50}}}.")
+    section = copy.deepcopy(section or {})
+    plain = []
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key != "audit" and not key.startswith("audit."):
+            plain.append(item)
+            continue
+        if "=" not in item:
+            raise BadInput("--set", f"'{item}' is not of the form dotted.key=value.",
+                           "write e.g. --set audit.params.lora_span.rank_rtol=1e-4.")
+        value = parse_value(item.split("=", 1)[1], f"--set {key}")
+        parts = key.split(".")[1:]
+        names = attack_names()
+        if parts == ["seeds"]:
+            section["seeds"] = value
+        elif parts[:1] == ["params"] and 2 <= len(parts) <= 3:
+            if parts[1] not in names:
+                raise BadInput(f"--set {key}", f"'{parts[1]}' is not an attack.", f"use one of: {', '.join(names)}.")
+            params = section.setdefault("params", {})
+            if not isinstance(params, dict):
+                params = section["params"] = {}
+            if len(parts) == 2:
+                if not isinstance(value, dict):
+                    raise BadInput(f"--set {key}", "must be a mapping of the attack's parameters.",
+                                   f"write e.g. --set {key}={{iterations: 50}}.")
+                params[parts[1]] = value
+            else:
+                known = set(ATTACKS.get(parts[1]).Config.model_fields)
+                if parts[2] not in known:
+                    raise BadInput(f"--set {key}", f"'{parts[2]}' is not a parameter of '{parts[1]}'.",
+                                   f"parameters of '{parts[1]}': {', '.join(sorted(known)) or '(none)'}.")
+                params[parts[1]] = {**(params.get(parts[1]) or {}), parts[2]: value}
+        else:
+            raise BadInput(f"--set {key}", "the audit section has the keys audit.seeds and audit.params.<attack>.<parameter>.",
+                           "write e.g. --set audit.params.lora_span.rank_rtol=1e-4 or --set audit.seeds=[0,1].")
+    out = apply_overrides(raw, plain, ExperimentConfig) if plain else raw
+    bad = sorted(set(section) - {"params", "seeds"})
+    if bad:
+        raise BadInput(f"audit.{bad[0]}", "this key of the audit section does not exist.",
+                       "the audit section has params: {<attack>: {...}} and seeds: [...].")
+    params = section.get("params")
+    if params is not None and not isinstance(params, dict):
+        raise BadInput("audit.params", f"must map attack names to their parameters, got {params!r}.",
+                       "write e.g. audit: {params: {lora_span: {rank_rtol: 1e-4}}}.")
+    for name, ps in (params or {}).items():
+        if name not in attack_names():
+            raise BadInput(f"audit.params.{name}", f"'{name}' is not an attack.", f"use one of: {', '.join(attack_names())}.")
+        if not isinstance(ps, dict):
+            raise BadInput(f"audit.params.{name}", f"must be a mapping of the attack's parameters, got {ps!r}.",
+                           f"write e.g. audit: {{params: {{{name}: {{...}}}}}}.")
+    if section:
+        out["audit"] = section
+    return out
+
+
+def full_strength_variants(A, cand: dict, cfg, defenses: list) -> list[dict]:
+    """The parameter sets the audit runs for attack ``A`` on ``cand``: ``{}`` (as configured: with the parameters
+    the user set, flat ``attack.<p>`` or ``audit.params.<attack>.<p>``, in the file or by ``--set``) and the attack's
+    :meth:`audit_variants` (full strength: the verdict must not rest on a tolerance the config leaves)."""
+    from gradleak.run.runner import validate
+
+    vs: list[dict] = [{}]
+    if A.rewrites_weights:
+        return vs
+    for v in A.audit_variants(cfg.attack_cfg.model_dump(mode="json"), defenses):
+        if not v or v in vs:
+            continue
+        try:  # a variant the attack's config refuses is skipped (it would not be a stronger attack)
+            validate({**cand, "attack": {**cand["attack"], **v}})
+            vs.append(v)
+        except BadInput:
+            pass
+    return vs
+
+
+def _remove_stale_audit(out: Path) -> None:
+    """A reused ``--out``: remove the previous audit's own files (audit.json, the report, and the run artifacts under
+    ``attacks/<attack>/[seed<k>/][variant<k>/]``, emptied folders too), never anything else."""
+    import re
+
+    from gradleak.run.runner import RUN_ARTIFACTS, remove_stale_artifacts
+
+    remove_stale_artifacts(out, re.compile(r"^(audit\.json|report\.html|report_data\.json)$"))
+    root = out / "attacks"
+    if not root.is_dir() or root.is_symlink():
+        return
+    names = set(attack_names())
+    level = re.compile(r"^(seed-?\d+|variant\d+)$")
+
+    def clean(d: Path) -> None:
+        remove_stale_artifacts(d, RUN_ARTIFACTS)
+        for sub in d.iterdir():
+            if sub.is_dir() and not sub.is_symlink() and level.match(sub.name):
+                clean(sub)
+        with contextlib.suppress(OSError):
+            d.rmdir()  # only if empty
+
+    for d in root.iterdir():
+        if d.is_dir() and not d.is_symlink() and d.name in names:
+            clean(d)
+    with contextlib.suppress(OSError):
+        root.rmdir()
 
 
 def _upgrade(raw: dict, name: str) -> dict | None:
@@ -160,14 +276,14 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
               workers: int = 1) -> dict:
     """Run the audit of ``raw`` (+ ``overrides``) into ``out_dir``: ``audit.json`` + ``report.html``.
     ``workers`` > 1 runs the applicable attacks in a spawned process pool (one torch thread each)."""
-    from gradleak.config.loading import apply_overrides
     from gradleak.run.results import environment
-    from gradleak.run.runner import check_out_dir, validate
-    from gradleak.config.schema import ExperimentConfig
+    from gradleak.run.runner import check_out_dir, protect_private_artifacts, validate
     from gradleak.registry import ATTACKS
 
-    out = check_out_dir(out_dir)
-    raw = apply_overrides(copy.deepcopy(raw), overrides or [], ExperimentConfig) if overrides else copy.deepcopy(raw)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise BadInput("--workers", f"must be a whole number >= 1, got {workers!r}.",
+                       "use --workers 1 (in this process) or more (parallel attacks).")
+    raw = audit_overrides(copy.deepcopy(raw), overrides or [])
     names = attack_names()
     if only:
         bad = sorted(set(only) - set(names))
@@ -217,6 +333,10 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds):
         raise BadInput("audit.seeds", f"must be a list of integers, got {seeds!r}.", "write e.g. audit: {seeds: [0, 1, 2]}.")
     multi = len(seeds) > 1
+    if not planned and base_err is not None:  # nothing to run: refused before the output folder is made
+        raise base_err
+    out = check_out_dir(out_dir)  # validated first, then created
+    _remove_stale_audit(out)
 
     def where(name, sd):
         return f"attacks/{name}" + (f"/seed{sd}" if multi else "")
@@ -224,15 +344,13 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     defenses = list(raw.get("defenses") or [])
     variants: dict[str, list[dict]] = {}
     for e, cand, cfg, A in planned:
-        configured = cfg.attack_cfg.model_dump(mode="json")
-        vs = [{}]
-        if not A.rewrites_weights:
-            for v in A.audit_variants(configured, defenses):
-                try:  # a variant the attack's config refuses is skipped (it would not be a stronger attack)
-                    validate({**cand, "attack": {**cand["attack"], **v}})
-                    vs.append(v)
-                except BadInput:
-                    pass
+        vs = full_strength_variants(A, cand, cfg, defenses)
+        user = {k: v for k, v in cand["attack"].items() if k != "name"}
+        if user:  # what the user set runs as set (the first run); said, so a variant's headline is not a surprise
+            e["parameters_set"] = user
+            log(f"[audit] {e['name']}: runs with {', '.join(f'{k}={v}' for k, v in user.items())} as set"
+                + (f", and {len(vs) - 1} full-strength variant(s) ({', '.join(sorted({k for v in vs for k in v}))}); "
+                   "the most leaking run is the evidence" if len(vs) > 1 else ""))
         variants[e["name"]] = vs
         e["variants"] = vs
 
@@ -340,6 +458,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
 
     write_json_atomic(out / "audit.json", result)
     write_audit_report(result, out)
+    protect_private_artifacts(out)
     return result
 
 

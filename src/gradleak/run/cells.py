@@ -158,6 +158,26 @@ def _execute_ray(todo: list[Cell], workers: int | None) -> Iterator[tuple[Cell, 
         ray.shutdown()
 
 
+def _die_with_parent(parent_pid: int, interval: float = 0.5) -> None:
+    """Pool worker initializer: the worker exits as soon as the process that started it is gone (SIGKILL of a sweep
+    or an audit leaves no orphaned worker holding memory; its resource tracker then sees EOF and exits too). A daemon
+    thread watches the parent pid (a reparented worker's ``getppid`` changes); on Linux ``PR_SET_PDEATHSIG`` is not
+    used, since it fires when the *thread* that spawned the worker ends, not the process."""
+    import threading
+
+    def watch() -> None:
+        import time
+
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(interval)
+
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=watch, name="gradleak-parent-watch", daemon=True).start()
+
+
 def pool_results(fn: Callable, jobs: list[tuple], workers: int):
     """Yield (job index, ``fn(*job)`` or the exception it raised) as jobs finish, from ``workers`` spawned processes
     (``OMP_NUM_THREADS=1`` for them: one torch thread each). ``fn`` must be importable at module level."""
@@ -168,7 +188,8 @@ def pool_results(fn: Callable, jobs: list[tuple], workers: int):
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
     try:
         with ProcessPoolExecutor(max_workers=max(1, min(int(workers), len(jobs))),
-                                 mp_context=mp.get_context("spawn")) as pool:
+                                 mp_context=mp.get_context("spawn"), initializer=_die_with_parent,
+                                 initargs=(os.getpid(),)) as pool:
             futs = {pool.submit(fn, *job): i for i, job in enumerate(jobs)}
             for f in as_completed(futs):
                 try:

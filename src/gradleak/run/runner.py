@@ -7,7 +7,9 @@ attack applicability, the threat-model gate, the output directory) happens befor
 
 from __future__ import annotations
 
+import os
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,15 +109,49 @@ def check_out_dir(out_dir: str | Path) -> Path:
     return out
 
 
+#: the files a run writes into its --out folder (gradleak's own names only: nothing else is ever removed)
+RUN_ARTIFACTS = re.compile(r"^(results\.json|report\.html|report_data\.json|"
+                           r"(ground_truth|reconstruction|tsne|roc|reconstructions_client\d+_round\d+)(_trial\w+)?\.png)$")
+#: the run artifacts that show the clients' private images (ground truth, reconstructions, the report embedding them)
+PRIVATE_ARTIFACTS = re.compile(r"^(report\.html|(ground_truth|reconstruction|reconstructions_client\d+_round\d+)"
+                               r"(_trial\w+)?\.png)$")
+
+
+def remove_stale_artifacts(out: Path, pattern: re.Pattern = RUN_ARTIFACTS) -> list[str]:
+    """Remove the previous run's artifacts from a reused ``--out`` (files whose names ``pattern`` matches, at the top
+    of ``out`` only), so that no stale private image lies beside the new results; returns the names removed."""
+    gone = []
+    for p in sorted(out.iterdir()) if out.is_dir() else []:
+        if p.is_file() and not p.is_symlink() and pattern.match(p.name):
+            try:
+                p.unlink()
+                gone.append(p.name)
+            except OSError as err:
+                raise BadInput("--out", f"cannot remove the previous run's '{p}': {err.strerror or err}.",
+                               "use a new --out folder, or one you can write to.") from None
+    return gone
+
+
+def protect_private_artifacts(out: Path) -> None:
+    """Owner-only permissions (0600) on the artifacts that show the clients' private images."""
+    for p in out.iterdir():
+        if p.is_file() and not p.is_symlink() and PRIVATE_ARTIFACTS.match(p.name):
+            os.chmod(p, 0o600)
+
+
 def run_config(raw: dict, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,
                progress: Callable[..., Any] | None = None, stage: Callable[[str], Any] | None = None) -> dict:
     run, cfg = validate(raw, overrides)
     dev = resolve_device(device or cfg.device)
-    out = check_out_dir(out_dir)
+    out = check_out_dir(out_dir)  # validated first, then created
+    remove_stale_artifacts(out)
     seed_everything(int(cfg.seed))
     ctx = RunContext(out, dev, progress, stage_fn=stage)
     t0 = time.perf_counter()
-    res = run(cfg, ctx)
+    try:
+        res = run(cfg, ctx)
+    finally:  # also when the run fails midway: the images it wrote are private
+        protect_private_artifacts(out)
     wall = time.perf_counter() - t0
     results = {
         "name": cfg.name or cfg.experiment,
@@ -131,6 +167,7 @@ def run_config(raw: dict, out_dir: str | Path, overrides: list[str] | None = Non
     from gradleak.report import write_report
 
     write_report(results, out, res.get("report", {}))
+    protect_private_artifacts(out)
     return results
 
 

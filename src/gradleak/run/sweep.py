@@ -149,9 +149,11 @@ def run_sweep(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     from gradleak.run.runner import check_out_dir, validate
     from gradleak.config.schema import ExperimentConfig
 
-    out = check_out_dir(out_dir)
     if executor not in ("local", "ray"):
         raise BadInput("--executor", f"unknown executor '{executor}'.", "use local or ray.")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise BadInput("--workers", f"must be a whole number >= 1, got {workers!r}.",
+                       "use --workers 1 or more, or leave it out (the CPU cores).")
     if overrides:
         grid = raw.get("grid")
         raw = apply_overrides({k: v for k, v in raw.items() if k != "grid"}, overrides, ExperimentConfig)
@@ -166,6 +168,7 @@ def run_sweep(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
             validate(cell_config(base, a))
         except BadInput as err:
             raise BadInput(err.field, f"(grid cell {cid}) {err.problem}", err.fix) from None
+    out = check_out_dir(out_dir)  # validated first, then created
     jobs = [Cell(cid, _run_cell, (cell_config(base, a), str(out / "cells" / cell_dir_name(cid)), device), a)
             for cid, a in cells]
     latest = run_cells(jobs, out / "results.jsonl", _row, executor=executor, workers=workers, label="sweep",

@@ -23,6 +23,7 @@ from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
 from gradleak.peft.text_adapters import PREFIX, adapter_param
 from gradleak.registry import ATTACKS
+from gradleak.validation import InfOK
 
 
 class UTRConfig(SpanTestConfig):
@@ -36,7 +37,7 @@ class UTRConfig(SpanTestConfig):
     lm_prior: bool = Field(True, description="rank branches past the cap by the LM")
     all_rounds: bool = Field(True, description="stack the embedding-adapter gradients of every observed round")
     sentence_layer: str = Field("layer_0", description="adapter whose input space tests sentences")
-    time_budget: float = Field(600.0, gt=0, description="seconds before the sentence search stops")
+    time_budget: InfOK = Field(600.0, gt=0, description="seconds before the sentence search stops (.inf: no limit)")
     value_test: bool = Field(True, description="test candidate sentences on the embedding adapter's gradient values "
                              "(one-step uploads): past the first layer's bottleneck, bidirectional models move chains "
                              "by it, causal models verify sentences, peel them from the upload and search the rest")
