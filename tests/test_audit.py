@@ -273,7 +273,7 @@ def test_audit_report_images_side_by_side_and_upscaled(tmp_path):
     import torch
 
     from gradleak.report import save_image_grid
-    from gradleak.run.audit import write_audit_report
+    from gradleak.run.audit_report import write_audit_report
 
     d = tmp_path / "attacks" / "ig"
     save_image_grid(torch.rand(1, 3, 32, 32), d / "reconstruction.png")

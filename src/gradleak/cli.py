@@ -173,7 +173,7 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
 def _print_audit_table(result: dict, out: Path) -> None:
     """The audit's table: attacks for another modality on one row (:func:`gradleak.run.audit.console_rows`), every
     note whole (wrapped at words, never cut)."""
-    from gradleak.run.audit import console_rows
+    from gradleak.run.audit_report import console_rows
 
     table = Table(title=f"audit -> {out}/audit.json")
     for col in ("attack", "applicable", "level", "headline (null p99)", "worst client"):
@@ -310,7 +310,7 @@ def _rebuild_audit_report(directory: Path, audit_path: Path) -> None:
     except (ValueError, UnicodeDecodeError) as err:
         _fail_bad_input(BadInput("DIR", f"'{audit_path}' is not a gradleak audit file ({err}).",
                                  "rerun `gradleak audit CONFIG --out DIR` to write it again."))
-    from gradleak.run.audit import write_audit_report
+    from gradleak.run.audit_report import write_audit_report
 
     try:
         path = write_audit_report(result, directory)

@@ -97,3 +97,13 @@ def verdict_of(entries: list[dict]) -> str:
     if not any(e.get("level") == "none" for e in entries):
         return "undefined"  # nothing was measured: no green banner over an audit that saw nothing
     return "no_leak_found"
+
+
+def leak_rank(j: dict) -> tuple:
+    """Order judged runs by how much they leak (level, samples reconstructed, p-value low first, headline value;
+    nan last): the worst case for the client is the evidence."""
+    v = j.get("value")
+    p = j.get("p_value")
+    return (level_rank(j.get("level", "undefined")), j.get("n_success") or 0,
+            -p if isinstance(p, (int, float)) and p == p else -2.0,
+            v if isinstance(v, (int, float)) and v == v else -1e300)

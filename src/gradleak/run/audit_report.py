@@ -1,0 +1,266 @@
+"""The audit's presentation (issue 12, issue 29): the console table rows, the "what to do next" facts and the HTML
+report, all from the audit result dict that :func:`gradleak.run.audit.run_audit` writes as audit.json (so
+``gradleak report DIR`` rebuilds it from audit.json alone)."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from pathlib import Path
+
+from gradleak.evaluation.levels import leak_rank
+
+#: the threat flags that are server capabilities (an upgraded server may have them); the others are facts it learns
+SERVER_CAPABILITIES = ("malicious", "prescribes_architecture", "public_data")
+
+def fmt_value(v) -> str:
+    return f"{v:.4g}" if isinstance(v, (int, float)) and v == v else "n/a"
+
+
+
+_MODALITY_REASON = re.compile(r"attacks (\w+) data, but this experiment's data are (\w+)")
+
+
+def not_run_groups(result: dict) -> dict:
+    """The attacks that did not run, grouped for the reader: ``other_modality`` ({attack modality: [names]}: attacks
+    for another kind of data, one line instead of a row each), ``left_out`` (by ``--only``), ``other`` (the
+    remaining entries, each with the gate's reason)."""
+    mod = result.get("modality")
+    other_mod: dict[str, list[str]] = {}
+    other = []
+    for a in result.get("attacks", []):
+        if "level" in a:
+            continue
+        am = a.get("modality")
+        m = _MODALITY_REASON.search(a.get("reason") or "")
+        if m:  # an audit.json written before entries carried their modality
+            am, mod = am or m.group(1), mod or m.group(2)
+        if am and mod and am != mod and not a.get("applicable_under"):
+            other_mod.setdefault(am, []).append(a["name"])
+        else:
+            other.append(a)
+    return {"modality": mod, "other_modality": other_mod, "left_out": list(result.get("left_out_by_only") or []),
+            "other": other}
+
+
+def not_tested_lines(result: dict) -> list[str]:
+    """Reproducibility's "not tested", grouped (see :func:`not_run_groups`)."""
+    g = not_run_groups(result)
+    lines = [f"{len(v)} {am} attack(s), not applicable to {g['modality']} data: {', '.join(v)}"
+             for am, v in g["other_modality"].items()]
+    if g["left_out"]:
+        lines.append(f"left out by --only: {', '.join(g['left_out'])}")
+    lines += [f"{a['name']}: {a.get('reason', '')}" for a in g["other"]]
+    return lines
+
+
+def console_rows(result: dict) -> list[tuple[str, ...]]:
+    """The console table's rows (attack, applicable, level, headline (null p99), worst client, note): attacks for
+    another modality grouped into one row, those left out by ``--only`` into another."""
+    g = not_run_groups(result)
+    grouped = {n for v in g["other_modality"].values() for n in v}
+    rows = []
+    for a in result["attacks"]:
+        if a["name"] in grouped:
+            continue
+        val, p99 = a.get("value"), a.get("null_p99")
+        rows.append((a["name"], "yes" if a.get("applicable") else ("upgrade" if a.get("applicable_under") else "no"),
+                     a.get("level", "not run"),
+                     (f"{a['metric']} = {val:.4g}" + (f" ({p99:.4g})" if isinstance(p99, (int, float)) else ""))
+                     if isinstance(val, (int, float)) else "–", str(a.get("worst_client", "–")),
+                     a.get("reason") or ""))
+    for am, names in g["other_modality"].items():
+        rows.append((f"{len(names)} {am} attacks", "no", "not run", "–", "–",
+                     f"not applicable: this setup's data are {g['modality']} ({', '.join(names)})"))
+    if g["left_out"]:
+        rows.append((f"{len(g['left_out'])} left out", "–", "not run", "–", "–",
+                     f"left out by --only: {', '.join(g['left_out'])}"))
+    return rows
+
+
+def next_steps(result: dict) -> dict:
+    """What "What to do next" says, from the audit's own facts: the leaking attacks, the deployment facts whose
+    refusal kept an attack from running, and the defenses this setup accepts. Nothing is ranked or recommended:
+    that is ``gradleak audit --advise`` (issue 30), not built yet."""
+    from gradleak.evaluation.levels import LEAKING
+
+    leaking = sorted([a for a in result["attacks"] if a.get("level") in LEAKING], key=leak_rank, reverse=True)
+    facts = []
+    for a in not_run_groups(result)["other"]:
+        m = re.match(r"(threat\.\w+):", a.get("reason") or "")
+        if m and m.group(1).split(".")[1] not in SERVER_CAPABILITIES:
+            facts.append((a["name"], m.group(1)))
+    return {"leaking": [{"name": a["name"], "level": a["level"],
+                         "server": a.get("threat_words", a.get("threat")),
+                         "configured": bool(a.get("applicable"))} for a in leaking],
+            "facts": facts, "defenses": result.get("defenses_available")}
+
+
+def _png_size(path: Path) -> tuple[int, int] | None:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(24)
+    except OSError:
+        return None
+    if len(head) < 24 or head[:8] != b"\x89PNG\r\n\x1a\n":
+        return None
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+#: the displayed width a side-by-side image aims at (integer nearest-neighbour upscale towards it)
+PAIR_TARGET_PX = 480
+
+
+def _figure_pair(a: dict, out: Path) -> str:
+    """An attack's PNGs in one row: the originals first, then the reconstructions beside them, each upscaled by an
+    integer factor with nearest-neighbour (``image-rendering: pixelated``) so 32-pixel images are visible."""
+    e = html.escape
+    pngs = [str(x) for x in a.get("artifacts", [])]
+    if not pngs:
+        return ""
+    order = lambda n: (0 if n.startswith("ground_truth") else 1 if n.startswith("reconstruction") else 2, n)  # noqa: E731
+    figs = []
+    for img in sorted(pngs, key=order):
+        size = _png_size(out / str(a.get("out", "")) / img)
+        k = max(1, min(4, PAIR_TARGET_PX // size[0])) if size and size[0] else 1
+        width = f' width="{size[0] * k}"' if size else ""
+        label = ("original (the client's private data)" if img.startswith("ground_truth") else
+                 "reconstruction (the attack's output)" if img.startswith("reconstruction") else Path(img).stem)
+        figs.append(f'<figure><img src="{e(str(a["out"]))}/{e(img)}" alt="{e(label)}"{width}>'
+                    f"<figcaption>{e(label)}<br><small>{e(img)}" + (f", shown {k}×" if k > 1 else "")
+                    + "</small></figcaption></figure>")
+    return '<div class="pair">' + "".join(figs) + "</div>"
+
+
+def write_audit_report(result: dict, out: Path) -> Path:
+    """One self-contained HTML page: verdict banner, what to do next, setup, threat, per-attack table (attacks for
+    another modality on one line), evidence worst first (originals beside reconstructions), reproducibility."""
+    e = html.escape
+    out = Path(out)
+    colour = {"leaks": "#b00020", "leaks_stronger_server": "#b36b00", "no_leak_found": "#2e7d32",
+              "undefined": "#555555"}.get(result["verdict"], "#555555")
+    groups = not_run_groups(result)
+    grouped = {n for v in groups["other_modality"].values() for n in v}
+    rows = []
+    for a in result["attacks"]:
+        if a["name"] in grouped:
+            continue
+        val = a.get("value")
+        rows.append("<tr>" + "".join(f"<td>{e(str(x))}</td>" for x in (
+            a["name"], "yes" if a.get("applicable") else ("under upgrade" if a.get("applicable_under") == "upgraded" else "no"),
+            a.get("threat_words", a.get("threat", "–")), a.get("level", "not run"),
+            (f"{a['metric']} = {fmt_value(val)}" + (f" (worst of {len(a['per_seed'])} seeds; median {fmt_value(a.get('median'))})"
+                                             if a.get("per_seed") and "median" in a else ""))
+            if isinstance(val, (int, float)) else "–",
+            fmt_value(a.get("null_p99")) if "level" in a else "–", fmt_value(a.get("p_value")) if "level" in a else "–",
+            str(a.get("worst_client", "–")),
+            f"{a['n_success']} / {a['n_total']}" if a.get("n_success") is not None else "–",
+            f"{a['seconds']:.0f} s" if "seconds" in a else "–",
+            "; ".join(x for x in (a.get("rule", "") if "level" in a else "", a.get("reason", "")) if x))) + "</tr>")
+    for am, names in groups["other_modality"].items():
+        rows.append(f'<tr class="grouped"><td>{len(names)} {e(am)} attacks</td><td>no</td><td>–</td><td>not run</td>'
+                    + "<td>–</td>" * 6 + f"<td>not applicable: they attack {e(am)} data; this setup's data are "
+                    f"{e(str(groups['modality']))} ({e(', '.join(names))})</td></tr>")
+    if groups["left_out"]:
+        rows.append(f'<tr class="grouped"><td>{len(groups["left_out"])} left out</td><td>–</td><td>–</td>'
+                    "<td>not run</td>" + "<td>–</td>" * 6
+                    + f"<td>left out by --only: {e(', '.join(groups['left_out']))}</td></tr>")
+    evidence = []
+    from gradleak.evaluation.levels import level_rank
+
+    ran = sorted([a for a in result["attacks"] if "level" in a], key=lambda a: (-level_rank(a["level"]), a["name"]))
+    for a in ran:
+        parts = [f"<h3>{e(a['name'])} — {e(a['level'].upper())} ({e(a.get('rule', ''))})</h3>"]
+        for w in dict.fromkeys(a.get("warnings") or []):
+            parts.append(f'<p class="warning"><b>Warning:</b> {e(str(w))}</p>')
+        if a.get("per_client") and len(a["per_client"]) > 1:
+            parts.append("<table><tr><th>client</th><th>level</th><th>value</th><th>null p99</th><th>p</th></tr>"
+                         + "".join(f"<tr><td>{e(str(c['client']))}</td><td>{e(c['level'])}</td><td>{fmt_value(c.get('value'))}"
+                                   f"</td><td>{fmt_value(c.get('null_p99'))}</td><td>{fmt_value(c.get('p_value'))}</td></tr>"
+                                   for c in a["per_client"]) + "</table>")
+        if a.get("per_variant"):
+            parts.append("<p>full-strength settings tried: " + e("; ".join(
+                f"{json.dumps(v['variant']) if isinstance(v['variant'], dict) else v['variant']} (seed {v['seed']}): "
+                f"{v['level']}, {fmt_value(v.get('value'))}" for v in a["per_variant"])) + "</p>")
+        if a.get("out"):
+            parts.append(_figure_pair(a, out))
+        if a.get("evidence_rows"):
+            tr = []
+            for r in a["evidence_rows"]:
+                exact = r["reference"].lower().split() == str(r["reconstruction"]).lower().split()
+                style = ' style="background:#ffd6d6"' if exact else ""
+                tr.append(f"<tr{style}><td>{e(r['reference'])}</td><td>{e(str(r['reconstruction']))}</td>"
+                          f"<td>{'exact' if exact else ''}</td></tr>")
+            parts.append("<table><tr><th>private</th><th>reconstruction</th><th></th></tr>" + "".join(tr) + "</table>")
+        if a.get("out"):
+            parts.append(f'<p><a href="{e(a["out"])}/report.html">full report of this attack</a></p>')
+        evidence.append("\n".join(parts))
+    lv = result["levels"]
+    nxt = next_steps(result)
+    todo = []
+    if nxt["leaking"]:
+        todo.append("<li>Leaking here: " + "; ".join(
+            f"<b>{e(x['name'])}</b> ({e(x['level'])}, under {e(str(x['server']))}"
+            + ("" if x["configured"] else ", a stronger server than configured") + ")" for x in nxt["leaking"])
+                    + ". Each is a way your clients' data can be read from their updates in this setup.</li>")
+    else:
+        todo.append("<li>No attack leaked above its null here (evidence, not proof: see what was not tested under "
+                    "Reproducibility).</li>")
+    for name, flag in nxt["facts"]:
+        todo.append(f"<li>{e(name)} did not run because the threat model withholds <code>{e(flag)}</code>; if your "
+                    f"deployment leaks it, rerun with <code>--set {e(flag)}=true</code>.</li>")
+    ds = nxt["defenses"]
+    if ds is None:
+        todo.append("<li>Defenses that apply: not recorded in this audit.json (rerun the audit); "
+                    "<code>gradleak list</code> lists every defense.</li>")
+    elif ds:
+        for stage, where in (("update", "<code>defenses: [{name, params}]</code>, on each upload"),
+                             ("training", "<code>defense: {name, ...}</code>, in local training")):
+            names = [d for d in ds if d["stage"] == stage]
+            if names:
+                todo.append(f"<li>Defenses this setup accepts ({where}): " + ", ".join(
+                    f'<b title="{e(d["summary"])}">{e(d["name"])}</b>' for d in names)
+                    + " (<code>gradleak list</code> describes each and its parameters).</li>")
+    if nxt["leaking"] and ds:
+        todo.append("<li>To measure one, add it to the config and rerun this audit (the command under "
+                    "Reproducibility); the audit attacks a defended setup at full strength.</li>")
+    todo.append("<li>This report does not rank or recommend defenses. <code>gradleak audit --advise</code> "
+                "(issue 30, not built yet) will rank them by the leakage they stop and the utility they keep.</li>")
+    not_tested = not_tested_lines(result)
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>gradleak audit</title>
+<style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}.banner{{color:#fff;background:{colour};padding:1em;font-size:1.2em}}
+.pair{{display:flex;flex-wrap:wrap;gap:1.5em;align-items:flex-start;margin:.5em 0}}
+.pair figure{{margin:0;max-width:100%}}.pair img{{image-rendering:pixelated;image-rendering:crisp-edges;max-width:100%;height:auto;border:1px solid #ddd}}
+figcaption{{font-size:13px;color:#444}}.warning{{background:#fff4e5;border-left:4px solid #b36b00;padding:.5em}}
+tr.grouped td{{color:#666}}code{{word-break:break-all}}</style>
+</head><body>
+<div class="banner" id="verdict">{e(result['headline'])}</div>
+<h2 id="next">What to do next</h2><ul>{''.join(todo)}</ul>
+<p>Levels (each beyond its null: {e(lv['null'])}; exact-image threshold {lv['psnr_db']:g} dB):</p>
+<ul>{''.join(f'<li>{e(k)}: {e(v)}</li>' for k, v in lv['rules'].items())}</ul>
+<p>Every client of the audited round was attacked; each attack also ran the full-strength settings it derives from
+the declared defenses (listed under its evidence); the worst client and setting are the evidence.</p>
+<h2>Configuration</h2><ul>{''.join(f'<li>{e(x)}</li>' for x in result['setup'])}</ul>
+<h2>Threat model (configured)</h2><ul>{''.join(f'<li>{e(x)}</li>' for x in result['threat'])}</ul>
+<h2>Attacks</h2><table id="attacks"><tr><th>attack</th><th>applicable</th><th>server</th><th>level</th><th>headline</th>
+<th>null p99</th><th>p</th><th>worst client</th><th>exact samples</th><th>time</th><th>rule / note</th></tr>{''.join(rows)}</table>
+<h2>Evidence (worst level first)</h2>{''.join(evidence) or '<p>no attack ran</p>'}
+<h2>Reproducibility</h2><ul><li>command: <code id="command">{e(result['command'])}</code></li>
+<li>config hash: {e(result['config_hash'])}; seed: {e(str(result['seed']))}</li>
+<li>versions: {e(json.dumps(result['environment']))}</li>
+<li>not tested: {'<ul>' + ''.join(f'<li>{e(x)}</li>' for x in not_tested) + '</ul>' if not_tested else 'nothing'}</li>
+<li>undefined (measured nothing): {e('; '.join(result.get('undefined') or []) or 'none')}</li></ul>
+<script>/* a real browser marks how many evidence images decoded (the headless check reads it) */
+window.addEventListener("load", function () {{
+  var imgs = Array.from(document.images), ok = imgs.filter(function (i) {{ return i.complete && i.naturalWidth > 0; }});
+  document.body.setAttribute("data-images", ok.length + "/" + imgs.length);
+  document.body.setAttribute("data-tables", String(document.querySelectorAll("table").length));
+}});</script>
+</body></html>"""
+    from gradleak.report.html import write_atomic
+
+    path = out / "report.html"
+    write_atomic(path, page)
+    return path
