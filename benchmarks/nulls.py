@@ -85,7 +85,7 @@ def image_null_setting(cfg, values: dict[str, float | None]) -> dict:
 
 def patch_null_setting(cfg, values: dict[str, float | None]) -> dict:
     from gradleak.evaluation.nulls import draw_subsets
-    from gradleak.metrics.patches import image_to_patches, patch_recovery
+    from gradleak.metrics.patches import image_to_patches, patch_psnr, patch_recovery
 
     x, pool, source = _image_pool(cfg)
     P = cfg.model.patch_size or 16
@@ -100,8 +100,7 @@ def patch_null_setting(cfg, values: dict[str, float | None]) -> dict:
         cand = image_to_patches(pool[pick] * 2 - 1, P).reshape(B * N, -1)
         m = patch_recovery(truth, cand, positions, groups, cfg.metrics.psnr_threshold_db)
         rate[d] = m["patch_recovery_rate"]
-        mse = ((truth.to(torch.float64)[groups, positions - 1] - cand.to(torch.float64)) ** 2).mean(-1) / 4.0
-        best[d] = float((10 * torch.log10(1.0 / mse.clamp_min(1e-30))).max())
+        best[d] = float(patch_psnr(truth.to(torch.float64)[groups, positions - 1], cand.to(torch.float64)).max())
     return {"source": source, "n": B, "patch_size": P, "pool": len(pool),
             "patch_recovery_rate": _quantiles(rate, values.get("patch_recovery_rate")),
             "patch_psnr_max": _quantiles(best, values.get("patch_psnr"))}

@@ -55,7 +55,8 @@ def upsample_patch(vec: torch.Tensor, channels: int, patch: int, reduce: int) ->
 
 # ------------------------------------------------------------------------------------------ metrics
 
-def _psnr01(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def patch_psnr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """PSNR (dB) per patch of flattened patches in [-1, 1], on the [0, 1] pixel scale (the recovery criterion's)."""
     mse = ((a - b) ** 2).mean(-1) / 4.0  # [-1,1] -> [0,1] scale
     return 10 * torch.log10(1.0 / mse.clamp_min(1e-30))
 
@@ -88,7 +89,7 @@ def patch_recovery(truth: torch.Tensor, patches: torch.Tensor, positions: torch.
     truth = truth.to(torch.float64)
     patches = patches.to(torch.float64)
     idx = positions.long() - 1
-    psnr_all = _psnr01(truth[:, idx].permute(1, 0, 2), patches[:, None, :])  # n × B
+    psnr_all = patch_psnr(truth[:, idx].permute(1, 0, 2), patches[:, None, :])  # n × B
     best_psnr, best_img = psnr_all.max(1)
     valid = best_psnr >= threshold_db
     gids = sorted(set(groups.tolist()))
