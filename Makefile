@@ -47,8 +47,10 @@ assets: | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/gradleak run configs/peftleak/cifar_b32.yaml --out runs/demo
 
+# pytest-xdist: TEST_WORKERS processes of one torch thread each (tests/conftest.py); 2 = the CI machine's cores
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS)
 
 # Mutation check of the privacy-critical code (issue 31; report: docs/MUTATION.md). Not part of `make test`.
 # mutmut (config: [tool.mutmut] in pyproject.toml: the files it may mutate and the tests it runs) mutates a copy of src/

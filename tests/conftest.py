@@ -1,7 +1,16 @@
 """Shared test fixtures."""
 
+import os
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs one worker per core) each worker uses one torch thread: two processes of
+    one thread each beat one process of two threads on these small models, and never oversubscribe the cores."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -124,6 +124,19 @@ def test_audit_grid_gives_a_verdict_per_cell_and_resumes(tmp_path):
     assert s2["cells"] == s1["cells"] and all("done before" in m for m in logs)
 
 
+def test_audit_grid_validates_every_cell_before_making_the_folder(tmp_path):
+    """A grid whose second cell the audit refuses (a mistyped preset) stops before the output folder exists and
+    before the first cell runs."""
+    from gradleak.run.audit import run_audit_grid
+
+    raw = {**TINY, "grid": {"threat.preset": ["honest-but-curious", "malicous"]}}
+    out = tmp_path / "grid"
+    logs = []
+    with pytest.raises(BadInput, match="threat"):
+        run_audit_grid(raw, out, only=["dlg"], log=logs.append)
+    assert not out.exists() and logs == []
+
+
 # ----------------------------------------------------------------------------------------- the report (issue 29)
 
 from html.parser import HTMLParser  # noqa: E402

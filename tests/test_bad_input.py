@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from pydantic import BaseModel, ValidationError
 from typer.testing import CliRunner
@@ -278,6 +279,35 @@ def test_reused_out_loses_the_previous_runs_artifacts_and_private_images_are_060
         assert (out / private).stat().st_mode & 0o777 == 0o600, private
 
 
+def test_private_artifacts_are_never_readable_by_others_not_even_before_the_rename(tmp_path):
+    """The writers create a private artifact 0600 and keep it so (no 0644 window before a later chmod); the other
+    artifacts are opened to others."""
+    import stat
+
+    from gradleak.report.html import write_atomic
+    from gradleak.report.images import save_image_grid, save_png_atomically
+
+    seen = {}
+
+    def write(tmp):
+        seen["mode"] = stat.S_IMODE(os.stat(tmp).st_mode)
+        from PIL import Image
+
+        Image.new("RGB", (2, 2)).save(tmp, format="PNG")
+
+    for name, mode in (("ground_truth.png", 0o600), ("reconstruction_trial3.png", 0o600),
+                       ("reconstructions_client2_round0.png", 0o600), ("tsne.png", 0o644), ("roc.png", 0o644)):
+        path = save_png_atomically(tmp_path / name, write)
+        assert seen["mode"] == 0o600, name  # while the pixels are written
+        assert stat.S_IMODE(path.stat().st_mode) == mode, name
+    save_image_grid(torch.rand(2, 3, 4, 4), tmp_path / "a" / "ground_truth.png")  # an audit's attack folder too
+    assert stat.S_IMODE((tmp_path / "a" / "ground_truth.png").stat().st_mode) == 0o600
+    write_atomic(tmp_path / "report.html", "<html></html>")
+    write_atomic(tmp_path / "results.json", "{}")
+    assert stat.S_IMODE((tmp_path / "report.html").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "results.json").stat().st_mode) == 0o644
+
+
 # ---------------------------------------------------------------------------------------------------------- data
 
 def test_data_resize_reads_a_folder_of_mixed_sizes(tmp_path):
@@ -304,6 +334,33 @@ def test_user_labels_beyond_num_classes_are_refused_builtin_ones_fold():
     assert err.value.field == "model.num_classes" and "model.num_classes=5" in err.value.fix
     assert fold_labels(torch.tensor([0, 4]), 2, "natural-crops", labels_matter=False).tolist() == [0, 0]
     assert fold_labels(torch.tensor([0, 1]), 2, "image-folder", labels_matter=True).tolist() == [0, 1]
+
+
+def test_user_labels_beyond_num_classes_are_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """An image folder whose class subfolders outnumber model.num_classes: exit 2 naming model.num_classes, and no
+    model is built (the check runs on the data before the model)."""
+    from PIL import Image
+
+    import gradleak.run.pipeline as pipeline
+
+    rng = np.random.default_rng(0)
+    for cls in ("a", "b", "c"):
+        (tmp_path / "imgs" / cls).mkdir(parents=True)
+        for i in range(2):
+            Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(tmp_path / "imgs" / cls / f"{i}.png")
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was built before the labels were checked")
+
+    monkeypatch.setattr(pipeline, "build_handle", no_model)
+    raw = {**TINY, "data": {**TINY["data"], "name": "image-folder", "path": str(tmp_path / "imgs"), "batch_size": 6,
+                            "image_size": 16},
+           "model": {**TINY["model"], "num_classes": 2}}
+    from gradleak.run.runner import run_config
+
+    with pytest.raises(BadInput) as err:
+        run_config(raw, tmp_path / "out")
+    assert err.value.field == "model.num_classes" and "model.num_classes=3" in err.value.fix
 
 
 # ------------------------------------------------------------------------------------------------------ workers

@@ -67,7 +67,6 @@ def minilm():
     from gradleak.models.text import load_text_model
     from gradleak.peft.text_adapters import add_text_adapters
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
     tm = load_text_model("minilm", 2)
     add_text_adapters(tm.model, tm.layers(), tm.hidden_size, 2)
     return tm

@@ -118,6 +118,12 @@ class ImageData:
         """Whether the attack reads a domain prior image (granted under threat.public_data)."""
         return bool(self.cfg.attack_cls.uses_prior)
 
+    def check_labels(self, num_classes: int) -> None:
+        """Refuse a user's labels beyond ``model.num_classes`` (:func:`fold_labels`) before any model is built; a
+        built-in set's labels fold, so there is nothing to check."""
+        if self.cfg.data.name in USER_IMAGE_SETS:
+            self.clients(0, num_classes)
+
     def clients(self, trial: int, num_classes: int):
         sizes, val, prior = self._layout()
         test = self._test_size()
@@ -241,6 +247,11 @@ class TextData:
             texts, labels = self.ds.batch(B, seed=c.seed, offset=(trial * c.fl.clients + i) * B)
             out.append((texts, fold_labels(labels, num_classes, c.data.name, self._labels_matter())))
         return out
+
+    def check_labels(self, num_classes: int) -> None:
+        """Refuse a user's labels beyond ``model.num_classes`` (:func:`fold_labels`) before any model is built."""
+        if self._labels_matter():
+            self.clients(0, num_classes)
 
     def _labels_matter(self) -> bool:
         """A user's own labelled text set trained as a classifier (an LM task, causal by default, ignores labels)."""

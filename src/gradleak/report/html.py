@@ -206,13 +206,16 @@ def _json_default(o: Any) -> Any:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (a temporary file beside it, then a rename)."""
+    """Write ``text`` to ``path`` atomically (a temporary file beside it, then a rename); a private artifact (the
+    report embedding the clients' images) stays 0600 from creation (:func:`gradleak.report.images.artifact_mode`)."""
+    from gradleak.report.images import artifact_mode
+
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, artifact_mode(path))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

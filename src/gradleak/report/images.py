@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -12,6 +13,17 @@ import torch
 from PIL import Image
 
 UNRECOVERED_GREY = 0.5
+
+#: the artifacts that show the clients' private images (ground truth, reconstructions, the report embedding them):
+#: written owner-only (0600) from the moment the file exists, never readable by others even briefly
+PRIVATE_ARTIFACTS = re.compile(r"^(report\.html|(ground_truth|reconstruction|reconstructions_client\d+_round\d+)"
+                               r"(_trial\w+)?\.png)$")
+
+
+def artifact_mode(path: str | Path) -> int:
+    """The permission bits a report artifact is written with: 0600 for a private artifact (its name matches
+    :data:`PRIVATE_ARTIFACTS`), 0644 for the others."""
+    return 0o600 if PRIVATE_ARTIFACTS.match(Path(path).name) else 0o644
 
 
 def grid_array(images: torch.Tensor, nrow: int = 8, padding: int = 1, pad_value: float = 1.0) -> np.ndarray:
@@ -52,14 +64,15 @@ def save_image_grid(images: torch.Tensor, path: str | Path, nrow: int = 8, upsca
 
 
 def save_png_atomically(path, write) -> Path:
-    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it to ``path`` (readable by all)."""
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it to ``path``; the file is created 0600
+    (``mkstemp``) and opened to others only when it is not private (:func:`artifact_mode`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".png.tmp")
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, artifact_mode(path))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -258,18 +258,13 @@ def config_hash(raw: dict) -> str:
     return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,
-              only: list[str] | None = None, command: str = "", log: Callable[[str], Any] = print,
-              workers: int = 1) -> dict:
-    """Run the audit of ``raw`` (+ ``overrides``) into ``out_dir``: ``audit.json`` + ``report.html``.
-    ``workers`` > 1 runs the applicable attacks in a spawned process pool (one torch thread each)."""
-    from gradleak.run.results import environment
-    from gradleak.run.runner import check_out_dir, protect_private_artifacts, validate
+def plan_audit(raw: dict, overrides: list[str] | None = None, only: list[str] | None = None):
+    """Validate an audit before anything runs or is written: the config (+ ``overrides``), ``--only``, each attack
+    under the configured threat or its smallest upgrade, ``audit.seeds``. Returns ``(raw, names, entries, planned,
+    seeds, base_err)`` (``base_err``: the setup's first refusal); raises it when no attack can run."""
     from gradleak.registry import ATTACKS
+    from gradleak.run.runner import validate
 
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise BadInput("--workers", f"must be a whole number >= 1, got {workers!r}.",
-                       "use --workers 1 (in this process) or more (parallel attacks).")
     raw = audit_overrides(copy.deepcopy(raw), overrides or [])
     names = attack_names()
     if only:
@@ -280,7 +275,6 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     # the setup itself must be valid: validate it with the first attack the gate accepts (or report the first error)
     base_err = None
     entries, planned = [], []
-    t_all = time.perf_counter()
     for name in names:
         A = ATTACKS.get(name)
         summary = next((x.summary for x in ATTACKS if x.name == name), "")
@@ -319,9 +313,25 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     seeds = list(((raw.get("audit") or {}).get("seeds")) or [raw.get("seed", 0)])
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds):
         raise BadInput("audit.seeds", f"must be a list of integers, got {seeds!r}.", "write e.g. audit: {seeds: [0, 1, 2]}.")
-    multi = len(seeds) > 1
     if not planned and base_err is not None:  # nothing to run: refused before the output folder is made
         raise base_err
+    return raw, names, entries, planned, seeds, base_err
+
+
+def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,
+              only: list[str] | None = None, command: str = "", log: Callable[[str], Any] = print,
+              workers: int = 1) -> dict:
+    """Run the audit of ``raw`` (+ ``overrides``) into ``out_dir``: ``audit.json`` + ``report.html``.
+    ``workers`` > 1 runs the applicable attacks in a spawned process pool (one torch thread each)."""
+    from gradleak.run.results import environment
+    from gradleak.run.runner import check_out_dir, protect_private_artifacts, validate
+
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise BadInput("--workers", f"must be a whole number >= 1, got {workers!r}.",
+                       "use --workers 1 (in this process) or more (parallel attacks).")
+    raw, names, entries, planned, seeds, base_err = plan_audit(raw, overrides, only)
+    multi = len(seeds) > 1
+    t_all = time.perf_counter()
     out = check_out_dir(out_dir)  # validated first, then created
     _remove_stale_audit(out)
 
@@ -462,11 +472,13 @@ def run_audit_grid(raw: dict, out_dir: str | Path, overrides: list[str] | None =
     from gradleak.run.runner import check_out_dir
     from gradleak.run.sweep import MAX_CELLS, cell_config, expand_grid
 
-    out = check_out_dir(out_dir)
     base, cells = expand_grid(raw)
     if len(cells) > MAX_CELLS and not yes:
         raise BadInput("grid", f"{len(cells)} cells exceed the limit of {MAX_CELLS} for one audit grid.",
                        "shrink the grid, or pass --yes.")
+    for _, a in cells:  # every cell must plan (validate) before the folder is made or any cell runs
+        plan_audit(cell_config(base, a), overrides, only)
+    out = check_out_dir(out_dir)
     jobs = []
     for i, (cid, a) in enumerate(cells):
         d = out / "cells" / cell_dir_name(cid)

@@ -47,6 +47,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     # ---- data (private: the clients'; public: the server's, only if the threat model grants it)
     t0 = time.perf_counter()
     data = ImageData(cfg) if modality == "image" else TextData(cfg)
+    data.check_labels(cfg.model.num_classes)  # a user's labels beyond model.num_classes: refused before any model loads
     public: dict[str, Any] = {}
     if threat.public_data and modality == "image":
         public["public_images"] = data.public()

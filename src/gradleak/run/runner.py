@@ -112,9 +112,6 @@ def check_out_dir(out_dir: str | Path) -> Path:
 #: the files a run writes into its --out folder (gradleak's own names only: nothing else is ever removed)
 RUN_ARTIFACTS = re.compile(r"^(results\.json|report\.html|report_data\.json|"
                            r"(ground_truth|reconstruction|tsne|roc|reconstructions_client\d+_round\d+)(_trial\w+)?\.png)$")
-#: the run artifacts that show the clients' private images (ground truth, reconstructions, the report embedding them)
-PRIVATE_ARTIFACTS = re.compile(r"^(report\.html|(ground_truth|reconstruction|reconstructions_client\d+_round\d+)"
-                               r"(_trial\w+)?\.png)$")
 
 
 def remove_stale_artifacts(out: Path, pattern: re.Pattern = RUN_ARTIFACTS) -> list[str]:
@@ -133,7 +130,10 @@ def remove_stale_artifacts(out: Path, pattern: re.Pattern = RUN_ARTIFACTS) -> li
 
 
 def protect_private_artifacts(out: Path) -> None:
-    """Owner-only permissions (0600) on the artifacts that show the clients' private images."""
+    """Owner-only permissions (0600) on the artifacts that show the clients' private images (a backstop: the writers
+    already create them 0600, :func:`gradleak.report.images.artifact_mode`)."""
+    from gradleak.report.images import PRIVATE_ARTIFACTS
+
     for p in out.iterdir():
         if p.is_file() and not p.is_symlink() and PRIVATE_ARTIFACTS.match(p.name):
             os.chmod(p, 0o600)
