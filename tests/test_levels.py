@@ -130,3 +130,200 @@ def test_secure_aggregation_over_one_client_exposes_its_update():
     assert any("sum of one update" in line for line in one.describe())
     two = ThreatConfig().resolve(secure_aggregation=True, clients=2)
     assert not two.individual_updates and two.exposure is None
+
+
+# ------------------------------------------------------------------ the whole judgement: level, rule and evidence
+# (issue 31, mutation check of the evaluation units: the banner prints the rule and the evidence, so both are part of
+# the contract; each expected dict below is worked out by hand from the unit's rule table)
+
+def _same(a, b) -> bool:
+    """Equality with NaN == NaN (missing metrics are NaN in the evidence)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return type(a) is type(b) and a == b
+
+
+def _img_ev(psnr, ssim, p=0.002, psnr_bar=15.0, ssim_bar=0.3):
+    return {"psnr_max": psnr, "psnr_max_bar": psnr_bar, "ssim_max": ssim, "ssim_max_bar": ssim_bar,
+            "psnr_max_p_value": p}
+
+
+@pytest.mark.parametrize("kind, m, thr, want", [
+    ("images", {**_img(31.0, 0.95, above=2), "psnr_max_p_value": 0.002}, 30.0,
+     {"level": "exact", "rule": "a private image reconstructed at PSNR >= 30 dB",
+      "evidence": {**_img_ev(31.0, 0.95), "n_exact": 2.0}}),
+    ("images", {**_img(31.0, 0.95, above=1), "psnr_max_p_value": 0.002}, 25.5,
+     {"level": "exact", "rule": "a private image reconstructed at PSNR >= 25.5 dB",
+      "evidence": {**_img_ev(31.0, 0.95), "n_exact": 1.0}}),
+    ("images", {**_img(20.0, 0.6), "psnr_max_p_value": 0.002}, 30.0,
+     {"level": "strong", "rule": "best-image SSIM beyond the null (and the mean/grey image) and >= 0.5",
+      "evidence": _img_ev(20.0, 0.6)}),
+    ("images", {**_img(20.0, 0.5), "psnr_max_p_value": 0.002}, 30.0,   # SSIM at 0.5 exactly: strong (>=)
+     {"level": "strong", "rule": "best-image SSIM beyond the null (and the mean/grey image) and >= 0.5",
+      "evidence": _img_ev(20.0, 0.5)}),
+    ("images", _img(20.0, 0.49), 30.0,                                 # no p-value given: NaN in the evidence
+     {"level": "partial", "rule": "best-image PSNR beyond the null's 99th percentile (and the mean/grey image)",
+      "evidence": _img_ev(20.0, 0.49, p=NAN)}),
+    ("images", {**_img(14.0, 0.2, p99=13.0, mean_pub=14.5, grey=14.2), "ssim_max_null_p99": 0.1}, 30.0,
+     {"level": "none", "rule": "best-image PSNR not beyond the null",   # the bar is the mean public image (14.5)
+      "evidence": _img_ev(14.0, 0.2, p=NAN, psnr_bar=14.5, ssim_bar=0.2)}),
+    ("images", {**_img(14.0, 0.2, p99=13.0, mean_pub=12.0, grey=14.6)}, 30.0,
+     {"level": "none", "rule": "best-image PSNR not beyond the null",   # ... or the grey image (14.6)
+      "evidence": _img_ev(14.0, 0.2, p=NAN, psnr_bar=14.6)}),
+    ("images", _img(NAN, 0.9), 30.0,
+     {"level": "undefined", "rule": "best-image PSNR or its null is missing / NaN", "evidence": {"psnr_max": NAN}}),
+    ("patches", {**_img(40.0, 0.9), "patches_exact": 16, "psnr_max_p_value": 0.001}, 30.0,
+     {"level": "exact", "rule": "private image patches recovered (median of the recovered) at PSNR >= 30 dB",
+      "evidence": {**_img_ev(40.0, 0.9, p=0.001), "n_exact": 16.0}}),
+    ("patches", {**_img(40.0, 0.9), "patches_exact": 1}, 30.0,
+     {"level": "exact", "rule": "private image patches recovered (median of the recovered) at PSNR >= 30 dB",
+      "evidence": {**_img_ev(40.0, 0.9, p=NAN), "n_exact": 1.0}}),
+    ("patches", {**_img(40.0, 0.9), "images_above_threshold": 4}, 30.0,   # the patch count decides, not the image one
+     {"level": "strong", "rule": "best-image SSIM beyond the null (and the mean/grey image) and >= 0.5",
+      "evidence": _img_ev(40.0, 0.9, p=NAN)}),
+    ("patches", {**_img(14.0, 0.9, above=0), "patches_exact": 3, "ssim_max_null_p99": 0.95}, 30.0,
+     {"level": "none", "rule": "best-image PSNR not beyond the null",   # exact patches not beyond the null: not trusted
+      "evidence": _img_ev(14.0, 0.9, p=NAN, ssim_bar=0.95)}),
+])
+def test_image_kinds_judgement_in_full(kind, m, thr, want):
+    got = grade(kind, m, thr)
+    assert _same(got, want), got
+
+
+def _txt_ev(exact, r1, r2, bag, r2_bar=5.0, r1_bar=25.0, bag_bar=40.0):
+    return {"rouge1_f1": r1, "rouge2_f1": r2, "word_bag_recall": bag, "sentences_exact": exact,
+            "rouge2_f1_bar": r2_bar, "rouge1_f1_bar": r1_bar, "word_bag_recall_bar": bag_bar}
+
+
+@pytest.mark.parametrize("m, want", [
+    (_txt(exact=1, r1=100.0, r2=100.0, bag=100.0),
+     {"level": "exact", "rule": "a private sentence reconstructed word for word", "evidence": _txt_ev(1.0, 100.0, 100.0, 100.0)}),
+    (_txt(exact=1, r1=20.0, r2=2.0, bag=30.0),  # one exact sentence is exact even when the averages are low
+     {"level": "exact", "rule": "a private sentence reconstructed word for word", "evidence": _txt_ev(1.0, 20.0, 2.0, 30.0)}),
+    (_txt(r1=89.2, r2=77.5, bag=100.0, bag_order=6.0),
+     {"level": "strong", "rule": "ROUGE-2 F1 beyond the null (and the word bag in random order) and >= 50",
+      "evidence": _txt_ev(0.0, 89.2, 77.5, 100.0, r2_bar=6.0)}),
+    (_txt(r1=60.0, r2=49.9, bag=100.0),
+     {"level": "partial", "rule": "word-bag recall beyond the null's 99th percentile: the private words leak",
+      "evidence": _txt_ev(0.0, 60.0, 49.9, 100.0)}),
+    (_txt(bag=30.0, r1=25.5, p_r1=0.0049),
+     {"level": "partial", "rule": "ROUGE-1 F1 beyond the null's 99th percentile: the private words leak",
+      "evidence": _txt_ev(0.0, 25.5, 2.0, 30.0)}),
+    (_txt(bag=30.0, r1=25.5, p_r1=0.005),       # p must be below 0.005 (the Bonferroni half of 1 %)
+     {"level": "none", "rule": "word-bag recall not beyond the null", "evidence": _txt_ev(0.0, 25.5, 2.0, 30.0)}),
+    (_txt(bag=40.5, p_bag=NAN),                  # no p-value: the 99th percentile alone decides
+     {"level": "partial", "rule": "word-bag recall beyond the null's 99th percentile: the private words leak",
+      "evidence": _txt_ev(0.0, 20.0, 2.0, 40.5)}),
+    (_txt(bag=NAN, bag99=NAN, r1=25.5),
+     {"level": "partial", "rule": "ROUGE-1 F1 beyond the null's 99th percentile: the private words leak",
+      "evidence": _txt_ev(0.0, 25.5, 2.0, NAN, bag_bar=NAN)}),
+    (_txt(bag=NAN, bag99=NAN, r1=24.0),
+     {"level": "none", "rule": "ROUGE-1 F1 not beyond the null", "evidence": _txt_ev(0.0, 24.0, 2.0, NAN, bag_bar=NAN)}),
+    (_txt(bag=NAN, bag99=40.0),
+     {"level": "undefined", "rule": "word_bag_recall or its null is missing / NaN",
+      "evidence": _txt_ev(0.0, 20.0, 2.0, NAN)}),
+    (_txt(bag=NAN, bag99=NAN, r1=NAN),
+     {"level": "undefined", "rule": "rouge1_f1 or its null is missing / NaN",
+      "evidence": _txt_ev(0.0, NAN, 2.0, NAN, bag_bar=NAN)}),
+])
+def test_text_judgement_in_full(m, want):
+    got = grade("token_sequences", m)
+    assert _same(got, want), got
+
+
+def _mem_full(auc, tpr, d99=0.08, t99=0.05, low=NAN, high=NAN, members=16.0, nonmembers=48.0):
+    return {**_mem(auc, tpr, d99, t99), "auc_low": low, "auc_high": high, "members": members, "nonmembers": nonmembers}
+
+
+def _mem_ev(auc, tpr, low=NAN, high=NAN, t_bar=0.05, d_bar=0.08, members=16.0, nonmembers=48.0):
+    return {"auc": auc, "auc_interval": [low, high], "tpr_at_1pct_fpr": tpr, "tpr_at_1pct_fpr_bar": t_bar,
+            "auc_distance_bar": d_bar, "members": members, "nonmembers": nonmembers}
+
+
+@pytest.mark.parametrize("m, want", [
+    (_mem_full(1.0, 1.0, low=0.97, high=1.0),
+     {"level": "strong", "rule": "TPR at 1 % FPR >= 0.1 and beyond the null", "evidence": _mem_ev(1.0, 1.0, 0.97, 1.0)}),
+    (_mem_full(0.9, 0.1),                        # TPR at 0.1 exactly: strong (>=)
+     {"level": "strong", "rule": "TPR at 1 % FPR >= 0.1 and beyond the null", "evidence": _mem_ev(0.9, 0.1)}),
+    (_mem_full(0.9, 0.3, t99=0.3),               # TPR at its null's 99th percentile: not strong
+     {"level": "partial", "rule": "AUC above 0.5 beyond the null's 99th percentile of |AUC - 0.5|",
+      "evidence": _mem_ev(0.9, 0.3, t_bar=0.3)}),
+    (_mem_full(0.3, 0.0),
+     {"level": "partial", "rule": "AUC below (an inverted signal) 0.5 beyond the null's 99th percentile of |AUC - 0.5|",
+      "evidence": _mem_ev(0.3, 0.0)}),
+    (_mem_full(0.55, 0.0, members=8.0, nonmembers=100.0),
+     {"level": "none", "rule": "|AUC - 0.5| not beyond the null", "evidence": _mem_ev(0.55, 0.0, members=8.0, nonmembers=100.0)}),
+    ({**_mem_full(0.9, 0.5), "auc": NAN},        # a distance but no AUC: nothing measured
+     {"level": "undefined", "rule": "AUC undefined (needs members and non-members among the candidates)",
+      "evidence": _mem_ev(NAN, 0.5)}),
+    ({**_mem_full(0.9, 0.5), "auc_distance_null_p99": NAN},
+     {"level": "undefined", "rule": "AUC undefined (needs members and non-members among the candidates)",
+      "evidence": _mem_ev(0.9, 0.5, d_bar=NAN)}),
+])
+def test_membership_judgement_in_full(m, want):
+    got = grade("membership", m)
+    assert _same(got, want), got
+
+
+def _leak(rdlv, p99, ssim, s99, psnr, excess=0.5, p=0.001):
+    return {"rdlv": rdlv, "rdlv_null_p99": p99, "rdlv_excess": excess, "rdlv_p_value": p, "ssim": ssim,
+            "ssim_null_p99": s99, "psnr_max": psnr}
+
+
+def _leak_ev(rdlv, p99, ssim, s99, psnr, excess=0.5, p=0.001):
+    return {"rdlv": rdlv, "rdlv_null_p99": p99, "rdlv_excess": excess, "rdlv_p_value": p, "ssim": ssim,
+            "ssim_bar": s99, "psnr_max": psnr}
+
+
+@pytest.mark.parametrize("args, thr, want", [
+    ((4.86, 1.0, 0.91, 0.4, 30.0), 30.0, ("exact", "a best-matched reconstruction at PSNR >= 30 dB")),  # at thr: exact
+    ((4.86, 1.0, 0.91, 0.4, 30.0), 31.5, ("strong", "SSIM beyond the null and >= 0.5")),
+    ((4.86, 1.0, 0.91, 0.4, 31.5), 31.5, ("exact", "a best-matched reconstruction at PSNR >= 31.5 dB")),
+    ((1.0, 1.0, 0.3, 0.4, 35.0), 30.0, ("none", "RDLV not beyond the null")),  # PSNR alone, RDLV at its null: not exact
+    ((0.5, 1.0, 0.91, 0.4, 25.0), 30.0, ("strong", "SSIM beyond the null and >= 0.5")),  # SSIM decides strong alone
+    ((4.86, 1.0, 0.5, 0.4, 25.0), 30.0, ("strong", "SSIM beyond the null and >= 0.5")),
+    ((4.86, 1.0, 0.49, 0.4, 25.0), 30.0, ("partial", "RDLV beyond the null's 99th percentile (random held-out images, best of N)")),
+    ((4.86, 1.0, 0.6, 0.6, 25.0), 30.0, ("partial", "RDLV beyond the null's 99th percentile (random held-out images, best of N)")),
+    ((1.0, 1.0, 0.3, 0.4, 12.0), 30.0, ("none", "RDLV not beyond the null")),
+    ((NAN, 1.0, 0.3, 0.4, 12.0), 30.0, ("undefined", "RDLV or its null is missing / NaN")),
+    ((2.0, NAN, 0.3, 0.4, 12.0), 30.0, ("undefined", "RDLV or its null is missing / NaN")),
+])
+def test_leakage_judgement_in_full(args, thr, want):
+    got = grade("leakage", _leak(*args), thr)
+    assert _same(got, {"level": want[0], "rule": want[1], "evidence": _leak_ev(*args)}), got
+
+
+def test_the_level_helpers():
+    from gradleak.evaluation.levels import LEVELS, bar, beyond, leak_rank, level_rank, number
+
+    assert [level_rank(x) for x in ("undefined", "none", "partial", "strong", "exact")] == [0, 1, 2, 3, 4]
+    assert LEVELS == ("undefined", "none", "partial", "strong", "exact")
+    assert number({"a": "2.5"}, "a") == 2.5 and number({"a": 3}, "a") == 3.0
+    for bad in ({"a": None}, {"a": "x"}, {"a": [1]}, {}):
+        assert number(bad, "a") != number(bad, "a")  # NaN
+    assert bar({"k_null_p99": 1.0, "k_r": 2.0, "k_s": NAN}, "k", ("r", "s")) == 2.0
+    assert bar({"k_null_p99": 3.0, "k_r": 2.0}, "k", ("r",)) == 3.0
+    assert bar({"k_null_p99": NAN, "k_r": 2.0}, "k", ("r",)) == 2.0
+    assert bar({"k_null_p99": 3.0, "k_r": 9.0}, "k") == 3.0  # references only when named
+    assert bar({}, "k") != bar({}, "k")
+    assert beyond({"k": 2.0, "k_null_p99": 1.0}, "k") is True
+    assert beyond({"k": 1.0, "k_null_p99": 1.0}, "k") is False
+    assert beyond({"k": NAN, "k_null_p99": 1.0}, "k") is None and beyond({"k": 1.0}, "k") is None
+    assert grade("pixels", {"x": 1.0}) == {"level": "undefined", "evidence": {},
+                                           "rule": "no level rule for the reconstruction kind 'pixels'"}
+    # leak_rank: level first, then samples reconstructed, then the lower p-value, then the larger value; NaN last
+    runs = [{"level": "partial", "n_success": 0, "p_value": 0.001, "value": 5.0},
+            {"level": "strong", "n_success": 0, "p_value": 0.01, "value": 1.0},
+            {"level": "partial", "n_success": 2, "p_value": 0.5, "value": 0.0},
+            {"level": "partial", "n_success": 0, "p_value": 0.002, "value": 50.0},
+            {"level": "partial", "n_success": 0, "p_value": NAN, "value": 99.0},
+            {"level": "partial", "n_success": 0, "p_value": 0.001, "value": NAN},
+            {"level": "partial", "n_success": None, "p_value": 0.001, "value": 6.0},
+            {"value": 1e9}]
+    order = sorted(range(len(runs)), key=lambda i: leak_rank(runs[i]), reverse=True)
+    assert order == [1, 2, 6, 0, 5, 3, 4, 7]
+    assert leak_rank({"level": "none", "p_value": "x", "value": "y"}) == (1, 0, -2.0, -1e300)

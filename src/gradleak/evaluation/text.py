@@ -142,7 +142,7 @@ def grade_tokens(m: Mapping[str, Any], thr: float = 30.0) -> dict:
         return graded("strong", f"ROUGE-2 F1 beyond the null (and the word bag in random order) and >= {STRONG_ROUGE2:g}",
                     **ev)
     if part or r1:
-        which = "word-bag recall" if part else "ROUGE-1 F1"
+        which = "word-bag recall" if part and has_bag else "ROUGE-1 F1"  # without a bag, `part` is ROUGE-1's test
         return graded("partial", f"{which} beyond the null's 99th percentile: the private words leak", **ev)
     return graded("none", f"{'word-bag recall' if has_bag else 'ROUGE-1 F1'} not beyond the null", **ev)
 
