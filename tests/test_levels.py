@@ -327,3 +327,27 @@ def test_the_level_helpers():
     order = sorted(range(len(runs)), key=lambda i: leak_rank(runs[i]), reverse=True)
     assert order == [1, 2, 6, 0, 5, 3, 4, 7]
     assert leak_rank({"level": "none", "p_value": "x", "value": "y"}) == (1, 0, -2.0, -1e300)
+
+
+def test_the_default_threshold_is_30_db_and_a_missing_null_keeps_the_value_in_the_evidence():
+    from gradleak.evaluation.images import grade_images
+    from gradleak.evaluation.leakage import grade_leakage
+    from gradleak.evaluation.patches import grade_patches
+
+    assert grade_leakage(_leak(4.86, 1.0, 0.91, 0.4, 30.5))["level"] == "exact"  # 30.5 >= 30 (not 31)
+    assert grade("leakage", _leak(4.86, 1.0, 0.91, 0.4, 30.5))["level"] == "exact"
+    img = {**_img(31.0, 0.95, above=1), "patches_exact": 1}
+    assert grade_images(img)["rule"] == "a private image reconstructed at PSNR >= 30 dB"
+    assert grade_patches(img)["rule"] == "private image patches recovered (median of the recovered) at PSNR >= 30 dB"
+    assert grade("images", img)["rule"] == "a private image reconstructed at PSNR >= 30 dB"
+    no_null = {**_img(20.0, 0.9), "psnr_max_null_p99": NAN, "psnr_max_mean_public": NAN, "psnr_max_grey": NAN}
+    assert _same(grade("images", no_null), {"level": "undefined", "rule": "best-image PSNR or its null is missing / NaN",
+                                            "evidence": {"psnr_max": 20.0}})
+
+
+def test_strong_image_ssim_must_also_beat_the_mean_public_image():
+    """SSIM beyond the random-image null but not beyond the mean public image's SSIM is no sample-specific image."""
+    m = {**_img(20.0, 0.6), "ssim_max_mean_public": 0.7}
+    assert grade("images", m)["level"] == "partial"
+    assert grade("images", {**m, "ssim_max_mean_public": 0.55})["level"] == "strong"
+    assert grade("images", {**m, "ssim_max_mean_public": 0.1, "ssim_max_grey": 0.65})["level"] == "partial"
