@@ -468,6 +468,8 @@ def test_dataset_modality():
 
 
 @pytest.mark.parametrize("private,public", [("natural-crops", "natural-crops"), ("imagenet-samples", "natural-crops"),
+                                            ("natural-crops", "natural-crops-a"), ("natural-crops-b", "imagenet-samples"),
+                                            ("natural-crops-a", "natural-crops-a"),
                                             ("cifar-samples", "cifar10-samples"), ("public-natural", "public-natural")])
 def test_check_disjoint_refuses_shared_photos(private, public):
     with pytest.raises(BadInput) as err:
@@ -479,7 +481,8 @@ def test_check_disjoint_refuses_shared_photos(private, public):
 
 
 @pytest.mark.parametrize("private,public", [("cifar-samples", "natural-crops"), ("imagenet-samples", "public-natural"),
-                                            ("cifar10-samples", "cifar100-samples"), ("fashion-mnist", "natural-crops")])
+                                            ("cifar10-samples", "cifar100-samples"), ("fashion-mnist", "natural-crops"),
+                                            ("natural-crops-a", "natural-crops-b"), ("natural-crops-b", "natural-crops-a")])
 def test_check_disjoint_accepts(private, public):
     data.check_disjoint(private, public)
 
@@ -522,3 +525,19 @@ def test_lfw_faces_through_the_pipeline_loader_become_rgb_at_the_configured_size
     x, y = load_images("lfw-faces", 4, 64, 0, "data.batch_size")
     assert x.shape == (4, 3, 64, 64) and torch.equal(x[:, 0], x[:, 1]) and y.tolist() == [0, 1, 2, 3]
     assert 0 <= float(x.min()) and float(x.max()) <= 1
+
+
+def test_natural_crops_halves_crop_disjoint_photos_and_the_whole_set_is_unchanged():
+    """natural-crops-a / -b crop ImageNet sample photos 0-9 / 10-19 only (a same-distribution public/private split);
+    natural-crops still crops all 20 photos with the same seeded draw as before the split."""
+    from gradleak.data.base import random_square_crops
+
+    a = builtin.natural_crops_a(n=64, size=16, seed=3)
+    b = builtin.natural_crops_b(n=64, size=16, seed=3)
+    assert set(a.meta["photos"]) <= set(range(10)) and set(b.meta["photos"]) <= set(range(10, 20))
+    assert len(set(a.meta["photos"])) > 5 and len(set(b.meta["photos"])) > 5
+    photos, labels, names = builtin._imagenet_photos()
+    assert {n.split("#")[0] for n in a.names} <= set(names[:10]) and {n.split("#")[0] for n in b.names} <= set(names[10:])
+    arrays, src, _ = random_square_crops(photos, 32, 16, 5, 0.25)
+    whole = builtin.natural_crops(n=32, size=16, seed=5)
+    assert torch.equal(whole.images, builtin.stack(arrays)) and whole.labels.tolist() == [labels[k] for k in src]

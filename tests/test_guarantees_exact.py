@@ -320,3 +320,58 @@ def test_one_client_exposure_overrides_a_configured_secure_view():
 
     tm = ThreatConfig(individual_updates=False).resolve(True, clients=1)
     assert tm.individual_updates is True and tm.exposure
+
+
+# ---------------------------------------------- what the server infers from a published defense (attacks at strength)
+
+def _plain_update(P_a=12, P_b=4) -> Update:
+    g = torch.Generator().manual_seed(1)
+    return Update({"a": torch.randn(P_a, generator=g, dtype=torch.float64),
+                   "b": torch.randn(P_b, generator=g, dtype=torch.float64)}, 1, 0)
+
+
+def test_observed_noise_variance_of_each_defense_exactly():
+    """The per-coordinate noise variance each published defense puts on an observed upload (individual) or on the
+    observed mean of K uploads: absolute σ², relative σ²‖g‖²/(1 + Pσ²), per-coordinate σ²‖g‖²/(1 + σ²)/P; DP-Gaussian
+    (σC)² on each upload, (σC/K)² on a central mean; None where the scale is unknown to the server."""
+    u = _plain_update()
+    P, n2 = 16, float(u.norm()) ** 2
+    assert GaussianNoise(0.3).observed_noise_variance(u) == pytest.approx(0.09, rel=1e-12)
+    assert GaussianNoise(0.3).observed_noise_variance(u, aggregate_of=4, individual=False) == pytest.approx(0.09 / 4)
+    assert GaussianNoise(0.3).observed_noise_variance(u, individual=False) == pytest.approx(0.09)  # default K = 1
+    assert GaussianNoise(0.3).observed_noise_variance(u, aggregate_of=4) == pytest.approx(0.09)  # individual: no 1/K
+    rel = GaussianNoise(0.3, relative=True).observed_noise_variance(u)
+    assert rel == pytest.approx(0.09 * n2 / (1 + P * 0.09), rel=1e-12)
+    pc = GaussianNoise(0.3, per_coordinate=True).observed_noise_variance(u)
+    assert pc == pytest.approx(0.09 * n2 / (1 + 0.09) / P, rel=1e-12)
+    assert GaussianNoise(0.3, per_coordinate=True).observed_noise_variance(u, aggregate_of=2, individual=False) == \
+        pytest.approx(pc / 2, rel=1e-12)
+    dp = DPGaussian(noise_multiplier=0.5, max_norm=3.0)  # σC = 1.5
+    assert dp.observed_noise_variance(u) == pytest.approx(2.25)
+    assert dp.observed_noise_variance(u, aggregate_of=4) == pytest.approx(2.25)  # an individual upload: no 1/K
+    assert dp.observed_noise_variance(u, aggregate_of=4, individual=False) == pytest.approx(2.25 / 4)
+    assert dp.observed_noise_variance(u, individual=False) == pytest.approx(2.25)
+    central = DPGaussian(noise_multiplier=0.5, max_norm=2.0, where="server")
+    assert central.observed_noise_variance(u) == 0.0
+    assert central.observed_noise_variance(u, aggregate_of=4, individual=False) == pytest.approx(1 / 16)
+    assert central.observed_noise_variance(u, individual=False) == pytest.approx(1.0)
+    assert GaussianPercentileNoise(sigma0=0.1).observed_noise_variance(u) is None
+    assert GaussianPercentileNoise(sigma0=0.1).observed_noise_variance(u, aggregate_of=3, individual=False) is None
+    assert StochasticQuantization(bits=4).observed_noise_variance(u) is None
+    assert StochasticQuantization(bits=4).observed_noise_variance(u, aggregate_of=3, individual=False) is None
+    assert GaussianPercentileNoise(sigma0=0.25).report([]) == {"noise_sigma0": 0.25}
+
+
+def test_build_defenses_names_the_entry_and_the_parameter():
+    from gradleak.defenses.base import build_defenses
+    from gradleak.errors import BadInput
+
+    with pytest.raises(BadInput) as err:
+        build_defenses([{"name": "clipping", "params": {"max_norm": 1.0}}, {"name": "dpsgd"}])
+    assert err.value.field == "defenses[1].name" and "training-time defense" in err.value.problem
+    with pytest.raises(BadInput) as err:
+        build_defenses([{"name": "clipping", "params": {"max_norm": 1.0, "max_nrm": 1.0}}])
+    assert err.value.field == "defenses[0].params.max_nrm" and "parameters of 'clipping': max_norm" in err.value.fix
+    with pytest.raises(BadInput) as err:
+        build_defenses([{"name": "clipping", "params": {}}])
+    assert err.value.field == "defenses[0].params.max_norm"

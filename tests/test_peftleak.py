@@ -67,6 +67,28 @@ def test_paper_design_recovers_exact_patches():
     assert m["recovered_patch_psnr_median"] >= 40
 
 
+def test_authors_count_is_the_nonzero_bins_and_bounds_the_strict_count():
+    """The authors' count (every usable bin with a non-zero bias-gradient difference, recover_adapter.py) is what the
+    paper design reports beside our strict count: each strictly recovered patch comes from its own non-empty bin, so
+    it bounds the strict count from above; it is counted by hand here from the upload."""
+    atk, model, x = _tiny("paper", B=8)
+    view, _ = _run(atk, model, x)
+    rec = atk.reconstruct(view)
+    srv = atk.server
+    by_hand = 0
+    for k in range(len(view.rounds)):
+        upd = view.rounds[k][0]
+        for sp in srv.plans[k].slots:
+            gb = upd.tensors[f"{sp.slot.prefix}.down.bias"].double()
+            dgb = torch.cat([gb[:-1] - gb[1:], gb[-1:]])
+            usable = torch.zeros(srv.r, dtype=torch.bool)
+            usable[sp.usable_bins] = True
+            by_hand += int((usable & (dgb.abs() > 1e-9 * (gb.abs().max() + 1e-300))).sum())
+    assert rec.metrics["nonzero_bins"] == by_hand > 0
+    m = patch_recovery(image_to_patches(x, 8), rec.data["patches"], rec.data["positions"], rec.data["groups"])
+    assert by_hand >= round(m["patch_recovery_rate"] * 8 * 4)
+
+
 def test_simulator_matches_real_model_per_token():
     """The attacker's per-token simulator reproduces the poisoned model's adapter outputs exactly,
     which is what makes identity attention (no token mixing) and the LayerNorm undo exact."""

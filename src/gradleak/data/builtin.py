@@ -124,15 +124,39 @@ def natural_crops(n: int = 128, size: int = 32, seed: int = 0, min_scale: float 
     class of the source photo. These images overlap ``imagenet-samples`` — never use them as *public*
     data against an ImageNet-sample victim; use ``public-natural`` for that.
     """
+    return _crops_of(range(20), "natural-crops", n, size, seed, min_scale)
+
+
+def _crops_of(which, name: str, n: int, size: int, seed: int, min_scale: float) -> ImageSet:
+    """``n`` seeded random crops of the ImageNet sample photos with indices ``which``."""
     n = check_positive_int(n, "data.n")
     size = check_positive_int(size, "data.size")
     if not 0.0 < float(min_scale) <= 1.0:
         raise BadInput("data.min_scale", f"expected a fraction in (0, 1], got {min_scale!r}.")
     photos, labels, names = _imagenet_photos()
-    arrays, src, boxes = random_square_crops(photos, n, size, int(seed), float(min_scale))
+    which = list(which)
+    arrays, src, boxes = random_square_crops(tuple(photos[k] for k in which), n, size, int(seed), float(min_scale))
+    src = [which[k] for k in src]
     crop_names = [f"{names[k]}#crop{i}" for i, k in enumerate(src)]
     return ImageSet(stack(arrays), torch.tensor([labels[k] for k in src], dtype=torch.int64), crop_names, 1000,
-                    "natural-crops", {"boxes": boxes, "seed": int(seed)})
+                    name, {"boxes": boxes, "seed": int(seed), "photos": sorted(set(src))})
+
+
+#: the two halves of the 20 ImageNet sample photos (by file order): a same-distribution, disjoint private/public split
+IMAGENET_HALVES = {"natural-crops-a": range(0, 10), "natural-crops-b": range(10, 20)}
+
+
+@DATASETS.register("natural-crops-a",
+                   "seeded random crops of ImageNet sample photos 0-9 (disjoint from natural-crops-b: the same "
+                   "distribution for a server's public statistics)")
+def natural_crops_a(n: int = 128, size: int = 32, seed: int = 0, min_scale: float = 0.25) -> ImageSet:
+    return _crops_of(IMAGENET_HALVES["natural-crops-a"], "natural-crops-a", n, size, seed, min_scale)
+
+
+@DATASETS.register("natural-crops-b",
+                   "seeded random crops of ImageNet sample photos 10-19 (disjoint from natural-crops-a)")
+def natural_crops_b(n: int = 128, size: int = 32, seed: int = 0, min_scale: float = 0.25) -> ImageSet:
+    return _crops_of(IMAGENET_HALVES["natural-crops-b"], "natural-crops-b", n, size, seed, min_scale)
 
 
 # Natural photographs shipped inside scikit-image (the ones that load offline; ASSETS.md) and scikit-learn.

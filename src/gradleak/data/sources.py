@@ -15,7 +15,8 @@ from gradleak.registry import DATASETS
 FAMILIES: dict[str, str] = {
     "foolbox-cifar10": "the 20 CIFAR-10 test images shipped in foolbox",
     "foolbox-cifar100": "the 20 CIFAR-100 images shipped in foolbox",
-    "foolbox-imagenet": "the 20 ImageNet photos shipped in foolbox",
+    "foolbox-imagenet-a": "ImageNet photos 0-9 shipped in foolbox",
+    "foolbox-imagenet-b": "ImageNet photos 10-19 shipped in foolbox",
     "skimage-sklearn": "the sample photos shipped in scikit-image and scikit-learn",
     "fashion-mnist": "Debian's Fashion-MNIST files",
     "skimage-lfw": "the LFW faces of scikit-image's lfw_subset",
@@ -26,8 +27,10 @@ SOURCES: dict[str, frozenset[str]] = {
     "cifar10-samples": frozenset({"foolbox-cifar10"}),
     "cifar100-samples": frozenset({"foolbox-cifar100"}),
     "cifar-samples": frozenset({"foolbox-cifar10", "foolbox-cifar100"}),
-    "imagenet-samples": frozenset({"foolbox-imagenet"}),
-    "natural-crops": frozenset({"foolbox-imagenet"}),  # random crops of the imagenet-samples photos
+    "imagenet-samples": frozenset({"foolbox-imagenet-a", "foolbox-imagenet-b"}),
+    "natural-crops": frozenset({"foolbox-imagenet-a", "foolbox-imagenet-b"}),  # crops of the imagenet-samples photos
+    "natural-crops-a": frozenset({"foolbox-imagenet-a"}),  # crops of photos 0-9 only
+    "natural-crops-b": frozenset({"foolbox-imagenet-b"}),  # crops of photos 10-19 only
     "public-natural": frozenset({"skimage-sklearn"}),  # built to be disjoint from every attacked set
     "fashion-mnist": frozenset({"fashion-mnist"}),  # train and test splits: one family (same name)
     "lfw-faces": frozenset({"skimage-lfw"}),  # not among public-natural's photos (PUBLIC_SKIMAGE_PHOTOS)

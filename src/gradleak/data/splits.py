@@ -20,7 +20,7 @@ from gradleak.data.text import load_text
 from gradleak.errors import BadInput
 
 #: generated image sets (any number of images, drawn with the seed); every other set is a fixed list
-GENERATED = ("natural-crops", "public-natural")
+GENERATED = ("natural-crops", "natural-crops-a", "natural-crops-b", "public-natural")
 #: a user's own image sets (must have the configured size unless ``data.resize``)
 USER_IMAGE_SETS = ("image-folder", "npz")
 #: a user's own text sets: their labels are the task's, so they must lie in 0..model.num_classes-1

@@ -44,6 +44,14 @@ def evaluate_patches(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
     metrics["psnr_max"] = float(_psnr(filled, truth01).max())
     metrics["ssim_max"] = float(_ssim2(filled.float(), truth01.float()).max())
     total = int(metrics.get("num_true_patches", 0))
+    attacked_n = len(d.get("attacked_positions") or range(1, N + 1))
+    nz = (rec.metrics or {}).get("nonzero_bins")
+    if nz is not None and (rec.metrics or {}).get("hash_directions_per_position", 1) == 1:
+        # the authors' count (info-ucr/PEFTLeak recover_adapter.py): every bin whose bias-gradient difference is
+        # non-zero is one "recovered" patch, collisions included, correctness unchecked; a share of the B x (attacked
+        # positions) true patches. Single-direction (paper) design only: the improved design hashes every patch into
+        # each of its K adapters, so its non-zero bins count a patch K times.
+        metrics["authors_count_rate"] = float(nz) / max(1, B * attacked_n)
     ok = metrics.get("recovered_patch_psnr_median", 0) >= thr
     metrics["patches_exact"] = float(round(metrics.get("patch_recovery_rate", 0.0) * total)) if ok else 0.0
     null_notes: list[str] = []

@@ -94,6 +94,7 @@ class PEFTLeakRecovery:
         self._match_tol = 1e-4 if multi_step else 1e-6
         found: list[dict[str, Any]] = []
         bins_seen = 0
+        self._nonzero_bins = 0  # the authors' count (recover_adapter.py): every usable bin with dGb != 0
         for k in range(n_rounds):
             upd = view.rounds[k][0]
             state = {n: v.detach().cpu() for n, v in view.round_states[k].items()}  # the analysis runs on the CPU
@@ -109,6 +110,7 @@ class PEFTLeakRecovery:
                 "patch_size": srv.P, "channels": srv.C, "num_positions": srv.N, "image_size": srv.S,
                 "attacked_positions": attacked}
         metrics = {"attacked_positions": len(attacked), "rounds_used": n_rounds, "adapters_per_position": srv.K,
+                   "nonzero_bins": self._nonzero_bins,
                    "hash_directions_per_position": srv.K if srv.multi_direction else 1,
                    "positions_per_round": srv.ppr, "rounds_needed_all_positions": srv.num_rounds}
         return Reconstruction(data, info, metrics)
@@ -136,6 +138,7 @@ class PEFTLeakRecovery:
             self._dgb[sp.index] = dGb
             for j in torch.nonzero(ok)[:, 0].tolist():
                 bins.append({"plan": sp, "bin": j, "db": float(dGb[j]), "dw": dGW[j]})
+        self._nonzero_bins += len(bins)
         if not bins:
             return []
         cands = self._candidates(bins, [b["db"] for b in bins], torch.stack([b["dw"] for b in bins]), k)
