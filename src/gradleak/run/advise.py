@@ -65,9 +65,11 @@ def fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def defended_config(raw: dict, spec: dict, value: Any) -> dict:
+def defended_config(raw: dict, spec: dict, value: Any, membership: bool = True) -> dict:
     """``raw`` with the candidate at ``value``: a defense already there of the same name is replaced (its other
-    parameters kept), others are kept."""
+    parameters kept), others are kept. Secure aggregation over K clients: when no membership attack is searched
+    (``membership`` false), ``data.nonmembers`` (per client: the membership attacks' candidates) is divided by K so
+    the K clients' data fit the data set as one client's did."""
     out = copy.deepcopy(raw)
     name, p = spec["name"], spec["param"]
     if spec["stage"] == "update":
@@ -80,6 +82,10 @@ def defended_config(raw: dict, spec: dict, value: Any) -> dict:
         out["defense"] = {**spec["fixed"], **(old or {}), "name": name, p: value}
     else:  # secure aggregation over `value` clients
         out["fl"] = {**(out.get("fl") or {}), "secure_aggregation": True, "clients": int(value)}
+        nonmembers = (out.get("data") or {}).get("nonmembers")
+        if not membership and nonmembers:
+            out["data"] = {**out["data"], "nonmembers": max(1, int(nonmembers) * int((raw.get("fl") or {}).get(
+                "clients", 1)) // int(value))}
         threat = dict(out.get("threat") or {})
         if threat.get("individual_updates"):
             threat.pop("individual_updates")
@@ -100,14 +106,16 @@ def starting_point(raw: dict, spec: dict) -> Any:
     return fl.get("clients", 1) if fl.get("secure_aggregation") else None
 
 
-def set_strings(raw: dict, spec: dict, value: Any) -> list[str]:
+def set_strings(raw: dict, spec: dict, value: Any, membership: bool = True) -> list[str]:
     """The ``--set`` overrides that put the candidate at ``value`` into the audited config."""
-    cfg = defended_config(raw, spec, value)
+    cfg = defended_config(raw, spec, value, membership)
     if spec["stage"] == "update":
         return ["defenses=" + json.dumps(cfg["defenses"])]
     if spec["stage"] == "training":
         return ["defense=" + json.dumps(cfg["defense"])]
-    return ["fl.secure_aggregation=true", f"fl.clients={int(value)}"]
+    return ["fl.secure_aggregation=true", f"fl.clients={int(value)}"] + (
+        [f"data.nonmembers={cfg['data']['nonmembers']}"] if (cfg.get("data") or {}).get("nonmembers") != (
+            raw.get("data") or {}).get("nonmembers") else [])
 
 
 def gaussian_epsilon(noise_multiplier: float, steps: int, delta: float = DELTA) -> float | None:
@@ -203,12 +211,12 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     if not data.get("test_size"):
         data["test_size"] = TEST_SIZE
         base["data"] = data
-        advice["test_size_note"] = (f"data.test_size = {TEST_SIZE} set for the probes (the config has none); on text "
-                                    "data the held-out sentences come before the clients', so the probes' clients hold "
-                                    "other sentences than the audit's: the baseline probe is their reference")
+        advice["test_size_note"] = (f"data.test_size = {TEST_SIZE} set for the probes (the config has none; the "
+                                    "held-out samples are disjoint from the clients', which stay the same)")
     advice["test_size"] = data["test_size"]
     utility_from = [a for a in leaking if not ATTACKS.get(a).rewrites_weights]
     kinds = {ATTACKS.get(a).reconstruction for a in leaking}
+    member = "membership" in kinds
     out = Path(out_dir) / "advise"
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / f"advise-{config_hash({'config': base, 'only': leaking})}.jsonl"
@@ -252,7 +260,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             row["starting_point"] = start
         advice["rows"].append(row)
         try:  # admitted by this setup? (the gate refusing every attack is a stop, not a refusal of the defense)
-            plan_audit(defended_config(base, spec, spec["strong"]), [], leaking)
+            plan_audit(defended_config(base, spec, spec["strong"], member), [], leaking)
         except BadInput as err:
             if not err.field.startswith("threat."):
                 row.update({"status": "not_applicable", "note": str(err)})
@@ -261,7 +269,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             row.update({"status": "unfinished", "note": "not started: the budget was spent"})
             continue
         cid = f"{spec['name']}:{spec['param']}={fmt(spec['strong'])}"
-        r = run_probe(cid, defended_config(base, spec, spec["strong"]))
+        r = run_probe(cid, defended_config(base, spec, spec["strong"], member))
         row["probes"].append([spec["strong"], cid])
         if "error" in r:
             row.update({"status": "failed", "note": r["error"]})
@@ -280,7 +288,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                 status = "unfinished"
                 break
             cid = f"{spec['name']}:{spec['param']}={fmt(m)}"
-            rm = run_probe(cid, defended_config(base, spec, m))
+            rm = run_probe(cid, defended_config(base, spec, m, member))
             row["probes"].append([m, cid])
             if "error" in rm:
                 bad = m  # a failed probe is not evidence of a stop
@@ -289,8 +297,8 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             else:
                 bad = m
         row.update({"status": status, "strength": good, "interval": [bad, good], "levels": _levels(found, leaking),
-                    "accuracy": found.get("accuracy"), "set": set_strings(base, spec, good),
-                    "config": {k: v for k, v in defended_config(base, spec, good).items()
+                    "accuracy": found.get("accuracy"), "set": set_strings(base, spec, good, member),
+                    "config": {k: v for k, v in defended_config(base, spec, good, member).items()
                                if k in ("defenses", "defense", "fl", "threat")}})
         if status == "unfinished":
             row["note"] = (f"unfinished (budget): stops at {fmt(good)}; the weakest strength lies in "
