@@ -35,7 +35,9 @@ def test_advice_round_trip_recommended_strength_gives_no_leak_found(tmp_path, on
     row = next(r for r in adv["rows"] if r["defense"] == rec["defense"])
     assert row["levels"] == {"utr": "none"} and isinstance(row["accuracy"], float)
     assert row["cost"] == pytest.approx(adv["baseline"]["accuracy"] - row["accuracy"])
-    assert len(row["probes"]) == 2  # the strong end, then one bisection step
+    assert [p[0] for p in row["probes"][:2]] == [row["bracket"][1], 0.1 if rec["defense"] == "gaussian_noise"
+                                                 else pytest.approx(0.978, abs=1e-3)]  # strong end, one step
+    assert len(row["probes"]) == 2 or row["probes"][2][0] == row["bracket"][0]  # (+ the weak end if all stopped)
     assert rec["strength"] == row["strength"] and row["interval"][1] == row["strength"]
     saved = json.loads((tmp_path / "a" / "audit.json").read_text())
     assert saved["advice"]["recommendation"] == rec
@@ -112,6 +114,13 @@ def test_not_stopped_within_the_bracket_and_a_configured_defense_is_the_starting
     assert row["status"] == "not_stopped" and row["bracket"] == [0.01, 10.0] and row["starting_point"] == 0.01
     assert "not stopped within [0.01, 10]" in row["note"] and adv["recommendation"] is None
     assert len(calls) == 2  # baseline, strong end: no bisection
+    # every probe stops: the weak end is measured too, and reported as the strength (weaker ones not searched)
+    calls.clear()
+    monkeypatch.setattr(mod, "probe", _fake(calls, threshold=0.0))
+    adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=2, log=lambda m: None)
+    (row,) = adv["rows"]
+    assert [p[0] for p in row["probes"]] == [10.0, 0.1, 0.01, 1e-3] and row["strength"] == 1e-3
+    assert row["interval"] == [None, 1e-3] and "weak end" in row["note"] and len(calls) == 5
 
 
 def test_budget_marks_unfinished_defenses(tmp_path, monkeypatch):

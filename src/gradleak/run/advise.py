@@ -186,10 +186,8 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     see the module docstring. Probes go to ``out_dir/advise/``; returns the ``advice`` dict."""
     from gradleak.evaluation.levels import LEAKING
     from gradleak.registry import ATTACKS
-    from gradleak.run.audit import candidate, config_hash, plan_audit
+    from gradleak.run.audit import config_hash, plan_audit
     from gradleak.run.cells import Cell, cell_dir_name, error_text, run_cells
-    from gradleak.run.runner import validate
-
     budget_seconds = check_budget(budget_seconds)
     t0 = clock()
     leaking = [e["name"] for e in audit_result["attacks"] if e.get("level") in LEAKING]
@@ -206,7 +204,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     if not leaking:
         advice["sentence"] = "Nothing to stop: no attack leaked above its null in this audit."
         return advice
-    _, cfg0 = validate(candidate(base, leaking[0], None))
+    cfg0 = plan_audit(base, [], leaking)[3][0][2]  # the first leaking attack's validated config (threat upgraded if so)
     data = dict(base.get("data") or {})
     if not data.get("test_size"):
         data["test_size"] = TEST_SIZE
@@ -296,7 +294,18 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                 good, found = m, rm
             else:
                 bad = m
-        row.update({"status": status, "strength": good, "interval": [bad, good], "levels": _levels(found, leaking),
+        if status == "stopped" and bad == weak and start is None and not over_budget():
+            # every probe stopped: the weak end, assumed to leak, is measured (the configured strength is measured
+            # by the audit itself)
+            cid = f"{spec['name']}:{spec['param']}={fmt(weak)}"
+            rw = run_probe(cid, defended_config(base, spec, weak, member))
+            row["probes"].append([weak, cid])
+            if "error" not in rw and stopped(rw, leaking):
+                good, found = weak, rw
+                row["note"] = (f"stops already at the bracket's weak end {fmt(weak)}: a weaker strength may stop it "
+                               "too (not searched)")
+        row.update({"status": status, "strength": good, "interval": [bad if bad != good else None, good],
+                    "levels": _levels(found, leaking),
                     "accuracy": found.get("accuracy"), "set": set_strings(base, spec, good, member),
                     "config": {k: v for k, v in defended_config(base, spec, good, member).items()
                                if k in ("defenses", "defense", "fl", "threat")}})
@@ -403,14 +412,20 @@ def run_audit_advised(raw: dict, out_dir: str | Path, overrides: list[str] | Non
         return {"cell": cell.id, "verdict": res["verdict"], "config_hash": res["config_hash"], "seconds": seconds}
 
     jsonl = out / "advise" / f"audit-{h}.jsonl"
-    done = run_cells([Cell("audit", run_audit, (raw, out, overrides, device, only, command, log, workers))], jsonl,
+    fresh: list = []
+
+    def audit_job(*args):
+        fresh.append(True)
+        return run_audit(*args)
+
+    done = run_cells([Cell("audit", audit_job, (raw, out, overrides, device, only, command, log, workers))], jsonl,
                      audit_row, fatal=(BadInput,), label="advise", log=lambda m: None)
     if "error" in done["audit"]:
         raise RuntimeError(f"the audit failed (rerun to retry): {done['audit']['error']}")
     result = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
     if result is None or result.get("config_hash") != done["audit"].get("config_hash"):  # audit.json gone or other
         result = run_audit(raw, out, overrides, device, only=only, command=command, log=log, workers=workers)
-    else:
+    elif not fresh:
         log("[advise] the audit of this config was done before: reused (audit.json)")
     log("[advise] searching the weakest defense that stops: "
         + (", ".join(e["name"] for e in result["attacks"] if e.get("level") in ("partial", "strong", "exact"))
