@@ -65,11 +65,11 @@ def fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def defended_config(raw: dict, spec: dict, value: Any, membership: bool = True) -> dict:
+def defended_config(raw: dict, spec: dict, value: Any) -> dict:
     """``raw`` with the candidate at ``value``: a defense already there of the same name is replaced (its other
-    parameters kept), others are kept. Secure aggregation over K clients: when no membership attack is searched
-    (``membership`` false), ``data.nonmembers`` (per client: the membership attacks' candidates) is divided by K so
-    the K clients' data fit the data set as one client's did."""
+    parameters kept), others are kept. Secure aggregation over K clients: ``data.nonmembers`` (per client: the
+    membership attacks' candidates) is divided by K, the same candidates in all, so the K clients' data fit the data
+    set as the configured clients' did."""
     out = copy.deepcopy(raw)
     name, p = spec["name"], spec["param"]
     if spec["stage"] == "update":
@@ -83,7 +83,7 @@ def defended_config(raw: dict, spec: dict, value: Any, membership: bool = True) 
     else:  # secure aggregation over `value` clients
         out["fl"] = {**(out.get("fl") or {}), "secure_aggregation": True, "clients": int(value)}
         nonmembers = (out.get("data") or {}).get("nonmembers")
-        if not membership and nonmembers:
+        if nonmembers:
             out["data"] = {**out["data"], "nonmembers": max(1, int(nonmembers) * int((raw.get("fl") or {}).get(
                 "clients", 1)) // int(value))}
         threat = dict(out.get("threat") or {})
@@ -106,9 +106,9 @@ def starting_point(raw: dict, spec: dict) -> Any:
     return fl.get("clients", 1) if fl.get("secure_aggregation") else None
 
 
-def set_strings(raw: dict, spec: dict, value: Any, membership: bool = True) -> list[str]:
+def set_strings(raw: dict, spec: dict, value: Any) -> list[str]:
     """The ``--set`` overrides that put the candidate at ``value`` into the audited config."""
-    cfg = defended_config(raw, spec, value, membership)
+    cfg = defended_config(raw, spec, value)
     if spec["stage"] == "update":
         return ["defenses=" + json.dumps(cfg["defenses"])]
     if spec["stage"] == "training":
@@ -137,12 +137,20 @@ def gaussian_epsilon(noise_multiplier: float, steps: int, delta: float = DELTA) 
 def probe(raw: dict, out_dir: str, only: list[str], device: str | None, workers: int, utility_from: list[str]) -> dict:
     """One probe (a cell): the audit of ``raw`` restricted to ``only`` into ``out_dir``, compacted to what the
     advice needs. A setup whose every attack the threat gate refuses comes back as ``refused`` (not an error)."""
-    from gradleak.run.audit import run_audit
+    from gradleak.run.audit import plan_audit, run_audit
 
     try:
         res = run_audit(raw, out_dir, [], device, only=only, log=lambda m: None, workers=workers)
-    except BadInput as err:
-        return {"refused": str(err), "field": err.field}
+    except BadInput as err:  # every attack refused: each one's own reason (the gate's, or the setup's)
+        reasons = {}
+        for a in only:
+            try:
+                _, _, entries, planned, _, _ = plan_audit(raw, [], [a])
+                reasons[a] = entries[0].get("reason") or "refused"
+            except BadInput as e:
+                reasons[a] = str(e)
+        return {"refused": str(err), "field": err.field,
+                "attacks": {a: {"level": None, "reason": r} for a, r in reasons.items()}}
     out: dict[str, Any] = {"verdict": res["verdict"], "attacks": {}}
     for e in res["attacks"]:
         out["attacks"][e["name"]] = {k: e.get(k) for k in ("level", "metric", "value", "null_median", "null_p99",
@@ -155,27 +163,37 @@ def probe(raw: dict, out_dir: str, only: list[str], device: str | None, workers:
     return out
 
 
-def stopped(row: dict, attacks: list[str]) -> bool:
-    """Every leaking attack back at level ``none`` (or refused by the threat gate)."""
-    if "refused" in row:
-        return str(row.get("field", "")).startswith("threat.")
+#: the gate's refusal that a defense causes: the server no longer sees an individual update (secure aggregation)
+GATE_STOP = "threat.individual_updates"
+
+
+def outcome(row: dict, attacks: list[str]) -> str:
+    """``stopped``: every leaking attack back at level ``none`` or refused by the gate because the server no longer
+    sees an individual update; ``leaks``: one still at ``partial`` or more; ``unmeasured``: otherwise (an attack
+    refused for another reason, undefined, or the probe failed)."""
+    if "error" in row:
+        return "unmeasured"
+    seen = []
     for a in attacks:
         e = (row.get("attacks") or {}).get(a) or {}
-        if e.get("level") == "none":
-            continue
-        if e.get("level") is None and str(e.get("reason") or "").startswith("threat."):
-            continue
-        return False
-    return True
+        lv = e.get("level")
+        if lv in ("partial", "strong", "exact"):
+            return "leaks"
+        seen.append(lv == "none" or (lv is None and str(e.get("reason") or "").startswith(GATE_STOP)))
+    return "stopped" if all(seen) else "unmeasured"
+
+
+def stopped(row: dict, attacks: list[str]) -> bool:
+    return outcome(row, attacks) == "stopped"
 
 
 def _levels(row: dict, attacks: list[str]) -> dict[str, str]:
-    if "refused" in row:
-        return {a: "refused by the gate" for a in attacks}
     out = {}
     for a in attacks:
         e = (row.get("attacks") or {}).get(a) or {}
-        out[a] = e.get("level") or ("not run: " + str(e.get("reason") or "no result")[:160])
+        reason = str(e.get("reason") or "no result")
+        out[a] = e.get("level") or ("refused: the server sees no individual update" if reason.startswith(GATE_STOP)
+                                    else "not run: " + reason[:160])
     return out
 
 
@@ -214,7 +232,6 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     advice["test_size"] = data["test_size"]
     utility_from = [a for a in leaking if not ATTACKS.get(a).rewrites_weights]
     kinds = {ATTACKS.get(a).reconstruction for a in leaking}
-    member = "membership" in kinds
     out = Path(out_dir) / "advise"
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / f"advise-{config_hash({'config': base, 'only': leaking})}.jsonl"
@@ -232,11 +249,13 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             r = {"cell": cell.id, "out": str(d.relative_to(Path(out_dir))), "seconds": seconds}
             return {**r, "error": error_text(err)} if err is not None else {**r, **res}
 
-        job = Cell(cid, _probe_job, (cfg_raw, str(d), leaking, device, workers, utility_from, ran, cid))
+        # the cell's id holds the probe config's hash: a changed config (or a changed candidate) is a new probe
+        key = f"{cid}#{config_hash(cfg_raw)[:8]}"
+        job = Cell(key, _probe_job, (cfg_raw, str(d), leaking, device, workers, utility_from, ran, cid))
         latest = run_cells([job], jsonl, row, label="advise", log=quiet,
                            describe=lambda r: ("stops the leak" if stopped(r, leaking) else "leaks: " + ", ".join(
                                f"{a} {lv}" for a, lv in _levels(r, leaking).items())))
-        r = latest[cid]
+        r = latest[key]
         advice["probes"][cid] = r
         return r
 
@@ -258,7 +277,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             row["starting_point"] = start
         advice["rows"].append(row)
         try:  # admitted by this setup? (the gate refusing every attack is a stop, not a refusal of the defense)
-            plan_audit(defended_config(base, spec, spec["strong"], member), [], leaking)
+            plan_audit(defended_config(base, spec, spec["strong"]), [], leaking)
         except BadInput as err:
             if not err.field.startswith("threat."):
                 row.update({"status": "not_applicable", "note": str(err)})
@@ -267,10 +286,14 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             row.update({"status": "unfinished", "note": "not started: the budget was spent"})
             continue
         cid = f"{spec['name']}:{spec['param']}={fmt(spec['strong'])}"
-        r = run_probe(cid, defended_config(base, spec, spec["strong"], member))
+        r = run_probe(cid, defended_config(base, spec, spec["strong"]))
         row["probes"].append([spec["strong"], cid])
         if "error" in r:
             row.update({"status": "failed", "note": r["error"]})
+            continue
+        if outcome(r, leaking) == "unmeasured":
+            row.update({"status": "not_measured", "levels": _levels(r, leaking),
+                        "note": f"not measured at the strong end {fmt(spec['strong'])}: an attack did not run there"})
             continue
         if not stopped(r, leaking):
             row.update({"status": "not_stopped", "levels": _levels(r, leaking),
@@ -286,11 +309,9 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                 status = "unfinished"
                 break
             cid = f"{spec['name']}:{spec['param']}={fmt(m)}"
-            rm = run_probe(cid, defended_config(base, spec, m, member))
+            rm = run_probe(cid, defended_config(base, spec, m))
             row["probes"].append([m, cid])
-            if "error" in rm:
-                bad = m  # a failed probe is not evidence of a stop
-            elif stopped(rm, leaking):
+            if stopped(rm, leaking):  # a failed or unmeasured probe is not evidence of a stop
                 good, found = m, rm
             else:
                 bad = m
@@ -298,7 +319,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             # every probe stopped: the weak end, assumed to leak, is measured (the configured strength is measured
             # by the audit itself)
             cid = f"{spec['name']}:{spec['param']}={fmt(weak)}"
-            rw = run_probe(cid, defended_config(base, spec, weak, member))
+            rw = run_probe(cid, defended_config(base, spec, weak))
             row["probes"].append([weak, cid])
             if "error" not in rw and stopped(rw, leaking):
                 good, found = weak, rw
@@ -306,8 +327,8 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                                "too (not searched)")
         row.update({"status": status, "strength": good, "interval": [bad if bad != good else None, good],
                     "levels": _levels(found, leaking),
-                    "accuracy": found.get("accuracy"), "set": set_strings(base, spec, good, member),
-                    "config": {k: v for k, v in defended_config(base, spec, good, member).items()
+                    "accuracy": found.get("accuracy"), "set": set_strings(base, spec, good),
+                    "config": {k: v for k, v in defended_config(base, spec, good).items()
                                if k in ("defenses", "defense", "fl", "threat")}})
         if status == "unfinished":
             row["note"] = (f"unfinished (budget): stops at {fmt(good)}; the weakest strength lies in "

@@ -441,7 +441,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     if not ran and base_err is not None:
         raise base_err
     verdict, headline = verdict_and_headline(entries)
-    shown_cand = next((c for e, c, _, _ in planned if e in ran), None)
+    shown_cand = next((c for e, c, _, _ in planned if e in ran), planned[0][1] if planned else None)
     _, shown = validate(shown_cand if shown_cand is not None else candidate(raw, names[0]))
     result = {"verdict": verdict, "headline": headline, "attacks": entries,
               "levels": {"psnr_db": shown.metrics.psnr_threshold_db, "rules": LEVEL_RULES,
