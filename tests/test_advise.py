@@ -47,6 +47,17 @@ def test_advice_round_trip_recommended_strength_gives_no_leak_found(tmp_path, on
     # the round trip: the recommended strength, set in the config, gives no_leak_found in a plain audit
     plain = run_audit(TEXT, tmp_path / "b", rec["set"], only=["utr"], log=lambda m: None)
     assert plain["verdict"] == "no_leak_found", plain["headline"]
+    # the page in a real browser (headless Chromium) when the machine has one: the plot decodes
+    import shutil
+    import sys
+    from pathlib import Path
+
+    if not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")):
+        pytest.skip("no Chromium here (apt-get install chromium): the report was checked as text only")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from check_report_in_browser import check
+
+    assert check(tmp_path / "a" / "report.html") == []
 
 
 # ------------------------------------------------------------------------------------------------ the search (probes faked)

@@ -12,9 +12,10 @@ def _num(v) -> bool:
 
 
 def save_privacy_utility_plot(panels: list[dict], path: str | Path) -> Path:
-    """One panel per defense: each attack's headline metric against the strength (solid, markers), its null band
-    (median to 99th percentile, shaded: below the band's top is "none"), the strength found (a vertical line), and
-    the global model's test accuracy (dashed, right axis) beside the undefended one (dotted).
+    """One panel per defense: each attack's headline against the strength, on its null's scale -- (value - null
+    median) / (null p99 - null median), so the null band (median to 99th percentile, shaded) is [0, 1] for every
+    attack and a point above 1 is beyond the null (a leak) -- the strength found (a vertical line), and the global
+    model's test accuracy (dashed, right axis) beside the undefended one (dotted).
 
     ``panels``: ``[{"title", "log": bool, "found", "baseline_accuracy", "points": [{"x", "accuracy",
     "attacks": {name: {"value", "null_median", "null_p99", "metric"}}}]}]``."""
@@ -32,25 +33,24 @@ def save_privacy_utility_plot(panels: list[dict], path: str | Path) -> Path:
         pts = p["points"]
         xs = [t["x"] for t in pts]
         names = sorted({a for t in pts for a in t["attacks"]})
+        ax.axhspan(0, 1, color="grey", alpha=0.15, label="null band (median to p99)")
         for k, a in enumerate(names):
             c = colours[k % len(colours)]
-            v = [(t["x"], t["attacks"][a]) for t in pts if a in t["attacks"] and _num(t["attacks"][a].get("value"))]
+            v = [(t["x"], t["attacks"][a]) for t in pts if a in t["attacks"]
+                 and all(_num(t["attacks"][a].get(f)) for f in ("value", "null_median", "null_p99"))
+                 and t["attacks"][a]["null_p99"] > t["attacks"][a]["null_median"]]
             if not v:
                 continue
             metric = next((e.get("metric") for _, e in v if e.get("metric")), "headline")
-            ax.plot([x for x, _ in v], [e["value"] for _, e in v], "o-", color=c, label=f"{a}: {metric}")
-            band = [(x, e.get("null_median"), e.get("null_p99")) for x, e in v
-                    if _num(e.get("null_median")) and _num(e.get("null_p99"))]
-            if band:
-                ax.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], color=c, alpha=0.15,
-                                label=f"{a}: null (median to p99)")
+            ax.plot([x for x, _ in v], [(e["value"] - e["null_median"]) / (e["null_p99"] - e["null_median"])
+                                        for _, e in v], "o-", color=c, label=f"{a} ({metric})")
         if _num(p.get("found")):
             ax.axvline(p["found"], color="k", lw=0.8, ls="-.", label="weakest that stops")
         if p.get("log") and all(x > 0 for x in xs):
             ax.set_xscale("log")
         ax.set_title(p["title"], fontsize=10)
         ax.set_xlabel("strength")
-        ax.set_ylabel("attack headline")
+        ax.set_ylabel("headline, null scale (>1: leaks)")
         acc = [(t["x"], t["accuracy"]) for t in pts if _num(t.get("accuracy"))]
         if acc:
             ax2 = ax.twinx()
