@@ -21,12 +21,17 @@ def test_advice_round_trip_recommended_strength_gives_no_leak_found(tmp_path, on
     """A tiny text setup where UTR leaks: --advise (noise and pruning, 1 bisection step) recommends a strength,
     measures the accuracy with and without it on the same seeds, and that strength set in the config gives
     `no_leak_found` in a plain audit; the report shows the table, the recommendation and the plot."""
-    from gradleak.run.advise import run_audit_advised
+    from gradleak.cli import app
     from gradleak.run.audit import run_audit
 
     raw = {**TEXT, "audit": {"advise": {"candidates": ["gaussian_noise", "topk_pruning"], "steps": 1}}}
-    res = run_audit_advised(raw, tmp_path / "a", only=["utr"], log=lambda m: None)
+    cfg = tmp_path / "advise.yaml"
+    cfg.write_text(json.dumps(raw))
+    cli = CliRunner().invoke(app, ["audit", str(cfg), "--out", str(tmp_path / "a"), "--only", "utr", "--workers", "1"])
+    assert cli.exit_code == 0, cli.output
+    res = json.loads((tmp_path / "a" / "audit.json").read_text())
     assert res["verdict"] == "leaks"
+    assert "what stops each leak" in cli.output and "Recommended: " in cli.output  # the console says it too
     adv = res["advice"]
     assert adv["attacks"] == ["utr"] and adv["baseline"]["levels"] == {"utr": res["attacks"][0]["level"]}
     assert isinstance(adv["baseline"]["accuracy"], float) and adv["test_size"] == 64
@@ -39,8 +44,7 @@ def test_advice_round_trip_recommended_strength_gives_no_leak_found(tmp_path, on
                                                  else pytest.approx(0.978, abs=1e-3)]  # strong end, one step
     assert len(row["probes"]) == 2 or row["probes"][2][0] == row["bracket"][0]  # (+ the weak end if all stopped)
     assert rec["strength"] == row["strength"] and row["interval"][1] == row["strength"]
-    saved = json.loads((tmp_path / "a" / "audit.json").read_text())
-    assert saved["advice"]["recommendation"] == rec
+    assert f"--set '{rec['set'][0]}'" in " ".join(cli.output.split())
     page = (tmp_path / "a" / "report.html").read_text()
     assert 'id="advice"' in page and 'id="recommendation"' in page and "advice.png" in page
     assert (tmp_path / "a" / "advice.png").stat().st_size > 1000

@@ -210,6 +210,11 @@ def _print_advice(advice: dict) -> None:
             table.add_row(*(Text(x) for x in row))
         out_console.print(table)
     out_console.print(Text(advice.get("sentence", ""), style="bold"), soft_wrap=True)
+    for key in ("cost_note",):
+        if advice.get(key):
+            out_console.print(Text(f"note: {advice[key]}."), soft_wrap=True)
+    if advice.get("unfinished"):
+        out_console.print(Text(f"not finished within the budget: {', '.join(advice['unfinished'])}"), soft_wrap=True)
 
 
 def _field_lines(cls) -> list[str]:

@@ -348,6 +348,12 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     ok.sort(key=lambda r: (r.get("cost") if isinstance(r.get("cost"), (int, float)) else math.inf,
                            r["status"] != "stopped", STANDARD.index(r["defense"])))
     advice["ranking"] = [r["defense"] for r in ok]
+    costs = [r["cost"] for r in ok if isinstance(r.get("cost"), (int, float))]
+    if costs and all(c == 0 for c in costs):
+        advice["cost_note"] = (f"every measured cost is 0: after the configured {cfg0.fl.rounds} round(s) the global "
+                               f"model's accuracy ({fmt(advice['baseline']['accuracy'])} without a defense) does not "
+                               "move, so the ranking falls to the tie-break (the most standard defense first); raise "
+                               "fl.rounds to measure what each defense costs in training")
     if ok:
         best = ok[0]
         cost = best.get("cost")

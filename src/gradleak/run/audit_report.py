@@ -129,6 +129,8 @@ def advice_section(advice: dict) -> str:
              f"{advice.get('steps')} step(s) after the strong end; accuracy: the global model's test accuracy after the "
              f"configured rounds ({advice.get('test_size')} held-out samples, same seeds), cost = accuracy without "
              "minus with the defense."]
+    if advice.get("cost_note"):
+        notes.append(advice["cost_note"] + ".")
     if advice.get("test_size_note"):
         notes.append(advice["test_size_note"] + ".")
     if advice.get("unfinished"):
