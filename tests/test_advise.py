@@ -214,3 +214,15 @@ def test_a_probe_whose_attacks_all_fail_to_fit_reports_their_reason_not_a_threat
     assert "refused" not in row and row["verdict"] == "undefined"
     assert all(row["attacks"][a]["reason"].startswith("data.batch_size") for a in ("projres", "utr"))
     assert outcome(row, ["projres", "utr"]) == "unmeasured"
+
+
+def test_the_table_says_when_epsilon_guarantees_nothing():
+    from gradleak.run.audit_report import advice_rows
+
+    adv = {"delta": 1e-5, "baseline": {"accuracy": 0.5}, "ranking": ["dp_gaussian", "dpsgd"],
+           "rows": [{"defense": "dp_gaussian", "parameter": "noise_multiplier", "strength": 0.001, "bracket": [1e-3, 10],
+                     "accuracy": 0.5, "cost": 0.0, "epsilon": 5.5e5, "status": "stopped"},
+                    {"defense": "dpsgd", "parameter": "noise_multiplier", "strength": 2.0, "bracket": [1e-3, 10],
+                     "accuracy": 0.5, "cost": 0.0, "epsilon": 2.1, "status": "stopped"}]}
+    (dp, sgd) = advice_rows(adv)
+    assert dp[6] == "5.5e+05 (δ = 1e-05; no meaningful guarantee: ε > 10)" and sgd[6] == "2.1 (δ = 1e-05)"

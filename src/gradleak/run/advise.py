@@ -341,6 +341,11 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         elif spec["name"] == "dp_gaussian":
             row["epsilon"] = gaussian_epsilon(good, cfg0.fl.rounds)
             row["epsilon_note"] = f"Gaussian mechanism, RDP, sampling rate 1, {cfg0.fl.rounds} round(s)"
+        if spec["name"] in ("dp_gaussian", "dpsgd"):  # the clipping norm is fixed, not fitted to the updates' scale
+            row["note"] = "; ".join(x for x in (row.get("note"), (
+                f"clipping norm held at {_clip_norm(defended_config(base, spec, good), spec)}: updates "
+                "(or per-sample gradients) smaller than it are not clipped, and the noise is then absolute noise of "
+                "std noise_multiplier x that norm per coordinate")) if x)
     advice["unfinished"] = [r["defense"] for r in advice["rows"] if r.get("status") == "unfinished"]
     advice["ran_now"] = ran
     advice["seconds"] = clock() - t0
@@ -371,6 +376,14 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         advice["sentence"] = ("No candidate stopped every leaking attack within its bracket"
                               + (" (some were not finished within the budget)" if advice["unfinished"] else "") + ".")
     return advice
+
+
+def _clip_norm(cfg: dict, spec: dict) -> Any:
+    """The clipping norm of the DP candidate in ``cfg`` (the configured one, or the candidate's fixed one)."""
+    if spec["stage"] == "training":
+        return (cfg.get("defense") or {}).get("max_grad_norm", 1.0)
+    d = next((d for d in cfg.get("defenses") or [] if d.get("name") == spec["name"]), {})
+    return (d.get("params") or {}).get("max_norm", 1.0)
 
 
 def _probe_job(raw, out_dir, only, device, workers, utility_from, ran, cid):

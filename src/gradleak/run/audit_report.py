@@ -111,7 +111,8 @@ def advice_rows(advice: dict) -> list[tuple[str, ...]]:
                     ", ".join(f"{a} {lv}" for a, lv in (r.get("levels") or {}).items()) or "–",
                     f"{fmt_value(acc)} (vs {fmt_value(base)})" if acc is not None else "–",
                     f"{cost * 100:+.1f} pts" if isinstance(cost, (int, float)) else "–",
-                    (f"{fmt_value(eps)} (δ = {advice.get('delta', 1e-5):g})" if isinstance(eps, (int, float))
+                    (f"{fmt_value(eps)} (δ = {advice.get('delta', 1e-5):g}"
+                     + ("; no meaningful guarantee: ε > 10" if eps > 10 else "") + ")" if isinstance(eps, (int, float))
                      else "–" if r["defense"] not in ("dp_gaussian", "dpsgd") else "not computed"),
                     "; ".join(x for x in (r.get("status", ""), r.get("note", "")) if x)))
     return out
