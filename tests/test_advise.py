@@ -226,3 +226,19 @@ def test_the_table_says_when_epsilon_guarantees_nothing():
                      "accuracy": 0.5, "cost": 0.0, "epsilon": 2.1, "status": "stopped"}]}
     (dp, sgd) = advice_rows(adv)
     assert dp[6] == "5.5e+05 (δ = 1e-05; no meaningful guarantee: ε > 10)" and sgd[6] == "2.1 (δ = 1e-05)"
+
+
+def test_a_configured_defense_is_strengthened_in_its_own_mode_only():
+    """A configured absolute-noise defense is the absolute candidate's starting point and is replaced by it; the
+    per-coordinate candidate is added beside it."""
+    from gradleak.run.advise import CANDIDATE_BY_NAME as C
+    from gradleak.run.advise import defended_config, starting_point
+
+    raw = {**TEXT, "defenses": [{"name": "gaussian_noise", "params": {"std": 1e-5}}, {"name": "clipping",
+                                                                                     "params": {"max_norm": 5.0}}]}
+    assert starting_point(raw, C["gaussian_noise_absolute"]) == 1e-5 and starting_point(raw, C["gaussian_noise"]) is None
+    a = defended_config(raw, C["gaussian_noise_absolute"], 1e-3)["defenses"]
+    assert a == [{"name": "clipping", "params": {"max_norm": 5.0}},
+                 {"name": "gaussian_noise", "params": {"std": 1e-3, "per_coordinate": False, "relative": False}}]
+    b = defended_config(raw, C["gaussian_noise"], 0.5)["defenses"]
+    assert len(b) == 3 and b[-1] == {"name": "gaussian_noise", "params": {"std": 0.5, "per_coordinate": True}}

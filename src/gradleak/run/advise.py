@@ -65,6 +65,18 @@ def fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def key(spec: dict) -> str:
+    """A candidate's name in the advice (its defense's name, or e.g. ``gaussian_noise_absolute`` for a second mode)."""
+    return spec.get("key", spec["name"])
+
+
+def matches(entry: dict, spec: dict) -> bool:
+    """An update defense of the config is this candidate: same name and the same mode (e.g. per-coordinate noise)."""
+    params = entry.get("params") or {}
+    return entry.get("name") == spec["name"] and all(bool(params.get(k, False)) == v
+                                                     for k, v in (spec.get("mode") or {}).items())
+
+
 def defended_config(raw: dict, spec: dict, value: Any) -> dict:
     """``raw`` with the candidate at ``value``: a defense already there of the same name is replaced (its other
     parameters kept), others are kept. Secure aggregation over K clients: ``data.nonmembers`` (per client: the
@@ -74,9 +86,9 @@ def defended_config(raw: dict, spec: dict, value: Any) -> dict:
     name, p = spec["name"], spec["param"]
     if spec["stage"] == "update":
         ds = list(out.get("defenses") or [])
-        old = next((d for d in ds if d.get("name") == name), None)
-        params = {**spec["fixed"], **((old or {}).get("params") or {}), p: value}
-        out["defenses"] = [d for d in ds if d.get("name") != name] + [{"name": name, "params": params}]
+        old = next((d for d in ds if matches(d, spec)), None)
+        params = {**spec["fixed"], **((old or {}).get("params") or {}), **(spec.get("mode") or {}), p: value}
+        out["defenses"] = [d for d in ds if d is not old] + [{"name": name, "params": params}]
     elif spec["stage"] == "training":
         old = out.get("defense") if (out.get("defense") or {}).get("name") == name else {}
         out["defense"] = {**spec["fixed"], **(old or {}), "name": name, p: value}
@@ -97,7 +109,7 @@ def starting_point(raw: dict, spec: dict) -> Any:
     """The configured strength of this defense when the config already has it (the search's weak end), else None."""
     name, p = spec["name"], spec["param"]
     if spec["stage"] == "update":
-        d = next((d for d in raw.get("defenses") or [] if d.get("name") == name), None)
+        d = next((d for d in raw.get("defenses") or [] if matches(d, spec)), None)
         return ((d or {}).get("params") or {}).get(p)
     if spec["stage"] == "training":
         d = raw.get("defense") or {}
@@ -265,10 +277,10 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     baseline = run_probe("baseline", base)
     advice["baseline"] = {"accuracy": baseline.get("accuracy"), "levels": _levels(baseline, leaking),
                           "accuracy_from": baseline.get("accuracy_from")}
-    specs = [s for s in CANDIDATES if (candidates is None or s["name"] in candidates)
+    specs = [s for s in CANDIDATES if (candidates is None or key(s) in candidates)
              and (not s.get("membership_only") or "membership" in kinds)]
     for spec in specs:
-        row: dict[str, Any] = {"defense": spec["name"], "stage": spec["stage"], "parameter": spec["param"],
+        row: dict[str, Any] = {"defense": key(spec), "stage": spec["stage"], "parameter": spec["param"],
                                "what": spec["what"], "fixed": spec["fixed"], "probes": []}
         start = starting_point(base, spec)
         weak = start if start is not None else spec["weak"]
@@ -285,7 +297,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         if over_budget():
             row.update({"status": "unfinished", "note": "not started: the budget was spent"})
             continue
-        cid = f"{spec['name']}:{spec['param']}={fmt(spec['strong'])}"
+        cid = f"{key(spec)}:{spec['param']}={fmt(spec['strong'])}"
         r = run_probe(cid, defended_config(base, spec, spec["strong"]))
         row["probes"].append([spec["strong"], cid])
         if "error" in r:
@@ -308,7 +320,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             if over_budget():
                 status = "unfinished"
                 break
-            cid = f"{spec['name']}:{spec['param']}={fmt(m)}"
+            cid = f"{key(spec)}:{spec['param']}={fmt(m)}"
             rm = run_probe(cid, defended_config(base, spec, m))
             row["probes"].append([m, cid])
             if stopped(rm, leaking):  # a failed or unmeasured probe is not evidence of a stop
@@ -318,7 +330,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         if status == "stopped" and bad == weak and start is None and not over_budget():
             # every probe stopped: the weak end, assumed to leak, is measured (the configured strength is measured
             # by the audit itself)
-            cid = f"{spec['name']}:{spec['param']}={fmt(weak)}"
+            cid = f"{key(spec)}:{spec['param']}={fmt(weak)}"
             rw = run_probe(cid, defended_config(base, spec, weak))
             row["probes"].append([weak, cid])
             if "error" not in rw and stopped(rw, leaking):
@@ -382,7 +394,7 @@ def _clip_norm(cfg: dict, spec: dict) -> Any:
     """The clipping norm of the DP candidate in ``cfg`` (the configured one, or the candidate's fixed one)."""
     if spec["stage"] == "training":
         return (cfg.get("defense") or {}).get("max_grad_norm", 1.0)
-    d = next((d for d in cfg.get("defenses") or [] if d.get("name") == spec["name"]), {})
+    d = next((d for d in cfg.get("defenses") or [] if matches(d, spec)), {})
     return (d.get("params") or {}).get("max_norm", 1.0)
 
 
@@ -414,7 +426,7 @@ def plot_panels(advice: dict) -> list[dict]:
     return panels
 
 
-CANDIDATE_BY_NAME = {c["name"]: c for c in CANDIDATES}
+CANDIDATE_BY_NAME = {key(c): c for c in CANDIDATES}
 
 
 def run_audit_advised(raw: dict, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,

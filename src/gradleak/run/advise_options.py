@@ -11,14 +11,19 @@ from gradleak.errors import BadInput
 #: bisection steps after the strong end
 STEPS = 3
 #: tie-break among equally cheap defenses: the most standard first
-STANDARD = ("dp_gaussian", "dpsgd", "secure_aggregation", "gaussian_noise", "clipping", "topk_pruning",
-            "stochastic_quantization", "percentile_noise", "fisguard")
+STANDARD = ("dp_gaussian", "dpsgd", "secure_aggregation", "gaussian_noise", "gaussian_noise_absolute", "clipping",
+            "topk_pruning", "stochastic_quantization", "percentile_noise", "fisguard")
 
-#: the candidates: where the defense goes (``update``: appended to ``defenses``; ``training``: ``defense:``;
-#: ``fl``: secure aggregation), the parameter searched, its bracket (weak -> strong), the scale, fixed parameters
+#: the candidates: where the defense goes (``update``: appended to ``defenses``; ``training``: ``defense:``; ``fl``:
+#: secure aggregation), the parameter searched, its bracket (weak -> strong), the scale, fixed parameters; ``key``: the
+#: name in the advice when one defense is searched in two modes; ``mode``: the parameters that make a configured
+#: defense this candidate (its starting point)
 CANDIDATES: list[dict[str, Any]] = [
     {"name": "gaussian_noise", "stage": "update", "param": "std", "weak": 1e-3, "strong": 10.0, "scale": "log",
-     "fixed": {"per_coordinate": True}, "what": "noise std as a multiple of the update's per-coordinate RMS"},
+     "fixed": {}, "mode": {"per_coordinate": True}, "what": "noise std as a multiple of the update's per-coordinate RMS"},
+    {"name": "gaussian_noise", "key": "gaussian_noise_absolute", "stage": "update", "param": "std", "weak": 1e-7,
+     "strong": 0.1, "scale": "log", "fixed": {}, "mode": {"per_coordinate": False, "relative": False},
+     "what": "absolute noise std per coordinate (on the update's own scale)"},
     {"name": "percentile_noise", "stage": "update", "param": "sigma0", "weak": 1e-2, "strong": 100.0, "scale": "log",
      "fixed": {}, "what": "noise std as a multiple of the 95th percentile of |update|"},
     {"name": "dp_gaussian", "stage": "update", "param": "noise_multiplier", "weak": 1e-3, "strong": 10.0,
@@ -52,7 +57,7 @@ def advise_section(section: Any) -> dict | None:
     bad = sorted(set(section) - {"candidates", "steps"})
     if bad:
         raise BadInput(f"audit.advise.{bad[0]}", "this key does not exist.", "audit.advise has candidates and steps.")
-    names = [c["name"] for c in CANDIDATES]
+    names = [c.get("key", c["name"]) for c in CANDIDATES]
     cands = section.get("candidates")
     if cands is not None and (not isinstance(cands, list) or not cands or any(c not in names for c in cands)):
         raise BadInput("audit.advise.candidates", f"must be a non-empty list of candidates, got {cands!r}.",
