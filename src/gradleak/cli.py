@@ -139,7 +139,11 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
           only: Optional[str] = typer.Option(None, "--only", help="comma list of attacks to try (default: every registered one)"),
           workers: Optional[int] = typer.Option(None, "--workers", min=1, help="attacks run in parallel, one torch thread "
                                                 "each (default: the CPU cores; 1 = in this process)"),
-          yes: bool = typer.Option(False, "--yes", help="a grid: larger than the cell limit")):
+          yes: bool = typer.Option(False, "--yes", help="a grid: larger than the cell limit"),
+          advise: bool = typer.Option(False, "--advise", help="then search the weakest strength of each defense that "
+                                      "stops every leaking attack, and its accuracy cost (resumable; also audit.advise)"),
+          budget: Optional[float] = typer.Option(None, "--budget", help="--advise: seconds the search may take "
+                                                 "(unfinished defenses are listed)")):
     """Run every applicable attack on one setup; write DIR/audit.json and DIR/report.html with a verdict."""
     from gradleak.errors import BadInput
 
@@ -147,7 +151,7 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
         from gradleak.config.loading import load_yaml
 
         raw = load_yaml(config)
-        from gradleak.run.audit import audit_command, run_audit
+        from gradleak.run.audit import audit_command
 
         cmd = audit_command(config, out, list(set_ or []), only, device)  # every argument shell-quoted
         kw = dict(only=[x.strip() for x in only.split(",") if x.strip()] if only else None, command=cmd,
@@ -156,17 +160,26 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
         if "grid" in raw:  # an audit per grid cell (e.g. per defense strength), resumable
             from gradleak.run.audit import run_audit_grid
 
+            if advise or budget is not None:
+                raise BadInput("--advise", "advises one setup, not an audit grid (the config has grid:).",
+                               "drop grid: from the config, or drop --advise / --budget.")
+
             summary = run_audit_grid(raw, out, list(set_ or []), device, yes=yes, **kw)
             for row in summary["cells"]:
                 out_console.print(f"{row['cell']}: {row['headline']}")
             out_console.print(f"-> {out}/audit_grid.json")
             return
-        result = run_audit(raw, out, list(set_ or []), device, **kw)
+        from gradleak.run.advise import check_budget, run_audit_advised
+
+        check_budget(budget)
+        result = run_audit_advised(raw, out, list(set_ or []), device, budget_seconds=budget, advise_on=advise, **kw)
     except BadInput as err:
         _fail_bad_input(err)
     _print_audit_table(result, out)
     colour = {"leaks": "red", "leaks_stronger_server": "yellow", "no_leak_found": "green"}.get(result["verdict"], "white")
     out_console.print(f"[bold {colour}]{escape(result['headline'])}[/]", soft_wrap=True)
+    if result.get("advice") is not None:
+        _print_advice(result["advice"])
     out_console.print(f"report: {out / 'report.html'}")
 
 
@@ -182,6 +195,26 @@ def _print_audit_table(result: dict, out: Path) -> None:
     for row in console_rows(result):
         table.add_row(*(Text(x) for x in row))
     out_console.print(table)
+
+
+def _print_advice(advice: dict) -> None:
+    """The advice table (cheapest first) and the recommendation."""
+    from gradleak.run.audit_report import advice_rows
+
+    rows = advice_rows(advice)
+    if rows:
+        table = Table(title="what stops each leak (weakest strength found, cheapest first)")
+        for col in ("defense", "strength", "bracket", "levels there", "accuracy", "cost", "ε", "status"):
+            table.add_column(col, overflow="fold")
+        for row in rows:
+            table.add_row(*(Text(x) for x in row))
+        out_console.print(table)
+    out_console.print(Text(advice.get("sentence", ""), style="bold"), soft_wrap=True)
+    for key in ("cost_note",):
+        if advice.get(key):
+            out_console.print(Text(f"note: {advice[key]}."), soft_wrap=True)
+    if advice.get("unfinished"):
+        out_console.print(Text(f"not finished within the budget: {', '.join(advice['unfinished'])}"), soft_wrap=True)
 
 
 def _field_lines(cls) -> list[str]:

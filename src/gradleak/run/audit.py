@@ -102,8 +102,8 @@ def audit_overrides(raw: dict, overrides: list[str]) -> dict:
         value = parse_value(item.split("=", 1)[1], f"--set {key}")
         parts = key.split(".")[1:]
         names = attack_names()
-        if parts == ["seeds"]:
-            section["seeds"] = value
+        if parts in (["seeds"], ["advise"], ["budget"]):
+            section[parts[0]] = value
         elif parts[:1] == ["params"] and 2 <= len(parts) <= 3:
             if parts[1] not in names:
                 raise BadInput(f"--set {key}", f"'{parts[1]}' is not an attack.", f"use one of: {', '.join(names)}.")
@@ -122,13 +122,18 @@ def audit_overrides(raw: dict, overrides: list[str]) -> dict:
                                    f"parameters of '{parts[1]}': {', '.join(sorted(known)) or '(none)'}.")
                 params[parts[1]] = {**(params.get(parts[1]) or {}), parts[2]: value}
         else:
-            raise BadInput(f"--set {key}", "the audit section has the keys audit.seeds and audit.params.<attack>.<parameter>.",
+            raise BadInput(f"--set {key}", "the audit section has the keys audit.seeds, audit.advise, audit.budget and "
+                           "audit.params.<attack>.<parameter>.",
                            "write e.g. --set audit.params.lora_span.rank_rtol=1e-4 or --set audit.seeds=[0,1].")
     out = apply_overrides(raw, plain, ExperimentConfig) if plain else raw
-    bad = sorted(set(section) - {"params", "seeds"})
+    bad = sorted(set(section) - {"params", "seeds", "advise", "budget"})
     if bad:
         raise BadInput(f"audit.{bad[0]}", "this key of the audit section does not exist.",
-                       "the audit section has params: {<attack>: {...}} and seeds: [...].")
+                       "the audit section has params: {<attack>: {...}}, seeds: [...], advise and budget.")
+    from gradleak.run.advise_options import advise_section, check_budget
+
+    advise_section(section.get("advise"))  # `audit: {advise: true, budget: SECONDS}` (issue 30), checked here
+    check_budget(section.get("budget"), "audit.budget")
     params = section.get("params")
     if params is not None and not isinstance(params, dict):
         raise BadInput("audit.params", f"must map attack names to their parameters, got {params!r}.",
@@ -436,7 +441,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     if not ran and base_err is not None:
         raise base_err
     verdict, headline = verdict_and_headline(entries)
-    shown_cand = next((c for e, c, _, _ in planned if e in ran), None)
+    shown_cand = next((c for e, c, _, _ in planned if e in ran), planned[0][1] if planned else None)
     _, shown = validate(shown_cand if shown_cand is not None else candidate(raw, names[0]))
     result = {"verdict": verdict, "headline": headline, "attacks": entries,
               "levels": {"psnr_db": shown.metrics.psnr_threshold_db, "rules": LEVEL_RULES,

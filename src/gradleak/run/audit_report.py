@@ -81,8 +81,8 @@ def console_rows(result: dict) -> list[tuple[str, ...]]:
 
 def next_steps(result: dict) -> dict:
     """What "What to do next" says, from the audit's own facts: the leaking attacks, the deployment facts whose
-    refusal kept an attack from running, and the defenses this setup accepts. Nothing is ranked or recommended:
-    that is ``gradleak audit --advise`` (issue 30), not built yet."""
+    refusal kept an attack from running, and the defenses this setup accepts. Nothing is ranked or recommended
+    here: that is ``gradleak audit --advise`` (:mod:`gradleak.run.advise`, :func:`advice_section`)."""
     from gradleak.evaluation.levels import LEAKING
 
     leaking = sorted([a for a in result["attacks"] if a.get("level") in LEAKING], key=leak_rank, reverse=True)
@@ -95,6 +95,53 @@ def next_steps(result: dict) -> dict:
                          "server": a.get("threat_words", a.get("threat")),
                          "configured": bool(a.get("applicable"))} for a in leaking],
             "facts": facts, "defenses": result.get("defenses_available")}
+
+
+def advice_rows(advice: dict) -> list[tuple[str, ...]]:
+    """The advice table (issue 30), cheapest first: defense, strength found (parameter), bracket, the leaking
+    attacks' levels there, accuracy (vs without), cost, epsilon, status / note."""
+    rank = {n: i for i, n in enumerate(advice.get("ranking") or [])}
+    rows = sorted(advice.get("rows") or [], key=lambda r: (rank.get(r["defense"], len(rank)), r["defense"]))
+    base = (advice.get("baseline") or {}).get("accuracy")
+    out = []
+    for r in rows:
+        acc, cost, eps = r.get("accuracy"), r.get("cost"), r.get("epsilon")
+        out.append((r["defense"], f"{r['parameter']} = {fmt_value(r['strength'])}" if "strength" in r else "–",
+                    f"[{fmt_value(r['bracket'][0])}, {fmt_value(r['bracket'][1])}]",
+                    ", ".join(f"{a} {lv}" for a, lv in (r.get("levels") or {}).items()) or "–",
+                    f"{fmt_value(acc)} (vs {fmt_value(base)})" if acc is not None else "–",
+                    f"{cost * 100:+.1f} pts" if isinstance(cost, (int, float)) else "–",
+                    (f"{fmt_value(eps)} (δ = {advice.get('delta', 1e-5):g}"
+                     + ("; no meaningful guarantee: ε > 10" if eps > 10 else "") + ")" if isinstance(eps, (int, float))
+                     else "–" if r["defense"] not in ("dp_gaussian", "dpsgd") else "not computed"),
+                    "; ".join(x for x in (r.get("status", ""), r.get("note", "")) if x)))
+    return out
+
+
+def advice_section(advice: dict) -> str:
+    """The "What to do next" advice: the recommendation, the table ranked by utility cost, the plot."""
+    e = html.escape
+    head = ("defense", "strength found", "bracket (weak, strong)", "levels there", "accuracy", "cost", "ε", "status")
+    table = ("<table id=\"advice\"><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>"
+             + "".join("<tr>" + "".join(f"<td>{e(str(x))}</td>" for x in r) + "</tr>" for r in advice_rows(advice))
+             + "</table>")
+    notes = [f"Searched for: {', '.join(advice.get('attacks') or [])} (each back to level none = below its null, the "
+             "attacks re-run at full strength against the defense); bisection on a log scale, "
+             f"{advice.get('steps')} step(s) after the strong end; accuracy: the global model's test accuracy after the "
+             f"configured rounds ({advice.get('test_size')} held-out samples, same seeds), cost = accuracy without "
+             "minus with the defense."]
+    if advice.get("cost_note"):
+        notes.append(advice["cost_note"] + ".")
+    if advice.get("test_size_note"):
+        notes.append(advice["test_size_note"] + ".")
+    if advice.get("unfinished"):
+        notes.append(f"Not finished within the budget of {fmt_value(advice.get('budget_seconds'))} s: "
+                     + ", ".join(advice["unfinished"]) + ".")
+    plot = (f'<figure><img src="{e(advice["plot"])}" alt="privacy-utility plot"><figcaption>each attack\'s headline '
+            "(null band shaded) and the test accuracy against the defense strength</figcaption></figure>"
+            if advice.get("plot") else "")
+    return (f'<p id="recommendation"><b>{e(advice.get("sentence", ""))}</b></p>' + table
+            + "".join(f"<p>{e(n)}</p>" for n in notes) + plot)
 
 
 def _png_size(path: Path) -> tuple[int, int] | None:
@@ -225,8 +272,11 @@ def write_audit_report(result: dict, out: Path) -> Path:
     if nxt["leaking"] and ds:
         todo.append("<li>To measure one, add it to the config and rerun this audit (the command under "
                     "Reproducibility); the audit attacks a defended setup at full strength.</li>")
-    todo.append("<li>This report does not rank or recommend defenses. <code>gradleak audit --advise</code> "
-                "(issue 30, not built yet) will rank them by the leakage they stop and the utility they keep.</li>")
+    advice = result.get("advice")
+    if advice is None:
+        todo.append("<li>This report does not rank or recommend defenses: <code>gradleak audit CONFIG --advise</code> "
+                    "searches the weakest strength of each that stops every leaking attack, and what it costs.</li>")
+    advice_html = advice_section(advice) if advice is not None else ""
     not_tested = not_tested_lines(result)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>gradleak audit</title>
 <style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em}}table{{border-collapse:collapse}}
@@ -237,7 +287,7 @@ figcaption{{font-size:13px;color:#444}}.warning{{background:#fff4e5;border-left:
 tr.grouped td{{color:#666}}code{{word-break:break-all}}</style>
 </head><body>
 <div class="banner" id="verdict">{e(result['headline'])}</div>
-<h2 id="next">What to do next</h2><ul>{''.join(todo)}</ul>
+<h2 id="next">What to do next</h2><ul>{''.join(todo)}</ul>{advice_html}
 <p>Levels (each beyond its null: {e(lv['null'])}; exact-image threshold {lv['psnr_db']:g} dB):</p>
 <ul>{''.join(f'<li>{e(k)}: {e(v)}</li>' for k, v in lv['rules'].items())}</ul>
 <p>Every client of the audited round was attacked; each attack also ran the full-strength settings it derives from

@@ -1,0 +1,496 @@
+"""``gradleak audit --advise`` (issue 30): the weakest strength of each defense that stops every leaking attack, and
+what it costs the model.
+
+For the attacks the audit graded ``partial`` or more, each candidate defense this setup admits
+(:data:`CANDIDATES`) is searched over a bracket ``[weak, strong]`` of one parameter: first the strong end (if even
+that leaves an attack above its null: "not stopped within the bracket"), then ``steps`` bisections on a log scale
+(on ``1 - x`` for a pruned fraction, whole numbers for bits, clients and ranks). Each probe is an audit
+(:func:`gradleak.run.audit.run_audit` with ``only=`` the leaking attacks and the defense added to the config's own),
+so the attacks re-run at full strength against it (their variants derived from the declared defense). A probe
+*stops* the leak when every leaking attack is back at level ``none`` (or refused by the threat gate: the server no
+longer sees what the attack reads, e.g. an individual update under secure aggregation). The search assumes the
+leak falls monotonically with the strength; the strength reported is the weakest probed one that stops, the
+threshold lying between it and the strongest probed one that did not.
+
+Probes are cells of the one resumable cell loop (:func:`gradleak.run.cells.run_cells`) in
+``OUT/advise/advise-<hash>.jsonl`` (the hash of the audited config): a rerun after a kill redoes no finished probe.
+``budget_seconds`` bounds the search between probes; defenses whose search did not end are listed as unfinished.
+
+Utility: the probes run with ``data.test_size`` (:data:`TEST_SIZE` when the config has none), so each carries the
+global model's test accuracy after the configured rounds, read from the run of a leaking attack whose server sends
+the model unchanged; a baseline probe without the added defense (same seeds) gives the accuracy it is compared
+with. Cost = baseline accuracy - accuracy with the defense. DP mechanisms report epsilon at :data:`DELTA`:
+DP-SGD its own accountant's ``dp_epsilon``; DP-Gaussian the Gaussian mechanism's RDP epsilon (Opacus'
+``RDPAccountant``, sampling rate 1, one step per round); other defenses have none (no bounded sensitivity).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from gradleak.errors import BadInput
+from gradleak.run.advise_options import CANDIDATES, STANDARD, STEPS, advise_section, check_budget
+
+#: held-out samples for the accuracy when the config sets no ``data.test_size``
+TEST_SIZE = 64
+#: delta of every reported epsilon
+DELTA = 1e-5
+
+
+def clock() -> float:
+    """The search's clock (the budget's): seconds."""
+    return time.perf_counter()
+
+
+# ------------------------------------------------------------------------------------------------ strengths
+
+def midpoint(spec: dict, a: float, b: float) -> float | None:
+    """The strength halfway between ``a`` and ``b`` on the candidate's scale; None when none lies between."""
+    if spec["scale"] == "int":
+        m = int(round(math.sqrt(a * b)))
+        return None if m in (a, b) or not min(a, b) < m < max(a, b) else m
+    if spec["scale"] == "log1m":
+        m = 1 - math.sqrt((1 - a) * (1 - b))
+    else:
+        m = math.sqrt(a * b)
+    return float(f"{m:.3g}") if float(f"{m:.3g}") not in (a, b) else None
+
+
+def fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def key(spec: dict) -> str:
+    """A candidate's name in the advice (its defense's name, or e.g. ``gaussian_noise_absolute`` for a second mode)."""
+    return spec.get("key", spec["name"])
+
+
+def matches(entry: dict, spec: dict) -> bool:
+    """An update defense of the config is this candidate: same name and the same mode (e.g. per-coordinate noise)."""
+    params = entry.get("params") or {}
+    return entry.get("name") == spec["name"] and all(bool(params.get(k, False)) == v
+                                                     for k, v in (spec.get("mode") or {}).items())
+
+
+def defended_config(raw: dict, spec: dict, value: Any) -> dict:
+    """``raw`` with the candidate at ``value``: a defense already there of the same name is replaced (its other
+    parameters kept), others are kept. Secure aggregation over K clients: ``data.nonmembers`` (per client: the
+    membership attacks' candidates) is divided by K, the same candidates in all, so the K clients' data fit the data
+    set as the configured clients' did."""
+    out = copy.deepcopy(raw)
+    name, p = spec["name"], spec["param"]
+    if spec["stage"] == "update":
+        ds = list(out.get("defenses") or [])
+        old = next((d for d in ds if matches(d, spec)), None)
+        params = {**spec["fixed"], **((old or {}).get("params") or {}), **(spec.get("mode") or {}), p: value}
+        out["defenses"] = [d for d in ds if d is not old] + [{"name": name, "params": params}]
+    elif spec["stage"] == "training":
+        old = out.get("defense") if (out.get("defense") or {}).get("name") == name else {}
+        out["defense"] = {**spec["fixed"], **(old or {}), "name": name, p: value}
+    else:  # secure aggregation over `value` clients
+        out["fl"] = {**(out.get("fl") or {}), "secure_aggregation": True, "clients": int(value)}
+        nonmembers = (out.get("data") or {}).get("nonmembers")
+        if nonmembers:
+            out["data"] = {**out["data"], "nonmembers": max(1, int(nonmembers) * int((raw.get("fl") or {}).get(
+                "clients", 1)) // int(value))}
+        threat = dict(out.get("threat") or {})
+        if threat.get("individual_updates"):
+            threat.pop("individual_updates")
+            out["threat"] = threat
+    return out
+
+
+def starting_point(raw: dict, spec: dict) -> Any:
+    """The configured strength of this defense when the config already has it (the search's weak end), else None."""
+    name, p = spec["name"], spec["param"]
+    if spec["stage"] == "update":
+        d = next((d for d in raw.get("defenses") or [] if matches(d, spec)), None)
+        return ((d or {}).get("params") or {}).get(p)
+    if spec["stage"] == "training":
+        d = raw.get("defense") or {}
+        return d.get(p) if d.get("name") == name else None
+    fl = raw.get("fl") or {}
+    return fl.get("clients", 1) if fl.get("secure_aggregation") else None
+
+
+def set_strings(raw: dict, spec: dict, value: Any) -> list[str]:
+    """The ``--set`` overrides that put the candidate at ``value`` into the audited config."""
+    cfg = defended_config(raw, spec, value)
+    if spec["stage"] == "update":
+        return ["defenses=" + json.dumps(cfg["defenses"])]
+    if spec["stage"] == "training":
+        return ["defense=" + json.dumps(cfg["defense"])]
+    return ["fl.secure_aggregation=true", f"fl.clients={int(value)}"] + (
+        [f"data.nonmembers={cfg['data']['nonmembers']}"] if (cfg.get("data") or {}).get("nonmembers") != (
+            raw.get("data") or {}).get("nonmembers") else [])
+
+
+def gaussian_epsilon(noise_multiplier: float, steps: int, delta: float = DELTA) -> float | None:
+    """Epsilon of ``steps`` compositions of the Gaussian mechanism with ``noise_multiplier`` (sampling rate 1),
+    Opacus' RDP accountant; None without Opacus."""
+    try:
+        from opacus.accountants import RDPAccountant
+    except ImportError:
+        return None
+    if noise_multiplier <= 0:
+        return math.inf
+    acc = RDPAccountant()
+    acc.history = [(float(noise_multiplier), 1.0, int(steps))]
+    return float(acc.get_epsilon(delta))
+
+
+# ------------------------------------------------------------------------------------------------ probes
+
+def probe(raw: dict, out_dir: str, only: list[str], device: str | None, workers: int, utility_from: list[str]) -> dict:
+    """One probe (a cell): the audit of ``raw`` restricted to ``only`` into ``out_dir``, compacted to what the
+    advice needs. A setup whose every attack the threat gate refuses comes back as ``refused`` (not an error)."""
+    from gradleak.run.audit import plan_audit, run_audit
+
+    try:
+        res = run_audit(raw, out_dir, [], device, only=only, log=lambda m: None, workers=workers)
+    except BadInput as err:  # every attack refused: each one's own reason (the gate's, or the setup's)
+        reasons = {}
+        for a in only:
+            try:
+                _, _, entries, planned, _, _ = plan_audit(raw, [], [a])
+                reasons[a] = entries[0].get("reason") or "refused"
+            except BadInput as e:
+                reasons[a] = str(e)
+        return {"refused": str(err), "field": err.field,
+                "attacks": {a: {"level": None, "reason": r} for a, r in reasons.items()}}
+    out: dict[str, Any] = {"verdict": res["verdict"], "attacks": {}}
+    for e in res["attacks"]:
+        out["attacks"][e["name"]] = {k: e.get(k) for k in ("level", "metric", "value", "null_median", "null_p99",
+                                                             "reason")}
+        mets = e.get("metrics") or {}
+        if e["name"] in utility_from and out.get("accuracy") is None and "accuracy" in mets:
+            out["accuracy"], out["accuracy_from"] = mets["accuracy"], e["name"]
+        if "dp_epsilon" in mets and out.get("dp_epsilon") is None:
+            out["dp_epsilon"] = mets["dp_epsilon"]
+    return out
+
+
+#: the gate's refusal that a defense causes: the server no longer sees an individual update (secure aggregation)
+GATE_STOP = "threat.individual_updates"
+
+
+def outcome(row: dict, attacks: list[str]) -> str:
+    """``stopped``: every leaking attack back at level ``none`` or refused by the gate because the server no longer
+    sees an individual update; ``leaks``: one still at ``partial`` or more; ``unmeasured``: otherwise (an attack
+    refused for another reason, undefined, or the probe failed)."""
+    if "error" in row:
+        return "unmeasured"
+    seen = []
+    for a in attacks:
+        e = (row.get("attacks") or {}).get(a) or {}
+        lv = e.get("level")
+        if lv in ("partial", "strong", "exact"):
+            return "leaks"
+        seen.append(lv == "none" or (lv is None and str(e.get("reason") or "").startswith(GATE_STOP)))
+    return "stopped" if all(seen) else "unmeasured"
+
+
+def stopped(row: dict, attacks: list[str]) -> bool:
+    return outcome(row, attacks) == "stopped"
+
+
+def _levels(row: dict, attacks: list[str]) -> dict[str, str]:
+    out = {}
+    for a in attacks:
+        e = (row.get("attacks") or {}).get(a) or {}
+        reason = str(e.get("reason") or "no result")
+        out[a] = e.get("level") or ("refused: the server sees no individual update" if reason.startswith(GATE_STOP)
+                                    else "not run: " + reason[:160])
+    return out
+
+
+def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | None = None, workers: int = 1,
+           budget_seconds: float | None = None, candidates: list[str] | None = None, steps: int = STEPS,
+           log: Callable[[str], Any] = print) -> dict:
+    """The advice for the audit ``audit_result`` of ``raw`` (the resolved config, e.g. ``audit_result["config"]``):
+    see the module docstring. Probes go to ``out_dir/advise/``; returns the ``advice`` dict."""
+    from gradleak.evaluation.levels import LEAKING
+    from gradleak.registry import ATTACKS
+    from gradleak.run.audit import config_hash, plan_audit
+    from gradleak.run.cells import Cell, cell_dir_name, error_text, run_cells
+    budget_seconds = check_budget(budget_seconds)
+    t0 = clock()
+    leaking = [e["name"] for e in audit_result["attacks"] if e.get("level") in LEAKING]
+    base = copy.deepcopy(raw)
+    section = dict(base.get("audit") or {})
+    section.pop("advise", None)
+    section.pop("budget", None)
+    if section:
+        base["audit"] = section
+    else:
+        base.pop("audit", None)
+    advice: dict[str, Any] = {"attacks": leaking, "delta": DELTA, "steps": steps, "budget_seconds": budget_seconds,
+                              "rows": [], "recommendation": None, "unfinished": [], "probes": {}}
+    if not leaking:
+        advice["sentence"] = "Nothing to stop: no attack leaked above its null in this audit."
+        return advice
+    cfg0 = plan_audit(base, [], leaking)[3][0][2]  # the first leaking attack's validated config (threat upgraded if so)
+    data = dict(base.get("data") or {})
+    if not data.get("test_size"):
+        data["test_size"] = TEST_SIZE
+        base["data"] = data
+        advice["test_size_note"] = (f"data.test_size = {TEST_SIZE} set for the probes (the config has none; the "
+                                    "held-out samples are disjoint from the clients', which stay the same)")
+    advice["test_size"] = data["test_size"]
+    utility_from = [a for a in leaking if not ATTACKS.get(a).rewrites_weights]
+    kinds = {ATTACKS.get(a).reconstruction for a in leaking}
+    out = Path(out_dir) / "advise"
+    out.mkdir(parents=True, exist_ok=True)
+    jsonl = out / f"advise-{config_hash({'config': base, 'only': leaking})}.jsonl"
+    advice["jsonl"] = str(jsonl.relative_to(Path(out_dir)))
+    ran: list[str] = []
+
+    def quiet(msg: str) -> None:
+        if " cells: " not in msg:
+            log(msg)
+
+    def run_probe(cid: str, cfg_raw: dict) -> dict:
+        d = out / cell_dir_name(cid)
+
+        def row(cell, res, err, seconds):
+            r = {"cell": cell.id, "out": str(d.relative_to(Path(out_dir))), "seconds": seconds}
+            return {**r, "error": error_text(err)} if err is not None else {**r, **res}
+
+        # the cell's id holds the probe config's hash: a changed config (or a changed candidate) is a new probe
+        key = f"{cid}#{config_hash(cfg_raw)[:8]}"
+        job = Cell(key, _probe_job, (cfg_raw, str(d), leaking, device, workers, utility_from, ran, cid))
+        latest = run_cells([job], jsonl, row, label="advise", log=quiet,
+                           describe=lambda r: ("stops the leak" if stopped(r, leaking) else "leaks: " + ", ".join(
+                               f"{a} {lv}" for a, lv in _levels(r, leaking).items())))
+        r = latest[key]
+        advice["probes"][cid] = r
+        return r
+
+    def over_budget() -> bool:
+        return budget_seconds is not None and clock() - t0 >= budget_seconds
+
+    baseline = run_probe("baseline", base)
+    advice["baseline"] = {"accuracy": baseline.get("accuracy"), "levels": _levels(baseline, leaking),
+                          "accuracy_from": baseline.get("accuracy_from")}
+    specs = [s for s in CANDIDATES if (candidates is None or key(s) in candidates)
+             and (not s.get("membership_only") or "membership" in kinds)]
+    for spec in specs:
+        row: dict[str, Any] = {"defense": key(spec), "stage": spec["stage"], "parameter": spec["param"],
+                               "what": spec["what"], "fixed": spec["fixed"], "probes": []}
+        start = starting_point(base, spec)
+        weak = start if start is not None else spec["weak"]
+        row["bracket"] = [weak, spec["strong"]]
+        if start is not None:
+            row["starting_point"] = start
+        advice["rows"].append(row)
+        try:  # admitted by this setup? (the gate refusing every attack is a stop, not a refusal of the defense)
+            plan_audit(defended_config(base, spec, spec["strong"]), [], leaking)
+        except BadInput as err:
+            if not err.field.startswith("threat."):
+                row.update({"status": "not_applicable", "note": str(err)})
+                continue
+        if over_budget():
+            row.update({"status": "unfinished", "note": "not started: the budget was spent"})
+            continue
+        cid = f"{key(spec)}:{spec['param']}={fmt(spec['strong'])}"
+        r = run_probe(cid, defended_config(base, spec, spec["strong"]))
+        row["probes"].append([spec["strong"], cid])
+        if "error" in r:
+            row.update({"status": "failed", "note": r["error"]})
+            continue
+        if outcome(r, leaking) == "unmeasured":
+            row.update({"status": "not_measured", "levels": _levels(r, leaking),
+                        "note": f"not measured at the strong end {fmt(spec['strong'])}: an attack did not run there"})
+            continue
+        if not stopped(r, leaking):
+            row.update({"status": "not_stopped", "levels": _levels(r, leaking),
+                        "note": f"not stopped within [{fmt(weak)}, {fmt(spec['strong'])}]"})
+            continue
+        good, bad, found = spec["strong"], weak, r
+        status = "stopped"
+        for _ in range(steps):
+            m = midpoint(spec, bad, good)
+            if m is None:
+                break
+            if over_budget():
+                status = "unfinished"
+                break
+            cid = f"{key(spec)}:{spec['param']}={fmt(m)}"
+            rm = run_probe(cid, defended_config(base, spec, m))
+            row["probes"].append([m, cid])
+            if stopped(rm, leaking):  # a failed or unmeasured probe is not evidence of a stop
+                good, found = m, rm
+            else:
+                bad = m
+        if status == "stopped" and bad == weak and start is None and not over_budget():
+            # every probe stopped: the weak end, assumed to leak, is measured (the configured strength is measured
+            # by the audit itself)
+            cid = f"{key(spec)}:{spec['param']}={fmt(weak)}"
+            rw = run_probe(cid, defended_config(base, spec, weak))
+            row["probes"].append([weak, cid])
+            if "error" not in rw and stopped(rw, leaking):
+                good, found = weak, rw
+                row["note"] = (f"stops already at the bracket's weak end {fmt(weak)}: a weaker strength may stop it "
+                               "too (not searched)")
+        row.update({"status": status, "strength": good, "interval": [bad if bad != good else None, good],
+                    "levels": _levels(found, leaking),
+                    "accuracy": found.get("accuracy"), "set": set_strings(base, spec, good),
+                    "config": {k: v for k, v in defended_config(base, spec, good).items()
+                               if k in ("defenses", "defense", "fl", "threat")}})
+        if status == "unfinished":
+            row["note"] = (f"unfinished (budget): stops at {fmt(good)}; the weakest strength lies in "
+                           f"[{fmt(bad)}, {fmt(good)}]")
+        b = advice["baseline"]["accuracy"]
+        if isinstance(b, (int, float)) and isinstance(found.get("accuracy"), (int, float)):
+            row["cost"] = b - found["accuracy"]
+        if spec["name"] == "dpsgd":
+            row["epsilon"] = found.get("dp_epsilon")
+        elif spec["name"] == "dp_gaussian":
+            row["epsilon"] = gaussian_epsilon(good, cfg0.fl.rounds)
+            row["epsilon_note"] = f"Gaussian mechanism, RDP, sampling rate 1, {cfg0.fl.rounds} round(s)"
+        if spec["name"] in ("dp_gaussian", "dpsgd"):  # the clipping norm is fixed, not fitted to the updates' scale
+            row["note"] = "; ".join(x for x in (row.get("note"), (
+                f"clipping norm held at {_clip_norm(defended_config(base, spec, good), spec)}: updates "
+                "(or per-sample gradients) smaller than it are not clipped, and the noise is then absolute noise of "
+                "std noise_multiplier x that norm per coordinate")) if x)
+    advice["unfinished"] = [r["defense"] for r in advice["rows"] if r.get("status") == "unfinished"]
+    advice["ran_now"] = ran
+    advice["seconds"] = clock() - t0
+    ok = [r for r in advice["rows"] if r.get("status") in ("stopped", "unfinished") and "strength" in r]
+    ok.sort(key=lambda r: (r.get("cost") if isinstance(r.get("cost"), (int, float)) else math.inf,
+                           r["status"] != "stopped", STANDARD.index(r["defense"])))
+    advice["ranking"] = [r["defense"] for r in ok]
+    costs = [r["cost"] for r in ok if isinstance(r.get("cost"), (int, float))]
+    if costs and all(c == 0 for c in costs):
+        advice["cost_note"] = (f"every measured cost is 0: after the configured {cfg0.fl.rounds} round(s) the global "
+                               f"model's accuracy ({fmt(advice['baseline']['accuracy'])} without a defense) does not "
+                               "move, so the ranking falls to the tie-break (the most standard defense first); raise "
+                               "fl.rounds to measure what each defense costs in training")
+    if ok:
+        best = ok[0]
+        cost = best.get("cost")
+        advice["recommendation"] = {"defense": best["defense"], "parameter": best["parameter"],
+                                    "strength": best["strength"], "set": best["set"], "cost": cost,
+                                    "accuracy": best.get("accuracy"), "epsilon": best.get("epsilon")}
+        advice["sentence"] = (
+            f"Recommended: {best['defense']} with {best['parameter']} = {fmt(best['strength'])} ({best['what']}): "
+            f"the weakest strength probed that brings {', '.join(leaking)} back to its null, at an accuracy cost of "
+            + (f"{cost * 100:+.1f} points ({fmt(advice['baseline']['accuracy'])} -> {fmt(best.get('accuracy'))})"
+               if isinstance(cost, (int, float)) else "(not measured)")
+            + (f", epsilon = {fmt(best['epsilon'])} at delta = {DELTA:g}" if isinstance(best.get("epsilon"), float) else "")
+            + ". Set it with " + " ".join(f"--set '{s}'" for s in best["set"]) + ".")
+    else:
+        advice["sentence"] = ("No candidate stopped every leaking attack within its bracket"
+                              + (" (some were not finished within the budget)" if advice["unfinished"] else "") + ".")
+    return advice
+
+
+def _clip_norm(cfg: dict, spec: dict) -> Any:
+    """The clipping norm of the DP candidate in ``cfg`` (the configured one, or the candidate's fixed one)."""
+    if spec["stage"] == "training":
+        return (cfg.get("defense") or {}).get("max_grad_norm", 1.0)
+    d = next((d for d in cfg.get("defenses") or [] if matches(d, spec)), {})
+    return (d.get("params") or {}).get("max_norm", 1.0)
+
+
+def _probe_job(raw, out_dir, only, device, workers, utility_from, ran, cid):
+    """The cell's job (in this process): the probe, noted in ``ran`` (what this call actually ran)."""
+    ran.append(cid)
+    return probe(raw, out_dir, only, device, workers, utility_from)
+
+
+def plot_panels(advice: dict) -> list[dict]:
+    """The privacy-utility plot's data: per searched defense, each probe's strength with each leaking attack's
+    headline (and its null median / p99) and the accuracy; the baseline accuracy beside it."""
+    panels = []
+    for r in advice.get("rows") or []:
+        pts = []
+        for value, cid in r.get("probes") or []:
+            p = (advice.get("probes") or {}).get(cid) or {}
+            if "error" in p:
+                continue
+            pts.append({"x": value, "accuracy": p.get("accuracy"),
+                        "attacks": {a: {k: ((p.get("attacks") or {}).get(a) or {}).get(k)
+                                        for k in ("value", "null_median", "null_p99", "metric", "level")}
+                                    for a in advice["attacks"]}})
+        if pts:
+            pts.sort(key=lambda t: t["x"])
+            panels.append({"title": f"{r['defense']} ({r['parameter']})", "points": pts,
+                           "log": CANDIDATE_BY_NAME[r["defense"]]["scale"] != "log1m",
+                           "found": r.get("strength"), "baseline_accuracy": (advice.get("baseline") or {}).get("accuracy")})
+    return panels
+
+
+CANDIDATE_BY_NAME = {key(c): c for c in CANDIDATES}
+
+
+def run_audit_advised(raw: dict, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,
+                      only: list[str] | None = None, command: str = "", log: Callable[[str], Any] = print,
+                      workers: int = 1, budget_seconds: float | None = None, advise_on: bool = False) -> dict:
+    """``gradleak audit --advise``: the audit (itself a cell, so a rerun after a kill reuses it), then
+    :func:`advise` when ``advise_on`` or ``audit.advise`` says so; ``advice`` goes into audit.json and the report
+    (with ``advice.png``, the privacy-utility plot). ``budget_seconds`` (``--budget``) overrides ``audit.budget``."""
+    from gradleak.run.audit import config_hash, plan_audit, run_audit
+    from gradleak.run.audit_report import write_audit_report
+    from gradleak.run.cells import Cell, error_text, run_cells
+    from gradleak.run.results import write_json_atomic
+    from gradleak.run.runner import check_out_dir
+
+    budget_seconds = check_budget(budget_seconds)
+    resolved = plan_audit(raw, overrides, only)[0]
+    section = resolved.get("audit") or {}
+    opts = advise_section(section.get("advise"))
+    if opts is None and not advise_on:
+        if budget_seconds is not None:
+            raise BadInput("--budget", "bounds the --advise search, but the audit is not advising.",
+                           "add --advise (or audit: {advise: true}), or drop --budget.")
+        return run_audit(raw, out_dir, overrides, device, only=only, command=command, log=log, workers=workers)
+    opts = opts or {"candidates": None, "steps": STEPS}
+    if budget_seconds is None:
+        budget_seconds = check_budget(section.get("budget"), "audit.budget")
+    out = check_out_dir(out_dir)
+    (out / "advise").mkdir(exist_ok=True)
+    h = config_hash({"config": resolved, "only": only})
+    path = out / "audit.json"
+
+    def audit_row(cell, res, err, seconds):
+        if err is not None:
+            return {"cell": cell.id, "error": error_text(err)}
+        return {"cell": cell.id, "verdict": res["verdict"], "config_hash": res["config_hash"], "seconds": seconds}
+
+    jsonl = out / "advise" / f"audit-{h}.jsonl"
+    fresh: list = []
+
+    def audit_job(*args):
+        fresh.append(True)
+        return run_audit(*args)
+
+    done = run_cells([Cell("audit", audit_job, (raw, out, overrides, device, only, command, log, workers))], jsonl,
+                     audit_row, fatal=(BadInput,), label="advise", log=lambda m: None)
+    if "error" in done["audit"]:
+        raise RuntimeError(f"the audit failed (rerun to retry): {done['audit']['error']}")
+    result = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    if result is None or result.get("config_hash") != done["audit"].get("config_hash"):  # audit.json gone or other
+        result = run_audit(raw, out, overrides, device, only=only, command=command, log=log, workers=workers)
+    elif not fresh:
+        log("[advise] the audit of this config was done before: reused (audit.json)")
+    log("[advise] searching the weakest defense that stops: "
+        + (", ".join(e["name"] for e in result["attacks"] if e.get("level") in ("partial", "strong", "exact"))
+           or "nothing (no leak)"))
+    adv = advise(result["config"], out, result, device=device, workers=workers, budget_seconds=budget_seconds,
+                 candidates=opts["candidates"], steps=opts["steps"], log=log)
+    panels = plot_panels(adv)
+    if panels:
+        from gradleak.report.plots import save_privacy_utility_plot
+
+        save_privacy_utility_plot(panels, out / "advice.png")
+        adv["plot"] = "advice.png"
+    result["advice"] = adv
+    write_json_atomic(path, result)
+    write_audit_report(result, out)
+    return result

@@ -1,0 +1,77 @@
+"""The options of ``gradleak audit --advise`` (issue 30), apart from the search itself so that the audit's config
+check (:func:`gradleak.run.audit.audit_overrides`) validates ``audit.advise`` / ``audit.budget`` without importing
+the search (:mod:`gradleak.run.advise`, which imports the audit)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradleak.errors import BadInput
+
+#: bisection steps after the strong end
+STEPS = 3
+#: tie-break among equally cheap defenses: the most standard first
+STANDARD = ("dp_gaussian", "dpsgd", "secure_aggregation", "gaussian_noise", "gaussian_noise_absolute", "clipping",
+            "topk_pruning", "stochastic_quantization", "percentile_noise", "fisguard")
+
+#: the candidates: where the defense goes (``update``: appended to ``defenses``; ``training``: ``defense:``; ``fl``:
+#: secure aggregation), the parameter searched, its bracket (weak -> strong), the scale, fixed parameters; ``key``: the
+#: name in the advice when one defense is searched in two modes; ``mode``: the parameters that make a configured
+#: defense this candidate (its starting point)
+CANDIDATES: list[dict[str, Any]] = [
+    {"name": "gaussian_noise", "stage": "update", "param": "std", "weak": 1e-3, "strong": 10.0, "scale": "log",
+     "fixed": {}, "mode": {"per_coordinate": True}, "what": "noise std as a multiple of the update's per-coordinate RMS"},
+    {"name": "gaussian_noise", "key": "gaussian_noise_absolute", "stage": "update", "param": "std", "weak": 1e-7,
+     "strong": 0.1, "scale": "log", "fixed": {}, "mode": {"per_coordinate": False, "relative": False},
+     "what": "absolute noise std per coordinate (on the update's own scale)"},
+    {"name": "percentile_noise", "stage": "update", "param": "sigma0", "weak": 1e-2, "strong": 100.0, "scale": "log",
+     "fixed": {}, "what": "noise std as a multiple of the 95th percentile of |update|"},
+    {"name": "dp_gaussian", "stage": "update", "param": "noise_multiplier", "weak": 1e-3, "strong": 10.0,
+     "scale": "log", "fixed": {"max_norm": 1.0, "where": "client"},
+     "what": "noise multiplier, each upload clipped to L2 norm 1.0 (local DP)"},
+    {"name": "clipping", "stage": "update", "param": "max_norm", "weak": 10.0, "strong": 1e-4, "scale": "log",
+     "fixed": {}, "what": "L2 bound of each update"},
+    {"name": "topk_pruning", "stage": "update", "param": "prune_fraction", "weak": 0.5, "strong": 0.999,
+     "scale": "log1m", "fixed": {}, "what": "fraction of the coordinates zeroed"},
+    {"name": "stochastic_quantization", "stage": "update", "param": "bits", "weak": 8, "strong": 1, "scale": "int",
+     "fixed": {}, "what": "bits per coordinate"},
+    {"name": "dpsgd", "stage": "training", "param": "noise_multiplier", "weak": 1e-3, "strong": 10.0, "scale": "log",
+     "fixed": {"max_grad_norm": 1.0}, "what": "DP-SGD noise multiplier, per-sample clipping norm 1.0"},
+    {"name": "secure_aggregation", "stage": "fl", "param": "clients", "weak": 2, "strong": 8, "scale": "int",
+     "fixed": {}, "what": "clients summed by secure aggregation"},
+    {"name": "fisguard", "stage": "training", "param": "rank", "weak": 64, "strong": 4, "scale": "int", "fixed": {},
+     "what": "rank of the fixed input subspaces", "membership_only": True},
+]
+
+
+def advise_section(section: Any) -> dict | None:
+    """The validated ``audit.advise`` value: ``None`` (off), or ``{"candidates": [...] | None, "steps": int}``.
+    ``true`` = every candidate, :data:`STEPS` steps; a mapping may narrow ``candidates`` and set ``steps``."""
+    if section is None or section is False:
+        return None
+    if section is True:
+        return {"candidates": None, "steps": STEPS}
+    if not isinstance(section, dict):
+        raise BadInput("audit.advise", f"must be true, false or a mapping, got {section!r}.",
+                       "write audit: {advise: true} (or {advise: {candidates: [gaussian_noise], steps: 2}}).")
+    bad = sorted(set(section) - {"candidates", "steps"})
+    if bad:
+        raise BadInput(f"audit.advise.{bad[0]}", "this key does not exist.", "audit.advise has candidates and steps.")
+    names = [c.get("key", c["name"]) for c in CANDIDATES]
+    cands = section.get("candidates")
+    if cands is not None and (not isinstance(cands, list) or not cands or any(c not in names for c in cands)):
+        raise BadInput("audit.advise.candidates", f"must be a non-empty list of candidates, got {cands!r}.",
+                       f"choose from {', '.join(names)}.")
+    steps = section.get("steps", STEPS)
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= 20:
+        raise BadInput("audit.advise.steps", f"must be a whole number in [0, 20], got {steps!r}.", "write e.g. steps: 3.")
+    return {"candidates": cands, "steps": steps}
+
+
+def check_budget(budget: Any, field: str = "--budget") -> float | None:
+    """A search budget in seconds (> 0), or None."""
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0 or budget != budget:
+        raise BadInput(field, f"must be a number of seconds > 0, got {budget!r}.", "write e.g. --budget 600.")
+    return float(budget)

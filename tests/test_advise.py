@@ -1,0 +1,244 @@
+"""gradleak audit --advise (issue 30): the weakest defense strength that stops every leaking attack, its cost;
+the search resumes without rerunning a probe, the budget bounds it, bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from gradleak.errors import BadInput
+
+TEXT = {"experiment": "text", "seed": 0, "model": {"name": "minilm", "layers": 2},
+        "peft": {"kind": "adapters", "reduction_factor": 2}, "data": {"name": "rt-sentences", "batch_size": 2},
+        "fl": {"algorithm": "fedsgd", "rounds": 1}, "threat": {"preset": "honest-but-curious"}}
+
+
+@pytest.mark.timeout(600)
+def test_advice_round_trip_recommended_strength_gives_no_leak_found(tmp_path, one_thread):
+    """A tiny text setup where UTR leaks: --advise (noise and pruning, 1 bisection step) recommends a strength,
+    measures the accuracy with and without it on the same seeds, and that strength set in the config gives
+    `no_leak_found` in a plain audit; the report shows the table, the recommendation and the plot."""
+    from gradleak.cli import app
+    from gradleak.run.audit import run_audit
+
+    raw = {**TEXT, "audit": {"advise": {"candidates": ["gaussian_noise", "topk_pruning"], "steps": 1}}}
+    cfg = tmp_path / "advise.yaml"
+    cfg.write_text(json.dumps(raw))
+    cli = CliRunner().invoke(app, ["audit", str(cfg), "--out", str(tmp_path / "a"), "--only", "utr", "--workers", "1"])
+    assert cli.exit_code == 0, cli.output
+    res = json.loads((tmp_path / "a" / "audit.json").read_text())
+    assert res["verdict"] == "leaks"
+    assert "what stops each leak" in cli.output and "Recommended: " in cli.output  # the console says it too
+    adv = res["advice"]
+    assert adv["attacks"] == ["utr"] and adv["baseline"]["levels"] == {"utr": res["attacks"][0]["level"]}
+    assert isinstance(adv["baseline"]["accuracy"], float) and adv["test_size"] == 64
+    rec = adv["recommendation"]
+    assert rec is not None and rec["defense"] in ("gaussian_noise", "topk_pruning")
+    row = next(r for r in adv["rows"] if r["defense"] == rec["defense"])
+    assert row["levels"] == {"utr": "none"} and isinstance(row["accuracy"], float)
+    assert row["cost"] == pytest.approx(adv["baseline"]["accuracy"] - row["accuracy"])
+    assert [p[0] for p in row["probes"][:2]] == [row["bracket"][1], 0.1 if rec["defense"] == "gaussian_noise"
+                                                 else pytest.approx(0.978, abs=1e-3)]  # strong end, one step
+    assert len(row["probes"]) == 2 or row["probes"][2][0] == row["bracket"][0]  # (+ the weak end if all stopped)
+    assert rec["strength"] == row["strength"] and row["interval"][1] == row["strength"]
+    assert f"--set '{rec['set'][0]}'" in " ".join(cli.output.split())
+    page = (tmp_path / "a" / "report.html").read_text()
+    assert 'id="advice"' in page and 'id="recommendation"' in page and "advice.png" in page
+    assert (tmp_path / "a" / "advice.png").stat().st_size > 1000
+    # the round trip: the recommended strength, set in the config, gives no_leak_found in a plain audit
+    plain = run_audit(TEXT, tmp_path / "b", rec["set"], only=["utr"], log=lambda m: None)
+    assert plain["verdict"] == "no_leak_found", plain["headline"]
+    # the page in a real browser (headless Chromium) when the machine has one: the plot decodes
+    import shutil
+    import sys
+    from pathlib import Path
+
+    if not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")):
+        pytest.skip("no Chromium here (apt-get install chromium): the report was checked as text only")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from check_report_in_browser import check
+
+    assert check(tmp_path / "a" / "report.html") == []
+
+
+# ------------------------------------------------------------------------------------------------ the search (probes faked)
+
+LEAKS = {"attacks": [{"name": "utr", "level": "partial"}, {"name": "dlg", "level": "none"}]}
+
+
+def _fake(calls, threshold=0.05, kill_at=None, clock=None):
+    """A probe: UTR stops when the per-coordinate noise std reaches ``threshold``; accuracy falls with the noise."""
+
+    def probe(raw, out_dir, only, device, workers, utility_from):
+        calls.append(out_dir)
+        if kill_at is not None and len(calls) == kill_at:
+            raise KeyboardInterrupt  # a kill in the middle of the search
+        if clock is not None:
+            clock[0] += 10.0
+        std = next((d["params"]["std"] for d in raw.get("defenses") or [] if d["name"] == "gaussian_noise"), 0.0)
+        level = "none" if std >= threshold else "partial"
+        return {"verdict": "leaks" if level != "none" else "no_leak_found", "accuracy": 0.8 - min(std, 0.5),
+                "attacks": {a: {"level": level, "metric": "m", "value": 1 - std, "null_p99": 0.5, "null_median": 0.4}
+                            for a in only}}
+
+    return probe
+
+
+def test_bisection_finds_the_weakest_stopping_strength_and_resumes_without_rerunning(tmp_path, monkeypatch):
+    """The search on a log scale brackets the threshold; after a kill mid-search the rerun runs only the probes not
+    finished before (each cell once in the JSONL) and ends with the same advice."""
+    from gradleak.run import advise as mod
+
+    calls: list = []
+    monkeypatch.setattr(mod, "probe", _fake(calls, kill_at=3))
+    with pytest.raises(KeyboardInterrupt):
+        mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
+    assert len(calls) == 3  # baseline, strong end, then killed in the first bisection probe
+    calls2: list = []
+    monkeypatch.setattr(mod, "probe", _fake(calls2))
+    adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
+    assert len(calls2) == 4 and adv["ran_now"][0] == "gaussian_noise:std=0.1"  # the killed probe, then 3 more
+    rows = [json.loads(x) for x in (tmp_path / adv["jsonl"]).read_text().splitlines()]
+    ids = [r["cell"] for r in rows]
+    assert len(ids) == len(set(ids)) == 6  # baseline + strong end + 4 steps, none twice
+    (row,) = adv["rows"]
+    lo, hi = row["interval"]
+    assert lo < 0.05 <= hi == row["strength"]
+    assert hi / lo == pytest.approx(10 ** (4 / 2 ** 4), rel=0.02)  # 4 halvings of the 4 decades on a log scale
+    assert row["bracket"] == [1e-3, 10.0] and row["levels"] == {"utr": "none"}
+    assert adv["baseline"]["accuracy"] == 0.8 and row["cost"] == pytest.approx(hi)
+    assert adv["recommendation"]["defense"] == "gaussian_noise" and adv["attacks"] == ["utr"]
+    # a third call runs nothing
+    calls3: list = []
+    monkeypatch.setattr(mod, "probe", _fake(calls3))
+    again = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
+    assert calls3 == [] and again["rows"][0]["strength"] == hi
+
+
+def test_not_stopped_within_the_bracket_and_a_configured_defense_is_the_starting_point(tmp_path, monkeypatch):
+    from gradleak.run import advise as mod
+
+    calls: list = []
+    monkeypatch.setattr(mod, "probe", _fake(calls, threshold=100.0))  # beyond the bracket's strong end
+    raw = {**TEXT, "defenses": [{"name": "gaussian_noise", "params": {"std": 0.01, "per_coordinate": True}}]}
+    adv = mod.advise(raw, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=3, log=lambda m: None)
+    (row,) = adv["rows"]
+    assert row["status"] == "not_stopped" and row["bracket"] == [0.01, 10.0] and row["starting_point"] == 0.01
+    assert "not stopped within [0.01, 10]" in row["note"] and adv["recommendation"] is None
+    assert len(calls) == 2  # baseline, strong end: no bisection
+    # every probe stops: the weak end is measured too, and reported as the strength (weaker ones not searched)
+    calls.clear()
+    monkeypatch.setattr(mod, "probe", _fake(calls, threshold=0.0))
+    adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=2, log=lambda m: None)
+    (row,) = adv["rows"]
+    assert [p[0] for p in row["probes"]] == [10.0, 0.1, 0.01, 1e-3] and row["strength"] == 1e-3
+    assert row["interval"] == [None, 1e-3] and "weak end" in row["note"] and len(calls) == 5
+
+
+def test_budget_marks_unfinished_defenses(tmp_path, monkeypatch):
+    """Each fake probe takes 10 (fake) seconds; a 25 s budget ends the noise search after its first bisection step
+    and never starts DP-Gaussian: both are listed as unfinished, in the advice and the report."""
+    from gradleak.run import advise as mod
+    from gradleak.run.audit_report import advice_section
+
+    clock = [0.0]
+    monkeypatch.setattr(mod, "clock", lambda: clock[0])
+    calls: list = []
+    monkeypatch.setattr(mod, "probe", _fake(calls, clock=clock))
+    adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise", "dp_gaussian"], steps=3, budget_seconds=25,
+                     log=lambda m: None)
+    assert adv["unfinished"] == ["gaussian_noise", "dp_gaussian"] and len(calls) == 3
+    noise, dp = adv["rows"]
+    assert noise["strength"] == 0.1 and noise["interval"] == [1e-3, 0.1] and "unfinished (budget)" in noise["note"]
+    assert dp["status"] == "unfinished" and "strength" not in dp
+    assert adv["recommendation"]["defense"] == "gaussian_noise"  # stops, though not the weakest: said
+    page = advice_section(adv)
+    assert "Not finished within the budget of 25 s: gaussian_noise, dp_gaussian" in page
+
+
+def test_strength_scales_and_the_gaussian_epsilon():
+    from gradleak.run.advise import CANDIDATE_BY_NAME as C
+    from gradleak.run.advise import gaussian_epsilon, midpoint
+
+    assert midpoint(C["gaussian_noise"], 1e-3, 10.0) == pytest.approx(0.1)
+    assert midpoint(C["topk_pruning"], 0.5, 0.999) == pytest.approx(1 - math.sqrt(0.5 * 0.001), abs=1e-3)
+    assert midpoint(C["stochastic_quantization"], 8, 1) == 3 and midpoint(C["stochastic_quantization"], 2, 1) is None
+    e1, e2 = gaussian_epsilon(1.0, 1), gaussian_epsilon(2.0, 1)
+    assert e1 > e2 > 0 and gaussian_epsilon(1.0, 4) > e1
+    # the Gaussian mechanism at sigma = 1 is (eps, 1e-5)-DP with eps near 4.4 (RDP conversion; the optimum is ~3.7)
+    assert 3.5 < e1 < 6
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("args, field", [(["--advise", "--budget", "-1"], "--budget"),
+                                         (["--set", "audit.advise=3"], "audit.advise"),
+                                         (["--set", "audit.advise={steps: -1}"], "audit.advise.steps"),
+                                         (["--budget", "60"], "--budget")])
+def test_bad_advise_input_exits_2_naming_the_field(tmp_path, args, field):
+    from gradleak.cli import app
+
+    cfg = tmp_path / "a.yaml"
+    cfg.write_text(json.dumps(TEXT))
+    res = CliRunner().invoke(app, ["audit", str(cfg), "--out", str(tmp_path / "o"), "--only", "utr", *args])
+    assert res.exit_code == 2, res.output
+    assert field in res.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_advise_section_in_the_api():
+    from gradleak.run.advise_options import advise_section, check_budget
+
+    with pytest.raises(BadInput, match="audit.advise.candidates"):
+        advise_section({"candidates": ["nope"]})
+    with pytest.raises(BadInput, match="audit.budget"):
+        check_budget(0, "audit.budget")
+    assert advise_section(True)["candidates"] is None and advise_section(False) is None
+
+
+def test_a_probe_whose_attacks_all_fail_to_fit_reports_their_reason_not_a_threat_error(tmp_path, monkeypatch):
+    """A secure-aggregation probe whose K clients' data do not fit: every run is refused once the data are known;
+    the audit reports each attack's reason (it used to describe the setup with the first attack's config, which for
+    ProjRes needs a threat upgrade, and raised that instead), and the advice counts it as unmeasured, not a stop."""
+    from gradleak.run import audit as audit_mod
+    from gradleak.run.advise import outcome, probe
+
+    monkeypatch.setattr(audit_mod, "_run_one", lambda name, cand, out, dev: {
+        "bad_input": "data.batch_size: 8 clients' sentences are more than the 200 texts", "seconds": 0.0})
+    raw = {**TEXT, "data": {**TEXT["data"], "nonmembers": 8}}
+    row = probe(raw, str(tmp_path), ["projres", "utr"], None, 1, ["utr"])
+    assert "refused" not in row and row["verdict"] == "undefined"
+    assert all(row["attacks"][a]["reason"].startswith("data.batch_size") for a in ("projres", "utr"))
+    assert outcome(row, ["projres", "utr"]) == "unmeasured"
+
+
+def test_the_table_says_when_epsilon_guarantees_nothing():
+    from gradleak.run.audit_report import advice_rows
+
+    adv = {"delta": 1e-5, "baseline": {"accuracy": 0.5}, "ranking": ["dp_gaussian", "dpsgd"],
+           "rows": [{"defense": "dp_gaussian", "parameter": "noise_multiplier", "strength": 0.001, "bracket": [1e-3, 10],
+                     "accuracy": 0.5, "cost": 0.0, "epsilon": 5.5e5, "status": "stopped"},
+                    {"defense": "dpsgd", "parameter": "noise_multiplier", "strength": 2.0, "bracket": [1e-3, 10],
+                     "accuracy": 0.5, "cost": 0.0, "epsilon": 2.1, "status": "stopped"}]}
+    (dp, sgd) = advice_rows(adv)
+    assert dp[6] == "5.5e+05 (δ = 1e-05; no meaningful guarantee: ε > 10)" and sgd[6] == "2.1 (δ = 1e-05)"
+
+
+def test_a_configured_defense_is_strengthened_in_its_own_mode_only():
+    """A configured absolute-noise defense is the absolute candidate's starting point and is replaced by it; the
+    per-coordinate candidate is added beside it."""
+    from gradleak.run.advise import CANDIDATE_BY_NAME as C
+    from gradleak.run.advise import defended_config, starting_point
+
+    raw = {**TEXT, "defenses": [{"name": "gaussian_noise", "params": {"std": 1e-5}}, {"name": "clipping",
+                                                                                     "params": {"max_norm": 5.0}}]}
+    assert starting_point(raw, C["gaussian_noise_absolute"]) == 1e-5 and starting_point(raw, C["gaussian_noise"]) is None
+    a = defended_config(raw, C["gaussian_noise_absolute"], 1e-3)["defenses"]
+    assert a == [{"name": "clipping", "params": {"max_norm": 5.0}},
+                 {"name": "gaussian_noise", "params": {"std": 1e-3, "per_coordinate": False, "relative": False}}]
+    b = defended_config(raw, C["gaussian_noise"], 0.5)["defenses"]
+    assert len(b) == 3 and b[-1] == {"name": "gaussian_noise", "params": {"std": 0.5, "per_coordinate": True}}
