@@ -242,3 +242,26 @@ def test_a_configured_defense_is_strengthened_in_its_own_mode_only():
                  {"name": "gaussian_noise", "params": {"std": 1e-3, "per_coordinate": False, "relative": False}}]
     b = defended_config(raw, C["gaussian_noise"], 0.5)["defenses"]
     assert len(b) == 3 and b[-1] == {"name": "gaussian_noise", "params": {"std": 0.5, "per_coordinate": True}}
+
+
+def test_a_dp_row_with_a_hollow_epsilon_ranks_after_plain_noise_at_the_same_cost(tmp_path, monkeypatch):
+    """Both stop every attack at no accuracy cost: the DP row whose epsilon is far above 10 (its clipping norm above
+    the update's norm: absolute noise under a DP name) is not recommended over plain noise; with a meaningful epsilon
+    it would be (the standard first)."""
+    from gradleak.run import advise as mod
+
+    def probe(raw, out_dir, only, device, workers, utility_from):
+        return {"verdict": "no_leak_found", "accuracy": 0.5,
+                "attacks": {a: {"level": "none", "metric": "m", "value": 0.1, "null_p99": 0.5, "null_median": 0.4}
+                            for a in only}}
+
+    monkeypatch.setattr(mod, "probe", probe)
+    adv = mod.advise(TEXT, tmp_path / "a", LEAKS, candidates=["dp_gaussian", "gaussian_noise"], steps=1,
+                     log=lambda m: None)
+    dp = next(r for r in adv["rows"] if r["defense"] == "dp_gaussian")
+    assert dp["strength"] == 1e-3 and dp["epsilon"] > 10  # sigma 0.001 over one round
+    assert adv["ranking"] == ["gaussian_noise", "dp_gaussian"] and adv["recommendation"]["defense"] == "gaussian_noise"
+    monkeypatch.setattr(mod, "gaussian_epsilon", lambda *a, **k: 2.0)  # a meaningful epsilon: DP first again
+    adv = mod.advise(TEXT, tmp_path / "b", LEAKS, candidates=["dp_gaussian", "gaussian_noise"], steps=1,
+                     log=lambda m: None)
+    assert adv["recommendation"]["defense"] == "dp_gaussian"

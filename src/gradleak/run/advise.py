@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gradleak.errors import BadInput
-from gradleak.run.advise_options import CANDIDATES, STANDARD, STEPS, advise_section, check_budget
+from gradleak.run.advise_options import (CANDIDATES, MEANINGFUL_EPSILON, STANDARD, STEPS, advise_section,
+                                         check_budget)
 
 #: held-out samples for the accuracy when the config sets no ``data.test_size``
 TEST_SIZE = 64
@@ -362,8 +363,12 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     advice["ran_now"] = ran
     advice["seconds"] = clock() - t0
     ok = [r for r in advice["rows"] if r.get("status") in ("stopped", "unfinished") and "strength" in r]
+    def hollow_dp(r) -> bool:  # a DP row whose epsilon guarantees nothing: absolute noise under a DP name
+        e = r.get("epsilon")
+        return r["defense"] in ("dp_gaussian", "dpsgd") and not (isinstance(e, (int, float)) and e <= MEANINGFUL_EPSILON)
+
     ok.sort(key=lambda r: (r.get("cost") if isinstance(r.get("cost"), (int, float)) else math.inf,
-                           r["status"] != "stopped", STANDARD.index(r["defense"])))
+                           r["status"] != "stopped", hollow_dp(r), STANDARD.index(r["defense"])))
     advice["ranking"] = [r["defense"] for r in ok]
     costs = [r["cost"] for r in ok if isinstance(r.get("cost"), (int, float))]
     if costs and all(c == 0 for c in costs):

@@ -10,6 +10,9 @@ from gradleak.errors import BadInput
 
 #: bisection steps after the strong end
 STEPS = 3
+#: an epsilon above this guarantees nothing meaningful: such a DP row ranks after the other equally cheap defenses
+#: (it is absolute noise under a DP name) and the report marks it
+MEANINGFUL_EPSILON = 10.0
 #: tie-break among equally cheap defenses: the most standard first
 STANDARD = ("dp_gaussian", "dpsgd", "secure_aggregation", "gaussian_noise", "gaussian_noise_absolute", "clipping",
             "topk_pruning", "stochastic_quantization", "percentile_noise", "fisguard")
