@@ -265,3 +265,23 @@ def test_a_dp_row_with_a_hollow_epsilon_ranks_after_plain_noise_at_the_same_cost
     adv = mod.advise(TEXT, tmp_path / "b", LEAKS, candidates=["dp_gaussian", "gaussian_noise"], steps=1,
                      log=lambda m: None)
     assert adv["recommendation"]["defense"] == "dp_gaussian"
+
+
+def test_the_probes_test_set_fits_a_small_fixed_dataset():
+    """The 40 CIFAR samples cannot spare 64 held-out images beside up to 8 one-image clients: the probes take what is
+    left (40 - 8 - 1 = 31) instead of failing every probe; generated and text sets keep 64."""
+    from gradleak.config.loading import load_yaml
+    from gradleak.run.advise import TEST_SIZE, _spare_images
+    from gradleak.run.audit import plan_audit
+
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "audit"
+    cfg = plan_audit(load_yaml(root / "vit_lora.yaml"), [], ["lora_span"])[3][0][2]
+    assert _spare_images(cfg) == 31
+    cfg = plan_audit(load_yaml(root / "vit_lora.yaml"), ["data.batch_size=4"], ["lora_span"])[3][0][2]
+    assert _spare_images(cfg) == 40 - 8 * 4 - 1
+    cfg = plan_audit(load_yaml(root / "vit_lora.yaml"), ["data.name=natural-crops", "data.public=public-natural"],
+                     ["lora_span"])[3][0][2]
+    assert _spare_images(cfg) == TEST_SIZE
+    assert _spare_images(plan_audit(TEXT, [], ["utr"])[3][0][2]) == TEST_SIZE

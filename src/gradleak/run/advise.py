@@ -238,10 +238,13 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     cfg0 = plan_audit(base, [], leaking)[3][0][2]  # the first leaking attack's validated config (threat upgraded if so)
     data = dict(base.get("data") or {})
     if not data.get("test_size"):
-        data["test_size"] = TEST_SIZE
+        n_test = _spare_images(cfg0)
+        data["test_size"] = n_test
         base["data"] = data
-        advice["test_size_note"] = (f"data.test_size = {TEST_SIZE} set for the probes (the config has none; the "
-                                    "held-out samples are disjoint from the clients', which stay the same)")
+        advice["test_size_note"] = (f"data.test_size = {n_test} set for the probes (the config has none; the "
+                                    "held-out samples are disjoint from the clients', which stay the same)"
+                                    + (f"; fewer than {TEST_SIZE} because '{cfg0.data.name}' has no more to spare"
+                                       if n_test < TEST_SIZE else ""))
     advice["test_size"] = data["test_size"]
     utility_from = [a for a in leaking if not ATTACKS.get(a).rewrites_weights]
     kinds = {ATTACKS.get(a).reconstruction for a in leaking}
@@ -393,6 +396,25 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         advice["sentence"] = ("No candidate stopped every leaking attack within its bracket"
                               + (" (some were not finished within the budget)" if advice["unfinished"] else "") + ".")
     return advice
+
+
+def _spare_images(cfg) -> int:
+    """:data:`TEST_SIZE`, or fewer when a fixed image set (e.g. the 40 CIFAR samples) cannot spare that many beside the
+    clients' images of the largest federation a probe builds (secure aggregation: up to 8 clients), their validation
+    images and the prior images."""
+    from gradleak.data import load
+    from gradleak.data.splits import GENERATED
+
+    if cfg.modality != "image" or cfg.data.name in GENERATED:
+        return TEST_SIZE
+    kwargs = {"size": cfg.data.image_size} if cfg.data.name == "imagenet-samples" else {}
+    if cfg.data.path is not None:
+        kwargs["path"] = cfg.data.path
+    total = len(load(cfg.data.name, **kwargs).images)
+    clients = max(int(cfg.fl.clients), max(int(c["strong"]) for c in CANDIDATES if c["name"] == "secure_aggregation"))
+    used = clients * (cfg.data.batch_size + cfg.data.validation_size) + (cfg.data.prior_size if cfg.attack_cls.uses_prior
+                                                                         else 0)
+    return max(0, min(TEST_SIZE, total - used - 1))
 
 
 def _clip_norm(cfg: dict, spec: dict) -> Any:
