@@ -56,7 +56,22 @@ PAPER = {
                "laplacian": {1: 12.5, 2: 35.1, 3: 57.8, 5: 70, 10: 92.9}},
 }
 
-TABLES = ("table1", "fig6a", "fig6b", "fig6c", "table2", "table3", "table4", "ablation", "fedavg")
+TABLES = ("table1", "fig6a", "fig6b", "fig6c", "table2", "table3", "table4", "ablation", "fedavg", "counts")
+
+#: issue 28 item 6: the paper design at B = 128 counted both ways, with other- and same-distribution public statistics
+#: (private: crops of ImageNet sample photos 0-9; public: scikit-image/-learn photos, or crops of photos 10-19) and
+#: with the paper's 5 adapters per position (ours: 6 = 24 slots / 4 positions)
+COUNT_ARMS = (
+    ("all 20 photos / other-distribution public (Fig. 6a cell)", "all-other",
+     ["--set", "data.name=natural-crops", "--set", "data.public=public-natural"]),
+    ("photos 0-9 / other-distribution public", "a-other",
+     ["--set", "data.name=natural-crops-a", "--set", "data.public=public-natural"]),
+    ("photos 0-9 / same-distribution public (photos 10-19)", "a-same",
+     ["--set", "data.name=natural-crops-a", "--set", "data.public=natural-crops-b"]),
+    ("photos 0-9 / same-distribution public, 5 adapters per position", "a-same-K5",
+     ["--set", "data.name=natural-crops-a", "--set", "data.public=natural-crops-b",
+      "--set", "attack.adapters_per_position=5", "--set", "attack.positions_per_round=4"]),
+)
 
 CIFAR = ["--set", "data.public=natural-crops"]
 NATURAL32 = ["--set", "data.name=natural-crops", "--set", "data.public=public-natural"]
@@ -81,6 +96,11 @@ def cells(quick: bool, max_b224: int = 64) -> list[tuple[str, str, dict, list[st
                 out.append(("fig6a", f"f6a-B{B}-{d}-s{s}", {"design": d, "B": B, "seed": s}, ov))
     if quick:
         return out
+    for title, arm, ov in COUNT_ARMS:  # issue 28 item 6: strict count vs the authors' count
+        for s_ in (0, 1, 2):
+            out.append(("counts", f"cnt-B128-{arm}-s{s_}", {"design": "paper", "arm": title, "B": 128, "seed": s_},
+                        ov + ["--set", "data.batch_size=128", "--set", "attack.design=paper",
+                              "--set", f"data.seed={s_}", "--set", f"seed={s_}"]))
     for d in designs:
         for ds, name in (("cifar10-B20", "cifar10-samples"), ("cifar100-B20", "cifar100-samples")):
             out.append(("table1", f"t1-{ds}-{d}", {"design": d, "dataset": ds, "seed": 0},
@@ -160,7 +180,8 @@ def run_cells(selected, threads: int | None, out: Path) -> None:
         row["metrics"] = {k: m[k] for k in ("patch_recovery_rate", "patch_recovery_rate_attacked_positions", "isolated_patch_rate", "grouping_accuracy",
                                             "false_positives", "recovered_patch_psnr_median", "recovered_patch_ssim_mean",
                                             "recovered_patch_mse_mean", "rounds_used", "rounds_needed_all_positions",
-                                            "adapters_per_position", "positions_per_round", "num_true_patches")
+                                            "adapters_per_position", "positions_per_round", "num_true_patches",
+                                            "authors_count_rate", "nonzero_bins")
                           if k in m}
         row["timings"] = {k: t[k] for k in ("attack_total_seconds", "client_step_seconds", "attack_to_client_step_ratio") if k in t}
         return (f"recovery {fmt_num(m.get('patch_recovery_rate'), '.3f')} "
@@ -295,6 +316,52 @@ def report(out: Path, args: argparse.Namespace) -> int:
                 ["cell", "recovery", "isolated", "psnr", "grouping"],
                 ["cell", "recovered %", "isolated (any grouping) %", "median PSNR dB", "grouping acc."]), ""]
             summary[table] = rs
+    cnt = agg("counts", lambda r: r["meta"]["arm"])
+    if cnt:
+        rows_c = []
+        for title, _, _ in COUNT_ARMS:
+            rs = sorted(cnt.get(title, []), key=lambda r: r["meta"]["seed"])
+            if not rs:
+                continue
+
+            def per_seed(key):
+                vals = [_pct(r["metrics"].get(key)) for r in rs]
+                return " / ".join("–" if v is None else f"{v:g}" for v in vals)
+
+            rows_c.append({"arm": title, "paper": PAPER["fig6a"][128],
+                           "strict": _pct(_mean([r["metrics"]["patch_recovery_rate"] for r in rs])),
+                           "isolated": _pct(_mean([r["metrics"]["isolated_patch_rate"] for r in rs])),
+                           "authors": _pct(_mean([r["metrics"].get("authors_count_rate") for r in rs])),
+                           "strict_seeds": per_seed("patch_recovery_rate"),
+                           "authors_seeds": per_seed("authors_count_rate"),
+                           "K": _mean([r["metrics"].get("adapters_per_position") for r in rs]),
+                           "seeds": ", ".join(str(r["meta"]["seed"]) for r in rs)})
+        summary["counts"] = rows_c
+        md += ["### PEFTLeak's count vs ours (paper design, B = 128; issue 28 item 6)", "",
+               "Two counts of the same runs: **strict** = a true patch counts when a returned patch at its image and "
+               "position reaches 30 dB (ours, `metrics.patch_recovery_rate`); **authors' count** = every usable bin "
+               "whose bias-gradient difference is non-zero counts as one recovered patch, collisions included and "
+               "correctness unchecked (the authors' `recover_adapter.py`; `metrics.authors_count_rate` = non-zero bins "
+               "/ (B × attacked positions), so it can pass 100 %). Paper: 72.6 % (Fig. 6a, CIFAR-100, "
+               "same-dataset public split). Cells: `counts` in this script (`--only counts`), commands in the JSON.", "",
+               markdown_table(rows_c, ["arm", "paper", "strict", "isolated", "authors", "strict_seeds", "authors_seeds",
+                                       "K", "seeds"],
+                              ["private / public statistics", "paper's %", "ours, strict %", "isolated (any grouping) %",
+                               "authors' count %", "strict % per seed", "authors' count % per seed",
+                               "adapters per position", "seeds"]), ""]
+        strict = [r["strict"] for r in rows_c if r["strict"] is not None]
+        authors = [r["authors"] for r in rows_c if r["authors"] is not None]
+        arm = {r["arm"]: r for r in rows_c}
+        other, same = arm.get(COUNT_ARMS[1][0]), arm.get(COUNT_ARMS[2][0])
+        if strict and authors:
+            md += [f"Reading: on the same runs the strict count gives {min(strict):g}–{max(strict):g} % and the authors' "
+                   f"count {min(authors):g}–{max(authors):g} %; the paper's {PAPER['fig6a'][128]:g} % "
+                   + ("lies between them" if min(strict) < PAPER["fig6a"][128] < max(authors) else
+                      "lies outside both") + ", so the claim holds under the authors' counting rule (every non-empty "
+                   "bin, collisions included) and not under a check that the patch is right."
+                   + (f" Same-distribution public statistics (disjoint photos) move the strict count from "
+                      f"{other['strict']:g} % to {same['strict']:g} % on the same private batches."
+                      if other and same and other["strict"] is not None and same["strict"] is not None else ""), ""]
     base = args.baseline or default_baseline(out)
     if base.exists():
         b = json.loads(base.read_text())
