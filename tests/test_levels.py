@@ -160,13 +160,13 @@ def _img_ev(psnr, ssim, p=0.002, psnr_bar=15.0, ssim_bar=0.3):
      {"level": "exact", "rule": "a private image reconstructed at PSNR >= 25.5 dB",
       "evidence": {**_img_ev(31.0, 0.95), "n_exact": 1.0}}),
     ("images", {**_img(20.0, 0.6), "psnr_max_p_value": 0.002}, 30.0,
-     {"level": "strong", "rule": "best-image SSIM beyond the null (and the mean/grey image) and >= 0.5",
+     {"level": "strong", "rule": "best-image SSIM beyond the null (and the mean public, grey and flat images) and >= 0.5",
       "evidence": _img_ev(20.0, 0.6)}),
     ("images", {**_img(20.0, 0.5), "psnr_max_p_value": 0.002}, 30.0,   # SSIM at 0.5 exactly: strong (>=)
-     {"level": "strong", "rule": "best-image SSIM beyond the null (and the mean/grey image) and >= 0.5",
+     {"level": "strong", "rule": "best-image SSIM beyond the null (and the mean public, grey and flat images) and >= 0.5",
       "evidence": _img_ev(20.0, 0.5)}),
     ("images", _img(20.0, 0.49), 30.0,                                 # no p-value given: NaN in the evidence
-     {"level": "partial", "rule": "best-image PSNR beyond the null's 99th percentile (and the mean/grey image)",
+     {"level": "partial", "rule": "best-image PSNR beyond the null's 99th percentile (and the mean public, grey and flat images)",
       "evidence": _img_ev(20.0, 0.49, p=NAN)}),
     ("images", {**_img(14.0, 0.2, p99=13.0, mean_pub=14.5, grey=14.2), "ssim_max_null_p99": 0.1}, 30.0,
      {"level": "none", "rule": "best-image PSNR not beyond the null",   # the bar is the mean public image (14.5)
@@ -183,7 +183,7 @@ def _img_ev(psnr, ssim, p=0.002, psnr_bar=15.0, ssim_bar=0.3):
      {"level": "exact", "rule": "private image patches recovered (median of the recovered) at PSNR >= 30 dB",
       "evidence": {**_img_ev(40.0, 0.9, p=NAN), "n_exact": 1.0}}),
     ("patches", {**_img(40.0, 0.9), "images_above_threshold": 4}, 30.0,   # the patch count decides, not the image one
-     {"level": "strong", "rule": "best-image SSIM beyond the null (and the mean/grey image) and >= 0.5",
+     {"level": "strong", "rule": "best-image SSIM beyond the null (and the mean public, grey and flat images) and >= 0.5",
       "evidence": _img_ev(40.0, 0.9, p=NAN)}),
     ("patches", {**_img(14.0, 0.9, above=0), "patches_exact": 3, "ssim_max_null_p99": 0.95}, 30.0,
      {"level": "none", "rule": "best-image PSNR not beyond the null",   # exact patches not beyond the null: not trusted
@@ -351,3 +351,24 @@ def test_strong_image_ssim_must_also_beat_the_mean_public_image():
     assert grade("images", m)["level"] == "partial"
     assert grade("images", {**m, "ssim_max_mean_public": 0.55})["level"] == "strong"
     assert grade("images", {**m, "ssim_max_mean_public": 0.1, "ssim_max_grey": 0.65})["level"] == "partial"
+
+
+def test_a_near_flat_image_beating_grey_is_no_leak_the_flat_reference_is_the_bar():
+    """A reconstruction a hair above the grey image (an attack's near-constant output under heavy DP noise: lora_span
+    at 14.15 dB vs grey 14.08 in the vit_lora advice) is no private image: the best flat image (each original's own
+    mean colour) is a bar too, computed by reference_images."""
+    import torch
+
+    from gradleak.evaluation.nulls import reference_images
+
+    g = torch.Generator().manual_seed(0)
+    y = (0.3 + 0.2 * torch.rand(2, 3, 16, 16, generator=g)).clamp(0, 1)
+    refs = reference_images(y, torch.rand(8, 3, 16, 16, generator=g))
+    flat = y.mean(dim=(2, 3), keepdim=True).expand_as(y)
+    mse = ((flat - y) ** 2).mean(dim=(1, 2, 3))
+    assert refs["psnr_max_flat"] == pytest.approx(float((10 * torch.log10(1 / mse)).max()), rel=1e-4)
+    assert refs["psnr_max_flat"] > refs["psnr_max_grey"]  # the best uniform image beats grey
+    m = {**_img(14.154, 0.069, p99=13.07, mean_pub=12.64, grey=14.08), "ssim_max_null_p99": 0.111}
+    assert grade("images", m)["level"] == "partial"  # without the flat reference: a false alarm
+    assert grade("images", {**m, "psnr_max_flat": 16.5, "ssim_max_flat": 0.0})["level"] == "none"
+    assert grade("images", {**m, "psnr_max": 16.6, "psnr_max_flat": 16.5})["level"] == "partial"

@@ -2,7 +2,7 @@
 
 Scores: PSNR/SSIM/MSE after an order-free (Hungarian, on MSE) matching of reconstructions to private images, feature
 distance, the grey-image reference PSNR. Null: N random held-out images of the private set's source matched the
-same way, plus the mean public and grey images. Levels: exact = an image at PSNR >= the threshold (30 dB); strong =
+same way, plus the mean public, grey and best flat (each original's mean colour) images. Levels: exact = an image at PSNR >= the threshold (30 dB); strong =
 best-image SSIM beyond the bar and >= 0.5; partial = best-image PSNR beyond the bar.
 """
 
@@ -19,7 +19,7 @@ from gradleak.evaluation.levels import STRONG_SSIM, bar, beyond, graded, number
 
 
 def null_images(truth: Truth, truth01: torch.Tensor, n: int, match: str, cfg, metrics: dict, notes: list) -> None:
-    """The image nulls (random public images matched like the reconstruction; the mean public and grey images)."""
+    """The image nulls (random public images matched like the reconstruction; the mean public, grey and flat images)."""
     from gradleak.evaluation.nulls import image_null, reference_images
 
     pool = truth.null_pool
@@ -34,7 +34,8 @@ def null_images(truth: Truth, truth01: torch.Tensor, n: int, match: str, cfg, me
     metrics.update(reference_images(truth01.float(), pool))
     notes.append(f"null: {cfg.metrics.null_draws} draws of {n} random images of {truth.null_source} "
                  f"({len(pool)} in the pool), matched {'in order' if match == 'paired' else 'by MSE (Hungarian)'} "
-                 "as the reconstruction; *_mean_public / *_grey: the mean public image and the grey image.")
+                 "as the reconstruction; *_mean_public / *_grey / *_flat: the mean public image, the grey image and each "
+                 "original's own mean colour (the best uniform image).")
 
 
 def image_metrics(truth01: torch.Tensor, recon01: torch.Tensor, cfg) -> dict[str, float]:
@@ -104,7 +105,7 @@ def evaluate_images(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalua
     return Evaluation(metrics, figs, [], arts, notes=notes)
 
 
-IMAGE_REFS = ("mean_public", "grey")
+IMAGE_REFS = ("mean_public", "grey", "flat")  # trivial images that show no private sample (nulls.reference_images)
 
 
 def grade_image_kind(m: Mapping[str, Any], thr: float, exact_count: str, exact_words: str) -> dict:
@@ -119,9 +120,9 @@ def grade_image_kind(m: Mapping[str, Any], thr: float, exact_count: str, exact_w
         return graded("exact", f"{exact_words} at PSNR >= {thr:g} dB", **ev, n_exact=n_exact)
     s = beyond(m, "ssim_max", IMAGE_REFS)
     if s and number(m, "ssim_max") >= STRONG_SSIM:
-        return graded("strong", f"best-image SSIM beyond the null (and the mean/grey image) and >= {STRONG_SSIM:g}", **ev)
+        return graded("strong", f"best-image SSIM beyond the null (and the mean public, grey and flat images) and >= {STRONG_SSIM:g}", **ev)
     if p:
-        return graded("partial", "best-image PSNR beyond the null's 99th percentile (and the mean/grey image)", **ev)
+        return graded("partial", "best-image PSNR beyond the null's 99th percentile (and the mean public, grey and flat images)", **ev)
     return graded("none", "best-image PSNR not beyond the null", **ev)
 
 

@@ -22,7 +22,8 @@ leakage            a best-matched reconstruction at        its SSIM beyond the n
 
 "Beyond the null" is strictly above the null's 99th percentile (text with a word bag has two routes to ``partial``,
 the bag and ROUGE-1 F1: each must also have p < 0.005, so chance reaches ``partial`` at most 1 % of the time); "the bar" is the larger of that and the trivial
-references (the mean public image and the grey image for images; the attack's own word bag in random order for
+references (the mean public image, the grey image and the best flat image -- each original's mean colour -- for
+images; the attack's own word bag in random order for
 ROUGE-2), because a blur at the mean image or the right words in the wrong order show no private *sample*.
 ``undefined``: the level's metric is NaN or has no null (nothing measurable: e.g. no non-members) -- never
 counted as "ran". ``none``: measured, nothing beyond its null.

@@ -115,18 +115,19 @@ def image_null(originals01: torch.Tensor, pool01: torch.Tensor, *, n: int | None
 
 
 def reference_images(originals01: torch.Tensor, pool01: torch.Tensor) -> dict[str, float]:
-    """The scores of two trivial reconstructions that show nothing private: the mean public image and the grey
-    image, each put in place of every original (mean and max over originals of PSNR / SSIM). A level rule takes
-    the larger of these and the random-image null's 99th percentile as the bar."""
+    """The scores of trivial reconstructions that show nothing private: the mean public image, the grey image, and
+    the best flat image (each original's own per-channel mean colour: the most any uniform image can score, e.g. an
+    attack's near-constant output under heavy noise), each put in place of every original (mean and max over originals
+    of PSNR / SSIM). A level rule takes the larger of these and the random-image null's 99th percentile as the bar."""
     from gradleak.metrics import psnr, ssim
 
     y = originals01.to(torch.float32)
     out: dict[str, float] = {}
-    refs = {"grey": torch.full_like(y[:1], 0.5)}
+    refs = {"grey": torch.full_like(y[:1], 0.5), "flat": y.mean(dim=(2, 3), keepdim=True).expand_as(y)}
     if len(pool01):
         refs["mean_public"] = pool01.to(torch.float32).mean(0, keepdim=True)
     for name, img in refs.items():
-        x = img.expand(len(y), -1, -1, -1)
+        x = img.expand(len(y), -1, -1, -1).contiguous()
         p, s = psnr(x, y).numpy(), ssim(x, y).numpy()
         out[f"psnr_{name}"], out[f"psnr_max_{name}"] = float(p.mean()), float(p.max())
         out[f"ssim_{name}"], out[f"ssim_max_{name}"] = float(s.mean()), float(s.max())

@@ -561,7 +561,7 @@ def _evidence_rows(res: dict) -> list[dict]:
 
 LEVEL_RULES = {
     "images": "exact: an image at PSNR >= the threshold / strong: best-image SSIM beyond the null and >= 0.5 / "
-              "partial: best-image PSNR beyond the null (and the mean public / grey image)",
+              "partial: best-image PSNR beyond the null (and the mean public, grey and best flat image)",
     "patches": "exact: patches recovered at PSNR >= the threshold / strong, partial: as images",
     "token_sequences": "exact: a sentence word for word / strong: ROUGE-2 F1 beyond the null (and the word bag in "
                        "random order) and >= 50 / partial: word-bag recall (or ROUGE-1 F1) beyond the null",
