@@ -372,3 +372,12 @@ def test_a_near_flat_image_beating_grey_is_no_leak_the_flat_reference_is_the_bar
     assert grade("images", m)["level"] == "partial"  # without the flat reference: a false alarm
     assert grade("images", {**m, "psnr_max_flat": 16.5, "ssim_max_flat": 0.0})["level"] == "none"
     assert grade("images", {**m, "psnr_max": 16.6, "psnr_max_flat": 16.5})["level"] == "partial"
+
+
+def test_an_attack_that_found_nothing_to_use_is_undefined_not_none():
+    """DAGER on an adapters-only upload reports a failure (no attention-layer gradient): not applicable, nothing
+    measured -- `undefined`, never a `none` counted among the attacks that ran."""
+    got = grade("token_sequences", {**_txt(r1=0.0, r2=0.0, bag=0.0), "attack_failed": 1.0})
+    assert got["level"] == "undefined" and got["rule"].startswith("not applicable")
+    assert grade("token_sequences", {**_txt(r1=0.0, r2=0.0, bag=0.0), "attack_failed": 0.0})["level"] == "none"
+    assert grade("token_sequences", {**_txt(bag=40.01), "attack_failed": 0.5})["level"] == "partial"  # some trials ran

@@ -123,6 +123,9 @@ def grade_tokens(m: Mapping[str, Any], thr: float = 30.0) -> dict:
           "word_bag_recall": number(m, "word_bag_recall"), "sentences_exact": number(m, "sentences_exact"),
           "rouge2_f1_bar": bar(m, "rouge2_f1", ("bag_order",)), "rouge1_f1_bar": bar(m, "rouge1_f1"),
           "word_bag_recall_bar": bar(m, "word_bag_recall")}
+    if number(m, "attack_failed") >= 1:  # e.g. DAGER on an adapters-only upload: no attention-layer gradient to test
+        return graded("undefined", "not applicable: the attack found nothing it can use in this update (its "
+                      "results.json says why, e.g. DAGER without attention-layer gradients): nothing was measured", **ev)
     has_bag = not math.isnan(number(m, "word_bag_recall_null_p99"))
     part_key = "word_bag_recall" if has_bag else "rouge1_f1"
     part = beyond(m, part_key)
