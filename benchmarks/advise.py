@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import ROOT, add_out_args, display, latest_rows, resolve_out, run_cells, start_fresh, write_section  # noqa: E402
+from _bench import (ROOT, add_out_args, display, fmt_num, latest_rows, resolve_out, run_cells, start_fresh,  # noqa: E402
+                    write_section)
 from gradleak.report.markdown import markdown_table  # noqa: E402
 from gradleak.run.results import write_json_atomic  # noqa: E402
 
@@ -79,11 +80,7 @@ def fill(res: dict, row: dict) -> str:
 
 
 def _fmt(v) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    return str(v)
+    return fmt_num(v, ".3g")
 
 
 def report(out: Path, args) -> int:

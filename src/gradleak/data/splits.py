@@ -88,6 +88,18 @@ def fold_labels(labels: torch.Tensor, num_classes: int, name: str, labels_matter
     return labels % num_classes
 
 
+def fixed_image_count(cfg) -> int | None:
+    """How many images the private image set holds, or None for a generated set (any number of images)."""
+    from gradleak.data import load
+
+    if cfg.data.name in GENERATED:
+        return None
+    kwargs = {"size": cfg.data.image_size} if cfg.data.name == "imagenet-samples" else {}
+    if cfg.data.path is not None:
+        kwargs["path"] = cfg.data.path
+    return len(load(cfg.data.name, **kwargs).images)
+
+
 def _public_name(cfg) -> str:
     name = cfg.data.public or default_public(cfg.data.name)  # default: photos the private set does not come from
     check_disjoint(cfg.data.name, name)
@@ -161,18 +173,13 @@ class ImageData:
         """Up to ``k`` images of the private dataset's own source that no client, validation, prior or test chunk
         uses (the chunk after all of them, from the same seeded draw): the nulls' chance reconstructions
         (:mod:`gradleak.evaluation.nulls`). A fixed set too small to spare any falls back to the public set."""
-        from gradleak.data import load
-
         c = self.cfg
         k = NULL_POOL if k is None else k
         sizes, val, prior = self._layout()
         used = sum(sizes) + val * len(sizes) + prior + self._test_size()
         n = used + k
-        if c.data.name not in GENERATED:
-            kwargs = {"size": c.data.image_size} if c.data.name == "imagenet-samples" else {}
-            if c.data.path is not None:
-                kwargs["path"] = c.data.path
-            total = len(load(c.data.name, **kwargs).images)
+        total = fixed_image_count(c)
+        if total is not None:
             n = min(n, total - 1 if c.data.seed + 7919 * trial else total)  # a permuted draw must stay a permutation
         if n > used:
             imgs, _ = self._load(trial, n)

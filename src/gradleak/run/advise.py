@@ -402,15 +402,11 @@ def _spare_images(cfg) -> int:
     """:data:`TEST_SIZE`, or fewer when a fixed image set (e.g. the 40 CIFAR samples) cannot spare that many beside the
     clients' images of the largest federation a probe builds (secure aggregation: up to 8 clients), their validation
     images and the prior images."""
-    from gradleak.data import load
-    from gradleak.data.splits import GENERATED
+    from gradleak.data.splits import fixed_image_count
 
-    if cfg.modality != "image" or cfg.data.name in GENERATED:
+    total = fixed_image_count(cfg) if cfg.modality == "image" else None
+    if total is None:
         return TEST_SIZE
-    kwargs = {"size": cfg.data.image_size} if cfg.data.name == "imagenet-samples" else {}
-    if cfg.data.path is not None:
-        kwargs["path"] = cfg.data.path
-    total = len(load(cfg.data.name, **kwargs).images)
     clients = max(int(cfg.fl.clients), max(int(c["strong"]) for c in CANDIDATES if c["name"] == "secure_aggregation"))
     used = clients * (cfg.data.batch_size + cfg.data.validation_size) + (cfg.data.prior_size if cfg.attack_cls.uses_prior
                                                                          else 0)
