@@ -74,6 +74,8 @@ COUNT_ARMS = (
 )
 
 CIFAR = ["--set", "data.public=natural-crops"]
+#: configs/peftleak/cifar_b32.yaml's data, named in the rows whose commands do not override it
+DEFAULT_PRIVATE, DEFAULT_PUBLIC = "cifar-samples", "natural-crops"
 NATURAL32 = ["--set", "data.name=natural-crops", "--set", "data.public=public-natural"]
 
 
@@ -199,6 +201,33 @@ def _mean(xs):
     return statistics.fmean(xs) if xs else None
 
 
+DATA_COLUMN = "private / public statistics"
+#: the two methods every table sets side by side, and the substitutes that decide every row (issue 28 item 7)
+METHODS_NOTE = (
+    "**Methods.** *paper design* = PEFTLeak's Algorithm 1 as published (one binning direction per position, bins "
+    "from the public statistics' quantiles, recovery from bias-gradient differences of adjacent bins); *improved* = "
+    "our extension (one hash direction per adapter, no lost tails, peeling of recovered patches from collided "
+    "bins). **Substitutes that decide the numbers:** the backbone is a randomly initialised ViT-B/16 (no pretrained "
+    "ViT-B exists offline; the server poisons the weights it needs, so the attack does not use pretrained features); "
+    f"the data column names the private batch and the server's public statistics of each row (`{DEFAULT_PRIVATE}` = "
+    "the 40 real CIFAR-10/100 test images in foolbox, `natural-crops*` = seeded crops of the 20 ImageNet sample "
+    "photos, `public-natural` = scikit-image/-learn photos; the paper uses CIFAR-10/100, TinyImageNet and ImageNet "
+    "with a public split of the same dataset). Where B exceeds the 40 CIFAR images the private batch is natural-crops "
+    "at 32×32.")
+
+
+def data_of(rows: list) -> str:
+    """The private data and the server's public statistics that decide a row (issue 28 item 7), read from the cells'
+    commands: ``private / public`` dataset names (the config's defaults where the command does not set them)."""
+    seen = []
+    for r in rows:
+        sets = dict(a.split("=", 1) for a in r.get("overrides", []) if "=" in a)
+        lab = f"{sets.get('data.name', DEFAULT_PRIVATE)} / {sets.get('data.public', DEFAULT_PUBLIC)}"
+        if lab not in seen:
+            seen.append(lab)
+    return "; ".join(seen) or "–"
+
+
 def _pct(x):
     return None if x is None else round(100 * x, 1)
 
@@ -223,7 +252,8 @@ def report(out: Path, args: argparse.Namespace) -> int:
     summary: dict = {"cells": rows, "failed_cells": failed}
     md = [f"Reproduce any cell with the `command` stored for it in `{display(out / 'peftleak.json')}` "
           f"(all cells: `python benchmarks/peftleak.py --out {display(out)}`). % = share of the B·N true patches recovered at ≥ 30 dB "
-          "in the right image and position (`metrics.patch_recovery_rate`). Machine: 2 CPU cores, float64.", ""]
+          "in the right image and position (`metrics.patch_recovery_rate`). Machine: 2 CPU cores, float64.", "",
+          METHODS_NOTE, ""]
 
     def agg(table, key_fn):
         out = {}
@@ -241,6 +271,7 @@ def report(out: Path, args: argparse.Namespace) -> int:
             row[f"{d} %"] = _pct(_mean([x["metrics"]["patch_recovery_rate"] for x in rs]))
             row[f"{d} PSNR dB"] = _mean([x["metrics"]["recovered_patch_psnr_median"] for x in rs])
             row[f"{d} n"] = len(rs)
+        row["data"] = data_of(t1.get((ds, "paper"), []) + t1.get((ds, "improved"), []))
         row["grouping (improved)"] = _mean([x["metrics"]["grouping_accuracy"] for x in t1.get((ds, "improved"), [])])
         row["ratio (improved)"] = _mean([x["timings"]["attack_to_client_step_ratio"] for x in t1.get((ds, "improved"), [])])
         lines.append(row)
@@ -248,10 +279,11 @@ def report(out: Path, args: argparse.Namespace) -> int:
     md[-2] = markdown_table(
         [{"cell": r["cell"], "paper": r["paper_fig"], "ours_paper": r["paper %"],
           "ours_improved": r["improved %"], "psnr_p": r["paper PSNR dB"], "psnr_i": r["improved PSNR dB"],
-          "n": f"{r['paper n']}/{r['improved n']}", "grouping": r["grouping (improved)"], "ratio": r["ratio (improved)"]}
+          "n": f"{r['paper n']}/{r['improved n']}", "grouping": r["grouping (improved)"], "ratio": r["ratio (improved)"],
+          "data": r["data"]}
          for r in lines],
-        ["cell", "paper", "ours_paper", "ours_improved", "psnr_p", "psnr_i", "n", "grouping", "ratio"],
-        ["cell", "paper's %", "ours, paper design %", "ours, improved %", "median PSNR dB (paper design)",
+        ["cell", "data", "paper", "ours_paper", "ours_improved", "psnr_p", "psnr_i", "n", "grouping", "ratio"],
+        ["cell", DATA_COLUMN, "paper's %", "ours, paper design %", "ours, improved %", "median PSNR dB (paper design)",
          "median PSNR dB (improved)", "batches (paper/improved)", "grouping acc. (improved)", "attack / client step time (improved)"])
     summary["table1"] = lines
 
@@ -269,10 +301,11 @@ def report(out: Path, args: argparse.Namespace) -> int:
                           "rounds": _mean([x["metrics"].get("rounds_used") for x in ri]),
                           "rounds_all": _mean([x["metrics"].get("rounds_needed_all_positions") for x in rp]),
                           "rounds_all_i": _mean([x["metrics"].get("rounds_needed_all_positions") for x in ri]),
-                          "n": f"{len(rp)}/{len(ri)}"})
+                          "n": f"{len(rp)}/{len(ri)}", "data": data_of(rp + ri)})
         summary[table] = rows_
-        return [f"### {title}", "", markdown_table(rows_, [key_name, "paper", "ours_paper", "ours_improved", "psnr", "grouping", "n"],
-                                                   [key_name, "paper's %", "ours, paper design %", "ours, improved %",
+        return [f"### {title}", "", markdown_table(rows_, [key_name, "data", "paper", "ours_paper", "ours_improved", "psnr",
+                                                             "grouping", "n"],
+                                                   [key_name, DATA_COLUMN, "paper's %", "ours, paper design %", "ours, improved %",
                                                     "median PSNR dB", "grouping acc. (improved)", "batches (paper/improved)"]), ""]
 
     fig6a_paper = {k: v for k, v in PAPER["fig6a"].items() if v is not None}
