@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import (add_out_args, check_configs, display, latest_rows, resolve_out,  # noqa: E402
                     run_cells as run_bench_cells, save_figure, start_fresh, write_section)
+from _utr_paper import paper_grid, paper_table  # noqa: E402
 from gradleak.run.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
 
@@ -153,6 +154,7 @@ def grid(quick: bool, only: set[str] | None) -> list[tuple[str, str, dict]]:
                 cells.append(("fig4b", f"f4b/{m}/eps{eps}/B{B}", cell_config(m, B, rf=1, eps=eps)))
     cells += noise_grid()
     cells += bottleneck_grid()
+    cells += paper_grid(cell_config)  # issue 28 item 7: UTR as published beside ours, seeds 0 and 4242
     return [c for c in cells if not only or c[0] in only]
 
 
@@ -257,6 +259,7 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
                        "time minilm s": _t(by.get(f"t1/minilm/{key}/B{B}")),
                        "time smollm2 s": _t(by.get(f"t1/smollm2/{key}/B{B}"))})
     parts.append("### Table 1 (B = 1..8)\n\n" + markdown_table(t1, list(t1[0])))
+    parts += [t for t in (paper_table(by, PAPER_T1),) if t]  # UTR (paper) vs UTR (ours), issue 28 item 7
     t2 = []
     for B in (16, 32, 64, 128):
         t2.append({"B": B, "minilm rf=1": r12(by.get(f"t2/minilm/utr/B{B}")), "smollm2 rf=1": r12(by.get(f"t2/smollm2/utr/B{B}")),

@@ -68,12 +68,15 @@ def exact_pairs(view: ServerView, pairs: dict[int, set[int]], tokens: list[int],
 
 
 def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
-             noise_std: Callable[[list[torch.Tensor]], float | None] | None = None) -> dict[str, Any]:
+             noise_std: Callable[[list[torch.Tensor]], float | None] | None = None,
+             extended: bool = True) -> dict[str, Any]:
     """UTR's stage 1 (module docstring) on the attacked update: the word bag, its (token, position) pairs on
     absolute-position models, the embedding adapter's subspace and diagnostics. ``cfg``: the span-test parameters
     ``eps_bag``, ``rank_rtol``, ``max_positions``, ``screen_tol`` as attributes (a :class:`SpanTestConfig`, or the
     attack that holds them); ``all_rounds``: stack every observed round's gradients; ``noise_std``: grads -> the
-    per-coordinate noise std on them (None, or returning None: exact tests)."""
+    per-coordinate noise std on them (None, or returning None: exact tests). ``extended=False``: the span test as
+    published only (SPEC §3.3; on BERT per (token, position), A3.4) -- no augmented bag past the bottleneck, no
+    pair decomposition, no pair signals (UTR's ``search: paper``)."""
     model = view.model
     if not hasattr(model, PREFIX) or "embedding" not in getattr(model, PREFIX):
         raise BadInput("peft", "the model the server sent has no embedding adapter.",
@@ -105,7 +108,7 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
         # false pair (the same token at the next position) is a few degrees away and drowns first (measured,
         # MiniLM rf=2 B=2 seed 0, per-coordinate noise-to-signal 1e-3: true tokens <= 0.061 against >= 0.409;
         # pairs: true up to 0.073, 435 false pairs below that)
-        if sigma and sub.rank + npos + 1 < sub.dim:
+        if extended and sigma and sub.rank + npos + 1 < sub.dim:
             _, min_res = bert_augmented_bag(emb, sub, npos, eps_bag)
             floor = float(min_res.kthvalue(max(1, len(min_res) // 100)).values)  # non-members' lower tail
             eps_bag = min(eps_bag, 0.5 * floor)
@@ -118,7 +121,7 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
                 tokens, augmented = sorted(pairs), True
             else:
                 positions_ok = False
-        elif sub.rank >= 0.8 * sub.rows and sub.rows < sub.dim and sub.rank + npos + 1 < sub.dim:
+        elif extended and sub.rank >= 0.8 * sub.rows and sub.rows < sub.dim and sub.rank + npos + 1 < sub.dim:
             cand, min_res = bert_augmented_bag(emb, sub, npos, eps_bag)
             cand = [v for v in cand if v != model.config.pad_token_id]
             dec = None
@@ -149,7 +152,7 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
                 pairs.setdefault(int(v), set()).add(int(p))
             tokens = sorted(pairs)
             min_res = R.min(1).values.double()
-            if pairs and not sub.saturated:
+            if pairs and not sub.saturated and extended:
                 npos_seen = 1 + max(p for ps in pairs.values() for p in ps)
                 dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
                                           collect_grads(view, adapter_param("embedding")), tokens, npos_seen,

@@ -18,6 +18,7 @@ from gradleak.attacks.common.subspace import Subspace, estimate_noise_std, subsp
 from gradleak.attacks.common.text import SpanTestConfig, cap_to_batch, collect_grads, specials
 from gradleak.attacks.common.word_bag import word_bag
 from gradleak.attacks.utr.causal import CausalPeelSearch, CausalValueTest
+from gradleak.attacks.utr.greedy import METHOD, GreedyCausalSearch, GreedyEncoderSearch
 from gradleak.attacks.utr.values import TokenGradientTest
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
@@ -27,6 +28,11 @@ from gradleak.validation import InfOK
 
 
 class UTRConfig(SpanTestConfig):
+    search: Literal["extended", "paper"] = Field(
+        "extended", description="stage 2 and what feeds it: 'paper' = the method as published (span-test word bag, "
+        "greedy constructive search, beam width 1, EICW; :mod:`gradleak.attacks.utr.greedy`), with every extension "
+        "below off (all_rounds, exact pairs, value_test, soft_rank, peeling); 'extended' = ours (trie / chain "
+        "search with those extensions)")
     noise: Union[float, Literal["public", "none", "estimate"]] = Field(
         "public", description="noise on the observed gradients: 'public' = the per-coordinate std the published "
         "update defenses imply (DP / Gaussian noise; exact tests when there is none), 'none' = exact tests, "
@@ -119,7 +125,9 @@ class UTRAttack(AttackBase):
     def word_bag(self, view: ServerView) -> dict[str, Any]:
         """Stage 1 (:func:`gradleak.attacks.common.word_bag.word_bag`) with this attack's parameters and noise
         model."""
-        return word_bag(view, self, self.all_rounds, noise_std=lambda grads: self.noise_std(view, grads))
+        paper = self.search == "paper"
+        return word_bag(view, self, self.all_rounds and not paper, noise_std=lambda grads: self.noise_std(view, grads),
+                        extended=not paper)
 
     def _causal_peel(self, view: ServerView, bag: dict, sp: dict, cands: torch.Tensor, sents: list[list[int]],
                      sinfo: dict[str, Any], eps_sentence: float) -> tuple[list[list[int]], dict[str, Any]]:
@@ -184,7 +192,16 @@ class UTRAttack(AttackBase):
         eps_sentence = max(self.eps_sentence, sub_la.tol)
         sp = specials(tok, bag["causal"])
         la_saturated = sub_la.rank >= 0.9 * min(sub_la.rows, sub_la.dim)
-        if bag["causal"]:
+        B = view.public.get("batch_size")
+        if self.search == "paper" and bag["causal"]:
+            cands = torch.tensor([t for t in bag["tokens"] if t not in (sp["bos"], sp["pad"])] or [sp["bos"]])
+            sents, sinfo = GreedyCausalSearch(model, self.sentence_layer, sub_la, eps_sentence, sp["bos"], cands, B,
+                                              max_len=self.max_len, eicw=self.eicw, time_budget=self.time_budget).run()
+        elif self.search == "paper":
+            sents, sinfo = GreedyEncoderSearch(model, self.sentence_layer, sub_la, eps_sentence, sp["cls"], sp["sep"],
+                                               sp["pad"], bag["pairs"] if bag["positions_ok"] else {}, B,
+                                               eicw=self.eicw, time_budget=self.time_budget).run()
+        elif bag["causal"]:
             cands = torch.tensor([t for t in bag["tokens"] if t not in (sp["bos"], sp["pad"])] or [sp["bos"]])
             search = CausalPrefixSearch(model, [self.sentence_layer], sub_la, eps_sentence, sp["bos"], cands,
                                         max_len=self.max_len,
@@ -214,6 +231,7 @@ class UTRAttack(AttackBase):
             sents, sinfo = search.run()
         t2 = time.perf_counter()
         info = {
+            "method": METHOD[self.search],
             "word_bag": bag["tokens"],
             "word_bag_size": len(bag["tokens"]),
             "word_bag_pairs": sum(len(p) for p in bag["pairs"].values()),
