@@ -17,6 +17,11 @@ tokens}. We build an orthonormal basis by SVD (float64, relative singular-value 
   exact bottleneck signal from the up + down equations and drops the pairs no sentence holds (the support test keeps
   false pairs for tokens most sentences share, such as [SEP]).
 
+Two methods (``search``): ``paper`` runs UTR as published -- the span test above without the exact pairs and pair
+signals, and the paper's greedy constructive search (beam width 1, strict EICW, no CG/CS; the open points A3.1, A3.5,
+A3.8 are decided in :mod:`.greedy`), every extension below off; ``extended`` (the default) is ours, described next.
+``info["method"]`` names the one that ran.
+
 Stage 2 (sentences, SPEC §3.4) uses the first layer adapter's subspace S_LA = span{h_1 of the batch}:
 
 * causal models (prefix-wise): a token's layer-1 state depends only on its prefix, so starting from BOS we
@@ -49,8 +54,9 @@ attack still returns what it found (never fails silently).
 Open decisions recorded (SPEC A3.2/A3.3): S from raw gradient rows (not row/bias ratios: same span, better
 conditioned); relative residuals; rank cut-off relative to the largest singular value.
 
-Where the code lives: :mod:`.attack` (the registered attack and its config), :mod:`.causal` and :mod:`.values`
-(the value tests past the first layer's bottleneck, UTR's own); the parts DAGER and LAMP share with UTR are in
+Where the code lives: :mod:`.attack` (the registered attack and its config), :mod:`.greedy` (the published greedy
+search, ``search: paper``), :mod:`.causal` and :mod:`.values` (the value tests past the first layer's bottleneck, UTR's
+own); the parts DAGER and LAMP share with UTR are in
 :mod:`gradleak.attacks.common` (``subspace``, ``text``, ``bert_pairs``, ``pair_signals``, ``word_bag``,
 ``prefix_search``, ``encoder_search`` with ``bert_layer`` and ``chain_lengths``).
 """

@@ -67,7 +67,8 @@ class UTRConfig(SpanTestConfig):
 class UTRAttack(AttackBase):
     """Honest-but-curious server (SPEC §3.1): reads only the ServerView (model sent, adapter gradients, tokenizer).
 
-    Parameters: ``eps_bag`` / ``eps_sentence`` -- membership tolerances (relative residual) for stage 1 / 2;
+    Parameters: ``search`` -- ``paper`` (the method as published, :mod:`gradleak.attacks.utr.greedy`) or
+    ``extended`` (ours; the extensions below apply only here); ``eps_bag`` / ``eps_sentence`` -- membership tolerances (relative residual) for stage 1 / 2;
     ``rank_rtol`` -- relative singular-value cut-off of the SVD; ``max_positions`` -- positions tested for
     absolute-position models; ``max_branches`` -- trie branching cap (LM prior prunes beyond it; default: the
     batch size, at least 8 -- B sentences can branch B ways at the root);
