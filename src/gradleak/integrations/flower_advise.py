@@ -278,19 +278,30 @@ def round_advice(audit, rec, result: dict, rdir) -> dict | None:
     if cfg.fl.lr_step_rounds:
         adv["lr_note"] = (f"the lr decays (fl.lr_step_rounds): Flower's clipping norm on Δw maps to gradleak's "
                           f"max_norm = norm / lr at round {rec.server_round}'s lr {lr:g} only")
+    specs = {s["name"]: s for s in extra}
     for row in adv["rows"]:
         row.pop("tie_break", None)
+        spec = specs.get(row["defense"])
+        if spec is not None and "epsilon" not in row and row.get("status") == "not_stopped":
+            # what the mechanism guarantees at the strength that still leaves the leak (its strong end)
+            row.update(spec["epsilon"](spec["strong"], cfg.fl.rounds))
+            row["epsilon_note"] = f"at the strong end {spec['param']} = {spec['strong']:g}: " + row["epsilon_note"]
         if row.get("server_sees"):
             row["note"] = "; ".join(x for x in (row.get("note"), "the server receives " + row["server_sees"]) if x)
         setting = flower_setting(row, cfg.fl.algorithm, lr, DELTA)
         if setting is not None:
+            if row.get("flower_class") and cfg.fl.flower.reply == "update":
+                setting["requires"] = ("the clients reply with their new weights: Flower's DP mechanisms clip the "
+                                       "weight change, and this federation's clients reply with their update "
+                                       "(fl.flower.reply: update)")
             row["flower"] = setting
     rec_ = adv.get("recommendation")
     if rec_ is not None:
         row = next(r for r in adv["rows"] if r["defense"] == rec_["defense"])
         if row.get("flower"):
             rec_["flower"] = row["flower"]
-            adv["sentence"] += f" In the Flower app: {row['flower']['code']} ({row['flower']['where']})."
+            adv["sentence"] += (f" In the Flower app: {row['flower']['code']} ({row['flower']['where']}"
+                                + (f"; {row['flower']['requires']}" if row["flower"].get("requires") else "") + ").")
     panels = plot_panels(adv)
     if panels:
         from gradleak.report.plots import save_privacy_utility_plot

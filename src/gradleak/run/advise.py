@@ -383,7 +383,8 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     ok = [r for r in advice["rows"] if r.get("status") in ("stopped", "unfinished") and "strength" in r]
     def hollow_dp(r) -> bool:  # a DP row whose epsilon guarantees nothing: absolute noise under a DP name
         e = r.get("epsilon")
-        return (r["defense"] in ("dp_gaussian", "dpsgd") or r.get("is_dp")) and not (isinstance(e, (int, float)) and e <= MEANINGFUL_EPSILON)
+        return bool(r["defense"] in ("dp_gaussian", "dpsgd") or r.get("is_dp")) and not (
+            isinstance(e, (int, float)) and e <= MEANINGFUL_EPSILON)
 
     ok.sort(key=lambda r: (r.get("cost") if isinstance(r.get("cost"), (int, float)) else math.inf,
                            r["status"] != "stopped", hollow_dp(r),
