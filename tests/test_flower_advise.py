@@ -86,7 +86,7 @@ def _truth(raw):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(3600)  # two Flower runs, two audits and ~6 probe audits; a busy shared box is slow
 def test_flower_advise_recommends_a_flower_setting_that_applied_gives_no_leak(tmp_path, one_thread):
     """UTR reads every client's update of a plain Flower federation (MiniLM + adapters, 2 clients): the advice
     searches Flower's three DP mechanisms; the central wrappers leave every update readable by the server (not
