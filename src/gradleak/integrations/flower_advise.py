@@ -1,8 +1,9 @@
 """``FlowerAudit(config, out, advise=True)`` (issue 30 item 4): ``gradleak audit --advise`` for the federation a
 Flower server watches, with Flower's own DP mechanisms among the candidates.
 
-On the first audited round where an attack leaks (without ground truth on the server: the first audited round, the
-leaking attacks then measured on the config's simulated federation), :func:`gradleak.run.advise.advise` searches
+On the first audited round (again when a later round leaks through an attack no earlier advice searched for; without
+ground truth on the server the leaking attacks are measured once, on the config's simulated federation),
+:func:`gradleak.run.advise.advise` searches
 the weakest strength of each candidate that brings every leaking attack back to level ``none``: gradleak's own
 candidates (:data:`gradleak.run.advise_options.CANDIDATES`) and Flower's three DP mechanisms, each with its real
 semantics and in Flower's own parameters:
