@@ -19,7 +19,9 @@ Run it (repo root; in-process, no Ray)::
 ``--runtime simulation`` runs the same apps through Flower's simulation engine (Ray, ``gradleak[fl-simulation]``);
 ``flwr run examples/flower`` runs them with Flower's own launcher (``pyproject.toml`` here names the components and
 the run config). ``--defense '{"name": "gaussian_noise", "params": {"std": 0.01}}'`` defends every client;
-``--client-score`` lets every client score its own leakage and send only the scalars.
+``--client-score`` lets every client score its own leakage and send only the scalars; ``--advise`` searches, on the
+first audited round, the weakest defense that stops every leaking attack (Flower's ``LocalDpMod`` and central-DP
+wrappers among the candidates; ``OUT/round_<r>/advice.html``), ``--budget S`` bounds that search.
 
 The ground truth handed to ``FlowerAudit`` (``truth=``) is what a *simulation* knows: the clients' partitions are
 rebuilt from the config. A real deployment leaves it out; the audit then saves what the attacks reconstructed and
@@ -142,7 +144,9 @@ def main(grid: Grid, context: Context) -> None:
     handle, cfg = model_of(config)
     nodes = len(list(grid.get_node_ids()))
     audit = FlowerAudit(config, rc.get("out", "runs/flower"), truth=lambda _r: list(partitions(config)),
-                        attacks=json.loads(str(rc["attacks"])) if rc.get("attacks") else None)
+                        attacks=json.loads(str(rc["attacks"])) if rc.get("attacks") else None,
+                        advise=json.loads(str(rc["advise"])) if rc.get("advise") else False,
+                        budget=float(rc["budget"]) if rc.get("budget") else None)
     strategy = GradleakStrategy(FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=nodes,
                                        min_train_nodes=nodes),
                                 lr=cfg.fl.lr, algorithm=cfg.fl.algorithm, on_round=audit, reply=cfg.fl.flower.reply,
@@ -177,11 +181,12 @@ def with_mods(defenses: list[dict], client_score: bool, config: str, attacks: li
 
 def run(config: str, out: str, *, rounds: int | None = None, nodes: int | None = None, runtime: str = "inprocess",
         defenses: list[dict] | None = None, client_score: bool = False, audit_every: int = 1,
-        attacks: list[str] | None = None) -> dict:
+        attacks: list[str] | None = None, advise: bool | dict = False, budget: float | None = None) -> dict:
     """Run the example; returns ``OUT/flower_audit.json`` as a dict (one entry per audited round)."""
     _, cfg = model_of(config)
     run_config = {"gradleak-config": config, "out": out, "num-server-rounds": rounds or cfg.fl.rounds,
-                  "audit-every": audit_every, "attacks": json.dumps(attacks) if attacks else ""}
+                  "audit-every": audit_every, "attacks": json.dumps(attacks) if attacks else "",
+                  "advise": json.dumps(advise) if advise else "", "budget": float(budget) if budget else 0.0}
     capp = with_mods(defenses or [], client_score, config, attacks)
     n = nodes or cfg.fl.clients
     if runtime == "simulation":
@@ -217,6 +222,10 @@ def cli(argv=None) -> int:
     p.add_argument("--defense", action="append", default=[], help="a defenses: entry as JSON (repeatable)")
     p.add_argument("--client-score", action="store_true", help="every client scores its own leakage (scalars only)")
     p.add_argument("--attacks", nargs="*", help="restrict the audit to these attacks")
+    p.add_argument("--advise", nargs="?", const="true", default=None, metavar="JSON",
+                   help="search the weakest defense that stops every leaking attack (Flower's DP among the candidates); "
+                        "optionally a mapping, e.g. '{\"candidates\": [\"LocalDpMod\"], \"steps\": 2}'")
+    p.add_argument("--budget", type=float, help="seconds bounding the --advise search")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of the config (as gradleak run --set); the resolved config is OUT/config.yaml")
     a = p.parse_args(argv)
@@ -231,10 +240,13 @@ def cli(argv=None) -> int:
         resolved.write_text(yaml.safe_dump(apply_overrides(load_yaml(a.config), a.set, ExperimentConfig), sort_keys=False))
         a.config = str(resolved)
     res = run(a.config, a.out, rounds=a.rounds, nodes=a.nodes, runtime=a.runtime, audit_every=a.audit_every,
-              defenses=[json.loads(d) for d in a.defense], client_score=a.client_score, attacks=a.attacks)
+              defenses=[json.loads(d) for d in a.defense], client_score=a.client_score, attacks=a.attacks,
+              advise=json.loads(a.advise) if a.advise else False, budget=a.budget)
     for r in res["rounds"]:
         print(f"round {r['server_round']}: {r['headline']}" + (f"  client scores: {r['client_scores']}"
                                                              if r["client_scores"] else ""))
+        if r.get("advice"):
+            print(f"  advice: {r['advice']['sentence']} (round_{r['server_round']}/advice.html)")
     print(f"{res['seconds']:.1f} s; per-round audits in {a.out}/round_<r>/audit.json")
     return 0
 

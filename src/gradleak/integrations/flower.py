@@ -121,18 +121,35 @@ class FlowerAudit:
     pipeline's form: images in [0, 1], or texts) is what a *simulation* knows; with it every attack is scored and
     judged as ``gradleak audit`` judges it. Without it (a real deployment) the reconstructions are saved for
     inspection and the clients' own scalars (:func:`scoring_mod`) are reported. Writes ``OUT/round_<r>/audit.json``
-    and ``OUT/flower_audit.json`` (every audited round, rewritten atomically)."""
+    and ``OUT/flower_audit.json`` (every audited round, rewritten atomically).
+
+    ``advise=True`` (or a mapping like ``audit.advise``: ``{"candidates": [...], "steps": n}``; ``budget=`` seconds
+    bounds it) is ``gradleak audit --advise`` for this federation: on the first audited round (again when a later
+    round leaks through an attack it did not search for) the weakest strength of each defense that stops every
+    leaking attack, its accuracy cost and epsilon, with Flower's own DP mechanisms (``LocalDpMod``,
+    ``DifferentialPrivacyClientSideFixedClipping``, ``DifferentialPrivacyServerSideFixedClipping``) among the
+    candidates, each row saying how to apply it in the Flower app: ``advice`` in ``OUT/round_<r>/audit.json`` (the
+    CLI's schema), ``advice.html`` and ``advice.png`` beside it, the recommendation in ``flower_audit.json``
+    (:mod:`gradleak.integrations.flower_advise`). The probes are audits of the config (``OUT/advise/``, resumable);
+    ``workers`` runs their attacks in parallel."""
 
     def __init__(self, config, out_dir, *, attacks: Sequence[str] | None = None,
-                 truth: Callable[[int], list] | None = None, device: str = "cpu", log: Callable[[str], Any] = print):
+                 truth: Callable[[int], list] | None = None, device: str = "cpu", log: Callable[[str], Any] = print,
+                 advise: bool | dict = False, budget: float | None = None, workers: int = 1):
         from pathlib import Path
 
         from gradleak.run.audit import attack_names, candidate
         from gradleak.run.runner import validate
         from gradleak.registry import ATTACKS
 
+        from gradleak.integrations.flower_advise import advise_options
+
         self.raw = _raw(config)
         self.cfg = _validated(self.raw)
+        self.advise_opts = advise_options(advise, budget)
+        if self.advise_opts is not None:
+            self.advise_opts["workers"] = int(workers)
+        self.advice_covered: set[str] | None = None  # the attacks an advice searched for (None: none given yet)
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.truth, self.log, self.device = truth, log, torch.device(device)
@@ -275,10 +292,19 @@ class FlowerAudit:
                   "client_scores": {str(k): v for k, v in rec.client_metrics.items() if v},
                   "seconds": time.perf_counter() - t_round}
         rdir.mkdir(parents=True, exist_ok=True)
+        if self.advise_opts is not None:
+            from gradleak.integrations.flower_advise import round_advice
+
+            advice = round_advice(self, rec, result, rdir)
+            if advice is not None:
+                result["advice"] = advice
+            result["seconds"] = time.perf_counter() - t_round
         write_json_atomic(rdir / "audit.json", result)
         self.summary.append({k: result[k] for k in ("server_round", "verdict", "headline", "aggregated", "seconds")}
                             | {"values": {e["name"]: e.get("value") for e in entries},
-                               "client_scores": result["client_scores"]})
+                               "client_scores": result["client_scores"]}
+                            | ({"advice": {k: result["advice"].get(k) for k in ("sentence", "recommendation")}}
+                               if "advice" in result else {}))
         write_json_atomic(self.out / "flower_audit.json", {"rounds": self.summary, "config": self.raw})
         return result
 

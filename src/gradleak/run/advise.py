@@ -83,6 +83,8 @@ def defended_config(raw: dict, spec: dict, value: Any) -> dict:
     parameters kept), others are kept. Secure aggregation over K clients: ``data.nonmembers`` (per client: the
     membership attacks' candidates) is divided by K, the same candidates in all, so the K clients' data fit the data
     set as the configured clients' did."""
+    if "configure" in spec:  # an extra candidate (``advise(extra=...)``) builds its own probe config
+        return spec["configure"](raw, value)
     out = copy.deepcopy(raw)
     name, p = spec["name"], spec["param"]
     if spec["stage"] == "update":
@@ -108,6 +110,8 @@ def defended_config(raw: dict, spec: dict, value: Any) -> dict:
 
 def starting_point(raw: dict, spec: dict) -> Any:
     """The configured strength of this defense when the config already has it (the search's weak end), else None."""
+    if "start" in spec:
+        return spec["start"](raw)
     name, p = spec["name"], spec["param"]
     if spec["stage"] == "update":
         d = next((d for d in raw.get("defenses") or [] if matches(d, spec)), None)
@@ -121,6 +125,8 @@ def starting_point(raw: dict, spec: dict) -> Any:
 
 def set_strings(raw: dict, spec: dict, value: Any) -> list[str]:
     """The ``--set`` overrides that put the candidate at ``value`` into the audited config."""
+    if "set" in spec:
+        return spec["set"](raw, value)
     cfg = defended_config(raw, spec, value)
     if spec["stage"] == "update":
         return ["defenses=" + json.dumps(cfg["defenses"])]
@@ -212,9 +218,15 @@ def _levels(row: dict, attacks: list[str]) -> dict[str, str]:
 
 def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | None = None, workers: int = 1,
            budget_seconds: float | None = None, candidates: list[str] | None = None, steps: int = STEPS,
-           log: Callable[[str], Any] = print) -> dict:
+           log: Callable[[str], Any] = print, extra: list[dict] = ()) -> dict:
     """The advice for the audit ``audit_result`` of ``raw`` (the resolved config, e.g. ``audit_result["config"]``):
-    see the module docstring. Probes go to ``out_dir/advise/``; returns the ``advice`` dict."""
+    see the module docstring. Probes go to ``out_dir/advise/``; returns the ``advice`` dict.
+
+    ``extra``: more candidates (e.g. Flower's DP wrappers, :mod:`gradleak.integrations.flower_advise`), specs like
+    :data:`CANDIDATES` whose callables replace the generic steps: ``configure(raw, value)`` the probe config,
+    ``set(raw, value)`` the overrides, ``start(raw)`` the configured strength, ``epsilon(value, rounds)`` a dict
+    (``epsilon``, ``epsilon_note``) for the row; ``row``: fields copied into the row (``tie_break``: the rank
+    among equally cheap rows, before :data:`STANDARD`'s; ``scale``; ``is_dp``: an epsilon row)."""
     from gradleak.evaluation.levels import LEAKING
     from gradleak.registry import ATTACKS
     from gradleak.run.audit import config_hash, plan_audit
@@ -283,9 +295,10 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                           "accuracy_from": baseline.get("accuracy_from")}
     specs = [s for s in CANDIDATES if (candidates is None or key(s) in candidates)
              and (not s.get("membership_only") or "membership" in kinds)]
+    specs += [s for s in extra if candidates is None or key(s) in candidates]
     for spec in specs:
         row: dict[str, Any] = {"defense": key(spec), "stage": spec["stage"], "parameter": spec["param"],
-                               "what": spec["what"], "fixed": spec["fixed"], "probes": []}
+                               "what": spec["what"], "fixed": spec["fixed"], "probes": [], **(spec.get("row") or {})}
         start = starting_point(base, spec)
         weak = start if start is not None else spec["weak"]
         row["bracket"] = [weak, spec["strong"]]
@@ -357,6 +370,8 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         elif spec["name"] == "dp_gaussian":
             row["epsilon"] = gaussian_epsilon(good, cfg0.fl.rounds)
             row["epsilon_note"] = f"Gaussian mechanism, RDP, sampling rate 1, {cfg0.fl.rounds} round(s)"
+        elif "epsilon" in spec:
+            row.update(spec["epsilon"](good, cfg0.fl.rounds))
         if spec["name"] in ("dp_gaussian", "dpsgd"):  # the clipping norm is fixed, not fitted to the updates' scale
             row["note"] = "; ".join(x for x in (row.get("note"), (
                 f"clipping norm held at {_clip_norm(defended_config(base, spec, good), spec)}: updates "
@@ -368,10 +383,12 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     ok = [r for r in advice["rows"] if r.get("status") in ("stopped", "unfinished") and "strength" in r]
     def hollow_dp(r) -> bool:  # a DP row whose epsilon guarantees nothing: absolute noise under a DP name
         e = r.get("epsilon")
-        return r["defense"] in ("dp_gaussian", "dpsgd") and not (isinstance(e, (int, float)) and e <= MEANINGFUL_EPSILON)
+        return bool(r["defense"] in ("dp_gaussian", "dpsgd") or r.get("is_dp")) and not (
+            isinstance(e, (int, float)) and e <= MEANINGFUL_EPSILON)
 
     ok.sort(key=lambda r: (r.get("cost") if isinstance(r.get("cost"), (int, float)) else math.inf,
-                           r["status"] != "stopped", hollow_dp(r), STANDARD.index(r["defense"])))
+                           r["status"] != "stopped", hollow_dp(r),
+                           r["tie_break"] if "tie_break" in r else STANDARD.index(r["defense"])))
     advice["ranking"] = [r["defense"] for r in ok]
     costs = [r["cost"] for r in ok if isinstance(r.get("cost"), (int, float))]
     if costs and all(c == 0 for c in costs):
@@ -444,7 +461,7 @@ def plot_panels(advice: dict) -> list[dict]:
         if pts:
             pts.sort(key=lambda t: t["x"])
             panels.append({"title": f"{r['defense']} ({r['parameter']})", "points": pts,
-                           "log": CANDIDATE_BY_NAME[r["defense"]]["scale"] != "log1m",
+                           "log": (r.get("scale") or CANDIDATE_BY_NAME[r["defense"]]["scale"]) != "log1m",
                            "found": r.get("strength"), "baseline_accuracy": (advice.get("baseline") or {}).get("accuracy")})
     return panels
 

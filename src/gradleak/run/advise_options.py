@@ -47,27 +47,28 @@ CANDIDATES: list[dict[str, Any]] = [
 ]
 
 
-def advise_section(section: Any) -> dict | None:
+def advise_section(section: Any, field: str = "audit.advise", extra_names: tuple[str, ...] = ()) -> dict | None:
     """The validated ``audit.advise`` value: ``None`` (off), or ``{"candidates": [...] | None, "steps": int}``.
-    ``true`` = every candidate, :data:`STEPS` steps; a mapping may narrow ``candidates`` and set ``steps``."""
+    ``true`` = every candidate, :data:`STEPS` steps; a mapping may narrow ``candidates`` and set ``steps``.
+    ``extra_names``: candidates beyond :data:`CANDIDATES` (``advise(extra=...)``); ``field``: the name in errors."""
     if section is None or section is False:
         return None
     if section is True:
         return {"candidates": None, "steps": STEPS}
     if not isinstance(section, dict):
-        raise BadInput("audit.advise", f"must be true, false or a mapping, got {section!r}.",
+        raise BadInput(field, f"must be true, false or a mapping, got {section!r}.",
                        "write audit: {advise: true} (or {advise: {candidates: [gaussian_noise], steps: 2}}).")
     bad = sorted(set(section) - {"candidates", "steps"})
     if bad:
-        raise BadInput(f"audit.advise.{bad[0]}", "this key does not exist.", "audit.advise has candidates and steps.")
-    names = [c.get("key", c["name"]) for c in CANDIDATES]
+        raise BadInput(f"{field}.{bad[0]}", "this key does not exist.", f"{field} has candidates and steps.")
+    names = [c.get("key", c["name"]) for c in CANDIDATES] + list(extra_names)
     cands = section.get("candidates")
     if cands is not None and (not isinstance(cands, list) or not cands or any(c not in names for c in cands)):
-        raise BadInput("audit.advise.candidates", f"must be a non-empty list of candidates, got {cands!r}.",
+        raise BadInput(f"{field}.candidates", f"must be a non-empty list of candidates, got {cands!r}.",
                        f"choose from {', '.join(names)}.")
     steps = section.get("steps", STEPS)
     if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= 20:
-        raise BadInput("audit.advise.steps", f"must be a whole number in [0, 20], got {steps!r}.", "write e.g. steps: 3.")
+        raise BadInput(f"{field}.steps", f"must be a whole number in [0, 20], got {steps!r}.", "write e.g. steps: 3.")
     return {"candidates": cands, "steps": steps}
 
 

@@ -142,7 +142,7 @@ def rounding_std(new_weights: dict[str, torch.Tensor], lr: float) -> float:
     public``)."""
     total, count = 0.0, 0
     for v in new_weights.values():
-        if not v.is_floating_point():
+        if not v.is_floating_point() or v.dtype == torch.float64:  # float64: below 1e-15 relative, as documented
             continue
         x = v.detach().to(torch.float64).abs()
         mant = torch.finfo(v.dtype).eps  # 2^-(mantissa bits)
