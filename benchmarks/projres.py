@@ -47,7 +47,14 @@ from gradleak.run.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
 
 CONFIG = ROOT / "configs" / "projres" / "minilm_adapter.yaml"
-TABLES = ("main", "defenses", "heldout", "overhead")
+TABLES = ("main", "defenses", "heldout", "overhead", "dataset", "fisguard")
+#: defenses defined for adapters only (their layer_ranks name adapter layers)
+ADAPTER_ONLY = {"fisguard-r16-capped"}
+#: the dataset setting's rows (issue 28 item 3): main (adapter, LoRA) and the defense table's key rows
+DATASET_DEFENSES = ("none", "fisguard-r16", "fisguard-r16-paper", "fisguard-r16-capped", "dpsgd-1", "l2-0.1",
+                    "dropout-0.3", "label_smoothing-0.3", "minmax-1")
+#: the FISGuard deployments of issue 28 item 4 (batch-level reading, per-layer evidence)
+FISGUARD_ROWS = ("fisguard-r16", "fisguard-r16-head", "fisguard-r16-paper", "fisguard-r16-capped")
 #: the default FedSGD schedule (rounds, lr) per model; the attack scores the last round. MiniLM needs ~40 rounds at
 #: lr 0.5 to move off the majority class (20 rounds: accuracy 0.31 = majority; 40: 0.64).
 SCHEDULES = {"minilm": (40, 0.5), "smollm2": (40, 0.01)}
@@ -55,7 +62,20 @@ SCHEDULES = {"minilm": (40, 0.5), "smollm2": (40, 0.01)}
 ATTACKS = {  # set as a whole section: the shipped config's projres keys must not leak into the adaptive attack
     "projres": "{name: projres, aggregation: sentence, round_aggregation: last}",
     "adaptive": "{name: projres_adaptive, max_clients: 10}",
+    # the dataset setting's second reading: the server observes the first epoch's rounds (every member but the 13
+    # dropped ones in one batch) and keeps each candidate's smallest residual over them
+    "projres-epoch": "{name: projres, aggregation: sentence, round_aggregation: min}",
 }
+#: the paper's setting (issue 28 item 3): each client holds a dataset of 285 quotes (paper 004: CoLA's 8,551 over 30
+#: clients) and trains each round on a batch of 16 drawn from it; members = the client's dataset. 6 clients (not 30):
+#: fortunes-topics has 2,441 quotes, 6 × 285 members + 6 × 50 non-members + 300 test quotes + min-max's 6 × 16
+#: reference quotes fit; the attack's cost grows with candidates × observed rounds.
+DATASET = {"clients": 6, "samples_per_client": 285, "nonmembers": 50, "test_size": 300}
+EPOCH_ROUNDS = DATASET["samples_per_client"] // 16  # 17 rounds: one data-loader epoch (drop_last) of B = 16
+SETTINGS = {"batch": [], "dataset": [f"fl.clients={DATASET['clients']}",
+                                     f"data.samples_per_client={DATASET['samples_per_client']}",
+                                     f"data.nonmembers={DATASET['nonmembers']}", f"data.test_size={DATASET['test_size']}"]}
+ATTACK_THREAT = {"projres-epoch": [f"threat.rounds_observed={EPOCH_ROUNDS}"]}
 # label -> defense section. Decimals, not 1e-3: inside a YAML flow map 1e-3 (no dot) reads as a string.
 DEFENSES = {
     "none": "{name: none}",
@@ -65,6 +85,12 @@ DEFENSES = {
     # the task head is a client-trained linear layer too (SPEC §5.2 step 1): fixed input of rank C - 1 = 3,
     # the most its gradient can reach (4 classes)
     "fisguard-r16-head": "{name: fisguard, rank: 16, protect_head: true, head_rank: 3}",
+    # the paper's deployment (SPEC §5.2 step 1: every client-trained linear layer that reads a private
+    # representation, the task head included; one r; 2,000 public samples)
+    "fisguard-r16-paper": "{name: fisguard, rank: 16, protect_head: true}",
+    # our extension: each layer's r capped at what its gradient can reach -- the head and the last adapter before
+    # mean pooling get at most C - 1 = 3 directions of error signal (adapters only: LoRA's last layer has no cap)
+    "fisguard-r16-capped": "{name: fisguard, rank: 16, protect_head: true, head_rank: 3, layer_ranks: {layer_1: 3}}",
     "dpsgd-0.5": "{name: dpsgd, noise_multiplier: 0.5}",
     "dpsgd-1": "{name: dpsgd, noise_multiplier: 1.0}",
     "l2-0.001": "{name: l2, coefficient: 0.001}",
@@ -87,7 +113,8 @@ DEFAULT_DATA = "fortunes-topics"
 # init the gradient of A is zero in round 1 and the pipeline refuses a membership score on it)
 TINY = ["fl.clients=2", "data.nonmembers=5", "data.test_size=10"]
 
-METRICS = ("auc", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr", "accuracy", "members", "nonmembers", "auc_best_layer",
+METRICS = ("auc", "auc_null_median", "auc_null_p99", "auc_p_value", "auc_low", "auc_high", "tpr_at_1pct_fpr",
+           "tpr_at_1pct_fpr_null_p99", "tpr_at_0.1pct_fpr", "accuracy", "members", "nonmembers", "auc_best_layer",
            "fisguard_rank_condition_rate", "fisguard_min_rank_G_U", "auc_max_guarantee_holds", "auc_max_guarantee_fails",
            "auc_max_unprotected", "layers_guarantee_holds", "layers_guarantee_fails", "layers_unprotected",
            "minmax_inference_accuracy", "dp_epsilon")
@@ -98,6 +125,8 @@ TIMINGS = ("client_step_seconds", "attack_reconstruct_seconds", "total_seconds")
 
 def cell_id(p: dict, schedule: str) -> str:
     cid = f"{p['model']}/{p['peft']}/{p['attack']}/{p['defense']}"
+    if p.get("setting", "batch") != "batch":
+        cid += f"/{p['setting']}"
     if p["seed"]:
         cid += f"/seed{p['seed']}"
     if p["data"] != DEFAULT_DATA:
@@ -113,7 +142,7 @@ def schedule(model: str, args: argparse.Namespace) -> tuple[int, float]:
 def cell_overrides(p: dict, rounds: int, lr: float, tiny: bool) -> list[str]:
     # both models mean-pool the last layer (the shipped config's model.pooling: mean): SmolLM2's last token after
     # 2 of 30 layers carries little of the sentence
-    ov = [f"model.name={p['model']}", f"peft.kind={p['peft']}"]
+    ov = [f"model.name={p['model']}", f"peft.kind={p['peft']}", *SETTINGS[p.get("setting", "batch")]]
     if p["seed"]:
         ov.append(f"seed={p['seed']}")
     if p["data"] != DEFAULT_DATA:
@@ -121,7 +150,8 @@ def cell_overrides(p: dict, rounds: int, lr: float, tiny: bool) -> list[str]:
     if tiny:
         rounds = 2 if p["peft"] == "lora" else 1
         ov += TINY
-    ov += [f"fl.rounds={rounds}", f"fl.lr={lr:g}", f"attack={ATTACKS[p['attack']]}", f"defense={DEFENSES[p['defense']]}"]
+    ov += [f"fl.rounds={rounds}", f"fl.lr={lr:g}", f"attack={ATTACKS[p['attack']]}", *ATTACK_THREAT.get(p["attack"], []),
+           f"defense={DEFENSES[p['defense']]}"]
     return ov
 
 
@@ -133,15 +163,26 @@ def schedule_suffix(model: str, args: argparse.Namespace) -> str:
 
 def table_params(quick: bool) -> list[tuple[str, dict]]:
     """(table, cell parameters) in priority order (an interrupted run keeps the headline cells)."""
-    def p(model="minilm", peft="adapter", attack="projres", defense="none", seed=0, data=DEFAULT_DATA):
-        return {"model": model, "peft": peft, "attack": attack, "defense": defense, "seed": seed, "data": data}
+    def p(model="minilm", peft="adapter", attack="projres", defense="none", seed=0, data=DEFAULT_DATA, setting="batch"):
+        out = {"model": model, "peft": peft, "attack": attack, "defense": defense, "seed": seed, "data": data}
+        return out | ({"setting": setting} if setting != "batch" else {})
 
     out = [("main", p(m, k)) for m in ("minilm", "smollm2") for k in ("adapter", "lora")]
     pefts, attacks = (("adapter",), ("projres",)) if quick else (("adapter", "lora"), ("projres", "adaptive"))
-    out += [("defenses", p(peft=k, attack=a, defense=d)) for k in pefts for a in attacks for d in DEFENSES]
+    out += [("defenses", p(peft=k, attack=a, defense=d)) for k in pefts for a in attacks for d in DEFENSES
+            if not (k != "adapter" and d in ADAPTER_ONLY)]
     if not quick:
         out += [("heldout", p(attack=a, defense=d, **change)) for change in HELDOUT.values()
-                for a in ATTACKS for d in ("none", "fisguard-r16")]
+                for a in ("projres", "adaptive") for d in ("none", "fisguard-r16")]
+    # issue 28 item 4: FISGuard as the paper deploys it and capped, per layer (batch-level reading), seed 1 beside
+    out += [("fisguard", p(peft=k, defense=d, seed=s)) for s in (0, 1) for k in ("adapter", "lora") for d in FISGUARD_ROWS
+            if not (k != "adapter" and d in ADAPTER_ONLY)]
+    # issue 28 item 3: the paper's setting (each client holds a dataset), one observed round and the first epoch
+    ds = [p(peft=k, defense="none", setting="dataset", seed=s) for s in (0, 1) for k in ("adapter", "lora")]
+    ds += [p(attack="projres-epoch", setting="dataset", seed=s) for s in (0, 1)]
+    ds += [p(defense=d, setting="dataset", seed=s) for s in (0, 1) for d in DATASET_DEFENSES[1:]]
+    ds += [p(peft="lora", defense="fisguard-r16-head", setting="dataset", seed=s) for s in (0, 1)]
+    out += [("dataset", c) for c in ds]
     return out
 
 
