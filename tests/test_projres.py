@@ -70,6 +70,16 @@ def test_projres_end_to_end_undefended(tmp_path, minilm_available):
     assert "roc.png" in r["artifacts"] and (tmp_path / "roc.png").stat().st_size > 0  # ROC on log axes (report, audit)
 
 
+def test_projres_on_clients_holding_datasets_scores_the_whole_dataset(tmp_path, minilm_available):
+    """data.samples_per_client: members = each client's 16 sentences, two rounds of batches of 8 cover all of them
+    (one epoch); attack.max_clients scores the first 2 clients only."""
+    r = _run(tmp_path, data={"samples_per_client": 16}, fl={"rounds": 2},
+             attack={"name": "projres", "aggregation": "sentence", "round_aggregation": "min", "max_clients": 2})
+    m = r["metrics"]
+    assert m["members"] == 32 and m["nonmembers"] == 40
+    assert m["auc"] >= 0.9 and m["auc"] > m["auc_null_p99"], m
+
+
 def test_fisguard_initial_forward_equals_the_pretrained_model(minilm_available):
     from gradleak.data.text import load_text
     from gradleak.models import ModelHandle
