@@ -22,7 +22,10 @@ Tables: ``main`` ({minilm, smollm2} × {adapter, lora}, ProjRes, undefended); ``
 LoRA: none, FISGuard r ∈ {8, 16, 64} and r 16 with the head protected, DP-SGD σ ∈ {0.5, 1}, L2 λ ∈ {1e-3, 1e-1},
 dropout p ∈ {0.1, 0.3}, label smoothing ε ∈ {0.1, 0.3}, min-max λ ∈ {1, 3}, each against ProjRes and the adaptive
 attack on 10 clients); ``heldout`` (undefended and FISGuard-16 MiniLM/Adapter again with seed 1, and on the WordNet
-gloss examples); ``overhead`` (training time of each defense relative to none, measured in one process,
+gloss examples); ``fisguard`` (issue 28 item 4: FISGuard as the paper deploys it -- head protected, one r -- and with
+each layer's r capped at the rank its gradient reaches, per layer, seeds 0 and 1); ``dataset`` (issue 28 item 3: the
+paper's setting, each client holds 285 quotes and trains on a batch of 16 a round, members = its dataset; one observed
+round and the first epoch's rounds; undefended and the key defenses, seeds 0 and 1); ``overhead`` (training time of each defense relative to none, measured in one process,
 interleaved: ``measure_overhead``). Outputs in ``--out``: ``projres.jsonl``, ``projres.json``,
 ``projres_overhead.json``, ``projres_frontier.png`` (AUC vs accuracy) and the ``projres`` section
 (``<out>/projres.md``; ``docs/REPRODUCTION.md`` only with ``--update-docs`` or ``--report-only``).
@@ -491,7 +494,7 @@ def _dataset_section(get) -> list[str]:
             f"gives AUC ≈ 0.5 + {B}/(2·{n}) = {0.5 + B / (2 * n):.3f} if the other members score like non-members); "
             f"*first epoch* -- the server keeps rounds 1..{EPOCH_ROUNDS} (`threat.rounds_observed={EPOCH_ROUNDS}`) "
             f"and takes each candidate's smallest residual over them ({EPOCH_ROUNDS * B} of the {n} members were in one "
-            f"of those batches). The batch-level rows are the stored cells above (30 clients × 16 quotes, members = the "
+            f"of those batches; the first 3 clients scored, `attack.max_clients=3`, for cost). The batch-level rows are the stored cells above (30 clients × 16 quotes, members = the "
             f"observed batch): the reading most favourable to the attack. Chance: AUC 0.5 (ties count ½; TPR = FPR); "
             f"the null column is the AUC of the same scores under 1,000 random member sets of the same size (label "
             f"permutations), median / 99th percentile; the CI is a bootstrap 95 % interval. Base command: "
