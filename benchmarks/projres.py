@@ -617,7 +617,8 @@ def _plot(rows: list[dict], out: Path) -> str | None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in rows:
         p, m = r["params"], r["metrics"]
-        if p["seed"] or p["data"] != DEFAULT_DATA or m.get("auc") is None or m.get("accuracy") is None:
+        if (p["seed"] or p["data"] != DEFAULT_DATA or p.get("setting", "batch") != "batch" or m.get("auc") is None
+                or m.get("accuracy") is None):
             continue
         family = p["defense"].split("-")[0]
         colour = colours.setdefault(f"{p['model']}/{p['peft']}", f"C{len(colours)}")
