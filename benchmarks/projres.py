@@ -512,7 +512,7 @@ def _dataset_section(get) -> list[str]:
             f"holds per observed batch: batch-level AUC {_m(bat, 'auc')}. With members = the client's {n}-quote dataset "
             f"and one observed round, undefended MiniLM/Adapter ProjRes gives AUC {_m(one[0], 'auc')} (seed 0; "
             f"{_verdict(one[0])}, null p99 {_m(one[0], 'auc_null_p99')}) and {_m(one[1], 'auc')} (held-out seed 1; "
-            f"{_verdict(one[1])}), at most the {0.5 + B / (2 * n):.3f} a perfect score on the observed batch alone gives; "
+            f"{_verdict(one[1])}), beside the {0.5 + B / (2 * n):.3f} a perfect score on the observed batch alone gives; "
             f"its TPR at 1 % FPR, {_m(one[0], 'tpr_at_1pct_fpr')} / {_m(one[1], 'tpr_at_1pct_fpr')} (null p99 "
             f"{_m(one[0], 'tpr_at_1pct_fpr_null_p99')}), is about the {B / n:.3f} of the members that were in the "
             f"observed batch: those are still found, the rest are invisible. Observing the first epoch's rounds, ProjRes "
