@@ -185,6 +185,7 @@ def table_params(quick: bool) -> list[tuple[str, dict]]:
     # issue 28 item 4: FISGuard as the paper deploys it and capped, per layer (batch-level reading), seed 1 beside
     out += [("fisguard", p(peft=k, defense=d, seed=s, setting=st)) for st in ("batch", "batch10") for s in (0, 1)
             for k in ("adapter", "lora") for d in FISGUARD_ROWS if not (k != "adapter" and d in ADAPTER_ONLY)]
+    out += [("fisguard", p(defense="none", setting="batch10"))]  # the 10-client cells' accuracy baseline
     # issue 28 item 3: the paper's setting (each client holds a dataset), one observed round and the first epoch
     ds = [p(peft=k, defense="none", setting="dataset", seed=s) for s in (0, 1) for k in ("adapter", "lora")]
     ds += [p(setting="dataset", seed=DATASET_SEED2)]  # seed 1 diverged there (NaN at lr 0.5): a second held-out seed
@@ -444,7 +445,7 @@ def report(args: argparse.Namespace) -> int:
 
 
 READINGS = {"projres": "one round (the last)", "projres-epoch": f"first epoch ({EPOCH_ROUNDS} rounds, min)"}
-DEPLOYMENTS = {"fisguard-r16": "adapters / LoRA A, r 16; head trained, unprotected",
+DEPLOYMENTS = {"none": "undefended (the accuracy baseline of the 10-client cells)", "fisguard-r16": "adapters / LoRA A, r 16; head trained, unprotected",
                "fisguard-r16-head": "+ head, head r 3 = C − 1",
                "fisguard-r16-paper": "paper: every adapter / LoRA A + head, one r = 16",
                "fisguard-r16-capped": "ours: + head r 3, last adapter r 3 (each r ≤ what its gradient reaches)"}
@@ -543,7 +544,8 @@ def _outside(row: dict | None) -> str:
 def _fisguard_section(get) -> list[str]:
     """Issue 28 item 4: FISGuard as the paper deploys it and capped, per layer (batch-level reading)."""
     items = [(k, d, sd, st, get(peft=k, defense=d, seed=sd, setting=st)) for st in ("batch", "batch10")
-             for k in ("adapter", "lora") for d in FISGUARD_ROWS for sd in (0, 1) if not (k != "adapter" and d in ADAPTER_ONLY)]
+             for k in ("adapter", "lora") for d in ("none", *FISGUARD_ROWS) for sd in (0, 1)
+             if not (k != "adapter" and d in ADAPTER_ONLY) and not (d == "none" and st == "batch")]
     items = [i for i in items if i[-1]]
     if not any(i[1] in ("fisguard-r16-paper", "fisguard-r16-capped") for i in items):
         return []
