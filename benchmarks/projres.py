@@ -569,6 +569,7 @@ def _fisguard_section(get) -> list[str]:
             "(for FISGuard's U: rank(G_U)/r); ✓ / ✗ = rank(G_U) = r held in every upload / failed. Chance and the null "
             f"as in the table above. Base command: `{command(base)}` plus the cell's `--set`s.")
     out = [text, markdown_table(t, list(t[0]))]
+
     def g(**kw):  # the 30-client cell where it exists, else the 10-client one
         return get(**kw) or get(setting="batch10", **kw)
 
@@ -587,7 +588,7 @@ def _fisguard_section(get) -> list[str]:
             "= 3 < r (ker(D) ∩ col(Zᵀ) ≠ {0}) and the row space misses directions a member's projection has. Giving "
             f"those layers r = 3 (our extension) brings the overall AUC to {_m(capped[0], 'auc')} (seed 0, "
             f"{_verdict(capped[0])}) / {_m(capped[1], 'auc')} (held-out seed 1, {_verdict(capped[1])}) on Adapter, "
-            f"every layer ✓, at accuracy {_m(capped[0], 'accuracy')} / {_m(capped[1], 'accuracy')} (undefended, same 10 "
+            f"rank condition {_rank_flag(capped[0])} / {_rank_flag(capped[1])}, at accuracy {_m(capped[0], 'accuracy')} / {_m(capped[1], 'accuracy')} (undefended, same 10 "
             f"clients: {_m(get(setting='batch10', defense='none'), 'accuracy')}), and LoRA with the head at r 3 to "
             f"{_m(lora_head[0], 'auc')} / {_m(lora_head[1], 'auc')}. The paper's claim (AUC ≈ 0.5) holds here only "
             "where every protected layer's r is at most the rank its gradient can reach.")
