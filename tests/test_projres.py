@@ -70,6 +70,16 @@ def test_projres_end_to_end_undefended(tmp_path, minilm_available):
     assert "roc.png" in r["artifacts"] and (tmp_path / "roc.png").stat().st_size > 0  # ROC on log axes (report, audit)
 
 
+def test_projres_on_clients_holding_datasets_scores_the_whole_dataset(tmp_path, minilm_available):
+    """data.samples_per_client: members = each client's 16 sentences, two rounds of batches of 8 cover all of them
+    (one epoch); attack.max_clients scores the first 2 clients only."""
+    r = _run(tmp_path, data={"samples_per_client": 16}, fl={"rounds": 2},
+             attack={"name": "projres", "aggregation": "sentence", "round_aggregation": "min", "max_clients": 2})
+    m = r["metrics"]
+    assert m["members"] == 32 and m["nonmembers"] == 40
+    assert m["auc"] >= 0.9 and m["auc"] > m["auc_null_p99"], m
+
+
 def test_fisguard_initial_forward_equals_the_pretrained_model(minilm_available):
     from gradleak.data.text import load_text
     from gradleak.models import ModelHandle
@@ -291,3 +301,25 @@ def test_causal_mean_pooling_classifies_the_sentence_mean():
     with pytest.raises(BadInput) as e:  # an LM-loss model has no head to pool for
         use_mean_pooling(load_text_model("smollm2", 1))
     assert e.value.field == "model.pooling"
+
+
+def test_fisguard_layer_ranks_give_a_layer_its_own_r(minilm_available):
+    from gradleak.data.text import load_text
+    from gradleak.models import ModelHandle
+    from gradleak.models.text import load_text_model
+    from gradleak.peft import PeftConfig, apply_peft
+    from gradleak.peft.fisguard import apply_fisguard
+
+    texts = list(load_text("news-sentences").batch(40, seed=0)[0])
+    h = ModelHandle.from_text_model(load_text_model("minilm", 2))
+    apply_peft(h, PeftConfig(kind="adapters"), seed=0)
+    rep = apply_fisguard(h, base_kind="adapters", rank=8, public_texts=texts, protect_head=True, head_rank=3,
+                         layer_ranks={"layer_1": 3})
+    assert {n: v["rank"] for n, v in rep.items()} == {"text_adapters.embedding": 8, "text_adapters.layer_0": 8,
+                                                      "text_adapters.layer_1": 3, "classifier": 3}
+    assert h.model.text_adapters["layer_1"].down.weight.shape[0] == 3 and not h.model.text_adapters["layer_1"].down.weight.requires_grad
+    h2 = ModelHandle.from_text_model(load_text_model("minilm", 2))
+    apply_peft(h2, PeftConfig(kind="adapters"), seed=0)
+    with pytest.raises(BadInput) as err:
+        apply_fisguard(h2, base_kind="adapters", rank=8, public_texts=texts, layer_ranks={"layer.1": 3})
+    assert err.value.field == "defense.layer_ranks" and "text_adapters.layer_1" in str(err.value)

@@ -24,7 +24,8 @@ Decisions the summary leaves open (SPEC A5.2), each a parameter:
   combined over rounds by ``round_aggregation`` (``min`` default).
 * Rank: singular values above ``rank_rtol`` × the largest count (float32 gradients: 1e-5).
 * Candidates come from the server's public knowledge (``view.public["candidates"]``: per observed update,
-  the sentences to score); granted under ``threat.public_data``.
+  the sentences to score); granted under ``threat.public_data``. ``max_clients`` scores the first N observed
+  clients only (the cost is candidates × observed rounds forward passes).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class ProjResConfig(AttackConfig):
     round_aggregation: Literal["min", "mean", "last"] = Field("min", description="combine the observed rounds")
     rank_rtol: float = Field(1e-5, gt=0, lt=1, description="relative singular-value cut-off of the gradient's row space")
     batch_size: int = Field(64, ge=1, description="candidates per forward pass")
+    max_clients: Optional[int] = Field(None, ge=1, description="score only the first N observed clients (cost: "
+                                       "candidates × observed rounds forward passes)")
 
 
 def row_space(G: torch.Tensor, rtol: float) -> torch.Tensor:
@@ -129,6 +132,8 @@ class ProjRes(AttackBase):
         if not cands:
             raise BadInput("threat.public_data", "ProjRes needs candidate samples to score.",
                            "grant threat.public_data=true (the server holds candidates) and set data.nonmembers > 0.")
+        if self.max_clients:
+            cands = dict(list(cands.items())[: self.max_clients])
         model = copy.deepcopy(view.model).eval()  # scored with each round's state loaded; the view stays as sent
         targets = target_layers(model, list(view.updates[0].tensors), self.layers)
         if not targets:

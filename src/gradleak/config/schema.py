@@ -43,7 +43,7 @@ from gradleak.registry import ATTACKS, EXPERIMENTS
 from gradleak.validation import Checked
 
 IMAGE_DATA = {"image_size", "public", "public_size", "resize", "validation_size", "prior_size"}
-TEXT_DATA = {"text_column", "label_column", "split", "subset", "limit", "max_length", "nonmembers"}
+TEXT_DATA = {"text_column", "label_column", "split", "subset", "limit", "max_length", "nonmembers", "samples_per_client"}
 IMAGE_MODEL = {"patch_size", "hidden_size", "heads", "adapter_bottleneck", "init_weights", "num_channels"}
 #: image models whose builder takes model.num_channels (the ViTs are built for RGB)
 CHANNEL_MODELS = {"resnet18"}
@@ -75,6 +75,10 @@ class DataConfig(Strict):
     max_length: Optional[int] = Field(None, ge=1, description=f"text: most tokens of a client's sentence, its special "
                                       f"tokens included (at least {MIN_SENTENCE_TOKENS}); default the model's context")
     nonmembers: int = Field(0, ge=0, le=1_000_000, description="membership attacks: non-member candidates per client")
+    samples_per_client: Optional[int] = Field(None, ge=1, le=1_000_000, description="membership attacks: each client "
+                                              "holds a dataset of this size (the members) and trains each round on a "
+                                              "batch of data.batch_size drawn from it (default: the batch is the "
+                                              "client's whole data)")
     test_size: int = Field(0, ge=0, le=1_000_000, description="held-out samples for the final model's accuracy")
 
 
@@ -291,6 +295,7 @@ class ExperimentConfig(Strict):
         if self.fl.local_batch_size and not self.fl.client_images and self.fl.local_batch_size > self.data.batch_size:
             raise BadInput("fl.local_batch_size", f"{self.fl.local_batch_size} is larger than the client's batch "
                            f"({self.data.batch_size}).", "use at most data.batch_size.")
+        self._check_samples_per_client()
         from gradleak.data import check_disjoint, dataset_modality
 
         dm = dataset_modality(self.data.name)
@@ -382,6 +387,24 @@ class ExperimentConfig(Strict):
                                f"the clients' '{self.data.name}' (they draw from its train split).",
                                f"pretrain on another split (model.pretrain.split=test with data {self.data.name}) or "
                                "on a dataset that shares no source image with data.name.")
+
+    def _check_samples_per_client(self) -> None:
+        """``data.samples_per_client`` (text membership experiments): a dataset of at least one batch per client."""
+        n = self.data.samples_per_client
+        if n is None:
+            return
+        if n < self.data.batch_size:
+            raise BadInput("data.samples_per_client", f"{n} samples per client is fewer than one batch "
+                           f"(data.batch_size = {self.data.batch_size}).",
+                           f"use data.samples_per_client >= {self.data.batch_size}, or remove it (the batch is then "
+                           "the client's whole data).")
+        import gradleak.attacks  # noqa: F401  (registration)
+
+        cls = ATTACKS.get(self.attack.name, field="attack.name") if self.attack.name else None
+        if cls is not None and cls.reconstruction != "membership":
+            raise BadInput("data.samples_per_client", f"applies to membership attacks (the members are the client's "
+                           f"dataset); attack '{cls.name}' reconstructs each round's batch.",
+                           "remove data.samples_per_client (each client then holds one batch).")
 
     def _resolve_defense(self) -> None:
         self._defense = build_defense_section(self.defense, self._modality, seed=self.seed)

@@ -3,8 +3,8 @@
 * :class:`ImageData` — one seeded draw of the private image set cut into client training images | validation
   images | domain-prior images | test images | the nulls' pool (in that order, disjoint); the server's *public*
   set comes from another source (:func:`gradleak.data.check_disjoint`).
-* :class:`TextData` — one seeded permutation of a text set cut into members (every trial's clients) | non-member
-  candidates | test sentences | the clients' reference sets.
+* :class:`TextData` — one seeded permutation of a text set cut into members (every trial's clients: one batch each,
+  or a dataset of ``data.samples_per_client``) | non-member candidates | test sentences | the clients' reference sets.
 * :func:`load_images` — ``n`` images of a registered set at the experiment's size and channel count.
 
 Both classes read the experiment config (``gradleak.config.schema.ExperimentConfig``) they are given.
@@ -205,13 +205,21 @@ class TextData:
             kwargs.update(split=d.split, subset=d.subset)
         self.ds = load_text(d.name, **kwargs)
         # disjoint chunks of one seeded permutation: members (every trial's clients), non-member candidates, test set
-        self.members_end = d.batch_size * cfg.fl.clients * cfg.trials
+        self.per_client = self.client_size(cfg)
+        self.members_end = self.per_client * cfg.fl.clients * cfg.trials
         self.nonmembers_end = self.members_end + d.nonmembers * cfg.fl.clients * cfg.trials
         need = self.nonmembers_end + d.test_size
         if need > len(self.ds):
-            raise BadInput("data.batch_size", f"{d.batch_size} sentences × {cfg.fl.clients} client(s) × {cfg.trials} trial(s)"
+            field = "data.samples_per_client" if d.samples_per_client is not None else "data.batch_size"
+            raise BadInput(field, f"{self.per_client} sentences × {cfg.fl.clients} client(s) × {cfg.trials} trial(s)"
                            f" + {d.nonmembers} non-members per client + {d.test_size} test sentences = {need} is more "
                            f"than the {len(self.ds)} texts of '{d.name}'.", f"use at most {len(self.ds)} in all.")
+
+    @staticmethod
+    def client_size(cfg) -> int:
+        """Sentences each client holds: ``data.samples_per_client`` (a dataset; each round trains on a batch of
+        ``data.batch_size`` drawn from it) or, by default, one batch (``data.batch_size``)."""
+        return cfg.data.samples_per_client or cfg.data.batch_size
 
     def _chunk(self, n: int, offset: int):
         texts, labels = self.ds.batch(n, seed=self.cfg.seed, offset=offset)
@@ -247,11 +255,12 @@ class TextData:
         return texts, fold_labels(labels, num_classes, self.cfg.data.name, self._labels_matter())
 
     def clients(self, trial: int, num_classes: int):
+        """Each client's private sentences and labels (its whole data: one batch, or ``data.samples_per_client``)."""
         c = self.cfg
-        B = c.data.batch_size
+        n = self.per_client
         out = []
         for i in range(c.fl.clients):
-            texts, labels = self.ds.batch(B, seed=c.seed, offset=(trial * c.fl.clients + i) * B)
+            texts, labels = self.ds.batch(n, seed=c.seed, offset=(trial * c.fl.clients + i) * n)
             out.append((texts, fold_labels(labels, num_classes, c.data.name, self._labels_matter())))
         return out
 

@@ -21,7 +21,7 @@ percentile noise, which the ``defense:`` section also takes, is the update trans
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 import torch
 from pydantic import Field
@@ -42,6 +42,9 @@ class FISGuardParams(DefenseParams):
     public_size: int = Field(2000, ge=1, description="public samples stacked for the SVD (paper: 2,000)")
     protect_head: bool = Field(False, description="also give the task head a fixed input (rank head_rank)")
     head_rank: Optional[int] = Field(None, ge=1, description="r of the head (default: rank)")
+    layer_ranks: Optional[dict[str, Annotated[int, Field(ge=1)]]] = Field(None, description="r of the protected layers whose name contains the "
+                                                  "key (e.g. {layer_1: 3}: the last adapter before pooling reaches at "
+                                                  "most C - 1 gradient directions); default: rank")
 
 
 PUBLIC_TEXT_DEFAULTS = ("wordnet-examples", "news-sentences", "rt-sentences")
@@ -72,7 +75,7 @@ class FISGuard(TrainingDefense):
         texts, _ = ds.batch(min(c.public_size, len(ds)), seed=experiment_cfg.seed + 99)
         self.public_name = name
         self.layers = apply_fisguard(handle, base_kind=experiment_cfg.peft.kind, rank=c.rank, public_texts=list(texts),
-                                     protect_head=c.protect_head, head_rank=c.head_rank)
+                                     protect_head=c.protect_head, head_rank=c.head_rank, layer_ranks=c.layer_ranks)
 
     def report(self, rounds) -> dict[str, float]:
         from gradleak.peft.fisguard import rank_report

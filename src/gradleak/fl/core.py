@@ -122,14 +122,39 @@ class Client:
     """
 
     def __init__(self, client_id: int, inputs: torch.Tensor, labels: torch.Tensor,
-                 loss_fn: LossFn = default_classification_loss):
+                 loss_fn: LossFn = default_classification_loss, round_batch: int | None = None, sample_seed: int = 0):
         if len(inputs) != len(labels):
             raise BadInput("data", f"{len(inputs)} inputs but {len(labels)} labels.",
                            "give one label per input.")
+        if round_batch is not None and not 1 <= round_batch <= len(inputs):
+            raise BadInput("data.batch_size", f"a round's batch of {round_batch} does not fit the client's "
+                           f"{len(inputs)} samples.", "use 1 <= data.batch_size <= data.samples_per_client.")
         self.client_id = client_id
         self._inputs = inputs
         self._labels = labels
         self.loss_fn = loss_fn
+        self.round_batch = round_batch
+        self.sample_seed = sample_seed
+
+    def round_indices(self, round_index: int) -> torch.Tensor:
+        """The indices of the samples the client trains on in round ``round_index`` when it holds a dataset of N
+        (``round_batch`` = B): a data loader's shuffled epochs with ``drop_last`` — epoch e is a permutation seeded
+        by ``sample_seed``, the client id and e, cut into ⌊N/B⌋ batches of exactly B (the N mod B left over are
+        dropped that epoch); round r takes batch r mod ⌊N/B⌋ of epoch r div ⌊N/B⌋."""
+        n = len(self._inputs)
+        B = self.round_batch or n
+        per_epoch = n // B
+        epoch, k = divmod(int(round_index), per_epoch)
+        gen = torch.Generator().manual_seed(int(self.sample_seed) * 1_000_003 + int(self.client_id) * 7_919 + epoch)
+        return torch.randperm(n, generator=gen)[k * B:(k + 1) * B]
+
+    def for_round(self, round_index: int) -> "Client":
+        """The client as it trains in round ``round_index``: itself when its batch is its whole data, else the same
+        client (id, loss) holding that round's batch (:meth:`round_indices`)."""
+        if self.round_batch is None or self.round_batch >= len(self._inputs):
+            return self
+        idx = self.round_indices(round_index).to(self._inputs.device)
+        return Client(self.client_id, self._inputs[idx], self._labels[idx], loss_fn=self.loss_fn)
 
     @property
     def num_samples(self) -> int:

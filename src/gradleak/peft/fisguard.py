@@ -97,10 +97,25 @@ def public_inputs(handle, modules: dict[str, nn.Module], texts: list[str], max_t
     return {n: torch.cat(v) for n, v in rec.items()}
 
 
+def layer_rank(name: str, rank: int, head_rank: int | None, layer_ranks: dict[str, int] | None) -> int:
+    """r of one protected layer: ``head_rank`` for the task head, else the first ``layer_ranks`` entry whose key is
+    a substring of the layer's name, else ``rank``."""
+    if name in ("classifier", "score"):
+        return head_rank or rank
+    return next((r for key, r in (layer_ranks or {}).items() if key in name), rank)
+
+
 def apply_fisguard(handle, *, base_kind: str, rank: int, public_texts: list[str], protect_head: bool = False,
-                   head_rank: int | None = None) -> dict[str, Any]:
-    """Re-parameterise every target layer of ``handle.model`` in place; return the per-layer setup."""
+                   head_rank: int | None = None, layer_ranks: dict[str, int] | None = None) -> dict[str, Any]:
+    """Re-parameterise every target layer of ``handle.model`` in place; return the per-layer setup. ``layer_ranks``
+    gives some layers their own r (our extension: e.g. the last adapter before mean pooling, whose gradient reaches
+    at most C − 1 directions, SPEC §5.2 step 6's rank(G_U) ≤ min(m, r, B_eff))."""
     mods = _targets(handle, base_kind, protect_head)
+    unmatched = sorted(k for k in (layer_ranks or {}) if not any(k in n for n in mods if n not in ("classifier", "score")))
+    if unmatched:
+        raise BadInput("defense.layer_ranks", f"'{unmatched[0]}' matches no protected layer "
+                       f"({', '.join(n for n in mods if n not in ('classifier', 'score'))}).",
+                       "use substrings of the protected layers' names (e.g. layer_1 for the last adapter).")
     with torch.no_grad():  # the function-preserving start (U = 0) before the public inputs are read
         for m in mods.values():
             if base_kind == "adapters" and hasattr(m, "up"):
@@ -115,7 +130,7 @@ def apply_fisguard(handle, *, base_kind: str, rank: int, public_texts: list[str]
     dtype = next(handle.model.parameters()).dtype
     for name, m in mods.items():
         d = X[name].shape[1]
-        r = (head_rank or rank) if name in ("classifier", "score") else rank
+        r = layer_rank(name, rank, head_rank, layer_ranks)
         if r > d:
             raise BadInput("defense.rank", f"r = {r} is larger than the input width {d} of {name}.",
                            f"use r <= {d}.")

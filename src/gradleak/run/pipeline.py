@@ -224,6 +224,8 @@ def clients_and_truth(handle, batches, loss_fn, dev, threat, cfg):
     from gradleak.fl.core import Client
 
     clients, inputs_all, labels_all, texts_all, lengths = [], [], [], [], []
+    # data.samples_per_client: each client holds a dataset and trains each round on a batch of data.batch_size of it
+    round_batch = cfg.data.batch_size if cfg.data.samples_per_client else None
     for i, (x, y) in enumerate(batches):
         if handle.modality == "image":
             inputs = (x.to(next(handle.model.parameters()).dtype) * 2 - 1).to(dev)
@@ -234,7 +236,7 @@ def clients_and_truth(handle, batches, loss_fn, dev, threat, cfg):
             texts_all += list(x)
             inputs_all.append(enc)
             lengths += enc["attention_mask"].sum(1).tolist()
-        clients.append(Client(i, inputs, y.to(dev), loss_fn=loss_fn))
+        clients.append(Client(i, inputs, y.to(dev), loss_fn=loss_fn, round_batch=round_batch, sample_seed=cfg.seed))
         labels_all.append(y)
     victim = slice(0, 1) if threat.individual_updates else slice(0, len(batches))  # what the observed update holds
     labels = torch.cat(labels_all[victim])
@@ -244,8 +246,9 @@ def clients_and_truth(handle, batches, loss_fn, dev, threat, cfg):
         truth_inputs = _pad_cat(inputs_all[victim], handle.tokenizer)
         B = cfg.data.batch_size
         lengths = lengths[: B] if threat.individual_updates else lengths
+    per_update = len(labels) if round_batch is None else round_batch * (victim.stop - victim.start)  # one round's
     knowledge = {"knows_labels": {"labels": labels.tolist()},
-                 "knows_batch_size": {"batch_size": int(len(labels))}}
+                 "knows_batch_size": {"batch_size": int(per_update)}}
     if handle.modality == "text":
         knowledge["knows_lengths"] = {"lengths": [int(v) for v in lengths]}
     truth = {"inputs": truth_inputs, "labels": labels, "_knowledge": knowledge}

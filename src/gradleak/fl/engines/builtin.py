@@ -99,6 +99,7 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
             out.round_states.append(state)
         ups = []
         for ci, c in enumerate(clients):
+            c = c.for_round(r)  # a client holding a dataset trains on this round's batch of it
             local = copy.deepcopy(model)  # the client's own copy
             if has_bn:
                 local.train()  # BN normalises with batch statistics and updates its running statistics

@@ -156,9 +156,9 @@ def run_rounds_flower(model, clients: Sequence[Any], *, rounds: int, algorithm: 
     @capp.train()
     def _train(msg, ctx):
         pid = int(ctx.node_config["partition-id"])
-        c = clients[pid]
         conf = msg.content["config"]
         r = int(conf["server-round"]) - 1
+        c = clients[pid].for_round(r)  # a client holding a dataset trains on this round's batch of it
         lr_r = float(conf["lr"])
         sent = to_tensors(msg.content["arrays"])
         local = copy.deepcopy(base)
