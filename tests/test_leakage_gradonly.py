@@ -34,7 +34,7 @@ def _rows(bench, arm: float, full: float, groupnorm: float) -> dict:
     held = bench.GRADONLY_HELDOUT
     rows = {"null/seed0": _row(full), f"gradonly/tune/{c}": _row(arm), f"gradonly/seed{held}/full": _row(full),
             f"gradonly/seed{held}/tuned": _row(arm), "gradonly/group/none": _row(groupnorm)}
-    rows.update({f"gradonly/group/{s}": _row(min(groupnorm, 0.05)) for s in bench.DP_SIGMAS})
+    rows.update({f"gradonly/group/{s}": _row(min(groupnorm, 0.05)) for s in bench.GRADONLY_DP_SIGMAS})
     return rows
 
 
@@ -66,6 +66,6 @@ def test_the_tuned_cells_run_the_chosen_setting_without_a_bn_term(bench):
     cells = {c["cell"]: c["overrides"] for c in bench.cells()}
     chosen = list(dict(bench.GRADONLY_TUNE)[bench.GRADONLY_CHOSEN])
     for cell in (f"gradonly/seed{bench.GRADONLY_HELDOUT}/tuned", "gradonly/group/none",
-                 *(f"gradonly/group/{s}" for s in bench.DP_SIGMAS)):
+                 *(f"gradonly/group/{s}" for s in bench.GRADONLY_DP_SIGMAS)):
         assert "attack.ablation=gradient_only" in cells[cell] and all(o in cells[cell] for o in chosen)
     assert all("attack.ablation=gradient_only" in cells[f"gradonly/tune/{n}"] for n, _ in bench.GRADONLY_TUNE)
