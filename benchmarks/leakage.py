@@ -441,7 +441,8 @@ def _gradonly_reading(gsum: dict, acc_bn, acc_gn) -> tuple[str, str]:
                "GroupNorm says nothing about GroupNorm.")
     elif ok is True:
         dpt = (f"**DP-SGD protects through the architecture it forces.** Opacus needs GroupNorm, which has no running "
-               f"statistics: {state}. The protection is the missing BN statistics, not DP-SGD's noise.")
+               f"statistics: {state}. Against chance the protection is the missing BN statistics, not DP-SGD's noise "
+               "(read against the prior alone, as the paper's RDLV does, an arm above the prior still 'leaks').")
     else:
         dpt = (f"**DP-SGD does not protect through GroupNorm alone**: {state}; the GroupNorm model without noise still "
                "leaks beyond chance, so what stops the attack is DP-SGD's noise, not the architecture it forces.")
