@@ -44,7 +44,7 @@ from gradleak.run.results import write_json_atomic  # noqa: E402
 
 CONFIG = ROOT / "configs" / "leakage" / "fmnist_resnet18.yaml"
 PAPER_CONFIG = ROOT / "configs" / "leakage" / "fmnist_resnet18_paper.yaml"
-TABLES = ("main", "null", "ablations", "multistep", "noise", "dpsgd", "filter", "rounds", "paper", "speed")
+TABLES = ("main", "null", "ablations", "gradonly", "multistep", "noise", "dpsgd", "filter", "rounds", "paper", "speed")
 HIGH_RISK = 2  # the shipped config's one-image, one-step client
 SIGMA0_GLOBAL = (0, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
 SIGMA0_PER_TENSOR = (1, 2.5, 5, 10, 25, 50, 100, 250, 1000)
@@ -54,6 +54,27 @@ MULTISTEP_B = (4, 2, 1)  # 8 images: K = 2, 4, 8 local steps
 MULTISTEP_ITERS = 150
 ABLATIONS = ("gradient_only", "bn_only", "stale_checkpoint", "fixed_bn")
 NULL_SEEDS = (0, 4242)  # 0: the tuning seed; 4242: a held-out seed (same images: data.seed stays 0)
+#: the gradient-only arm's own tuning (issue 28 item 2), seed 0's high-risk client: a coordinate search, each setting
+#: a cell. Stage 1 the objective (matching form and weight, label source, energy noise) from the shipped weights
+#: (which were tuned for the combined objective: ``hr/gradient_only``); stage 2 one knob at a time (TV weight, lr,
+#: initialisation, iterations) from ``cos_head``, chosen before stage 1 had finished (the report says whether it was
+#: stage 1's best).
+GRADONLY_STAGE1 = (
+    ("l2_w1", ("attack.matching_weight=1",)),
+    ("cos", ("attack.matching=cosine", "attack.matching_weight=1")),
+    ("cos_e0", ("attack.matching=cosine", "attack.matching_weight=1", "attack.energy=0")),
+    ("cos_head", ("attack.matching=cosine", "attack.matching_weight=1", "attack.labels=from_head")),
+)
+_HEAD = ("attack.matching=cosine", "attack.matching_weight=1", "attack.labels=from_head")
+GRADONLY_STAGE2 = (  # from cos_head, fixed before stage 1 ended (the label read from the update: exact for one image)
+    ("cos_head_tv1e-2", (*_HEAD, "attack.tv_weight=0.01")),
+    ("cos_head_lr0.01", (*_HEAD, "attack.lr=0.01")),
+    ("cos_head_gray", (*_HEAD, "attack.prior=gray")),
+)  # iterations stay at 300: a 600-iteration cell did not fit the shared machine's time (issue 28 item 2 report)
+GRADONLY_TUNE = GRADONLY_STAGE1 + GRADONLY_STAGE2
+GRADONLY_CHOSEN = "cos_head"  # stage 2's best (the report flags it when the tuning's best differs)
+GRADONLY_DP_SIGMAS = (1.0,)  # the tuned arm under DP-SGD (the untuned rows above have 0.5, 1, 2)
+GRADONLY_HELDOUT = 1  # the held-out seed: other images (data.seed=1), as main/seed1
 COLLAPSE = 0.2  # accuracy at or below this (chance: 0.1) counts as collapsed
 
 
@@ -80,6 +101,17 @@ def cells() -> list[dict]:
     add("hr/none", "ablations", _hr())
     for a in ABLATIONS:
         add(f"hr/{a}", "ablations", _hr(f"attack.ablation={a}"))
+    for name, o in GRADONLY_TUNE:
+        add(f"gradonly/tune/{name}", "gradonly", _hr("attack.ablation=gradient_only", *o))
+    held = (f"seed={GRADONLY_HELDOUT}", f"data.seed={GRADONLY_HELDOUT}")
+    add(f"gradonly/seed{GRADONLY_HELDOUT}/full", "gradonly", _hr(*held))  # the BN-aware attack on the same images
+    tuned = ("attack.ablation=gradient_only", *dict(GRADONLY_TUNE)[GRADONLY_CHOSEN])
+    add(f"gradonly/seed{GRADONLY_HELDOUT}/tuned", "gradonly", _hr(*held, *tuned))
+    # the tuned arm on the GroupNorm model DP-SGD needs, without and with DP noise (GroupNorm apart from noise)
+    add("gradonly/group/none", "dpsgd", _hr("model.norm=group", *tuned, "defense={name: none}"))
+    for s in GRADONLY_DP_SIGMAS:
+        add(f"gradonly/group/{s}", "dpsgd", _hr("model.norm=group", *tuned,
+                                                f"defense={{name: dpsgd, noise_multiplier: {s}, max_grad_norm: 1.0}}"))
     add("hr/stale_checkpoint_2", "ablations", _hr("attack.ablation=stale_checkpoint", "attack.stale_rounds=2"))
     add("hr/none", "noise", _hr())
     for s0 in SIGMA0_GLOBAL[1:]:
@@ -244,6 +276,179 @@ def _null_section(rows: dict, checks: list[list[str]]) -> list[str]:
     return L
 
 
+def _client_metrics(rows: dict, cell: str, c: int = HIGH_RISK) -> dict | None:
+    """Client ``c``'s metrics of a cell (keys without the ``_client<c>`` suffix), its level as the audit grades it
+    (:func:`gradleak.evaluation.grade`) and the SSIM null's spread (p99 − median); None when not measured."""
+    from gradleak.evaluation import grade
+    from gradleak.run.audit import client_metric_sets
+
+    r = rows.get(cell) or {"error": "not measured"}
+    m = {} if "error" in r else dict(dict(client_metric_sets("leakage", r["metrics"])).get(c) or {})
+    if "ssim" not in m:
+        return None
+    m["level"] = grade("leakage", m)["level"]
+    med, p99 = m.get("ssim_null_median"), m.get("ssim_null_p99")
+    m["spread"] = p99 - med if med is not None and p99 is not None else None
+    return m
+
+
+def _null_cols(m: dict | None) -> list[str]:
+    return ["–"] * 5 if m is None else [*(_f(m.get(k)) for k in ("ssim", "ssim_prior", "ssim_null_median", "ssim_null_p99")),
+                                        m["level"] + ("" if m.get("ssim_null_p99") is not None else " (no null in this cell)")]
+
+
+def _cmd(rows: dict, cell: str) -> str:
+    return f"`{rows[cell]['command']}`" if "command" in rows.get(cell, {}) else "–"
+
+
+def _gated(ok, gate) -> str:
+    return "⛔ not concluded: the gradient-only arm is below the prior (gate)" if gate is False else _yes(gate and ok)
+
+
+def _gradonly_section(rows: dict, checks: list[list[str]]) -> tuple[list[str], dict]:
+    """The gradient-only arm tuned on its own (issue 28 item 2): the tuning table (every setting tried, seed 0), the
+    chosen setting on the held-out seed beside the BN-aware attack, the prior and the SSIM null, the gate (the arm
+    must at least match the prior before a conclusion uses it) and 'the attack fails without BN accounting' restated
+    as: the BN-aware attack beats the tuned arm by more than the SSIM null's spread (p99 − median) on both seeds."""
+    tune = [("shipped (the combined objective's weights)", "hr/gradient_only", "0")]
+    tune += [(n, f"gradonly/tune/{n}", "1") for n, _ in GRADONLY_STAGE1]
+    tune += [(n, f"gradonly/tune/{n}", "2") for n, _ in GRADONLY_STAGE2]
+    trows, measured = [], []
+    for name, cell, stage in tune:
+        m = _client_metrics(rows, cell)
+        trows.append([stage, f"`{name}`", *_null_cols(m), _cmd(rows, cell)])
+        if m is not None and cell != "hr/gradient_only":
+            measured.append((m["ssim"], name, stage))
+    best = max(measured)[1] if measured else None
+    best1 = max((m for m in measured if m[2] == "1"), default=(None, None))[1]
+    L = ["### The gradient-only arm, tuned on its own (`gradonly`, high-risk client; issue 28)\n",
+         "The `gradient_only` ablation above keeps the weights tuned for the combined objective (matching 1e-3 on "
+         "‖Δŵ − Δw‖₂, TV 1e-3, energy 0.1, random soft labels) and ends below the prior, so it cannot show that the "
+         "attack *needs* the BN statistics. Here the arm (no BN term: `attack.ablation=gradient_only`, objective = "
+         "matching + TV + ℓ2) is tuned on its own on seed 0's high-risk client by a coordinate search, each setting a "
+         "cell: stage 1 the objective (matching form and weight, label source, energy noise), stage 2 one knob at a "
+         "time (TV weight, Adam lr, initialisation; the budget stays at 300 iterations: a 600-iteration cell did not "
+         "fit the shared machine's time) from `cos_head` — fixed before stage 1 had finished, "
+         "to fit the shared 2-core machine: cosine matching (Geiping et al. 2020) with the label read from the "
+         "head-bias update (exact for one image, iDLG). The attack has no restarts knob: one run per setting, the "
+         "final iterate. Every setting tried is listed. SSIM "
+         "null: 1000 draws of one random held-out Fashion-MNIST image as the reconstruction (the `leakage` unit's "
+         "null); levels as `gradleak audit` grades them. Substitutes deciding these numbers: ResNet-18 pretrained by us "
+         "on Fashion-MNIST (not ImageNet), 40 px, 300-iteration budget unless the row says otherwise.\n",
+         _table(["stage", "setting", "SSIM", "SSIM prior", "null median", "null p99", "level", "command"], trows), ""]
+    chosen = GRADONLY_CHOSEN
+    L.append(f"Stage 1's best: `{best1}`" + ("" if best1 in (None, "cos_head") else " (stage 2 branched from "
+             "`cos_head`, not from it)") + f". Best on the tuning seed: `{best}`; the held-out and GroupNorm cells "
+             f"run `{chosen}`"
+             + ("." if best in (None, chosen) else " — **not the best any more: rerun those cells**.") + "\n")
+    held = GRADONLY_HELDOUT
+    pairs = [("0 (tuning)", "null/seed0", f"gradonly/tune/{chosen}"),
+             (f"{held} (held-out images)", f"gradonly/seed{held}/full", f"gradonly/seed{held}/tuned")]
+    hrows, gate, margins = [], [], []
+    for label, full_cell, grad_cell in pairs:
+        fm, gm = _client_metrics(rows, full_cell), _client_metrics(rows, grad_cell)
+        hrows.append([label, "BN-aware (full)", *_null_cols(fm), "–", _cmd(rows, full_cell)])
+        ok = None if gm is None else gm["ssim"] >= gm["ssim_prior"]
+        hrows.append([label, f"gradient-only, tuned (`{chosen}`)", *_null_cols(gm),
+                      "–" if ok is None else ("yes" if ok else "**no**"), _cmd(rows, grad_cell)])
+        gate.append(ok)
+        if fm is not None and gm is not None and gm["spread"] is not None:
+            margins.append((label, fm["ssim"] - gm["ssim"], gm["spread"], gm["level"], fm["level"]))
+    L.append(_table(["seed", "attack", "SSIM", "SSIM prior", "null median", "null p99", "level", "gate: SSIM ≥ prior",
+                     "command"], hrows))
+    L.append("")
+    g = None if None in gate else all(gate)
+    checks.append(["Gate (issue 28): the tuned gradient-only arm at least matches the prior (SSIM ≥ SSIM(prior, x)) on "
+                   "the tuning and the held-out seed, before any conclusion uses it",
+                   "; ".join(f"seed {lab.split()[0]}: {'passes' if ok else 'fails'}" for (lab, _, _), ok in zip(pairs, gate)
+                             if ok is not None) or "not measured",
+                   "– not measured" if g is None else ("✅ passes" if g else "❌ fails")])
+    c1 = None if len(margins) < len(pairs) else all(d > sp for _, d, sp, _, _ in margins)
+    checks.append(["The attack fails without BN accounting: the BN-aware attack beats the tuned gradient-only arm by "
+                   "more than the SSIM null's spread (p99 − median), tuning and held-out seed",
+                   "; ".join(f"seed {lab.split()[0]}: SSIM margin {d:+.3f} vs spread {sp:.3f} (levels: full {lf}, "
+                             f"gradient-only {lg})" for lab, d, sp, lg, lf in margins) or "not measured", _gated(c1, g)])
+    claim = {True: "holds here", False: "**does not hold** here", None: "is **not concluded**"}[c1 if g else None]
+    L.append(f"The paper's claim that the attack fails without BN accounting (SPEC §4.2 step 5) {claim} — for the "
+             "one-image, one-step client at 40 px on our Fashion-MNIST-pretrained ResNet-18, a 300-iteration budget and "
+             f"the {len(measured)} gradient-only settings above, judged by the margin over the SSIM null's spread.\n")
+    return L, {"gate": g, "fails_without_bn": c1, "margins": margins, "best": best}
+
+
+def _dpsgd_tuned(rows: dict, checks: list[list[str]], gsum: dict) -> list[str]:
+    """The DP-SGD rows again with the gradient-only arm tuned on its own (issue 28), each beside the prior and the SSIM
+    null, and 'DP-SGD protects through the GroupNorm it forces' restated: on the GroupNorm model *without* DP noise
+    the tuned arm is not beyond its null and the BN-aware attack on the BatchNorm model beats it by more than the
+    null's spread (gated on the arm matching the prior)."""
+    chosen = GRADONLY_CHOSEN
+    cells = [("BatchNorm, no DP", f"gradonly/tune/{chosen}"), ("GroupNorm, no DP", "gradonly/group/none")]
+    cells += [(f"GroupNorm, DP-SGD σ = {s}, C = 1", f"gradonly/group/{s}") for s in GRADONLY_DP_SIGMAS]
+    trows, got = [], {}
+    for label, cell in cells:
+        m = got[cell] = _client_metrics(rows, cell)
+        trows.append([label, _f(_get(rows, cell, f"dp_epsilon_client{HIGH_RISK}"), ".1f"), *_null_cols(m),
+                      _f(_get(rows, cell, "accuracy")), _cmd(rows, cell)])
+    L = [f"The same with the gradient-only arm tuned on its own (`{chosen}`, the `gradonly` table's choice; issue 28), "
+         "each beside the prior and the SSIM null:\n",
+         _table(["model / defense", "ε (client 2)", "SSIM", "SSIM prior", "null median", "null p99", "level", "accuracy",
+                 "command"], trows), ""]
+    full, gn = _client_metrics(rows, "null/seed0"), got["gradonly/group/none"]
+    ok = None
+    if full is not None and gn is not None and gn["spread"] is not None:
+        ok = gn["level"] == "none" and full["ssim"] - gn["ssim"] > gn["spread"]
+    dp = [f"σ = {s}: {got[f'gradonly/group/{s}']['level']}" for s in GRADONLY_DP_SIGMAS if got[f"gradonly/group/{s}"]]
+    checks.append(["DP-SGD protects through the GroupNorm it forces: without DP noise the tuned gradient-only arm on "
+                   "the GroupNorm model is not beyond its null and the BN-aware attack on the BatchNorm model beats it "
+                   "by more than the null's spread",
+                   "not measured" if gn is None or full is None else
+                   f"GroupNorm, no DP: SSIM {_f(gn['ssim'])} (prior {_f(gn['ssim_prior'])}, null p99 "
+                   f"{_f(gn.get('ssim_null_p99'))}), level {gn['level']}; BN-aware on BatchNorm {_f(full['ssim'])}, "
+                   f"margin {full['ssim'] - gn['ssim']:+.3f} vs spread {_f(gn['spread'])}"
+                   + (f"; with DP-SGD: {', '.join(dp)}" if dp else ""), _gated(ok, gsum.get("gate"))])
+    gsum["groupnorm"] = {"ok": ok, "none": gn, "dp": {s: got[f"gradonly/group/{s}"] for s in GRADONLY_DP_SIGMAS}, "full": full}
+    return L
+
+
+def _gradonly_reading(gsum: dict, acc_bn, acc_gn) -> tuple[str, str]:
+    """The two conclusions that rest on the gradient-only arm, in words, from the gated checks (issue 28)."""
+    ms, gate, c1 = gsum.get("margins") or [], gsum.get("gate"), gsum.get("fails_without_bn")
+    seen = "; ".join(f"seed {lab.split()[0]}: BN-aware − gradient-only SSIM {d:+.3f}, null spread {sp:.3f}, gradient-only "
+                     f"level {lg}" for lab, d, sp, lg, _ in ms)
+    if gate is False:
+        grad = (f"the gradient term alone, tuned on its own (`gradonly`), stays below the prior ({seen}), so it is no "
+                "evidence either way: 'the attack fails without BN accounting' is **not concluded**.")
+    elif c1 is True:
+        grad = (f"the gradient term alone, tuned on its own (`gradonly`), at least matches the prior, and the BN-aware "
+                f"attack beats it by more than the null's spread on both seeds ({seen}): at this budget the attack "
+                "fails without BN accounting.")
+    elif c1 is False:
+        grad = (f"the gradient term alone, tuned on its own (`gradonly`), comes within the null's spread of the BN-aware "
+                f"attack ({seen}): 'the attack fails without BN accounting' **does not hold** here.")
+    else:
+        grad = "the gradient term alone, tuned on its own (`gradonly`), is not measured yet."
+    gn = gsum.get("groupnorm") or {}
+    none, ok = gn.get("none"), gn.get("ok")
+    dp = ", ".join(f"σ = {s}: {m['level']} (SSIM {_f(m['ssim'])})" for s, m in (gn.get("dp") or {}).items() if m)
+    if none is None:
+        return grad, "**DP-SGD and GroupNorm**: the tuned gradient-only arm on the GroupNorm model is not measured yet."
+    state = (f"without any noise the tuned gradient-only arm on the GroupNorm model reaches SSIM {_f(none['ssim'])} "
+             f"(prior {_f(none['ssim_prior'])}, null p99 {_f(none.get('ssim_null_p99'))}, level {none['level']}), at "
+             f"accuracy {_f(acc_gn)} vs {_f(acc_bn)} for the BatchNorm model (same pretraining recipe); with DP-SGD: "
+             f"{dp or 'not measured'}")
+    if gate is False:
+        dpt = (f"**Whether DP-SGD protects through the GroupNorm it forces is not concluded**: {state}; but the "
+               "gradient-only arm does not match the prior even on the BatchNorm model (gate), so its failure on "
+               "GroupNorm says nothing about GroupNorm.")
+    elif ok is True:
+        dpt = (f"**DP-SGD protects through the architecture it forces.** Opacus needs GroupNorm, which has no running "
+               f"statistics: {state}. Against chance the protection is the missing BN statistics, not DP-SGD's noise "
+               "(read against the prior alone, as the paper's RDLV does, an arm above the prior still 'leaks').")
+    else:
+        dpt = (f"**DP-SGD does not protect through GroupNorm alone**: {state}; the GroupNorm model without noise still "
+               "leaks beyond chance, so what stops the attack is DP-SGD's noise, not the architecture it forces.")
+    return grad, dpt
+
+
 def report(args: argparse.Namespace) -> int:
     out = args.out
     rows = {r["cell"]: r for r in latest_rows(out / "leakage.jsonl")}
@@ -324,17 +529,18 @@ def report(args: argparse.Namespace) -> int:
     arows = [["full attack (none)", _f(_get(rows, "hr/none", f"ssim_client{HIGH_RISK}")), _interval(rows, "hr/none", HIGH_RISK)]]
     for a in (*ABLATIONS, "stale_checkpoint_2"):
         v = _get(rows, f"hr/{a}", f"rdlv_client{HIGH_RISK}")
-        label = {"stale_checkpoint": "stale_checkpoint (1 round old)",
+        label = {"gradient_only": "gradient_only (the combined objective's weights, not tuned for it: see `gradonly`)",
+                 "stale_checkpoint": "stale_checkpoint (1 round old)",
                  "stale_checkpoint_2": "stale_checkpoint (2 rounds old: the pretrained start)"}.get(a, a)
         arows.append([label, _f(_get(rows, f"hr/{a}", f"ssim_client{HIGH_RISK}")), _interval(rows, f"hr/{a}", HIGH_RISK)])
     L.append("### Ablations on the high-risk client (`ablations`)\n")
     L.append(_table(["attack", "SSIM", "RDLV"], arows))
     L.append("")
-    bn_vals = [_get(rows, f"hr/{a}", f"rdlv_client{HIGH_RISK}") for a in ("gradient_only", "fixed_bn")]
-    checks.append(["The attack fails (RDLV ≤ 0) without BN accounting (gradient term only; fixed-BN assumption)",
-                   "RDLV " + ", ".join(f"{a} {_f(_get(rows, f'hr/{a}', f'rdlv_client{HIGH_RISK}'), '+.3f')}"
-                                       for a in ("gradient_only", "fixed_bn")) + f" vs full {_f(base, '+.3f')}",
-                   _yes(None if None in bn_vals else all(v <= 0 for v in bn_vals))])
+    fixed = _get(rows, "hr/fixed_bn", f"rdlv_client{HIGH_RISK}")
+    checks.append(["The attack fails (RDLV ≤ 0) with prior work's fixed-BN assumption (read against 0)",
+                   f"RDLV fixed_bn {_f(fixed, '+.3f')} vs full {_f(base, '+.3f')}", _yes(None if fixed is None else fixed <= 0)])
+    G, gsum = _gradonly_section(rows, checks)
+    L += G
     st = [_get(rows, f"hr/{a}", f"rdlv_client{HIGH_RISK}") for a in ("stale_checkpoint", "stale_checkpoint_2")]
     checks.append(["The attack fails (RDLV ≤ 0) with a stale checkpoint",
                    f"RDLV one round old {_f(st[0], '+.3f')}, two rounds old (the pretrained start) {_f(st[1], '+.3f')} "
@@ -416,6 +622,7 @@ def report(args: argparse.Namespace) -> int:
              "rate B / images, one step per local step), the worst client's reported.\n")
     L.append(_table(["model / defense", "ε (worst client)", "ε (client 2)", "RDLV client 2", "accuracy"], drows))
     L.append("")
+    L += _dpsgd_tuned(rows, checks, gsum)
     pn = crossing.get("global")
     checks.append(["DP-SGD drives the high-risk client's RDLV ≤ 0 at a larger accuracy cost than percentile noise",
                    ", ".join(f"σ = {s}: RDLV ≤ 0 {'yes' if ok else 'no'}, accuracy {_f(a)}" for s, (ok, a) in zip(DP_SIGMAS, dp_ok))
@@ -472,11 +679,12 @@ def report(args: argparse.Namespace) -> int:
                        f"worst {worst:.2f}× over the B/K cells", _yes(worst <= 4)])
 
     g = lambda cell, k: _get(rows, cell, k)  # noqa: E731
+    grad_txt, dp_txt = _gradonly_reading(gsum, acc0, g("gradonly/group/none", "accuracy"))
     L.append("### Reading (what an auditor should take from these cells)\n")
     L.append(
         f"* **The BN running statistics are the leak.** BN + priors alone (`bn_only`, the public code's attack in effect) "
         f"give the high-risk client RDLV {_f(g('hr/bn_only', 'rdlv_client2'), '+.3f')} (full attack "
-        f"{_f(base, '+.3f')}); the gradient term alone gives {_f(g('hr/gradient_only', 'rdlv_client2'), '+.3f')}. At 40 px "
+        f"{_f(base, '+.3f')}); {grad_txt} At 40 px "
         "the 20 BN layers' statistics (9 600 numbers per step) outnumber the 1 600 pixels, so 8-image clients leak too "
         f"(seed 0: RDLV lower bounds {_f(g('main/seed0', 'rdlv_low_client0'), '+.2f')} and "
         f"{_f(g('main/seed0', 'rdlv_low_client1'), '+.2f')}, IIP {_f(g('main/seed0', 'iip_client0'), '.2f')} / "
@@ -492,10 +700,7 @@ def report(args: argparse.Namespace) -> int:
         f"({_f(g('noise/per_tensor/1', 'rdlv_client2'), '+.3f')}). Noise on the weights only, statistics sent clean: "
         f"RDLV {_f(g('noise/per_tensor_weights_only/10', 'rdlv_client2'), '+.3f')} at σ0 = 10. The absolute σ = 1e-2 "
         f"leaves {_f(va, '+.3f')}.\n"
-        f"* **DP-SGD protects through the architecture it forces.** Opacus needs GroupNorm, which has no running "
-        f"statistics: without any noise the GroupNorm model already gives RDLV "
-        f"{_f(g('dpsgd/group/none', 'rdlv_client2'), '+.3f')}, at accuracy {_f(g('dpsgd/group/none', 'accuracy'))} vs "
-        f"{_f(acc0)} for the BatchNorm model (same pretraining recipe); DP-SGD's noise adds nothing measurable here.\n"
+        f"* {dp_txt}\n"
         f"* **A stale checkpoint is no defense at this lr**: one and two rounds old (the latter is the pretrained start "
         f"itself) still give {_f(st[0], '+.3f')} and {_f(st[1], '+.3f')}; the model moves little in 3 rounds at lr 0.01.\n"
         "* **The RDLV filter** stops exactly the leaking updates, at no accuracy cost in 3 rounds, but costs each "
