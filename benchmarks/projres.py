@@ -371,7 +371,7 @@ def report(args: argparse.Namespace) -> int:
              "quotes. `best layer` picks the layer with the truth (an upper bound, not an attack). Timings are wall "
              "seconds on 2 shared CPU cores (noisy). Each cell's command is in `projres.json` "
              f"(e.g. `{command(full[0]['overrides'])}`)."]
-    t = [{"model": m, "PEFT": k, "AUC": _m(r, "auc"), "TPR@1%FPR": _m(r, "tpr_at_1pct_fpr"),
+    t = [{"model": m, "stands in for": STANDS_IN[m], "data": DATA_LABEL, "PEFT": k, "AUC": _m(r, "auc"), "TPR@1%FPR": _m(r, "tpr_at_1pct_fpr"),
           "TPR@0.1%FPR": _m(r, "tpr_at_0.1pct_fpr"), "best layer AUC": _m(r, "auc_best_layer"),
           "accuracy": _m(r, "accuracy"), "members / non-members": f"{_m(r, 'members', '.0f')} / {_m(r, 'nonmembers', '.0f')}",
           "client step s": fmt_num(r["timings"].get("client_step_seconds") if r else None, ".1f"),
@@ -467,6 +467,13 @@ def _verdict(row: dict | None) -> str:
 
 def _ci(row: dict | None) -> str:
     return f", 95 % CI {_m(row, 'auc_low')}–{_m(row, 'auc_high')}" if row and row["metrics"].get("auc_low") is not None else ""
+
+
+#: the substitutes that decide every ProjRes number, named in the rows (issue 28 item 7): the backbone each model
+#: stands in for (paper 004: BERT-Base, GPT-2 Large), its pooling, and the data (paper 004: CoLA, SST-5, IMDb)
+STANDS_IN = {"minilm": "BERT-Base (MiniLM-L6, 2 layers, masked mean pooling)",
+             "smollm2": "GPT-2 Large (SmolLM2-135M, 2 layers, masked mean pooling)"}
+DATA_LABEL = "fortunes quotes, 4 topics (for CoLA / SST-5 / IMDb)"
 
 
 def _dataset_section(get, failed: list[dict]) -> list[str]:
