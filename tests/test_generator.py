@@ -131,3 +131,20 @@ def test_cli_train_generator_bad_input_exits_2(tmp_path, args, option):
     assert option in res.output
     res = runner.invoke(app, ["train-generator", "--out", str(tmp_path / "g.pt")])
     assert res.exit_code == 2 and "--out" in res.output
+
+
+def test_cli_train_generator_on_a_split_records_it(one_thread, tmp_path):
+    """issue 28 item 5: the in-distribution prior is trained on Fashion-MNIST *test*; the victims are train images."""
+    out = tmp_path / "fm.safetensors"
+    res = runner.invoke(app, ["train-generator", "--data", "fashion-mnist", "--split", "test", "--n", "16",
+                              "--image-size", "32", "--latent-dim", "8", "--epochs", "1", "--batch-size", "8",
+                              "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    gen = load_generator(out, image_size=32, channels=3)
+    assert gen.metadata["data"] == "fashion-mnist" and gen.metadata["split"] == "test"
+    res = runner.invoke(app, ["train-generator", "--data", "fashion-mnist", "--split", "validation", "--n", "16",
+                              "--epochs", "1", "--out", str(tmp_path / "g.safetensors")])
+    assert res.exit_code == 2 and "--split" in res.output, res.output
+    res = runner.invoke(app, ["train-generator", "--data", "public-natural", "--split", "test", "--n", "16",
+                          "--epochs", "1", "--out", str(tmp_path / "g.safetensors")])
+    assert res.exit_code == 2 and "--split" in res.output, res.output
