@@ -268,7 +268,34 @@ def verdict(summ: dict) -> list[str]:
         out.append("A significant gain that stays at the null level (most anchored reconstructions not beyond the "
                    "random-image / flat-image bar): " + "; ".join(weak) + ".")
     out.append("**No significant gain** (p ≥ 0.05 or Δ ≤ 0) under: " + ("; ".join(none) if none else "none") + ".")
+    out.append(size_check(summ))
     return out
+
+
+def size_check(summ: dict) -> str:
+    """What the smaller ViT changes: the anchor's Δ PSNR at vit4p8 vs vits12p4 on the images both ran (lane 3)."""
+    parts = []
+    for key, s in summ.items():
+        if s["setting"] != "vits12p4" or s["scale"] != "cpu":
+            continue
+        small = summ.get(key.replace("vits12p4/", "vit4p8/", 1))
+        if small is None:
+            continue
+        both = sorted(set(s["plain"]["images"]) & set(s["anchor"]["images"]) & set(small["plain"]["images"])
+                      & set(small["anchor"]["images"]))
+        if not both:
+            continue
+
+        def gain(g: dict) -> float:
+            d = {arm: dict(zip(g[arm]["images"], g[arm]["psnr"])) for arm in ("plain", "anchor")}
+            return statistics.fmean(d["anchor"][i] - d["plain"][i] for i in both)
+
+        parts.append(f"{s['attack'].upper()} on {s['backbone']}: Δ PSNR {gain(s):+.2f} dB at 12 blocks / patch 4 vs "
+                     f"{gain(small):+.2f} dB at 4 blocks / patch 8 (images {', '.join(map(str, both))})")
+    if not parts:
+        return ("What the smaller ViT changes is **not measured yet**: lane 3 (the paper's 12-block ViT-S at patch 4) "
+                "has no image that both sizes ran.")
+    return "What the smaller ViT changes (same images, seed 0): " + "; ".join(parts) + "."
 
 
 def markdown(summ: dict, cells: list[dict], out: Path, pretrain: dict) -> str:
@@ -299,6 +326,10 @@ def markdown(summ: dict, cells: list[dict], out: Path, pretrain: dict) -> str:
     pre = "; ".join(f"{k}: {v.get('pretrain_images')} images of {v.get('pretrain_data')}, {v['recipe']['epochs']} epochs, "
                     f"last-epoch training accuracy {fmt_num(v.get('pretrain_accuracy_last_epoch'), '.3f')}"
                     for k, v in pretrain.items())
+    from gradleak.config.loading import load_yaml
+    from gradleak.run import validate
+
+    draws = validate(load_yaml(CONFIG), [])[1].metrics.null_draws
     ran = [r for r in latest_rows(out / f"{NAME}.jsonl") if "error" not in r] if (out / f"{NAME}.jsonl").exists() else []
     secs = sum(r.get("wall_seconds", 0.0) for r in ran)
     return (
@@ -317,10 +348,11 @@ def markdown(summ: dict, cells: list[dict], out: Path, pretrain: dict) -> str:
         "`n` = runs without / with the anchor (one image each); mean (std) over images; `p` = two-sided Welch t-test "
         "of the anchor arm vs the plain arm (– below 2 runs per arm). The null beside each row (median over its "
         "cells): `null PSNR p99` = 99th percentile of the PSNR of a random Fashion-MNIST train image (disjoint from the "
-        "victim) matched the same way, 1000 draws; `flat / grey` = the victim's own mean colour / mid-grey put in its "
+        f"victim) matched the same way, {draws} draws; `flat / grey` = the victim's own mean colour / mid-grey put in its "
         "place. `beyond null` = runs (plain / anchor) whose PSNR clears the larger of the null's p99, the mean-public, "
         "grey and flat images (the graded-level bar). Seed 0 is the tuned seed, seed 1 held out. "
-        f"{len(ran)} cells ran, {secs / 3600:.2f} h of one-thread process time on a shared 2-core CPU.\n\n"
+        f"{len(ran)} cells ran, {secs / 3600:.2f} h of cell wall time (one torch thread per process, on a "
+        "2-core CPU shared with other jobs: wall times are upper bounds).\n\n"
         + markdown_table(table, cols)
         + "\n\n**Lanes** (resumable; `--part K/N` splits one over processes):\n\n"
         + markdown_table(lane_status(cells, out), ["lane", "holds", "cells done", "status", "command"])

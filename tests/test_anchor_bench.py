@@ -80,3 +80,9 @@ def test_summary_welch_nulls_and_reading_from_rows(tmp_path):
     assert "| 0 | IG on the three backbones" in md and "24 / 36 | partial" in md
     assert "--set data.seed=U" in md and "configs/anchor/fmnist_b1.yaml" in md
     assert md == a.markdown(a.summary(cells, tmp_path), cells, tmp_path, {})  # regenerates identically
+    assert "not measured yet" in a.size_check(s)
+    big = [_row(c, 30.0 if c["anchor"] else 10.0) for c in cells
+           if c["lane"] == 3 and c["backbone"] == "random" and c["attack"] == "ig" and c["image"] < 2]
+    (tmp_path / "anchor.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + big))
+    line = a.size_check(a.summary(cells, tmp_path))
+    assert "IG on random: Δ PSNR +20.00 dB at 12 blocks / patch 4 vs +10.00 dB at 4 blocks / patch 8 (images 0, 1)" in line
