@@ -253,7 +253,8 @@ def verdict(summ: dict) -> list[str]:
             continue
         name = f"{s['attack'].upper()} on {s['backbone']} ({s['setting']}, {s['scale']}, seed {s['seed']})"
         d, pv = s.get("delta_psnr"), s.get("p_psnr")
-        txt = f"{name}: Δ PSNR {fmt_num(d, '+.2f')} dB, p = {fmt_num(pv, '.2g')}, n = {p['n']} / {q['n']}"
+        txt = (f"{name}: Δ PSNR {fmt_num(d, '+.2f')} dB, p = {fmt_num(pv, '.2g')} (Δ SSIM "
+               f"{fmt_num(s.get('delta_ssim'), '+.3f')}, p = {fmt_num(s.get('p_ssim'), '.2g')}), n = {p['n']} / {q['n']}")
         if d is not None and pv is not None and d > 0 and pv < 0.05:
             (gain if q["beyond_null"] > q["n"] / 2 else weak).append(txt + f", {q['beyond_null']} of {q['n']} anchored "
                                                                       "reconstructions beyond the null")
@@ -265,9 +266,13 @@ def verdict(summ: dict) -> list[str]:
     out.append("The paper's claim (the anchor raises the attack's PSNR) **holds here** under: "
                + ("; ".join(gain) if gain else "no measured condition") + ".")
     if weak:
-        out.append("A significant gain that stays at the null level (most anchored reconstructions not beyond the "
-                   "random-image / flat-image bar): " + "; ".join(weak) + ".")
+        out.append("A significant gain with at most half of the anchored reconstructions beyond the random-image / "
+                   "flat-image bar: " + "; ".join(weak) + ".")
     out.append("**No significant gain** (p ≥ 0.05 or Δ ≤ 0) under: " + ("; ".join(none) if none else "none") + ".")
+    missing = sorted({f"{s['attack'].upper()} on {s['backbone']} ({s['setting']}, {s['scale']}, seed {s['seed']})"
+                      for s in summ.values() if min(s["plain"]["n"], s["anchor"]["n"]) < 2})
+    if missing:
+        out.append("Not measured yet (under 2 runs per arm; see the lanes): " + "; ".join(missing) + ".")
     out.append(size_check(summ))
     return out
 

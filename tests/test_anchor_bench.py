@@ -75,7 +75,9 @@ def test_summary_welch_nulls_and_reading_from_rows(tmp_path):
     reading = " ".join(a.verdict(s))
     assert "IG on random" in reading.split("**No significant gain**")[0]
     assert "IG on dinov2" in reading.split("**No significant gain**")[1]
-    assert "indomain" not in reading
+    measured, unmeasured = reading.split("Not measured yet")
+    assert "indomain" not in measured and "IG on indomain (vit4p8, cpu, seed 0)" in unmeasured
+    assert "GIAS on random (vit4p8, cpu, seed 0)" in unmeasured
     md = a.markdown(s, cells, tmp_path, {})
     assert "| 0 | IG on the three backbones" in md and "24 / 36 | partial" in md
     assert "--set data.seed=U" in md and "configs/anchor/fmnist_b1.yaml" in md
