@@ -135,16 +135,15 @@ def test_cli_train_generator_bad_input_exits_2(tmp_path, args, option):
 
 def test_cli_train_generator_on_a_split_records_it(one_thread, tmp_path):
     """issue 28 item 5: the in-distribution prior is trained on Fashion-MNIST *test*; the victims are train images."""
-    out = tmp_path / "fm.safetensors"
-    res = runner.invoke(app, ["train-generator", "--data", "fashion-mnist", "--split", "test", "--n", "16",
-                              "--image-size", "32", "--latent-dim", "8", "--epochs", "1", "--batch-size", "8",
-                              "--out", str(out)])
-    assert res.exit_code == 0, res.output
-    gen = load_generator(out, image_size=32, channels=3)
-    assert gen.metadata["data"] == "fashion-mnist" and gen.metadata["split"] == "test"
-    res = runner.invoke(app, ["train-generator", "--data", "fashion-mnist", "--split", "validation", "--n", "16",
-                              "--epochs", "1", "--out", str(tmp_path / "g.safetensors")])
-    assert res.exit_code == 2 and "--split" in res.output, res.output
-    res = runner.invoke(app, ["train-generator", "--data", "public-natural", "--split", "test", "--n", "16",
-                          "--epochs", "1", "--out", str(tmp_path / "g.safetensors")])
-    assert res.exit_code == 2 and "--split" in res.output, res.output
+    small = ["--n", "16", "--epochs", "1", "--batch-size", "8", "--latent-dim", "8"]
+    ok = tmp_path / "fm.safetensors"
+    codes = {split: runner.invoke(app, ["train-generator", "--data", data, "--split", split, *small, "--out",
+                                        str(ok if split == "test" else tmp_path / "g.safetensors")])
+             for data, split in (("fashion-mnist", "test"), ("fashion-mnist", "validation"))}
+    assert codes["test"].exit_code == 0, codes["test"].output
+    meta = load_generator(ok, image_size=32, channels=3).metadata
+    assert (meta["data"], meta["split"]) == ("fashion-mnist", "test")
+    assert codes["validation"].exit_code == 2 and "--split" in codes["validation"].output
+    other = runner.invoke(app, ["train-generator", "--data", "public-natural", "--split", "test", *small,
+                                "--out", str(tmp_path / "h.safetensors")])
+    assert other.exit_code == 2 and "--split" in other.output, other.output
