@@ -131,3 +131,19 @@ def test_cli_train_generator_bad_input_exits_2(tmp_path, args, option):
     assert option in res.output
     res = runner.invoke(app, ["train-generator", "--out", str(tmp_path / "g.pt")])
     assert res.exit_code == 2 and "--out" in res.output
+
+
+def test_cli_train_generator_on_a_split_records_it(one_thread, tmp_path):
+    """issue 28 item 5: the in-distribution prior is trained on Fashion-MNIST *test*; the victims are train images."""
+    small = ["--n", "16", "--epochs", "1", "--batch-size", "8", "--latent-dim", "8"]
+    ok = tmp_path / "fm.safetensors"
+    codes = {split: runner.invoke(app, ["train-generator", "--data", data, "--split", split, *small, "--out",
+                                        str(ok if split == "test" else tmp_path / "g.safetensors")])
+             for data, split in (("fashion-mnist", "test"), ("fashion-mnist", "validation"))}
+    assert codes["test"].exit_code == 0, codes["test"].output
+    meta = load_generator(ok, image_size=32, channels=3).metadata
+    assert (meta["data"], meta["split"]) == ("fashion-mnist", "test")
+    assert codes["validation"].exit_code == 2 and "--split" in codes["validation"].output
+    other = runner.invoke(app, ["train-generator", "--data", "public-natural", "--split", "test", *small,
+                                "--out", str(tmp_path / "h.safetensors")])
+    assert other.exit_code == 2 and "--split" in other.output, other.output

@@ -58,9 +58,66 @@ def test_pretraining_images_come_from_the_split_asked_for():
 
 @pytest.mark.parametrize("override, field", [
     (["model.pretrain.split=train"], "model.pretrain.split"),  # the clients' own split
-    (["model.name=vit-tiny", "model.num_channels=3", "model.train_all=false", "peft.kind=none"], "model.pretrain"),
+    (["model.name=vit-s14-pretrained", "model.num_channels=3", "model.train_all=false", "peft.kind=none"],
+     "model.pretrain"),  # pretrained already: only resnet18 and the random-init ViT presets pretrain
 ])
 def test_pretraining_that_would_share_the_clients_images_or_another_model_is_refused(override, field):
     with pytest.raises(BadInput) as e:
         validate(load_yaml(LEAKAGE), override)
     assert e.value.field.startswith(field)
+
+
+# --- the ViT presets (issue 28 item 5: the in-domain backbone of benchmarks/anchor.py) ------------------------------
+
+ANCHOR = Path(__file__).resolve().parents[1] / "configs" / "anchor" / "fmnist_b1.yaml"
+TINY_VIT = ["model.name=vit-tiny", "model.layers=1", "model.patch_size=8", "model.pretrain.images=16",
+            "model.pretrain.epochs=1", "model.pretrain.batch_size=8"]
+
+
+def _vit(overrides, seed=0):
+    from gradleak.models import build
+
+    _, cfg = validate(load_yaml(ANCHOR), TINY_VIT + overrides + [f"seed={seed}"])
+    return build(cfg.model, "image", image_size=cfg.data.image_size, seed=cfg.seed, dtype="float32")
+
+
+def test_a_vit_preset_pretrains_once_and_its_weights_do_not_depend_on_the_experiment_seed(one_thread, tmp_path,
+                                                                                         monkeypatch):
+    monkeypatch.setenv("GRADLEAK_PRETRAIN_CACHE", str(tmp_path))
+    a = _vit([], seed=0)
+    assert not a.info["pretrain_cached"] and a.info["pretrain_data"] == "fashion-mnist/test"
+    b = _vit([], seed=5)  # another experiment seed: the same checkpoint, from the cache
+    assert b.info["pretrain_cached"] and len(list(tmp_path.iterdir())) == 1
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert all(torch.equal(v, sb[k]) for k, v in sa.items())
+    r0, r5 = _vit(["model.pretrain=null"], 0).model.state_dict(), _vit(["model.pretrain=null"], 5).model.state_dict()
+    key = "head.weight"
+    assert not torch.equal(r0[key], r5[key])  # random init follows the experiment seed
+    assert not torch.equal(r0[key], sa[key])  # and pretraining changed the weights it started from
+    # another architecture or recipe is another cache entry
+    _vit(["model.layers=2"])
+    _vit(["model.pretrain.seed=1"])
+    assert len(list(tmp_path.iterdir())) == 3
+
+
+def test_vit_cache_key_holds_the_architecture_not_the_experiment_seed():
+    from gradleak.models.pretrain import cache_key, vit_arch
+    from gradleak.models.vit import vit
+
+    m = vit("vit-tiny", image_size=32, patch_size=8, layers=1, num_classes=10)
+    arch = vit_arch("vit-tiny", m.config, 10, "mean", "float32")
+    assert arch["layers"] == 1 and arch["patch_size"] == 8 and arch["hidden_size"] == 192 and "seed" not in arch
+    assert cache_key(SPEC, arch) != cache_key(SPEC, {**arch, "layers": 2})
+    assert cache_key(SPEC, arch) != cache_key(SPEC, {**arch, "pooling": "cls"})
+    assert cache_key(SPEC, arch) == cache_key(dict(SPEC), dict(arch))
+
+
+def test_the_anchor_config_pretrains_its_vit_on_a_split_disjoint_from_the_victims():
+    _, cfg = validate(load_yaml(ANCHOR), [])
+    assert cfg.model.name == "vit-s16" and cfg.data.name == "fashion-mnist" and cfg.model.pretrain.split == "test"
+    with pytest.raises(BadInput) as e:  # the victims' own split
+        validate(load_yaml(ANCHOR), ["model.pretrain.split=train"])
+    assert e.value.field == "model.pretrain.split"
+    with pytest.raises(BadInput) as e:  # the offline ViT-S/14 is pretrained already
+        validate(load_yaml(ANCHOR), ["model.name=vit-s14-pretrained"])
+    assert e.value.field == "model.pretrain"

@@ -356,7 +356,7 @@ def _rebuild_audit_report(directory: Path, audit_path: Path) -> None:
 _GENERATOR_FIELDS = {"data.name": "--data", "data.n": "--n", "data.size": "--image-size", "data.image_size": "--image-size",
                      "model.num_channels": "--channels", "data.path": "--path", "image_size": "--image-size",
                      "images": "--data", "n": "--n", "epochs": "--epochs", "batch_size": "--batch-size",
-                     "latent_dim": "--latent-dim"}
+                     "latent_dim": "--latent-dim", "data.split": "--split"}
 
 
 @app.command("train-generator")
@@ -371,6 +371,8 @@ def train_generator(
         batch_size: int = typer.Option(64, "--batch-size"),
         seed: int = typer.Option(0, "--seed", help="seeds the data draw (generated sets), the init and the training"),
         path: Optional[str] = typer.Option(None, "--path", help="folder or .npz for --data image-folder|npz"),
+        split: Optional[str] = typer.Option(None, "--split", help="the dataset's split where it has several, e.g. "
+                                            "fashion-mnist test (the clients draw from train); default the loader's"),
         out: Path = typer.Option(..., "--out", help="output file, PATH.safetensors")):
     """Train a DCGAN generative prior (GIAS-style attacks) and write it as a safetensors file.
 
@@ -403,7 +405,7 @@ def train_generator(
             if dataset_modality(data) != "image":
                 raise BadInput("--data", f"'{data}' is a text dataset; a generator needs images.",
                                "use an image dataset (gradleak list), e.g. public-natural.")
-            images, _ = load_images(data, n, image_size, seed, "--n", path, resize=True, channels=channels)
+            images, _ = load_images(data, n, image_size, seed, "--n", path, resize=True, channels=channels, split=split)
             out.parent.mkdir(parents=True, exist_ok=True)
             prog = _progress()
             with prog:
@@ -416,6 +418,8 @@ def train_generator(
                 gen, info = train_dcgan(images.to(torch.float32), latent_dim=latent_dim, epochs=epochs,
                                         batch_size=batch_size, seed=seed, progress=progress)
             meta = {"data": data, "path": path, "n": len(images), "seed": seed, **info}
+            if split is not None:
+                meta["split"] = split
             save_generator(gen, out, info=meta)
         except BadInput as err:
             if err.field == "--n" and "images but" in err.problem:  # load_images speaks of the experiment config

@@ -111,8 +111,8 @@ class ModelConfig(Strict):
                                         "grey, e.g. Fashion-MNIST; default 3); the data are converted to it")
     train_all: bool = Field(False, description="every parameter trains (full fine-tuning, with peft.kind=none), as the "
                             "leakage study's ResNet-18")
-    pretrain: Optional[PretrainConfig] = Field(None, description="resnet18: start from weights pretrained by us on a "
-                                               "split the clients never see (no pretrained ResNet exists offline)")
+    pretrain: Optional[PretrainConfig] = Field(None, description="resnet18 or a ViT preset: start from weights pretrained "
+                                               "by us on a split the clients never see (gradleak.models.pretrain)")
     norm: Literal["batch", "group"] = Field("batch", description="resnet18: normalisation layers; group replaces every "
                                             "BatchNorm2d by GroupNorm(min(32, C), C) (DP-SGD: Opacus refuses BatchNorm)")
     # text
@@ -376,9 +376,12 @@ class ExperimentConfig(Strict):
             check_train_bn_input(self.data.image_size, self.data.image_size, smallest, field="data.image_size")
         pt = self.model.pretrain
         if pt is not None:
-            if self.model.name != "resnet18":
-                raise BadInput("model.pretrain", f"central pretraining is implemented for resnet18, not '{self.model.name}'.",
-                               "remove model.pretrain (the ViT presets are random-init or, vit-s14-pretrained, pretrained).")
+            from gradleak.models import VIT_PRESETS
+
+            if self.model.name != "resnet18" and self.model.name not in VIT_PRESETS:
+                raise BadInput("model.pretrain", f"central pretraining is implemented for resnet18 and the random-init "
+                               f"ViT presets ({', '.join(VIT_PRESETS)}), not '{self.model.name}'.",
+                               "remove model.pretrain (vit-s14-pretrained is pretrained already).")
             from gradleak.data.sources import source_families
 
             if (source_families(pt.data) & source_families(self.data.name)) and (pt.data != self.data.name

@@ -30,11 +30,12 @@ NULL_POOL = 256
 
 
 def load_images(name: str, n: int, size: int, seed: int, field: str, path: str | None = None, resize: bool = False,
-                channels: int = 3):
+                channels: int = 3, split: str | None = None):
     """``n`` images at size×size in [0, 1] with ``channels`` channels (grey is replicated to 3; RGB becomes grey by
     the ITU-R 601 luma weights for ``channels=1``). Generated sets (crops) use ``seed``; a fixed set returns
     its first ``n`` images for seed 0 and a seeded random subset of ``n`` otherwise. A user's own folder/npz
-    must already have the configured size unless ``resize`` (``data.resize``) is set."""
+    must already have the configured size unless ``resize`` (``data.resize``) is set. ``split``: the dataset's split
+    for a set that has several (fashion-mnist train|test); None: the loader's default."""
     from gradleak.data import load
 
     kwargs: dict = {"n": n} if name in GENERATED else {}
@@ -44,6 +45,8 @@ def load_images(name: str, n: int, size: int, seed: int, field: str, path: str |
         kwargs["seed"] = seed
     if path is not None:
         kwargs["path"] = path
+    if split is not None:
+        kwargs["split"] = split
     try:
         ds = load(name, **kwargs)
     except BadInput as err:

@@ -28,19 +28,29 @@ VIT_PRESETS = {
 
 def _register_vit(name: str, summary: str) -> None:
     @MODELS.register(name, summary)
-    def _build(mcfg, *, image_size: int, seed: int, dtype: str, **_: Any) -> ModelHandle:
+    def _build(mcfg, *, image_size: int, seed: int, dtype: str, progress: Any = None, **_: Any) -> ModelHandle:
+        """``model.pretrain``: start from weights pretrained by us (:mod:`gradleak.models.pretrain`), e.g. a ViT
+        trained supervised on Fashion-MNIST's test split for clients drawing from its train split."""
         import torch
 
         from gradleak.models.vit import vit
 
         dt = torch.float64 if dtype == "float64" else torch.float32
+        spec = getattr(mcfg, "pretrain", None)
+        # a checkpoint pretrained by us is one fixed model: its initialisation is the recipe's seed, not the experiment's
         model = vit(name, image_size=image_size, patch_size=mcfg.patch_size, num_classes=mcfg.num_classes,
                     pooling=mcfg.pooling or "mean", layers=mcfg.layers, hidden_size=mcfg.hidden_size, heads=mcfg.heads,
-                    dtype=dt, seed=seed, init_weights=mcfg.init_weights)
+                    dtype=dt, seed=seed if spec is None else int(spec.seed),
+                    init_weights=mcfg.init_weights if spec is None else True)
         c = model.config
-        return ModelHandle(model, "image", name, "image", int(c.hidden_size), int(c.num_hidden_layers),
-                           info={"patch_size": int(c.patch_size), "image_size": image_size,
-                                 "num_patches": model.num_patches})
+        info = {"patch_size": int(c.patch_size), "image_size": image_size, "num_patches": model.num_patches}
+        if spec is not None:  # weights pretrained by us on a split the clients never see (gradleak.models.pretrain)
+            from gradleak.models.pretrain import pretrained, vit_arch
+
+            info.update(pretrained(model, spec.model_dump(), vit_arch(name, c, mcfg.num_classes, model.pooling, dtype),
+                                   image_size=image_size, channels=int(c.num_channels),
+                                   num_classes=mcfg.num_classes, progress=progress))
+        return ModelHandle(model, "image", name, "image", int(c.hidden_size), int(c.num_hidden_layers), info=info)
 
     _build.modality = "image"
 

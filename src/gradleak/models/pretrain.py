@@ -1,5 +1,8 @@
 """A backbone pretrained by us on a disjoint split (issue 9 §1): no pretrained ResNet exists offline.
 
+Used for ResNet-18 (the leakage study) and for the random-init ViT presets (``vit-s16``, ``vit-tiny``, ...: the
+in-domain backbone of the spatial-anchor study, issue 28 item 5, :func:`vit_arch` gives their cache key).
+
 Hatamizadeh et al. 2022 fine-tune an ImageNet-pretrained ResNet-18 (SPEC §4.4). Offline there is none
 (torchvision/timm weights are hub downloads, DESIGN §3), so :func:`pretrain` trains the randomly
 initialised network ourselves, centrally, on images the federated clients never hold — by default
@@ -46,6 +49,15 @@ def _cache_dir() -> Path:
 def cache_key(spec: dict[str, Any], arch: dict[str, Any]) -> str:
     blob = json.dumps({"spec": spec, "arch": arch, "torch": torch.__version__.split("+")[0], "v": 1}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def vit_arch(name: str, config: Any, num_classes: int, pooling: str, dtype: str) -> dict[str, Any]:
+    """The cache-key architecture of a ViT preset (``gradleak.models``): everything that shapes its weights. The
+    experiment's seed is not in it: a pretrained ViT starts from the recipe's seed (``model.pretrain.seed``)."""
+    return {"name": name, "image_size": int(config.image_size), "patch_size": int(config.patch_size),
+            "layers": int(config.num_hidden_layers), "hidden_size": int(config.hidden_size),
+            "heads": int(config.num_attention_heads), "channels": int(config.num_channels), "classes": int(num_classes),
+            "pooling": pooling, "dtype": dtype}
 
 
 def pretraining_images(spec: dict[str, Any], *, image_size: int, channels: int, num_classes: int):
@@ -144,4 +156,4 @@ def pretrained(model: torch.nn.Module, spec: dict[str, Any], arch: dict[str, Any
     return {**info, "pretrain_cache": str(path), "pretrain_cached": False}
 
 
-__all__ = ["pretrained", "pretraining_images", "train", "cache_key"]
+__all__ = ["pretrained", "pretraining_images", "train", "cache_key", "vit_arch"]
