@@ -392,3 +392,55 @@ def test_unknown_executor_exits_2(tmp_path):
     res = CliRunner().invoke(app, ["audit", str(cfg), "--out", str(tmp_path / "o"), "--only", "utr", "--advise",
                                    "--executor", "spark"])
     assert res.exit_code == 2 and "--executor" in res.output, res.output
+
+
+def test_a_parallel_executor_gets_every_strong_end_at_once_and_picklable_jobs(tmp_path, monkeypatch, fake_utility):
+    """--executor ray/local: the candidates' strong-end probes go to the cell loop as one batch under that executor
+    (then the bisections find them done), as do the utility runs; the jobs pickle (they cross processes). The cell
+    loop runs them inline here (the fakes live in this process); the executors themselves are tested in
+    tests/test_sweep.py."""
+    import pickle
+
+    from gradleak.run import advise as mod
+    from gradleak.run import cells as cells_mod
+
+    calls: list = []
+    monkeypatch.setattr(mod, "probe", _fake(calls))
+    real = cells_mod.run_cells
+    batches: list = []
+
+    def spy(cells, jsonl, row, **kw):
+        batches.append((kw.get("executor"), [c.id.split("#")[0] for c in cells]))
+        for c in cells:
+            pickle.dumps((c.fn, c.args))
+        return real(cells, jsonl, row, **{**kw, "executor": "inline"})
+
+    monkeypatch.setattr(cells_mod, "run_cells", spy)
+    adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise", "topk_pruning", "clipping"], steps=1,
+                     log=lambda m: None, executor="ray", workers=3)
+    parallel = [ids for ex, ids in batches if ex == "ray"]
+    assert parallel[0] == ["baseline", "utility:baseline"]
+    assert parallel[1] == ["gaussian_noise:std=10", "clipping:max_norm=0.0001", "topk_pruning:prune_fraction=0.999"]
+    assert batches[-1][1][0].startswith("utility:gaussian_noise") and adv["executor"] == "ray"  # the found ones
+    assert len(calls) == len(set(calls))  # no probe ran twice
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_utility_run_trains_fresh_samples_each_round_with_the_defense_in_place(one_thread):
+    """The real utility run (tiny): the accuracy before training and after the rounds, one upload norm per client and
+    round and one gradient norm per sample; a clipping defense is in place in every round (every upload within its
+    bound); a data set too small for the rounds cycles through what it has."""
+    from gradleak.run.advise_utility import plan_utility, utility_job
+
+    raw = {**TEXT, "data": {**TEXT["data"], "test_size": 16}}
+    res = utility_job(raw, ["utr"], 3, None, norms=True)
+    assert len(res["accuracy_curve"]) == 4 and res["accuracy_start"] == res["accuracy_curve"][0]
+    assert res["rounds"] == 3 == res["slices"] and res["test_samples"] == 16
+    assert len(res["update_norms"]) == 3 and len(res["sample_gradient_norms"]) == 6
+    bound = min(res["update_norms"]) / 2
+    clipped = utility_job({**raw, "defenses": [{"name": "clipping", "params": {"max_norm": bound}}]}, ["utr"], 3,
+                          None, norms=True)
+    assert all(n <= bound * (1 + 1e-6) for n in clipped["update_norms"])
+    _, slices = plan_utility(raw, ["utr"], 500)  # rt-sentences: 200 sentences, 16 for the test, 2 a round
+    assert slices == (200 - 16) // 2

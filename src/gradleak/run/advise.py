@@ -519,7 +519,8 @@ def measure_utility(base: dict, found: list[tuple[dict, dict]], advice: dict, ru
 
 def plot_panels(advice: dict) -> list[dict]:
     """The privacy-utility plot's data: per searched defense, each probe's strength with each leaking attack's
-    headline (and its null median / p99) and the accuracy; the baseline accuracy beside it."""
+    headline (and its null median / p99) and, at the strength found, the utility run's accuracy; the baseline
+    accuracy beside it."""
     panels = []
     for r in advice.get("rows") or []:
         pts = []
@@ -527,7 +528,8 @@ def plot_panels(advice: dict) -> list[dict]:
             p = (advice.get("probes") or {}).get(cid) or {}
             if "error" in p:
                 continue
-            pts.append({"x": value, "accuracy": p.get("accuracy"),
+            u = (advice.get("utility") or {}).get("utility:" + cid) or {}  # trained at the strength found only
+            pts.append({"x": value, "accuracy": u.get("accuracy"),
                         "attacks": {a: {k: ((p.get("attacks") or {}).get(a) or {}).get(k)
                                         for k in ("value", "null_median", "null_p99", "metric", "level")}
                                     for a in advice["attacks"]}})
