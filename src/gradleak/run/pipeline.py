@@ -343,7 +343,7 @@ def _final_global_model(model, outcome, cfg, *, eval_mode: bool):
     """``model`` as the global model after the last round's aggregate (parameters stepped at the last round's lr, BN
     buffers by the mean change), optionally in eval mode; restored to what the server sent on exit."""
     from gradleak.fl.core import batchnorm_buffers
-    from gradleak.fl.engines.builtin import apply_buffer_change
+    from gradleak.fl.engines.builtin import apply_aggregate
 
     agg = outcome.last_aggregate
     lr = cfg.fl.lr_at(cfg.fl.rounds - 1)
@@ -351,12 +351,7 @@ def _final_global_model(model, outcome, cfg, *, eval_mode: bool):
     buffers = batchnorm_buffers(model)
     was = model.training
     try:
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n in agg.tensors:
-                    p.sub_(lr * agg.tensors[n].to(device=p.device, dtype=p.dtype))
-            if agg.buffers is not None:
-                apply_buffer_change(model, agg.buffers)
+        apply_aggregate(model, agg, lr)
         if eval_mode:
             model.eval()
         yield model
