@@ -352,6 +352,9 @@ def test_dp_candidates_clip_at_the_median_observed_norm_and_report_both_epsilons
     assert sgd["epsilon"] == 3.0 and sgd["epsilon_attacked"] == 40.0  # the utility run's accountant, the probe's
     assert adv["baseline"]["accuracy"] == 0.8 and dp["cost"] == 0 and adv["utility_rounds"] == 7
     assert fake_utility[0].get("defenses") in (None, [])  # the baseline trains without an added defense
+    trained = [d["params"] for r in fake_utility for d in r.get("defenses") or [] if d["name"] == "dp_gaussian"]
+    assert trained == [{**trained[0], "max_norm": 0.035}]  # the utility run trains with the fitted norm too
+    assert [r["defense"]["max_grad_norm"] for r in fake_utility if r.get("defense")] == [0.6]
 
 
 def test_rdlv_filter_is_listed_as_not_applicable_without_batchnorm_and_admitted_with_it():

@@ -401,8 +401,9 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         if spec["name"] in CLIP_FROM and "clip_norm" not in row:  # no norm observed: the candidate's own norm
             row["clip_note"] = (f"clipping norm held at {_clip_norm(defended_config(base, spec, good), spec)} (no "
                                 "update norm observed in the baseline utility run)")
-    measure_utility(base, [(r, CANDIDATE_BY_NAME[r["defense"]]) for r in advice["rows"] if "strength" in r],
-                    advice, run_batch, cfg0.fl.rounds)
+    by_key = {key(sp): sp for sp in specs}  # the candidates as searched (DP: the fitted clipping norm)
+    measure_utility(base, [(r, by_key[r["defense"]]) for r in advice["rows"] if "strength" in r], advice, run_batch,
+                    cfg0.fl.rounds)
     advice["unfinished"] = [r["defense"] for r in advice["rows"] if r.get("status") == "unfinished"]
     advice["ran_now"] = ran
     advice["seconds"] = clock() - t0
