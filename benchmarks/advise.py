@@ -116,7 +116,8 @@ def report(out: Path, args) -> int:
         md += [f"Audit: **{r['verdict']}**; leaking: {', '.join(r.get('attacks') or []) or 'none'}; baseline accuracy "
                f"{_fmt(b.get('accuracy'))}" + (f" after {r['utility_rounds']} rounds (before, halfway, end: "
                                                + " → ".join(_fmt(x) for x in curve) + ")" if curve else "")
-               + f"; search {_fmt(r.get('advice_seconds'))} s.", ""]
+               + f"; search {_fmt(r.get('advice_seconds'))} s (the last call: a resumed search counts only what it "
+               "ran then).", ""]
         table = [{"defense": x["defense"], "strength": (f"{x['parameter']} = {_fmt(x.get('strength'))}"
                                                         if x.get("strength") is not None else "–"),
                   "bracket": f"[{_fmt(x['bracket'][0])}, {_fmt(x['bracket'][1])}]" if x.get("bracket") else "–",
