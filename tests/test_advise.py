@@ -447,3 +447,17 @@ def test_the_utility_run_trains_fresh_samples_each_round_with_the_defense_in_pla
     assert all(n <= bound * (1 + 1e-6) for n in clipped["update_norms"])
     _, slices = plan_utility(raw, ["utr"], 500)  # rt-sentences: 200 sentences, 16 for the test, 2 a round
     assert slices == (200 - 16) // 2
+
+
+def test_costs_are_flagged_when_the_undefended_model_does_not_learn(tmp_path, monkeypatch):
+    from gradleak.run import advise as mod
+
+    monkeypatch.setattr(mod, "probe", _fake([]))
+    flat = {"accuracy": 0.5, "accuracy_start": 0.5, "accuracy_curve": [0.5, 0.5, 0.5]}
+    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms: {**flat, "rounds": rounds})
+    adv = mod.advise(TEXT, tmp_path / "a", LEAKS, candidates=["gaussian_noise"], steps=1, utility_rounds=5,
+                     log=lambda m: None)
+    assert "does not rise over the 5 utility round(s)" in adv["cost_note"] and adv["rows"][0]["cost"] == 0
+    monkeypatch.setattr(mod, "utility", _fake_utility())  # 0.5 -> 0.8: it learns, no flag
+    adv = mod.advise(TEXT, tmp_path / "b", LEAKS, candidates=["gaussian_noise"], steps=1, log=lambda m: None)
+    assert "cost_note" not in adv and adv["utility_rounds"] == 20

@@ -419,7 +419,8 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     if not improves(b):
         advice["cost_note"] = (f"the undefended model's test accuracy does not rise over the {utility_rounds} utility "
                                f"round(s) ({fmt(b.get('accuracy_start'))} before, {fmt(b.get('accuracy'))} after), so "
-                               "the costs measure no lost learning; raise audit.utility_rounds or fl.lr")
+                               "the costs measure no lost learning (raise audit.utility_rounds, or audit a setup "
+                               "whose undefended model learns in that many rounds)")
     if ok:
         best = ok[0]
         cost = best.get("cost")
