@@ -67,12 +67,14 @@ def advised_cell(name: str, seed: int, out_dir: Path) -> dict:
 
 def fill(res: dict, row: dict) -> str:
     adv = res["advice"]
-    keep = ("defense", "parameter", "strength", "bracket", "interval", "levels", "accuracy", "cost", "epsilon",
+    keep = ("defense", "parameter", "strength", "bracket", "interval", "levels", "accuracy", "accuracy_curve", "cost",
+            "epsilon", "epsilon_attacked", "epsilon_note", "clip_norm", "clip_note", "utility_note", "utility_error",
             "status", "note", "set", "what")
     row.update({"verdict": res["verdict"], "attacks": adv.get("attacks"), "baseline": adv.get("baseline"),
                 "rows": [{k: r.get(k) for k in keep if k in r} for r in adv.get("rows", [])],
                 "recommendation": adv.get("recommendation"), "sentence": adv.get("sentence"),
                 "cost_note": adv.get("cost_note"), "unfinished": adv.get("unfinished"),
+                "utility_rounds": adv.get("utility_rounds"), "test_size": adv.get("test_size"),
                 "advice_seconds": adv.get("seconds"), "roundtrip": res["roundtrip"]})
     rec = adv.get("recommendation") or {}
     return (f"{res['verdict']}; recommended {rec.get('defense')} {rec.get('parameter')}={rec.get('strength')}; "
@@ -93,24 +95,42 @@ def report(out: Path, args) -> int:
           "`partial` or more, each candidate defense's weakest strength probed (a log-scale bisection: the bracket's "
           "strong end first, then 3 halvings) at which **every** leaking attack is back to `none`, each probe an audit "
           "with the attacks re-run at full strength (their noise and tolerances set from the defense). Accuracy = the "
-          "global model's test accuracy after the configured rounds (`data.test_size`, or 64 held-out samples), cost = "
-          "its change against no defense, same seeds; ε at δ = 1e-5 (RDP accountant; ε > 10 guarantees nothing). "
-          "Round trip = a plain audit with the recommended `--set` strings. Seed 1 is the held-out repetition "
-          "(nothing is tuned). Machine: 2 CPU cores, one worker, CPU.", ""]
+          "global model's test accuracy after `audit.utility_rounds` rounds of federated training without an attack "
+          "(fresh samples of the attacked round's batch size each round, cycling when the data set runs out; "
+          "`data.test_size` held-out samples), with the defense at the strength found vs without it (the baseline), "
+          "same seeds; cost = the difference. DP rows: clipping norm = the median observed norm of the undefended "
+          "run (uploads for DP-Gaussian, per-sample gradients for DP-SGD; the median quantile of adaptive clipping, "
+          "Andrew et al. 2021); ε at δ = 1e-5 (RDP accountant) over the utility rounds and, in brackets, over the "
+          "audited round (ε > 10 guarantees nothing). Round trip = a plain audit with the recommended `--set` strings. "
+          "Seed 1 is the held-out repetition (nothing is tuned on it). Machine: 2 CPU cores shared with other jobs, "
+          "one worker, CPU.", ""]
     for r in rows:
-        md += [f"### {r['cell']}: `{command(r['config'], r['seed'])}`", "",
-               f"Audit: **{r['verdict']}**; leaking: {', '.join(r.get('attacks') or []) or 'none'}; baseline accuracy "
-               f"{_fmt((r.get('baseline') or {}).get('accuracy'))}; search {_fmt(r.get('advice_seconds'))} s.", ""]
+        b = r.get("baseline") or {}
+        if r.get("utility_rounds") is None:  # a row from before the utility runs (issue 30 items 1-2)
+            md += [f"### {r['cell']}: `{command(r['config'], r['seed'])}`", "",
+                   "*Predates the utility runs and the fitted clipping norms: accuracy after the single attacked round "
+                   "(it does not move, every cost 0), DP clipping norm fixed at 1.0. Rerun to refresh.*", ""]
+        else:
+            md += [f"### {r['cell']}: `{command(r['config'], r['seed'])}`", ""]
+        curve = b.get("accuracy_curve")
+        md += [f"Audit: **{r['verdict']}**; leaking: {', '.join(r.get('attacks') or []) or 'none'}; baseline accuracy "
+               f"{_fmt(b.get('accuracy'))}" + (f" after {r['utility_rounds']} rounds (before, halfway, end: "
+                                               + " → ".join(_fmt(x) for x in curve) + ")" if curve else "")
+               + f"; search {_fmt(r.get('advice_seconds'))} s (the last call: a resumed search counts only what it "
+               "ran then).", ""]
         table = [{"defense": x["defense"], "strength": (f"{x['parameter']} = {_fmt(x.get('strength'))}"
                                                         if x.get("strength") is not None else "–"),
                   "bracket": f"[{_fmt(x['bracket'][0])}, {_fmt(x['bracket'][1])}]" if x.get("bracket") else "–",
                   "levels": ", ".join(f"{a} {lv}" for a, lv in (x.get("levels") or {}).items()) or "–",
                   "acc": _fmt(x.get("accuracy")),
                   "cost": f"{x['cost'] * 100:+.1f} pts" if isinstance(x.get("cost"), (int, float)) else "–",
-                  "eps": _fmt(x.get("epsilon")), "status": x.get("status") or "–"} for x in r.get("rows") or []]
-        md += [markdown_table(table, ["defense", "strength", "bracket", "levels", "acc", "cost", "eps", "status"],
+                  "eps": _fmt(x.get("epsilon")) + (f" ({_fmt(x['epsilon_attacked'])})"
+                                                   if x.get("epsilon_attacked") is not None else ""),
+                  "clip": _fmt(x.get("clip_norm")),
+                  "status": x.get("status") or "–"} for x in r.get("rows") or []]
+        md += [markdown_table(table, ["defense", "strength", "bracket", "levels", "acc", "cost", "eps", "clip", "status"],
                               ["defense", "weakest stopping strength", "bracket", "levels there", "accuracy",
-                               "cost", "ε", "status"]), ""]
+                               "cost", "ε (audited round)", "clip norm", "status"]), ""]
         trip = r.get("roundtrip")
         md += [f"{r.get('sentence') or ''}" + (f" {r['cost_note'][0].upper()}{r['cost_note'][1:]}." if r.get("cost_note") else ""),
                "", ("Round trip (the recommendation set in the config, a plain audit): **" + trip["verdict"] + "** ("

@@ -87,7 +87,35 @@ def _fake(calls, threshold=0.05, kill_at=None, clock=None):
     return probe
 
 
-def test_bisection_finds_the_weakest_stopping_strength_and_resumes_without_rerunning(tmp_path, monkeypatch):
+def _fake_utility(calls=None):
+    """A utility run: the accuracy falls with the noise like the fake probe's; the baseline reports its norms."""
+
+    def utility(raw, attacks, rounds, device, norms):
+        if calls is not None:
+            calls.append(raw)
+        std = next((d["params"]["std"] for d in raw.get("defenses") or [] if d["name"] == "gaussian_noise"), 0.0)
+        acc = 0.8 - min(std, 0.5)
+        out = {"accuracy": acc, "accuracy_start": 0.5, "accuracy_curve": [0.5, acc], "rounds": rounds}
+        if (raw.get("defense") or {}).get("name") == "dpsgd":
+            out["dp_epsilon"] = 3.0
+        if norms:
+            out.update(update_norms=[0.04, 0.02, 0.03, 0.05], sample_gradient_norms=[0.5, 0.7, 0.6])
+        return out
+
+    return utility
+
+
+@pytest.fixture
+def fake_utility(monkeypatch):
+    from gradleak.run import advise as mod
+
+    calls: list = []
+    monkeypatch.setattr(mod, "utility", _fake_utility(calls))
+    return calls
+
+
+def test_bisection_finds_the_weakest_stopping_strength_and_resumes_without_rerunning(tmp_path, monkeypatch,
+                                                                                      fake_utility):
     """The search on a log scale brackets the threshold; after a kill mid-search the rerun runs only the probes not
     finished before (each cell once in the JSONL) and ends with the same advice."""
     from gradleak.run import advise as mod
@@ -102,8 +130,11 @@ def test_bisection_finds_the_weakest_stopping_strength_and_resumes_without_rerun
     adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
     assert len(calls2) == 4 and adv["ran_now"][0] == "gaussian_noise:std=0.1"  # the killed probe, then 3 more
     rows = [json.loads(x) for x in (tmp_path / adv["jsonl"]).read_text().splitlines()]
-    ids = [r["cell"] for r in rows]
+    ids = [r["cell"] for r in rows if not r["cell"].startswith("utility:")]
     assert len(ids) == len(set(ids)) == 6  # baseline + strong end + 4 steps, none twice
+    utility_ids = [r["cell"] for r in rows if r["cell"].startswith("utility:")]
+    assert len(utility_ids) == len(set(utility_ids)) == 2  # the baseline's and the found strength's, each once
+    assert len(fake_utility) == 2
     (row,) = adv["rows"]
     lo, hi = row["interval"]
     assert lo < 0.05 <= hi == row["strength"]
@@ -118,7 +149,8 @@ def test_bisection_finds_the_weakest_stopping_strength_and_resumes_without_rerun
     assert calls3 == [] and again["rows"][0]["strength"] == hi
 
 
-def test_not_stopped_within_the_bracket_and_a_configured_defense_is_the_starting_point(tmp_path, monkeypatch):
+def test_not_stopped_within_the_bracket_and_a_configured_defense_is_the_starting_point(tmp_path, monkeypatch,
+                                                                                        fake_utility):
     from gradleak.run import advise as mod
 
     calls: list = []
@@ -138,7 +170,7 @@ def test_not_stopped_within_the_bracket_and_a_configured_defense_is_the_starting
     assert row["interval"] == [None, 1e-3] and "weak end" in row["note"] and len(calls) == 5
 
 
-def test_budget_marks_unfinished_defenses(tmp_path, monkeypatch):
+def test_budget_marks_unfinished_defenses(tmp_path, monkeypatch, fake_utility):
     """Each fake probe takes 10 (fake) seconds; a 25 s budget ends the noise search after its first bisection step
     and never starts DP-Gaussian: both are listed as unfinished, in the advice and the report."""
     from gradleak.run import advise as mod
@@ -244,7 +276,7 @@ def test_a_configured_defense_is_strengthened_in_its_own_mode_only():
     assert len(b) == 3 and b[-1] == {"name": "gaussian_noise", "params": {"std": 0.5, "per_coordinate": True}}
 
 
-def test_a_dp_row_with_a_hollow_epsilon_ranks_after_plain_noise_at_the_same_cost(tmp_path, monkeypatch):
+def test_a_dp_row_with_a_hollow_epsilon_ranks_after_plain_noise_at_the_same_cost(tmp_path, monkeypatch, fake_utility):
     """Both stop every attack at no accuracy cost: the DP row whose epsilon is far above 10 (its clipping norm above
     the update's norm: absolute noise under a DP name) is not recommended over plain noise; with a meaningful epsilon
     it would be (the standard first)."""
@@ -256,10 +288,13 @@ def test_a_dp_row_with_a_hollow_epsilon_ranks_after_plain_noise_at_the_same_cost
                             for a in only}}
 
     monkeypatch.setattr(mod, "probe", probe)
+    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms: {
+        "accuracy": 0.5, "accuracy_start": 0.4, "rounds": rounds})  # every defense costs nothing
     adv = mod.advise(TEXT, tmp_path / "a", LEAKS, candidates=["dp_gaussian", "gaussian_noise"], steps=1,
                      log=lambda m: None)
     dp = next(r for r in adv["rows"] if r["defense"] == "dp_gaussian")
-    assert dp["strength"] == 1e-3 and dp["epsilon"] > 10  # sigma 0.001 over one round
+    assert dp["strength"] == 1e-3 and dp["epsilon"] > 10  # sigma 0.001 over the utility rounds
+    assert dp["cost"] == 0 and "clip_norm" not in dp and "no update norm observed" in dp["clip_note"]
     assert adv["ranking"] == ["gaussian_noise", "dp_gaussian"] and adv["recommendation"]["defense"] == "gaussian_noise"
     monkeypatch.setattr(mod, "gaussian_epsilon", lambda *a, **k: 2.0)  # a meaningful epsilon: DP first again
     adv = mod.advise(TEXT, tmp_path / "b", LEAKS, candidates=["dp_gaussian", "gaussian_noise"], steps=1,
@@ -285,3 +320,144 @@ def test_the_probes_test_set_fits_a_small_fixed_dataset():
                      ["lora_span"])[3][0][2]
     assert _spare_images(cfg) == TEST_SIZE
     assert _spare_images(plan_audit(TEXT, [], ["utr"])[3][0][2]) == TEST_SIZE
+
+
+def test_dp_candidates_clip_at_the_median_observed_norm_and_report_both_epsilons(tmp_path, monkeypatch, fake_utility):
+    """The baseline utility run's observed norms set the DP candidates' clipping norms (DP-Gaussian: the median upload
+    norm, DP-SGD: the median per-sample gradient norm), which the probes and the recommendation use; epsilon is
+    reported over the utility rounds and over the audited round, and the cost comes from the utility runs."""
+    from gradleak.run import advise as mod
+
+    seen: list = []
+
+    def probe(raw, out_dir, only, device, workers, utility_from):
+        seen.append(raw)
+        return {"verdict": "no_leak_found", "dp_epsilon": 40.0,
+                "attacks": {a: {"level": "none", "metric": "m", "value": 0.1, "null_p99": 0.5, "null_median": 0.4}
+                            for a in only}}
+
+    monkeypatch.setattr(mod, "probe", probe)
+    adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["dp_gaussian", "dpsgd"], steps=1, utility_rounds=7,
+                     log=lambda m: None)
+    dp, sgd = adv["rows"]
+    assert dp["clip_norm"] == 0.035 and "median" in dp["clip_note"]  # median of [0.04, 0.02, 0.03, 0.05]
+    assert sgd["clip_norm"] == 0.6 and "per-sample" in sgd["clip_note"]
+    probed = [d["params"] for r in seen for d in r.get("defenses") or [] if d["name"] == "dp_gaussian"]
+    assert probed and all(p["max_norm"] == 0.035 for p in probed)
+    assert all((r.get("defense") or {}).get("max_grad_norm") == 0.6 for r in seen if r.get("defense"))
+    assert '"max_norm": 0.035' in dp["set"][0] and '"max_grad_norm": 0.6' in sgd["set"][0]
+    assert dp["epsilon"] == pytest.approx(mod.gaussian_epsilon(dp["strength"], 7))
+    assert dp["epsilon_attacked"] == pytest.approx(mod.gaussian_epsilon(dp["strength"], 1))
+    assert dp["epsilon"] > dp["epsilon_attacked"] and "7 utility round" in dp["epsilon_note"]
+    assert sgd["epsilon"] == 3.0 and sgd["epsilon_attacked"] == 40.0  # the utility run's accountant, the probe's
+    assert adv["baseline"]["accuracy"] == 0.8 and dp["cost"] == 0 and adv["utility_rounds"] == 7
+    assert fake_utility[0].get("defenses") in (None, [])  # the baseline trains without an added defense
+    trained = [d["params"] for r in fake_utility for d in r.get("defenses") or [] if d["name"] == "dp_gaussian"]
+    assert trained == [{**trained[0], "max_norm": 0.035}]  # the utility run trains with the fitted norm too
+    assert [r["defense"]["max_grad_norm"] for r in fake_utility if r.get("defense")] == [0.6]
+
+
+def test_rdlv_filter_is_listed_as_not_applicable_without_batchnorm_and_admitted_with_it():
+    from gradleak.config.loading import load_yaml
+    from gradleak.run.advise import CANDIDATE_BY_NAME as C
+    from gradleak.run.advise import _admitted, defended_config, midpoint
+
+    from pathlib import Path
+
+    spec = C["rdlv_filter"]
+    why = _admitted({**TEXT, "data": {**TEXT["data"], "test_size": 8}}, spec, ["utr"])
+    assert why is not None and "rdlv_filter" in why or "image" in why
+    vit = load_yaml(Path(__file__).resolve().parents[1] / "configs" / "audit" / "vit_lora.yaml")
+    assert "no BatchNorm layer" in _admitted(vit, spec, ["lora_span"])
+    leak = load_yaml(Path(__file__).resolve().parents[1] / "configs" / "leakage" / "fmnist_resnet18.yaml")
+    assert _admitted(leak, spec, ["bn_inversion"]) is None
+    assert defended_config(leak, spec, 0.5)["defense"] == {"name": "rdlv_filter", "threshold": 0.5}
+    assert midpoint(spec, 1.0, 0.0) == 0.5  # a linear scale (the RDLV may be 0)
+
+
+@pytest.mark.parametrize("value", ["0", "2.5", "true"])
+def test_bad_utility_rounds_exits_2_naming_the_field(tmp_path, value):
+    from gradleak.cli import app
+
+    cfg = tmp_path / "a.yaml"
+    cfg.write_text(json.dumps(TEXT))
+    res = CliRunner().invoke(app, ["audit", str(cfg), "--out", str(tmp_path / "o"), "--only", "utr", "--advise",
+                                   "--set", f"audit.utility_rounds={value}"])
+    assert res.exit_code == 2, res.output
+    assert "audit.utility_rounds" in res.output and not (tmp_path / "o").exists()
+
+
+def test_unknown_executor_exits_2(tmp_path):
+    from gradleak.cli import app
+
+    cfg = tmp_path / "a.yaml"
+    cfg.write_text(json.dumps(TEXT))
+    res = CliRunner().invoke(app, ["audit", str(cfg), "--out", str(tmp_path / "o"), "--only", "utr", "--advise",
+                                   "--executor", "spark"])
+    assert res.exit_code == 2 and "--executor" in res.output, res.output
+
+
+def test_a_parallel_executor_gets_every_strong_end_at_once_and_picklable_jobs(tmp_path, monkeypatch, fake_utility):
+    """--executor ray/local: the candidates' strong-end probes go to the cell loop as one batch under that executor
+    (then the bisections find them done), as do the utility runs; the jobs pickle (they cross processes). The cell
+    loop runs them inline here (the fakes live in this process); the executors themselves are tested in
+    tests/test_sweep.py."""
+    import pickle
+
+    from gradleak.run import advise as mod
+    from gradleak.run import cells as cells_mod
+
+    calls: list = []
+    monkeypatch.setattr(mod, "probe", _fake(calls))
+    real = cells_mod.run_cells
+    batches: list = []
+
+    def spy(cells, jsonl, row, **kw):
+        batches.append((kw.get("executor"), [c.id.split("#")[0] for c in cells]))
+        for c in cells:
+            pickle.dumps((c.fn, c.args))
+        return real(cells, jsonl, row, **{**kw, "executor": "inline"})
+
+    monkeypatch.setattr(cells_mod, "run_cells", spy)
+    adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise", "topk_pruning", "clipping"], steps=1,
+                     log=lambda m: None, executor="ray", workers=3)
+    parallel = [ids for ex, ids in batches if ex == "ray"]
+    assert parallel[0] == ["baseline", "utility:baseline"]
+    assert parallel[1] == ["gaussian_noise:std=10", "clipping:max_norm=0.0001", "topk_pruning:prune_fraction=0.999"]
+    assert batches[-1][1][0].startswith("utility:gaussian_noise") and adv["executor"] == "ray"  # the found ones
+    assert len(calls) == len(set(calls))  # no probe ran twice
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_utility_run_trains_fresh_samples_each_round_with_the_defense_in_place(one_thread):
+    """The real utility run (tiny): the accuracy before training and after the rounds, one upload norm per client and
+    round and one gradient norm per sample; a clipping defense is in place in every round (every upload within its
+    bound); a data set too small for the rounds cycles through what it has."""
+    from gradleak.run.advise_utility import plan_utility, utility_job
+
+    raw = {**TEXT, "data": {**TEXT["data"], "test_size": 16}}
+    res = utility_job(raw, ["utr"], 3, None, norms=True)
+    assert len(res["accuracy_curve"]) == 4 and res["accuracy_start"] == res["accuracy_curve"][0]
+    assert res["rounds"] == 3 == res["slices"] and res["test_samples"] == 16
+    assert len(res["update_norms"]) == 3 and len(res["sample_gradient_norms"]) == 6
+    bound = min(res["update_norms"]) / 2
+    clipped = utility_job({**raw, "defenses": [{"name": "clipping", "params": {"max_norm": bound}}]}, ["utr"], 3,
+                          None, norms=True)
+    assert all(n <= bound * (1 + 1e-6) for n in clipped["update_norms"])
+    _, slices = plan_utility(raw, ["utr"], 500)  # rt-sentences: 200 sentences, 16 for the test, 2 a round
+    assert slices == (200 - 16) // 2
+
+
+def test_costs_are_flagged_when_the_undefended_model_does_not_learn(tmp_path, monkeypatch):
+    from gradleak.run import advise as mod
+
+    monkeypatch.setattr(mod, "probe", _fake([]))
+    flat = {"accuracy": 0.5, "accuracy_start": 0.5, "accuracy_curve": [0.5, 0.5, 0.5]}
+    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms: {**flat, "rounds": rounds})
+    adv = mod.advise(TEXT, tmp_path / "a", LEAKS, candidates=["gaussian_noise"], steps=1, utility_rounds=5,
+                     log=lambda m: None)
+    assert "does not rise over the 5 utility round(s)" in adv["cost_note"] and adv["rows"][0]["cost"] == 0
+    monkeypatch.setattr(mod, "utility", _fake_utility())  # 0.5 -> 0.8: it learns, no flag
+    adv = mod.advise(TEXT, tmp_path / "b", LEAKS, candidates=["gaussian_noise"], steps=1, log=lambda m: None)
+    assert "cost_note" not in adv and adv["utility_rounds"] == 20

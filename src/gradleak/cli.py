@@ -143,7 +143,10 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
           advise: bool = typer.Option(False, "--advise", help="then search the weakest strength of each defense that "
                                       "stops every leaking attack, and its accuracy cost (resumable; also audit.advise)"),
           budget: Optional[float] = typer.Option(None, "--budget", help="--advise: seconds the search may take "
-                                                 "(unfinished defenses are listed)")):
+                                                 "(unfinished defenses are listed)"),
+          executor: str = typer.Option("inline", "--executor", help="--advise: inline (one probe after another), or "
+                                       "local / ray: the candidates' strong-end probes and the utility runs in "
+                                       "parallel (--workers of them)")):
     """Run every applicable attack on one setup; write DIR/audit.json and DIR/report.html with a verdict."""
     from gradleak.errors import BadInput
 
@@ -172,7 +175,11 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
         from gradleak.run.advise import check_budget, run_audit_advised
 
         check_budget(budget)
-        result = run_audit_advised(raw, out, list(set_ or []), device, budget_seconds=budget, advise_on=advise, **kw)
+        if executor != "inline" and not advise:
+            raise BadInput("--executor", "chooses how the --advise search runs its probes, but the audit is not "
+                           "advising.", "add --advise, or drop --executor.")
+        result = run_audit_advised(raw, out, list(set_ or []), device, budget_seconds=budget, advise_on=advise,
+                                   executor=executor, **kw)
     except BadInput as err:
         _fail_bad_input(err)
     _print_audit_table(result, out)

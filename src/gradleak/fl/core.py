@@ -164,6 +164,18 @@ class Client:
     def trainable_names(model: nn.Module) -> list[str]:
         return [n for n, p in model.named_parameters() if p.requires_grad]
 
+    def per_sample_gradient_norms(self, model: nn.Module) -> list[float]:
+        """The L2 norm of each private sample's own loss gradient over the trainable parameters at ``model`` (what
+        DP-SGD clips), one backward per sample; only norms leave the client."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        device = next(model.parameters()).device
+        out = []
+        for i in range(len(self._inputs)):
+            x, y = self._inputs[i:i + 1].to(device), self._labels[i:i + 1].to(device)
+            grads = torch.autograd.grad(self.loss_fn(model, x, y), params, allow_unused=True)
+            out.append(float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None))))
+        return out
+
     def local_update(self, model: nn.Module, *, algorithm: str = "fedsgd", epochs: int = 1,
                      lr: float = 0.01, batch_size: int | None = None,
                      defenses: Sequence[Any] = (), seed: int = 0, in_place: bool = False) -> Update:

@@ -16,12 +16,19 @@ Probes are cells of the one resumable cell loop (:func:`gradleak.run.cells.run_c
 ``OUT/advise/advise-<hash>.jsonl`` (the hash of the audited config): a rerun after a kill redoes no finished probe.
 ``budget_seconds`` bounds the search between probes; defenses whose search did not end are listed as unfinished.
 
-Utility: the probes run with ``data.test_size`` (:data:`TEST_SIZE` when the config has none), so each carries the
-global model's test accuracy after the configured rounds, read from the run of a leaking attack whose server sends
-the model unchanged; a baseline probe without the added defense (same seeds) gives the accuracy it is compared
-with. Cost = baseline accuracy - accuracy with the defense. DP mechanisms report epsilon at :data:`DELTA`:
-DP-SGD its own accountant's ``dp_epsilon``; DP-Gaussian the Gaussian mechanism's RDP epsilon (Opacus'
-``RDPAccountant``, sampling rate 1, one step per round); other defenses have none (no bounded sensitivity).
+Utility (:mod:`gradleak.run.advise_utility`): a probe is one attacked round, after which the accuracy has not moved;
+the cost is measured by training. Before the search, the baseline (no added defense) trains ``audit.utility_rounds``
+rounds (:data:`UTILITY_ROUNDS` when unset) without an attack, on fresh samples each round, and records the uploads' and
+the samples' gradient norms, to which the DP candidates' clipping norms are fitted (their median). After the search,
+every candidate trains the same rounds at the strength found, same seeds. Cost = baseline accuracy - accuracy with
+the defense, on ``data.test_size`` held-out samples (:data:`TEST_SIZE` when the config has none). These runs are
+cells of the same JSONL. DP mechanisms report epsilon at :data:`DELTA` twice: ``epsilon`` over the utility rounds
+(the training whose accuracy is reported) and ``epsilon_attacked`` over the audited round(s) (what the probe's
+attacker faced): DP-SGD from its own accountant (per-sample clipping, sampling rate of its local steps), DP-Gaussian
+the Gaussian mechanism's RDP epsilon (Opacus' ``RDPAccountant``, sampling rate 1, one step per round); other
+defenses have none (no bounded sensitivity). ``executor`` (``--executor``): ``inline``, or ``local`` / ``ray`` (the
+cell loop's executors, :mod:`gradleak.run.cells`) to run the strong-end probes of every candidate and the utility
+runs in parallel (the bisection steps depend on each other and stay sequential).
 """
 
 from __future__ import annotations
@@ -34,13 +41,24 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gradleak.errors import BadInput
-from gradleak.run.advise_options import (CANDIDATES, MEANINGFUL_EPSILON, STANDARD, STEPS, advise_section,
-                                         check_budget)
+from gradleak.run.advise_options import (CANDIDATES, MEANINGFUL_EPSILON, STANDARD, STEPS, UTILITY_ROUNDS,
+                                         advise_section, check_budget, check_utility_rounds)
+from gradleak.run.advise_utility import CLIP_FROM, fitted_clip, improves
+from gradleak.run.advise_utility import utility_job as utility
 
 #: held-out samples for the accuracy when the config sets no ``data.test_size``
 TEST_SIZE = 64
 #: delta of every reported epsilon
 DELTA = 1e-5
+
+
+def check_executor(executor: str) -> str:
+    """``--executor`` of the search: one of the cell loop's executors."""
+    from gradleak.run.cells import EXECUTORS
+
+    if executor not in EXECUTORS:
+        raise BadInput("--executor", f"unknown executor '{executor}'.", f"use one of: {', '.join(EXECUTORS)}.")
+    return executor
 
 
 def clock() -> float:
@@ -57,6 +75,8 @@ def midpoint(spec: dict, a: float, b: float) -> float | None:
         return None if m in (a, b) or not min(a, b) < m < max(a, b) else m
     if spec["scale"] == "log1m":
         m = 1 - math.sqrt((1 - a) * (1 - b))
+    elif spec["scale"] == "lin":
+        m = (a + b) / 2
     else:
         m = math.sqrt(a * b)
     return float(f"{m:.3g}") if float(f"{m:.3g}") not in (a, b) else None
@@ -218,7 +238,8 @@ def _levels(row: dict, attacks: list[str]) -> dict[str, str]:
 
 def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | None = None, workers: int = 1,
            budget_seconds: float | None = None, candidates: list[str] | None = None, steps: int = STEPS,
-           log: Callable[[str], Any] = print, extra: list[dict] = ()) -> dict:
+           log: Callable[[str], Any] = print, extra: list[dict] = (), utility_rounds: int | None = None,
+           executor: str = "inline") -> dict:
     """The advice for the audit ``audit_result`` of ``raw`` (the resolved config, e.g. ``audit_result["config"]``):
     see the module docstring. Probes go to ``out_dir/advise/``; returns the ``advice`` dict.
 
@@ -230,20 +251,24 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     from gradleak.evaluation.levels import LEAKING
     from gradleak.registry import ATTACKS
     from gradleak.run.audit import config_hash, plan_audit
-    from gradleak.run.cells import Cell, cell_dir_name, error_text, run_cells
+    from gradleak.run.cells import Cell, cell_dir_name, done_cells, error_text, run_cells
     budget_seconds = check_budget(budget_seconds)
+    utility_rounds = check_utility_rounds(utility_rounds if utility_rounds is not None
+                                          else (raw.get("audit") or {}).get("utility_rounds"))
+    check_executor(executor)
     t0 = clock()
     leaking = [e["name"] for e in audit_result["attacks"] if e.get("level") in LEAKING]
     base = copy.deepcopy(raw)
     section = dict(base.get("audit") or {})
-    section.pop("advise", None)
-    section.pop("budget", None)
+    for k in ("advise", "budget", "utility_rounds"):
+        section.pop(k, None)
     if section:
         base["audit"] = section
     else:
         base.pop("audit", None)
     advice: dict[str, Any] = {"attacks": leaking, "delta": DELTA, "steps": steps, "budget_seconds": budget_seconds,
-                              "rows": [], "recommendation": None, "unfinished": [], "probes": {}}
+                              "rows": [], "recommendation": None, "unfinished": [], "probes": {}, "utility": {},
+                              "utility_rounds": utility_rounds, "executor": executor}
     if not leaking:
         advice["sentence"] = "Nothing to stop: no attack leaked above its null in this audit."
         return advice
@@ -270,32 +295,54 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         if " cells: " not in msg:
             log(msg)
 
-    def run_probe(cid: str, cfg_raw: dict) -> dict:
-        d = out / cell_dir_name(cid)
+    def run_batch(jobs: list[tuple[str, dict, bool]]) -> list[dict]:
+        """Probes (``utility=False``) or utility runs (``True``) as cells, in parallel under ``executor``; each
+        cell's id holds its config's hash: a changed config (or a changed candidate) is a new cell."""
+        cells, names = [], {}
+        for cid, cfg_raw, is_utility in jobs:
+            key = f"{cid}#{config_hash(cfg_raw)[:8]}"
+            d = out / cell_dir_name(cid)
+            args = ((cfg_raw, utility_from or leaking, utility_rounds, device, cid == "utility:baseline")
+                    if is_utility else (cfg_raw, str(d), leaking, device, 1 if executor != "inline" else workers,
+                                        utility_from))
+            cells.append(Cell(key, _utility_job if is_utility else _probe_job, args, info=(cid, d)))
+            names[key] = cid
+        before = done_cells(jsonl)
+        ran.extend(names[c.id] for c in cells if c.id not in before)
 
         def row(cell, res, err, seconds):
-            r = {"cell": cell.id, "out": str(d.relative_to(Path(out_dir))), "seconds": seconds}
+            r = {"cell": cell.id, "out": str(cell.info[1].relative_to(Path(out_dir))), "seconds": seconds}
             return {**r, "error": error_text(err)} if err is not None else {**r, **res}
 
-        # the cell's id holds the probe config's hash: a changed config (or a changed candidate) is a new probe
-        key = f"{cid}#{config_hash(cfg_raw)[:8]}"
-        job = Cell(key, _probe_job, (cfg_raw, str(d), leaking, device, workers, utility_from, ran, cid))
-        latest = run_cells([job], jsonl, row, label="advise", log=quiet,
-                           describe=lambda r: ("stops the leak" if stopped(r, leaking) else "leaks: " + ", ".join(
-                               f"{a} {lv}" for a, lv in _levels(r, leaking).items())))
-        r = latest[key]
-        advice["probes"][cid] = r
-        return r
+        def describe(r):
+            if r["cell"].startswith("utility:"):
+                return f"accuracy {fmt(r.get('accuracy'))} after {r.get('rounds')} round(s)"
+            return "stops the leak" if stopped(r, leaking) else "leaks: " + ", ".join(
+                f"{a} {lv}" for a, lv in _levels(r, leaking).items())
+
+        latest = run_cells(cells, jsonl, row, label="advise", log=quiet, describe=describe,
+                           executor=executor if len(cells) > 1 else "inline", workers=workers)
+        rows = [latest[c.id] for c in cells]
+        for c, r in zip(cells, rows):
+            (advice["utility"] if names[c.id].startswith("utility:") else advice["probes"])[names[c.id]] = r
+        return rows
+
+    def run_probe(cid: str, cfg_raw: dict) -> dict:
+        return run_batch([(cid, cfg_raw, False)])[0]
 
     def over_budget() -> bool:
         return budget_seconds is not None and clock() - t0 >= budget_seconds
 
-    baseline = run_probe("baseline", base)
-    advice["baseline"] = {"accuracy": baseline.get("accuracy"), "levels": _levels(baseline, leaking),
-                          "accuracy_from": baseline.get("accuracy_from")}
-    specs = [s for s in CANDIDATES if (candidates is None or key(s) in candidates)
+    baseline, base_utility = run_batch([("baseline", base, False), ("utility:baseline", base, True)])
+    advice["baseline"] = {"accuracy": base_utility.get("accuracy"), "levels": _levels(baseline, leaking),
+                          **{k: base_utility.get(k) for k in ("accuracy_start", "accuracy_curve", "error")
+                             if k in base_utility}}
+    specs = [fitted_clip(s, base_utility) for s in CANDIDATES if (candidates is None or key(s) in candidates)
              and (not s.get("membership_only") or "membership" in kinds)]
     specs += [s for s in extra if candidates is None or key(s) in candidates]
+    if executor != "inline":  # every admitted candidate's strong end at once (the bisections then find them done)
+        run_batch([(f"{key(sp)}:{sp['param']}={fmt(sp['strong'])}", defended_config(base, sp, sp["strong"]), False)
+                   for sp in specs if _admitted(base, sp, leaking) is None])
     for spec in specs:
         row: dict[str, Any] = {"defense": key(spec), "stage": spec["stage"], "parameter": spec["param"],
                                "what": spec["what"], "fixed": spec["fixed"], "probes": [], **(spec.get("row") or {})}
@@ -304,13 +351,13 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         row["bracket"] = [weak, spec["strong"]]
         if start is not None:
             row["starting_point"] = start
+        if "clip_note" in spec:
+            row.update({"clip_norm": spec["clip_norm"], "clip_note": spec["clip_note"]})
         advice["rows"].append(row)
-        try:  # admitted by this setup? (the gate refusing every attack is a stop, not a refusal of the defense)
-            plan_audit(defended_config(base, spec, spec["strong"]), [], leaking)
-        except BadInput as err:
-            if not err.field.startswith("threat."):
-                row.update({"status": "not_applicable", "note": str(err)})
-                continue
+        why_not = _admitted(base, spec, leaking)
+        if why_not is not None:
+            row.update({"status": "not_applicable", "note": why_not})
+            continue
         if over_budget():
             row.update({"status": "unfinished", "note": "not started: the budget was spent"})
             continue
@@ -355,28 +402,24 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                 row["note"] = (f"stops already at the bracket's weak end {fmt(weak)}: a weaker strength may stop it "
                                "too (not searched)")
         row.update({"status": status, "strength": good, "interval": [bad if bad != good else None, good],
-                    "levels": _levels(found, leaking),
-                    "accuracy": found.get("accuracy"), "set": set_strings(base, spec, good),
+                    "levels": _levels(found, leaking), "set": set_strings(base, spec, good),
                     "config": {k: v for k, v in defended_config(base, spec, good).items()
                                if k in ("defenses", "defense", "fl", "threat")}})
         if status == "unfinished":
             row["note"] = (f"unfinished (budget): stops at {fmt(good)}; the weakest strength lies in "
                            f"[{fmt(bad)}, {fmt(good)}]")
-        b = advice["baseline"]["accuracy"]
-        if isinstance(b, (int, float)) and isinstance(found.get("accuracy"), (int, float)):
-            row["cost"] = b - found["accuracy"]
         if spec["name"] == "dpsgd":
-            row["epsilon"] = found.get("dp_epsilon")
+            row["epsilon_attacked"] = found.get("dp_epsilon")
         elif spec["name"] == "dp_gaussian":
-            row["epsilon"] = gaussian_epsilon(good, cfg0.fl.rounds)
-            row["epsilon_note"] = f"Gaussian mechanism, RDP, sampling rate 1, {cfg0.fl.rounds} round(s)"
+            row["epsilon_attacked"] = gaussian_epsilon(good, cfg0.fl.rounds)
         elif "epsilon" in spec:
             row.update(spec["epsilon"](good, cfg0.fl.rounds))
-        if spec["name"] in ("dp_gaussian", "dpsgd"):  # the clipping norm is fixed, not fitted to the updates' scale
-            row["note"] = "; ".join(x for x in (row.get("note"), (
-                f"clipping norm held at {_clip_norm(defended_config(base, spec, good), spec)}: updates "
-                "(or per-sample gradients) smaller than it are not clipped, and the noise is then absolute noise of "
-                "std noise_multiplier x that norm per coordinate")) if x)
+        if spec["name"] in CLIP_FROM and "clip_norm" not in row:  # no norm observed: the candidate's own norm
+            row["clip_note"] = (f"clipping norm held at {_clip_norm(defended_config(base, spec, good), spec)} (no "
+                                "update norm observed in the baseline utility run)")
+    by_key = {key(sp): sp for sp in specs}  # the candidates as searched (DP: the fitted clipping norm)
+    measure_utility(base, [(r, by_key[r["defense"]]) for r in advice["rows"] if "strength" in r], advice, run_batch,
+                    cfg0.fl.rounds)
     advice["unfinished"] = [r["defense"] for r in advice["rows"] if r.get("status") == "unfinished"]
     advice["ran_now"] = ran
     advice["seconds"] = clock() - t0
@@ -390,12 +433,12 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                            r["status"] != "stopped", hollow_dp(r),
                            r["tie_break"] if "tie_break" in r else STANDARD.index(r["defense"])))
     advice["ranking"] = [r["defense"] for r in ok]
-    costs = [r["cost"] for r in ok if isinstance(r.get("cost"), (int, float))]
-    if costs and all(c == 0 for c in costs):
-        advice["cost_note"] = (f"every measured cost is 0: after the configured {cfg0.fl.rounds} round(s) the global "
-                               f"model's accuracy ({fmt(advice['baseline']['accuracy'])} without a defense) does not "
-                               "move, so the ranking falls to the tie-break (the most standard defense first); raise "
-                               "fl.rounds to measure what each defense costs in training")
+    b = advice["baseline"]
+    if not improves(b):
+        advice["cost_note"] = (f"the undefended model's test accuracy does not rise over the {utility_rounds} utility "
+                               f"round(s) ({fmt(b.get('accuracy_start'))} before, {fmt(b.get('accuracy'))} after), so "
+                               "the costs measure no lost learning (raise audit.utility_rounds, or audit a setup "
+                               "whose undefended model learns in that many rounds)")
     if ok:
         best = ok[0]
         cost = best.get("cost")
@@ -407,7 +450,9 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             f"the weakest strength probed that brings {', '.join(leaking)} back to its null, at an accuracy cost of "
             + (f"{cost * 100:+.1f} points ({fmt(advice['baseline']['accuracy'])} -> {fmt(best.get('accuracy'))})"
                if isinstance(cost, (int, float)) else "(not measured)")
-            + (f", epsilon = {fmt(best['epsilon'])} at delta = {DELTA:g}" if isinstance(best.get("epsilon"), float) else "")
+            + (f" after {utility_rounds} training round(s)" if isinstance(cost, (int, float)) else "")
+            + (f", epsilon = {fmt(best['epsilon'])} at delta = {DELTA:g} over those rounds"
+               if isinstance(best.get("epsilon"), float) else "")
             + ". Set it with " + " ".join(f"--set '{s}'" for s in best["set"]) + ".")
     else:
         advice["sentence"] = ("No candidate stopped every leaking attack within its bracket"
@@ -438,15 +483,64 @@ def _clip_norm(cfg: dict, spec: dict) -> Any:
     return (d.get("params") or {}).get("max_norm", 1.0)
 
 
-def _probe_job(raw, out_dir, only, device, workers, utility_from, ran, cid):
-    """The cell's job (in this process): the probe, noted in ``ran`` (what this call actually ran)."""
-    ran.append(cid)
+def _probe_job(raw, out_dir, only, device, workers, utility_from):
+    """A probe cell's job (module level: the local and Ray executors pickle it)."""
     return probe(raw, out_dir, only, device, workers, utility_from)
+
+
+def _utility_job(raw, attacks, rounds, device, norms):
+    """A utility cell's job (:func:`gradleak.run.advise_utility.utility_job`)."""
+    return utility(raw, attacks, rounds, device, norms)
+
+
+def _admitted(base: dict, spec: dict, leaking: list[str]) -> str | None:
+    """None when this setup admits the candidate (at its strong end), else why not. The gate refusing every attack
+    (the server no longer sees what they read) is a stop, not a refusal of the defense."""
+    from gradleak.run.audit import plan_audit
+
+    try:
+        cfg = plan_audit(defended_config(base, spec, spec["strong"]), [], leaking)[3][0][2]
+    except BadInput as err:
+        return None if err.field.startswith("threat.") else str(err)
+    needs = spec.get("requires")
+    if needs == "batchnorm" and not (cfg.modality == "image" and cfg.model.name == "resnet18"
+                                     and cfg.model.norm == "batch"):
+        return (f"{key(spec)} audits each update with the BN-aware inversion, which reads BatchNorm running "
+                f"statistics: the model ({cfg.model.name}, {cfg.modality}) has no BatchNorm layer (it applies to "
+                "model.name=resnet18 with model.norm=batch, e.g. configs/leakage/fmnist_resnet18.yaml)")
+    return None
+
+
+def measure_utility(base: dict, found: list[tuple[dict, dict]], advice: dict, run_batch, attacked_rounds: int) -> None:
+    """The utility runs of the candidates found (``(row, spec)`` pairs) at their strengths, in one batch of cells;
+    fills each row's ``accuracy``, ``cost`` (against the baseline run) and, for DP, ``epsilon`` over the utility
+    rounds."""
+    runs = run_batch([(f"utility:{key(spec)}:{spec['param']}={fmt(r['strength'])}",
+                       defended_config(base, spec, r["strength"]), True) for r, spec in found]) if found else []
+    b = advice["baseline"].get("accuracy")
+    for (r, spec), u in zip(found, runs):
+        if "error" in u:
+            r["utility_error"] = u["error"]
+            continue
+        r.update(accuracy=u.get("accuracy"), accuracy_curve=u.get("accuracy_curve"), utility_rounds=u.get("rounds"))
+        if isinstance(b, (int, float)) and isinstance(r["accuracy"], (int, float)):
+            r["cost"] = b - r["accuracy"]
+        if spec["name"] == "dpsgd":
+            r["epsilon"] = u.get("dp_epsilon")
+        elif spec["name"] == "dp_gaussian":
+            r["epsilon"] = gaussian_epsilon(r["strength"], u.get("rounds") or 1)
+        if spec["name"] in CLIP_FROM:
+            r["epsilon_note"] = (f"epsilon over the {u.get('rounds')} utility round(s) (the training whose accuracy is "
+                                 f"reported); epsilon_attacked over the audited {attacked_rounds} round(s)")
+        if spec["name"] == "secure_aggregation":
+            r["utility_note"] = (f"trains {fmt(r['strength'])} clients' batches a round (the baseline: the configured "
+                                 "clients'): the cost compares federations of different sizes")
 
 
 def plot_panels(advice: dict) -> list[dict]:
     """The privacy-utility plot's data: per searched defense, each probe's strength with each leaking attack's
-    headline (and its null median / p99) and the accuracy; the baseline accuracy beside it."""
+    headline (and its null median / p99) and, at the strength found, the utility run's accuracy; the baseline
+    accuracy beside it."""
     panels = []
     for r in advice.get("rows") or []:
         pts = []
@@ -454,14 +548,15 @@ def plot_panels(advice: dict) -> list[dict]:
             p = (advice.get("probes") or {}).get(cid) or {}
             if "error" in p:
                 continue
-            pts.append({"x": value, "accuracy": p.get("accuracy"),
+            u = (advice.get("utility") or {}).get("utility:" + cid) or {}  # trained at the strength found only
+            pts.append({"x": value, "accuracy": u.get("accuracy"),
                         "attacks": {a: {k: ((p.get("attacks") or {}).get(a) or {}).get(k)
                                         for k in ("value", "null_median", "null_p99", "metric", "level")}
                                     for a in advice["attacks"]}})
         if pts:
             pts.sort(key=lambda t: t["x"])
             panels.append({"title": f"{r['defense']} ({r['parameter']})", "points": pts,
-                           "log": (r.get("scale") or CANDIDATE_BY_NAME[r["defense"]]["scale"]) != "log1m",
+                           "log": (r.get("scale") or CANDIDATE_BY_NAME[r["defense"]]["scale"]) not in ("log1m", "lin"),
                            "found": r.get("strength"), "baseline_accuracy": (advice.get("baseline") or {}).get("accuracy")})
     return panels
 
@@ -471,10 +566,12 @@ CANDIDATE_BY_NAME = {key(c): c for c in CANDIDATES}
 
 def run_audit_advised(raw: dict, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,
                       only: list[str] | None = None, command: str = "", log: Callable[[str], Any] = print,
-                      workers: int = 1, budget_seconds: float | None = None, advise_on: bool = False) -> dict:
+                      workers: int = 1, budget_seconds: float | None = None, advise_on: bool = False,
+                      executor: str = "inline") -> dict:
     """``gradleak audit --advise``: the audit (itself a cell, so a rerun after a kill reuses it), then
     :func:`advise` when ``advise_on`` or ``audit.advise`` says so; ``advice`` goes into audit.json and the report
-    (with ``advice.png``, the privacy-utility plot). ``budget_seconds`` (``--budget``) overrides ``audit.budget``."""
+    (with ``advice.png``, the privacy-utility plot). ``budget_seconds`` (``--budget``) overrides ``audit.budget``;
+    ``executor`` (``--executor``): see :func:`advise`."""
     from gradleak.run.audit import config_hash, plan_audit, run_audit
     from gradleak.run.audit_report import write_audit_report
     from gradleak.run.cells import Cell, error_text, run_cells
@@ -482,6 +579,7 @@ def run_audit_advised(raw: dict, out_dir: str | Path, overrides: list[str] | Non
     from gradleak.run.runner import check_out_dir
 
     budget_seconds = check_budget(budget_seconds)
+    check_executor(executor)
     resolved = plan_audit(raw, overrides, only)[0]
     section = resolved.get("audit") or {}
     opts = advise_section(section.get("advise"))
@@ -523,7 +621,8 @@ def run_audit_advised(raw: dict, out_dir: str | Path, overrides: list[str] | Non
         + (", ".join(e["name"] for e in result["attacks"] if e.get("level") in ("partial", "strong", "exact"))
            or "nothing (no leak)"))
     adv = advise(result["config"], out, result, device=device, workers=workers, budget_seconds=budget_seconds,
-                 candidates=opts["candidates"], steps=opts["steps"], log=log)
+                 candidates=opts["candidates"], steps=opts["steps"], log=log,
+                 utility_rounds=check_utility_rounds(section.get("utility_rounds")), executor=executor)
     panels = plot_panels(adv)
     if panels:
         from gradleak.report.plots import save_privacy_utility_plot

@@ -10,14 +10,17 @@ from gradleak.errors import BadInput
 
 #: bisection steps after the strong end
 STEPS = 3
+#: federated rounds of the utility runs (the accuracy cost) when ``audit.utility_rounds`` is not set
+UTILITY_ROUNDS = 20
 #: an epsilon above this guarantees nothing meaningful: such a DP row ranks after the other equally cheap defenses
 #: (it is absolute noise under a DP name) and the report marks it
 MEANINGFUL_EPSILON = 10.0
 #: tie-break among equally cheap defenses: the most standard first
 STANDARD = ("dp_gaussian", "dpsgd", "secure_aggregation", "gaussian_noise", "gaussian_noise_absolute", "clipping",
-            "topk_pruning", "stochastic_quantization", "percentile_noise", "fisguard")
+            "topk_pruning", "stochastic_quantization", "percentile_noise", "fisguard", "rdlv_filter")
 
-#: the candidates: where the defense goes (``update``: appended to ``defenses``; ``training``: ``defense:``; ``fl``:
+#: the candidates (``scale``: ``log``, ``log1m`` (on 1 - x), ``int`` (whole numbers, log), ``lin``; ``requires``: what
+#: the setup must have, else the candidate is listed as not applicable): where the defense goes (``update``: appended to ``defenses``; ``training``: ``defense:``; ``fl``:
 #: secure aggregation), the parameter searched, its bracket (weak -> strong), the scale, fixed parameters; ``key``: the
 #: name in the advice when one defense is searched in two modes; ``mode``: the parameters that make a configured
 #: defense this candidate (its starting point)
@@ -44,6 +47,9 @@ CANDIDATES: list[dict[str, Any]] = [
      "fixed": {}, "what": "clients summed by secure aggregation"},
     {"name": "fisguard", "stage": "training", "param": "rank", "weak": 64, "strong": 4, "scale": "int", "fixed": {},
      "what": "rank of the fixed input subspaces", "membership_only": True},
+    {"name": "rdlv_filter", "stage": "training", "param": "threshold", "weak": 1.0, "strong": 0.0, "scale": "lin",
+     "fixed": {}, "requires": "batchnorm",
+     "what": "RDLV threshold: a client withholds an update whose self-audit's RDLV lower 95 % bound exceeds it"},
 ]
 
 
@@ -79,3 +85,13 @@ def check_budget(budget: Any, field: str = "--budget") -> float | None:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0 or budget != budget:
         raise BadInput(field, f"must be a number of seconds > 0, got {budget!r}.", "write e.g. --budget 600.")
     return float(budget)
+
+
+def check_utility_rounds(rounds: Any, field: str = "audit.utility_rounds") -> int:
+    """``audit.utility_rounds``: the federated rounds each utility run trains (:data:`UTILITY_ROUNDS` when None)."""
+    if rounds is None:
+        return UTILITY_ROUNDS
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= 10_000:
+        raise BadInput(field, f"must be a whole number of rounds in [1, 10000], got {rounds!r}.",
+                       "write e.g. audit: {utility_rounds: 40} (each utility run trains that many rounds).")
+    return rounds

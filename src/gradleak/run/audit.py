@@ -102,7 +102,7 @@ def audit_overrides(raw: dict, overrides: list[str]) -> dict:
         value = parse_value(item.split("=", 1)[1], f"--set {key}")
         parts = key.split(".")[1:]
         names = attack_names()
-        if parts in (["seeds"], ["advise"], ["budget"]):
+        if parts in (["seeds"], ["advise"], ["budget"], ["utility_rounds"]):
             section[parts[0]] = value
         elif parts[:1] == ["params"] and 2 <= len(parts) <= 3:
             if parts[1] not in names:
@@ -122,18 +122,20 @@ def audit_overrides(raw: dict, overrides: list[str]) -> dict:
                                    f"parameters of '{parts[1]}': {', '.join(sorted(known)) or '(none)'}.")
                 params[parts[1]] = {**(params.get(parts[1]) or {}), parts[2]: value}
         else:
-            raise BadInput(f"--set {key}", "the audit section has the keys audit.seeds, audit.advise, audit.budget and "
-                           "audit.params.<attack>.<parameter>.",
+            raise BadInput(f"--set {key}", "the audit section has the keys audit.seeds, audit.advise, audit.budget, "
+                           "audit.utility_rounds and audit.params.<attack>.<parameter>.",
                            "write e.g. --set audit.params.lora_span.rank_rtol=1e-4 or --set audit.seeds=[0,1].")
     out = apply_overrides(raw, plain, ExperimentConfig) if plain else raw
-    bad = sorted(set(section) - {"params", "seeds", "advise", "budget"})
+    bad = sorted(set(section) - {"params", "seeds", "advise", "budget", "utility_rounds"})
     if bad:
         raise BadInput(f"audit.{bad[0]}", "this key of the audit section does not exist.",
-                       "the audit section has params: {<attack>: {...}}, seeds: [...], advise and budget.")
-    from gradleak.run.advise_options import advise_section, check_budget
+                       "the audit section has params: {<attack>: {...}}, seeds: [...], advise, budget and "
+                       "utility_rounds.")
+    from gradleak.run.advise_options import advise_section, check_budget, check_utility_rounds
 
     advise_section(section.get("advise"))  # `audit: {advise: true, budget: SECONDS}` (issue 30), checked here
     check_budget(section.get("budget"), "audit.budget")
+    check_utility_rounds(section.get("utility_rounds"))
     params = section.get("params")
     if params is not None and not isinstance(params, dict):
         raise BadInput("audit.params", f"must map attack names to their parameters, got {params!r}.",

@@ -112,9 +112,13 @@ def advice_rows(advice: dict) -> list[tuple[str, ...]]:
                     f"{fmt_value(acc)} (vs {fmt_value(base)})" if acc is not None else "–",
                     f"{cost * 100:+.1f} pts" if isinstance(cost, (int, float)) else "–",
                     (f"{fmt_value(eps)} (δ = {advice.get('delta', 1e-5):g}"
-                     + ("; no meaningful guarantee: ε > 10" if eps > 10 else "") + ")" if isinstance(eps, (int, float))
+                     + ("; no meaningful guarantee: ε > 10" if eps > 10 else "")
+                     + (f"; {fmt_value(r['epsilon_attacked'])} over the audited round(s)"
+                        if isinstance(r.get("epsilon_attacked"), (int, float)) else "") + ")"
+                     if isinstance(eps, (int, float))
                      else "–" if r["defense"] not in ("dp_gaussian", "dpsgd") else "not computed"),
-                    "; ".join(x for x in (r.get("status", ""), r.get("note", "")) if x)))
+                    "; ".join(x for x in (r.get("status", ""), r.get("note", ""), r.get("clip_note", ""),
+                                          r.get("utility_note", ""), r.get("utility_error", "")) if x)))
     return out
 
 
@@ -127,9 +131,14 @@ def advice_section(advice: dict) -> str:
              + "</table>")
     notes = [f"Searched for: {', '.join(advice.get('attacks') or [])} (each back to level none = below its null, the "
              "attacks re-run at full strength against the defense); bisection on a log scale, "
-             f"{advice.get('steps')} step(s) after the strong end; accuracy: the global model's test accuracy after the "
-             f"configured rounds ({advice.get('test_size')} held-out samples, same seeds), cost = accuracy without "
-             "minus with the defense."]
+             f"{advice.get('steps')} step(s) after the strong end; accuracy: the global model's test accuracy after "
+             f"{advice.get('utility_rounds')} rounds of training without an attack (audit.utility_rounds; fresh samples "
+             f"each round; {advice.get('test_size')} held-out samples, same seeds), cost = accuracy without minus with "
+             "the defense; ε over those rounds (and over the audited round, where it differs)."]
+    b = advice.get("baseline") or {}
+    if b.get("accuracy_curve"):
+        notes.append("Undefended model's test accuracy over the utility rounds (before, halfway, end): "
+                     + " → ".join(fmt_value(x) for x in b["accuracy_curve"]) + ".")
     if advice.get("cost_note"):
         notes.append(advice["cost_note"] + ".")
     if advice.get("test_size_note"):

@@ -31,8 +31,6 @@ from gradleak.config.schema import ExperimentConfig
 
 def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     from gradleak.attacks.base import AttackContext
-    from gradleak.defenses import build_defenses
-    from gradleak.fl.core import default_classification_loss
     from gradleak.fl.engines import rounds_engine
     from gradleak.fl.threat import build_view
 
@@ -69,14 +67,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     handle.model = model
     start_state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     rounds = attack.rounds_wanted(cfg.fl.rounds)
-    defenses = build_defenses([d.model_dump() for d in cfg.defenses], seed=cfg.seed)
-    defenses = defenses + defense.update_transforms(seed=cfg.seed)  # a `defense:` that is an update transform
-    loss_fn = handle.loss_fn or default_classification_loss
-    if defense.loss_options():
-        from gradleak.models.text import text_loss
-
-        loss_fn = text_loss(handle.kind, task=handle.info.get("task"), **defense.loss_options())
-    loss_fn = defense.wrap_loss(loss_fn, model)
+    defenses, loss_fn = round_defenses_and_loss(cfg, handle, model)
     evals, infos = [], []
     t_client = t_hook = t_rec = 0.0
     for trial in range(cfg.trials):
@@ -167,6 +158,78 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
         vals = [float(i["timings"][k]) for i in infos if k in (i.get("timings") or {})]
         timings.setdefault(k, float(np.mean(vals)))
     return _results(cfg, handle, evals, infos, metrics, timings)
+
+
+def train_global(cfg: ExperimentConfig, device, rounds: int, *, slices: int | None = None,
+                 norms: bool = False) -> dict[str, Any]:
+    """Federated training without an attack: the utility of a setup (``gradleak audit --advise``, issue 30).
+
+    ``cfg``'s clients hold ``slices`` (default ``rounds``) times their round's samples (one seeded draw, disjoint from
+    the ``data.test_size`` test samples); round r hands each client its slice r mod ``slices`` (fresh samples every
+    round until the slices run out, then again from the first: epochs over the clients' data; each round's batch the
+    size of the attacked round's), through the same round engine, defenses (update transforms, the
+    training-time defense's step and loss) and seeds (``seed + r``, lr ``fl.lr_at(r)``) as the pipeline; the honest
+    server applies each aggregate. Returns the test accuracy before training, halfway and at the end
+    (``accuracy_curve``), the final ``accuracy``, the training-time defense's report (DP-SGD: ``dp_epsilon`` over
+    these rounds) and, with ``norms``, every upload's L2 norm (``update_norms``, after the config's own defenses) and
+    every sample's gradient L2 norm at the model sent that round (``sample_gradient_norms``)."""
+    from gradleak.fl.engines import rounds_engine
+    from gradleak.fl.engines.builtin import apply_aggregate
+
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    data = ImageData(cfg) if cfg.modality == "image" else TextData(cfg)
+    handle, mcfg = build_handle(cfg)
+    defense = cfg.training_defense
+    defense.apply(handle, cfg, data=data)
+    model = handle.model.to(dev)
+    handle.model = model
+    defenses, loss_fn = round_defenses_and_loss(cfg, handle, model)
+    batches = data.clients(0, mcfg.num_classes)
+    test = data.test(mcfg.num_classes)
+    if test is None:
+        raise BadInput("data.test_size", "the utility needs held-out test samples.", "set data.test_size (e.g. 64).")
+    plan = cfg.client_plan()
+    slices = slices or rounds
+    per = [p["images"] // slices for p in plan]
+    settings = [{"batch_size": min(p["batch_size"], n), "epochs": p["epochs"]} for p, n in zip(plan, per)]
+
+    def accuracy() -> float:
+        if cfg.modality == "text":
+            return text_accuracy(handle, model, cfg, test, dev)["accuracy"]
+        was = model.training
+        model.eval()
+        try:
+            return image_accuracy(model, test, dev)["accuracy"]
+        finally:
+            model.train(was)
+
+    rounds_fn = rounds_engine(cfg.fl.engine, flower=cfg.fl.flower)
+    every = max(1, rounds // 2)  # the curve: before training, halfway and at the end
+    curve, update_norms, sample_norms = [accuracy()], [], []
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        k = r % slices
+        part = [(x[k * n:(k + 1) * n], y[k * n:(k + 1) * n]) for (x, y), n in zip(batches, per)]
+        clients, _ = clients_and_truth(handle, part, loss_fn, dev, cfg.threat_model, cfg)
+        if norms:
+            sample_norms += [v for c in clients for v in c.per_sample_gradient_norms(model)]
+        lr = cfg.fl.lr_at(r)
+        outcome = rounds_fn(model, clients, rounds=1, algorithm=cfg.fl.algorithm, lr=lr,
+                            local_epochs=cfg.fl.local_epochs, local_batch_size=cfg.fl.local_batch_size,
+                            defenses=defenses, seed=cfg.seed + r, keep_round=lambda _r: norms,
+                            local_update=defense.local_update, lr_at=lambda _r: lr,
+                            client_settings=settings if cfg.fl.algorithm == "fedavg" else None)
+        if norms:
+            update_norms += [u.norm() for u in outcome.rounds[0]]
+        apply_aggregate(model, outcome.last_aggregate, lr)
+        if (r + 1) % every == 0 or r + 1 == rounds:
+            curve.append(accuracy())
+    out: dict[str, Any] = {"accuracy": curve[-1], "accuracy_start": curve[0], "accuracy_curve": curve,
+                           "rounds": rounds, "slices": slices, "test_samples": len(test[0]), "train_seconds": time.perf_counter() - t0,
+                           **{k: v for k, v in defense.report([]).items() if isinstance(v, (int, float))}}
+    if norms:
+        out.update(update_norms=update_norms, sample_gradient_norms=sample_norms)
+    return out
 
 
 def evaluate_update(rec, truth: dict, *, handle, cfg: ExperimentConfig, out_dir, label, null_pool=None,
@@ -283,7 +346,7 @@ def _final_global_model(model, outcome, cfg, *, eval_mode: bool):
     """``model`` as the global model after the last round's aggregate (parameters stepped at the last round's lr, BN
     buffers by the mean change), optionally in eval mode; restored to what the server sent on exit."""
     from gradleak.fl.core import batchnorm_buffers
-    from gradleak.fl.engines.builtin import apply_buffer_change
+    from gradleak.fl.engines.builtin import apply_aggregate
 
     agg = outcome.last_aggregate
     lr = cfg.fl.lr_at(cfg.fl.rounds - 1)
@@ -291,12 +354,7 @@ def _final_global_model(model, outcome, cfg, *, eval_mode: bool):
     buffers = batchnorm_buffers(model)
     was = model.training
     try:
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n in agg.tensors:
-                    p.sub_(lr * agg.tensors[n].to(device=p.device, dtype=p.dtype))
-            if agg.buffers is not None:
-                apply_buffer_change(model, agg.buffers)
+        apply_aggregate(model, agg, lr)
         if eval_mode:
             model.eval()
         yield model
@@ -312,11 +370,17 @@ def _final_global_model(model, outcome, cfg, *, eval_mode: bool):
 
 
 def _utility(handle, model, outcome, cfg, test, dev) -> dict[str, float]:
-    """Accuracy of the global model after the last round's aggregate, on held-out samples: the classification
-    accuracy (bidirectional models) or the next-token accuracy (causal LMs, whose clients train the LM loss)."""
+    """Accuracy of the global model after the last round's aggregate, on held-out samples (:func:`text_accuracy`)."""
+    with _final_global_model(model, outcome, cfg, eval_mode=False):
+        return text_accuracy(handle, model, cfg, test, dev)
+
+
+def text_accuracy(handle, model, cfg, test, dev) -> dict[str, float]:
+    """``model``'s accuracy on held-out ``test`` texts: the classification accuracy (bidirectional models) or the
+    next-token accuracy (causal LMs, whose clients train the LM loss)."""
     texts, labels = test
     correct = total = 0
-    with _final_global_model(model, outcome, cfg, eval_mode=False), torch.no_grad():
+    with torch.no_grad():
         for a in range(0, len(texts), 64):
             enc = handle.text_model.encode(texts[a:a + 64], cfg.data.max_length)
             ids, mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
@@ -333,16 +397,39 @@ def _utility(handle, model, outcome, cfg, test, dev) -> dict[str, float]:
 
 def _image_utility(model, outcome, cfg, test, dev) -> dict[str, float]:
     """Test accuracy of the global model after the last round's aggregate, in eval mode (running statistics), on
-    ``data.test_size`` held-out images."""
+    ``data.test_size`` held-out images (:func:`image_accuracy`)."""
+    with _final_global_model(model, outcome, cfg, eval_mode=True):
+        return image_accuracy(model, test, dev)
+
+
+def image_accuracy(model, test, dev) -> dict[str, float]:
+    """``model``'s accuracy on held-out ``test`` images (as it is: the caller sets eval mode)."""
     x, y = test
     correct = 0
-    with _final_global_model(model, outcome, cfg, eval_mode=True), torch.no_grad():
+    with torch.no_grad():
         dtype = next(model.parameters()).dtype
         for a in range(0, len(x), 256):
             out = model((x[a:a + 256].to(dtype) * 2 - 1).to(dev))
             logits = out.logits if hasattr(out, "logits") else out
             correct += int((logits.argmax(-1).cpu() == y[a:a + 256]).sum())
     return {"accuracy": correct / max(len(x), 1), "test_samples": float(len(x))}
+
+
+def round_defenses_and_loss(cfg: ExperimentConfig, handle, model):
+    """The update defenses of every round (``defenses:``, then a ``defense:`` that is an update transform) and the
+    clients' loss (the training-time defense's loss options and wrapper), as the pipeline trains with them."""
+    from gradleak.defenses import build_defenses
+    from gradleak.fl.core import default_classification_loss
+
+    defense = cfg.training_defense
+    defenses = build_defenses([d.model_dump() for d in cfg.defenses], seed=cfg.seed)
+    defenses = defenses + defense.update_transforms(seed=cfg.seed)  # a `defense:` that is an update transform
+    loss_fn = handle.loss_fn or default_classification_loss
+    if defense.loss_options():
+        from gradleak.models.text import text_loss
+
+        loss_fn = text_loss(handle.kind, task=handle.info.get("task"), **defense.loss_options())
+    return defenses, defense.wrap_loss(loss_fn, model)
 
 
 def _pad_cat(encs: list[dict], tok) -> dict[str, torch.Tensor]:

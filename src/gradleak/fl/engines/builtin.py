@@ -76,13 +76,7 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
         it = track(it, description=f"FL rounds ({len(clients)} client(s), {algorithm})", total=rounds)
     for r in it:
         if r > 0:  # the server applies the previous round's aggregate
-            agg = out.last_aggregate
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if n in agg.tensors:
-                        p.sub_(lr_of(r - 1) * agg.tensors[n].to(device=p.device, dtype=p.dtype))
-                if agg.buffers is not None:
-                    apply_buffer_change(model, agg.buffers)
+            apply_aggregate(model, out.last_aggregate, lr_of(r - 1))
         if server_hook is not None:
             t0 = time.perf_counter()
             model = server_hook(r, model)
@@ -143,6 +137,17 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
                 out.secure_sums.append(server_noise(secure_aggregate(ups, seed=seed + 7 * r + 1), len(ups), r)
                                        if ups else out.last_aggregate)
     return out
+
+
+def apply_aggregate(model, agg: Update, lr: float) -> None:
+    """The honest server's step: ``w -= lr · aggregate`` on the parameters the aggregate holds, plus its mean BN
+    buffer change."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in agg.tensors:
+                p.sub_(lr * agg.tensors[n].to(device=p.device, dtype=p.dtype))
+        if agg.buffers is not None:
+            apply_buffer_change(model, agg.buffers)
 
 
 def apply_buffer_change(model, change: dict[str, torch.Tensor]) -> None:
