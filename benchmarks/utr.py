@@ -37,6 +37,9 @@ from _bench import (add_out_args, check_configs, display, latest_rows, resolve_o
                     run_cells as run_bench_cells, save_figure, start_fresh, write_section)
 from gradleak.run.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
+from gradleak.attacks.dager import NOT_APPLICABLE  # noqa: E402
+
+NA_DAGER = f"n/a — not applicable: {NOT_APPLICABLE}"
 
 GROUPS = ("table1", "table2", "table3", "fig4a", "fig4b", "capacity", "noise", "bottleneck")
 
@@ -56,7 +59,7 @@ PAPER_T3 = {"dp 0.01": "~100/~100", "dp 1.5": "~15/~15", "dp 2.0": "<2/<2", "dp 
 def cell_config(model: str, B: int, attack: str = "utr", rf: int = 2, eps: float = 1e-3, defenses=None,
                 rounds: int = 1, peft: str = "adapters", trials: int = 1, seed: int = 0,
                 data: str = "rt-sentences", noise: str | None = None, fl: dict | None = None,
-                threat: dict | None = None) -> dict:
+                threat: dict | None = None, layers: int = 2) -> dict:
     params = {}
     if attack in ("utr", "dager"):
         params = {"eps_bag": eps, "eps_sentence": eps}
@@ -64,7 +67,7 @@ def cell_config(model: str, B: int, attack: str = "utr", rf: int = 2, eps: float
         params["time_budget"] = 120.0  # encoder sentence search stops here (reported as search_truncated; never hit)
         if noise is not None:
             params["noise"] = noise
-    cfg = {"experiment": "utr", "seed": seed, "trials": trials, "model": {"name": model, "layers": 2},
+    cfg = {"experiment": "utr", "seed": seed, "trials": trials, "model": {"name": model, "layers": layers},
            # each PEFT kind takes only its own keys (the schema refuses the other kind's)
            "peft": {"kind": peft, "reduction_factor": rf} if peft == "adapters" else {"kind": peft, "lora_rank": 128},
            "data": {"name": data, "batch_size": B}, "fl": {"rounds": rounds, "lr": 0.5, **(fl or {})},
@@ -145,6 +148,7 @@ def grid(quick: bool, only: set[str] | None) -> list[tuple[str, str, dict]]:
             if B == 1:  # LAMP at its own schedule: ~5 min a sentence on one core (B = 1: the paper's comparison)
                 cells.append(("table1", f"t1/{m}/lamp/B{B}", cell_config(m, B, attack="lamp", trials=2)))
                 cells.append(("table1", f"t1/{m}/lamp_bag/B{B}", cell_config(m, B, attack="lamp_bag", trials=2)))
+    cells += fair_baseline_grid()
     for m in models:
         for rf in (1, 2, 4, 8):
             cells.append(("fig4a", f"f4a/{m}/rf{rf}", cell_config(m, 4, rf=rf)))
@@ -154,6 +158,35 @@ def grid(quick: bool, only: set[str] | None) -> list[tuple[str, str, dict]]:
     cells += noise_grid()
     cells += bottleneck_grid()
     return [c for c in cells if not only or c[0] in only]
+
+
+#: issue 28 item 1: DAGER as published checks the first two attention layers of a deeper model (MiniLM-L6's 6
+#: layers: its second check is on layer 1, not on a 2-layer [CLS] classifier's last layer, whose key/query gradient
+#: sees only what the [CLS] query attends to); LoRA (rank 128) on query + key of every layer
+DAGER_LAYERS = 6
+#: seed 0 tuned on (the span tolerances), 4242 held out
+FAIR_SEEDS = (0, 4242)
+
+
+def fair_cell(cell: str, seed: int) -> str:
+    """The id of a fair-baseline cell at ``seed``: seed 0 keeps the Table 1 id, a held-out seed gets ``/s<seed>``."""
+    return cell if seed == FAIR_SEEDS[0] else f"{cell}/s{seed}"
+
+
+def fair_baseline_grid() -> list[tuple[str, str, dict]]:
+    """Issue 28 item 1: DAGER as published (6 layers, LoRA on query + key) at B = 1, 2, 4, 8 and LAMP at B = 1, 2, 4
+    on MiniLM, the tuned seed and a held-out one (LAMP B = 1 seed 0 is the 2-trial Table 1 cell)."""
+    cells = []
+    for seed in FAIR_SEEDS:
+        for B in (1, 2, 4, 8):
+            cells.append(("table1", fair_cell(f"t1/minilm/dager_lora_L{DAGER_LAYERS}/B{B}", seed),
+                          cell_config("minilm", B, attack="dager", peft="lora", seed=seed, layers=DAGER_LAYERS)))
+    for seed in FAIR_SEEDS:
+        for B in (1, 2, 4):
+            if (seed, B) != (FAIR_SEEDS[0], 1):  # the Table 1 cell (2 trials) above
+                cells.append(("table1", fair_cell(f"t1/minilm/lamp/B{B}", seed),
+                              cell_config("minilm", B, attack="lamp", seed=seed)))
+    return cells
 
 
 #: issue 11: how far past the bottleneck (layer states / bottleneck rows) ROUGE stays >= 90; seed 0 tuned on,
@@ -215,14 +248,119 @@ def r12(row: dict | None) -> str:
     if not row:
         return "–"
     m = row["metrics"]
+    if m.get("attack_failed") and row["config"]["attack"]["name"] == "dager":  # nothing measured: not a 0
+        return NA_DAGER
     s = f"{m['rouge1']:.1f}/{m['rouge2']:.1f}"
     if m.get("capacity_exhausted"):
         s += " (cap.)"
     if m.get("search_truncated"):
         s += " (time budget)"
     if m.get("attack_failed"):
-        s += " (no attn. grads)"
+        s += " (attack failed)"
     return s
+
+
+#: Table 1 cells not in the grid, with the reason (a cell that was not run says why instead of a bare dash)
+_LAMP_COST = "not run: LAMP's schedule takes ~8 min a sentence on one core (`t1/minilm/lamp/B1`)"
+NOT_RUN = {("smollm2", f"dager_lora_L{DAGER_LAYERS}"): "not run: issue 28 measured the encoder (a causal LM's layer 1 "
+           "gets every position's gradient at 2 layers already)",
+           ("smollm2", "lamp"): _LAMP_COST + "; issue 28 measured MiniLM",
+           ("minilm", "lamp", 8): _LAMP_COST + "; issue 28 asked B = 1, 2, 4",
+           ("minilm", "lamp_bag"): _LAMP_COST + "; B = 1 only", ("smollm2", "lamp_bag"): _LAMP_COST + "; B = 1 only"}
+
+
+def _t1_cell(by: dict, model: str, key: str, B: int) -> str:
+    row = by.get(f"t1/{model}/{key}/B{B}")
+    if row is None:
+        return NOT_RUN.get((model, key, B)) or NOT_RUN.get((model, key)) or "–"
+    return r12(row)
+
+
+def _command(cell: str) -> str:
+    return f"`python benchmarks/utr.py --out benchmarks/out --only table1 --cells '{cell}' --rerun`"
+
+
+def fair_section(by: dict) -> str:
+    """Issue 28 item 1: DAGER as published and LAMP at B = 1, 2, 4 on MiniLM, each seed beside the held-out one,
+    ROUGE F1 beside its null (``benchmarks/nulls.py``'s text null of the cell's own batch), the command per cell."""
+    from nulls import config_from_dict, text_null_setting
+
+    nulls: dict[tuple, dict] = {}
+
+    def null_of(row: dict) -> dict:
+        cfg = config_from_dict(row["config"])
+        key = (cfg.data.name, cfg.data.batch_size, cfg.seed)
+        if key not in nulls:
+            nulls[key] = text_null_setting(cfg, {})
+        return nulls[key]
+
+    table = []
+    for meth, key, bs in ((f"DAGER as published (LoRA q+k rank 128, {DAGER_LAYERS} layers)",
+                           f"dager_lora_L{DAGER_LAYERS}", (1, 2, 4, 8)),
+                          ("DAGER, 2 layers (2nd check on the last layer)", "dager_lora", (1, 2, 4, 8)),
+                          ("LAMP (its schedule, SmolLM2 prior)", "lamp", (1, 2, 4))):
+        for B in bs:
+            for seed in FAIR_SEEDS:
+                cell = fair_cell(f"t1/minilm/{key}/B{B}", seed)
+                row = by.get(cell)
+                if row is None and key == "dager_lora" and seed != FAIR_SEEDS[0]:
+                    continue  # the 2-layer row is the old Table 1 cell, seed 0 only (the contrast)
+                entry = {"method": meth, "B": B, "seed": f"{seed} ({'tuned on' if seed == FAIR_SEEDS[0] else 'held out'})"}
+                if row is None:
+                    table.append({**entry, "R1/R2 recall": "not measured (cell not in the stored results)",
+                                  "R1 / R2 F1 (null p99)": "–", "verified": "–", "paper BERT RT": "–",
+                                  "attack s": "–", "command": _command(cell)})
+                    continue
+                m, nul = row["metrics"], null_of(row)
+                f1 = " / ".join(f"{m[k]:.1f} ({nul[k]['null_p99']:.1f})" if m.get(k) is not None else "–"
+                                for k in ("rouge1_f1", "rouge2_f1"))
+                trials = row["config"].get("trials", 1)
+                n_sent = B * trials
+                ver = m.get("sentences_verified")
+                table.append({**entry, "R1/R2 recall": r12(row) + (f" ({trials} batches)" if trials > 1 else ""),
+                              "R1 / R2 F1 (null p99)": f1,
+                              "verified": f"{int(round(ver * trials))}/{n_sent}" if ver is not None else "–",
+                              "paper BERT RT": PAPER_T1.get((B, key.split("_")[0]), ("–",))[0],
+                              "attack s": _t(row), "command": _command(cell)})
+    return ("### Fair baselines (issue 28 item 1): DAGER as published, LAMP at B = 1, 2, 4 (MiniLM, RT)\n\n"
+            + FAIR_INTRO + "\n\n" + markdown_table(table, list(table[0])) + "\n\n" + fair_verdict(by))
+
+
+FAIR_INTRO = (
+    "DAGER (Petrov et al. 2024) filters tokens by span membership of each (token, position) embedding in the first "
+    "attention layer's query/key gradient row space and verifies sentences with the second layer's; the paper "
+    "attacks whole models. Here: LoRA (rank 128) on query + key of every layer (the threat Table 1's DAGER row "
+    f"keeps; the gradients DAGER reads are the LoRA A gradients, whose rows lie in the same span), MiniLM with all "
+    f"{DAGER_LAYERS} layers (`model.layers = {DAGER_LAYERS}`), so the second check (layer 1) is not the last layer "
+    "of the [CLS] classifier; span tolerances 1e-3 (seed 0 tuned on, 4242 held out), the encoder sentence search "
+    "of `gradleak.attacks.common.encoder_search` with layer 1's query input as the probe (our search, not DAGER's). "
+    "Recall is the paper's metric; the null is ROUGE F1 of as many random RT sentences no client holds, matched the "
+    "same way (1000 draws, `benchmarks/nulls.py`; LAMP B = 1 seed 0 averages 2 batches, its null is the first "
+    "batch's). `verified` = sentences the span check proves. LAMP grants lengths and labels (its threat model). "
+    "Wall times on a shared 2-core machine (several jobs at once).")
+
+
+def fair_verdict(by: dict) -> str:
+    """One sentence on whether the paper's baseline claims hold here, from the stored numbers."""
+    def r1(cell):
+        row = by.get(cell)
+        return None if row is None else row["metrics"]["rouge1"]
+
+    d6 = [r1(fair_cell(f"t1/minilm/dager_lora_L{DAGER_LAYERS}/B2", s)) for s in FAIR_SEEDS]
+    d2 = r1("t1/minilm/dager_lora/B2")
+    lamp = {B: [r1(fair_cell(f"t1/minilm/lamp/B{B}", s)) for s in FAIR_SEEDS] for B in (1, 2, 4)}
+    if any(v is None for v in d6) or d2 is None:
+        return "**Verdict:** not all DAGER cells are measured yet; no conclusion."
+    holds = all(v >= 90 for v in d6)
+    fmt = lambda vs: " / ".join("–" if v is None else f"{v:.1f}" for v in vs)  # noqa: E731
+    return (f"**Verdict:** the paper's DAGER level on BERT (ROUGE-1 >= 90 at B = 2; 98.1 on RT) "
+            f"{'holds' if holds else 'does not hold'} here when DAGER gets what it is built for -- query/key "
+            f"gradients of a model deep enough that its second check is not the last layer ({DAGER_LAYERS} layers, "
+            f"LoRA q+k: B = 2 ROUGE-1 {fmt(d6)} on seeds {FAIR_SEEDS[0]} / {FAIR_SEEDS[1]}) -- not on a 2-layer "
+            f"[CLS] classifier ({d2:.1f}), and is not applicable on an adapters-only upload (no attention-layer "
+            "gradient: UTR's point, which is a 'cannot run', not a 0); LAMP's ROUGE-1 at B = 1 / 2 / 4 is "
+            f"{' ; '.join(f'{fmt(lamp[B])}' for B in (1, 2, 4))} (seeds {FAIR_SEEDS[0]} / {FAIR_SEEDS[1]}; paper "
+            "31.4 / 11.2 / 6.3).")
 
 
 def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None:
@@ -246,17 +384,19 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
     t1 = []
     for B in (1, 2, 4, 8):
         for meth, key in (("UTR rf=2", "utr"), ("UTR rf=1", "utr_rf1"), ("DAGER (adapters, frozen)", "dager_frozen"),
-                          ("DAGER (LoRA on query)", "dager_lora"), ("LAMP", "lamp"),
+                          (f"DAGER as published (LoRA q+k, {DAGER_LAYERS} layers)", f"dager_lora_L{DAGER_LAYERS}"),
+                          ("DAGER (LoRA q+k, 2 layers: 2nd check on the last)", "dager_lora"), ("LAMP", "lamp"),
                           ("LAMP + UTR word bag", "lamp_bag")):
             base = key.split("_")[0]
             paper = PAPER_T1.get((B, base), ("–", "–"))
             if key == "dager_frozen":
                 paper = ("0/0 (Qwen column)", "0/0 (Qwen column)")
-            t1.append({"B": B, "method": meth, "minilm": r12(by.get(f"t1/minilm/{key}/B{B}")), "paper BERT RT": paper[0],
-                       "smollm2": r12(by.get(f"t1/smollm2/{key}/B{B}")), "paper GPT2 RT": paper[1],
+            t1.append({"B": B, "method": meth, "minilm": _t1_cell(by, "minilm", key, B), "paper BERT RT": paper[0],
+                       "smollm2": _t1_cell(by, "smollm2", key, B), "paper GPT2 RT": paper[1],
                        "time minilm s": _t(by.get(f"t1/minilm/{key}/B{B}")),
                        "time smollm2 s": _t(by.get(f"t1/smollm2/{key}/B{B}"))})
     parts.append("### Table 1 (B = 1..8)\n\n" + markdown_table(t1, list(t1[0])))
+    parts.append(fair_section(by))
     t2 = []
     for B in (16, 32, 64, 128):
         t2.append({"B": B, "minilm rf=1": r12(by.get(f"t2/minilm/utr/B{B}")), "smollm2 rf=1": r12(by.get(f"t2/smollm2/utr/B{B}")),
