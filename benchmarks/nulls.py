@@ -161,6 +161,7 @@ UTR_GROUPS = {"table1": "Table 1", "table2": "Table 2", "table3": "Table 3 (defe
 NA_DAGER = f"n/a — not applicable: {NOT_APPLICABLE}"
 UTR_METHODS = {"utr": "UTR rf=2", "utr_rf1": "UTR rf=1", "dager_lora": "DAGER (LoRA q+k, 2 layers)",
                "dager_lora_L6": "DAGER as published (LoRA q+k, 6 layers)",
+               "dager_full_L6": "DAGER as published, full-rank (LoRA rank 384, 6 layers)",
                "dager_frozen": "DAGER (adapters)", "lamp": "LAMP", "lamp_bag": "LAMP + UTR bag"}
 
 

@@ -19,7 +19,8 @@ only with ``--update-docs`` or ``--report-only``. ``--out`` defaults to ``runs/b
 
 Our offline models are narrower than the paper's (MiniLM d=384 for BERT-Base, SmolLM2-135M d=576 for
 GPT2-L/Qwen), so bottlenecks are 192/288 at reduction factor 2, and capacity runs out at smaller batches:
-cells past it carry ``capacity_exhausted=1``. LAMP cells grant ``threat.knows_lengths`` and
+cells past it carry ``capacity_exhausted=1``. DAGER's fair cells (issue 28) keep all 6 MiniLM layers
+(``DAGER_LAYERS``) so its second span check is not on the last layer. LAMP cells grant ``threat.knows_lengths`` and
 ``threat.knows_labels`` explicitly (LAMP's threat model; the pipeline refuses LAMP without them).
 """
 
@@ -59,7 +60,7 @@ PAPER_T3 = {"dp 0.01": "~100/~100", "dp 1.5": "~15/~15", "dp 2.0": "<2/<2", "dp 
 def cell_config(model: str, B: int, attack: str = "utr", rf: int = 2, eps: float = 1e-3, defenses=None,
                 rounds: int = 1, peft: str = "adapters", trials: int = 1, seed: int = 0,
                 data: str = "rt-sentences", noise: str | None = None, fl: dict | None = None,
-                threat: dict | None = None, layers: int = 2) -> dict:
+                threat: dict | None = None, layers: int = 2, lora_rank: int = 128) -> dict:
     params = {}
     if attack in ("utr", "dager"):
         params = {"eps_bag": eps, "eps_sentence": eps}
@@ -69,7 +70,7 @@ def cell_config(model: str, B: int, attack: str = "utr", rf: int = 2, eps: float
             params["noise"] = noise
     cfg = {"experiment": "utr", "seed": seed, "trials": trials, "model": {"name": model, "layers": layers},
            # each PEFT kind takes only its own keys (the schema refuses the other kind's)
-           "peft": {"kind": peft, "reduction_factor": rf} if peft == "adapters" else {"kind": peft, "lora_rank": 128},
+           "peft": {"kind": peft, "reduction_factor": rf} if peft == "adapters" else {"kind": peft, "lora_rank": lora_rank},
            "data": {"name": data, "batch_size": B}, "fl": {"rounds": rounds, "lr": 0.5, **(fl or {})},
            "attack": {"name": attack, "params": params}, "defenses": defenses or []}
     if threat:
@@ -164,6 +165,9 @@ def grid(quick: bool, only: set[str] | None) -> list[tuple[str, str, dict]]:
 #: layers: its second check is on layer 1, not on a 2-layer [CLS] classifier's last layer, whose key/query gradient
 #: sees only what the [CLS] query attends to); LoRA (rank 128) on query + key of every layer
 DAGER_LAYERS = 6
+#: LoRA rank = MiniLM's hidden size: B is square (and invertible), so the A gradient's rows span exactly what the full
+#: query/key gradient's rows span -- the paper's full-fine-tuning setting as far as DAGER's span checks go
+FULL_RANK = 384
 #: seed 0 tuned on (the span tolerances), 4242 held out
 FAIR_SEEDS = (0, 4242)
 
@@ -181,6 +185,9 @@ def fair_baseline_grid() -> list[tuple[str, str, dict]]:
         for B in (1, 2, 4, 8):
             cells.append(("table1", fair_cell(f"t1/minilm/dager_lora_L{DAGER_LAYERS}/B{B}", seed),
                           cell_config("minilm", B, attack="dager", peft="lora", seed=seed, layers=DAGER_LAYERS)))
+            cells.append(("table1", fair_cell(f"t1/minilm/dager_full_L{DAGER_LAYERS}/B{B}", seed),
+                          cell_config("minilm", B, attack="dager", peft="lora", seed=seed, layers=DAGER_LAYERS,
+                                      lora_rank=FULL_RANK)))
     for seed in FAIR_SEEDS:
         for B in (1, 2, 4):
             if (seed, B) != (FAIR_SEEDS[0], 1):  # the Table 1 cell (2 trials) above
@@ -261,12 +268,11 @@ def r12(row: dict | None) -> str:
 
 
 #: Table 1 cells not in the grid, with the reason (a cell that was not run says why instead of a bare dash)
-_LAMP_COST = "not run: LAMP's schedule takes ~8 min a sentence on one core (`t1/minilm/lamp/B1`)"
-NOT_RUN = {("smollm2", f"dager_lora_L{DAGER_LAYERS}"): "not run: issue 28 measured the encoder (a causal LM's layer 1 "
-           "gets every position's gradient at 2 layers already)",
-           ("smollm2", "lamp"): _LAMP_COST + "; issue 28 measured MiniLM",
-           ("minilm", "lamp", 8): _LAMP_COST + "; issue 28 asked B = 1, 2, 4",
-           ("minilm", "lamp_bag"): _LAMP_COST + "; B = 1 only", ("smollm2", "lamp_bag"): _LAMP_COST + "; B = 1 only"}
+_LAMP_COST = "not run: ~8 min of one core a sentence"
+_CAUSAL = "not run: a causal LM's layer 1 is no [CLS] bottleneck (2 layers suffice)"
+NOT_RUN = {("smollm2", f"dager_lora_L{DAGER_LAYERS}"): _CAUSAL, ("smollm2", f"dager_full_L{DAGER_LAYERS}"): _CAUSAL,
+           ("smollm2", "lamp"): _LAMP_COST + " (MiniLM measured)", ("minilm", "lamp", 8): _LAMP_COST + " (B <= 4 measured)",
+           ("minilm", "lamp_bag"): _LAMP_COST + " (B = 1 only)", ("smollm2", "lamp_bag"): _LAMP_COST + " (B = 1 only)"}
 
 
 def _t1_cell(by: dict, model: str, key: str, B: int) -> str:
@@ -297,6 +303,8 @@ def fair_section(by: dict) -> str:
     table = []
     for meth, key, bs in ((f"DAGER as published (LoRA q+k rank 128, {DAGER_LAYERS} layers)",
                            f"dager_lora_L{DAGER_LAYERS}", (1, 2, 4, 8)),
+                          (f"DAGER as published, full-rank (LoRA q+k rank {FULL_RANK} = d, {DAGER_LAYERS} layers)",
+                           f"dager_full_L{DAGER_LAYERS}", (1, 2, 4, 8)),
                           ("DAGER, 2 layers (2nd check on the last layer)", "dager_lora", (1, 2, 4, 8)),
                           ("LAMP (its schedule, SmolLM2 prior)", "lamp", (1, 2, 4))):
         for B in bs:
@@ -312,8 +320,9 @@ def fair_section(by: dict) -> str:
                                   "attack s": "–", "command": _command(cell)})
                     continue
                 m, nul = row["metrics"], null_of(row)
-                f1 = " / ".join(f"{m[k]:.1f} ({nul[k]['null_p99']:.1f})" if m.get(k) is not None else "–"
-                                for k in ("rouge1_f1", "rouge2_f1"))
+                # rows before the evaluator's *_f1 keys hold the same F1 under rouge1_f / rouge2_f
+                f1 = " / ".join(f"{v:.1f} ({nul[k]['null_p99']:.1f})" if v is not None else "–"
+                                for k, v in ((k, m.get(k, m.get(k[:-1]))) for k in ("rouge1_f1", "rouge2_f1")))
                 trials = row["config"].get("trials", 1)
                 n_sent = B * trials
                 ver = m.get("sentences_verified")
@@ -330,7 +339,9 @@ FAIR_INTRO = (
     "DAGER (Petrov et al. 2024) filters tokens by span membership of each (token, position) embedding in the first "
     "attention layer's query/key gradient row space and verifies sentences with the second layer's; the paper "
     "attacks whole models. Here: LoRA (rank 128) on query + key of every layer (the threat Table 1's DAGER row "
-    f"keeps; the gradients DAGER reads are the LoRA A gradients, whose rows lie in the same span), MiniLM with all "
+    f"keeps; the gradients DAGER reads are the LoRA A gradients, whose rows lie in the same span, rank <= 128), and "
+    f"*full-rank*: LoRA rank {FULL_RANK} = the hidden size, whose square B makes the A gradient's row space exactly "
+    "the full query/key gradient's (the paper's full fine-tuning, as far as the span checks see). MiniLM with all "
     f"{DAGER_LAYERS} layers (`model.layers = {DAGER_LAYERS}`), so the second check (layer 1) is not the last layer "
     "of the [CLS] classifier; span tolerances 1e-3 (seed 0 tuned on, 4242 held out), the encoder sentence search "
     "of `gradleak.attacks.common.encoder_search` with layer 1's query input as the probe (our search, not DAGER's). "
@@ -385,6 +396,7 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
     for B in (1, 2, 4, 8):
         for meth, key in (("UTR rf=2", "utr"), ("UTR rf=1", "utr_rf1"), ("DAGER (adapters, frozen)", "dager_frozen"),
                           (f"DAGER as published (LoRA q+k, {DAGER_LAYERS} layers)", f"dager_lora_L{DAGER_LAYERS}"),
+                          (f"DAGER as published, full-rank (LoRA rank {FULL_RANK} = d)", f"dager_full_L{DAGER_LAYERS}"),
                           ("DAGER (LoRA q+k, 2 layers: 2nd check on the last)", "dager_lora"), ("LAMP", "lamp"),
                           ("LAMP + UTR word bag", "lamp_bag")):
             base = key.split("_")[0]
@@ -583,8 +595,11 @@ NOTES = """### Notes
   the end) scored by the cosine loss + 0.2 x the auxiliary LM's NLL, the best iterate returned. LAMP's BERT prior
   (a GPT-2 with BERT's vocabulary) is not available offline: the SmolLM2-135M scores re-tokenised candidates, and
   only the 20 best by the gradient term. `LAMP + UTR word bag` projects to UTR's exact bag.
-* **DAGER** with the backbone frozen has no attention gradients and recovers nothing; with LoRA on query/key
-  its span checks work (exact at B = 1 on both models).
+* **DAGER** needs attention-layer gradients: on an adapters-only upload (backbone frozen) it is not applicable --
+  nothing is measured, the evaluation grades it undefined, and the tables say n/a instead of 0. With LoRA on query
+  + key it checks layers 0 and 1 (its layers). On a 2-layer [CLS] classifier layer 1 is the last layer, whose
+  gradient arrives through the [CLS] query only (`t1/minilm/dager_lora/B2`: rank 26 for 71 states, exact word bag,
+  no sentence verified); the attack now warns there, and the fair row runs all 6 MiniLM layers (Fair baselines).
 """
 
 
