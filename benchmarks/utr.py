@@ -300,7 +300,7 @@ def fair_section(by: dict) -> str:
             nulls[key] = text_null_setting(cfg, {})
         return nulls[key]
 
-    table = []
+    table, missing = [], set()
     for meth, key, bs in ((f"DAGER as published (LoRA q+k rank 128, {DAGER_LAYERS} layers)",
                            f"dager_lora_L{DAGER_LAYERS}", (1, 2, 4, 8)),
                           (f"DAGER as published, full-rank (LoRA q+k rank {FULL_RANK} = d, {DAGER_LAYERS} layers)",
@@ -315,7 +315,8 @@ def fair_section(by: dict) -> str:
                     continue  # the 2-layer row is the old Table 1 cell, seed 0 only (the contrast)
                 entry = {"method": meth, "B": B, "seed": f"{seed} ({'tuned on' if seed == FAIR_SEEDS[0] else 'held out'})"}
                 if row is None:
-                    table.append({**entry, "R1/R2 recall": "not measured (cell not in the stored results)",
+                    missing.add(key.split("_")[0])
+                    table.append({**entry, "R1/R2 recall": "not measured (note below)",
                                   "R1 / R2 F1 (null p99)": "–", "verified": "–", "paper BERT RT": "–",
                                   "attack s": "–", "command": _command(cell)})
                     continue
@@ -332,8 +333,20 @@ def fair_section(by: dict) -> str:
                               "paper BERT RT": PAPER_T1.get((B, key.split("_")[0]), ("–",))[0],
                               "attack s": _t(row), "command": _command(cell)})
     return ("### Fair baselines (issue 28 item 1): DAGER as published, LAMP at B = 1, 2, 4 (MiniLM, RT)\n\n"
-            + FAIR_INTRO + "\n\n" + markdown_table(table, list(table[0])) + "\n\n" + fair_verdict(by))
+            + FAIR_INTRO + "\n\n" + markdown_table(table, list(table[0])) + "\n\n"
+            + "".join(f"*{FAIR_NOT_MEASURED[k]}*\n\n" for k in sorted(missing) if k in FAIR_NOT_MEASURED)
+            + fair_verdict(by))
 
+
+#: why a fair-baseline cell has no stored result (what was observed when it was tried)
+FAIR_NOT_MEASURED = {
+    "lamp": "LAMP B >= 2 and its held-out B = 1: not measured. LAMP's schedule took 477 s of one core for one "
+            "B = 1 batch (more at B >= 2: every sentence gets its own 200 rearrangements per discrete step); the "
+            "shared 2-core machine of issue 28's session (load 13-25) gave each job ~5-8 % of a core -- "
+            "`t1/minilm/lamp/B2` had 250 s of CPU after 53 min and was stopped unfinished to leave the cores to "
+            "the DAGER cells. Run the commands on a quiet machine (~10-30 min a cell).",
+    "dager": "DAGER cells marked not measured were still running when issue 28's session ended (on the shared "
+             "machine a B = 4 cell had ~3 min of CPU after 40 min of wall time, and no result yet)."}
 
 FAIR_INTRO = (
     "DAGER (Petrov et al. 2024) filters tokens by span membership of each (token, position) embedding in the first "
@@ -359,19 +372,20 @@ def fair_verdict(by: dict) -> str:
 
     d6 = [r1(fair_cell(f"t1/minilm/dager_lora_L{DAGER_LAYERS}/B2", s)) for s in FAIR_SEEDS]
     d2 = r1("t1/minilm/dager_lora/B2")
+    df = [r1(fair_cell(f"t1/minilm/dager_full_L{DAGER_LAYERS}/B2", s)) for s in FAIR_SEEDS]
     lamp = {B: [r1(fair_cell(f"t1/minilm/lamp/B{B}", s)) for s in FAIR_SEEDS] for B in (1, 2, 4)}
-    if any(v is None for v in d6) or d2 is None:
-        return "**Verdict:** not all DAGER cells are measured yet; no conclusion."
-    holds = all(v >= 90 for v in d6)
-    fmt = lambda vs: " / ".join("–" if v is None else f"{v:.1f}" for v in vs)  # noqa: E731
+    if any(v is None for v in d6 + df) or d2 is None:
+        return "**Verdict:** not all DAGER B = 2 cells are measured; no conclusion."
+    holds = all(v >= 90 for v in d6 + df)
+    fmt = lambda vs: " / ".join("not measured" if v is None else f"{v:.1f}" for v in vs)  # noqa: E731
     return (f"**Verdict:** the paper's DAGER level on BERT (ROUGE-1 >= 90 at B = 2; 98.1 on RT) "
             f"{'holds' if holds else 'does not hold'} here when DAGER gets what it is built for -- query/key "
-            f"gradients of a model deep enough that its second check is not the last layer ({DAGER_LAYERS} layers, "
-            f"LoRA q+k: B = 2 ROUGE-1 {fmt(d6)} on seeds {FAIR_SEEDS[0]} / {FAIR_SEEDS[1]}) -- not on a 2-layer "
-            f"[CLS] classifier ({d2:.1f}), and is not applicable on an adapters-only upload (no attention-layer "
-            "gradient: UTR's point, which is a 'cannot run', not a 0); LAMP's ROUGE-1 at B = 1 / 2 / 4 is "
-            f"{' ; '.join(f'{fmt(lamp[B])}' for B in (1, 2, 4))} (seeds {FAIR_SEEDS[0]} / {FAIR_SEEDS[1]}; paper "
-            "31.4 / 11.2 / 6.3).")
+            f"gradients of a model deep enough that its second check is not the last layer ({DAGER_LAYERS} layers; "
+            f"B = 2 ROUGE-1 {fmt(d6)} with LoRA rank 128 and {fmt(df)} full-rank, seeds {FAIR_SEEDS[0]} / "
+            f"{FAIR_SEEDS[1]}) -- not on a 2-layer [CLS] classifier ({d2:.1f}), and it is not applicable on an "
+            "adapters-only upload (no attention-layer gradient: UTR's point, a 'cannot run', not a 0). LAMP at its "
+            f"schedule: ROUGE-1 {fmt(lamp[1])} at B = 1 (paper 31.4); B = 2: {fmt(lamp[2])}, B = 4: "
+            f"{fmt(lamp[4])} (paper 11.2, 6.3).")
 
 
 def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None:

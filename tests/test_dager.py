@@ -57,3 +57,39 @@ def testunverify_repeats_keeps_the_first_copy_only():
     unverify_repeats([[5, 6], [5, 6], [7]], info)
     assert info["verified"] == [True, False, True]
     assert info["verified_sentences"] == 2 and info["unverified_sentences"] == 1
+
+
+def test_dager_on_adapters_renders_not_applicable_not_zero(monkeypatch):
+    """Table 1 and the nulls table say n/a (with the reason) for DAGER on an adapters-only upload, never 0.0/0.0, and
+    the nulls summary does not count it among the settings at chance."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import nulls
+    import utr
+
+    failed = {"config": {"attack": {"name": "dager"}}, "metrics": {"rouge1": 0.0, "rouge2": 0.0, "attack_failed": 1.0}}
+    assert utr.r12(failed) == "n/a — not applicable: adapters-only upload has no attention-layer gradient"
+    ran = {"config": {"attack": {"name": "dager"}}, "metrics": {"rouge1": 0.0, "rouge2": 0.0, "attack_failed": 0.0}}
+    assert utr.r12(ran) == "0.0/0.0"
+    assert utr._t1_cell({}, "minilm", "lamp", 8).startswith("not run:")  # a cell not in the grid says why
+    q = {"null_median": 13.0, "null_p99": 24.0, "draws": 1000, "value": 0.0, "beyond_null": False}
+    rows = [{"paper": "UTR", "setting": "dager adapters", "cell": "a", "not_applicable": nulls.NA_DAGER},
+            {"paper": "UTR", "setting": "dager lora", "cell": "b", "rouge1_f1": q, "rouge2_f1": q}]
+    text = nulls.report(rows)
+    assert "| dager adapters | n/a — not applicable: adapters-only upload has no attention-layer gradient" in text
+    assert "0 of 1 settings beyond chance; at chance: dager lora. Not applicable (1, nothing measured): dager " \
+           "adapters." in text
+
+
+def test_dager_cells_keep_the_layers_dager_needs(monkeypatch):
+    """The fair DAGER cells run MiniLM deep enough that layer 1 (its second check) is not the last layer."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import utr
+    from gradleak.attacks.dager import CHECKED_LAYERS
+
+    dager = [(c, raw) for _, c, raw in utr.fair_baseline_grid() if raw["attack"]["name"] == "dager"]
+    assert len(dager) == 16 and all(raw["model"]["layers"] > CHECKED_LAYERS[1] + 1 for _, raw in dager)
+    assert {raw["seed"] for _, raw in dager} == set(utr.FAIR_SEEDS) and len(utr.FAIR_SEEDS) == 2
