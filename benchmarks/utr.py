@@ -345,8 +345,9 @@ FAIR_NOT_MEASURED = {
             "shared 2-core machine of issue 28's session (load 13-25) gave each job ~5-8 % of a core -- "
             "`t1/minilm/lamp/B2` had 250 s of CPU after 53 min and was stopped unfinished to leave the cores to "
             "the DAGER cells. Run the commands on a quiet machine (~10-30 min a cell).",
-    "dager": "DAGER cells marked not measured were still running when issue 28's session ended (on the shared "
-             "machine a B = 4 cell had ~3 min of CPU after 40 min of wall time, and no result yet)."}
+    "dager": "DAGER cells marked not measured were started but stopped unfinished when issue 28's session ended: on "
+             "the shared machine a B = 4 cell took ~50 min of wall time (attack 2,800-3,000 s; the encoder search has "
+             "no time budget under DAGER), so the held-out B = 4 cells and full-rank B = 8 did not finish."}
 
 FAIR_INTRO = (
     "DAGER (Petrov et al. 2024) filters tokens by span membership of each (token, position) embedding in the first "
