@@ -15,7 +15,8 @@ null functions (:mod:`gradleak.evaluation.nulls`), 1000 seeded draws (patches: 2
   the member / non-member counts).
 * leakage (RDLV): see the leakage section's own "Against the null" table (computed by ``benchmarks/leakage.py``).
 
-``python benchmarks/nulls.py --update-docs`` (a few minutes on 2 cores; writes benchmarks/out/nulls.json).
+``python benchmarks/nulls.py --update-docs`` (a few minutes on 2 cores; writes benchmarks/out/nulls.json);
+``--only utr`` recomputes one paper's rows and keeps the others' stored ones.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import ROOT, write_section  # noqa: E402
+from gradleak.attacks.dager import NOT_APPLICABLE  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
 DRAWS = 1000
@@ -156,7 +158,10 @@ def peftleak_rows() -> list[dict]:
 
 UTR_GROUPS = {"table1": "Table 1", "table2": "Table 2", "table3": "Table 3 (defenses)", "fig4a": "Fig. 4a",
               "fig4b": "Fig. 4b", "noise": "noise-aware"}
-UTR_METHODS = {"utr": "UTR rf=2", "utr_rf1": "UTR rf=1", "dager_lora": "DAGER (LoRA on query)",
+NA_DAGER = f"n/a — not applicable: {NOT_APPLICABLE}"
+UTR_METHODS = {"utr": "UTR rf=2", "utr_rf1": "UTR rf=1", "dager_lora": "DAGER (LoRA q+k, 2 layers)",
+               "dager_lora_L6": "DAGER as published (LoRA q+k, 6 layers)",
+               "dager_full_L6": "DAGER as published, full-rank (LoRA rank 384, 6 layers)",
                "dager_frozen": "DAGER (adapters)", "lamp": "LAMP", "lamp_bag": "LAMP + UTR bag"}
 
 
@@ -170,6 +175,12 @@ def utr_rows() -> list[dict]:
         if r.get("group") not in UTR_GROUPS or m.get("rouge1_f") is None or "error" in r:
             continue
         cfg = config_from_dict(r["config"])
+        parts = r["cell"].split("/")
+        method = UTR_METHODS.get(parts[2], parts[2]) if len(parts) > 2 else ""
+        setting = f"{UTR_GROUPS[r['group']]}: `{r['cell']}` ({method}, B = {cfg.data.batch_size})"
+        if m.get("attack_failed") and cfg.attack.name == "dager":  # nothing measured: no value to set beside chance
+            rows.append({"paper": "UTR", "setting": setting, "cell": r["cell"], "not_applicable": NA_DAGER})
+            continue
         key = (cfg.data.name, cfg.data.batch_size, cfg.seed, cfg.fl.clients, cfg.trials, cfg.data.nonmembers)
         vals = {"rouge1_f1": m.get("rouge1_f"), "rouge2_f1": m.get("rouge2_f")}
         print(f"utr {r['cell']}", flush=True)
@@ -185,10 +196,7 @@ def utr_rows() -> list[dict]:
                 q["beyond_null"] = bool(v > q["null_p99"])
                 q["p_value"] = float((1 + (np.asarray(base["_draws_" + k]) >= v).sum()) / (1 + q["draws"]))
             out[k] = q
-        parts = r["cell"].split("/")
-        method = UTR_METHODS.get(parts[2], parts[2]) if len(parts) > 2 else ""
-        rows.append({"paper": "UTR", "setting": f"{UTR_GROUPS[r['group']]}: `{r['cell']}` ({method}, B = "
-                     f"{cfg.data.batch_size})", "cell": r["cell"], **out})
+        rows.append({"paper": "UTR", "setting": setting, "cell": r["cell"], **out})
     return rows
 
 
@@ -277,18 +285,29 @@ def report(rows: list[dict]) -> str:
         lines += [f"### {paper}", "", "| setting | " + " | ".join(heads) + " | beyond chance |",
                   "|---|" + "---|" * len(heads) + "---|"]
         for r in mine:
+            if r.get("not_applicable"):
+                lines.append(f"| {r['setting']} | " + " | ".join([r["not_applicable"]] * len(heads)) + " | n/a |")
+                continue
             cells = [str(r.get(k, "–")) if spec is None else _cell(r.get(k), spec, pct) for k, spec, pct in keys]
             lines.append(f"| {r['setting']} | " + " | ".join(cells) + f" | {'yes' if _leaks(r) else 'no'} |")
         lines.append("")
     lines += ["**Who leaks, restated against the null** (per paper; a comparison between arms that are both at "
               "chance is not a conclusion):", ""]
     for paper in dict.fromkeys(r["paper"] for r in rows):
-        mine = [r for r in rows if r["paper"] == paper]
+        na = [r["setting"] for r in rows if r["paper"] == paper and r.get("not_applicable")]
+        mine = [r for r in rows if r["paper"] == paper and not r.get("not_applicable")]
         no = [r["setting"] for r in mine if not _leaks(r)]
         text = f"- {paper}: {len(mine) - len(no)} of {len(mine)} settings beyond chance"
         text += "." if not no else "; at chance: " + "; ".join(no) + "."
+        if na:
+            text += f" Not applicable ({len(na)}, nothing measured): " + "; ".join(na) + "."
         lines.append(text)
     return "\n".join(lines)
+
+
+#: --only groups: the function computing them and the papers their rows carry
+GROUPS = {"peftleak": (peftleak_rows, ("PEFTLeak",)), "utr": (utr_rows, ("UTR",)),
+          "projres": (projres_rows, ("ProjRes",)), "images": (image_rows, ("lora_span", "LoRA-ViT optimisation"))}
 
 
 def main(argv=None) -> int:
@@ -296,13 +315,21 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--report-only", action="store_true", help="rewrite the docs section from nulls.json")
     ap.add_argument("--update-docs", action="store_true", help="compute, then rewrite the docs section")
+    ap.add_argument("--only", default="", help=f"comma list of {','.join(GROUPS)}: recompute these, keep the other "
+                    "papers' rows of the stored nulls.json")
     args = ap.parse_args(argv)
+    only = set(filter(None, args.only.split(",")))
+    if only - set(GROUPS):
+        ap.error(f"--only: unknown group(s) {', '.join(sorted(only - set(GROUPS)))}")
     torch.set_num_threads(1)
     path = args.out / "nulls.json"
     if args.report_only:
         rows = json.loads(path.read_text())
     else:
-        rows = peftleak_rows() + utr_rows() + projres_rows() + image_rows()
+        stored = json.loads(path.read_text()) if only and path.exists() else []
+        rows = []
+        for group, (compute, papers) in GROUPS.items():
+            rows += compute() if not only or group in only else [r for r in stored if r["paper"] in papers]
         path.write_text(json.dumps(rows, indent=1, default=str))
         print(f"wrote {path}", flush=True)
     write_section(args, "nulls", report(rows), "Against the null: every headline beside chance (issue 26)", "nulls")

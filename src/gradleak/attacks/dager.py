@@ -4,9 +4,16 @@ DAGER checks token embeddings against the span of the gradient of an *attention*
 dL/dW_Q of layer 0 lie in span{inputs of layer 0's query}; the rows of dL/dW_Q of layer 1 in span{inputs of
 layer 1's query}. With LoRA on the query projection the same holds for dL/dA (= B^T dL/dW_Q, rank <= r).
 
+DAGER's layers (Petrov et al. 2024): the token filter on the first attention layer (index 0), the sequence check on
+the second (index 1) -- :data:`CHECKED_LAYERS`. The paper attacks whole models, so its second check sees every
+position's gradient. On a [CLS] classifier whose layer 1 is the *last* kept layer (``model.layers = 2``) only the
+[CLS] query reaches the loss there: that layer's query/key gradient spans far fewer directions than the batch has
+states from B = 2 on (MiniLM, RT, seed 0: rank 26 for 71 states), and the check cannot verify the batch;
+``info["warning"]`` says so. Keep ``model.layers >= 3`` (benchmarks/utr.py runs DAGER on all 6 MiniLM layers).
+
 When the backbone is frozen and only adapters train (UTR's setting), the update holds no attention-layer
 gradient at all: the attack has nothing to check against and reports the failure (``info["failure"]``,
-empty reconstruction) -- exactly the paper's point (Table 1, DAGER on adapters = 0).
+empty reconstruction); the evaluation grades that *undefined* -- not applicable, nothing measured -- not 0.
 
 Stage 1 reuses UTR's batched vocabulary projection (BERT: per (token, position) through the embedding LayerNorm,
 :mod:`gradleak.attacks.common.bert_pairs`; Llama: the query input is RMSNorm(E[v]) whose direction is g * E[v]).
@@ -36,6 +43,10 @@ from gradleak.fl.core import ServerView
 from gradleak.peft.text_adapters import StopForward
 from gradleak.registry import ATTACKS
 
+#: why DAGER has nothing to measure on an adapters-only upload (the evaluation grades it undefined, not 0)
+NOT_APPLICABLE = "adapters-only upload has no attention-layer gradient"
+#: DAGER's two span checks: the token filter on the first attention layer, the sequence check on the second
+CHECKED_LAYERS = (0, 1)
 QUERY_PATTERNS = (r"layers?\.(\d+)\..*(?:query|q_proj)\.(?:lora_A\.[^.]+\.)?weight$",)
 # The last kept layer of a [CLS]-classifier only uses the [CLS] query, so its query gradient has rank 1; the key
 # projection (same input) sees every position. We stack key and query gradients where the update has them.
@@ -116,19 +127,21 @@ class DAGERAttack(AttackBase):
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
         grads = query_grads(view.updates[0].tensors)
-        if 0 not in grads or 1 not in grads:
+        if any(layer not in grads for layer in CHECKED_LAYERS):
             return Reconstruction(data=[], info={
-                "failure": "no attention-layer (query) gradients in the observed update: the backbone is frozen "
-                           "and only adapters train, so DAGER's span check has no subspace to test against.",
+                "failure": f"not applicable: {NOT_APPLICABLE} (no query/key gradient of layers {CHECKED_LAYERS}): "
+                           "the backbone is frozen and only adapters train, so DAGER's span check has no subspace "
+                           "to test against.",
                 "word_bag": [], "word_bag_seconds": 0.0, "sentence_seconds": 0.0})
         model, tok = view.model, view.public["tokenizer"]
         causal = is_causal(model)
         t0 = time.perf_counter()
         victim = view.updates[:1]  # the attacked update only: another client's tokens must not join its subspace
+        l0, l1 = CHECKED_LAYERS
         s0 = subspace_from_gradients([u.tensors[k] for u in victim for k in u.tensors
-                                      if k in _names_for(u.tensors, 0)], self.rank_rtol)
+                                      if k in _names_for(u.tensors, l0)], self.rank_rtol)
         s1 = subspace_from_gradients([u.tensors[k] for u in victim for k in u.tensors
-                                      if k in _names_for(u.tensors, 1)], self.rank_rtol)
+                                      if k in _names_for(u.tensors, l1)], self.rank_rtol)
         if causal:
             E = model.get_input_embeddings().weight.detach().double()
             norm = model_layers(model)[0].input_layernorm
@@ -151,7 +164,7 @@ class DAGERAttack(AttackBase):
         sp = specials(tok, causal)
         if causal:
             def probe(base, ids, cache, pos):
-                return _probe_query_input(base, 1, input_ids=ids, past_key_values=cache, position_ids=pos,
+                return _probe_query_input(base, l1, input_ids=ids, past_key_values=cache, position_ids=pos,
                                           use_cache=True)
 
             cands = torch.tensor([t for t in tokens if t not in (sp["bos"], sp["pad"])] or [sp["bos"]])
@@ -160,17 +173,43 @@ class DAGERAttack(AttackBase):
             sents, sinfo = search.run()
         else:
             def probe_enc(m, batch):
-                return _probe_query_input(m, 1, input_ids=batch, attention_mask=torch.ones_like(batch))
+                return _probe_query_input(m, l1, input_ids=batch, attention_mask=torch.ones_like(batch))
 
             search = EncoderChainSearch(model, "", s1, self.eps_sentence, sp["cls"], sp["sep"], sp["mask"], pairs,
                                         view.public.get("batch_size"), probe_fn=probe_enc)
             sents, sinfo = search.run()
         t2 = time.perf_counter()
+        depth = len(model_layers(model))
         info = {"word_bag": tokens, "word_bag_size": len(tokens), "rank_layer0": s0.rank, "rank_layer1": s1.rank,
+                "checked_layers": list(CHECKED_LAYERS), "model_layers": depth,
                 "capacity_exhausted": bool(s0.saturated or s1.saturated), "word_bag_seconds": t1 - t0,
                 "sentence_seconds": t2 - t1, **sinfo}
         sents = cap_to_batch(sents, info, view.public.get("batch_size"), causal)
+        unverify_repeats(sents, info)
+        if not causal and l1 == depth - 1:
+            info["warning"] = last_layer_warning(depth, s1.rank)
         return Reconstruction(data=sents, info=info)
+
+
+def last_layer_warning(depth: int, rank: int) -> str:
+    """What a second span check on a [CLS] classifier's last layer cannot do (module docstring)."""
+    return (f"dager: the second span check runs on layer {CHECKED_LAYERS[1]}, the last of the model's {depth} layers; "
+            f"a [CLS] classifier's last layer gets its gradient through the [CLS] query only (rank {rank} here), so "
+            "sentences with more states than that cannot be verified. DAGER as published checks the first two "
+            f"attention layers of a deeper model: set model.layers >= {CHECKED_LAYERS[1] + 2}.")
+
+
+def unverify_repeats(sents: list[list[int]], info: dict) -> None:
+    """A copy of an earlier sentence adds no state to the span, so the test cannot tell it from the original: only
+    the first copy keeps its ``verified`` flag (a 2-layer run returned one verified sentence twice for a B = 2
+    batch of two different sentences)."""
+    flags, seen = info.get("verified", []), set()
+    for i, s in enumerate(sents):
+        if tuple(s) in seen and i < len(flags):
+            flags[i] = False
+        seen.add(tuple(s))
+    info["verified_sentences"] = int(sum(flags))
+    info["unverified_sentences"] = len(sents) - int(sum(flags))
 
 
 def _names_for(tensors: dict[str, torch.Tensor], layer: int) -> set[str]:
