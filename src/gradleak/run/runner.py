@@ -81,7 +81,11 @@ def validate(raw: dict, overrides: list[str] | None = None):
     """Return (experiment runner, validated ExperimentConfig) for a raw config dict and ``--set`` overrides."""
     from gradleak.config.schema import ExperimentConfig, with_defaults
 
-    raw = normalize_aliases(apply_overrides(raw, overrides or [], ExperimentConfig), ExperimentConfig)
+    # The ``audit:`` section configures ``gradleak audit`` (run/audit.py validates it there); a plain run of an audit
+    # config ignores it, and so do overrides aimed at it.
+    raw = {k: v for k, v in raw.items() if k != "audit"}
+    overrides = [o for o in overrides or [] if not o.split("=", 1)[0].strip().startswith("audit.")]
+    raw = normalize_aliases(apply_overrides(raw, overrides, ExperimentConfig), ExperimentConfig)
     full = with_defaults(raw)
     try:
         cfg = ExperimentConfig(**full)
