@@ -121,3 +121,12 @@ def test_the_anchor_config_pretrains_its_vit_on_a_split_disjoint_from_the_victim
     with pytest.raises(BadInput) as e:  # the offline ViT-S/14 is pretrained already
         validate(load_yaml(ANCHOR), ["model.name=vit-s14-pretrained"])
     assert e.value.field == "model.pretrain"
+
+
+def test_a_vit_preset_built_with_init_weights_unset_is_initialised_by_its_seed():
+    """``model.init_weights`` unset (None) initialises; only an explicit False skips it (a CI flake: the builder took
+    None for False, and a random-init ViT built outside the pipeline was whatever memory the allocator handed back)."""
+    a, b = (_vit(["model.pretrain=null"], 3).model.state_dict() for _ in range(2))
+    assert all(torch.equal(v, b[k]) for k, v in a.items())  # seeded, not uninitialised memory
+    w = a["head.weight"]
+    assert torch.isfinite(w).all() and 0 < float(w.abs().max()) < 1  # nn.Linear's uniform init, bound 1/sqrt(384)

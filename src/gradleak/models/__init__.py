@@ -37,11 +37,13 @@ def _register_vit(name: str, summary: str) -> None:
 
         dt = torch.float64 if dtype == "float64" else torch.float32
         spec = getattr(mcfg, "pretrain", None)
-        # a checkpoint pretrained by us is one fixed model: its initialisation is the recipe's seed, not the experiment's
+        # a checkpoint pretrained by us is one fixed model: its initialisation is the recipe's seed, not the experiment's.
+        # init_weights None (unset) initialises: only an explicit False (the pipeline's choice when a malicious attack
+        # rewrites every weight) leaves the weights uninitialised memory
         model = vit(name, image_size=image_size, patch_size=mcfg.patch_size, num_classes=mcfg.num_classes,
                     pooling=mcfg.pooling or "mean", layers=mcfg.layers, hidden_size=mcfg.hidden_size, heads=mcfg.heads,
                     dtype=dt, seed=seed if spec is None else int(spec.seed),
-                    init_weights=mcfg.init_weights if spec is None else True)
+                    init_weights=spec is not None or mcfg.init_weights is not False)
         c = model.config
         info = {"patch_size": int(c.patch_size), "image_size": image_size, "num_patches": model.num_patches}
         if spec is not None:  # weights pretrained by us on a split the clients never see (gradleak.models.pretrain)
