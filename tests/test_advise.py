@@ -312,12 +312,13 @@ def test_the_probes_test_set_fits_a_small_fixed_dataset():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1] / "configs" / "audit"
-    cfg = plan_audit(load_yaml(root / "vit_lora.yaml"), [], ["lora_span"])[3][0][2]
+    cifar = ["data.name=cifar-samples", "data.public=natural-crops", "model.num_classes=110"]
+    cfg = plan_audit(load_yaml(root / "vit_lora.yaml"), cifar, ["lora_span"])[3][0][2]
     assert _spare_images(cfg) == 31
-    cfg = plan_audit(load_yaml(root / "vit_lora.yaml"), ["data.batch_size=4"], ["lora_span"])[3][0][2]
+    cfg = plan_audit(load_yaml(root / "vit_lora.yaml"), cifar + ["data.batch_size=4"], ["lora_span"])[3][0][2]
     assert _spare_images(cfg) == 40 - 8 * 4 - 1
-    cfg = plan_audit(load_yaml(root / "vit_lora.yaml"), ["data.name=natural-crops", "data.public=public-natural"],
-                     ["lora_span"])[3][0][2]
+    cfg = plan_audit(load_yaml(root / "vit_lora.yaml"), ["data.name=natural-crops", "data.public=public-natural",
+                                                         "model.num_classes=110"], ["lora_span"])[3][0][2]
     assert _spare_images(cfg) == TEST_SIZE
     assert _spare_images(plan_audit(TEXT, [], ["utr"])[3][0][2]) == TEST_SIZE
 
@@ -461,3 +462,60 @@ def test_costs_are_flagged_when_the_undefended_model_does_not_learn(tmp_path, mo
     monkeypatch.setattr(mod, "utility", _fake_utility())  # 0.5 -> 0.8: it learns, no flag
     adv = mod.advise(TEXT, tmp_path / "b", LEAKS, candidates=["gaussian_noise"], steps=1, log=lambda m: None)
     assert "cost_note" not in adv and adv["utility_rounds"] == 20
+
+
+def test_a_utility_run_that_diverges_is_a_measured_outcome_and_ranks_last(tmp_path, monkeypatch, one_thread):
+    """A defense under which training diverges (a NaN upload in round 3 of 5: the real builtin engine raises it) stops
+    the utility run there with the round, client and lr recorded and the accuracy measured at that point -- not a
+    failed cell -- and advise ranks such a defense after every defense the model trains under, whatever its cost."""
+    import torch
+
+    import gradleak.fl.engines as engines
+    from gradleak.errors import TrainingDiverged
+    from gradleak.run import advise as mod
+    from gradleak.run.advise_utility import utility_job
+
+    real, calls = engines.rounds_engine, []
+
+    def poisoned(*a, **k):
+        fn = real(*a, **k)
+
+        def run(model, clients, **kw):
+            calls.append(1)
+            if len(calls) == 3:  # the model the server sends in round 3 has exploded
+                with torch.no_grad():
+                    next(p for p in model.parameters() if p.requires_grad).fill_(float("nan"))
+            return fn(model, clients, **kw)
+
+        return run
+
+    monkeypatch.setattr(engines, "rounds_engine", poisoned)
+    raw = {**TEXT, "data": {**TEXT["data"], "test_size": 16}}
+    res = utility_job(raw, ["utr"], 5, None)
+    assert res["diverged"] == {"round": 3, "client": 0, "lr": 0.05} and len(calls) == 3
+    assert len(res["accuracy_curve"]) == 3 and res["accuracy"] == res["accuracy_curve"][-1]  # start, round 2, round 3
+    monkeypatch.setattr(engines, "rounds_engine", real)
+    with pytest.raises(TrainingDiverged, match="fl.lr: training diverged"):  # still a BadInput naming the field
+        raise TrainingDiverged(0, 2, 0.05)
+
+    def utility(raw, attacks, rounds, device, norms):  # the stronger noise is cheaper on paper but cannot be trained
+        std = next((d["params"]["std"] for d in raw.get("defenses") or [] if d["name"] == "gaussian_noise"), 0.0)
+        out = {"accuracy": 0.8, "accuracy_start": 0.5, "accuracy_curve": [0.5, 0.8], "rounds": rounds}
+        if raw.get("defenses") and raw["defenses"][0]["name"] == "topk_pruning":
+            out.update(accuracy=0.6, accuracy_curve=[0.5, 0.6])
+        elif std:
+            out["diverged"] = {"round": 4, "client": 0, "lr": 0.05}
+        return out
+
+    def probe(raw, out_dir, only, device, workers, utility_from):
+        return {"verdict": "no_leak_found", "accuracy": 0.5,
+                "attacks": {a: {"level": "none", "metric": "m", "value": 0.1, "null_p99": 0.5, "null_median": 0.4}
+                            for a in only}}
+
+    monkeypatch.setattr(mod, "probe", probe)
+    monkeypatch.setattr(mod, "utility", utility)
+    adv = mod.advise(TEXT, tmp_path / "a", LEAKS, candidates=["gaussian_noise", "topk_pruning"], steps=1,
+                     log=lambda m: None)
+    noise = next(r for r in adv["rows"] if r["defense"] == "gaussian_noise")
+    assert noise["cost"] == 0 and "training diverged under this defense" in noise["utility_note"]
+    assert adv["ranking"] == ["topk_pruning", "gaussian_noise"] and adv["recommendation"]["defense"] == "topk_pruning"

@@ -26,6 +26,19 @@ class BadInput(GradleakError):
         super().__init__(msg)
 
 
+class TrainingDiverged(BadInput):
+    """A client's upload holds NaN/inf: training diverged (too high an lr, or a defense's noise). ``client_id`` and
+    ``round_index`` (the engine's round) say where; :func:`gradleak.run.pipeline.train_global` turns it into a measured
+    outcome of the utility run (the defense at that strength makes the model untrainable)."""
+
+    def __init__(self, client_id: int, round_index: int, lr: float):
+        super().__init__("fl.lr", f"training diverged: client {client_id}'s upload in round {round_index} holds NaN/inf "
+                         f"(lr = {lr}).", "lower fl.lr (or check the defenses' parameters).")
+        self.client_id = client_id
+        self.round_index = round_index
+        self.lr = lr
+
+
 class MissingAsset(BadInput):
     """An offline asset (package data or Debian file) is not installed; names the install command."""
 

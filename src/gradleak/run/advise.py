@@ -429,7 +429,8 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         return bool(r["defense"] in ("dp_gaussian", "dpsgd") or r.get("is_dp")) and not (
             isinstance(e, (int, float)) and e <= MEANINGFUL_EPSILON)
 
-    ok.sort(key=lambda r: (r.get("cost") if isinstance(r.get("cost"), (int, float)) else math.inf,
+    ok.sort(key=lambda r: (bool(r.get("diverged")),  # a defense the model cannot train under ranks after the rest
+                           r.get("cost") if isinstance(r.get("cost"), (int, float)) else math.inf,
                            r["status"] != "stopped", hollow_dp(r),
                            r["tie_break"] if "tie_break" in r else STANDARD.index(r["defense"])))
     advice["ranking"] = [r["defense"] for r in ok]
@@ -523,6 +524,12 @@ def measure_utility(base: dict, found: list[tuple[dict, dict]], advice: dict, ru
             r["utility_error"] = u["error"]
             continue
         r.update(accuracy=u.get("accuracy"), accuracy_curve=u.get("accuracy_curve"), utility_rounds=u.get("rounds"))
+        if u.get("diverged"):
+            d = u["diverged"]
+            r["diverged"] = d
+            r["utility_note"] = (f"training diverged under this defense: client {d['client']}'s upload in round "
+                                 f"{d['round']} of {u.get('rounds')} held NaN/inf (lr = {fmt(d['lr'])}); the accuracy is "
+                                 "the global model's when it did (training cannot continue)")
         if isinstance(b, (int, float)) and isinstance(r["accuracy"], (int, float)):
             r["cost"] = b - r["accuracy"]
         if spec["name"] == "dpsgd":

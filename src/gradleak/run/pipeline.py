@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from gradleak.data.splits import ImageData, TextData
-from gradleak.errors import BadInput
+from gradleak.errors import BadInput, TrainingDiverged
 from gradleak.evaluation import Truth, evaluate, unit
 from gradleak.evaluation.membership import split_by_guarantee
 from gradleak.config.schema import ExperimentConfig
@@ -171,7 +171,9 @@ def train_global(cfg: ExperimentConfig, device, rounds: int, *, slices: int | No
     training-time defense's step and loss) and seeds (``seed + r``, lr ``fl.lr_at(r)``) as the pipeline; the honest
     server applies each aggregate. Returns the test accuracy before training, halfway and at the end
     (``accuracy_curve``), the final ``accuracy``, the training-time defense's report (DP-SGD: ``dp_epsilon`` over
-    these rounds) and, with ``norms``, every upload's L2 norm (``update_norms``, after the config's own defenses) and
+    these rounds), ``diverged`` when a client's upload held NaN/inf (the 1-based round, the client, the lr: training
+    stops there and ``accuracy`` is the global model's at that point: a measured outcome, not an error) and, with
+    ``norms``, every upload's L2 norm (``update_norms``, after the config's own defenses) and
     every sample's gradient L2 norm at the model sent that round (``sample_gradient_norms``)."""
     from gradleak.fl.engines import rounds_engine
     from gradleak.fl.engines.builtin import apply_aggregate
@@ -206,6 +208,7 @@ def train_global(cfg: ExperimentConfig, device, rounds: int, *, slices: int | No
     rounds_fn = rounds_engine(cfg.fl.engine, flower=cfg.fl.flower)
     every = max(1, rounds // 2)  # the curve: before training, halfway and at the end
     curve, update_norms, sample_norms = [accuracy()], [], []
+    diverged: dict[str, Any] | None = None
     t0 = time.perf_counter()
     for r in range(rounds):
         k = r % slices
@@ -214,17 +217,23 @@ def train_global(cfg: ExperimentConfig, device, rounds: int, *, slices: int | No
         if norms:
             sample_norms += [v for c in clients for v in c.per_sample_gradient_norms(model)]
         lr = cfg.fl.lr_at(r)
-        outcome = rounds_fn(model, clients, rounds=1, algorithm=cfg.fl.algorithm, lr=lr,
-                            local_epochs=cfg.fl.local_epochs, local_batch_size=cfg.fl.local_batch_size,
-                            defenses=defenses, seed=cfg.seed + r, keep_round=lambda _r: norms,
-                            local_update=defense.local_update, lr_at=lambda _r: lr,
-                            client_settings=settings if cfg.fl.algorithm == "fedavg" else None)
+        try:
+            outcome = rounds_fn(model, clients, rounds=1, algorithm=cfg.fl.algorithm, lr=lr,
+                                local_epochs=cfg.fl.local_epochs, local_batch_size=cfg.fl.local_batch_size,
+                                defenses=defenses, seed=cfg.seed + r, keep_round=lambda _r: norms,
+                                local_update=defense.local_update, lr_at=lambda _r: lr,
+                                client_settings=settings if cfg.fl.algorithm == "fedavg" else None)
+        except TrainingDiverged as e:  # a measured outcome, not a failure: this setup cannot train (for that many rounds)
+            diverged = {"round": r + 1, "client": e.client_id, "lr": lr}
+            curve.append(accuracy())
+            break
         if norms:
             update_norms += [u.norm() for u in outcome.rounds[0]]
         apply_aggregate(model, outcome.last_aggregate, lr)
         if (r + 1) % every == 0 or r + 1 == rounds:
             curve.append(accuracy())
     out: dict[str, Any] = {"accuracy": curve[-1], "accuracy_start": curve[0], "accuracy_curve": curve,
+                           **({"diverged": diverged} if diverged else {}),
                            "rounds": rounds, "slices": slices, "test_samples": len(test[0]), "train_seconds": time.perf_counter() - t0,
                            **{k: v for k, v in defense.report([]).items() if isinstance(v, (int, float))}}
     if norms:

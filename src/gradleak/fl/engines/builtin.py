@@ -116,10 +116,9 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
                 del local
                 continue
             if not all(bool(torch.isfinite(t).all()) for t in upd.tensors.values()):
-                from gradleak.errors import BadInput
+                from gradleak.errors import TrainingDiverged
 
-                raise BadInput("fl.lr", f"training diverged: client {c.client_id}'s upload in round {r} holds NaN/inf "
-                               f"(lr = {lr}).", "lower fl.lr (or check the defenses' parameters).")
+                raise TrainingDiverged(c.client_id, r, lr)
             ups.append(upd.map(lambda _, v: v.detach().cpu()))
             del local
         if not ups:  # every client withheld: the model stays as it is
