@@ -226,7 +226,7 @@ def test_audit_set_reaches_the_attack():
         vs = full_strength_variants(A, cand, cfg, [])
         assert vs[0] == {} and len(vs) > 1  # the run as set first, then the ladder
     r = audit_overrides(dict(raw), ["audit.seeds=[0, 1]", "audit.params.dlg={steps: 2}"])
-    assert r["audit"] == {"seeds": [0, 1], "params": {"dlg": {"steps": 2}}}
+    assert r["audit"] == {**(raw.get("audit") or {}), "seeds": [0, 1], "params": {"dlg": {"steps": 2}}}  # merged
     for bad, field in (("audit.params.nope.x=1", "nope"), ("audit.params.lora_span.nope=1", "nope"),
                        ("audit.colour=1", "audit.colour")):
         with pytest.raises(BadInput, match=field):
