@@ -81,7 +81,7 @@ def fill(res: dict, row: dict) -> str:
     adv = res["advice"]
     keep = ("defense", "parameter", "strength", "bracket", "interval", "levels", "accuracy", "accuracy_curve", "cost",
             "epsilon", "epsilon_attacked", "epsilon_note", "clip_norm", "clip_note", "utility_note", "utility_error",
-            "diverged", "status", "note", "set", "what")
+            "diverged", "cost_se", "status", "note", "set", "what")
     row.update({"verdict": res["verdict"], "attacks": adv.get("attacks"), "baseline": adv.get("baseline"),
                 "rows": [{k: r.get(k) for k in keep if k in r} for r in adv.get("rows", [])],
                 "recommendation": adv.get("recommendation"), "sentence": adv.get("sentence"),
@@ -91,6 +91,16 @@ def fill(res: dict, row: dict) -> str:
     rec = adv.get("recommendation") or {}
     return (f"{res['verdict']}; recommended {rec.get('defense')} {rec.get('parameter')}={rec.get('strength')}; "
             f"round trip {(res['roundtrip'] or {}).get('verdict')}")
+
+
+def cost_se(x: dict, r: dict) -> float | None:
+    """The test set's sampling error of a row's cost (the row's own, or from the accuracies and ``test_size`` for
+    rows stored before the advice computed it)."""
+    from gradleak.run.advise import cost_sampling_error
+
+    if x.get("cost_se") is not None:
+        return x["cost_se"]
+    return cost_sampling_error((r.get("baseline") or {}).get("accuracy"), x.get("accuracy"), r.get("test_size"))
 
 
 def _fmt(v) -> str:
@@ -146,7 +156,8 @@ def report(out: Path, args) -> int:
                   "bracket": f"[{_fmt(x['bracket'][0])}, {_fmt(x['bracket'][1])}]" if x.get("bracket") else "–",
                   "levels": ", ".join(f"{a} {lv}" for a, lv in (x.get("levels") or {}).items()) or "–",
                   "acc": _fmt(x.get("accuracy")),
-                  "cost": f"{x['cost'] * 100:+.1f} pts" if isinstance(x.get("cost"), (int, float)) else "–",
+                  "cost": (f"{x['cost'] * 100:+.1f} pts" + (f" (± {se * 100:.1f})" if (se := cost_se(x, r)) else ""))
+                  if isinstance(x.get("cost"), (int, float)) else "–",
                   "eps": _fmt(x.get("epsilon")) + (f" ({_fmt(x['epsilon_attacked'])})"
                                                    if x.get("epsilon_attacked") is not None else ""),
                   "clip": _fmt(x.get("clip_norm")),
@@ -183,6 +194,7 @@ def summary(rows: list[dict]) -> list[str]:
         never = [d for d, xs in status.items() if all(x.get("status") == "not_stopped" for x in xs)]
         diverged = [d for d, xs in status.items() if any(x.get("diverged") or "training diverged" in (x.get("utility_note") or "")
                                                          for x in xs)]
+        unfinished = sorted({d for r in cells for d in r.get("unfinished") or []})
         recs = "; ".join(f"seed {r['seed']}: {(r.get('recommendation') or {}).get('defense', 'none')}"
                          + (f" at {(r.get('recommendation') or {}).get('parameter')} = "
                             f"{_fmt((r.get('recommendation') or {}).get('strength'))}, cost "
@@ -191,7 +203,10 @@ def summary(rows: list[dict]) -> list[str]:
                          for r in cells)
         out.append(f"* {name} (seeds {seeds}): stopped every leaking attack on every seed: "
                    f"{', '.join(always) or 'none'}; of those, training diverged under {', '.join(diverged) or 'none'}; "
-                   f"stopped nothing within its bracket on any seed: {', '.join(never) or 'none'}. Recommended: {recs}.")
+                   f"stopped nothing within its bracket on any seed: {', '.join(never) or 'none'}"
+                   + (f"; not finished within the budget: {', '.join(unfinished)}" if unfinished else "")
+                   + f". Recommended: {recs}. Costs within twice their ± (the test set's sampling error alone) are not "
+                   "distinguishable from each other or from 0.")
     return out + [""]
 
 

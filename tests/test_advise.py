@@ -519,3 +519,29 @@ def test_a_utility_run_that_diverges_is_a_measured_outcome_and_ranks_last(tmp_pa
     noise = next(r for r in adv["rows"] if r["defense"] == "gaussian_noise")
     assert noise["cost"] == 0 and "training diverged under this defense" in noise["utility_note"]
     assert adv["ranking"] == ["topk_pruning", "gaussian_noise"] and adv["recommendation"]["defense"] == "topk_pruning"
+
+
+def test_a_cost_within_the_test_sets_sampling_error_is_said_to_be_indistinguishable_from_none(tmp_path, monkeypatch):
+    """The cost's standard error from the test samples (two binomial proportions) is in each row and the table; a
+    recommendation whose cost is within twice it says so, one beyond it does not."""
+    from gradleak.run import advise as mod
+    from gradleak.run.audit_report import advice_rows
+
+    assert mod.cost_sampling_error(0.5, 0.5, 400) == pytest.approx(math.sqrt(0.5 / 400))
+    assert mod.cost_sampling_error(0.5, None, 400) is None and mod.cost_sampling_error(0.5, 0.4, 0) is None
+
+    def probe(raw, out_dir, only, device, workers, utility_from):
+        return {"verdict": "no_leak_found", "accuracy": 0.5,
+                "attacks": {a: {"level": "none", "metric": "m", "value": 0.1, "null_p99": 0.5, "null_median": 0.4}
+                            for a in only}}
+
+    monkeypatch.setattr(mod, "probe", probe)
+    for acc, said in ((0.78, True), (0.5, False)):  # baseline 0.8, 64 test samples: 2 SE = 0.12 and 0.15
+        monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms, acc=acc: {
+            "accuracy": acc if raw.get("defenses") else 0.8, "accuracy_start": 0.5, "rounds": rounds})
+        adv = mod.advise({**TEXT, "data": {**TEXT["data"], "test_size": 64}}, tmp_path / str(acc), LEAKS,
+                         candidates=["gaussian_noise"], steps=1, log=lambda m: None)
+        row = adv["rows"][0]
+        assert row["cost_se"] == pytest.approx(math.sqrt((0.8 * 0.2 + acc * (1 - acc)) / 64))
+        assert ("not distinguishable from no cost" in adv["sentence"]) is said
+        assert f"(± {row['cost_se'] * 100:.1f})" in advice_rows(adv)[0][5]

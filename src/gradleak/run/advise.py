@@ -449,7 +449,9 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         advice["sentence"] = (
             f"Recommended: {best['defense']} with {best['parameter']} = {fmt(best['strength'])} ({best['what']}): "
             f"the weakest strength probed that brings {', '.join(leaking)} back to its null, at an accuracy cost of "
-            + (f"{cost * 100:+.1f} points ({fmt(advice['baseline']['accuracy'])} -> {fmt(best.get('accuracy'))})"
+            + (f"{cost * 100:+.1f} points ({fmt(advice['baseline']['accuracy'])} -> {fmt(best.get('accuracy'))}"
+               + (f"; within twice the test set's sampling error of {best['cost_se'] * 100:.1f} points: not "
+                  "distinguishable from no cost" if abs(cost) < 2 * best.get("cost_se", 0) else "") + ")"
                if isinstance(cost, (int, float)) else "(not measured)")
             + (f" after {utility_rounds} training round(s)" if isinstance(cost, (int, float)) else "")
             + (f", epsilon = {fmt(best['epsilon'])} at delta = {DELTA:g} over those rounds"
@@ -512,6 +514,15 @@ def _admitted(base: dict, spec: dict, leaking: list[str]) -> str | None:
     return None
 
 
+def cost_sampling_error(base: Any, acc: Any, n: Any) -> float | None:
+    """The standard error of a cost (baseline accuracy - accuracy with the defense) from the ``n`` test samples
+    alone: two independent binomial proportions. The training's own seed-to-seed spread is not in it (a lower
+    bound on the cost's uncertainty)."""
+    if not all(isinstance(v, (int, float)) for v in (base, acc)) or not isinstance(n, int) or n <= 0:
+        return None
+    return math.sqrt((base * (1 - base) + acc * (1 - acc)) / n)
+
+
 def measure_utility(base: dict, found: list[tuple[dict, dict]], advice: dict, run_batch, attacked_rounds: int) -> None:
     """The utility runs of the candidates found (``(row, spec)`` pairs) at their strengths, in one batch of cells;
     fills each row's ``accuracy``, ``cost`` (against the baseline run) and, for DP, ``epsilon`` over the utility
@@ -532,6 +543,9 @@ def measure_utility(base: dict, found: list[tuple[dict, dict]], advice: dict, ru
                                  "the global model's when it did (training cannot continue)")
         if isinstance(b, (int, float)) and isinstance(r["accuracy"], (int, float)):
             r["cost"] = b - r["accuracy"]
+            se = cost_sampling_error(b, r["accuracy"], advice.get("test_size"))
+            if se is not None:
+                r["cost_se"] = se
         if spec["name"] == "dpsgd":
             r["epsilon"] = u.get("dp_epsilon")
         elif spec["name"] == "dp_gaussian":
