@@ -545,3 +545,15 @@ def test_a_cost_within_the_test_sets_sampling_error_is_said_to_be_indistinguisha
         assert row["cost_se"] == pytest.approx(math.sqrt((0.8 * 0.2 + acc * (1 - acc)) / 64))
         assert ("not distinguishable from no cost" in adv["sentence"]) is said
         assert f"(± {row['cost_se'] * 100:.1f})" in advice_rows(adv)[0][5]
+
+
+def test_an_undefended_run_that_diverges_is_said_to_be_the_baseline_of_every_cost(tmp_path, monkeypatch):
+    from gradleak.run import advise as mod
+
+    monkeypatch.setattr(mod, "probe", _fake([]))
+    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms: {
+        "accuracy": 0.3, "accuracy_start": 0.25, "accuracy_curve": [0.25, 0.3], "rounds": rounds,
+        **({} if raw.get("defenses") else {"diverged": {"round": 7, "client": 1, "lr": 0.5}})})
+    adv = mod.advise(TEXT, tmp_path / "a", LEAKS, candidates=["gaussian_noise"], steps=1, log=lambda m: None)
+    assert adv["baseline"]["diverged"]["round"] == 7
+    assert "undefended model's own training diverged" in adv["cost_note"] and "round 7 at lr 0.5" in adv["cost_note"]

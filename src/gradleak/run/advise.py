@@ -335,7 +335,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
 
     baseline, base_utility = run_batch([("baseline", base, False), ("utility:baseline", base, True)])
     advice["baseline"] = {"accuracy": base_utility.get("accuracy"), "levels": _levels(baseline, leaking),
-                          **{k: base_utility.get(k) for k in ("accuracy_start", "accuracy_curve", "error")
+                          **{k: base_utility.get(k) for k in ("accuracy_start", "accuracy_curve", "error", "diverged")
                              if k in base_utility}}
     specs = [fitted_clip(s, base_utility) for s in CANDIDATES if (candidates is None or key(s) in candidates)
              and (not s.get("membership_only") or "membership" in kinds)]
@@ -435,7 +435,11 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                            r["tie_break"] if "tie_break" in r else STANDARD.index(r["defense"])))
     advice["ranking"] = [r["defense"] for r in ok]
     b = advice["baseline"]
-    if not improves(b):
+    if b.get("diverged"):
+        advice["cost_note"] = (f"the undefended model's own training diverged (a NaN/inf upload in round "
+                               f"{b['diverged']['round']} at lr {fmt(b['diverged']['lr'])}): every cost compares "
+                               "against a diverged run (lower fl.lr or its schedule)")
+    elif not improves(b):
         advice["cost_note"] = (f"the undefended model's test accuracy does not rise over the {utility_rounds} utility "
                                f"round(s) ({fmt(b.get('accuracy_start'))} before, {fmt(b.get('accuracy'))} after), so "
                                "the costs measure no lost learning (raise audit.utility_rounds, or audit a setup "
