@@ -195,12 +195,16 @@ def summary(rows: list[dict]) -> list[str]:
         diverged = [d for d, xs in status.items() if any(x.get("diverged") or "training diverged" in (x.get("utility_note") or "")
                                                          for x in xs)]
         unfinished = sorted({d for r in cells for d in r.get("unfinished") or []})
-        recs = "; ".join(f"seed {r['seed']}: {(r.get('recommendation') or {}).get('defense', 'none')}"
-                         + (f" at {(r.get('recommendation') or {}).get('parameter')} = "
-                            f"{_fmt((r.get('recommendation') or {}).get('strength'))}, cost "
-                            f"{(r['recommendation'].get('cost') or 0) * 100:+.1f} pts, round trip "
-                            f"{(r.get('roundtrip') or {}).get('verdict')}" if r.get("recommendation") else "")
-                         for r in cells)
+        def rec(r: dict) -> str:
+            x = r.get("recommendation")
+            if not x:
+                return f"seed {r['seed']}: none"
+            cost = x.get("cost")
+            return (f"seed {r['seed']}: {x['defense']} at {x.get('parameter')} = {_fmt(x.get('strength'))}, cost "
+                    + (f"{cost * 100:+.1f} pts" if isinstance(cost, (int, float)) else "not measured")
+                    + f", round trip {(r.get('roundtrip') or {}).get('verdict')}")
+
+        recs = "; ".join(rec(r) for r in cells)
         out.append(f"* {name} (seeds {seeds}): stopped every leaking attack on every seed: "
                    f"{', '.join(always) or 'none'}; of those, training diverged under {', '.join(diverged) or 'none'}; "
                    f"stopped nothing within its bracket on any seed: {', '.join(never) or 'none'}"
