@@ -52,7 +52,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS)
 
-# Mutation check of the privacy-critical code (issue 31; report: docs/MUTATION.md). Not part of `make test`.
+# Mutation check of the privacy-critical code (report: docs/MUTATION.md). Not part of `make test`.
 # mutmut (config: [tool.mutmut] in pyproject.toml: the files it may mutate and the tests it runs) mutates a copy of src/
 # under mutants/ and keeps only the functions named below (mutant-name globs, `x<function>` / `xǁClassǁmethod`).
 # mutmut generates mutants for every function of the only_mutate files (~4,300) and runs only those the globs name

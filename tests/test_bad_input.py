@@ -303,9 +303,9 @@ def test_private_artifacts_are_never_readable_by_others_not_even_before_the_rena
     save_image_grid(torch.rand(2, 3, 4, 4), tmp_path / "a" / "ground_truth.png")  # an audit's attack folder too
     assert stat.S_IMODE((tmp_path / "a" / "ground_truth.png").stat().st_mode) == 0o600
     write_atomic(tmp_path / "report.html", "<html></html>")
-    write_atomic(tmp_path / "results.json", "{}")
+    write_atomic(tmp_path / "summary.json", "{}")  # not private (results.json is: it holds the private sentences)
     assert stat.S_IMODE((tmp_path / "report.html").stat().st_mode) == 0o600
-    assert stat.S_IMODE((tmp_path / "results.json").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "summary.json").stat().st_mode) == 0o644
 
 
 # ---------------------------------------------------------------------------------------------------------- data

@@ -1,4 +1,4 @@
-"""The house rules of DESIGN.md §2, checked on the source (issue 27).
+"""The house rules of docs/DESIGN.md §2, checked on the source.
 
 An AST walk over ``src/gradleak`` collects every import of ours — at module level *and* inside functions (a lazy
 import is still a dependency) — and fails on

@@ -1,6 +1,6 @@
 """``gradleak`` command line (typer + rich). Thin: parses, calls :mod:`gradleak.run`, prints.
 
-Exit codes (DESIGN §4): 0 success, 2 bad input (a message naming the field and the fix), 1 internal error.
+Exit codes (docs/DESIGN.md §4): 0 success, 2 bad input (a message naming the field and the fix), 1 internal error.
 ``gradleak list``, ``--version`` and config validation import neither transformers nor any model: only the
 registries (torch for the attack modules) — a bad ``--set`` is answered in about two seconds.
 """

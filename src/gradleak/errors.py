@@ -1,4 +1,4 @@
-"""Errors that carry the field to change and the fix (DESIGN §4: exit code 2 for bad input)."""
+"""Errors that carry the field to change and the fix (docs/DESIGN.md §4: exit code 2 for bad input)."""
 
 from __future__ import annotations
 

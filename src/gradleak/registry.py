@@ -1,4 +1,4 @@
-"""One registry pattern for attacks, defenses, datasets, metrics and experiments (DESIGN §2).
+"""One registry pattern for attacks, defenses, datasets, metrics and experiments (docs/DESIGN.md §2).
 
 Modelled on Opacus' grad-sampler registry: a decorator registers an object under a name together
 with a one-line summary, so configs and ``gradleak list`` find it without ``if name == ...`` chains.

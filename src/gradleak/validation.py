@@ -1,6 +1,6 @@
 """The one base of every pydantic model that holds user input (config sections, defense and attack parameters).
 
-Two rules hold for every field of every such model, so a new section or parameter cannot forget them (issue 29):
+Two rules hold for every field of every such model, so a new section or parameter cannot forget them:
 
 * **finite numbers**: NaN and ±inf are refused in every float field (``allow_inf_nan=False``: "Input should be a
   finite number"). A field where infinity means something ("no limit") is annotated :data:`InfOK`, which takes

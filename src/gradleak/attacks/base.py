@@ -1,4 +1,4 @@
-"""The attack protocol (DESIGN §2).
+"""The attack protocol (docs/DESIGN.md §2).
 
 An attack is a class registered in ``ATTACKS`` that subclasses :class:`AttackBase` and declares
 
@@ -98,7 +98,7 @@ class AttackBase:
     @classmethod
     def audit_variants(cls, params: dict[str, Any], defenses: list[dict]) -> list[dict[str, Any]]:
         """Parameter sets the audit runs *besides* ``params`` so that the attack is judged at full strength
-        (issue 26: declared defenses are public; no verdict may rest on a default tolerance). ``params``: the
+        (docs/DESIGN.md §6: declared defenses are public; no verdict may rest on a default tolerance). ``params``: the
         attack's parameters as configured; ``defenses``: the update defenses the deployment declares. Each returned
         dict overrides ``params``; the audit keeps the most leaking run. Default: none (no key tolerance)."""
         return []

@@ -1,10 +1,10 @@
 """BN-aware gradient inversion: the client's local training simulated differentiably, BN statistics and priors.
 
-Hatamizadeh et al. 2022 (SPEC §4.2, arXiv:2202.06924 §II-B): the attacker starts from the **current global
+Hatamizadeh et al. 2022 (arXiv:2202.06924 §II-A, §II-B; docs/PAPERS.md): the attacker starts from the **current global
 checkpoint**, simulates the client's local SGD (same number of iterations, batch size, lr) on candidate
 images with trainable labels, and minimises
 
-    L = α_match · matching(Δŵ, Δw) + α_BN · L_BN + α_TV · TV(x̂) + α_ℓ2 · ‖x̂‖₂                      (SPEC §4.2, 4.5)
+    L = α_match · matching(Δŵ, Δw) + α_BN · L_BN + α_TV · TV(x̂) + α_ℓ2 · ‖x̂‖₂                      (§II-B; weights: NVFlare code)
 
 :func:`~gradleak.attacks.common.simulation.simulate_local_training` (shared with the FedAvg emulation of the image
 optimisation attacks) runs the K SGD steps with ``torch.func.functional_call`` in train mode
@@ -15,9 +15,9 @@ every BN layer's per-step batch statistics, combined with the K-step weights of
 :mod:`gradleak.attacks.common.bn_stats` (like with like against :func:`~gradleak.attacks.common.bn_stats.infer_bn_targets`).
 :func:`inversion_objective` assembles the loss.
 
-**The public code's defect, fixed.** NVFlare's ``FLGradientInversion`` (SPEC §4.5) forms its matching
+**The public code's defect, fixed.** NVFlare's ``FLGradientInversion`` (authors' code, docs/PAPERS.md) forms its matching
 term by differencing detached ``state_dict``s of a model trained in place, so that term has *no gradient
-path* to the images (issue 9, measured before filing): its attack is driven by the BN loss and the
+path* to the images (measured before the fix): its attack is driven by the BN loss and the
 priors alone. Here the matching term's
 gradient reaches the images (tests: non-zero, and equal to finite differences in float64).
 
@@ -36,7 +36,7 @@ Decisions the paper leaves open, recorded here:
   ``1 − cos`` over all tensors (Geiping et al. 2020). Which parameters: every parameter the observed update
   holds (the trainable ones).
 * **Priors.** TV-ℓ2 of DeepInversion (``get_image_prior_losses``: ℓ2 norms of the horizontal, vertical and
-  both diagonal differences) and the image norm ``‖x̂‖₂``; weights 1e-4 / 1e-5 in NVFlare (SPEC §4.5).
+  both diagonal differences) and the image norm ``‖x̂‖₂``; weights 1e-4 / 1e-5 in NVFlare's code.
 * **BN-loss model.** The candidates' statistics are recorded inside the simulated steps (step k runs
   θ_{k−1}), which is the computation that produced the client's statistics; the public code forwards the
   candidates through the *updated* model (θ_0 + Δw) instead, a network the client never ran.
@@ -146,7 +146,7 @@ def total_variation_l2(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class ObjectiveWeights:
-    """Weights of the inversion loss; defaults = NVFlare's client-9 configuration (SPEC §4.5)."""
+    """Weights of the inversion loss; defaults = NVFlare's client-9 configuration (authors' code)."""
 
     matching: float = 1e-3
     bn: float = 0.1
@@ -313,7 +313,7 @@ def labels_from_head(pseudo_gradient: Mapping[str, torch.Tensor], num_images: in
                   "the K local steps from the current checkpoint, match the update and the BN statistics inferred "
                   "from the running-statistics change")
 class BNInversion(AttackBase):
-    """Hatamizadeh et al. 2022 (arXiv:2202.06924 §II-B, SPEC §4.2, §4.5) on the round protocol.
+    """Hatamizadeh et al. 2022 (arXiv:2202.06924 §II-B; NVFlare's code for the weights) on the round protocol.
 
     For every attacked client c and round r the server reads, from the :class:`~gradleak.fl.core.ServerView`:
     the checkpoint it sent in round r (``view.round_states``: parameters *and* BN buffers), c's upload
@@ -322,7 +322,7 @@ class BNInversion(AttackBase):
     It then minimises :func:`inversion_objective` over candidate images (and soft labels) by Adam:
 
     1. **Initialisation** from the domain prior (``prior: dataset_mean`` — the mean image of held-out images
-       of the private dataset, granted under ``threat.public_data``; SPEC §4.2 step 1) plus Gaussian "energy"
+       of the private dataset, granted under ``threat.public_data``; §II-B: domain-specific priors) plus Gaussian "energy"
        noise of std ``energy × lr`` that breaks the symmetry between candidates (NVFlare);
     2. **Simulation** of c's K local SGD steps (:func:`simulate_local_training`, differentiable: the
        matching term's gradient reaches the images — the public code's defect fixed);
@@ -331,8 +331,8 @@ class BNInversion(AttackBase):
     4. **Priors** TV-ℓ2 and ‖x̂‖₂; soft labels ``softmax(z)`` trained through the simulated loss (or hard
        labels from the head-bias update, ``labels: from_head``).
 
-    Ablations (``ablation``; SPEC §4.2 step 5 "without the correct global checkpoint or without correct BN
-    accounting the attack fails"): ``gradient_only`` (BN weight 0), ``bn_only`` (matching weight 0),
+    Ablations (``ablation``; §III-B: without the current global checkpoint or without correct BN
+    accounting the attack fails): ``gradient_only`` (BN weight 0), ``bn_only`` (matching weight 0),
     ``stale_checkpoint`` (weights *and* buffers of the checkpoint ``stale_rounds`` rounds older; the BN
     targets are inferred from it as well — what an attacker without the current checkpoint would do),
     ``fixed_bn`` (prior work's assumption, Yin et al. 2021: the targets are the checkpoint's running

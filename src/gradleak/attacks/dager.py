@@ -1,4 +1,4 @@
-"""DAGER-style baseline (Petrov et al. 2024, as re-implemented for UTR's comparison, SPEC §3.5).
+"""DAGER-style baseline (Petrov et al. 2024, as re-implemented for UTR's comparison, UTR paper Sec. 5.1).
 
 DAGER checks token embeddings against the span of the gradient of an *attention* projection: the rows of
 dL/dW_Q of layer 0 lie in span{inputs of layer 0's query}; the rows of dL/dW_Q of layer 1 in span{inputs of

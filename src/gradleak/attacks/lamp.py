@@ -1,4 +1,4 @@
-"""LAMP (Balunovic et al., NeurIPS 2022), the optimisation baseline UTR compares against (SPEC §3.5).
+"""LAMP (Balunovic et al., NeurIPS 2022), the optimisation baseline UTR compares against (UTR paper Sec. 5.1).
 
 LAMP's threat model: the server knows every sequence's length and the labels (granted through
 ``view.public["lengths"]`` / ``["labels"]``). It alternates two steps on the B x L input embeddings x:

@@ -1,5 +1,5 @@
 """``lora_span``: exact analytic image recovery from the LoRA-A gradient of block 0 by an honest server
-(issue 14 item 5, "beyond the paper"; paper 001 = SPEC §2 studies optimisation attacks on LoRA ViTs, its best
+(beyond the paper; paper 001, the LoRA-ViT paper of docs/PAPERS.md, studies optimisation attacks on LoRA ViTs, its best
 reaching 25.9 dB at B = 1, r = 128, Table 11 — this attack needs no optimisation and no prescribed architecture).
 
 **The span.** LoRA on a linear layer ``y = W h + s·B A h`` (s = α/r) has ``∂L/∂A = s·Bᵀ Σₜ δₜ hₜᵀ`` with
@@ -33,7 +33,7 @@ under-determined. The attack detects these from the spectra (never from the trut
 ``info["rank_condition"]``; it still returns its least-squares (minimum-norm) image, flagged. FedAvg: block 0's
 input is frozen, so every local step's gradient lies in the same token span and the attack applies unchanged.
 
-Decisions left open (issue 14 gives only the idea), each recorded:
+Decisions left open (no paper describes this attack), each recorded:
 
 * **Rows used**: every block-0 attention LoRA-A gradient in the update (``query``, ``key``, ``value``),
   stacked; more targets = more rows = a later saturation. LoRA on block 0 is required (BadInput otherwise).
@@ -155,7 +155,7 @@ class LoraSpan(AttackBase):
 
     @classmethod
     def audit_variants(cls, params, defenses):
-        """The rank cut decides the attack under noise (issue 26: 16-bit quantisation, 14.3 dB at the spectral-gap
+        """The rank cut decides the attack under noise (measured: 16-bit quantisation, 14.3 dB at the spectral-gap
         default, 56.8 dB at rank_rtol 1e-4): the audit also runs a ladder of fixed relative cuts."""
         ladder = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2) if defenses else (1e-5, 1e-4)
         return [{"rank_rtol": v} for v in ladder if params.get("rank_rtol") != v]

@@ -1,4 +1,4 @@
-"""ProjRes membership inference (paper 004, SPEC §5.1) on the gradients of trainable linear layers.
+"""ProjRes membership inference (FISGuard paper, paper 004 in docs/PAPERS.md: Sec. III, VI-B) on the gradients of trainable linear layers.
 
 The rows of the gradient G (out × in) of a linear layer are combinations of the layer's inputs on the
 client's batch, so a member's input lies in the row space of G and a non-member's (mostly) does not. The
@@ -7,7 +7,7 @@ layer, ``‖h − P_row(G) h‖ / ‖h‖`` (P_row(G) = V_k V_kᵀ from the SVD 
 model it sent; lower = more likely a member. ``Reconstruction.data["scores"]`` holds ``−residual``
 (higher = member) for the evaluator (ROC AUC, TPR at low FPR).
 
-Decisions the summary leaves open (SPEC A5.2), each a parameter:
+Decisions the summary leaves open (open point A5.2, docs/PAPERS.md), each a parameter:
 
 * ``aggregation`` over a sentence's tokens: ``min`` (default; one token in the span is enough evidence),
   ``mean``, or ``sentence`` (the residual of the mean token representation). Special tokens ([CLS]/[SEP],
@@ -224,7 +224,7 @@ class GradientDecompositionConfig(AttackConfig):
 @ATTACKS.register("projres_adaptive",
                   "adaptive MIA: decompose the observed update over the candidates' per-sample gradients (NNLS)")
 class GradientDecomposition(AttackBase):
-    """Beyond the paper (issue 10 item 5): FISGuard's guarantee is ProjRes-specific. The server knows the model
+    """Beyond the paper: FISGuard's guarantee is ProjRes-specific. The server knows the model
     it sent (Q included), the loss and the candidates, so it computes every candidate's per-sample gradient of
     the uploaded parameters for every label y, ``g_{c,y}``, and decomposes the observed FedSGD update
     ``G = (1/B) Σ_members g_{c,y_c}`` over them by non-negative least squares. A member carries weight ≈ 1/B on

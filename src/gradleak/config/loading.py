@@ -1,4 +1,4 @@
-"""Pydantic-validated YAML configs (DESIGN §4): unknown keys are errors, ``--set`` overrides are checked."""
+"""Pydantic-validated YAML configs (docs/DESIGN.md §4): unknown keys are errors, ``--set`` overrides are checked."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""The one config language (DESIGN §4): every experiment is ``data -> model + peft -> fl -> threat -> attack``.
+"""The one config language (docs/DESIGN.md §4): every experiment is ``data -> model + peft -> fl -> threat -> attack``.
 
 ``experiment:`` names a *preset* (``EXPERIMENTS``) that fills defaults before validation:
 
 * ``peftleak`` — images, ViT-B/16 + adapters, attack ``peftleak``, threat ``malicious`` with public data;
 * ``utr`` — text, MiniLM (2 layers) + adapters, attack ``utr``, threat ``honest-but-curious``;
 * ``leakage`` — images, grey ResNet-18 (full fine-tuning, BatchNorm), FedAvg, attack ``bn_inversion``, evaluated
-  per client by RDLV and adjusted IIP (Hatamizadeh et al. 2022, SPEC §4);
+  per client by RDLV and adjusted IIP (Hatamizadeh et al. 2022, §II-D, §III-E);
 * ``image`` / ``text`` — the same sections with no attack-specific defaults.
 
 The ``attack:`` section holds ``name`` plus the attack's parameters, either flat (``attack.sigma``) or
@@ -148,7 +148,7 @@ class FLConfig(Strict):
     local_batch_size: Optional[int] = Field(None, ge=1)
     clients: int = Field(1, ge=1, le=10_000, description="clients per round; client 0 is the attacked one")
     secure_aggregation: bool = False
-    # per-client settings (the leakage study's clients differ in data, batch size and steps; SPEC §4.4)
+    # per-client settings (the leakage study's clients differ in data, batch size and steps; Hatamizadeh et al. 2022 §III-A)
     client_images: Optional[list[int]] = Field(None, description="training images per client (default data.batch_size each)")
     client_batch_sizes: Optional[list[int]] = Field(None, description="local batch size per client (default "
                                                     "fl.local_batch_size)")

@@ -1,4 +1,4 @@
-"""Datasets as tensors + labels (DESIGN §2): built-in offline assets, image folders and ``.npz`` files.
+"""Datasets as tensors + labels (docs/DESIGN.md §2): built-in offline assets, image folders and ``.npz`` files.
 
 ``load(name, **kwargs)`` looks the name up in the ``DATASETS`` registry; ``gradleak list`` shows them.
 Importing this package only registers loaders: no file is read until ``load`` is called.

@@ -1,4 +1,4 @@
-"""The experiment's data splits (DESIGN §2): disjoint seeded chunks of one dataset per role.
+"""The experiment's data splits (docs/DESIGN.md §2): disjoint seeded chunks of one dataset per role.
 
 * :class:`ImageData` — one seeded draw of the private image set cut into client training images | validation
   images | domain-prior images | test images | the nulls' pool (in that order, disjoint); the server's *public*

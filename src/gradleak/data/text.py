@@ -1,4 +1,4 @@
-"""Text datasets (SPEC §3.5) registered in ``DATASETS``: real sentences from offline assets, local files, HF.
+"""Text datasets (UTR paper Sec. 5.1) registered in ``DATASETS``: real sentences from offline assets, local files, HF.
 
 Every loader returns a :class:`TextDataset` (sentences + integer labels). Built-in sources (ASSETS.md):
 

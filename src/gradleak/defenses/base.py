@@ -1,4 +1,4 @@
-"""The defense protocol (DESIGN §2): one registry (:data:`gradleak.registry.DEFENSES`), one base class with a stage,
+"""The defense protocol (docs/DESIGN.md §2): one registry (:data:`gradleak.registry.DEFENSES`), one base class with a stage,
 each defense with a pydantic ``Config`` that holds its parameters and their defaults.
 
 Two stages:
@@ -102,6 +102,13 @@ class Defense:
         """Numbers about the defense in this trial, added to the run's metrics (called once per trial)."""
         return {}
 
+    def server_knowledge(self) -> dict[str, Any]:
+        """What the server knows of this defense besides its noise (:mod:`gradleak.defenses.declared`):
+        ``clip_norm`` / ``per_sample_clip_norm``, ``sparsity`` ({keep_fraction, scope}), ``quant_bits``,
+        ``adds_noise`` (Gaussian noise of a scale :meth:`observed_noise_variance` computes), ``noise_unknown`` (noise
+        of a scale the server cannot compute). Default: nothing."""
+        return {}
+
 
 class UpdateDefense(Defense):
     """A transform of each client's upload (``defenses:``)."""
@@ -130,6 +137,9 @@ class TrainingDefense(Defense):
 
     stage: ClassVar[Stage] = "training"
     modalities: ClassVar[tuple[str, ...]] = ("text",)  # most of paper 004's MIA defenses are for text clients
+    #: True: the defense changes what the upload carries (noise, clipping, filtering), so the audit attacks it with
+    #: full-strength variants (:mod:`gradleak.defenses.declared`); False: it changes only how the model learns
+    changes_upload: ClassVar[bool] = False
     #: ``local_update(client, model, *, seed, algorithm, lr, round_index, epochs, batch_size) -> Update | None``
     #: replaces the client's training step (None: the client's own step); a defense that needs it defines the method
     local_update: Optional[Callable[..., Any]] = None
@@ -154,12 +164,27 @@ class TrainingDefense(Defense):
         """Update transforms the defense adds after the ``defenses:`` list."""
         return []
 
+    def observed_noise_variance(self, update: "Update", aggregate_of: int = 1, individual: bool = True,
+                                local_batch_size: Optional[int] = None) -> Optional[float]:
+        """Per-coordinate variance of the Gaussian noise the defense's training puts on an observed upload, as
+        :meth:`UpdateDefense.observed_noise_variance` (``local_batch_size``: the protocol's minibatch size, for
+        FedAvg); 0 for none, None for noise of a scale the server cannot know."""
+        return 0.0
+
 
 class UpdateInDefenseSection(TrainingDefense):
     """An update-stage defense named in ``defense:``: it trains nothing; its transform runs on every upload after the
     ``defenses:`` list, and its report joins the metrics."""
 
     modalities: ClassVar[tuple[str, ...]] = ("image", "text")
+    changes_upload: ClassVar[bool] = True
+
+    def server_knowledge(self) -> dict[str, Any]:
+        return self.transform.server_knowledge()
+
+    def observed_noise_variance(self, update: "Update", aggregate_of: int = 1, individual: bool = True,
+                                local_batch_size: Optional[int] = None) -> Optional[float]:
+        return self.transform.observed_noise_variance(update, aggregate_of=aggregate_of, individual=individual)
 
     def __init__(self, transform: UpdateDefense):
         self.transform = transform

@@ -1,6 +1,6 @@
-"""RDLV-threshold filter: a client withholds an update that its own audit judges to leak (issue 9).
+"""RDLV-threshold filter: a client withholds an update that its own audit judges to leak.
 
-Hatamizadeh et al. 2022 (SPEC §4; arXiv:2202.06924 §III-E, NVFlare's ``RelativeDataLeakageValueFilter``): before
+Hatamizadeh et al. 2022 (arXiv:2202.06924 §III-E, NVFlare's ``RelativeDataLeakageValueFilter``): before
 uploading, the client attacks its own update exactly as the honest-but-curious server would and measures the
 relative data leakage value of the reconstruction against its own images; when the RDLV's lower 95 % bootstrap
 bound exceeds ``threshold`` the update is not sent this round (the round protocol records it in
@@ -78,6 +78,7 @@ def _check_bn(model, field: str = "model.name") -> None:
 class RDLVFilter(TrainingDefense):
     Config = RDLVFilterParams
     modalities = ("image",)
+    changes_upload = True  # it withholds what leaks: the upload differs from the plain client's
 
     def setup(self) -> None:
         cfg = self.cfg

@@ -13,7 +13,7 @@ as opposed to the update transforms of ``defenses:`` (:mod:`gradleak.defenses.up
 * ``local_update(client, model, seed=...)`` — replace the client's training step (DP-SGD, min-max, the RDLV filter
   of :mod:`gradleak.defenses.filter`).
 
-MIA defenses compared in paper 004 (SPEC §5.3): FISGuard, DP-SGD (Opacus), L2 regularisation, dropout, label
+MIA defenses compared in paper 004 (FISGuard paper Sec. V-A): FISGuard, DP-SGD (Opacus), L2 regularisation, dropout, label
 smoothing and min-max adversarial regularisation (Nasr et al. 2018), each registered here. Hatamizadeh et al.'s
 percentile noise, which the ``defense:`` section also takes, is the update transform
 :class:`gradleak.defenses.update.PercentileNoise`.
@@ -197,6 +197,22 @@ class DPSGD(TrainingDefense):
 
     Config = DPSGDParams
     modalities = ("text", "image")
+    changes_upload = True
+
+    def server_knowledge(self) -> dict:
+        return {"per_sample_clip_norm": float(self.cfg.max_grad_norm), "adds_noise": self.cfg.noise_multiplier > 0}
+
+    def observed_noise_variance(self, update, aggregate_of: int = 1, individual: bool = True,
+                                local_batch_size: int | None = None) -> float:
+        """The noise the server knows is on an upload (:mod:`gradleak.defenses.declared`): each step's private
+        gradient carries N(0, (σC/b)²) per coordinate for its batch of b samples; a FedSGD upload is one step on the
+        client's whole batch (b = its samples), a FedAvg pseudo-gradient the sum of its K steps (variance K (σC/b)²,
+        b the protocol's minibatch size; a last partial batch is slightly noisier, which this ignores)."""
+        n = max(int(getattr(update, "num_samples", 1) or 1), 1)
+        steps = max(int(getattr(update, "local_steps", 1) or 1), 1)
+        b = n if steps == 1 else min(int(local_batch_size or n), n)
+        var = steps * (self.cfg.noise_multiplier * self.cfg.max_grad_norm / b) ** 2
+        return var / (1 if individual else max(aggregate_of, 1))
 
     def setup(self) -> None:
         self.seed = 0  # the experiment's seed, set by apply (a direct local_update call draws with seed 0)
@@ -352,7 +368,7 @@ def _logits(model, x: torch.Tensor) -> torch.Tensor:
 
 @DEFENSES.register("minmax", "min-max adversarial regularisation (Nasr et al. 2018): train against a local inference model")
 class MinMax(TrainingDefense):
-    """Min-max adversarial regularisation (Nasr, Shokri, Houmansadr, CCS 2018; paper 004 SPEC §5.3 baseline).
+    """Min-max adversarial regularisation (Nasr, Shokri, Houmansadr, CCS 2018; a baseline of paper 004, Sec. V-A).
 
     Each client keeps a private inference model h(f(x), y) -> P(member) (an MLP on the softmax output and the
     one-hot label, Nasr et al.'s inputs) and, every round, (1) trains h for ``attack_steps`` Adam steps to tell its

@@ -52,6 +52,9 @@ class GaussianNoise(UpdateDefense):
             scale = self.std * update.norm() / max(sum(t.numel() for t in update.tensors.values()), 1) ** 0.5
         return update.map(lambda _, t: t + scale * torch.randn(t.shape, generator=g, dtype=torch.float64).to(t))
 
+    def server_knowledge(self) -> dict:
+        return {"adds_noise": self.std > 0}
+
     def observed_noise_variance(self, update: Update, aggregate_of: int = 1, individual: bool = True) -> float:
         """For noise relative to the update's norm, std = s ||g||, and the server estimates ||g|| from the noisy
         upload: E||g + n||² = ||g||² (1 + P s²) for P coordinates."""
@@ -86,8 +89,8 @@ class PercentileNoise(UpdateDefense):
     (:class:`~gradleak.defenses.base.UpdateInDefenseSection`), so ``--set defense.sigma0=25`` sweeps it; its report
     is ``noise_sigma0``.
 
-    Hatamizadeh et al. 2022 §II-C (SPEC §4.3): "σ = σ0 × (95th percentile of the absolute update values),
-    chosen to reduce outlier influence; noise added to every entry". Readings and decisions, recorded:
+    Hatamizadeh et al. 2022 §II-C: σ = σ0 × (95th percentile of the absolute update values), the
+    percentile chosen to reduce outlier influence; noise added to every entry. Readings and decisions, recorded:
 
     * **Scale.** NVFlare's ``GaussianPrivacy`` filter acts on the shared weight *difference* Δw (and the
       running-statistics changes, which travel in the same dictionary). gradleak's FedAvg upload is
@@ -99,7 +102,7 @@ class PercentileNoise(UpdateDefense):
       (``per_tensor=True``: each tensor's noise scales with its own percentile). ``include_buffers``
       (default true, as NVFlare) adds the BN ``running_mean``/``running_var`` changes to both the
       percentile and the noise; ``num_batches_tracked`` (an integer step counter, which the server knows
-      from the training configuration) is left unchanged. Measured before (issue 9): with the global
+      from the training configuration) is left unchanged. Measured before this choice: with the global
       percentile the parameter entries set σ while the BN-buffer changes are ~10⁴ times larger, so the
       buffers barely notice the noise.
     * **Absolute σ** (``absolute=True``): σ = ``sigma0`` on the Δw scale (the paper's σ = 10⁻² example).
@@ -172,6 +175,9 @@ class PercentileNoise(UpdateDefense):
     def observed_noise_variance(self, update: Update, aggregate_of: int = 1, individual: bool = True) -> None:
         return None  # σ follows the (unseen) clean update's percentile
 
+    def server_knowledge(self) -> dict:
+        return {"noise_unknown": True}
+
     def report(self, rounds: list) -> dict[str, float]:
         return {"noise_sigma0": float(self.sigma0)}
 
@@ -192,6 +198,9 @@ class Clipping(UpdateDefense):
     def apply(self, update: Update, ctx: dict) -> Update:
         factor = min(1.0, self.max_norm / max(update.norm(), 1e-300))
         return update.map(lambda _, t: t * factor)
+
+    def server_knowledge(self) -> dict:
+        return {"clip_norm": float(self.max_norm)}
 
 
 @DEFENSES.register("dp_gaussian", "clip the update to max_norm, then add N(0, (noise_multiplier*max_norm)^2) on the "
@@ -237,6 +246,9 @@ class DPGaussian(UpdateDefense):
         noise = GaussianNoise(self.noise_multiplier * self.max_norm / max(num_updates, 1), seed=self.noise.seed)
         return noise.apply(aggregate, {**ctx, "client_id": -1})
 
+    def server_knowledge(self) -> dict:
+        return {"clip_norm": float(self.max_norm), "adds_noise": self.noise_multiplier > 0}
+
     def observed_noise_variance(self, update: Update, aggregate_of: int = 1, individual: bool = True) -> float:
         std = self.noise_multiplier * self.max_norm
         if self.server_side:  # the raw upload carries no noise; the mean of K uploads N(0, (σC/K)²)
@@ -265,10 +277,17 @@ def coordinate_noise_std(entries: list[dict] | list[DefenseConfig], update: Upda
     return var ** 0.5 if var > 0 else None
 
 
-@DEFENSES.register("topk_pruning", "zero all but the largest-magnitude (1 - prune_fraction) of the coordinates")
+@DEFENSES.register("topk_pruning", "zero all but the largest-magnitude (1 - prune_fraction) of the coordinates "
+                   "(of the whole upload, or of each tensor with per_tensor: true)")
 class TopKPruning(UpdateDefense):
+    """Magnitude pruning of the upload (UTR Table 3; PEFTLeak Fig. 21). ``per_tensor: false`` (default) keeps the
+    largest (1 - p) of *all* coordinates, so small tensors (an embedding adapter's gradient) can lose every entry;
+    ``per_tensor: true`` keeps the largest (1 - p) of each tensor. The server sees which coordinates were kept
+    (the nonzeros): :meth:`server_knowledge` declares it for the sparsity-aware tests."""
+
     class Config(DefenseParams):
         prune_fraction: float = Field(description="fraction of the coordinates set to zero, in [0, 1)")
+        per_tensor: bool = Field(False, description="prune each tensor to its own top (1 - prune_fraction)")
 
     def setup(self) -> None:
         p = self.cfg.prune_fraction
@@ -277,11 +296,20 @@ class TopKPruning(UpdateDefense):
                            "use e.g. 0.9 to zero 90% of the coordinates.")
         self.prune_fraction = p
 
-    def apply(self, update: Update, ctx: dict) -> Update:
-        flat = update.flat()
-        keep = max(1, int(round(flat.numel() * (1 - self.prune_fraction))))
+    @staticmethod
+    def _prune(flat: torch.Tensor, keep_fraction: float) -> torch.Tensor:
+        keep = max(1, int(round(flat.numel() * keep_fraction)))
         thresh = flat.abs().kthvalue(flat.numel() - keep + 1).values if keep < flat.numel() else flat.abs().min() - 1
-        return update.unflat(torch.where(flat.abs() >= thresh, flat, torch.zeros_like(flat)))
+        return torch.where(flat.abs() >= thresh, flat, torch.zeros_like(flat))
+
+    def apply(self, update: Update, ctx: dict) -> Update:
+        if self.cfg.per_tensor:
+            return update.map(lambda _, t: self._prune(t.reshape(-1), 1 - self.prune_fraction).reshape(t.shape))
+        return update.unflat(self._prune(update.flat(), 1 - self.prune_fraction))
+
+    def server_knowledge(self) -> dict:
+        return {"sparsity": {"keep_fraction": 1 - self.prune_fraction,
+                             "scope": "per_tensor" if self.cfg.per_tensor else "global"}}
 
 
 @DEFENSES.register("stochastic_quantization", "unbiased stochastic rounding of each tensor to 2^bits levels (QSGD-style)")
@@ -314,6 +342,9 @@ class StochasticQuantization(UpdateDefense):
 
     def observed_noise_variance(self, update: Update, aggregate_of: int = 1, individual: bool = True) -> None:
         return None  # rounding noise depends on each tensor's (unseen) range
+
+    def server_knowledge(self) -> dict:
+        return {"quant_bits": int(self.cfg.bits), "noise_unknown": True}
 
 
 __all__ = ["Clipping", "DPGaussian", "GaussianNoise", "PercentileNoise", "StochasticQuantization", "TopKPruning",

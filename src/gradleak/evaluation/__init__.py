@@ -1,4 +1,4 @@
-"""Evaluation units (DESIGN §2): the only step that sees the ground truth, one unit per reconstruction kind.
+"""Evaluation units (docs/DESIGN.md §2): the only step that sees the ground truth, one unit per reconstruction kind.
 
 Each unit module registers an :class:`~gradleak.evaluation.base.EvaluationUnit` under its kind -- its evaluator
 (the metrics against the private samples, with the null beside every headline), its headline metric, its level

@@ -1,4 +1,4 @@
-"""The shared ground of the evaluation units (DESIGN §2): what the evaluation sees (:class:`Truth`), what it returns
+"""The shared ground of the evaluation units (docs/DESIGN.md §2): what the evaluation sees (:class:`Truth`), what it returns
 (:class:`Evaluation`), what one reconstruction kind means (:class:`EvaluationUnit`) and the registry of units.
 
 Evaluation is the only step that sees the ground truth. An attack's ``reconstruction`` kind picks its unit; the unit
@@ -53,6 +53,10 @@ def _no_fields(metrics: Mapping[str, Any]) -> dict:
     return {}
 
 
+def _headline_decides(metrics: Mapping[str, Any], level: str) -> str | None:
+    return None
+
+
 @dataclass(frozen=True)
 class EvaluationUnit:
     """Everything one reconstruction kind means, in one place.
@@ -65,7 +69,10 @@ class EvaluationUnit:
     * ``sweep_metric``: the metric a sweep prints and plots for this kind;
     * ``per_client``: whether the pipeline attacks one client at a time (``metrics.attack_clients: all``); membership
       and leakage attacks score every client themselves;
-    * ``audit_fields(metrics)``: the audit entry's extra fields (samples reconstructed, units, intervals).
+    * ``audit_fields(metrics)``: the audit entry's extra fields (samples reconstructed, units, intervals);
+    * ``decided_by(metrics, level)``: the metric whose test decided ``grade``'s level (e.g. word-bag recall for a
+      word-bag ``partial``), which the audit shows with *its* null (``<m>_null_p99``, ``<m>_p_value``) -- None: the
+      headline.
     """
 
     kind: str
@@ -75,6 +82,7 @@ class EvaluationUnit:
     sweep_metric: str
     per_client: bool = False
     audit_fields: Callable[[Mapping[str, Any]], dict] = _no_fields
+    decided_by: Callable[[Mapping[str, Any], str], "str | None"] = _headline_decides
 
 
 EVALUATORS: Registry[EvaluationUnit] = Registry("evaluator")

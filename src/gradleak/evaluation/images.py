@@ -1,4 +1,4 @@
-"""The ``images`` unit: optimisation attacks' reconstructed images (DESIGN §2).
+"""The ``images`` unit: optimisation attacks' reconstructed images (docs/DESIGN.md §2).
 
 Scores: PSNR/SSIM/MSE after an order-free (Hungarian, on MSE) matching of reconstructions to private images, feature
 distance, the grey-image reference PSNR. Null: N random held-out images of the private set's source matched the
@@ -126,6 +126,14 @@ def grade_image_kind(m: Mapping[str, Any], thr: float, exact_count: str, exact_w
     return graded("none", "best-image PSNR not beyond the null", **ev)
 
 
+def decided_by_image_kind(exact_count: str):
+    """The metric whose test gives :func:`grade_image_kind` its level: the exact count, best-image SSIM (strong) or
+    best-image PSNR (partial, none, undefined)."""
+    def decided(m: Mapping[str, Any], level: str) -> str:
+        return {"exact": exact_count, "strong": "ssim_max"}.get(level, "psnr_max")
+    return decided
+
+
 def grade_images(m: Mapping[str, Any], thr: float = 30.0) -> dict:
     return grade_image_kind(m, thr, "images_above_threshold", "a private image reconstructed")
 
@@ -135,5 +143,6 @@ def _audit_fields(m: Mapping[str, Any]) -> dict:
 
 
 UNIT = register(EvaluationUnit("images", evaluate_images, headline="psnr_max", grade=grade_images, sweep_metric="psnr",
-                               per_client=True, audit_fields=_audit_fields),
+                               per_client=True, audit_fields=_audit_fields,
+                               decided_by=decided_by_image_kind("images_above_threshold")),
                 "reconstructed images: order-free PSNR/SSIM/MSE, feature distance")

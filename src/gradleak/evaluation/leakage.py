@@ -1,4 +1,4 @@
-"""The ``leakage`` unit: BN-aware inversion's per-client reconstructions (Hatamizadeh et al. 2022; DESIGN §2).
+"""The ``leakage`` unit: BN-aware inversion's per-client reconstructions (Hatamizadeh et al. 2022; docs/DESIGN.md §2).
 
 Scores per client and round: SSIM vs the prior, RDLV with its bootstrap interval, adjusted IIP over all clients'
 training + validation images. Null: N random held-out images as a client's N reconstructions, each original taking
@@ -26,7 +26,7 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
     (percentile bootstrap 95 % of the mean, seeded by the config's seed), ``iip_client{c}_round{r}`` and
     ``iip_matched_cosine_client{c}_round{r}`` (features: the offline ViT-S/14 CLS token,
     :data:`gradleak.models.features.BACKBONE_NAME`, not the paper's unnamed network). The same without the round
-    suffix for the last attacked round, and the headline numbers of issue 9's contract (last attacked round):
+    suffix for the last attacked round, and the headline numbers of the leakage study (last attacked round):
 
     * ``rdlv_high_risk_client`` (+ ``_low``/``_high``): the mean RDLV of the high-risk client —
       ``metrics.high_risk_client``, else the client with the fewest training images, then the fewest local
@@ -206,5 +206,6 @@ def _audit_fields(m: Mapping[str, Any]) -> dict:
 
 
 UNIT = register(EvaluationUnit("leakage", evaluate_leakage, headline="rdlv", grade=grade_leakage,
-                               sweep_metric="rdlv_high_risk_client", audit_fields=_audit_fields),
+                               sweep_metric="rdlv_high_risk_client", audit_fields=_audit_fields,
+                               decided_by=lambda m, level: {"exact": "psnr_max", "strong": "ssim"}.get(level, "rdlv")),
                 "per client and round: SSIM vs prior, RDLV with bootstrap 95 % interval, adjusted IIP")

@@ -1,4 +1,4 @@
-"""Graded leakage levels (issue 26, DESIGN §6): the levels, the bar a score must clear, and the verdict. The rules of
+"""Graded leakage levels (docs/DESIGN.md §6): the levels, the bar a score must clear, and the verdict. The rules of
 each reconstruction kind live in its evaluation unit (``grade_*`` in :mod:`gradleak.evaluation.images`,
 ``patches``, ``text``, ``membership``, ``leakage``); this table is their summary.
 

@@ -1,4 +1,4 @@
-"""The ``membership`` unit: membership-inference scores (ProjRes; DESIGN §2).
+"""The ``membership`` unit: membership-inference scores (ProjRes; docs/DESIGN.md §2).
 
 Scores: ROC AUC, TPR at 1 % / 0.1 % FPR, per-layer AUC (with a defense's per-layer guarantee,
 :func:`split_by_guarantee`). Null: random member sets of the same size (label permutations), a bootstrap 95 %
@@ -136,5 +136,6 @@ def _audit_fields(m: Mapping[str, Any]) -> dict:
 
 
 UNIT = register(EvaluationUnit("membership", evaluate_membership, headline="auc", grade=grade_membership,
-                               sweep_metric="auc", audit_fields=_audit_fields),
+                               sweep_metric="auc", audit_fields=_audit_fields,
+                               decided_by=lambda m, level: "tpr_at_1pct_fpr" if level == "strong" else "auc_distance"),
                 "membership scores: ROC AUC, TPR at 1 % / 0.1 % FPR, per layer")

@@ -1,4 +1,4 @@
-"""Null distributions: what chance scores on an attack's own metric, matched exactly as the attack is (DESIGN §6).
+"""Null distributions: what chance scores on an attack's own metric, matched exactly as the attack is (docs/DESIGN.md §6).
 
 A number means nothing without its null. Every function here takes *public* samples of the attacked data's own
 source family (never a victim's sample: the pipeline hands over the chunk after every client's, validation, prior
@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-#: draws of every null (issue 26: >= 200); cheap because the pairwise scores are computed once
+#: draws of every null (docs/DESIGN.md §6: >= 200); cheap because the pairwise scores are computed once
 NULL_DRAWS = 1000
 
 

@@ -1,4 +1,4 @@
-"""The ``patches`` unit: PEFTLeak's recovered image patches (DESIGN §2).
+"""The ``patches`` unit: PEFTLeak's recovered image patches (docs/DESIGN.md §2).
 
 Scores: patch recovery (a true patch counts when a returned patch at its image and position reaches
 ``metrics.psnr_threshold_db``, :mod:`gradleak.metrics.patches`), grouping accuracy, image PSNR/SSIM/MSE of the
@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from gradleak.evaluation.base import Evaluation, EvaluationUnit, Truth, register
-from gradleak.evaluation.images import grade_image_kind, image_grids, image_metrics, null_images
+from gradleak.evaluation.images import decided_by_image_kind, grade_image_kind, image_grids, image_metrics, null_images
 
 
 def evaluate_patches(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evaluation:
@@ -94,5 +94,6 @@ def _audit_fields(m: Mapping[str, Any]) -> dict:
 
 
 UNIT = register(EvaluationUnit("patches", evaluate_patches, headline="psnr_max", grade=grade_patches,
-                               sweep_metric="psnr", per_client=True, audit_fields=_audit_fields),
+                               sweep_metric="psnr", per_client=True, audit_fields=_audit_fields,
+                               decided_by=decided_by_image_kind("patches_exact")),
                 "PEFTLeak patches: recovery rate, grouping, image PSNR/SSIM")

@@ -1,4 +1,4 @@
-"""The ``token_sequences`` unit: text attacks' recovered sentences (DESIGN §2).
+"""The ``token_sequences`` unit: text attacks' recovered sentences (docs/DESIGN.md §2).
 
 Scores: ROUGE-1/2/L recall (the papers' metric) *and* F1 (extra output is penalised), exact sentences, word-bag
 precision/recall, sentences returned / verified, and the capacity measures computed from the truth (unique tokens,
@@ -117,6 +117,36 @@ def _null_text(truth: Truth, refs: list[str], recs: list[str], true_tokens: set,
     notes.append("null: " + what + ".")
 
 
+def _partial_routes(m: Mapping[str, Any]) -> tuple[bool, bool | None, bool]:
+    """``(has_bag, part, r1)``: whether the attack returned a word bag (its null exists), and the two routes to
+    ``partial`` -- the bag's recall (without a bag: ROUGE-1 F1; None when it or its null is missing) and ROUGE-1 F1.
+    With a bag each route is tested at half the 1 % (Bonferroni: p < 0.005 as well as beyond the 99th percentile)."""
+    has_bag = not math.isnan(number(m, "word_bag_recall_null_p99"))
+    part = beyond(m, "word_bag_recall" if has_bag else "rouge1_f1")
+    if part is None or not has_bag:
+        return has_bag, part, False
+
+    def strict(key):
+        p = number(m, f"{key}_p_value")
+        return bool(beyond(m, key)) and (math.isnan(p) or p < 0.005)
+    return has_bag, strict("word_bag_recall"), strict("rouge1_f1")
+
+
+def decided_by_tokens(m: Mapping[str, Any], level: str) -> str | None:
+    """The metric whose test gave :func:`grade_tokens` its level: the exact-sentence count, ROUGE-2 F1 (strong), the
+    partial route that passed (word-bag recall first, as the rule names it) or the one that failed (none)."""
+    if level == "exact":
+        return "sentences_exact"
+    if level == "strong":
+        return "rouge2_f1"
+    has_bag, part, _ = _partial_routes(m)
+    if level == "partial":
+        return "word_bag_recall" if part and has_bag else "rouge1_f1"
+    if level == "undefined" and number(m, "attack_failed") >= 1:
+        return None
+    return "word_bag_recall" if has_bag else "rouge1_f1"
+
+
 def grade_tokens(m: Mapping[str, Any], thr: float = 30.0) -> dict:
     del thr
     ev = {"rouge1_f1": number(m, "rouge1_f1"), "rouge2_f1": number(m, "rouge2_f1"),
@@ -126,19 +156,10 @@ def grade_tokens(m: Mapping[str, Any], thr: float = 30.0) -> dict:
     if number(m, "attack_failed") >= 1:  # e.g. DAGER on an adapters-only upload: no attention-layer gradient to test
         return graded("undefined", "not applicable: the attack found nothing it can use in this update (its "
                       "results.json says why, e.g. DAGER without attention-layer gradients): nothing was measured", **ev)
-    has_bag = not math.isnan(number(m, "word_bag_recall_null_p99"))
+    has_bag, part, r1 = _partial_routes(m)
     part_key = "word_bag_recall" if has_bag else "rouge1_f1"
-    part = beyond(m, part_key)
     if part is None:
         return graded("undefined", f"{part_key} or its null is missing / NaN", **ev)
-    if has_bag:  # two routes to `partial` (the bag, the sentences' words): each at half the 1 % (Bonferroni)
-        def strict(key):
-            p = number(m, f"{key}_p_value")
-            return bool(beyond(m, key)) and (math.isnan(p) or p < 0.005)
-        part = strict("word_bag_recall")
-        r1 = strict("rouge1_f1")
-    else:
-        r1 = False
     if number(m, "sentences_exact") >= 1:
         return graded("exact", "a private sentence reconstructed word for word", **ev)
     if beyond(m, "rouge2_f1", ("bag_order",)) and number(m, "rouge2_f1") >= STRONG_ROUGE2:
@@ -157,5 +178,6 @@ def _audit_fields(m: Mapping[str, Any]) -> dict:
 
 
 UNIT = register(EvaluationUnit("token_sequences", evaluate_tokens, headline="rouge1_f1", grade=grade_tokens,
-                               sweep_metric="rouge1", per_client=True, audit_fields=_audit_fields),
+                               sweep_metric="rouge1", per_client=True, audit_fields=_audit_fields,
+                               decided_by=decided_by_tokens),
                 "text: ROUGE recall and F1, exact sentences, word bag, verified sentences")

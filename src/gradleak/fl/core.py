@@ -1,4 +1,4 @@
-"""Clients, updates, aggregation and the :class:`ServerView` (DESIGN §1).
+"""Clients, updates, aggregation and the :class:`ServerView` (docs/DESIGN.md §1).
 
 The server view is the only thing an attack may read. A :class:`Client` holds the private batch and
 never hands it to the server; :meth:`Client.local_update` returns an :class:`Update` holding only
@@ -9,7 +9,7 @@ the mean loss on the local batch (``kind="gradient"``). In FedAvg it is the mode
 ``-lr`` (``kind="pseudo_gradient"``), i.e. the sum of the local gradients when the weights barely move,
 so attacks that read gradients can read FedAvg updates the same way.
 
-BatchNorm (Hatamizadeh et al. 2022, SPEC §4.1: "the client update contains updated running mean/var"): for a
+BatchNorm (Hatamizadeh et al. 2022 §II-B: the client update carries the updated BN running statistics): for a
 model with ``_BatchNorm`` layers that track running statistics, ``Update.buffers`` holds the **change** of
 every BN buffer over local training (``running_mean``, ``running_var``, ``num_batches_tracked``; float64,
 new − old) — NVFlare's ``WEIGHT_DIFF`` convention for the running statistics. Decisions: the change rather

@@ -1,4 +1,4 @@
-"""The threat model: what the server may do and what it gets to see (DESIGN §1, LeakPro-style flags).
+"""The threat model: what the server may do and what it gets to see (docs/DESIGN.md §1, LeakPro-style flags).
 
 A config's ``threat:`` section names a preset and may override single flags::
 
@@ -127,21 +127,35 @@ THREAT_FLAGS = tuple(f.name for f in fields(ThreatModel) if f.name not in ("capa
 
 
 def check_requirements(attack_name: str, required: dict[str, bool], threat: ThreatModel) -> None:
-    """Stop with exit 2 when ``required`` asks for a flag the threat model withholds (names the flag)."""
+    """Stop with exit 2 when ``required`` asks for flags the threat model withholds. The error names *every* withheld
+    flag (its field is the first, ``threat.<flag>``) and one fix that grants them all, so that following the hint once
+    makes the config validate (docs/ARCHITECTURE.md, "The threat model")."""
+    missing = []
     for flag, need in required.items():
         if flag not in FLAG_MEANING:
             raise ValueError(f"attack '{attack_name}' requires unknown threat flag '{flag}'")
         if need and not threat.grants(flag):
-            if flag == "malicious":
-                fix = "set threat.preset=malicious (or pick an attack for an honest server)."
-            elif flag == "prescribes_architecture":
-                fix = "set threat.preset=prescribes-architecture or malicious."
-            elif flag == "individual_updates":
-                fix = "set threat.individual_updates=true and fl.secure_aggregation=false, or pick an attack that reads the aggregate."
-            else:
-                fix = f"grant it with --set threat.{flag}=true if your deployment leaks it, or pick another attack."
-            raise BadInput(f"threat.{flag}", f"attack '{attack_name}' requires that {FLAG_MEANING[flag]}, "
-                           f"but the threat model ({threat.capability}) withholds it.", fix)
+            missing.append(flag)
+    if not missing:
+        return
+    fixes = []
+    if "malicious" in missing:  # the malicious preset grants prescribes_architecture too
+        fixes.append("set threat.preset=malicious (or pick an attack for an honest server)")
+    elif "prescribes_architecture" in missing:
+        fixes.append("set threat.preset=prescribes-architecture or malicious")
+    if "individual_updates" in missing:
+        fixes.append("set threat.individual_updates=true and fl.secure_aggregation=false, or pick an attack that reads "
+                     "the aggregate")
+    facts = [f for f in missing if f not in ("malicious", "prescribes_architecture", "individual_updates")]
+    if len(facts) == 1:
+        fixes.append(f"grant it with --set threat.{facts[0]}=true if your deployment leaks it, or pick another attack")
+    elif facts:
+        fixes.append("grant them with " + " ".join(f"--set threat.{f}=true" for f in facts)
+                     + " if your deployment leaks them, or pick another attack")
+    needs = " and that ".join(FLAG_MEANING[f] for f in missing)
+    withheld = "it" if len(missing) == 1 else "them (" + ", ".join(f"threat.{f}" for f in missing) + ")"
+    raise BadInput(f"threat.{missing[0]}", f"attack '{attack_name}' requires that {needs}, "
+                   f"but the threat model ({threat.capability}) withholds {withheld}.", "; ".join(fixes) + ".")
 
 
 def build_view(*, model, rounds: list[list[Any]], round_states: list[dict], threat: ThreatModel,

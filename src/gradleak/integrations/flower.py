@@ -1,4 +1,4 @@
-"""gradleak on a Flower federation (issue 13): audit what a Flower server sees, and defend and score clients with
+"""gradleak on a Flower federation: audit what a Flower server sees, and defend and score clients with
 gradleak's own registries.
 
 Optional extra ``fl`` (``pip install 'gradleak[fl]'``, Flower's Message API: ``flwr>=1.42,<2``). The Flower

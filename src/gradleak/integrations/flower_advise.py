@@ -1,4 +1,4 @@
-"""``FlowerAudit(config, out, advise=True)`` (issue 30 item 4): ``gradleak audit --advise`` for the federation a
+"""``FlowerAudit(config, out, advise=True)``: ``gradleak audit --advise`` for the federation a
 Flower server watches, with Flower's own DP mechanisms among the candidates.
 
 On the first audited round (again when a later round leaks through an attack no earlier advice searched for; without

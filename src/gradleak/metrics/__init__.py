@@ -1,4 +1,4 @@
-"""Metrics (DESIGN §2): pure, batched functions with documented ranges, registered in ``METRICS``.
+"""Metrics (docs/DESIGN.md §2): pure, batched functions with documented ranges, registered in ``METRICS``.
 
 Image metrics take N×C×H×W tensors in [0, 1] and return one float64 value per image:
 ``mse`` ↓, ``psnr`` ↑ (dB), ``ssim`` ↑ [−1, 1], ``lpips`` ↓ (``None`` unless the user supplied AlexNet/LPIPS weights).

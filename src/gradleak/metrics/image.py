@@ -1,6 +1,6 @@
 """Pixel metrics between reconstructions and ground truth: MSE, PSNR, SSIM, and patch utilities.
 
-Conventions (SPEC §6): images are N×C×H×W (a single C×H×W image is treated as a batch of one) with
+Conventions (docs/PAPERS.md, metric conventions): images are N×C×H×W (a single C×H×W image is treated as a batch of one) with
 values in ``[0, data_range]``, ``data_range = 1`` by default. Every metric returns a float64 tensor of
 shape (N,) — one value per image — so callers report mean ± std. A NaN pixel (an unrecovered pixel)
 makes that image's value NaN; compute on recovered patches (:func:`patch_grid`) instead.
@@ -37,7 +37,7 @@ def mse(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @METRICS.register("psnr", "peak signal-to-noise ratio per image in dB, ↑, 10·log10(range²/MSE), +inf if identical")
 def psnr(x: torch.Tensor, y: torch.Tensor, data_range: float = 1.0) -> torch.Tensor:
-    """PSNR = 10·log10(data_range² / MSE) in dB per image (SPEC §6: images in [0, 1] → 10·log10(1/MSE)).
+    """PSNR = 10·log10(data_range² / MSE) in dB per image (our convention, docs/PAPERS.md: images in [0, 1] → 10·log10(1/MSE)).
 
     Range (−∞, +∞]; identical images give +inf; higher is better. Typical: ≈10 dB noise, >30 dB near-exact.
     """
@@ -53,7 +53,7 @@ def ssim_window(height: int, width: int) -> dict:
     """The structural_similarity window settings we use for an image of this size.
 
     ≥ 11 px: the standard Gaussian window of Wang et al. 2004 (σ = 1.5, 11×11, ``use_sample_covariance=False``)
-    — SPEC §6. Smaller patches (e.g. 8×8 CIFAR patches) cannot hold that window: there a uniform window of
+    — docs/PAPERS.md, metric conventions. Smaller patches (e.g. 8×8 CIFAR patches) cannot hold that window: there a uniform window of
     the largest odd size ≤ the short side (min 3) is used. Below 3 px SSIM is undefined (NaN).
     """
     side = min(height, width)
@@ -112,7 +112,7 @@ def unpatch_grid(patches: torch.Tensor, height: int, width: int) -> torch.Tensor
 def recovered_patches(reconstruction: torch.Tensor, truth: torch.Tensor, patch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pairs (recovered, truth) of the patches whose reconstruction has no NaN pixel, as M×C×p×p each.
 
-    PEFTLeak (SPEC §1.7) reports MSE/SSIM/LPIPS "over recovered patches": feed these to the metrics.
+    PEFTLeak (Sec. 5, Table 1) reports MSE/SSIM/LPIPS "across the recovered patches": feed these to the metrics.
     """
     r = patch_grid(reconstruction, patch).flatten(0, 1)
     t = patch_grid(truth, patch).flatten(0, 1)

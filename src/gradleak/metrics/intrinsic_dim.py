@@ -1,4 +1,4 @@
-"""Intrinsic dimension of per-sample gradients (paper 001 Supp. A, Fig. 2; SPEC §2.5 "A"; issue 14 item 6).
+"""Intrinsic dimension of per-sample gradients (paper 001 Supp. A, Fig. 2).
 
 Paper 001 argues that LoRA shrinks the manifold the shared gradients lie on (Fig. 2: full fine-tuning vs the
 low-rank-adapted ViT-Small) and that trainable layer-wise PEs add "spatially meaningful directions" back. Supp. A
@@ -51,7 +51,7 @@ Decisions the paper leaves open, each recorded here:
   gradients fit in ``memory_bytes`` the result also holds ``exact``: the same estimators on the isometric
   N-dimensional embedding of the raw centred gradients (no projection error).
 
-This module imports nothing of gradleak but its errors and registry (DESIGN §2: metrics depend on nothing of
+This module imports nothing of gradleak but its errors and registry (docs/DESIGN.md §2: metrics depend on nothing of
 ours); the caller builds the model (full FT / LoRA / LoRA + layer-wise PEs: which parameters ``requires_grad``
 decides what the server observes).
 """

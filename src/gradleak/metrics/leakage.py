@@ -1,4 +1,4 @@
-"""Leakage measures of Hatamizadeh et al. 2022 (SPEC §4.3; arXiv:2202.06924 §II-D, §III-C–G).
+"""Leakage measures of Hatamizadeh et al. 2022 (arXiv:2202.06924 §II-D, §III-C–G; docs/PAPERS.md).
 
 Pure functions on tensors/arrays (no model is loaded here: image features come from the caller, e.g.
 :func:`gradleak.models.features.image_features`, the offline ViT-S/14).
@@ -6,7 +6,7 @@ Pure functions on tensors/arrays (no model is loaded here: image features come f
 * :func:`ssim_vs_prior` — SSIM(reconstruction, original) next to SSIM(prior, original) (§III-D: the
   "safe" criterion is SSIM(x̂, x) ≤ SSIM(x_prior, x)). Range [−1, 1] each.
 * :func:`rdlv` — relative data leakage value (§III-E; the paper defines it in words, the formula is the
-  NVFlare code's ``RelativeDataLeakageValueFilter.compute_rdlv``, SPEC §4.3)::
+  NVFlare code's ``RelativeDataLeakageValueFilter.compute_rdlv``)::
 
       RDLV(x̂, x) = (SSIM(x̂, x) − SSIM(x_prior, x)) / SSIM(x_prior, x)
 
@@ -16,7 +16,7 @@ Pure functions on tensors/arrays (no model is loaded here: image features come f
 * :func:`identifiability_precision` — the FL-adjusted image identifiability precision (§II-D, §III-G)
   and the matched-image cosine similarity. Range [0, 1] each (cosine: [−1, 1]).
 
-Decisions the paper leaves open (A4.4), recorded here:
+Decisions the paper leaves open (open point A4.4, docs/PAPERS.md), recorded here:
 
 * **Pairing reconstructions with originals.** ``match="best"`` (default, NVFlare ``rdlv_reduce="max"``):
   each original takes its best RDLV over all reconstructions (reconstructions come unordered);
@@ -26,7 +26,7 @@ Decisions the paper leaves open (A4.4), recorded here:
   NVFlare's plots draw (``seaborn.lineplot``'s default estimator and ``errorbar=("ci", 95)``). NVFlare's
   filter additionally uses the **max** (:attr:`RDLVResult.max`). A client with one image has a degenerate
   interval [v, v]; pool several observations (restarts, rounds) into ``bootstrap_interval`` to get a width.
-* **SSIM settings.** ``ssim="gaussian"`` (default, SPEC §6: Wang et al. 11×11 Gaussian window σ = 1.5,
+* **SSIM settings.** ``ssim="gaussian"`` (default, our convention in docs/PAPERS.md: Wang et al. 11×11 Gaussian window σ = 1.5,
   as :func:`gradleak.metrics.image.ssim`, images in [0, 1]); ``ssim="nvflare"`` reproduces the public
   code: reconstruction min–max rescaled to [0, 255] (MONAI ``ScaleIntensity``), original and prior in
   [0, 255], ``skimage.metrics.structural_similarity`` defaults (7×7 uniform window, sample covariance)
@@ -190,7 +190,7 @@ def bootstrap_interval(values, confidence: float = 0.95, resamples: int = BOOTST
 def rdlv(reconstructions: torch.Tensor, originals: torch.Tensor, prior: torch.Tensor, *, ssim: str = "gaussian",
          match: str = "best", confidence: float = 0.95, resamples: int = BOOTSTRAP_RESAMPLES,
          seed: int = 0) -> RDLVResult:
-    """Relative data leakage value of one client's reconstructions (SPEC §4.3; module docstring).
+    """Relative data leakage value of one client's reconstructions (§III-E; module docstring).
 
     Images in [0, 1], N×C×H×W. Returns per-original RDLV, their mean with a seeded percentile-bootstrap
     ``confidence`` interval, and their max (NVFlare's filter statistic).

@@ -9,8 +9,8 @@ downloaded: :func:`lpips` looks for
 * the LPIPS linear layers ``alex.pth`` (keys ``lin{0..4}.model.1.weight``) at ``weights_path``, else
   ``$GRADLEAK_LPIPS_WEIGHTS``, else inside an installed ``lpips`` package (``lpips/weights/v0.1/alex.pth``);
 
-and returns ``None`` when either is missing (``lpips_status()`` says which). SPEC §6 leaves the
-backbone open; we pick AlexNet, the LPIPS default. The AlexNet feature extractor is written here
+and returns ``None`` when either is missing (``lpips_status()`` says which). The papers leave the
+backbone open (docs/PAPERS.md); we pick AlexNet, the LPIPS default. The AlexNet feature extractor is written here
 (torchvision layout: conv 11/4 → 5 → 3 → 3 → 3, taps after each ReLU), no torchvision needed.
 
 Computation (lpips v0.1): inputs [0, 1] → [−1, 1] → ``(x − shift) / scale`` with shift

@@ -1,6 +1,6 @@
 """Patch-level metrics for analytic attacks that return image patches (PEFTLeak).
 
-Definition (decided here; PEFTLeak leaves it open, SPEC A1.7): a ground-truth patch (image m,
+Definition (decided here; PEFTLeak leaves it open, open point A1.7 in docs/PAPERS.md): a ground-truth patch (image m,
 position t) counts as **recovered** only if the attacker places a patch at position t of the
 reconstructed image matched to m and that patch's PSNR to the truth is ≥ ``threshold_db`` (30 dB by
 default). Reconstructed images (the attacker's groups) are matched one-to-one to the true images by

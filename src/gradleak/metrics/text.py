@@ -1,4 +1,4 @@
-"""Text reconstruction metrics (SPEC §3.5): ROUGE-1/2/L recall (0-100), exact-sentence rate, word-bag
+"""Text reconstruction metrics (UTR paper Sec. 5.1): ROUGE-1/2/L recall (0-100), exact-sentence rate, word-bag
 precision/recall. Pure functions of strings / token ids.
 
 ROUGE follows the paper's definition -- recall, matched n-grams / reference n-grams -- computed with

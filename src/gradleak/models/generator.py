@@ -1,8 +1,8 @@
-"""Generative image priors for generative gradient inversion (issue 14 items 1 and 4; paper 001 §2.4, SPEC §2.3–2.4).
+"""Generative image priors for generative gradient inversion (paper 001 Sec. 3.5, 4.1).
 
 The LoRA-ViT paper attacks with GIAS (Jeon et al. 2021): x̂ = G_ω(z), optimising first the latent z and then the
 generator's weights ω. Its CIFAR generator is a **DCGAN** (Radford, Metz & Chintala, ICLR 2016) trained on public
-data "similar but non-overlapping" with the clients' (SPEC §2.1, A2.8). This module provides
+data "similar but non-overlapping" with the clients' (paper 001 Sec. 1; open point A2.8 in docs/PAPERS.md). This module provides
 
 * :class:`DCGANGenerator` / :class:`DCGANDiscriminator` — the DCGAN architecture: the generator maps z ∈ R^nz
   (a 1×1 "image") through a stride-1 4×4 transposed convolution to a 4×4 map with ``width·2^(k−1)`` channels, then

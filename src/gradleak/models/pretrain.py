@@ -1,10 +1,10 @@
-"""A backbone pretrained by us on a disjoint split (issue 9 §1): no pretrained ResNet exists offline.
+"""A backbone pretrained by us on a disjoint split: no pretrained ResNet exists offline.
 
 Used for ResNet-18 (the leakage study) and for the random-init ViT presets (``vit-s16``, ``vit-tiny``, ...: the
-in-domain backbone of the spatial-anchor study, issue 28 item 5, :func:`vit_arch` gives their cache key).
+in-domain backbone of the spatial-anchor study; :func:`vit_arch` gives their cache key).
 
-Hatamizadeh et al. 2022 fine-tune an ImageNet-pretrained ResNet-18 (SPEC §4.4). Offline there is none
-(torchvision/timm weights are hub downloads, DESIGN §3), so :func:`pretrain` trains the randomly
+Hatamizadeh et al. 2022 fine-tune an ImageNet-pretrained ResNet-18 (§III-A). Offline there is none
+(torchvision/timm weights are hub downloads, docs/DESIGN.md §3), so :func:`pretrain` trains the randomly
 initialised network ourselves, centrally, on images the federated clients never hold — by default
 Fashion-MNIST's *test* split (10 000 images; the clients draw from the 60 000-image *train* split) — and
 the federation then starts from that checkpoint, as the paper's starts from ImageNet weights. What this

@@ -1,21 +1,21 @@
-"""ResNet-18 on ``transformers`` (DESIGN §3: no torchvision/timm) for the BN-aware leakage study (SPEC §4).
+"""ResNet-18 on ``transformers`` (docs/DESIGN.md §3: no torchvision/timm) for the BN-aware leakage study (Hatamizadeh et al. 2022).
 
 :func:`resnet18` builds a :class:`transformers.ResNetForImageClassification` with the ResNet-18 layout of
 He et al. 2016 (Table 1): basic blocks, ``depths = [2, 2, 2, 2]``, widths ``[64, 128, 256, 512]``, a 7×7/2
 stem convolution followed by a 3×3/2 max-pool, 20 ``BatchNorm2d`` layers (stem 1 + 8 blocks × 2 + the three
 projection shortcuts of stages 2–4), global average pooling and a linear head. Inputs are
 ``num_channels``-channel images (default 1: the grey Fashion-MNIST stand-in for the paper's chest X-rays;
-NVFlare's code replicates grey to 3 channels for its ImageNet-pretrained torchvision model, SPEC §4.5 —
+NVFlare's code replicates grey to 3 channels for its ImageNet-pretrained torchvision model (authors' code) —
 ``num_channels=3`` does that here). ``forward(pixel_values)`` returns an output with ``.logits`` (the
 :func:`gradleak.fl.core.default_classification_loss` reads it). Pixel normalisation is the caller's.
 
-Decisions the paper (SPEC §4.4: "ImageNet-pretrained ResNet-18") leaves to us, recorded here:
+Decisions the paper (§III-A: an ImageNet-pretrained ResNet-18) leaves to us, recorded here:
 
 * **No pretrained weights.** No pretrained ResNet is available offline, so the weights are random (seeded
   ``torch.manual_seed(seed)`` before construction, transformers' ``_init_weights``: Kaiming-normal convs,
-  BN γ = 1, β = 0); a backbone pretrained by us on a disjoint split is the pipeline's job (issue 9 §1).
+  BN γ = 1, β = 0); a backbone pretrained by us on a disjoint split is the pipeline's job (:mod:`gradleak.models.pretrain`).
 * **BatchNorm** is PyTorch's default: momentum 0.1, ε = 1e-5, ``track_running_stats=True`` — the
-  NVFlare code's ``bn_momentum = 0.1`` (SPEC §4.5). :mod:`gradleak.attacks.common.bn_stats` reads the momentum
+  NVFlare code's ``bn_momentum = 0.1``. :mod:`gradleak.attacks.common.bn_stats` reads the momentum
   from the modules, so another value stays consistent.
 * **GroupNorm variant** (``norm="group"``, config ``model.norm``): for DP-SGD, which Opacus refuses on
   BatchNorm; every BN becomes ``GroupNorm(min(32, C), C)`` by hand (:func:`to_groupnorm` says why not Opacus'
@@ -26,7 +26,7 @@ Decisions the paper (SPEC §4.4: "ImageNet-pretrained ResNet-18") leaves to us, 
   Fashion-MNIST's 28 px too — it must be upsampled, e.g. to 64). :func:`min_image_size` computes the
   bound for any batch size; :func:`check_train_bn_input` raises :class:`~gradleak.errors.BadInput`
   naming it; :func:`resnet18` checks it for ``min_batch_size`` (default 1: the high-risk client of the
-  paper trains on one image, SPEC §4.4).
+  paper trains on one image, §III-E).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Text models for the UTR/DAGER/LAMP experiments (SPEC §3.5): built-in offline LMs, local paths, HF ids.
+"""Text models for the UTR/DAGER/LAMP experiments (UTR paper Sec. 5.1): built-in offline LMs, local paths, HF ids.
 
 Built-in names (ASSETS.md):
 
@@ -13,7 +13,7 @@ Anything else is a local directory or an HF hub id, loaded with ``local_files_on
 run time; set ``GRADLEAK_ALLOW_DOWNLOAD=1`` to allow the hub). Causal-LM architectures get the LM loss;
 everything else a sequence-classification head.
 
-Decisions the paper left open (SPEC A3.5): we keep only the first ``num_layers`` transformer layers (the
+Decisions the paper left open (open point A3.5, docs/PAPERS.md): we keep only the first ``num_layers`` transformer layers (the
 paper uses 2); the classification head sits on the truncated encoder (BERT pooler on [CLS]); causal models
 keep their final norm and LM head on top of the truncated stack. Dropout is disabled (eval mode): the
 client's forward pass is deterministic, as every gradient-inversion paper assumes.

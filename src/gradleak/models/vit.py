@@ -1,9 +1,9 @@
-"""ViT classifiers on ``transformers`` (DESIGN §3): any depth/width, image and patch size free.
+"""ViT classifiers on ``transformers`` (docs/DESIGN.md §3): any depth/width, image and patch size free.
 
 :func:`vit` builds a :class:`ViTClassifier` = ``transformers.ViTModel`` (eager attention, no pooler) +
 a linear head over **mean-pooled patch tokens** (``pooling="mean"``, as timm/DeiT-III ``global_pool='avg'``)
 or over the class token (``pooling="cls"``, as HF ``ViTForImageClassification``). Inputs are pixels in
-[-1, 1] (mean = std = 0.5 normalisation, PEFTLeak §3).
+[-1, 1] (mean = std = 0.5 normalisation, PEFTLeak Sec. 4).
 """
 
 from __future__ import annotations

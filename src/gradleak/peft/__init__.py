@@ -1,4 +1,4 @@
-"""The PEFT layer (DESIGN §2), shaped like HF peft: one config per kind and one ``apply_peft(model, spec)``.
+"""The PEFT layer (docs/DESIGN.md §2), shaped like HF peft: one config per kind and one ``apply_peft(model, spec)``.
 
 Kinds (registry ``PEFT_KINDS``; ``gradleak list`` shows them with their parameters):
 
@@ -10,8 +10,8 @@ Kinds (registry ``PEFT_KINDS``; ``gradleak list`` shows them with their paramete
   as after some rounds of training (with peft's default B = 0 the gradient of A vanishes in round 1);
   ``lora_init: default`` (alias ``standard``, paper 001 Table 11 "Standard") keeps peft's: A ~ U(−1/√d, 1/√d)
   (peft's kaiming-uniform with a = √5, whose bound is 1/√fan_in), B = 0. ``lora_init: uniform`` is the paper's
-  "Uniform" init behind its headline numbers (SPEC §2.4, Table 11): **both** A and B ~ U(−1/√d, 1/√d), drawn from
-  a generator seeded with the experiment seed. The paper leaves d open (SPEC A2.11); we take d = the input
+  "Uniform" init behind its headline numbers (Supp. K, Table 11): **both** A and B ~ U(−1/√d, 1/√d), drawn from
+  a generator seeded with the experiment seed. The paper leaves d open (open point A2.11, docs/PAPERS.md); we take d = the input
   dimension of the LoRA'd linear layer (A's fan-in) for both factors — the bound peft uses for A, so "Uniform"
   differs from "Standard" only in B.
 * ``none`` — only the task head trains.

@@ -1,9 +1,9 @@
 """Bottleneck adapters in the Houlsby layout for ViTs (PEFTLeak Fig. 2): one after MSA, one after MLP.
 
-We write this small module instead of using AdapterHub ``adapters`` (DESIGN §3 allows it): PEFTLeak
+We write this small module instead of using AdapterHub ``adapters`` (docs/DESIGN.md §3 allows it): PEFTLeak
 needs (i) the adapter input to be exactly the MSA / MLP output with the adapter's *own* residual
-before the block residual (authors' code), (ii) a ReLU that zeroes negative inputs exactly (SPEC
-A1.10a), (iii) float64 and stable parameter names the server writes every round. AdapterHub's ViT
+before the block residual (authors' code), (ii) a ReLU that zeroes negative inputs exactly (open
+point A1.10a, docs/PAPERS.md), (iii) float64 and stable parameter names the server writes every round. AdapterHub's ViT
 integration fuses its residual with the block's and adds scaling/LN options; keeping the layout
 explicit here makes the threat model auditable.
 

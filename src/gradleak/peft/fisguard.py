@@ -1,4 +1,4 @@
-"""FISGuard (paper 004, SPEC §5.2): fixed input subspaces for every client-trained linear layer that reads a
+"""FISGuard (paper 004, FISGuard paper Sec. IV): fixed input subspaces for every client-trained linear layer that reads a
 private representation, so the observed gradient's row space is the same public subspace for every client.
 
 For each target layer ℓ (a bottleneck adapter's down-projection, a LoRA A matrix, optionally the task head):
@@ -6,7 +6,7 @@ For each target layer ℓ (a bottleneck adapter's down-projection, a LoRA A matr
 1. run an independent **public** reference set through the *pretrained* model (adapters / LoRA at their
    function-preserving start) and stack the layer's input vectors X_pub (rows = non-special tokens; the
    head: pooled vectors);
-2. Q_ℓ = the top-r right singular vectors of X_pub (r × d; not mean-centred — SPEC A5.3 left it open, and
+2. Q_ℓ = the top-r right singular vectors of X_pub (r × d; not mean-centred — open point A5.3 of docs/PAPERS.md, and
    the layer applies Q to uncentred inputs);
 3. re-parameterise ΔW_ℓ = U_ℓ Q_ℓ with U_ℓ = 0 trainable (fixed-down adapter: down = Q frozen, no
    non-linearity, up = U; fixed-input LoRA: A = Q frozen, B = U, scaling 1; head: logits = U Q pooled + b).
@@ -109,7 +109,7 @@ def apply_fisguard(handle, *, base_kind: str, rank: int, public_texts: list[str]
                    head_rank: int | None = None, layer_ranks: dict[str, int] | None = None) -> dict[str, Any]:
     """Re-parameterise every target layer of ``handle.model`` in place; return the per-layer setup. ``layer_ranks``
     gives some layers their own r (our extension: e.g. the last adapter before mean pooling, whose gradient reaches
-    at most C − 1 directions, SPEC §5.2 step 6's rank(G_U) ≤ min(m, r, B_eff))."""
+    at most C − 1 directions, the paper's Sec. VI-D bound rank(G_U) ≤ min(m, r, B_eff))."""
     mods = _targets(handle, base_kind, protect_head)
     unmatched = sorted(k for k in (layer_ranks or {}) if not any(k in n for n in mods if n not in ("classifier", "score")))
     if unmatched:

@@ -1,4 +1,4 @@
-"""Server-prescribed layer-wise trainable positional embeddings (paper 001 §3.4, eq. 6; SPEC §2.2; issue 14 item 1).
+"""Server-prescribed layer-wise trainable positional embeddings (paper 001 §3.4, eq. 6).
 
 For every encoder block l ≥ 1 (0-based; "every block but the first") with input tokens x_l the block computes
 
@@ -17,7 +17,7 @@ attack works on its own copy) carries both. It works on the HF ViT (:mod:`gradle
 the DINOv2 classifier (:mod:`gradleak.models.dinov2`, ``Dinov2Layer``): both blocks take ``hidden_states`` first and
 apply their residuals to it. No model file changes.
 
-Decisions the paper leaves open (SPEC A2.2), each recorded:
+Decisions the paper leaves open (open point A2.2, docs/PAPERS.md), each recorded:
 
 * **Initialisation** (``peft.layer_pe_init``): ``zeros`` (default) — the prescribed model then computes exactly the
   function of the model without layer-wise PEs at round 0 (the server's benign-architecture argument, Supp. B, holds

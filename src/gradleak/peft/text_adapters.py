@@ -1,4 +1,4 @@
-"""Bottleneck adapters for text models as UTR places them (SPEC §3.1): an *embedding adapter* right after the
+"""Bottleneck adapters for text models as UTR places them (UTR paper Sec. 3.1): an *embedding adapter* right after the
 embedding layer (MAD-X position) and *layer adapters* between transformer layers.
 
 Adapter = down-projection d -> d/rf, ReLU, up-projection d/rf -> d, residual (Houlsby/Pfeiffer layout).

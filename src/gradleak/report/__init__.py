@@ -1,4 +1,4 @@
-"""Reports (DESIGN §2): image grids, the self-contained HTML report and Markdown tables."""
+"""Reports (docs/DESIGN.md §2): image grids, the self-contained HTML report and Markdown tables."""
 
 from __future__ import annotations
 

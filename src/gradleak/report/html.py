@@ -1,4 +1,4 @@
-"""The self-contained HTML report (DESIGN §4: ``DIR/report.html``): metric tables and figures, PNGs
+"""The self-contained HTML report (docs/DESIGN.md §4: ``DIR/report.html``): metric tables and figures, PNGs
 embedded as base64 data URIs so the single file can be mailed.
 
 ``extra`` (the experiment's ``report`` dict, saved to ``DIR/report_data.json`` so ``gradleak report DIR``
@@ -25,7 +25,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -208,15 +207,13 @@ def _json_default(o: Any) -> Any:
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically (a temporary file beside it, then a rename); a private artifact (the
     report embedding the clients' images) stays 0600 from creation (:func:`gradleak.report.images.artifact_mode`)."""
-    from gradleak.report.images import artifact_mode
+    from gradleak.report.images import new_private_file, publish
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    fd, tmp = new_private_file(path)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.chmod(tmp, artifact_mode(path))
-        os.replace(tmp, path)
+        publish(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

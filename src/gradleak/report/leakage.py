@@ -1,4 +1,4 @@
-"""The leakage experiment's report parts (Hatamizadeh et al. 2022, SPEC §4.3; issue 9 §4–5).
+"""The leakage experiment's report parts (Hatamizadeh et al. 2022 §III-C–F: SSIM, RDLV, IIP, t-SNE).
 
 * :func:`leakage_rows` — the per-client, per-round table built from a results dict alone (``results["metrics"]``
   names ``ssim_client{c}_round{r}``, ``rdlv_low_client{c}_round{r}``, …; see

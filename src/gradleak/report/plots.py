@@ -1,4 +1,4 @@
-"""Plots of the audit's advice (issue 30): privacy against utility along each defense's strength."""
+"""Plots of the audit's advice (``gradleak audit --advise``): privacy against utility along each defense's strength."""
 
 from __future__ import annotations
 

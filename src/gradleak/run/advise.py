@@ -1,4 +1,4 @@
-"""``gradleak audit --advise`` (issue 30): the weakest strength of each defense that stops every leaking attack, and
+"""``gradleak audit --advise``: the weakest strength of each defense that stops every leaking attack, and
 what it costs the model.
 
 For the attacks the audit graded ``partial`` or more, each candidate defense this setup admits

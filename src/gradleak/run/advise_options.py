@@ -1,4 +1,4 @@
-"""The options of ``gradleak audit --advise`` (issue 30), apart from the search itself so that the audit's config
+"""The options of ``gradleak audit --advise``, apart from the search itself so that the audit's config
 check (:func:`gradleak.run.audit.audit_overrides`) validates ``audit.advise`` / ``audit.budget`` without importing
 the search (:mod:`gradleak.run.advise`, which imports the audit)."""
 

@@ -1,4 +1,4 @@
-"""The utility side of ``gradleak audit --advise`` (issue 30): what a defense costs the model in training, and the
+"""The utility side of ``gradleak audit --advise``: what a defense costs the model in training, and the
 clipping norm of the DP candidates fitted to the updates.
 
 **Utility.** A probe is one attacked round; what a defense costs shows over training. For the baseline (the audited

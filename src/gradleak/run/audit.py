@@ -133,7 +133,7 @@ def audit_overrides(raw: dict, overrides: list[str]) -> dict:
                        "utility_rounds.")
     from gradleak.run.advise_options import advise_section, check_budget, check_utility_rounds
 
-    advise_section(section.get("advise"))  # `audit: {advise: true, budget: SECONDS}` (issue 30), checked here
+    advise_section(section.get("advise"))  # `audit: {advise: true, budget: SECONDS}` (--advise), checked here
     check_budget(section.get("budget"), "audit.budget")
     check_utility_rounds(section.get("utility_rounds"))
     params = section.get("params")
@@ -151,16 +151,20 @@ def audit_overrides(raw: dict, overrides: list[str]) -> dict:
     return out
 
 
-def full_strength_variants(A, cand: dict, cfg, defenses: list) -> list[dict]:
+def full_strength_variants(A, cand: dict, cfg, defenses: list | None = None) -> list[dict]:
     """The parameter sets the audit runs for attack ``A`` on ``cand``: ``{}`` (as configured: with the parameters
     the user set, flat ``attack.<p>`` or ``audit.params.<attack>.<p>``, in the file or by ``--set``) and the attack's
-    :meth:`audit_variants` (full strength: the verdict must not rest on a tolerance the config leaves)."""
+    :meth:`audit_variants` (full strength: the verdict must not rest on a tolerance the config leaves), derived from
+    *every* defense the config declares -- the update list, the training-time ``defense:`` (DP-SGD), secure
+    aggregation, a framework's DP wrapper -- resolved once (:func:`gradleak.defenses.declared.declared_defenses`).
+    ``defenses`` (legacy: an update list) is ignored; the validated ``cfg`` is the source."""
+    from gradleak.defenses.declared import declared_defenses
     from gradleak.run.runner import validate
 
     vs: list[dict] = [{}]
     if A.rewrites_weights:
         return vs
-    for v in A.audit_variants(cfg.attack_cfg.model_dump(mode="json"), defenses):
+    for v in A.audit_variants(cfg.attack_cfg.model_dump(mode="json"), declared_defenses(cfg)):
         if not v or v in vs:
             continue
         try:  # a variant the attack's config refuses is skipped (it would not be a stronger attack)
@@ -171,9 +175,11 @@ def full_strength_variants(A, cand: dict, cfg, defenses: list) -> list[dict]:
     return vs
 
 
-def _remove_stale_audit(out: Path) -> None:
+def _remove_stale_audit(out: Path, keep: set[str] | frozenset[str] = frozenset()) -> None:
     """A reused ``--out``: remove the previous audit's own files (audit.json, the report, and the run artifacts under
-    ``attacks/<attack>/[seed<k>/][variant<k>/]``, emptied folders too), never anything else."""
+    ``attacks/<attack>/[seed<k>/][variant<k>/]``, emptied folders too), never anything else. ``keep``: the folders
+    (relative to ``out``, e.g. ``attacks/dlg/variant1``) of finished runs this audit reuses (:func:`_reusable_runs`):
+    their own artifacts stay; the folders below them are cleaned as usual."""
     import re
 
     from gradleak.run.runner import RUN_ARTIFACTS, remove_stale_artifacts
@@ -186,7 +192,8 @@ def _remove_stale_audit(out: Path) -> None:
     level = re.compile(r"^(seed-?\d+|variant\d+)$")
 
     def clean(d: Path) -> None:
-        remove_stale_artifacts(d, RUN_ARTIFACTS)
+        if d.relative_to(out).as_posix() not in keep:
+            remove_stale_artifacts(d, RUN_ARTIFACTS)
         for sub in d.iterdir():
             if sub.is_dir() and not sub.is_symlink() and level.match(sub.name):
                 clean(sub)
@@ -198,6 +205,46 @@ def _remove_stale_audit(out: Path) -> None:
             clean(d)
     with contextlib.suppress(OSError):
         root.rmdir()
+
+
+#: the ledger of the audit's finished runs (attack x seed x variant), under ``--out``: the JSONL of the one
+#: resumable cell loop (:func:`gradleak.run.cells.run_cells`), one row per run, written atomically as the run ends
+RUN_LEDGER = "attacks/runs.jsonl"
+
+
+def run_key(cand: dict, device: str | None, where: str) -> str:
+    """The key of one attack run: a hash of its full run config (the attack's candidate config with its seed and
+    variant), the device, its folder under ``--out`` and gradleak's version. A rerun reuses a finished run only under
+    the same key: any change to the run's config reruns it."""
+    from gradleak import __version__
+
+    return config_hash({"run": cand, "device": device, "out": where, "gradleak": __version__})
+
+
+def _reusable_runs(out: Path, runs: dict[str, str]) -> dict[str, dict]:
+    """The ledger's rows (``cell`` = run id, see :func:`run_audit`) this audit reuses: finished (no ``error``), one of
+    this audit's ``runs`` (cell id -> folder relative to ``out``), and with their folder's ``results.json`` in place
+    (a run refused once the data are known has none, and needs none). The ledger is rewritten (atomically) with
+    those rows alone: the rows of another config hold another run's metrics and sentences, stale like its files."""
+    import os
+
+    from gradleak.run.results import append_jsonl, latest_by_cell
+
+    path = out / RUN_LEDGER
+    if not path.is_file() or path.is_symlink():
+        return {}
+    keep = {c: r for c, r in latest_by_cell(path).items()
+            if c in runs and "error" not in r and r.get("out") == runs[c]
+            and ("bad_input" in (r.get("result") or {}) or (out / runs[c] / "results.json").is_file())}
+    tmp = path.with_name(path.name + ".keep")
+    tmp.unlink(missing_ok=True)
+    for r in keep.values():
+        append_jsonl(tmp, r)
+    if keep:
+        os.replace(tmp, path)
+    else:
+        path.unlink()
+    return keep
 
 
 def _upgrade(raw: dict, name: str) -> dict | None:
@@ -258,6 +305,14 @@ def judge(kind: str, metrics: dict, cfg) -> dict:
            "n_success": None, "n_total": None, "criterion": g["rule"]}
     if kind in EVALUATORS:
         out.update(EVALUATORS.get(kind).audit_fields(m))
+        # the metric whose test decided the level, with *its* null and p-value (the headline may not have decided:
+        # a word-bag `partial` rests on word-bag recall, not ROUGE-1 F1); the banner and the rows show it
+        key = EVALUATORS.get(kind).decided_by(m, g["level"]) or head
+        if key:
+            bar_value = (g["evidence"] or {}).get(f"{key}_bar")
+            out["decided_by"] = {"metric": key, "value": m.get(key), "null_p99": m.get(f"{key}_null_p99"),
+                                 "p_value": m.get(f"{key}_p_value"),
+                                 **({"bar": bar_value} if bar_value is not None and bar_value == bar_value else {})}
     return out
 
 
@@ -265,13 +320,63 @@ def config_hash(raw: dict) -> str:
     return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def gate_attack(raw: dict, name: str):
+    """The pipeline's gate on one attack of the audit (module docstring): ``(entry, plan, err)`` -- the audit entry
+    (applicable, under which threat, or the refusal as ``reason``), ``(entry, cand, cfg, A)`` when it can run under the
+    configured threat or its smallest server upgrade (else None), and the refusal under the configured threat when no
+    upgrade applies (the setup's own error, else None). Validation only: nothing runs."""
+    from gradleak.registry import ATTACKS
+    from gradleak.run.runner import validate
+
+    A = ATTACKS.get(name)
+    summary = next((x.summary for x in ATTACKS if x.name == name), "")
+    entry: dict[str, Any] = {"name": name, "description": summary, "reconstruction": A.reconstruction,
+                             "modality": A.modality, "applicable": False}
+    cand, threat_used = candidate(raw, name), "configured"
+    try:
+        _, cfg = validate(cand)
+    except BadInput as err:
+        up = _upgrade(raw, name) if err.field.startswith("threat") else None
+        if up is None:
+            entry["reason"] = str(err)
+            return entry, None, err
+        try:
+            cand = candidate(raw, name, up)
+            _, cfg = validate(cand)
+            threat_used = "upgraded"
+            entry["upgrade"] = up
+        except BadInput as err2:
+            entry["reason"] = str(err2)
+            return entry, None, None
+    entry.update({"applicable": threat_used == "configured", "applicable_under": threat_used,
+                  "threat": cfg.threat_model.capability, "threat_words": server_words(cfg.threat_model)})
+    if threat_used == "upgraded":
+        entry["reason"] = f"needs a stronger server than configured: run as {entry['threat_words']}"
+    return entry, (entry, cand, cfg, A), None
+
+
+def left_out_split(raw: dict, names: list[str]) -> dict:
+    """The attacks ``--only`` left out (every registered attack not in ``names``), each checked by the gate
+    (:func:`gate_attack`, validation only: none is run): ``applicable`` -- it would run here, under the configured
+    threat or its server upgrade (``[{name, applicable_under, threat_words}]``) -- and ``not_applicable`` -- the gate
+    refuses it in this setup anyway (``[{name, modality, reason}]``)."""
+    out: dict[str, list[dict]] = {"applicable": [], "not_applicable": []}
+    for name in attack_names():
+        if name in names:
+            continue
+        entry, plan, _ = gate_attack(raw, name)
+        if plan is not None:
+            out["applicable"].append({"name": name, "applicable_under": entry["applicable_under"],
+                                      "threat_words": entry["threat_words"]})
+        else:
+            out["not_applicable"].append({"name": name, "modality": entry["modality"], "reason": entry["reason"]})
+    return out
+
+
 def plan_audit(raw: dict, overrides: list[str] | None = None, only: list[str] | None = None):
     """Validate an audit before anything runs or is written: the config (+ ``overrides``), ``--only``, each attack
     under the configured threat or its smallest upgrade, ``audit.seeds``. Returns ``(raw, names, entries, planned,
     seeds, base_err)`` (``base_err``: the setup's first refusal); raises it when no attack can run."""
-    from gradleak.registry import ATTACKS
-    from gradleak.run.runner import validate
-
     raw = audit_overrides(copy.deepcopy(raw), overrides or [])
     names = attack_names()
     if only:
@@ -283,38 +388,10 @@ def plan_audit(raw: dict, overrides: list[str] | None = None, only: list[str] | 
     base_err = None
     entries, planned = [], []
     for name in names:
-        A = ATTACKS.get(name)
-        summary = next((x.summary for x in ATTACKS if x.name == name), "")
-        entry: dict[str, Any] = {"name": name, "description": summary, "reconstruction": A.reconstruction,
-                                 "modality": A.modality, "applicable": False}
-        cand, threat_used = candidate(raw, name), "configured"
-        try:
-            _, cfg = validate(cand)
-        except BadInput as err:
-            up = _upgrade(raw, name) if err.field.startswith("threat") else None
-            if up is not None:
-                try:
-                    cand = candidate(raw, name, up)
-                    _, cfg = validate(cand)
-                    threat_used = "upgraded"
-                    entry["upgrade"] = up
-                except BadInput as err2:
-                    entry["reason"] = str(err2)
-                    entries.append(entry)
-                    continue
-            else:
-                entry["reason"] = str(err)
-                base_err = base_err or err
-                entries.append(entry)
-                continue
-        entry.update({"applicable": threat_used == "configured", "applicable_under": threat_used,
-                      "threat": cfg.threat_model.capability})
-        if threat_used == "upgraded":
-            entry["threat_words"] = server_words(cfg.threat_model)
-            entry["reason"] = f"needs a stronger server than configured: run as {entry['threat_words']}"
-        else:
-            entry["threat_words"] = server_words(cfg.threat_model)
-        planned.append((entry, cand, cfg, A))
+        entry, plan, err = gate_attack(raw, name)
+        base_err = base_err or err
+        if plan is not None:
+            planned.append(plan)
         entries.append(entry)
     # run the applicable attacks (x the audit's seeds): in this process (workers=1) or a spawned pool
     seeds = list(((raw.get("audit") or {}).get("seeds")) or [raw.get("seed", 0)])
@@ -339,8 +416,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     raw, names, entries, planned, seeds, base_err = plan_audit(raw, overrides, only)
     multi = len(seeds) > 1
     t_all = time.perf_counter()
-    out = check_out_dir(out_dir)  # validated first, then created
-    _remove_stale_audit(out)
+    out = check_out_dir(out_dir)  # validated first, then created (stale files: removed once the runs are known)
 
     def where(name, sd):
         return f"attacks/{name}" + (f"/seed{sd}" if multi else "")
@@ -367,7 +443,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     for e, _, cfg, _ in planned:
         log(f"[audit] {e['name']}: running under the {e['applicable_under']} threat ({cfg.threat_model.capability})"
             + (f", seeds {seeds}" if multi else ""))
-    results = dict(_run_all(jobs, workers, log))
+    results = _run_jobs(out, jobs, workers, log)
     for entry, cand, cfg, A in planned:
         name = entry["name"]
         runs = [(sd, k, results[f"{name}@{sd}#{k}"]) for sd in seeds for k in range(len(variants[name]))]
@@ -387,10 +463,14 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
                           "reason": f"the run failed: {err['error'] if err else 'no result'}"})
             continue
         judged = []  # (seed, variant, result, client, judgement) for every client of every run
+        warned: dict = {}  # (seed, variant, client) -> the warnings of that client's attack in that run
+        summed = cfg.fl.clients if not cfg.threat_model.individual_updates else 1
         for sd, k, r in ok_runs:
             per = (r.get("details") or {}).get("per_client")
-            for client, mets in client_metric_sets(A.reconstruction, r["metrics"], per):
-                judged.append((sd, k, r, client, judge(A.reconstruction, mets, cfg)))
+            sets = client_metric_sets(A.reconstruction, r["metrics"], per)
+            for i, (client, mets) in enumerate(sets):
+                warned[(sd, k, sum_label(client, summed, A.reconstruction))] = client_warnings(r, per, i, len(sets))
+                judged.append((sd, k, r, sum_label(client, summed, A.reconstruction), judge(A.reconstruction, mets, cfg)))
         sd, k, res, client, j = max(judged, key=lambda t: leak_rank(t[4]))  # the most leaking client/run is the evidence
         entry["out"] = vdir(name, sd, k)
         entry.update(j)
@@ -400,7 +480,9 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
         run0 = [t for t in judged if t[0] == sd and t[1] == k]
         entry["per_client"] = [{"client": t[3], "level": t[4]["level"], "value": t[4].get("value"),
                                 "null_p99": t[4].get("null_p99"), "p_value": t[4].get("p_value"),
-                                "n_success": t[4].get("n_success"), "n_total": t[4].get("n_total")} for t in run0]
+                                "n_success": t[4].get("n_success"), "n_total": t[4].get("n_total"),
+                                "decided_by": t[4].get("decided_by"), "warnings": warned.get((t[0], t[1], t[3]), [])}
+                               for t in run0]
         by_run: dict = {}
         for t in judged:
             if leak_rank(t[4]) > leak_rank(by_run.get((t[0], t[1]), {"level": "undefined"})):
@@ -429,20 +511,30 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
         entry["metrics"] = {kk: v for kk, v in res["metrics"].items() if isinstance(v, (int, float))}
         entry["artifacts"] = [a for a in res.get("artifacts", []) if str(a).endswith(".png")]
         entry["evidence_rows"] = _evidence_rows(res)
-        warns = (res.get("details") or {}).get("warnings") or []
+        # every warning stays with the run (seed, setting) and the client it came from; the evidence carries only its
+        # own: another client's or another setting's caveat (e.g. "a least-squares guess") must not sit on it
+        entry["run_warnings"] = [{"seed": s0, "variant": variants[name][kk] or "as configured", "client": c0,
+                                  "warning": str(w)} for (s0, kk, c0), ws in warned.items() for w in ws]
+        warns = warned.get((sd, k, client)) or []
         if warns:
             entry["warnings"] = [str(w) for w in warns]
             entry["reason"] = "; ".join(([entry["reason"]] if entry.get("reason") else []) + entry["warnings"][:2])
-        v = entry.get("value")
-        log(f"[audit] {name}: {entry['level'].upper()} ({entry['metric']} = {v if not isinstance(v, float) else round(v, 4)}"
-            f", null p99 {entry.get('null_p99')}, worst client {client}"
+        from gradleak.run.audit_report import client_words, shown_evidence
+
+        ev = shown_evidence(entry)
+        v = ev.get("value")
+        log(f"[audit] {name}: {entry['level'].upper()} ({ev['metric']} = {v if not isinstance(v, float) else round(v, 4)}"
+            f", null p99 {ev.get('null_p99')}, worst: {client_words(client)}"
             + (f", worst of seeds {seeds}, median {entry.get('median')}" if multi else "") + f", {entry['seconds']:.0f} s)")
         for w in dict.fromkeys(entry.get("warnings") or []):  # e.g. lora_span's under-determined setting: said
             log(f"[audit] {name}: WARNING: {w}")
     ran = [e for e in entries if "level" in e]
     if not ran and base_err is not None:
         raise base_err
-    verdict, headline = verdict_and_headline(entries)
+    # --only: the left-out attacks checked by the gate (validated, not run), so the banner and not_tested say which of
+    # them could have run here and the ones that never could are grouped apart
+    left_out = left_out_split(raw, names) if only else {"applicable": [], "not_applicable": []}
+    verdict, headline = verdict_and_headline(entries, [x["name"] for x in left_out["applicable"]])
     shown_cand = next((c for e, c, _, _ in planned if e in ran), planned[0][1] if planned else None)
     _, shown = validate(shown_cand if shown_cand is not None else candidate(raw, names[0]))
     result = {"verdict": verdict, "headline": headline, "attacks": entries,
@@ -452,11 +544,15 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
               "setup": describe_setup(shown), "threat": shown.threat_model.describe(),
               "config": raw, "config_hash": config_hash(raw), "command": command,
               "seed": shown.seed, "environment": environment(), "seconds": time.perf_counter() - t_all,
-              "not_tested": [f"{e['name']}: {e['reason']}" for e in entries if "level" not in e],
+              "not_tested": [f"{x['name']}: applicable (under {x['threat_words']}), not run: left out by --only"
+                             for x in left_out["applicable"]],
+              "not_applicable": [f"{e['name']}: {e['reason']}" for e in entries if "level" not in e]
+                                + [f"{x['name']}: {x['reason']}" for x in left_out["not_applicable"]],
               "undefined": [f"{e['name']}: {e['reason']}" for e in entries if e.get("level") == "undefined"],
               "modality": shown.modality,
               "only": list(only) if only else None,
               "left_out_by_only": [n for n in attack_names() if n not in names] if only else [],
+              "left_out": left_out,
               "defenses_available": applicable_defenses(shown)}
     from gradleak.run.results import write_json_atomic
 
@@ -537,20 +633,64 @@ def _run_one(name: str, cand: dict, out_dir: str, device: str | None) -> dict:
             "seconds": time.perf_counter() - t0}
 
 
-def _run_all(jobs: list[tuple], workers: int, log: Callable[[str], Any] = print):
-    """Yield (name, result) for every job as it finishes: in this process, or in a pool of ``workers`` spawned
-    processes (one torch thread each) when > 1."""
-    if workers <= 1 or len(jobs) <= 1:
-        for name, cand, out, dev in jobs:
-            yield name, _run_one(name, cand, out, dev)
-        return
-    from gradleak.run.cells import pool_results
+def _run_jobs(out: Path, jobs: list[tuple], workers: int, log: Callable[[str], Any] = print) -> dict[str, dict]:
+    """``{job: result}`` of every ``(job, run config, folder, device)`` of the audit, through the one resumable cell
+    loop (:func:`gradleak.run.cells.run_cells`; docs/ARCHITECTURE.md, ``run/``): each run is a cell whose id is
+    ``<job>/<run key>`` (:func:`run_key`: a hash of the run's full config), and each finished run's row goes to the
+    ledger ``OUT/attacks/runs.jsonl`` (atomically) as it ends. A killed audit rerun into the same ``--out`` with the
+    same config reruns no finished run (its row and its folder are reused, and the log names them); a run whose
+    config changed gets a new key and reruns; the previous audit's other files are removed
+    (:func:`_remove_stale_audit`). A run that failed is recorded (level undefined) and run again on the next audit.
+    Runs go one after another in this process, or to a pool of ``workers`` spawned processes (one torch thread each)
+    when > 1."""
+    import uuid
 
-    for i, res in pool_results(_run_one, jobs, workers):
-        if isinstance(res, Exception):  # the worker itself died
-            res = {"error": f"{type(res).__name__}: {res}"}
-        log(f"[audit] {jobs[i][0]}: finished ({res.get('seconds', 0):.0f} s)")
-        yield jobs[i][0], res
+    from gradleak.run.cells import Cell, error_text, run_cells
+
+    folders = {f"{job}/{run_key(cand, dev, Path(d).relative_to(out).as_posix())}": Path(d).relative_to(out).as_posix()
+               for job, cand, d, dev in jobs}
+    cells = [Cell(cid, _run_one, job, {"job": job[0], "out": rel})
+             for job, (cid, rel) in zip(jobs, folders.items())]
+    reused = _reusable_runs(out, folders)
+    _remove_stale_audit(out, keep={folders[c] for c in reused})
+    if reused:
+        log(f"[audit] reused {len(reused)} finished run(s) of this config from {RUN_LEDGER} (not rerun): "
+            + ", ".join(r["job"] for r in reused.values()))
+
+    def row(cell, res, err, seconds):
+        res = {"error": error_text(err), "seconds": seconds} if err is not None else res  # the worker itself died
+        r = {"cell": cell.id, "job": cell.info["job"], "out": cell.info["out"], "run_id": uuid.uuid4().hex,
+             "result": res}
+        if "error" in res:  # not done: run again by the next audit
+            r["error"] = res["error"]
+        return r
+
+    todo = len(cells) - len(reused)
+    latest = run_cells(cells, out / RUN_LEDGER, row, executor="inline" if workers <= 1 or todo <= 1 else "local",
+                       workers=workers, retries=0, label="audit",
+                       describe=lambda r: "refused" if "bad_input" in r["result"] else "finished", log=log)
+    return {r["job"]: r["result"] for r in latest.values()}
+
+
+def sum_label(client, summed: int, kind: str):
+    """The attacked "client" as what it is: under secure aggregation over ``summed`` > 1 clients the server saw only
+    the sum of their updates, so the evidence is credited to ``the sum of N clients``, not to client 0 (the leakage
+    kind keeps its labels: its scores are per client's own images)."""
+    if summed <= 1 or kind == "leakage":
+        return client
+    words = f"the sum of {summed} clients"
+    if isinstance(client, str) and "@" in client:  # a later trial: "0@trial2"
+        return f"{words}@{client.split('@', 1)[1]}"
+    return words
+
+
+def client_warnings(res: dict, per: list[dict] | None, i: int, n: int) -> list[str]:
+    """The warnings of the ``i``-th of ``n`` attacked clients of one run: the pipeline's per-client record
+    (``details.per_client[i].warnings``); a run without it (one client, or an older results.json) has only the
+    run's warnings to give."""
+    if per and len(per) == n and any("warnings" in p for p in per):
+        return [str(w) for w in per[i].get("warnings") or []]
+    return [str(w) for w in (res.get("details") or {}).get("warnings") or []]
 
 
 def _evidence_rows(res: dict) -> list[dict]:
@@ -587,37 +727,40 @@ def server_words(tm) -> str:
 
 
 
-def verdict_and_headline(entries: list[dict]) -> tuple[str, str]:
-    """The verdict and the banner: the worst level, the attack, the client and the evidence (never green while an
-    attack is at ``partial`` or more)."""
+def verdict_and_headline(entries: list[dict], not_run: list[str] | None = None) -> tuple[str, str]:
+    """The verdict and the banner: the worst level, the attack, the client and the evidence -- the metric that decided
+    the level, beside its own null and p-value (:func:`gradleak.run.audit_report.shown_evidence`) -- never green
+    while an attack is at ``partial`` or more. ``not_run``: applicable attacks ``--only`` left out, named in the
+    banner (an audit of some attacks must not read as an audit of all)."""
     from gradleak.evaluation.levels import LEAKING, verdict_of
+    from gradleak.run.audit_report import client_words, evidence_words
 
     verdict = verdict_of(entries)
     leaking = sorted([e for e in entries if e.get("level") in LEAKING], key=leak_rank, reverse=True)
     conf = [e for e in leaking if e.get("applicable")]
 
     def words(e):
-        ev = (f"{e['metric']} = {fmt_value(e.get('value'))} against a null 99th percentile of {fmt_value(e.get('null_p99'))}"
-              f" (p = {fmt_value(e.get('p_value'))})")
         n = (f"; {e['n_success']} of {e['n_total']} private {e.get('unit', 'samples')} exact"
              if e.get("n_success") else "")
-        client = f", client {e['worst_client']}" if e.get("worst_client") is not None else ""
+        client = f", {client_words(e['worst_client'])}" if e.get("worst_client") is not None else ""
         return (f"{e['level'].upper()} leakage by {e['name']}{client} under {e.get('threat_words', e.get('threat'))}: "
-                f"{e['rule']} -- {ev}{n}")
+                f"{e['rule']} -- {evidence_words(e)}{n}")
 
+    left = (f"; {len(not_run)} applicable attack(s) not run (--only): {', '.join(not_run)}" if not_run else "")
     if verdict == "leaks":
-        return verdict, "LEAKS: " + words(conf[0])
+        return verdict, "LEAKS: " + words(conf[0]) + left
     if verdict == "leaks_stronger_server":
-        return verdict, "LEAKS ONLY UNDER A STRONGER SERVER: " + words(leaking[0])
+        return verdict, "LEAKS ONLY UNDER A STRONGER SERVER: " + words(leaking[0]) + left
     ran = [e for e in entries if e.get("level") in ("none",)]
     undef = [e for e in entries if e.get("level") == "undefined"]
     if verdict == "undefined":
         return verdict, ("UNDEFINED: no attack measured anything (" + "; ".join(
-            f"{e['name']}: {e.get('reason', e.get('rule', ''))}" for e in undef) + ") -- this is not evidence of safety")
+            f"{e['name']}: {e.get('reason', e.get('rule', ''))}" for e in undef) + ") -- this is not evidence of safety"
+            + left)
     tried = ", ".join(f"{e['name']} ({len(e.get('variants') or [{}])} setting(s), "
                       f"{len(e.get('per_client') or [1])} client(s))" for e in ran)
     text = (f"NO LEAK FOUND: {len(ran)} attack(s) measured at full strength, none above its null -- {tried or 'none'}"
-            " (evidence, not proof)")
+            f"{left} (evidence, not proof)")
     if undef:
         text += f"; {len(undef)} undefined (measured nothing): " + ", ".join(e["name"] for e in undef)
     return verdict, text
@@ -651,8 +794,19 @@ def describe_setup(cfg) -> list[str]:
             txt += (" -- central DP: the noise is added to the aggregate, so a server that sees individual "
                     "updates still sees them raw")
         lines.append(txt)
-    if not cfg.defenses:
-        lines.append("no update defense")
+    # the training-time `defense:` section (DP-SGD, FISGuard, ...): declared as much as the update list is
+    section = getattr(cfg, "defense", None)
+    tname = getattr(section, "name", "none") or "none"
+    if tname != "none":
+        params = {k: v for k, v in section.model_dump(mode="json").items() if k != "name"}
+        lines.append(f"training defense {tname} {json.dumps(params)} (the `defense:` section: it changes each "
+                     "client's local training)")
+    declared = [f"{d.name} (update)" for d in cfg.defenses] + ([f"{tname} (training)"] if tname != "none" else [])
+    if getattr(cfg.fl, "secure_aggregation", False):
+        declared.append(f"secure aggregation over {cfg.fl.clients} client(s)")
+    if getattr(cfg.fl, "engine", "builtin") == "flower" and getattr(cfg.fl.flower, "dp", "none") != "none":
+        declared.append(f"Flower DP ({cfg.fl.flower.dp})")
+    lines.append("declared defenses: " + (", ".join(declared) if declared else "none"))
     return lines
 
 

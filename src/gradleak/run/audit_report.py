@@ -1,4 +1,4 @@
-"""The audit's presentation (issue 12, issue 29): the console table rows, the "what to do next" facts and the HTML
+"""The audit's presentation: the console table rows, the "what to do next" facts and the HTML
 report, all from the audit result dict that :func:`gradleak.run.audit.run_audit` writes as audit.json (so
 ``gradleak report DIR`` rebuilds it from audit.json alone)."""
 
@@ -18,14 +18,59 @@ def fmt_value(v) -> str:
     return f"{v:.4g}" if isinstance(v, (int, float)) and v == v else "n/a"
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
+def shown_evidence(a: dict) -> dict:
+    """The measurement an entry's level rests on, for the banner and the attack's row: the metric that decided the
+    level (``decided_by``: e.g. word-bag recall for a word-bag ``partial``) with *its* null's 99th percentile and
+    p-value; the headline only where the deciding measure has no null of its own (an exact count: the banner then
+    says how many samples were exact) or the entry predates ``decided_by``. ``headline`` is set when it differs."""
+    d = a.get("decided_by") or {}
+    head = {"metric": a.get("metric"), "value": a.get("value"), "null_p99": a.get("null_p99"),
+            "p_value": a.get("p_value")}
+    if d.get("metric") and _number(d.get("null_p99")):
+        out = {k: d.get(k) for k in ("metric", "value", "null_p99", "p_value")}
+        out["decided"] = True
+        if d["metric"] != head["metric"] and head["metric"]:
+            out["headline"] = head
+        return out
+    return {**head, "decided": bool(d.get("metric")) and d.get("metric") == head["metric"]}
+
+
+def client_words(client) -> str:
+    """A client label in words: ``client 3``, or the secure-aggregation sum as it is (``the sum of 4 clients``)."""
+    return str(client) if isinstance(client, str) and client.startswith("the sum of") else f"client {client}"
+
+
+def evidence_words(a: dict) -> str:
+    """``metric = v against a null 99th percentile of x (p = y)`` of :func:`shown_evidence`."""
+    s = shown_evidence(a)
+    text = (f"{s['metric']} = {fmt_value(s.get('value'))} against a null 99th percentile of "
+            f"{fmt_value(s.get('null_p99'))} (p = {fmt_value(s.get('p_value'))})")
+    if s.get("headline"):
+        text += f"; headline {s['headline']['metric']} = {fmt_value(s['headline'].get('value'))}"
+    return text
+
+
 
 _MODALITY_REASON = re.compile(r"attacks (\w+) data, but this experiment's data are (\w+)")
 
 
+def short_reason(reason: str) -> str:
+    """A gate's refusal without its "Fix:" (the grouped rows name the attack and why, the full text is in audit.json)."""
+    return (reason or "").split(" Fix: ")[0].strip()
+
+
 def not_run_groups(result: dict) -> dict:
     """The attacks that did not run, grouped for the reader: ``other_modality`` ({attack modality: [names]}: attacks
-    for another kind of data, one line instead of a row each), ``left_out`` (by ``--only``), ``other`` (the
-    remaining entries, each with the gate's reason)."""
+    for another kind of data, one line instead of a row each, whether ``--only`` named them or not), ``left_out``
+    (attacks that apply to this setup -- under the configured threat or its server upgrade -- and did not run only
+    because ``--only`` left them out), ``left_out_not_applicable`` (left out, and the gate refuses them here anyway:
+    ``[{name, reason}]``), ``left_out_known`` (False for an audit.json written before the left-out attacks were
+    checked: ``left_out`` then holds every left-out name), ``other`` (the remaining refused entries, each with the
+    gate's reason)."""
     mod = result.get("modality")
     other_mod: dict[str, list[str]] = {}
     other = []
@@ -40,17 +85,39 @@ def not_run_groups(result: dict) -> dict:
             other_mod.setdefault(am, []).append(a["name"])
         else:
             other.append(a)
-    return {"modality": mod, "other_modality": other_mod, "left_out": list(result.get("left_out_by_only") or []),
-            "other": other}
+    split = result.get("left_out")
+    left_na = []
+    if isinstance(split, dict):
+        left = [x["name"] for x in split.get("applicable") or []]
+        for x in split.get("not_applicable") or []:
+            am = x.get("modality")
+            if am and mod and am != mod:
+                other_mod.setdefault(am, []).append(x["name"])
+            else:
+                left_na.append(x)
+    else:
+        left = list(result.get("left_out_by_only") or [])
+    return {"modality": mod, "other_modality": other_mod, "left_out": left, "left_out_not_applicable": left_na,
+            "left_out_known": isinstance(split, dict), "other": other}
+
+
+def left_out_words(g: dict) -> str:
+    """The applicable attacks ``--only`` left out, in words."""
+    if not g["left_out_known"]:
+        return f"left out by --only: {', '.join(g['left_out'])}"
+    return f"applicable to this setup, not run (left out by --only): {', '.join(g['left_out'])}"
 
 
 def not_tested_lines(result: dict) -> list[str]:
-    """Reproducibility's "not tested", grouped (see :func:`not_run_groups`)."""
+    """Reproducibility's "not tested", grouped (see :func:`not_run_groups`): first what could have run here and did
+    not, then what is not applicable to this setup."""
     g = not_run_groups(result)
-    lines = [f"{len(v)} {am} attack(s), not applicable to {g['modality']} data: {', '.join(v)}"
-             for am, v in g["other_modality"].items()]
-    if g["left_out"]:
-        lines.append(f"left out by --only: {', '.join(g['left_out'])}")
+    lines = [left_out_words(g)] if g["left_out"] else []
+    lines += [f"{len(v)} {am} attack(s), not applicable to {g['modality']} data: {', '.join(v)}"
+              for am, v in g["other_modality"].items()]
+    if g["left_out_not_applicable"]:
+        lines.append("not applicable to this setup (and left out by --only): " + "; ".join(
+            f"{x['name']}: {short_reason(x.get('reason', ''))}" for x in g["left_out_not_applicable"]))
     lines += [f"{a['name']}: {a.get('reason', '')}" for a in g["other"]]
     return lines
 
@@ -64,18 +131,24 @@ def console_rows(result: dict) -> list[tuple[str, ...]]:
     for a in result["attacks"]:
         if a["name"] in grouped:
             continue
-        val, p99 = a.get("value"), a.get("null_p99")
+        ev = shown_evidence(a)
+        val, p99 = ev.get("value"), ev.get("null_p99")
         rows.append((a["name"], "yes" if a.get("applicable") else ("upgrade" if a.get("applicable_under") else "no"),
                      a.get("level", "not run"),
-                     (f"{a['metric']} = {val:.4g}" + (f" ({p99:.4g})" if isinstance(p99, (int, float)) else ""))
-                     if isinstance(val, (int, float)) else "–", str(a.get("worst_client", "–")),
+                     (f"{ev['metric']} = {val:.4g}" + (f" ({p99:.4g})" if _number(p99) else ""))
+                     if _number(val) and "level" in a else "–",
+                     client_words(a["worst_client"]) if "worst_client" in a else "–",
                      a.get("reason") or ""))
+    if g["left_out"]:
+        rows.append((f"{len(g['left_out'])} " + ("applicable, not run" if g["left_out_known"] else "left out"),
+                     "yes" if g["left_out_known"] else "–", "not run", "–", "–", left_out_words(g)))
     for am, names in g["other_modality"].items():
         rows.append((f"{len(names)} {am} attacks", "no", "not run", "–", "–",
                      f"not applicable: this setup's data are {g['modality']} ({', '.join(names)})"))
-    if g["left_out"]:
-        rows.append((f"{len(g['left_out'])} left out", "–", "not run", "–", "–",
-                     f"left out by --only: {', '.join(g['left_out'])}"))
+    if g["left_out_not_applicable"]:
+        rows.append((f"{len(g['left_out_not_applicable'])} not applicable", "no", "not run", "–", "–",
+                     "not applicable to this setup (and left out by --only): " + "; ".join(
+                         f"{x['name']}: {short_reason(x.get('reason', ''))}" for x in g["left_out_not_applicable"])))
     return rows
 
 
@@ -86,11 +159,13 @@ def next_steps(result: dict) -> dict:
     from gradleak.evaluation.levels import LEAKING
 
     leaking = sorted([a for a in result["attacks"] if a.get("level") in LEAKING], key=leak_rank, reverse=True)
-    facts = []
+    facts = []  # (attack, [threat.<flag>, ...]): every deployment fact the gate withholds (it names them all at once)
     for a in not_run_groups(result)["other"]:
-        m = re.match(r"(threat\.\w+):", a.get("reason") or "")
+        reason = a.get("reason") or ""
+        m = re.match(r"(threat\.\w+):", reason)
         if m and m.group(1).split(".")[1] not in SERVER_CAPABILITIES:
-            facts.append((a["name"], m.group(1)))
+            flags = list(dict.fromkeys([m.group(1)] + re.findall(r"--set (threat\.\w+)=true", reason)))
+            facts.append((a["name"], [f for f in flags if f.split(".")[1] not in SERVER_CAPABILITIES]))
     return {"leaking": [{"name": a["name"], "level": a["level"],
                          "server": a.get("threat_words", a.get("threat")),
                          "configured": bool(a.get("applicable"))} for a in leaking],
@@ -98,7 +173,7 @@ def next_steps(result: dict) -> dict:
 
 
 def advice_rows(advice: dict) -> list[tuple[str, ...]]:
-    """The advice table (issue 30), cheapest first: defense, strength found (parameter), bracket, the leaking
+    """The advice table (``--advise``), cheapest first: defense, strength found (parameter), bracket, the leaking
     attacks' levels there, accuracy (vs without), cost, epsilon, status / note."""
     rank = {n: i for i, n in enumerate(advice.get("ranking") or [])}
     rows = sorted(advice.get("rows") or [], key=lambda r: (rank.get(r["defense"], len(rank)), r["defense"]))
@@ -203,39 +278,59 @@ def write_audit_report(result: dict, out: Path) -> Path:
     for a in result["attacks"]:
         if a["name"] in grouped:
             continue
-        val = a.get("value")
+        ev = shown_evidence(a)  # the metric that decided the level, beside its own null
+        val = ev.get("value")
         rows.append("<tr>" + "".join(f"<td>{e(str(x))}</td>" for x in (
             a["name"], "yes" if a.get("applicable") else ("under upgrade" if a.get("applicable_under") == "upgraded" else "no"),
             a.get("threat_words", a.get("threat", "–")), a.get("level", "not run"),
-            (f"{a['metric']} = {fmt_value(val)}" + (f" (worst of {len(a['per_seed'])} seeds; median {fmt_value(a.get('median'))})"
-                                             if a.get("per_seed") and "median" in a else ""))
-            if isinstance(val, (int, float)) else "–",
-            fmt_value(a.get("null_p99")) if "level" in a else "–", fmt_value(a.get("p_value")) if "level" in a else "–",
-            str(a.get("worst_client", "–")),
+            (f"{ev['metric']} = {fmt_value(val)}"
+             + (f" (worst of {len(a['per_seed'])} seeds; median {fmt_value(a.get('median'))})"
+                if a.get("per_seed") and "median" in a and not ev.get("headline") else "")
+             + (f"; headline {ev['headline']['metric']} = {fmt_value(ev['headline'].get('value'))}"
+                if ev.get("headline") else ""))
+            if _number(val) and "level" in a else "–",
+            fmt_value(ev.get("null_p99")) if "level" in a else "–", fmt_value(ev.get("p_value")) if "level" in a else "–",
+            client_words(a["worst_client"]) if "worst_client" in a else "–",
             f"{a['n_success']} / {a['n_total']}" if a.get("n_success") is not None else "–",
             f"{a['seconds']:.0f} s" if "seconds" in a else "–",
             "; ".join(x for x in (a.get("rule", "") if "level" in a else "", a.get("reason", "")) if x))) + "</tr>")
+    if groups["left_out"]:
+        rows.append(f'<tr class="grouped"><td>{len(groups["left_out"])} '
+                    + ("applicable, not run" if groups["left_out_known"] else "left out")
+                    + f'</td><td>{"yes" if groups["left_out_known"] else "–"}</td><td>–</td>'
+                    "<td>not run</td>" + "<td>–</td>" * 6 + f"<td>{e(left_out_words(groups))}</td></tr>")
     for am, names in groups["other_modality"].items():
         rows.append(f'<tr class="grouped"><td>{len(names)} {e(am)} attacks</td><td>no</td><td>–</td><td>not run</td>'
                     + "<td>–</td>" * 6 + f"<td>not applicable: they attack {e(am)} data; this setup's data are "
                     f"{e(str(groups['modality']))} ({e(', '.join(names))})</td></tr>")
-    if groups["left_out"]:
-        rows.append(f'<tr class="grouped"><td>{len(groups["left_out"])} left out</td><td>–</td><td>–</td>'
-                    "<td>not run</td>" + "<td>–</td>" * 6
-                    + f"<td>left out by --only: {e(', '.join(groups['left_out']))}</td></tr>")
+    if groups["left_out_not_applicable"]:
+        rows.append(f'<tr class="grouped"><td>{len(groups["left_out_not_applicable"])} not applicable</td><td>no</td>'
+                    "<td>–</td><td>not run</td>" + "<td>–</td>" * 6
+                    + "<td>not applicable to this setup (and left out by --only): " + e("; ".join(
+                        f"{x['name']}: {short_reason(x.get('reason', ''))}" for x in groups["left_out_not_applicable"]))
+                    + "</td></tr>")
     evidence = []
     from gradleak.evaluation.levels import level_rank
 
     ran = sorted([a for a in result["attacks"] if "level" in a], key=lambda a: (-level_rank(a["level"]), a["name"]))
     for a in ran:
         parts = [f"<h3>{e(a['name'])} — {e(a['level'].upper())} ({e(a.get('rule', ''))})</h3>"]
+        if a["level"] != "undefined":
+            parts.append(f'<p class="decided">Decided by: {e(evidence_words(a))}'
+                         + (f"; the evidence is {e(client_words(a['worst_client']))}" if "worst_client" in a else "")
+                         + "</p>")
         for w in dict.fromkeys(a.get("warnings") or []):
             parts.append(f'<p class="warning"><b>Warning:</b> {e(str(w))}</p>')
         if a.get("per_client") and len(a["per_client"]) > 1:
-            parts.append("<table><tr><th>client</th><th>level</th><th>value</th><th>null p99</th><th>p</th></tr>"
-                         + "".join(f"<tr><td>{e(str(c['client']))}</td><td>{e(c['level'])}</td><td>{fmt_value(c.get('value'))}"
-                                   f"</td><td>{fmt_value(c.get('null_p99'))}</td><td>{fmt_value(c.get('p_value'))}</td></tr>"
-                                   for c in a["per_client"]) + "</table>")
+            crow = []
+            for c in a["per_client"]:
+                cv = shown_evidence(c)
+                crow.append(f"<tr><td>{e(client_words(c['client']))}</td><td>{e(c['level'])}</td>"
+                            f"<td>{e(str(cv.get('metric') or ''))} = {fmt_value(cv.get('value'))}</td>"
+                            f"<td>{fmt_value(cv.get('null_p99'))}</td><td>{fmt_value(cv.get('p_value'))}</td>"
+                            f"<td>{e('; '.join(c.get('warnings') or []))}</td></tr>")
+            parts.append("<table><tr><th>client</th><th>level</th><th>deciding measure</th><th>null p99</th><th>p</th>"
+                         "<th>this client's warnings</th></tr>" + "".join(crow) + "</table>")
         if a.get("per_variant"):
             parts.append("<p>full-strength settings tried: " + e("; ".join(
                 f"{json.dumps(v['variant']) if isinstance(v['variant'], dict) else v['variant']} (seed {v['seed']}): "
@@ -264,9 +359,12 @@ def write_audit_report(result: dict, out: Path) -> Path:
     else:
         todo.append("<li>No attack leaked above its null here (evidence, not proof: see what was not tested under "
                     "Reproducibility).</li>")
-    for name, flag in nxt["facts"]:
-        todo.append(f"<li>{e(name)} did not run because the threat model withholds <code>{e(flag)}</code>; if your "
-                    f"deployment leaks it, rerun with <code>--set {e(flag)}=true</code>.</li>")
+    for name, flags in nxt["facts"]:
+        flags = [flags] if isinstance(flags, str) else flags
+        todo.append(f"<li>{e(name)} did not run because the threat model withholds "
+                    + " and ".join(f"<code>{e(f)}</code>" for f in flags)
+                    + f"; if your deployment leaks {'it' if len(flags) == 1 else 'them'}, rerun with <code>"
+                    + e(" ".join(f"--set {f}=true" for f in flags)) + "</code>.</li>")
     ds = nxt["defenses"]
     if ds is None:
         todo.append("<li>Defenses that apply: not recorded in this audit.json (rerun the audit); "
@@ -304,7 +402,7 @@ tr.grouped td{{color:#666}}code{{word-break:break-all}}</style>
 the declared defenses (listed under its evidence); the worst client and setting are the evidence.</p>
 <h2>Configuration</h2><ul>{''.join(f'<li>{e(x)}</li>' for x in result['setup'])}</ul>
 <h2>Threat model (configured)</h2><ul>{''.join(f'<li>{e(x)}</li>' for x in result['threat'])}</ul>
-<h2>Attacks</h2><table id="attacks"><tr><th>attack</th><th>applicable</th><th>server</th><th>level</th><th>headline</th>
+<h2>Attacks</h2><table id="attacks"><tr><th>attack</th><th>applicable</th><th>server</th><th>level</th><th>deciding measure</th>
 <th>null p99</th><th>p</th><th>worst client</th><th>exact samples</th><th>time</th><th>rule / note</th></tr>{''.join(rows)}</table>
 <h2>Evidence (worst level first)</h2>{''.join(evidence) or '<p>no attack ran</p>'}
 <h2>Reproducibility</h2><ul><li>command: <code id="command">{e(result['command'])}</code></li>

@@ -1,4 +1,4 @@
-"""The one experiment runner (DESIGN §1) for every attack:
+"""The one experiment runner (docs/DESIGN.md §1) for every attack:
 
     data -> model -> PEFT -> attack.prepare -> FL rounds (attack.server_model each round, clients on their own
     copies, defenses, secure aggregation) -> ServerView (threat model) -> attack.reconstruct -> evaluation -> report
@@ -85,7 +85,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
         if A.reconstruction == "membership":
             cands, membership = _candidates(data, trial, batches, threat, cfg)
             knowledge["public_data"] = {"candidates": cands}
-        # builtin, or the same rounds through a real Flower federation (fl.engine: flower, issue 13)
+        # builtin, or the same rounds through a real Flower federation (fl.engine: flower)
         rounds_fn = rounds_engine(cfg.fl.engine, flower=cfg.fl.flower)
         outcome = rounds_fn(model, clients, rounds=rounds, algorithm=cfg.fl.algorithm, lr=cfg.fl.lr,
                              local_epochs=cfg.fl.local_epochs, local_batch_size=cfg.fl.local_batch_size,
@@ -162,7 +162,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
 
 def train_global(cfg: ExperimentConfig, device, rounds: int, *, slices: int | None = None,
                  norms: bool = False) -> dict[str, Any]:
-    """Federated training without an attack: the utility of a setup (``gradleak audit --advise``, issue 30).
+    """Federated training without an attack: the utility of a setup (``gradleak audit --advise``).
 
     ``cfg``'s clients hold ``slices`` (default ``rounds``) times their round's samples (one seeded draw, disjoint from
     the ``data.test_size`` test samples); round r hands each client its slice r mod ``slices`` (fresh samples every
@@ -255,7 +255,7 @@ def evaluate_update(rec, truth: dict, *, handle, cfg: ExperimentConfig, out_dir,
 
 
 def public_protocol(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The federated training configuration the server runs and so knows (SPEC §4.1): algorithm, lr schedule,
+    """The federated training configuration the server runs and so knows (Hatamizadeh et al. 2022 §I): algorithm, lr schedule,
     per-client local batch size and epochs."""
     return {"algorithm": cfg.fl.algorithm, "local_epochs": cfg.fl.local_epochs, "lr": cfg.fl.lr,
             "local_batch_size": cfg.fl.local_batch_size, "clients": cfg.fl.clients,
@@ -454,12 +454,16 @@ def _pad_cat(encs: list[dict], tok) -> dict[str, torch.Tensor]:
 def always_public(handle, cfg) -> dict[str, Any]:
     """What the protocol makes public whatever the threat model: the architecture's interface, and the update
     defenses' configuration (a DP deployment publishes its mechanism and parameters; the server runs the protocol)."""
+    from gradleak.defenses.declared import declared_defenses
+
     defenses = [d.model_dump() for d in cfg.defenses]
+    # every declared defense -- the update list, the training-time `defense:`, secure aggregation, a framework's DP
+    # wrapper -- resolved once into what the server knows of it (gradleak.defenses.declared)
+    known = {"update_defenses": defenses, "declared_defenses": declared_defenses(cfg), "clients": cfg.fl.clients}
     if handle.modality == "image":
         return {"image_shape": (cfg.image_channels, cfg.data.image_size, cfg.data.image_size),
-                "num_classes": cfg.model.num_classes, "update_defenses": defenses, "clients": cfg.fl.clients}
-    return {"tokenizer": handle.tokenizer, "model_kind": handle.kind, "model_task": handle.info.get("task"),
-            "update_defenses": defenses, "clients": cfg.fl.clients}
+                "num_classes": cfg.model.num_classes, **known}
+    return {"tokenizer": handle.tokenizer, "model_kind": handle.kind, "model_task": handle.info.get("task"), **known}
 
 
 def peft_bottleneck(cfg, handle) -> int | None:
@@ -495,9 +499,12 @@ def _results(cfg, handle, evals, infos, metrics, timings) -> dict[str, Any]:
                           "requires": cfg.attack_cls.requires(cfg.attack_cfg)},
                "threat": threat.as_dict(),
                "trials": [{"info": _jsonable(i)} for i in infos], "warnings": warnings}
+    # each attacked client's own warnings beside its metrics (evals and infos are appended together, one per client
+    # and trial): the audit shows on its evidence only the warnings of the client that is the evidence
     details["per_client"] = [{"trial": e.trial, "client": e.client,
-                              "metrics": {k: v for k, v in e.metrics.items() if isinstance(v, (int, float))}}
-                             for e in evals]
+                              "metrics": {k: v for k, v in e.metrics.items() if isinstance(v, (int, float))},
+                              "warnings": [i["warning"]] if i.get("warning") else []}
+                             for e, i in zip(evals, infos)]
     if handle.modality == "image":
         details["feature_distance_backbone"] = BACKBONE_NAME if cfg.metrics.feature_distance else None
         details["lpips"] = lpips_status()[1]

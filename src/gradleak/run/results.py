@@ -1,4 +1,4 @@
-"""Results contract (DESIGN §4): ``results.json`` written atomically; the cell loop (:mod:`gradleak.run.cells`)
+"""Results contract (docs/DESIGN.md §4): ``results.json`` written atomically; the cell loop (:mod:`gradleak.run.cells`)
 appends to a JSONL and reads back the latest row of every cell."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +44,14 @@ def _default(o: Any) -> Any:
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:
+    """``obj`` as JSON at ``path`` through a temporary file and a rename. Created owner-only (0600,
+    :func:`gradleak.report.images.new_private_file`) and left so: results.json and audit.json hold the private
+    sentences (:data:`gradleak.report.images.PRIVATE_ARTIFACTS`, the one register), and no JSON of a run is ever
+    opened to others."""
+    from gradleak.report.images import new_private_file
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    fd, tmp = new_private_file(path)
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=2, default=_default, allow_nan=True)
         f.flush()
@@ -63,7 +67,9 @@ def append_jsonl(path: str | Path, obj: Any) -> None:
     old = path.read_text() if path.exists() else ""
     if old and not old.endswith("\n"):
         old = old.rsplit("\n", 1)[0] + "\n" if "\n" in old else ""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    from gradleak.report.images import new_private_file
+
+    fd, tmp = new_private_file(path)  # owner-only, as write_json_atomic
     with os.fdopen(fd, "w") as f:
         f.write(old + json.dumps(obj, default=_default) + "\n")
         f.flush()

@@ -134,8 +134,9 @@ def remove_stale_artifacts(out: Path, pattern: re.Pattern = RUN_ARTIFACTS) -> li
 
 
 def protect_private_artifacts(out: Path) -> None:
-    """Owner-only permissions (0600) on the artifacts that show the clients' private images (a backstop: the writers
-    already create them 0600, :func:`gradleak.report.images.artifact_mode`)."""
+    """Owner-only permissions (0600) on the artifacts that hold the clients' private data -- images, sentences, what
+    was recovered of them -- as :data:`gradleak.report.images.PRIVATE_ARTIFACTS` registers them (a backstop: the
+    writers already create them 0600, :func:`gradleak.report.images.new_private_file`)."""
     from gradleak.report.images import PRIVATE_ARTIFACTS
 
     for p in out.iterdir():

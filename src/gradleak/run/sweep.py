@@ -1,4 +1,4 @@
-"""Sweeps: a config's ``grid:`` section, run cell by cell, resumable (issue 12 item 2).
+"""Sweeps: a config's ``grid:`` section, run cell by cell, resumable.
 
 ``grid:`` maps dotted config keys (checked against the schema like ``--set`` keys) to lists of values; the sweep
 is their Cartesian product, in a stable order. Each cell is the config with those values set, run through the one

@@ -1,5 +1,5 @@
 """BERT-family (token, position) pairs against a gradient subspace: UTR's stage 1 on absolute-position encoders
-(SPEC §3.3), shared with DAGER's layer-0 check.
+(UTR paper Sec. 4.2), shared with DAGER's layer-0 check.
 
 f_0(v, p) = LN(E[v] + P[p] + T[type]) is the frozen embedding output of token v at position p. We never materialise
 the V x P x n tensor: the LayerNorm is affine in the centred sum, so ``||f||^2`` and ``||Q^T f||^2`` expand into
@@ -118,7 +118,7 @@ def bert_augmented_bag(embeddings: nn.Module, sub: Subspace, num_positions: int,
 def bert_pair_decompose(embeddings: nn.Module, adapter: nn.Module, grads: list[torch.Tensor], tokens: list[int],
                         num_positions: int, token_type: int = 0, tol: float = 1e-6,
                         max_violations: int = 0, noise_std: float | None = None) -> dict[int, set[int]] | None:
-    """Exact (token, position) pairs from the embedding adapter's gradient (beyond the paper, SPEC A3.4).
+    """Exact (token, position) pairs from the embedding adapter's gradient (beyond the paper; open point A3.4, docs/PAPERS.md).
 
     Why the span test alone cannot place tokens: f_0(v, p) = (a_v + b_p) / s_vp + beta with a_v = gamma*c(E[v]),
     b_p = gamma*c(P[p] + T), so span{f_0 of the batch} lies in span{a_v (v in bag), b_p (p < P), beta}, of

@@ -1,4 +1,4 @@
-"""BatchNorm batch statistics from a client's running-statistics change (SPEC §4.2 step 3, §4.5).
+"""BatchNorm batch statistics from a client's running-statistics change (Hatamizadeh et al. 2022 §II-B; NVFlare's code).
 
 The paper's "FL-specific BN loss" (Hatamizadeh et al. 2022, §II-B "Practical Gradient Inversion Attack")
 needs the statistics the client's batches produced in every BN layer. A client that trains in train mode
@@ -11,7 +11,7 @@ average; ``t0`` = ``num_batches_tracked`` before the round). The server knows ``
 it sent) and sees ``r_K`` (the update carries the running statistics).
 
 * **One local step** (:func:`single_step_batch_stats`): ``s_1 = (r_1 − (1 − m) r_0) / m`` exactly —
-  the NVFlare formula ``x_t = (running_new − (1 − m)·running_old)/m`` (SPEC §4.5).
+  the NVFlare formula ``x_t = (running_new − (1 − m)·running_old)/m`` (authors' code, docs/PAPERS.md).
 * **K local steps** (:func:`step_weights`, :func:`multi_step_target`): unrolling gives **one** equation
   ``r_K − D·r_0 = Σ_k w_k s_k`` with ``D = Π_k (1 − m_k)`` and ``w_k = m_k Π_{j>k} (1 − m_j)``
   (constant momentum: ``D = (1 − m)^K``, ``w_k = m (1 − m)^{K−k}``). The K batch statistics cannot be
@@ -21,7 +21,7 @@ it sent) and sees ``r_K`` (the update carries the running statistics).
   with like. The public code applies the single-step formula whatever K is; for K > 1 that mixes
   ``((1 − m)^K − (1 − m))/m · r_0`` into the target (13–100 % off on the toy case of the tests).
 * **BN loss** (:func:`bn_statistics_loss`): NVFlare/DeepInversion form
-  ``Σ_layers ‖μ̂ − μ_t‖₂ + ‖σ̂² − σ²_t‖₂`` (SPEC §4.5), differentiable in the candidates' statistics.
+  ``Σ_layers ‖μ̂ − μ_t‖₂ + ‖σ̂² − σ²_t‖₂`` (NVFlare's code), differentiable in the candidates' statistics.
 
 Decisions the paper leaves open, recorded here:
 
@@ -32,7 +32,7 @@ Decisions the paper leaves open, recorded here:
 * **Normalised targets.** Targets are weighted *averages* (weights sum to 1), so they have the scale of a
   batch statistic and the K = 1 target is exactly the single-step formula.
 * **Number of steps.** Taken from the ``num_batches_tracked`` change when the update carries it (it counts
-  the client's BN steps), else it must be given (the training configuration is public, SPEC §4.1).
+  the client's BN steps), else it must be given (the training configuration is public, Hatamizadeh et al. 2022 §I).
 * **Which layers.** Every ``_BatchNorm`` module with ``track_running_stats=True`` (ResNet-18: 20).
 """
 
@@ -83,7 +83,7 @@ def step_weights(momentum: float | None, steps: int, num_batches_tracked: int = 
 
 
 def single_step_batch_stats(old: torch.Tensor, new: torch.Tensor, momentum: float) -> torch.Tensor:
-    """``s = (r_new − (1 − m) r_old) / m`` (NVFlare's formula, SPEC §4.5): exact for one local step."""
+    """``s = (r_new − (1 − m) r_old) / m`` (NVFlare's formula): exact for one local step."""
     m = float(momentum)
     return (new.to(torch.float64) - (1.0 - m) * old.to(torch.float64)) / m
 
@@ -217,7 +217,7 @@ def combined_candidate_stats(steps: Sequence[Mapping[str, tuple[torch.Tensor, to
 
 def bn_statistics_loss(candidate: Mapping[str, tuple[torch.Tensor, torch.Tensor]], targets: Mapping[str, BNTarget],
                        form: str = "norm") -> torch.Tensor:
-    """``Σ_layers ‖μ̂ − μ_t‖₂ + ‖σ̂² − σ²_t‖₂`` (``form="norm"``, NVFlare/DeepInversion, SPEC §4.5) or the
+    """``Σ_layers ‖μ̂ − μ_t‖₂ + ‖σ̂² − σ²_t‖₂`` (``form="norm"``, NVFlare/DeepInversion code) or the
     squared norms (``form="squared"``). ``candidate``: :func:`combined_candidate_stats`; layers missing from
     ``candidate`` are an error (the simulation must run every targeted layer)."""
     if form not in ("norm", "squared"):

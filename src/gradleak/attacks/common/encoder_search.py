@@ -25,7 +25,7 @@ chains exactly. Accepted chains are projected out of S_LA (*peeled*): what is le
 chains' projected states, of dimension min(b, N - m), and once that fits, the per-position test is exact again.
 Chain lengths the [SEP] positions leave open (B above the number of distinct lengths) are tried as hypotheses.
 
-Value test (beyond the paper, issue 11 item 1): the subset tests need more than N - b right states at once; the
+Value test (beyond the paper): the subset tests need more than N - b right states at once; the
 embedding adapter's gradient *values* test one chain at a time (:mod:`gradleak.attacks.utr.values`). With it, chains
 are accepted (and peeled) one by one, and when the subspace moves stall on a few chains, moves graded by the value
 residuals repair them: point moves near the largest residuals, length moves to any [SEP] position stage 1 read (a

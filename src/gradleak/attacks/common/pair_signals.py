@@ -1,4 +1,4 @@
-"""UTR stage 1, exact: each candidate (token, position) pair's own bottleneck signal (issue 11, beyond the paper).
+"""UTR stage 1, exact: each candidate (token, position) pair's own bottleneck signal (beyond the paper).
 
 Stage 1 places tokens by a support test (:func:`gradleak.attacks.common.bert_pairs.bert_pair_decompose`): a pair
 passes when its ReLU mask lies inside the supports of its token's and its position's coefficient rows. A token that

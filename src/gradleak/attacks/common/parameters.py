@@ -1,4 +1,4 @@
-"""An attack's parameters from one source: its pydantic config (DESIGN §2, "config defaults in one place").
+"""An attack's parameters from one source: its pydantic config (docs/DESIGN.md §2: an attack's defaults live in one place).
 
 An attack built from an experiment config receives its validated ``Config`` (``from_config``); one built directly in
 Python (tests, probes) passes the same parameters as keywords. :func:`attack_parameters` turns either into one

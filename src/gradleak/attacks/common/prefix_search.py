@@ -1,12 +1,12 @@
-"""Prefix-wise sentence search for causal LMs (UTR SPEC §3.4 item 4; DAGER's stage 2 with its own probe).
+"""Prefix-wise sentence search for causal LMs (UTR paper Sec. 4.3, "Impact of LLM Architecture"; DAGER's stage 2 with its own probe).
 
 A token's layer state in a causal model depends only on its prefix, so starting from BOS we extend each prefix by
 every word-bag token in one batched forward pass (KV cache of the prefix, stopping after the probed layer) and keep
 the extensions whose newest state lies in the layer's gradient subspace. Several passing extensions mean several batch
 sentences share the prefix: the search branches (a trie), which *separates the sentences*. A sentence ends when no
-extension passes (the final EOS gets no gradient under the LM loss, so it is invisible, SPEC A3.6).
+extension passes (the final EOS gets no gradient under the LM loss, so it is invisible; open point A3.6, docs/PAPERS.md).
 
-Filters (SPEC A3.1, not specified in the paper): EICW rejects an extension equal to the previous token unless nothing
+Filters (open point A3.1 in docs/PAPERS.md, not specified in the paper): EICW rejects an extension equal to the previous token unless nothing
 else passes (real text does repeat tokens: "very very", "..."). When more extensions pass than ``max_branches``, the
 causal LM's own next-token log-probability ranks them and prunes the tail (``lm_prior``). Membership, not the prior,
 decides acceptance, so the prior never introduces wrong text.
@@ -40,7 +40,7 @@ def extension_inputs(base: nn.Module, prefixes: list[list[int]], cands: torch.Te
 
 
 class CausalPrefixSearch:
-    """Prefix-wise search for causal LMs (SPEC §3.4 item 4) against a layer subspace probed at adapter ``probe``."""
+    """Prefix-wise search for causal LMs (UTR paper Sec. 4.3) against a layer subspace probed at adapter ``probe``."""
 
     def __init__(self, model: nn.Module, probe_names: list[str], sub: Subspace, eps: float, bos: int,
                  candidates: torch.Tensor, max_len: int = 128, max_branches: int = 8, max_sentences: int = 512,

@@ -1,4 +1,4 @@
-"""The client's local training as the server re-runs it (DESIGN §2: shared by attack families).
+"""The client's local training as the server re-runs it (docs/DESIGN.md §2: shared by attack families).
 
 Two attack families simulate a FedAvg client's K local SGD steps on candidate inputs and match the simulated update
 to the observed one: BN-aware inversion (:mod:`gradleak.attacks.bn_inversion`, Hatamizadeh et al. 2022) and the FedAvg

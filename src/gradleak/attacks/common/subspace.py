@@ -1,4 +1,4 @@
-"""Gradient row spaces and the membership test every span-based text attack runs (UTR SPEC §3.3, DAGER).
+"""Gradient row spaces and the membership test every span-based text attack runs (UTR paper Sec. 4.2, DAGER).
 
 The rows of a linear layer's weight gradient are sums of that layer's inputs, so the stacked rows span the inputs of
 the batch: :func:`subspace_from_gradients` builds an orthonormal basis of that span (SVD in float64) and
@@ -6,7 +6,7 @@ the batch: :func:`subspace_from_gradients` builds an orthonormal basis of that s
 the noise spectrum's edge (:func:`noisy_subspace`); :func:`estimate_noise_std` reads the noise level off the
 spectrum when it is not published.
 
-Open decisions recorded (SPEC A3.2/A3.3): S from raw gradient rows (not row/bias ratios: same span, better
+Open decisions recorded (open points A3.2/A3.3, docs/PAPERS.md): S from raw gradient rows (not row/bias ratios: same span, better
 conditioned); relative residuals; rank cut-off relative to the largest singular value.
 """
 
@@ -130,3 +130,135 @@ def estimate_noise_std(grads: list[torch.Tensor]) -> float:
     M, N = sorted(rows.shape)
     s = torch.linalg.svdvals(rows)
     return float(s.median()) / (N * _mp_median(M / N)) ** 0.5
+
+
+def spectral_margin(grads: list[torch.Tensor], rank: int, noise_std: float | None = None) -> dict[str, float]:
+    """How far the observed upload's signal stands from the noise (the leakage margin), for the ``rank`` directions an
+    attack uses of the stacked (M x n) gradient rows:
+
+    * ``spectral_margin`` -- the weakest used singular value s_rank over the noise edge noise_std (sqrt(M) + sqrt(n))
+      (> 1: it stands above pure noise of that level; nan without declared or estimated noise);
+    * ``drowning_noise_std`` -- the per-coordinate noise std at which that edge reaches s_rank: noise of this std
+      drowns the weakest direction the attack needs (Bai-Yin edge, as :func:`noisy_subspace`);
+    * ``drowning_noise_std_all`` -- the std at which the edge reaches the largest singular value: every direction
+      drowned, nothing a spectral test of this matrix can find.
+
+    Singular values of the raw rows (not row-normalised), so the numbers are on the upload's own scale."""
+    rows = stack_rows(grads)
+    M, n = rows.shape
+    if rows.numel() == 0 or rank < 1:
+        return {"spectral_margin": float("nan"), "drowning_noise_std": 0.0, "drowning_noise_std_all": 0.0}
+    s = torch.linalg.svdvals(rows)
+    k = min(int(rank), len(s))
+    scale = M ** 0.5 + n ** 0.5
+    edge = float(noise_std) * scale if noise_std else float("nan")
+    return {"spectral_margin": float(s[k - 1]) / edge if noise_std else float("nan"),
+            "drowning_noise_std": float(s[k - 1]) / scale, "drowning_noise_std_all": float(s[0]) / scale,
+            "signal_rank": float(k)}
+
+
+def support_mask(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The retained support of a pruned upload (True where a coordinate was kept), stacked as :func:`stack_rows`;
+    None when nothing was pruned (every coordinate nonzero)."""
+    rows = stack_rows(grads)
+    mask = rows != 0
+    return None if bool(mask.all()) else mask
+
+
+def masked_membership(rows: torch.Tensor, mask: torch.Tensor, candidates: torch.Tensor, rank: int,
+                      min_kept: int | None = None) -> torch.Tensor:
+    """Sparsity-aware membership of candidate input vectors in the row space of a top-k pruned gradient.
+
+    Each gradient row is g_j = sum_t a_jt x_t; pruning keeps g_j only on its support S_j (known to the server: the
+    nonzeros). Restricted to S_j the identity still holds: g_j|S_j = sum_t a_jt x_t|S_j. So for a candidate x the
+    test is whether it explains the kept rows jointly with the other members: we recover the row space from the
+    *rows with enough kept coordinates*, completing each such row on its unseen coordinates by alternating
+    projection onto the rank-``rank`` row space (masked low-rank completion, a few iterations of hard impute), and
+    score every candidate by its relative residual to that space. Rows with fewer than ``min_kept`` kept coordinates
+    (default 2 x rank) carry too little to complete and are dropped. Returns the residuals (one per candidate);
+    the caller thresholds them against a null of non-member candidates."""
+    rows = rows.to(torch.float64)
+    mask = mask.to(torch.bool)
+    need = int(min_kept if min_kept is not None else 2 * max(rank, 1))
+    keep = mask.sum(1) >= need
+    if int(keep.sum()) == 0:
+        return torch.full((len(candidates),), float("nan"), dtype=torch.float64)
+    R, Mk = rows[keep], mask[keep]
+    X = R.clone()
+    k = max(1, min(int(rank), min(X.shape)))
+    for _ in range(30):  # hard impute: project on rank k, keep the observed entries, fill the rest
+        U, S, Vh = torch.linalg.svd(X, full_matrices=False)
+        low = (U[:, :k] * S[:k]) @ Vh[:k]
+        X_new = torch.where(Mk, R, low)
+        if float((X_new - X).norm()) <= 1e-10 * float(X.norm().clamp_min(1e-300)):
+            X = X_new
+            break
+        X = X_new
+    _, _, Vh = torch.linalg.svd(X, full_matrices=False)
+    basis = Vh[:k].T
+    c = candidates.to(torch.float64)
+    perp = c - (c @ basis) @ basis.T
+    return perp.norm(dim=-1) / c.norm(dim=-1).clamp_min(1e-300)
+
+
+def _hard_impute(R: torch.Tensor, M: torch.Tensor, k: int, iters: int = 60) -> torch.Tensor:
+    """Rank-k completion of R observed on mask M (hard impute: project on rank k, restore the observed entries)."""
+    X = torch.where(M, R, torch.zeros_like(R))
+    for _ in range(iters):
+        U, S, Vh = torch.linalg.svd(X, full_matrices=False)
+        low = (U[:, :k] * S[:k]) @ Vh[:k]
+        X_new = torch.where(M, R, low)
+        if float((X_new - X).norm()) <= 1e-9 * float(X.norm().clamp_min(1e-300)):
+            return X_new
+        X = X_new
+    return X
+
+
+def complete_pruned(grads: list[torch.Tensor], max_rank: int | None = None, seed: int = 0,
+                    ranks: list[int] | None = None) -> tuple[list[torch.Tensor], float, dict] | None:
+    """Sparsity-aware reading of a top-k pruned upload: the server knows which coordinates were kept (the nonzeros).
+
+    Each gradient row is a combination of the batch's inputs, so the stacked rows are low rank; pruning observes
+    them on a known support. We complete the matrix on the rows that kept at least 4 coordinates (a row with fewer
+    carries almost nothing of the row space) by hard impute, choosing the rank by held-out error: 10 % of the kept
+    entries are hidden, each candidate rank completes the rest, and the rank whose completion predicts the hidden
+    entries best wins (then the completion is redone on every kept entry). The held-out error per entry is returned as
+    the completion's noise std, so the membership tests downstream run in noise mode with tolerances from it.
+
+    Returns ``(completed grads (one stacked matrix), noise std, info)``, or None when nothing was pruned (no row is
+    partially zero)."""
+    rows = stack_rows(grads)
+    mask = rows != 0
+    partial = mask.any(1) & ~mask.all(1)
+    if not bool(partial.any()):
+        return None
+    keep = mask.sum(1) >= 4
+    info: dict = {"sparsity_kept_fraction": float(mask.double().mean()), "sparsity_rows_used": int(keep.sum()),
+                  "sparsity_rows": int(rows.shape[0])}
+    if int(keep.sum()) < 2:
+        info["sparsity_completion"] = "too few kept coordinates: the word bag's matrix was pruned away"
+        return [rows[:0]], float("nan"), info
+    R, Mk = rows[keep], mask[keep]
+    m, n = R.shape
+    cap = min(m, n) - 1 if max_rank is None else min(max_rank, min(m, n) - 1)
+    obs = Mk.nonzero()
+    g = torch.Generator().manual_seed(seed)
+    hide = obs[torch.randperm(len(obs), generator=g)[: max(1, len(obs) // 10)]]
+    train = Mk.clone()
+    train[hide[:, 0], hide[:, 1]] = False
+    truth = R[hide[:, 0], hide[:, 1]]
+    cands = ranks or sorted({k for k in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if k <= cap} | {cap})
+    errs = {}
+    for k in cands:
+        if int(train.sum()) <= k * (m + n - k):  # more unknowns than observations: not identifiable at this rank
+            break
+        X = _hard_impute(R, train, k)
+        errs[k] = float(((X[hide[:, 0], hide[:, 1]] - truth) ** 2).mean().sqrt())
+    if not errs:
+        info["sparsity_completion"] = "not identifiable: fewer kept coordinates than a rank-1 completion needs"
+        return [rows[:0]], float("nan"), info
+    k = min(errs, key=errs.get)
+    X = _hard_impute(R, Mk, k)
+    info.update({"sparsity_completion": "ok", "sparsity_completion_rank": k,
+                 "sparsity_heldout_rmse": errs[k], "sparsity_heldout_rel": errs[k] / float(truth.abs().mean() + 1e-300)})
+    return [X], errs[k], info

@@ -1,7 +1,7 @@
-"""UTR's stage 1: the word bag from the embedding adapter's gradient (SPEC §3.3, paper 002), shared by UTR and
+"""UTR's stage 1: the word bag from the embedding adapter's gradient (UTR paper Sec. 4.2), shared by UTR and
 LAMP's ``bag_only`` row (LAMP given stage 1).
 
-Every row j of the embedding adapter's down-projection gradient is ``sum_l delta_jl f_0(x_l)`` (§3.2), so the row
+Every row j of the embedding adapter's down-projection gradient is ``sum_l delta_jl f_0(x_l)`` (UTR paper Sec. 4.2, 4.4), so the row
 space S_EA of the stacked gradient is span{f_0 of the batch's tokens}. We build an orthonormal basis by SVD (float64,
 relative singular-value cut-off ``rank_rtol``) and test *every* vocabulary token at once: relative residual
 ``||f - P f|| / ||f||`` < ``eps_bag``.
@@ -29,7 +29,7 @@ import torch
 from gradleak.attacks.common.bert_pairs import (bert_augmented_bag, bert_pair_decompose, bert_pair_exact,
                                                 bert_pair_residuals)
 from gradleak.attacks.common.pair_signals import refine_pairs
-from gradleak.attacks.common.subspace import subspace_from_gradients
+from gradleak.attacks.common.subspace import complete_pruned, subspace_from_gradients
 from gradleak.attacks.common.text import SpanTestConfig, collect_grads, is_causal
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
@@ -75,7 +75,7 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
     ``eps_bag``, ``rank_rtol``, ``max_positions``, ``screen_tol`` as attributes (a :class:`SpanTestConfig`, or the
     attack that holds them); ``all_rounds``: stack every observed round's gradients; ``noise_std``: grads -> the
     per-coordinate noise std on them (None, or returning None: exact tests). ``extended=False``: the span test as
-    published only (SPEC §3.3; on BERT per (token, position), A3.4) -- no augmented bag past the bottleneck, no
+    published only (UTR paper Sec. 4.2; on BERT per (token, position), open point A3.4) -- no augmented bag past the bottleneck, no
     pair decomposition, no pair signals (UTR's ``search: paper``)."""
     model = view.model
     if not hasattr(model, PREFIX) or "embedding" not in getattr(model, PREFIX):
@@ -84,6 +84,27 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
     t0 = time.perf_counter()
     grads = collect_grads(view, adapter_param("embedding"), all_rounds=all_rounds)
     sigma = noise_std(grads) if noise_std is not None else None
+    # top-k pruning: the kept support is known (the nonzeros); complete the low-rank matrix on it and test in noise
+    # mode with the completion's held-out error as the noise (gradleak.attacks.common.subspace.complete_pruned)
+    sparse_info: dict[str, Any] = {}
+    first_round = None
+    if extended and getattr(cfg, "sparsity_aware", True):
+        done = complete_pruned(grads)
+        if done is not None:
+            grads, sp_std, sparse_info = done
+            if grads[0].shape[0] == 0 or sp_std != sp_std:  # nothing to complete: information absent
+                return {"tokens": [], "pairs": {}, "subspace": subspace_from_gradients(
+                            [torch.zeros(1, grads[0].shape[-1], dtype=torch.float64)], cfg.rank_rtol),
+                        "seconds": time.perf_counter() - t0, "min_residual": None, "causal": is_causal(model),
+                        "positions_ok": False, "augmented": False, "noise_std": sigma, "eps_bag": cfg.eps_bag,
+                        "signals": None, "support_pairs": None, **sparse_info}
+            sigma = ((sigma or 0.0) ** 2 + sp_std ** 2) ** 0.5
+            first_round = grads
+
+    def round_grads() -> list[torch.Tensor]:
+        """The embedding adapter's gradient of the attacked round (completed when it was pruned)."""
+        return first_round if first_round is not None else collect_grads(view, adapter_param("embedding"))
+
     sub = subspace_from_gradients(grads, cfg.rank_rtol, noise_std=sigma)
     eps_bag = max(cfg.eps_bag, sub.tol)  # noise mode: the tolerance the noise floor implies
     causal = is_causal(model)
@@ -114,7 +135,7 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
             eps_bag = min(eps_bag, 0.5 * floor)
             cand = [v for v in (min_res < eps_bag).nonzero().flatten().tolist() if v != model.config.pad_token_id]
             dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
-                                      collect_grads(view, adapter_param("embedding")), cand, npos,
+                                      round_grads(), cand, npos,
                                       noise_std=sigma) if cand else None
             if dec is not None:
                 pairs = {v: ps for v, ps in dec.items() if ps}
@@ -127,7 +148,7 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
             dec = None
             if 0 < len(cand) < sub.rows:
                 dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
-                                          collect_grads(view, adapter_param("embedding")), cand, npos,
+                                          round_grads(), cand, npos,
                                           noise_std=sigma)
             if dec is not None:
                 pairs = {v: ps for v, ps in dec.items() if ps}
@@ -155,7 +176,7 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
             if pairs and not sub.saturated and extended:
                 npos_seen = 1 + max(p for ps in pairs.values() for p in ps)
                 dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
-                                          collect_grads(view, adapter_param("embedding")), tokens, npos_seen,
+                                          round_grads(), tokens, npos_seen,
                                           noise_std=sigma)
                 if dec is not None:
                     pairs = dec
@@ -168,4 +189,4 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
     secs = time.perf_counter() - t0
     return {"tokens": tokens, "pairs": pairs, "subspace": sub, "seconds": secs, "min_residual": min_res,
             "causal": causal, "positions_ok": positions_ok, "augmented": augmented, "noise_std": sigma,
-            "eps_bag": eps_bag, "signals": signals, "support_pairs": support, **exact_info}
+            "eps_bag": eps_bag, "signals": signals, "support_pairs": support, **exact_info, **sparse_info}

@@ -1,5 +1,5 @@
 """GIAS — gradient inversion with a generative image prior (Jeon, Kim, Lee, Oh, Ok, *Gradient Inversion with
-Generative Image Prior*, NeurIPS 2021), the generative attack of paper 001 (SPEC §2.3, eq. 8; "GIAS" / "GIAS + Ours"),
+Generative Image Prior*, NeurIPS 2021), the generative attack of paper 001 (Sec. 3.5, eq. 8; "GIAS" / "GIAS + Ours"),
 on the gradient-matching machinery of :mod:`gradleak.attacks.optimization.inverting_gradients`.
 
 Two stages per restart, the restarts optimised together as the GLR group (:mod:`.glr`):
@@ -23,7 +23,7 @@ config) and in ``reconstruct`` (from the image shape). The generator is trained 
 (paper 001 §3: "similar but non-overlapping"), so the attack requires ``threat.public_data``; the generator file's
 own metadata (its training data) is copied into ``info["generator"]`` for the reader to check disjointness.
 
-Decisions the papers leave open (SPEC A2.5, §2.8 — the GIAS code's choices unless said otherwise):
+Decisions the papers leave open (open point A2.5, docs/PAPERS.md — the GIAS code's choices unless said otherwise):
 
 * Adam for both stages, plain (not signed) gradients; latent lr 3e-2, generator lr 1e-3; step decay ×0.1 at 3/8, 5/8,
   7/8 of each stage (``schedule: step``; ``cosine`` decays to 0 instead); 3 restarts; TV weight 1e-6.

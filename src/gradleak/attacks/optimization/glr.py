@@ -8,7 +8,7 @@ from different initialisations; their **consensus** is the pixel-wise mean
 and every member's objective gets  R_group-lazy = λ_G ‖x̂ − E‖  (eq. 22), λ_G = 1e-4 in paper 001's experiments
 (1e-3 in Table 7 and in Supp. C's text; GradViT uses the same pair of values).
 
-Decisions the papers leave open (SPEC A2.6), recorded here:
+Decisions the papers leave open (open point A2.6, docs/PAPERS.md), recorded here:
 
 * **No registration.** Paper 001 averages the group's images directly (eq. 21, "pixel-wise average"), as the GIAS code
   does; GradInversion (Yin et al. 2021) first registers the members to each other (RANSAC-flow) before averaging —

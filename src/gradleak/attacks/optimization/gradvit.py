@@ -1,5 +1,5 @@
 """GradViT (Hatamizadeh, Yin, Roth, Li, Kautz, Xu, Molchanov, *GradViT: Gradient Inversion of Vision Transformers*,
-CVPR 2022), the optimisation baseline of paper 001 (SPEC §2.3, Table 1: "GradViT" / "GradViT + Ours"), on the
+CVPR 2022), the optimisation baseline of paper 001 (Sec. 3.5, Table 1: "GradViT" / "GradViT + Ours"), on the
 gradient-matching machinery of :mod:`gradleak.attacks.optimization.inverting_gradients`.
 
 Objective of one restart with dummy images x (model range [−1, 1]):
@@ -31,7 +31,7 @@ anchor checks, eager attention, the iteration-cost timing):
 * **Gradient distance.** 1 − cos (IG's), which paper 001 eq. 7 prescribes for every method; GradViT's own gradient
   term is not restated in paper 001.
 * **Restarts = the GLR group**, optimised together (one step of every running restart per iteration), default 3
-  (SPEC §2.4: three reconstructions per sample); the restart with the lowest final matching loss (priors excluded)
+  (paper 001 Sec. 4.2.1: three reconstructions per sample); the restart with the lowest final matching loss (priors excluded)
   is returned. λ_G = 1e-4 (paper 001's experiments; 1e-3 in its Table 7), consensus rebuilt every ``glr_every``
   steps from ``glr_start`` (default a quarter of the steps, as the GIAS code's 500 of 2000) on.
 * **Prior weights.** GradViT's weights (tuned on ImageNet 224 px, 120k iterations) are not restated in paper 001;

@@ -8,8 +8,8 @@ federated learning?*, NeurIPS 2020, §4 (eq. 4): starting from random dummy imag
 
 with Adam on the *signed* gradient of the objective, ``Δ`` the observed update and ``TV`` the
 anisotropic total variation (mean |horizontal| + mean |vertical| pixel differences). This is the
-baseline PEFTLeak §4 runs against adapter-tuned ViTs (SPEC §1.9; Figs 8, 10, 11 of the PEFTLeak paper:
-"fails to recover any image"): the gradient is taken **only** over the parameters the client uploads
+baseline PEFTLeak runs against adapter-tuned ViTs (PEFTLeak Sec. 5 and App. C.2, Figs 8, 10, 11: it "fails to
+reconstruct any of the images in the batch"): the gradient is taken **only** over the parameters the client uploads
 (adapters + classification head), on the honest model the server sent.
 
 Registered names: ``inverting_gradients`` (the original entry, ``labels: known`` by default) and ``ig`` (the same
@@ -17,7 +17,7 @@ attack under paper 001's contract name, ``labels: auto``); ``dlg`` (Euclidean ma
 (Euclidean matching + PE cosine, :class:`April`). GradViT and GIAS (image priors, generators) are the sibling
 modules :mod:`~gradleak.attacks.optimization.gradvit` and :mod:`~gradleak.attacks.optimization.gias`.
 
-**Spatial anchoring (paper 001 §3.5, eq. 7; SPEC §2.3).** On a model with the server-prescribed layer-wise PEs
+**Spatial anchoring (paper 001 §3.5, eq. 7).** On a model with the server-prescribed layer-wise PEs
 (``peft.layer_pe: true``, :mod:`gradleak.peft.layer_pe`), the update holds the gradients of the input position table
 and of every p_l. The objective becomes
 
@@ -36,7 +36,7 @@ Decisions the papers leave open, recorded here:
   head + LoRA only. With the default zero-initialised p_l the head/LoRA gradients equal those of the model without
   layer-wise PEs, so "IG" vs "IG + anchor" on one client update isolates the eq. 7 term exactly. Without layer-wise
   PEs an input table the client trains anyway (full fine-tuning) is matched with θ', as IG always did.
-* **d_cos form** (SPEC A2.4): 1 − cos (IG's form; eq. 7's "negative cosine" differs by a constant), one cosine over
+* **d_cos form** (open point A2.4, docs/PAPERS.md): 1 − cos (IG's form; eq. 7's "negative cosine" differs by a constant), one cosine over
   the concatenation of the PE tensors (``similarity="global"``) or the mean over tensors (``"per_parameter"``),
   as for θ'; the two groups are normalised separately (two cosines, as eq. 7 writes them).
 * **Iteration cost.** ``timings.iteration_to_fwdbwd_ratio`` = the median wall time of one optimisation step (forward,
@@ -197,7 +197,7 @@ class InvertingGradientsConfig(MatchingFields):
     box: Literal["clamp", "tanh"] = Field("clamp", description="box constraint on the pixels")
 
 
-CPU_STEPS = 300  # the CPU-scale default of ig / dlg / april (issue 14: "few hundred iterations"; set attack.steps)
+CPU_STEPS = 300  # the CPU-scale default of ig / dlg / april (our CPU budget: a few hundred iterations; set attack.steps)
 #: paper scale (``scale: paper``) of ig / dlg / april / gradvit: paper 001 gives iterations only for GIAS (2000 latent
 #: + 8000 generator steps, Supp. D); the optimisation baselines get GIAS's stage-1 budget, 2000 steps per restart
 #: (also the registered ``inverting_gradients``' default)
@@ -734,7 +734,7 @@ class DLG(InvertingGradients):
 @ATTACKS.register("april", "APRIL, optimisation variant: Euclidean matching + PE-gradient cosine (Lu et al. 2022)")
 class April(DLG):
     """APRIL-O (Lu, Huang, Zhao, Sun, *APRIL: Finding the Achilles' heel on privacy for vision transformers*, CVPR
-    2022), the optimisation variant paper 001 runs as a baseline (SPEC §2.3, Table 1): the Euclidean distance of the
+    2022), the optimisation variant paper 001 runs as a baseline (Sec. 3.5, Table 1): the Euclidean distance of the
     head/PEFT gradients (as :class:`DLG`) plus a cosine term on the positional-embedding gradient. Without the anchor
     the PE term covers the *input* position table, APRIL's own term (present only if the client trains it — with
     ``peft.layer_pe`` it does; a plain LoRA client freezes it and the term is absent, recorded in

@@ -1,4 +1,4 @@
-"""PEFTLeak (Sami et al., CVPR 2025; ``shared/papers/000``, SPEC §1): exact patch recovery from the
+"""PEFTLeak (Sami et al., CVPR 2025; paper 000 in docs/PAPERS.md): exact patch recovery from the
 adapter gradients of a ViT poisoned by a malicious server.
 
 The attack is split into the two parties' pieces, composed by the registered attack
@@ -15,12 +15,12 @@ The attack is split into the two parties' pieces, composed by the registered att
 
 Pipeline (Algorithm 1):
 
-1. :meth:`PEFTLeakServer.prepare` poisons the backbone once (§3.3, eq. 9–19): positional embeddings
-   i.i.d. with std ``sigma`` (SPEC A1.1: "N(0, σ)" read as std), patch embedding ``E = 0.5·M``,
+1. :meth:`PEFTLeakServer.prepare` poisons the backbone once (Sec. 4.1–4.5; Algorithm 1 lines 3–15): positional embeddings
+   i.i.d. with std ``sigma`` (open point A1.1: "N(0, σ)" read as std), patch embedding ``E = 0.5·M``,
    LayerNorm weights ``sigma`` and bias 0, identity attention (Q = K = V = W_O = I, Q scaled by
    ``q_scale`` so the softmax is an exact one-hot in float64), identity MLP with ±γ biases (γ = 1e4);
    then it plans the rounds (:meth:`PEFTLeakServer._plan_rounds`, A1.8).
-2. :meth:`PEFTLeakServer.adapter_state` writes the malicious adapters of one round (§3.4, eq. 20–23):
+2. :meth:`PEFTLeakServer.adapter_state` writes the malicious adapters of one round (Sec. 4.3, eqs. 15–23):
    every down-projection row of an adapter assigned to position t reads the target token through
    ``w = E_pos(t)`` (+ ``α·d_k`` in the improved design), the biases are thresholds from the public-data
    statistic (inverse Gaussian CDF in the paper design), the up-projection is ``up_scale·u_out·1ᵀ``.
@@ -30,7 +30,7 @@ Pipeline (Algorithm 1):
    (differences of consecutive neurons) isolates the adapter input of a lone patch in a bin, eq. (25)
    maps it back to pixels, then patches are grouped into images.
 
-Decisions the paper leaves open (SPEC §1.11), each recorded here:
+Decisions the paper leaves open (open points A1.x of docs/PAPERS.md), each recorded here:
 
 * A1.2 open quantiles: paper design uses probabilities ``i/(k+1)`` over the ``k = S_t·r`` neurons of a
   position, so no threshold is infinite.

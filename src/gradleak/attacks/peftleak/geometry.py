@@ -1,4 +1,4 @@
-"""PEFTLeak's linear algebra of the poisoned ViT (SPEC §1): orthonormal complements, projections, the adapter-input
+"""PEFTLeak's linear algebra of the poisoned ViT (PEFTLeak Sec. 4): orthonormal complements, projections, the adapter-input
 scale of every slot (:func:`slot_scales`) and the per-patch quantities every statistic needs (:class:`PatchGeometry`).
 Both parties use them: the server to plan its bins, the recovery to invert them. All in float64 (A1.6)."""
 

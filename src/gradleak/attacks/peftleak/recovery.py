@@ -1,4 +1,4 @@
-"""PEFTLeak's analysis (SPEC §1; :mod:`gradleak.attacks.peftleak`): eq. (24)–(25) per bin, the consistency and trust
+"""PEFTLeak's analysis (PEFTLeak Sec. 4.3; :mod:`gradleak.attacks.peftleak`): eq. (24)–(25) per bin, the consistency and trust
 checks, peeling, deduplication and grouping by the image coefficient g — from the server's secrets and the
 :class:`~gradleak.fl.core.ServerView` only."""
 

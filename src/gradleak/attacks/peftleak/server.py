@@ -1,5 +1,5 @@
-"""PEFTLeak's malicious server (SPEC §1; :mod:`gradleak.attacks.peftleak`): it poisons the ViT once (§3.3,
-eq. 9–19), plans the rounds (A1.8), writes every round's malicious adapters (§3.4, eq. 20–23) and keeps the secrets the
+"""PEFTLeak's malicious server (PEFTLeak Sec. 4; :mod:`gradleak.attacks.peftleak`): it poisons the ViT once (Sec.
+4.1–4.5), plans the rounds (open point A1.8), writes every round's malicious adapters (Sec. 4.3, eqs. 15–23) and keeps the secrets the
 recovery reads (positional embeddings, the embedding map ``M``, every slot's read-out direction and thresholds)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from gradleak.errors import BadInput
 from gradleak.metrics.patches import image_to_patches
 from gradleak.peft.adapters import AdapterSlot
 
-#: γ of the identity MLP's ±γ biases (§3.3; A1.6: float64 keeps the cancellation exact) and the query scale that makes
+#: γ of the identity MLP's ±γ biases (Sec. 4.5; A1.6: float64 keeps the cancellation exact) and the query scale that makes
 #: the softmax an exact one-hot in float64: constants of the construction, not parameters
 GAMMA = 1e4
 Q_SCALE = 1e5
@@ -40,8 +40,8 @@ class RoundPlan:
 
 class PEFTLeakServer:
     """The malicious server of PEFTLeak with ``design="paper"`` (Algorithm 1 as published) or
-    ``"improved"`` (default): poisoning (:meth:`prepare`, §3.3), round planning (:meth:`_plan_rounds`),
-    the adapters of every round (:meth:`adapter_state`, §3.4) and the binning geometry both sides use.
+    ``"improved"`` (default): poisoning (:meth:`prepare`, Sec. 4.1–4.5), round planning (:meth:`_plan_rounds`),
+    the adapters of every round (:meth:`adapter_state`, Sec. 4.3) and the binning geometry both sides use.
 
     Improved design: every adapter of a position bins along its own direction
     ``w = E_pos(t) + α·d_k`` (d_k ⊥ all positional embeddings, from the top principal directions of the

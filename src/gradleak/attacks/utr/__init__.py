@@ -1,7 +1,7 @@
-"""UTR: exact text reconstruction from the adapter gradients of a frozen LM (SPEC §3, paper 002).
+"""UTR: exact text reconstruction from the adapter gradients of a frozen LM (UTR paper, paper 002 in docs/PAPERS.md).
 
-Stage 1 (word bag, SPEC §3.3): every row j of the embedding adapter's down-projection gradient is
-``sum_l delta_jl f_0(x_l)`` (§3.2), so the row space S_EA of the stacked gradient is span{f_0 of the batch's
+Stage 1 (word bag, UTR paper Sec. 4.2): every row j of the embedding adapter's down-projection gradient is
+``sum_l delta_jl f_0(x_l)`` (Sec. 4.2, 4.4), so the row space S_EA of the stacked gradient is span{f_0 of the batch's
 tokens}. We build an orthonormal basis by SVD (float64, relative singular-value cut-off ``rank_rtol``) and test
 *every* vocabulary token at once: relative residual ``||f - P f|| / ||f||`` < ``eps_bag``.
 
@@ -19,17 +19,17 @@ tokens}. We build an orthonormal basis by SVD (float64, relative singular-value 
 
 Two methods (``search``): ``paper`` runs UTR as published -- the span test above without the exact pairs and pair
 signals, and the paper's greedy constructive search (beam width 1, strict EICW, no CG/CS; the open points A3.1, A3.5,
-A3.8 are decided in :mod:`.greedy`), every extension below off; ``extended`` (the default) is ours, described next.
+A3.8 of docs/PAPERS.md are decided in :mod:`.greedy`), every extension below off; ``extended`` (the default) is ours, described next.
 ``info["method"]`` names the one that ran.
 
-Stage 2 (sentences, SPEC §3.4) uses the first layer adapter's subspace S_LA = span{h_1 of the batch}:
+Stage 2 (sentences, Sec. 4.3) uses the first layer adapter's subspace S_LA = span{h_1 of the batch}:
 
 * causal models (prefix-wise): a token's layer-1 state depends only on its prefix, so starting from BOS we
   extend each prefix by every word-bag token in one batched forward pass (KV cache of the prefix, stopping
   after layer 1) and keep the extensions whose newest state lies in S_LA. Several passing extensions mean
   several batch sentences share the prefix: the search branches (a trie), which *separates the sentences*.
   A sentence ends when no extension passes (the final EOS gets no gradient under the LM loss, so it is
-  invisible, SPEC A3.6). With ``value_test`` (one-step uploads), :mod:`gradleak.attacks.utr.causal` then tests
+  invisible; open point A3.6). With ``value_test`` (one-step uploads), :mod:`gradleak.attacks.utr.causal` then tests
   every complete sentence on the embedding adapter's gradient values, peels the verified ones from the upload and
   searches the rest again -- soft-graded by the upload's strongest directions while the states left still fill
   the bottleneck, strictly once they fit (beyond the paper).
@@ -41,17 +41,17 @@ Stage 2 (sentences, SPEC §3.4) uses the first layer adapter's subspace S_LA = s
   on the embedding adapter's gradient values instead (``value_test``; exact for one-step uploads), and grades
   chains by the upload's strongest directions (``soft_rank``).
 
-Filters (SPEC A3.1, not specified in the paper): EICW rejects an extension equal to the previous token unless
+Filters (open point A3.1, not specified in the paper): EICW rejects an extension equal to the previous token unless
 nothing else passes (real text does repeat tokens: "very very", "..."). CG/CS -- there is no grammar service
 offline -- are built on the LM itself: when more extensions pass than ``max_branches``, the causal LM's own
 next-token log-probability ranks them and prunes the tail (``lm_prior``); for the encoder the tie-break is the
 EICW rule. Membership, not the prior, decides acceptance, so the prior never introduces wrong text.
 
-Capacity (Theorems 4.1/4.2): rank(S) <= d_bottleneck. When the numerical rank reaches the bottleneck width the
+Capacity (Sec. 4.4, Theorems 4.1/4.2): rank(S) <= d_bottleneck. When the numerical rank reaches the bottleneck width the
 subspace is saturated and the word bag cannot be trusted: ``info["capacity_exhausted"]`` says so and the
 attack still returns what it found (never fails silently).
 
-Open decisions recorded (SPEC A3.2/A3.3): S from raw gradient rows (not row/bias ratios: same span, better
+Open decisions recorded (open points A3.2/A3.3): S from raw gradient rows (not row/bias ratios: same span, better
 conditioned); relative residuals; rank cut-off relative to the largest singular value.
 
 Where the code lives: :mod:`.attack` (the registered attack and its config), :mod:`.greedy` (the published greedy

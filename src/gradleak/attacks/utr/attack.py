@@ -14,7 +14,8 @@ from gradleak.attacks.base import AttackBase, Reconstruction, ThreatModel
 from gradleak.attacks.common.parameters import set_config_fields
 from gradleak.attacks.common.encoder_search import EncoderChainSearch
 from gradleak.attacks.common.prefix_search import CausalPrefixSearch
-from gradleak.attacks.common.subspace import Subspace, estimate_noise_std, subspace_from_gradients
+from gradleak.attacks.common.subspace import (Subspace, complete_pruned, estimate_noise_std, spectral_margin,
+                                              subspace_from_gradients)
 from gradleak.attacks.common.text import SpanTestConfig, cap_to_batch, collect_grads, specials
 from gradleak.attacks.common.word_bag import word_bag
 from gradleak.attacks.utr.causal import CausalPeelSearch, CausalValueTest
@@ -47,6 +48,8 @@ class UTRConfig(SpanTestConfig):
     value_test: bool = Field(True, description="test candidate sentences on the embedding adapter's gradient values "
                              "(one-step uploads): past the first layer's bottleneck, bidirectional models move chains "
                              "by it, causal models verify sentences, peel them from the upload and search the rest")
+    sparsity_aware: bool = Field(True, description="a top-k pruned upload (coordinates exactly zero): complete the "
+                                 "gradient matrix on the kept support before the membership tests (extended search)")
     soft_rank: Optional[float] = Field(0.96, gt=0, le=1, description="past the first layer's bottleneck (with the "
                                        "value test): grade chains by this fraction of the upload's strongest "
                                        "directions instead of its whole (saturated) row space; null = off")
@@ -65,7 +68,7 @@ class UTRConfig(SpanTestConfig):
 
 @ATTACKS.register("utr", "UTR: word bag from the embedding adapter + sentence search on the first layer adapter")
 class UTRAttack(AttackBase):
-    """Honest-but-curious server (SPEC §3.1): reads only the ServerView (model sent, adapter gradients, tokenizer).
+    """Honest-but-curious server (UTR paper Sec. 3.2): reads only the ServerView (model sent, adapter gradients, tokenizer).
 
     Parameters: ``search`` -- ``paper`` (the method as published, :mod:`gradleak.attacks.utr.greedy`) or
     ``extended`` (ours; the extensions below apply only here); ``eps_bag`` / ``eps_sentence`` -- membership tolerances (relative residual) for stage 1 / 2;
@@ -86,10 +89,16 @@ class UTRAttack(AttackBase):
         (quantisation; a std too small to matter): the audit also runs the noise read off the upload's spectrum
         ('estimate', measured: stochastic quantisation 16 bits ROUGE-1 50.8 -> 97.9). Exact tests ('none') on a
         noisy upload only exhaust the search's time budget, so they are not a variant."""
+        from gradleak.defenses.declared import as_declared
+
         cfg = cls.Config(**params)
-        if defenses and cfg.noise != "estimate":
-            return [{"noise": "estimate", "time_budget": min(float(cfg.time_budget), 120.0)}]
-        return []
+        declared = as_declared(defenses)
+        out = []
+        if declared and cfg.noise != "estimate":
+            out.append({"noise": "estimate", "time_budget": min(float(cfg.time_budget), 120.0)})
+        if declared.sparsity and cfg.search == "extended":  # the completion and the plain tests: keep the stronger
+            out.append({"sparsity_aware": not cfg.sparsity_aware, "time_budget": min(float(cfg.time_budget), 120.0)})
+        return out
     modality = "text"
     peft_kinds = ("adapters",)
     reconstruction = "token_sequences"
@@ -107,20 +116,23 @@ class UTRAttack(AttackBase):
             return float(self.noise)
         if self.noise == "estimate":
             return estimate_noise_std(grads)
-        from gradleak.defenses.update import coordinate_noise_std
+        from gradleak.defenses.declared import as_declared
 
-        specs = view.public.get("update_defenses") or []
+        # every declared defense (the update list, DP-SGD's training, secure aggregation, a framework's DP)
+        declared = view.public.get("declared_defenses")
+        if declared is None:
+            declared = as_declared(view.public.get("update_defenses") or [])
+            declared.clients = int(view.public.get("clients") or 1)
         rounding = float(view.public.get("upload_rounding_std") or 0.0)  # a weight reply's rounding (Flower)
-        if not specs or not view.updates:
+        if not view.updates:
             return rounding if rounding > 0 else None
-        std = coordinate_noise_std(specs, view.updates[0], aggregate_of=int(view.public.get("clients") or 1),
-                                   individual=not view.secure_aggregation)
+        std = declared.noise_std(view.updates[0], individual=not view.secure_aggregation)
         if std is None:
             return rounding if rounding > 0 else None
         return (std ** 2 + rounding ** 2) ** 0.5
 
     def prepare(self, model: nn.Module, threat: ThreatModel) -> nn.Module:
-        return model  # honest: no model modification (SPEC §3.1)
+        return model  # honest: no model modification (UTR paper Sec. 3.2)
 
     # -- stage 1
     def word_bag(self, view: ServerView) -> dict[str, Any]:
@@ -189,7 +201,13 @@ class UTRAttack(AttackBase):
         model = view.model
         t1 = time.perf_counter()
         grads_la = collect_grads(view, adapter_param(self.sentence_layer), all_rounds=False)
-        sub_la = subspace_from_gradients(grads_la, self.rank_rtol, noise_std=bag["noise_std"])
+        la_noise = bag["noise_std"]
+        done = complete_pruned(grads_la) if self.sparsity_aware and self.search != "paper" else None
+        if done is not None and done[0][0].shape[0] > 0 and done[1] == done[1]:  # pruned: complete on the support
+            grads_la, la_std, la_info = done
+            la_noise = ((la_noise or 0.0) ** 2 + la_std ** 2) ** 0.5
+            bag = {**bag, **{f"layer_{k}": v for k, v in la_info.items()}}
+        sub_la = subspace_from_gradients(grads_la, self.rank_rtol, noise_std=la_noise)
         eps_sentence = max(self.eps_sentence, sub_la.tol)
         sp = specials(tok, bag["causal"])
         la_saturated = sub_la.rank >= 0.9 * min(sub_la.rows, sub_la.dim)
@@ -253,7 +271,7 @@ class UTRAttack(AttackBase):
             "eps_sentence_used": eps_sentence,
             "word_bag_seconds": bag["seconds"],
             "word_bag_augmented": bool(bag["augmented"]),
-            **{k: v for k, v in bag.items() if k.startswith("exact_pairs")},
+            **{k: v for k, v in bag.items() if k.startswith(("exact_pairs", "sparsity_", "layer_sparsity_"))},
             "sentence_seconds": t2 - t1,
             **sinfo,
         }
@@ -272,4 +290,9 @@ class UTRAttack(AttackBase):
                                f"the update defenses): ranks from the noise spectrum's edge, membership at tolerances "
                                f"{bag['eps_bag']:.3g} (tokens) / {eps_sentence:.3g} (sentences); nothing is verified "
                                "exactly.").strip()
-        return Reconstruction(data=sents, info=info)
+        # the leakage margin of the embedding adapter's upload: how far the weakest direction the word bag used stands
+        # above the noise edge, and the noise that would drown it (gradleak.attacks.common.subspace.spectral_margin)
+        grads_ea = collect_grads(view, adapter_param("embedding"), all_rounds=self.all_rounds and self.search != "paper")
+        margin = spectral_margin(grads_ea, sub_ea.rank, bag["noise_std"])
+        info["leakage_margin"] = {"layer": "embedding_adapter", **margin}
+        return Reconstruction(data=sents, info=info, metrics={f"{k}_embedding_adapter": v for k, v in margin.items()})

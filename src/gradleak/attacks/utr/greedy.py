@@ -1,9 +1,9 @@
-"""UTR's stage 2 as published (``search: paper``; SPEC §3.4, paper 002 §4.3): the greedy constructive search.
+"""UTR's stage 2 as published (``search: paper``; UTR paper Sec. 4.3): the greedy constructive search.
 
 The paper extends partial sentences one token at a time with word-bag tokens, applies its Boolean filters after each
 extension, runs the candidate through the frozen model and accepts it when the hidden states entering the first layer
 adapter lie in S_LA within ε; it keeps the accepted extension (greedy) and stops when no extension passes. Algorithm 1
-and the filters' implementations are in an appendix the paper does not contain (SPEC A3.1), so the open points are
+and the filters' implementations are in an appendix the paper does not contain (open point A3.1 of docs/PAPERS.md), so the open points are
 decided here, each as the plainest reading of the text:
 
 * **Beam width 1** (A3.8: "greedy"): one partial sentence per run; among the extensions that pass, the one with the

@@ -1,4 +1,4 @@
-"""UTR stage 2 past the first-layer limit: each candidate sentence tested on the gradient *values* (issue 11 item 1).
+"""UTR stage 2 past the first-layer limit: each candidate sentence tested on the gradient *values* (beyond the paper).
 
 The subspace tests of :mod:`gradleak.attacks.common.encoder_search` read only the row space of the first layer
 adapter's gradient. Once the batch has more layer states than the bottleneck has rows, no single sentence can be

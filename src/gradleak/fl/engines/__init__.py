@@ -1,4 +1,4 @@
-"""The round engines: how federated rounds are run (DESIGN §1). Each takes the model, the clients and the public
+"""The round engines: how federated rounds are run (docs/DESIGN.md §1). Each takes the model, the clients and the public
 protocol and returns the same :class:`~gradleak.fl.engines.builtin.RoundsOutcome`, so the pipeline after the
 rounds (the server's view, the attack, the evaluation) does not know which ran.
 

@@ -1,5 +1,5 @@
 """The builtin round engine (``fl.engine: builtin``), gradleak's round protocol: server -> clients -> defenses ->
-(secure) aggregation, round by round (DESIGN §1).
+(secure) aggregation, round by round (docs/DESIGN.md §1).
 
 Each round the server sends a model: the honest global model (updated by aggregation after every
 round), or what the attack sets through its ``server_model(round, model)`` hook (a malicious server
@@ -7,13 +7,13 @@ re-poisons each round). Every client trains on **its own deep copy** of the sent
 client does touches the object the server (and the attacker's view) holds. Client-side defenses
 transform each upload; secure aggregation optionally replaces the individual uploads by their sum.
 
-BatchNorm models (Hatamizadeh et al. 2022, SPEC §4.1): each client's copy trains in train mode (its BN layers
+BatchNorm models (Hatamizadeh et al. 2022 §II-B): each client's copy trains in train mode (its BN layers
 normalise with batch statistics and update their running statistics, as a real client does); the upload
 carries the BN buffer changes (:class:`~gradleak.fl.core.Update` ``buffers``), the (secure) aggregate averages
 them, and the honest server adds the mean change to its buffers (``num_batches_tracked`` rounded to an
 integer). ``round_states`` then holds the full checkpoint the server sent: trainable parameters *and* BN
-buffers (the attack needs the current global checkpoint, SPEC §4.2). ``client_settings`` gives a client its
-own local batch size and epochs (the paper's clients differ in both, SPEC §4.4); ``lr_at(r)`` the learning
+buffers (the attack needs the current global checkpoint, §III-B). ``client_settings`` gives a client its
+own local batch size and epochs (the paper's clients differ in both, §III-A); ``lr_at(r)`` the learning
 rate of round r (step decay), used by the clients and, for that round's aggregate, by the server.
 """
 

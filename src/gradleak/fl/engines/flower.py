@@ -1,4 +1,4 @@
-"""The pipeline's round engine through Flower (``fl.engine: flower``, issue 13).
+"""The pipeline's round engine through Flower (``fl.engine: flower``).
 
 :func:`run_rounds_flower` returns the same :class:`~gradleak.fl.engines.builtin.RoundsOutcome` as the builtin
 engine (:func:`gradleak.fl.engines.builtin.run_rounds`), so every attack, the audit and the reports run on a real

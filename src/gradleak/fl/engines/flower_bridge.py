@@ -1,4 +1,4 @@
-"""The bridge between Flower's Message API and gradleak's federated core (issue 13; the engine's ground floor).
+"""The bridge between Flower's Message API and gradleak's federated core (the engine's ground floor).
 
 Optional extra ``fl`` (``pip install 'gradleak[fl]'``, Flower's Message API: ``flwr>=1.42,<2``; the simulation
 engine needs ``gradleak[fl-simulation]``, which adds Ray); ``flwr`` is imported inside functions only. It knows

@@ -1,0 +1,486 @@
+"""Guarantees pinned against deliberate breakages that the rest of the suite let through (docs/MUTATION.md,
+"Deliberate breakages of the data splits, the victim rotation, the advice and the audit").
+
+Each test states a property of the current code, not a recorded result:
+
+* the data splits (DESIGN §2, ``gradleak.data.splits``): the nulls' pool (chance reconstructions,
+  ``gradleak.evaluation.nulls``) holds no image or sentence any client holds, and the server's domain prior (the
+  "dataset mean image" of Hatamizadeh et al. 2022, §II-B) is the mean of held-out images only;
+* the pipeline's per-client attack (``metrics.attack_clients: all``): each client is attacked on its own upload;
+* the round engine (DESIGN §1): a training-time defense's local step still goes through every update defense;
+* the advice (``gradleak audit --advise``, module docstring of ``gradleak.run.advise``): cheapest first, and only a
+  measured ``none`` (or the gate's refusal for a hidden update) stops an attack;
+* the audit (module docstring of ``gradleak.run.audit``): a crashed attack is ``undefined``, never ``none``; the
+  report's banner is red for a leak and green only for ``no_leak_found``;
+* the threat gate (``gradleak.fl.threat``): secure aggregation over one client exposes that client's update, over
+  two or more it hides every update, and the client count is the config's ``fl.clients``.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+from gradleak.errors import BadInput
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _validate(raw: dict, overrides=()):
+    from gradleak.run import validate
+
+    return validate(copy.deepcopy(raw), list(overrides))[1]
+
+
+def _rows(x: torch.Tensor) -> list[torch.Tensor]:
+    return [t.reshape(-1).double() for t in x]
+
+
+def _holds(pool: torch.Tensor, imgs: torch.Tensor) -> list[int]:
+    """Indices of ``imgs`` that appear (pixel for pixel) among ``pool``'s images."""
+    p = torch.stack(_rows(pool)) if len(pool) else torch.zeros(0, 1)
+    return [i for i, x in enumerate(_rows(imgs)) if len(pool) and bool((p == x).all(1).any())]
+
+
+# ------------------------------------------------------------------------------------------- data splits: images
+#: a leakage config with every image chunk in use (clients | validation | prior | test | nulls)
+LEAKAGE_CHUNKS = ["data.image_size=16", "data.prior_size=3", "data.validation_size=2", "data.test_size=3",
+                  "fl.client_images=[2,2,2]", "fl.client_batch_sizes=[2,2,2]", "model.num_channels=3",
+                  "model.pretrain=null"]
+#: two clients of 2 images and nothing else before the nulls' pool (no validation, prior or test chunk)
+TINY_IMAGES = {"experiment": "image", "seed": 0, "data": {"name": "cifar-samples", "batch_size": 2, "image_size": 16},
+               "model": {"name": "vit-tiny", "layers": 1}, "peft": {"kind": "adapters", "bottleneck": 8},
+               "metrics": {"feature_distance": False}, "threat": {"preset": "honest-but-curious"},
+               "attack": {"name": "inverting_gradients", "steps": 1, "labels": "idlg"}, "fl": {"clients": 2}}
+
+
+def _leakage_cfg(name: str):
+    from pathlib import Path
+
+    from gradleak.config.loading import load_yaml
+
+    root = Path(__file__).resolve().parents[1]
+    return _validate(load_yaml(root / "configs" / "leakage" / "fmnist_resnet18.yaml"), [f"data.name={name}",
+                                                                                       *LEAKAGE_CHUNKS])
+
+
+def _image_cases():
+    return [pytest.param(lambda: _leakage_cfg("cifar-samples"), id="leakage-cifar"),
+            pytest.param(lambda: _leakage_cfg("natural-crops"), id="leakage-crops"),
+            pytest.param(lambda: _validate(TINY_IMAGES), id="two-clients-only")]
+
+
+@pytest.mark.parametrize("make", _image_cases())
+@pytest.mark.parametrize("trial", [0, 1])
+def test_image_null_pool_holds_no_image_of_any_chunk(make, trial):
+    """The nulls' pool comes from the private set's own source but holds none of the clients' (nor the validation,
+    prior or test) images: a chance reconstruction that *is* a private image would make the null leak."""
+    from gradleak.data.splits import ImageData
+
+    cfg = make()
+    data = ImageData(cfg)
+    clients = data.clients(trial, cfg.model.num_classes)
+    chunks = {f"client {i}": x for i, (x, _) in enumerate(clients)}
+    for i, v in enumerate(data.validation()):
+        if len(v):
+            chunks[f"validation {i}"] = v
+    if data.test(cfg.model.num_classes) is not None:
+        chunks["test"] = data.test(cfg.model.num_classes)[0]
+    k = 8
+    pool, source = data.null_pool(trial, k)
+    assert cfg.data.name in source and "no client holds" in source  # the private set's own source, not the fallback
+    assert len(pool) == k
+    for what, imgs in chunks.items():
+        assert len(imgs) and _holds(pool, imgs) == [], f"the null pool holds {what}'s images"
+    # the same seeded draw as every chunk: the whole of it (clients, validation, prior, test) stays out of the pool
+    sizes, val, prior = data._layout()
+    used = sum(sizes) + val * len(sizes) + prior + data._test_size()
+    drawn = data._load(trial, used)[0]
+    assert _holds(drawn, clients[0][0]) == list(range(len(clients[0][0])))  # the draw is the clients' draw
+    assert _holds(drawn, pool) == [], "the null pool overlaps the draw the chunks are cut from"
+
+
+@pytest.mark.parametrize("name", ["cifar-samples", "natural-crops"])
+@pytest.mark.parametrize("trial", [0, 1])
+def test_the_domain_prior_is_the_mean_of_held_out_images_only(name, trial):
+    """The server's prior (granted under public_data) is the mean of ``data.prior_size`` images of the draw that no
+    client, validation or test chunk holds: exactly what remains of the draw once those chunks are removed."""
+    from gradleak.data.splits import ImageData
+
+    cfg = _leakage_cfg(name)
+    data = ImageData(cfg)
+    assert data.wants_prior
+    clients = data.clients(trial, cfg.model.num_classes)
+    taken = [x for x, _ in clients] + list(data.validation()) + [data.test(cfg.model.num_classes)[0]]
+    sizes, val, prior = data._layout()
+    drawn = data._load(trial, sum(sizes) + val * len(sizes) + prior + data._test_size())[0]
+    held = torch.cat(taken)
+    rest = [x for x in drawn if not _holds(held, x[None])]
+    assert len(rest) == cfg.data.prior_size
+    expected = torch.stack(rest).mean(0)
+    got = data.prior_image()
+    assert got is not None and got.shape == expected.shape
+    assert torch.allclose(got.double(), expected.double(), atol=1e-6)
+    for i, (x, _) in enumerate(clients):  # and it is not a mean that takes any client image in
+        assert not torch.allclose(got.double(), torch.cat([torch.stack(rest[1:]), x[:1]]).mean(0).double(),
+                                  atol=1e-6), i
+
+
+# ------------------------------------------------------------------------------------------- data splits: text
+TEXT = {"experiment": "text", "seed": 0, "trials": 2, "model": {"name": "minilm", "layers": 2},
+        "peft": {"kind": "adapters", "reduction_factor": 2}, "data": {"name": "rt-sentences", "batch_size": 2},
+        "fl": {"algorithm": "fedsgd", "rounds": 1, "clients": 2}, "threat": {"preset": "honest-but-curious"},
+        "attack": {"name": "utr"}}
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_text_null_pool_holds_no_sentence_of_any_client_in_any_trial(seed):
+    from gradleak.data.splits import TextData
+    from gradleak.errors import MissingAsset
+
+    try:
+        cfg = _validate({**TEXT, "seed": seed})
+        data = TextData(cfg)
+    except MissingAsset:
+        pytest.skip("rt-sentences (gensim test data) is not installed")
+    members = {t for tr in range(cfg.trials) for texts, _ in data.clients(tr, cfg.model.num_classes) for t in texts}
+    assert len(members) == cfg.trials * cfg.fl.clients * cfg.data.batch_size
+    everything = set(data.ds.texts)
+    for k in (None, 16, len(data.ds)):  # the default size, a small pool, and as many as the set could give
+        pool, source = data.null_pool(0, k)
+        assert not set(pool) & members, f"k={k}: the null pool holds a client's sentence"
+        assert set(pool) <= everything and "no client holds" in source
+        assert len(pool) == min(len(everything - members), 256 if k is None else k)
+    assert data.null_pool(0, 16)[0] == data.null_pool(1, 16)[0]  # seeded (members of every trial excluded)
+
+
+# ------------------------------------------------------------------------------------------- pipeline: victims
+def test_every_client_is_attacked_on_its_own_upload(tmp_path, monkeypatch, one_thread):
+    """``metrics.attack_clients: all``: the view of victim v holds v's upload first (every round), so each client's
+    evidence is computed from its own upload: PEFTLeak recovers every client's image exactly."""
+    from gradleak.attacks.peftleak.attack import PEFTLeak
+    from gradleak.fl.engines import builtin as protocol
+    from gradleak.run import run_config
+
+    outcomes, views = [], []
+    real_rounds, real_rec = protocol.run_rounds, PEFTLeak.reconstruct
+
+    def keep(*a, **k):
+        outcomes.append(real_rounds(*a, **k))
+        return outcomes[-1]
+
+    def spy(self, view):
+        views.append(view)
+        return real_rec(self, view)
+
+    monkeypatch.setattr(protocol, "run_rounds", keep)
+    monkeypatch.setattr(PEFTLeak, "reconstruct", spy)
+    raw = {"experiment": "image", "seed": 0, "data": {"name": "cifar-samples", "batch_size": 1, "image_size": 16},
+           "model": {"name": "vit-tiny", "layers": 1}, "peft": {"kind": "adapters", "bottleneck": 8},
+           "metrics": {"feature_distance": False, "null": False, "attack_clients": "all"},
+           "attack": {"name": "peftleak"}, "threat": {"preset": "malicious", "public_data": True},
+           "fl": {"clients": 2, "rounds": 1}}
+    res = run_config(raw, tmp_path)
+    (out,) = outcomes
+    assert len(views) == 2
+    for v, view in enumerate(views):
+        assert len(view.rounds) == len(out.rounds)
+        for seen, sent in zip(view.rounds, out.rounds):
+            assert seen[0].client_id == sent[v].client_id == v
+            assert all(torch.equal(seen[0].tensors[n], sent[v].tensors[n]) for n in sent[v].tensors)
+        assert view.updates[0].client_id == v
+    per = res["details"]["per_client"]
+    assert [p["client"] for p in per] == [0, 1]
+    cfg = _validate(raw)
+    for p in per:
+        m = p["metrics"]
+        assert m["patches_exact"] == m["num_true_patches"] > 0, p["client"]
+        assert m["psnr_max"] >= cfg.metrics.psnr_threshold_db, p["client"]  # the exact level's PSNR bar
+
+
+# ------------------------------------------------------------------------------------------- round engine
+def test_a_training_time_local_step_still_goes_through_every_update_defense():
+    """``local_update`` replaces the client's training step, not its update defenses: each upload is the step's
+    output transformed by every defense with the client's context, as the plain path would do."""
+    from gradleak.defenses import build_defenses
+    from gradleak.fl.core import Client
+    from gradleak.fl.engines.builtin import run_rounds
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3).double()
+    clients = [Client(i, torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 3, (4,))) for i in range(2)]
+    defenses = build_defenses([{"name": "clipping", "params": {"max_norm": 1e-3}},
+                               {"name": "gaussian_noise", "params": {"std": 0.5}}], seed=3)
+    raw_steps = []
+
+    def step(c, local, *, seed, algorithm, lr, round_index, epochs, batch_size):
+        u = c.local_update(local, algorithm=algorithm, lr=lr, seed=seed, in_place=True)  # no defense here
+        raw_steps.append((round_index, c.client_id, seed, lr, u))
+        return u
+
+    kw = dict(rounds=2, algorithm="fedsgd", lr=0.1, defenses=defenses, seed=5)
+    out = run_rounds(copy.deepcopy(model), clients, local_update=step, **kw)
+    plain = run_rounds(copy.deepcopy(model), clients, **kw)
+    assert [len(r) for r in out.rounds] == [2, 2] and len(raw_steps) == 4
+    for r, c, seed, lr, u in raw_steps:
+        sent = out.rounds[r][c]
+        expected = u
+        for d in defenses:
+            expected = d.apply(expected, {"client_id": c, "seed": seed, "lr": lr})
+        assert torch.allclose(sent.flat(), expected.flat(), rtol=0, atol=1e-12)
+        assert not torch.allclose(sent.flat(), u.flat())  # the raw step never leaves the client
+        assert torch.allclose(sent.flat(), plain.rounds[r][c].flat(), rtol=0, atol=1e-12)  # as the plain path
+
+
+# ------------------------------------------------------------------------------------------- advise
+ADVISE_TEXT = {"experiment": "text", "seed": 0, "model": {"name": "minilm", "layers": 2},
+               "peft": {"kind": "adapters", "reduction_factor": 2}, "data": {"name": "rt-sentences", "batch_size": 2},
+               "fl": {"algorithm": "fedsgd", "rounds": 1}, "threat": {"preset": "honest-but-curious"}}
+LEAKS = {"attacks": [{"name": "utr", "level": "partial"}, {"name": "dlg", "level": "none"}]}
+
+
+def _stopping_probe(raw, out_dir, only, device, workers, utility_from):
+    return {"verdict": "no_leak_found", "accuracy": 0.5,
+            "attacks": {a: {"level": "none", "metric": "m", "value": 0.1, "null_p99": 0.5, "null_median": 0.4}
+                        for a in only}}
+
+
+@pytest.mark.parametrize("costs", [{"gaussian_noise": 0.30, "clipping": 0.05, "topk_pruning": 0.15},
+                                   {"gaussian_noise": 0.02, "clipping": 0.40, "topk_pruning": 0.10}])
+def test_recommendations_are_ranked_cheapest_first(tmp_path, monkeypatch, costs):
+    """Every candidate stops the leak; the ranking follows the measured accuracy cost (baseline − accuracy with the
+    defense) upwards, and the recommendation is the cheapest."""
+    from gradleak.run import advise as mod
+
+    monkeypatch.setattr(mod, "probe", _stopping_probe)
+
+    def utility(raw, attacks, rounds, device, norms):
+        names = [d["name"] for d in raw.get("defenses") or []]
+        acc = 0.8 - (costs[names[0]] if names else 0.0)
+        return {"accuracy": acc, "accuracy_start": 0.5, "accuracy_curve": [0.5, acc], "rounds": rounds}
+
+    monkeypatch.setattr(mod, "utility", utility)
+    adv = mod.advise(ADVISE_TEXT, tmp_path, LEAKS, candidates=list(costs), steps=1, log=lambda m: None)
+    by = {r["defense"]: r for r in adv["rows"]}
+    assert set(by) == set(costs) and all(by[d]["status"] == "stopped" for d in costs)
+    for d, c in costs.items():
+        assert by[d]["cost"] == pytest.approx(c)
+    ranked = [by[d]["cost"] for d in adv["ranking"]]
+    assert sorted(adv["ranking"]) == sorted(costs) and ranked == sorted(ranked)
+    assert adv["recommendation"]["defense"] == min(costs, key=costs.get)
+    assert adv["recommendation"]["cost"] == pytest.approx(min(costs.values()))
+
+
+def test_only_a_measured_none_or_the_gates_hidden_update_stops_an_attack():
+    from gradleak.run.advise import GATE_STOP, outcome, stopped
+
+    attacks = ["utr", "lamp"]
+
+    def row(**levels):
+        return {"attacks": {a: lv for a, lv in levels.items()}}
+
+    none = {"level": "none"}
+    assert outcome(row(utr=none, lamp=none), attacks) == "stopped" and stopped(row(utr=none, lamp=none), attacks)
+    gate = {"level": None, "reason": f"{GATE_STOP}: attack 'utr' requires that the server sees each client's update"}
+    assert stopped(row(utr=gate, lamp=none), attacks)
+    for bad in ({"level": "undefined"}, {"level": None, "reason": "model.name: not applicable"}, {"level": None}, {}):
+        r = row(utr=bad, lamp=none)
+        assert outcome(r, attacks) == "unmeasured" and not stopped(r, attacks), bad
+    assert outcome(row(utr=none), attacks) == "unmeasured"  # an attack missing from the probe
+    assert outcome({**row(utr=none, lamp=none), "error": "RuntimeError: boom"}, attacks) == "unmeasured"
+    assert not stopped({"error": "RuntimeError: boom"}, attacks)
+    assert outcome(row(utr={"level": "partial"}, lamp=none), attacks) == "leaks"
+
+
+@pytest.mark.parametrize("failure", ["raises", "undefined", "not_run"])
+def test_a_failed_or_unmeasured_probe_is_not_a_stop(tmp_path, monkeypatch, failure):
+    """The strong end stops the leak; every weaker probe fails (crashes, measures nothing, or is refused for a
+    reason other than a hidden update): the strength found stays the strong end, the one measured stop."""
+    from gradleak.run import advise as mod
+
+    strong = mod.CANDIDATE_BY_NAME["gaussian_noise"]["strong"]
+    calls = []
+
+    def probe(raw, out_dir, only, device, workers, utility_from):
+        std = next(d["params"]["std"] for d in raw.get("defenses") or [] if d["name"] == "gaussian_noise") \
+            if raw.get("defenses") else None
+        calls.append(std)
+        if std is None:  # the baseline: the attack leaks
+            return {"verdict": "leaks", "attacks": {a: {"level": "partial"} for a in only}}
+        if std == strong:
+            return _stopping_probe(raw, out_dir, only, device, workers, utility_from)
+        if failure == "raises":
+            raise RuntimeError("the probe crashed")
+        lv = {"level": "undefined"} if failure == "undefined" else {"level": None, "reason": "data.name: too few"}
+        return {"verdict": "undefined", "attacks": {a: lv for a in only}}
+
+    monkeypatch.setattr(mod, "probe", probe)
+    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms: {
+        "accuracy": 0.7, "accuracy_start": 0.5, "accuracy_curve": [0.5, 0.7], "rounds": rounds})
+    adv = mod.advise(ADVISE_TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=3, log=lambda m: None)
+    (row,) = adv["rows"]
+    assert len([c for c in calls if c is not None and c != strong]) >= 2  # the bisection did probe weaker strengths
+    assert row["status"] == "stopped" and row["strength"] == strong
+    assert row["interval"][1] == strong and row["interval"][0] < strong
+    assert adv["recommendation"]["strength"] == strong
+
+
+def test_a_failed_strong_end_recommends_nothing(tmp_path, monkeypatch):
+    from gradleak.run import advise as mod
+
+    def probe(raw, out_dir, only, device, workers, utility_from):
+        if not raw.get("defenses"):
+            return {"verdict": "leaks", "attacks": {a: {"level": "partial"} for a in only}}
+        raise RuntimeError("the probe crashed")
+
+    monkeypatch.setattr(mod, "probe", probe)
+    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms: {
+        "accuracy": 0.7, "accuracy_start": 0.5, "rounds": rounds})
+    adv = mod.advise(ADVISE_TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=2, log=lambda m: None)
+    (row,) = adv["rows"]
+    assert row["status"] == "failed" and "strength" not in row and adv["recommendation"] is None
+    assert adv["ranking"] == []
+
+
+# ------------------------------------------------------------------------------------------- audit
+AUDIT_TINY = {"experiment": "image", "seed": 0, "data": {"name": "cifar-samples", "batch_size": 2, "image_size": 16},
+              "model": {"name": "vit-tiny", "layers": 1}, "peft": {"kind": "adapters", "bottleneck": 8},
+              "metrics": {"feature_distance": False}, "threat": {"preset": "honest-but-curious"}}
+LEAKING_IMAGES = {"images_above_threshold": 2.0, "images_total": 2.0, "psnr_max": 40.0, "psnr_max_null_p99": 12.0,
+                  "ssim_max": 0.9, "ssim_max_null_p99": 0.3}
+NOTHING = {"images_above_threshold": 0.0, "images_total": 2.0, "psnr_max": 9.0, "psnr_max_null_p99": 12.0,
+           "ssim_max": 0.1, "ssim_max_null_p99": 0.3}
+
+
+def _fake_runs(monkeypatch, outcome_of):
+    """``run_config`` faked per attack: a metrics dict, or an exception to raise."""
+
+    def fake(cand, out, device=None):
+        what = outcome_of[cand["attack"]["name"]]
+        if isinstance(what, BaseException):
+            raise what
+        return {"metrics": dict(what), "artifacts": []}
+
+    monkeypatch.setattr("gradleak.run.runner.run_config", fake)
+
+
+def test_a_crashed_attack_is_undefined_never_none(tmp_path, monkeypatch):
+    """A crash measured nothing: its entry is ``undefined`` (with the error), it is listed as such, and an audit
+    whose every attack crashed is ``undefined`` -- never the green ``no_leak_found``."""
+    from gradleak.run.audit import run_audit
+
+    _fake_runs(monkeypatch, {"dlg": RuntimeError("out of memory"), "ig": RuntimeError("segfault")})
+    res = run_audit(AUDIT_TINY, tmp_path / "all", only=["dlg", "ig"], log=lambda m: None)
+    by = {a["name"]: a for a in res["attacks"]}
+    for name in ("dlg", "ig"):
+        assert by[name]["level"] == "undefined" and by[name]["success"] is False
+        assert "failed" in by[name] and "the run failed" in by[name]["reason"]
+    assert res["verdict"] == "undefined" and res["headline"].startswith("UNDEFINED")
+    assert sorted(u.split(":")[0] for u in res["undefined"]) == ["dlg", "ig"]
+    # one crashed, one measured nothing: no leak found, but the crashed one is still undefined and said so
+    _fake_runs(monkeypatch, {"dlg": RuntimeError("out of memory"), "ig": NOTHING})
+    res = run_audit(AUDIT_TINY, tmp_path / "one", only=["dlg", "ig"], log=lambda m: None)
+    by = {a["name"]: a for a in res["attacks"]}
+    assert by["ig"]["level"] == "none" and by["dlg"]["level"] == "undefined"
+    assert res["verdict"] == "no_leak_found"
+    assert [u.split(":")[0] for u in res["undefined"]] == ["dlg"]
+    assert "1 undefined" in res["headline"] and "dlg" in res["headline"].split("undefined")[-1]
+    assert "1 attack(s) measured" in res["headline"]
+
+
+def _banner_rgb(page: str) -> tuple[int, int, int]:
+    m = re.search(r"\.banner\{[^}]*background:#([0-9a-fA-F]{6})", page)
+    assert m, "no banner colour in the report"
+    h = m.group(1)
+    return int(h[0:2], 16), int(h[2:4], 16), int(h[4:6], 16)
+
+
+def test_the_banner_is_red_for_a_leak_and_green_only_when_no_leak_was_found(tmp_path, monkeypatch):
+    from gradleak.run.audit import run_audit
+
+    colours = {}
+    for case, outcome_of in {"leaks": {"dlg": NOTHING, "ig": LEAKING_IMAGES},
+                             "no_leak_found": {"dlg": NOTHING, "ig": NOTHING},
+                             "undefined": {"dlg": RuntimeError("x"), "ig": RuntimeError("y")}}.items():
+        _fake_runs(monkeypatch, outcome_of)
+        res = run_audit(AUDIT_TINY, tmp_path / case, only=["dlg", "ig"], log=lambda m: None)
+        assert res["verdict"] == case
+        colours[case] = _banner_rgb((tmp_path / case / "report.html").read_text())
+    r, g, b = colours["leaks"]
+    assert r > g and r > b, f"a leak's banner is not red: {colours['leaks']}"
+    r, g, b = colours["no_leak_found"]
+    assert g > r and g > b, f"no_leak_found's banner is not green: {colours['no_leak_found']}"
+    r, g, b = colours["undefined"]
+    assert not (g > r and g > b), "an audit that measured nothing is shown green"
+    assert len(set(colours.values())) == 3
+
+
+# ------------------------------------------------------------------------------------------- secure aggregation gate
+PEFTLEAK_SECURE = {"experiment": "image", "seed": 0,
+                   "data": {"name": "cifar-samples", "batch_size": 1, "image_size": 16},
+                   "model": {"name": "vit-tiny", "layers": 1}, "peft": {"kind": "adapters", "bottleneck": 8},
+                   "metrics": {"feature_distance": False}, "attack": {"name": "peftleak"},
+                   "threat": {"preset": "malicious", "public_data": True},
+                   "fl": {"secure_aggregation": True, "rounds": 1}}
+
+
+def _upd(seed: int, client: int):
+    from gradleak.fl.core import Update
+
+    g = torch.Generator().manual_seed(seed)
+    return Update({"w": torch.randn(4, 3, generator=g, dtype=torch.float64)}, 2, client)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_secure_aggregation_exposure_follows_the_client_count(n):
+    """The gate's resolution: over one client the sum is that client's update (exposed, and said why); over 2+
+    it hides every update; without a client count (dropped) it cannot know, and hides."""
+    from gradleak.fl.core import secure_aggregate
+    from gradleak.fl.threat import ThreatConfig, build_view
+
+    dropped = ThreatConfig().resolve(secure_aggregation=True)
+    assert dropped.individual_updates is False and dropped.exposure is None
+    tm = ThreatConfig().resolve(secure_aggregation=True, clients=n)
+    assert tm.individual_updates is (n == 1)
+    assert (tm.exposure is not None) is (n == 1)
+    ups = [_upd(10 * n + c, c) for c in range(n)]
+    view = build_view(model=torch.nn.Linear(1, 1), rounds=[ups], round_states=[{}], threat=tm,
+                      secure_sum=[secure_aggregate(ups, seed=1)], knowledge={}, always_public={})
+    individual = [any(torch.allclose(s.tensors["w"], u.tensors["w"]) for s in view.updates) for u in ups]
+    if n == 1:
+        assert individual == [True] and view.updates[0].client_id == 0  # the client's own update
+    else:
+        assert not any(individual) and len(view.updates) == 1 and view.updates[0].client_id == -1
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_the_client_count_of_the_gate_comes_from_the_config(n, monkeypatch):
+    """``fl.clients`` reaches the resolution: the config's threat model is exposed over one client only, and an
+    attack that needs individual updates (PEFTLeak) passes the gate over one client and is refused over 2+."""
+    from gradleak.fl.threat import ThreatConfig
+
+    asked = []
+    real = ThreatConfig.resolve
+
+    def spy(self, secure_aggregation=False, clients=None):
+        asked.append(clients)
+        return real(self, secure_aggregation, clients=clients)
+
+    monkeypatch.setattr(ThreatConfig, "resolve", spy)
+    raw = {**PEFTLEAK_SECURE, "fl": {**PEFTLEAK_SECURE["fl"], "clients": n}}
+    if n == 1:
+        cfg = _validate(raw)
+        tm = cfg.threat_model
+        assert tm.individual_updates is True and tm.exposure and "one client" in tm.exposure
+        assert any("one client" in line for line in tm.describe())
+    else:
+        with pytest.raises(BadInput) as err:
+            _validate(raw)
+        assert err.value.field == "threat.individual_updates"
+        cfg = _validate({**raw, "attack": {"name": "inverting_gradients", "steps": 1, "labels": "idlg"},
+                         "threat": {"preset": "honest-but-curious"}})
+        assert cfg.threat_model.individual_updates is False and cfg.threat_model.exposure is None
+    assert asked and set(asked) == {n}
