@@ -43,6 +43,13 @@ assets: | $(BIN)/python
 	      || echo "note: could not install Debian fortunes; the fortunes-topics dataset will be unavailable"; \
 	  else echo "note: run 'sudo apt-get install -y fortunes' for the fortunes-topics dataset"; fi; \
 	fi
+	@# headless Chromium: the tests check the HTML reports in a real browser (scripts/check_report_in_browser.py)
+	@if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null && ! command -v google-chrome >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) \
+	      || echo "note: could not install Debian chromium; the browser checks of the reports will be skipped"; \
+	  else echo "note: run 'sudo apt-get install -y chromium' for the browser checks of the reports"; fi; \
+	fi
 
 demo: $(STAMP)
 	$(BIN)/gradleak run configs/peftleak/cifar_b32.yaml --out runs/demo
@@ -68,7 +75,16 @@ MUTATION_DEFENSES := 'gradleak.defenses.update.xǁ*' 'gradleak.defenses.update.x
 MUTATION_EVALUATION := 'gradleak.evaluation.levels.*' 'gradleak.evaluation.images.x_grade*' \
 	'gradleak.evaluation.patches.x_grade*' 'gradleak.evaluation.text.x_grade*' 'gradleak.evaluation.membership.x_grade*' \
 	'gradleak.evaluation.leakage.x_grade*'
-MUTATION_TARGETS := $(MUTATION_THREAT) $(MUTATION_AGGREGATION) $(MUTATION_DEFENSES) $(MUTATION_EVALUATION)
+# The guarantees tests/test_guarantees_pinned.py pins (docs/MUTATION.md, "Deliberate breakages of the splits, ..."):
+# the nulls' pools and the prior of the data splits; the per-client victim rotation (inside run_experiment), the
+# advice's ranking (inside advise) and stopping rule, the audit's failure path (inside run_audit) and verdict banner.
+MUTATION_SPLITS := 'gradleak.data.splits.xǁImageDataǁnull_pool*' 'gradleak.data.splits.xǁImageDataǁclients*' \
+	'gradleak.data.splits.xǁImageDataǁprior_image*' 'gradleak.data.splits.xǁTextDataǁnull_pool*'
+MUTATION_RUN := 'gradleak.run.pipeline.x_run_experiment*' 'gradleak.run.advise.x_advise__mutmut*' \
+	'gradleak.run.advise.x_outcome*' 'gradleak.run.advise.x_stopped*' 'gradleak.run.audit.x_run_audit__mutmut*' \
+	'gradleak.run.audit.x_verdict_and_headline*' 'gradleak.run.audit_report.x_write_audit_report*'
+MUTATION_TARGETS := $(MUTATION_THREAT) $(MUTATION_AGGREGATION) $(MUTATION_DEFENSES) $(MUTATION_EVALUATION) \
+	$(MUTATION_SPLITS) $(MUTATION_RUN)
 
 mutation: $(STAMP)
 	rm -rf mutants

@@ -71,7 +71,8 @@ def advised_cell(name: str, seed: int, out_dir: Path) -> dict:
     rec = adv.get("recommendation")
     trip = None
     if rec:
-        t = run_audit(raw, out_dir / "roundtrip", [f"seed={seed}"] + list(rec["set"]), only=only,
+        # the round trip is a plain audit of every applicable attack (not only those the advice searched against)
+        t = run_audit(raw, out_dir / "roundtrip", [f"seed={seed}"] + list(rec["set"]), only=None,
                       log=lambda m: None, workers=1)
         trip = {"verdict": t["verdict"], "levels": {a["name"]: a.get("level") for a in t["attacks"] if a.get("level")}}
     return {"verdict": res["verdict"], "advice": adv, "roundtrip": trip}

@@ -1,5 +1,6 @@
 """Render a gradleak report.html in headless Chromium (Debian package ``chromium``) and check it in a real browser:
-every image decoded, the tables present, the verdict banner and "What to do next" shown (issues 12 and 29).
+every image decoded; an audit's report: the tables present, the verdict banner and "What to do next" shown; a run's
+report: the answer sentence first, before any figure or section.
 
     python scripts/check_report_in_browser.py DIR/report.html [--screenshot PNG] [--text-only]
 
@@ -41,6 +42,13 @@ def check(report: Path, images_required: bool = True, dom: str | None = None) ->
         problems.append(f"only {m.group(1)} of {m.group(2)} images decoded")
     elif m.group(2) == "0" and images_required:
         problems.append("no image in the report")
+    if "gradleak report</title>" in dom:  # a run's report (gradleak run): it opens with the answer sentence
+        answer = dom.find('id="answer"')
+        if answer < 0:
+            problems.append("no answer sentence")
+        elif answer > dom.find("<img") >= 0 or answer > dom.find("<h2>") >= 0:
+            problems.append("the answer sentence is not the first thing on the page")
+        return problems
     if 'id="verdict"' not in dom:
         problems.append("no verdict banner")
     if 'id="attacks"' not in dom:

@@ -135,7 +135,8 @@ AUDIT_TOP_SKIP = {"environment", "seconds", "command", "config_hash", "config"}
 # attack_to_fwdbwd_ratio; the optimisation attacks: *_to_fwdbwd_ratio): never equal twice, never compared
 IGNORE_DEFAULT = [r"(^|[._\]])[a-z_]*seconds$", r"_to_fwdbwd_ratio$", r"(^|\.)timings?(\.|$)", r"(^|\.)time_[a-z_]*$",
                   r"_time$"]
-PROSE = {"reason", "rule", "headline", "warnings", "note", "not_tested", "undefined", "setup", "threat", "levels"}
+PROSE = {"reason", "rule", "headline", "warnings", "note", "not_tested", "not_applicable", "undefined", "setup", "threat",
+         "levels"}
 
 
 # ----------------------------------------------------------------------------------------------------- running

@@ -139,7 +139,9 @@ def test_bisection_finds_the_weakest_stopping_strength_and_resumes_without_rerun
     lo, hi = row["interval"]
     assert lo < 0.05 <= hi == row["strength"]
     assert hi / lo == pytest.approx(10 ** (4 / 2 ** 4), rel=0.02)  # 4 halvings of the 4 decades on a log scale
-    assert row["bracket"] == [1e-3, 10.0] and row["levels"] == {"utr": "none"}
+    # every attack the audit measured is probed (dlg did not leak undefended, but a defense could make it the best)
+    assert row["bracket"] == [1e-3, 10.0] and row["levels"] == {"utr": "none", "dlg": "none"}
+    assert adv["tested_against"] == ["utr", "dlg"]
     assert adv["baseline"]["accuracy"] == 0.8 and row["cost"] == pytest.approx(hi)
     assert adv["recommendation"]["defense"] == "gaussian_noise" and adv["attacks"] == ["utr"]
     # a third call runs nothing
@@ -557,3 +559,21 @@ def test_an_undefended_run_that_diverges_is_said_to_be_the_baseline_of_every_cos
     adv = mod.advise(TEXT, tmp_path / "a", LEAKS, candidates=["gaussian_noise"], steps=1, log=lambda m: None)
     assert adv["baseline"]["diverged"]["round"] == 7
     assert "undefended model's own training diverged" in adv["cost_note"] and "round 7 at lr 0.5" in adv["cost_note"]
+
+
+def test_a_defense_that_leaves_another_attack_leaking_is_not_a_stop(tmp_path, monkeypatch, fake_utility):
+    """Advice is a claim about the strongest attacker: a probe where the attack that leaked undefended is stopped
+    but another measured attack (one at `none` undefended) now leaks does not stop the leak."""
+    from gradleak.run import advise as mod
+
+    def probe(raw, out_dir, only, device, workers, utility_from):
+        std = next((d["params"]["std"] for d in raw.get("defenses") or [] if d["name"] == "gaussian_noise"), 0.0)
+        levels = {"utr": "none" if std >= 0.05 else "partial", "dlg": "partial" if std > 0 else "none"}
+        return {"verdict": "leaks", "attacks": {a: {"level": levels[a], "metric": "m", "value": 1.0, "null_p99": 0.5,
+                                                     "null_median": 0.4} for a in only}}
+
+    monkeypatch.setattr(mod, "probe", probe)
+    adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=2, log=lambda m: None)
+    (row,) = adv["rows"]
+    assert row["status"] == "not_stopped" and row["levels"]["dlg"] == "partial"
+    assert adv["recommendation"] is None

@@ -1,19 +1,19 @@
 """Guarantees pinned against deliberate breakages that the rest of the suite let through (docs/MUTATION.md,
-"Deliberate breakages of the data splits, the victim rotation, the advice and the audit").
+"Deliberate breakages of the splits, the victim rotation, the advice and the audit").
 
 Each test states a property of the current code, not a recorded result:
 
-* the data splits (DESIGN §2, ``gradleak.data.splits``): the nulls' pool (chance reconstructions,
-  ``gradleak.evaluation.nulls``) holds no image or sentence any client holds, and the server's domain prior (the
-  "dataset mean image" of Hatamizadeh et al. 2022, §II-B) is the mean of held-out images only;
-* the pipeline's per-client attack (``metrics.attack_clients: all``): each client is attacked on its own upload;
-* the round engine (DESIGN §1): a training-time defense's local step still goes through every update defense;
-* the advice (``gradleak audit --advise``, module docstring of ``gradleak.run.advise``): cheapest first, and only a
-  measured ``none`` (or the gate's refusal for a hidden update) stops an attack;
-* the audit (module docstring of ``gradleak.run.audit``): a crashed attack is ``undefined``, never ``none``; the
-  report's banner is red for a leak and green only for ``no_leak_found``;
-* the threat gate (``gradleak.fl.threat``): secure aggregation over one client exposes that client's update, over
-  two or more it hides every update, and the client count is the config's ``fl.clients``.
+* the data splits (docs/DESIGN.md §2, docs/ARCHITECTURE.md ``data/``): the nulls' pool (chance reconstructions;
+  docs/DESIGN.md §6, every headline metric has a null) holds no image or sentence any client holds, and the server's
+  domain prior (the "dataset mean image" of Hatamizadeh et al. 2022, §II-B) is the mean of held-out images only;
+* the one runner (docs/DESIGN.md §1) under ``metrics.attack_clients: all``: each client is attacked on its own upload;
+* the round engine (docs/DESIGN.md §1): a training-time defense's local step still goes through every update defense;
+* the advice (``gradleak audit --advise``, the module docstring of ``gradleak.run.advise``): cheapest first, and only
+  a measured ``none`` (or the gate's refusal for a hidden update) stops an attack;
+* the audit (docs/DESIGN.md §6, the module docstring of ``gradleak.run.audit``): a crashed attack is ``undefined``,
+  never ``none``; the report's banner is red for a leak and green only for ``no_leak_found``;
+* the threat gate (docs/DESIGN.md §1, ``gradleak.fl.threat``): secure aggregation over one client exposes that
+  client's update, over two or more it hides every update, and the client count is the config's ``fl.clients``.
 """
 
 from __future__ import annotations
@@ -46,10 +46,15 @@ def _holds(pool: torch.Tensor, imgs: torch.Tensor) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------- data splits: images
-#: a leakage config with every image chunk in use (clients | validation | prior | test | nulls)
-LEAKAGE_CHUNKS = ["data.image_size=16", "data.prior_size=3", "data.validation_size=2", "data.test_size=3",
-                  "fl.client_images=[2,2,2]", "fl.client_batch_sizes=[2,2,2]", "model.num_channels=3",
-                  "model.pretrain=null"]
+#: a leakage setup (the BN-aware inversion reads the domain prior) with every image chunk in use, in the order
+#: clients | validation | prior | test | nulls (self-contained: mutmut runs the tests in a copy without configs/)
+LEAKAGE = {"experiment": "leakage", "seed": 0,
+           "data": {"name": "cifar-samples", "image_size": 16, "validation_size": 2, "prior_size": 3, "test_size": 3},
+           "model": {"name": "resnet18", "num_channels": 3, "num_classes": 10, "train_all": True},
+           "peft": {"kind": "none"}, "metrics": {"feature_distance": False},
+           "fl": {"algorithm": "fedavg", "rounds": 1, "lr": 0.01, "clients": 3, "client_images": [2, 2, 2],
+                  "client_batch_sizes": [2, 2, 2], "client_epochs": [1, 1, 1]},
+           "threat": {"preset": "honest-but-curious", "public_data": True}, "attack": {"name": "bn_inversion"}}
 #: two clients of 2 images and nothing else before the nulls' pool (no validation, prior or test chunk)
 TINY_IMAGES = {"experiment": "image", "seed": 0, "data": {"name": "cifar-samples", "batch_size": 2, "image_size": 16},
                "model": {"name": "vit-tiny", "layers": 1}, "peft": {"kind": "adapters", "bottleneck": 8},
@@ -58,13 +63,7 @@ TINY_IMAGES = {"experiment": "image", "seed": 0, "data": {"name": "cifar-samples
 
 
 def _leakage_cfg(name: str):
-    from pathlib import Path
-
-    from gradleak.config.loading import load_yaml
-
-    root = Path(__file__).resolve().parents[1]
-    return _validate(load_yaml(root / "configs" / "leakage" / "fmnist_resnet18.yaml"), [f"data.name={name}",
-                                                                                       *LEAKAGE_CHUNKS])
+    return _validate({**LEAKAGE, "data": {**LEAKAGE["data"], "name": name}})
 
 
 def _image_cases():
@@ -137,7 +136,8 @@ TEXT = {"experiment": "text", "seed": 0, "trials": 2, "model": {"name": "minilm"
 
 
 @pytest.mark.parametrize("seed", [0, 3])
-def test_text_null_pool_holds_no_sentence_of_any_client_in_any_trial(seed):
+def test_text_null_pool_holds_no_sentence_of_any_client_in_any_trial(seed, monkeypatch):
+    from gradleak.data import splits
     from gradleak.data.splits import TextData
     from gradleak.errors import MissingAsset
 
@@ -153,8 +153,11 @@ def test_text_null_pool_holds_no_sentence_of_any_client_in_any_trial(seed):
         pool, source = data.null_pool(0, k)
         assert not set(pool) & members, f"k={k}: the null pool holds a client's sentence"
         assert set(pool) <= everything and "no client holds" in source
-        assert len(pool) == min(len(everything - members), 256 if k is None else k)
+        assert len(pool) == min(len(everything - members), splits.NULL_POOL if k is None else k)
+    monkeypatch.setattr(splits, "NULL_POOL", 16)  # the default size is NULL_POOL (here fewer than the set spares)
+    assert len(data.null_pool(0)[0]) == 16 and not set(data.null_pool(0)[0]) & members
     assert data.null_pool(0, 16)[0] == data.null_pool(1, 16)[0]  # seeded (members of every trial excluded)
+    assert TextData(cfg).null_pool(0, 16)[0] == data.null_pool(0, 16)[0]
 
 
 # ------------------------------------------------------------------------------------------- pipeline: victims

@@ -121,7 +121,8 @@ def test_report_html_has_the_leakage_table_then_its_figures(tmp_path):
              "figure_rows": [[0, 1]], "tables": [], "notes": []}
     html = write_report(res, tmp_path, extra).read_text()
     section = html.split("<h2>Leakage per client and round</h2>")[1]
-    assert html.index("<h2>Metrics</h2>") < html.index("<h2>Leakage per client and round</h2>") < html.index("<h2>Figures</h2>")
+    # the answer first, then the reconstructions (the leakage table and its figures, then Figures), the metrics below
+    assert html.index("<h2>Leakage per client and round</h2>") < html.index("<h2>Figures</h2>") < html.index("<h2>Metrics</h2>")
     for word in ("local steps", "RDLV [low, high]", "matched cosine", "leaks beyond the prior", "within the prior",
                  "withheld (nothing sent)"):
         assert word in section, word

@@ -72,7 +72,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from pydantic import Field
@@ -94,6 +94,11 @@ class LoraSpanConfig(AttackConfig):
     system_tol: float = Field(1e-5, gt=0, lt=1, description="singular-value cut of the per-patch system (columns of unit "
                               "norm before the projection)")
     clip: bool = Field(True, description="clip the recovered pixels to [0, 1]")
+    rank_cut: Literal["gap", "noise_edge", "tokens"] = Field(
+        "gap", description="how the gradient's rank is cut: gap = the largest spectral gap (or rank_rtol; exact, "
+        "noise-free uploads); noise_edge = the singular values above the noise spectrum's edge sigma (sqrt(rows) + "
+        "sqrt(d)) (sigma from the declared defenses, else read off the spectrum); tokens = the B (N + 1) strongest "
+        "directions, the number of tokens a batch of B images has (truncated SVD: the best rank-B(N+1) denoising)")
     time_fwdbwd: bool = Field(True, description="time one forward+backward of the sent model for attack_to_fwdbwd_ratio")
 
 
@@ -156,9 +161,13 @@ class LoraSpan(AttackBase):
     @classmethod
     def audit_variants(cls, params, defenses):
         """The rank cut decides the attack under noise (measured: 16-bit quantisation, 14.3 dB at the spectral-gap
-        default, 56.8 dB at rank_rtol 1e-4): the audit also runs a ladder of fixed relative cuts."""
+        default, 56.8 dB at rank_rtol 1e-4): the audit also runs a ladder of fixed relative cuts, and under a
+        declared defense the two denoising cuts -- the noise spectrum's edge and the token count (truncated SVD)."""
         ladder = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2) if defenses else (1e-5, 1e-4)
-        return [{"rank_rtol": v} for v in ladder if params.get("rank_rtol") != v]
+        out = [{"rank_rtol": v} for v in ladder if params.get("rank_rtol") != v]
+        if defenses:
+            out += [{"rank_cut": c} for c in ("noise_edge", "tokens") if params.get("rank_cut") != c]
+        return out
     modality = "image"
     peft_kinds = ("lora",)
     reconstruction = "images"
@@ -187,12 +196,12 @@ class LoraSpan(AttackBase):
         self._override(fb, state)
         G = torch.cat([upd.tensors[k].detach().to(torch.float64).cpu() for k in keys])  # Σr × d
         _, S, Vh = torch.linalg.svd(G, full_matrices=True)
-        k = spectral_rank(S, self.min_gap, self.rank_rtol)
         d, n, P, C = fb["d"], fb["E"].shape[1], fb["patch"], fb["channels"]
         shape = view.public.get("image_shape")
         side = int(shape[-1]) if shape else int(round(math.sqrt(len(fb["pos"]) - 1))) * P
         grid = side // P
         N = grid * grid
+        k, noise_std = self._rank(view, G, S, N)
         if len(fb["pos"]) != N + 1:
             raise BadInput("model.patch_size", f"the model has {len(fb['pos']) - 1} patch positions but a "
                            f"{side}-px image at patch {P} has {N}.", "use the image size the model was built for.")
@@ -259,8 +268,11 @@ class LoraSpan(AttackBase):
             "gradient_rows": rows, "row_space_rank": k, "row_space_rank_max": min(rows, d),
             "tokens_expected": (batch * (N + 1)) if batch else None, "token_span_dim_max": n + N + 2,
             "spectrum_head": [float(v) for v in (S / S[0] if len(S) and S[0] > 0 else S)[max(0, k - 3):k + 3]],
-            "rank_cut": (f"rank_rtol {self.rank_rtol:g}" if self.rank_rtol is not None
-                         else f"largest spectral gap (>= {self.min_gap:g}x)"),
+            "rank_cut": ({"tokens": "the token count B (N + 1) (truncated SVD)",
+                          "noise_edge": f"the noise edge (per-coordinate std {noise_std:.3g})" if noise_std else
+                          "the noise edge"}.get(self.rank_cut) or
+                         (f"rank_rtol {self.rank_rtol:g}" if self.rank_rtol is not None
+                          else f"largest spectral gap (>= {self.min_gap:g}x)")),
             "unknowns_per_patch": unknowns, "sigma_unknown": use_sigma, "equations_per_patch": d - k,
             "system_rank": srank,
             "system_condition": float(s[0] / s[srank - 1]) if srank else float("inf"),
@@ -278,7 +290,34 @@ class LoraSpan(AttackBase):
                    "lora_span_patch_residual_max": float(res.max()),
                    "lora_span_sigma_relative_error_median": sigma_err,
                    "attack_seconds": t_attack, "attack_to_fwdbwd_ratio": info["timings"]["attack_to_fwdbwd_ratio"]}
+        # the leakage margin: the weakest of the B (N + 1) token directions over the noise edge the declared defenses
+        # imply, and the noise that would drown it (gradleak.attacks.common.subspace.spectral_margin)
+        from gradleak.attacks.common.subspace import spectral_margin
+        from gradleak.defenses.declared import as_declared
+
+        declared = view.public.get("declared_defenses") or as_declared(view.public.get("update_defenses") or [])
+        sigma = declared.noise_std(upd, individual=not view.secure_aggregation)
+        margin = spectral_margin([G], max(batch, 1) * (N + 1), sigma)
+        info["leakage_margin"] = {"layer": "block0_lora_A", **margin}
+        metrics.update({f"{k}_block0_lora_A": v for k, v in margin.items()})
         return Reconstruction({"images": imgs.to(torch.float32)}, info, metrics)
+
+    def _rank(self, view, G: torch.Tensor, S: torch.Tensor, N: int) -> tuple[int, Optional[float]]:
+        """The gradient's rank under ``rank_cut`` (config), and the noise std it assumed (None: exact)."""
+        if self.rank_cut == "tokens":
+            batch = int(view.public.get("batch_size") or 1)
+            return min(batch * (N + 1), len(S)), None
+        if self.rank_cut == "noise_edge":
+            from gradleak.attacks.common.subspace import estimate_noise_std
+            from gradleak.defenses.declared import as_declared
+
+            declared = view.public.get("declared_defenses") or as_declared(view.public.get("update_defenses") or [])
+            sigma = declared.noise_std(view.updates[0], individual=not view.secure_aggregation)
+            if not sigma:
+                sigma = estimate_noise_std([G])
+            edge = sigma * (G.shape[0] ** 0.5 + G.shape[1] ** 0.5)
+            return int((S > 1.05 * edge).sum()), float(sigma)
+        return spectral_rank(S, self.min_gap, self.rank_rtol), None
 
     @staticmethod
     def _override(fb, state):

@@ -267,7 +267,8 @@ class FlowerAudit:
             else:
                 worst = max(ran, key=leak_rank)
                 entry.update({k: worst[k] for k in ("success", "level", "rule", "evidence", "metric", "value",
-                                                    "null_median", "null_p99", "p_value", "criterion") if k in worst})
+                                                    "null_median", "null_p99", "p_value", "criterion",
+                                                    "decided_by") if k in worst})
                 entry["threat_words"] = server_words(threat)
                 entry["per_client_levels"] = [{"client": o["client"], "level": o.get("level"), "value": o.get("value")}
                                               for o in ran]

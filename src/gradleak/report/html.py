@@ -8,7 +8,14 @@ can rebuild the page) may hold:
 * ``figure_rows``: ``[[title or index, ...], ...]`` — figures shown side by side in one row (e.g. ground
   truth next to reconstruction); figures in no row get a row each, after the grouped ones;
 * ``tables``: ``[{"title", "columns": [key, ...], "rows": [dict, ...], "headers": [...] (optional)}]``;
-* ``notes``: ``[str, ...]`` — paragraphs shown under the title (e.g. which LPIPS/feature backbone was used).
+* ``notes``: ``[str, ...]`` — paragraphs shown under the figures (e.g. which LPIPS/feature backbone was used); the
+  notes on the threat model (``"threat model — ..."``) are folded under the metrics;
+* ``answer``: the sentence the page opens with (``{"text", "level", "rule", "server", "chance_words", "keys"}``,
+  built from the results by :func:`gradleak.run.answer.run_answer`; ``keys``: the metrics it is built from, the
+  first, open group of the metric table).
+
+The page leads with the answer, then the originals beside the reconstructions, then the metrics in folded groups
+(:func:`metric_groups`).
 
 The run's warnings (``results["details"]["warnings"]``, e.g. an attack on an under-determined setting) are shown in
 a box under the title (a ``Warnings`` table of ``extra`` is then not repeated).
@@ -45,20 +52,22 @@ th, td { border: 1px solid #ccc; padding: 4px 10px; text-align: left; } th { bac
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .row { display: flex; flex-wrap: wrap; gap: 1.5em; align-items: flex-start; margin-bottom: 1.5em; }
 figure { margin: 0; } figure img { image-rendering: pixelated; max-width: 100%; border: 1px solid #ddd; }
+.row figure { flex: 1 1 0; min-width: 0; } /* the originals beside their reconstructions, however wide the grids */
 figcaption { font-size: 13px; color: #555; max-width: 40em; } figcaption b { color: #222; }
 pre { background: #f7f7f7; padding: 1em; overflow-x: auto; font-size: 13px; }
 .missing { color: #a00; }
 .warning { background: #fff4e5; border-left: 4px solid #b36b00; padding: .2em 1em; margin: 1em 0; }
+.answer { font-size: 1.3em; font-weight: 600; margin: .8em 0 .3em; padding: .5em .8em; border-left: 6px solid #888; background: #f6f6f6; }
+.answer.exact, .answer.strong { border-color: #b00020; background: #fdecee; }
+.answer.partial { border-color: #b36b00; background: #fff4e5; } .answer.none { border-color: #2e7d32; background: #edf7ee; }
+.why { color: #555; font-size: 14px; margin-top: 0; }
+details { margin: .3em 0; } summary { cursor: pointer; font-weight: 600; padding: .2em 0; }
 </style></head><body>
 <h1>{{ title }}</h1>
 <p class="sub">{% if experiment %}experiment <code>{{ experiment }}</code> · {% endif %}report written {{ written }}</p>
+{% if answer %}<p class="answer {{ answer.level }}" id="answer">{{ answer.text }}</p>
+<p class="why">{% if answer.server %}Under {{ answer.server }}. {% endif %}Level rule: {{ answer.rule }}.{% if answer.chance_words %} Chance: {{ answer.chance_words }}.{% endif %}</p>{% endif %}
 {% if warnings %}<div class="warning" id="warnings">{% for w in warnings %}<p><b>Warning:</b> {{ w }}</p>{% endfor %}</div>{% endif %}
-{% for note in notes %}<p>{{ note }}</p>{% endfor %}
-
-<h2>Metrics</h2>
-{% if metrics %}<table><tr><th>metric</th><th>value</th></tr>
-{% for name, value in metrics %}<tr><td>{{ name }}</td><td class="num">{{ value }}</td></tr>{% endfor %}
-</table>{% else %}<p>No metrics were recorded.</p>{% endif %}
 
 {% if leakage %}<h2>{{ leakage.title }}</h2>
 <table><tr>{% for h in leakage.headers %}<th>{{ h }}</th>{% endfor %}</tr>
@@ -73,6 +82,16 @@ pre { background: #f7f7f7; padding: 1em; overflow-x: auto; font-size: 13px; }
 {% for f in row %}<figure>{% if f.src %}<img src="{{ f.src }}" alt="{{ f.title }}">{% else %}<p class="missing">image missing: {{ f.path }}</p>{% endif %}
 <figcaption><b>{{ f.title }}</b>{% if f.caption %}<br>{{ f.caption }}{% endif %}</figcaption></figure>
 {% endfor %}</div>{% endfor %}{% endif %}
+{% for note in notes %}<p>{{ note }}</p>{% endfor %}
+
+<h2>Metrics</h2>
+{% for g in metric_groups %}<details{% if g.open %} open{% endif %}><summary>{{ g.title }} ({{ g.rows|length }})</summary>
+<table><tr><th>metric</th><th>value</th></tr>
+{% for name, value in g.rows %}<tr><td>{{ name }}</td><td class="num">{{ value }}</td></tr>{% endfor %}
+</table></details>
+{% else %}<p>No metrics were recorded.</p>{% endfor %}
+{% if threat %}<details id="threat"><summary>Threat model ({{ threat|length }} lines)</summary><ul>
+{% for line in threat %}<li>{{ line }}</li>{% endfor %}</ul></details>{% endif %}
 
 {% for t in tables %}<h2>{{ t.title }}</h2>
 <table><tr>{% for h in t.headers %}<th>{{ h }}</th>{% endfor %}</tr>
@@ -91,6 +110,12 @@ pre { background: #f7f7f7; padding: 1em; overflow-x: auto; font-size: 13px; }
 
 <h2>Config</h2>
 <pre>{{ config }}</pre>
+<script>/* a real browser marks how many images decoded (scripts/check_report_in_browser.py reads it) */
+window.addEventListener("load", function () {
+  var imgs = Array.from(document.images), ok = imgs.filter(function (i) { return i.complete && i.naturalWidth > 0; });
+  document.body.setAttribute("data-images", ok.length + "/" + imgs.length);
+  document.body.setAttribute("data-tables", String(document.querySelectorAll("table").length));
+});</script>
 </body></html>
 """
 
@@ -219,6 +244,29 @@ def write_atomic(path: Path, text: str) -> None:
             os.unlink(tmp)
 
 
+#: the pipeline's notes on the threat model (one per line of ``ThreatModel.describe``): folded under the metrics
+THREAT_NOTE = "threat model — "
+#: a null beside a metric (``<m>_null_median``, ``<m>_null_p99``, ``<m>_p_value``) or a trivial reference's score
+#: (the mean public, grey and flat images; the word bag in random order): chance, not the attack
+CHANCE = re.compile(r"_(null_median|null_p99|p_value)(_|$)|_(mean_public|grey|flat|bag_order)(_client\d+)?$")
+PER_CLIENT = re.compile(r"_client\d+(_round\d+)?$")
+
+
+def metric_groups(metrics: dict, answer_keys: list[str] | tuple = ()) -> list[dict]:
+    """The metric table in folded groups: the numbers the answer sentence is built from (open; ``answer_keys``), the
+    scores and the attack's own numbers, chance (nulls and trivial references), and the per-client (and per-round)
+    metrics; empty groups are left out. Each group: ``{"title", "open", "rows": [(key, text)]}``."""
+    rows = _flatten(metrics)
+    head = set(answer_keys)
+    groups = [("The answer's numbers: the headline and its null", True, [r for r in rows if r[0] in head]),
+              ("Scores and the attack's own numbers", False,
+               [r for r in rows if r[0] not in head and not CHANCE.search(r[0]) and not PER_CLIENT.search(r[0])]),
+              ("Chance: nulls and trivial references", False,
+               [r for r in rows if r[0] not in head and CHANCE.search(r[0]) and not PER_CLIENT.search(r[0])]),
+              ("Per client and round", False, [r for r in rows if r[0] not in head and PER_CLIENT.search(r[0])])]
+    return [{"title": t, "open": o, "rows": [(k, _text(v)) for k, v in g]} for t, o, g in groups if g]
+
+
 def render_html(results: dict, out_dir: Path, extra: dict | None = None) -> str:
     """The report page as a string (figures embedded); see :func:`write_report`."""
     import jinja2
@@ -232,13 +280,22 @@ def render_html(results: dict, out_dir: Path, extra: dict | None = None) -> str:
     # the run's warnings (e.g. lora_span on an under-determined setting) open the page, not a table at its end
     warnings = list(dict.fromkeys(str(w) for w in ((results.get("details") or {}).get("warnings") or [])))
     tables = [t for t in _tables(extra) if not (t["title"] == "Warnings" and warnings)]
+    answer = extra.get("answer") if isinstance(extra.get("answer"), dict) and extra["answer"].get("text") else None
+    if answer is not None:
+        answer = {"text": str(answer["text"]), "level": str(answer.get("level") or ""),
+                  "rule": str(answer.get("rule") or ""), "server": str(answer.get("server") or ""),
+                  "chance_words": str(answer.get("chance_words") or "")}
+    notes = [str(n) for n in extra.get("notes") or []]
+    threat = [n[len(THREAT_NOTE):] for n in notes if n.startswith(THREAT_NOTE)]
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     return env.from_string(TEMPLATE).render(
         title=results.get("name") or "gradleak run",
         experiment=results.get("experiment"),
         written=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        notes=[str(n) for n in extra.get("notes") or []],
-        metrics=[(k, _text(v)) for k, v in _flatten(results.get("metrics") or {})],
+        answer=answer,
+        notes=[n for n in notes if not n.startswith(THREAT_NOTE)],
+        threat=threat,
+        metric_groups=metric_groups(results.get("metrics") or {}, (extra.get("answer") or {}).get("keys") or []),
         timings=[(k, _text(v)) for k, v in _flatten(results.get("timings") or {})],
         environment=[(k, _text(v)) for k, v in _flatten(results.get("environment") or {})],
         artifacts=[str(a) for a in results.get("artifacts") or []],

@@ -5,10 +5,12 @@ For the attacks the audit graded ``partial`` or more, each candidate defense thi
 (:data:`CANDIDATES`) is searched over a bracket ``[weak, strong]`` of one parameter: first the strong end (if even
 that leaves an attack above its null: "not stopped within the bracket"), then ``steps`` bisections on a log scale
 (on ``1 - x`` for a pruned fraction, whole numbers for bits, clients and ranks). Each probe is an audit
-(:func:`gradleak.run.audit.run_audit` with ``only=`` the leaking attacks and the defense added to the config's own),
-so the attacks re-run at full strength against it (their variants derived from the declared defense). A probe
-*stops* the leak when every leaking attack is back at level ``none`` (or refused by the threat gate: the server no
-longer sees what the attack reads, e.g. an individual update under secure aggregation). The search assumes the
+(:func:`gradleak.run.audit.run_audit` with ``only=`` every attack the audit measured -- not only the leaking ones:
+a defense can leave a lossy attack as the strongest -- and the defense added to the config's own), so the attacks
+re-run at full strength against it (their variants derived from the declared defense,
+:mod:`gradleak.defenses.declared`). A probe *stops* the leak when every tested attack is at level ``none`` (or
+refused by the threat gate: the server no longer sees what the attack reads, e.g. an individual update under secure
+aggregation); ``advice["tested_against"]`` names them. The search assumes the
 leak falls monotonically with the strength; the strength reported is the weakest probed one that stops, the
 threshold lying between it and the strongest probed one that did not.
 
@@ -258,6 +260,9 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     check_executor(executor)
     t0 = clock()
     leaking = [e["name"] for e in audit_result["attacks"] if e.get("level") in LEAKING]
+    # the probes run every attack the audit measured, not only those that leaked undefended: a defense can leave a
+    # lossy attack as the best one, and a recommendation is a claim about the strongest attacker
+    tested = [e["name"] for e in audit_result["attacks"] if e.get("level") in LEAKING + ("none",)]
     base = copy.deepcopy(raw)
     section = dict(base.get("audit") or {})
     for k in ("advise", "budget", "utility_rounds"):
@@ -266,7 +271,8 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         base["audit"] = section
     else:
         base.pop("audit", None)
-    advice: dict[str, Any] = {"attacks": leaking, "delta": DELTA, "steps": steps, "budget_seconds": budget_seconds,
+    advice: dict[str, Any] = {"attacks": leaking, "tested_against": tested, "delta": DELTA, "steps": steps,
+                              "budget_seconds": budget_seconds,
                               "rows": [], "recommendation": None, "unfinished": [], "probes": {}, "utility": {},
                               "utility_rounds": utility_rounds, "executor": executor}
     if not leaking:
@@ -287,7 +293,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     kinds = {ATTACKS.get(a).reconstruction for a in leaking}
     out = Path(out_dir) / "advise"
     out.mkdir(parents=True, exist_ok=True)
-    jsonl = out / f"advise-{config_hash({'config': base, 'only': leaking})}.jsonl"
+    jsonl = out / f"advise-{config_hash({'config': base, 'only': tested})}.jsonl"
     advice["jsonl"] = str(jsonl.relative_to(Path(out_dir)))
     ran: list[str] = []
 
@@ -303,7 +309,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             key = f"{cid}#{config_hash(cfg_raw)[:8]}"
             d = out / cell_dir_name(cid)
             args = ((cfg_raw, utility_from or leaking, utility_rounds, device, cid == "utility:baseline")
-                    if is_utility else (cfg_raw, str(d), leaking, device, 1 if executor != "inline" else workers,
+                    if is_utility else (cfg_raw, str(d), tested, device, 1 if executor != "inline" else workers,
                                         utility_from))
             cells.append(Cell(key, _utility_job if is_utility else _probe_job, args, info=(cid, d)))
             names[key] = cid
@@ -317,8 +323,8 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         def describe(r):
             if r["cell"].startswith("utility:"):
                 return f"accuracy {fmt(r.get('accuracy'))} after {r.get('rounds')} round(s)"
-            return "stops the leak" if stopped(r, leaking) else "leaks: " + ", ".join(
-                f"{a} {lv}" for a, lv in _levels(r, leaking).items())
+            return "stops the leak" if stopped(r, tested) else "leaks: " + ", ".join(
+                f"{a} {lv}" for a, lv in _levels(r, tested).items())
 
         latest = run_cells(cells, jsonl, row, label="advise", log=quiet, describe=describe,
                            executor=executor if len(cells) > 1 else "inline", workers=workers)
@@ -334,7 +340,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         return budget_seconds is not None and clock() - t0 >= budget_seconds
 
     baseline, base_utility = run_batch([("baseline", base, False), ("utility:baseline", base, True)])
-    advice["baseline"] = {"accuracy": base_utility.get("accuracy"), "levels": _levels(baseline, leaking),
+    advice["baseline"] = {"accuracy": base_utility.get("accuracy"), "levels": _levels(baseline, tested),
                           **{k: base_utility.get(k) for k in ("accuracy_start", "accuracy_curve", "error", "diverged")
                              if k in base_utility}}
     specs = [fitted_clip(s, base_utility) for s in CANDIDATES if (candidates is None or key(s) in candidates)
@@ -367,12 +373,12 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         if "error" in r:
             row.update({"status": "failed", "note": r["error"]})
             continue
-        if outcome(r, leaking) == "unmeasured":
-            row.update({"status": "not_measured", "levels": _levels(r, leaking),
+        if outcome(r, tested) == "unmeasured":
+            row.update({"status": "not_measured", "levels": _levels(r, tested),
                         "note": f"not measured at the strong end {fmt(spec['strong'])}: an attack did not run there"})
             continue
-        if not stopped(r, leaking):
-            row.update({"status": "not_stopped", "levels": _levels(r, leaking),
+        if not stopped(r, tested):
+            row.update({"status": "not_stopped", "levels": _levels(r, tested),
                         "note": f"not stopped within [{fmt(weak)}, {fmt(spec['strong'])}]"})
             continue
         good, bad, found = spec["strong"], weak, r
@@ -387,7 +393,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             cid = f"{key(spec)}:{spec['param']}={fmt(m)}"
             rm = run_probe(cid, defended_config(base, spec, m))
             row["probes"].append([m, cid])
-            if stopped(rm, leaking):  # a failed or unmeasured probe is not evidence of a stop
+            if stopped(rm, tested):  # a failed or unmeasured probe is not evidence of a stop
                 good, found = m, rm
             else:
                 bad = m
@@ -397,12 +403,12 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             cid = f"{key(spec)}:{spec['param']}={fmt(weak)}"
             rw = run_probe(cid, defended_config(base, spec, weak))
             row["probes"].append([weak, cid])
-            if "error" not in rw and stopped(rw, leaking):
+            if "error" not in rw and stopped(rw, tested):
                 good, found = weak, rw
                 row["note"] = (f"stops already at the bracket's weak end {fmt(weak)}: a weaker strength may stop it "
                                "too (not searched)")
         row.update({"status": status, "strength": good, "interval": [bad if bad != good else None, good],
-                    "levels": _levels(found, leaking), "set": set_strings(base, spec, good),
+                    "levels": _levels(found, tested), "set": set_strings(base, spec, good),
                     "config": {k: v for k, v in defended_config(base, spec, good).items()
                                if k in ("defenses", "defense", "fl", "threat")}})
         if status == "unfinished":
@@ -452,7 +458,8 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                                     "accuracy": best.get("accuracy"), "epsilon": best.get("epsilon")}
         advice["sentence"] = (
             f"Recommended: {best['defense']} with {best['parameter']} = {fmt(best['strength'])} ({best['what']}): "
-            f"the weakest strength probed that brings {', '.join(leaking)} back to its null, at an accuracy cost of "
+            f"the weakest strength probed that brings {', '.join(leaking)} back to its null (tested against every attack "
+            f"the audit measured: {', '.join(tested)}), at an accuracy cost of "
             + (f"{cost * 100:+.1f} points ({fmt(advice['baseline']['accuracy'])} -> {fmt(best.get('accuracy'))}"
                + (f"; within twice the test set's sampling error of {best['cost_se'] * 100:.1f} points: not "
                   "distinguishable from no cost" if abs(cost) < 2 * best.get("cost_se", 0) else "") + ")"

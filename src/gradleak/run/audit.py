@@ -25,6 +25,13 @@ tolerances, lora_span's rank cut) and keeps the most leaking run.
 Verdict: ``leaks`` when an attack reaches ``partial`` or more under the configured threat;
 ``leaks_stronger_server`` when only an upgraded server's does; ``no_leak_found`` otherwise (evidence, not proof).
 An attack that crashed or measured nothing is ``undefined`` and listed as such, never counted as "ran".
+
+What the report says is what decided (docs/ARCHITECTURE.md, "gradleak audit"): each entry's ``decided_by`` is the
+metric whose test gave the level, with its own null and p-value, and the banner shows it; under secure aggregation
+over N > 1 clients the evidence is credited to "the sum of N clients"; a warning stays with the run and client it
+came from (``run_warnings``), the evidence shows only its own; ``--only`` checks the attacks it leaves out with the
+gate (validation only): ``not_tested`` and the banner name those that apply here, ``not_applicable`` those that
+never could.
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ from typing import Any, Callable
 
 from gradleak.errors import BadInput
 from gradleak.evaluation.levels import leak_rank
-from gradleak.run.audit_report import fmt_value, write_audit_report
+from gradleak.run.answer import client_metric_sets, server_words  # noqa: F401 -- the audit's API too (one home)
+from gradleak.run.audit_report import write_audit_report
 
 #: threat flags a dishonest server can grant itself (the upgrade the audit tries); other flags are deployment facts
 TPR_THRESHOLD = 0.1
@@ -271,24 +279,6 @@ def headline_metric(kind: str) -> str | None:
     from gradleak.evaluation import EVALUATORS
 
     return EVALUATORS.get(kind).headline if kind in EVALUATORS else None
-
-
-def client_metric_sets(kind: str, metrics: dict, per_client: list[dict] | None = None) -> list[tuple[Any, dict]]:
-    """``[(client, metrics)]`` of one run: the per-client results of ``metrics.attack_clients: all`` (else the run's
-    metrics, client 0); for the leakage kind every client's ``*_client<c>`` metrics (last attacked round)."""
-    if kind == "leakage":
-        import re
-
-        out: dict[int, dict] = {}
-        for k, v in metrics.items():
-            mt = re.fullmatch(r"(.+)_client(\d+)", k)
-            if mt:
-                out.setdefault(int(mt.group(2)), {})[mt.group(1)] = v
-        return sorted(out.items()) or [(0, dict(metrics))]
-    if per_client:
-        return [(p.get("client", 0) if p.get("trial", 0) in (0, None) else f"{p.get('client', 0)}@trial{p['trial']}",
-                 p["metrics"]) for p in per_client]
-    return [(0, dict(metrics))]
 
 
 def judge(kind: str, metrics: dict, cfg) -> dict:
@@ -711,19 +701,6 @@ LEVEL_RULES = {
     "leakage": "exact: a reconstruction at PSNR >= the threshold / strong: SSIM beyond the null and >= 0.5 / "
                "partial: RDLV beyond the null (rdlv_excess > 0)",
 }
-
-
-def server_words(tm) -> str:
-    """The server an attack ran under, named for what it is."""
-    if tm.malicious:
-        who = "a malicious server (sets the weights it sends)"
-    elif tm.prescribes_architecture:
-        who = "a server that prescribes the trainable architecture"
-    else:
-        who = "an honest-but-curious server"
-    if tm.public_data:
-        who += " holding public data"
-    return who
 
 
 

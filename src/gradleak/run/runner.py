@@ -170,8 +170,10 @@ def run_config(raw: dict, out_dir: str | Path, overrides: list[str] | None = Non
     }
     write_json_atomic(out / "results.json", results)
     from gradleak.report import write_report
+    from gradleak.run.answer import run_answer
 
-    write_report(results, out, res.get("report", {}))
+    # the page opens with the answer: one sentence built from these results (gradleak.run.answer)
+    write_report(results, out, {**res.get("report", {}), "answer": run_answer(results)})
     protect_private_artifacts(out)
     return results
 

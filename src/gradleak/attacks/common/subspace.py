@@ -157,108 +157,63 @@ def spectral_margin(grads: list[torch.Tensor], rank: int, noise_std: float | Non
             "signal_rank": float(k)}
 
 
-def support_mask(grads: list[torch.Tensor]) -> torch.Tensor | None:
+def support_mask(grads: list[torch.Tensor], min_fraction: float = 0.01) -> torch.Tensor | None:
     """The retained support of a pruned upload (True where a coordinate was kept), stacked as :func:`stack_rows`;
-    None when nothing was pruned (every coordinate nonzero)."""
+    None when the upload was not pruned: fewer than ``min_fraction`` of the entries of its nonzero rows are exactly
+    zero (a gradient row is a sum of dense inputs, so it has no exact zeros; whole zero rows -- a neuron that did not
+    fire -- are not pruning)."""
     rows = stack_rows(grads)
     mask = rows != 0
-    return None if bool(mask.all()) else mask
-
-
-def masked_membership(rows: torch.Tensor, mask: torch.Tensor, candidates: torch.Tensor, rank: int,
-                      min_kept: int | None = None) -> torch.Tensor:
-    """Sparsity-aware membership of candidate input vectors in the row space of a top-k pruned gradient.
-
-    Each gradient row is g_j = sum_t a_jt x_t; pruning keeps g_j only on its support S_j (known to the server: the
-    nonzeros). Restricted to S_j the identity still holds: g_j|S_j = sum_t a_jt x_t|S_j. So for a candidate x the
-    test is whether it explains the kept rows jointly with the other members: we recover the row space from the
-    *rows with enough kept coordinates*, completing each such row on its unseen coordinates by alternating
-    projection onto the rank-``rank`` row space (masked low-rank completion, a few iterations of hard impute), and
-    score every candidate by its relative residual to that space. Rows with fewer than ``min_kept`` kept coordinates
-    (default 2 x rank) carry too little to complete and are dropped. Returns the residuals (one per candidate);
-    the caller thresholds them against a null of non-member candidates."""
-    rows = rows.to(torch.float64)
-    mask = mask.to(torch.bool)
-    need = int(min_kept if min_kept is not None else 2 * max(rank, 1))
-    keep = mask.sum(1) >= need
-    if int(keep.sum()) == 0:
-        return torch.full((len(candidates),), float("nan"), dtype=torch.float64)
-    R, Mk = rows[keep], mask[keep]
-    X = R.clone()
-    k = max(1, min(int(rank), min(X.shape)))
-    for _ in range(30):  # hard impute: project on rank k, keep the observed entries, fill the rest
-        U, S, Vh = torch.linalg.svd(X, full_matrices=False)
-        low = (U[:, :k] * S[:k]) @ Vh[:k]
-        X_new = torch.where(Mk, R, low)
-        if float((X_new - X).norm()) <= 1e-10 * float(X.norm().clamp_min(1e-300)):
-            X = X_new
-            break
-        X = X_new
-    _, _, Vh = torch.linalg.svd(X, full_matrices=False)
-    basis = Vh[:k].T
-    c = candidates.to(torch.float64)
-    perp = c - (c @ basis) @ basis.T
-    return perp.norm(dim=-1) / c.norm(dim=-1).clamp_min(1e-300)
-
-
-def _hard_impute(R: torch.Tensor, M: torch.Tensor, k: int, iters: int = 60) -> torch.Tensor:
-    """Rank-k completion of R observed on mask M (hard impute: project on rank k, restore the observed entries)."""
-    X = torch.where(M, R, torch.zeros_like(R))
-    for _ in range(iters):
-        U, S, Vh = torch.linalg.svd(X, full_matrices=False)
-        low = (U[:, :k] * S[:k]) @ Vh[:k]
-        X_new = torch.where(M, R, low)
-        if float((X_new - X).norm()) <= 1e-9 * float(X.norm().clamp_min(1e-300)):
-            return X_new
-        X = X_new
-    return X
-
-
-def complete_pruned(grads: list[torch.Tensor], max_rank: int | None = None, seed: int = 0,
-                    ranks: list[int] | None = None) -> tuple[list[torch.Tensor], float, dict] | None:
-    """Sparsity-aware reading of a top-k pruned upload: the server knows which coordinates were kept (the nonzeros).
-
-    Each gradient row is a combination of the batch's inputs, so the stacked rows are low rank; pruning observes
-    them on a known support. We complete the matrix on the rows that kept at least 4 coordinates (a row with fewer
-    carries almost nothing of the row space) by hard impute, choosing the rank by held-out error: 10 % of the kept
-    entries are hidden, each candidate rank completes the rest, and the rank whose completion predicts the hidden
-    entries best wins (then the completion is redone on every kept entry). The held-out error per entry is returned as
-    the completion's noise std, so the membership tests downstream run in noise mode with tolerances from it.
-
-    Returns ``(completed grads (one stacked matrix), noise std, info)``, or None when nothing was pruned (no row is
-    partially zero)."""
-    rows = stack_rows(grads)
-    mask = rows != 0
-    partial = mask.any(1) & ~mask.all(1)
-    if not bool(partial.any()):
+    live = mask.any(1)
+    if not bool(live.any()):
         return None
-    keep = mask.sum(1) >= 4
-    info: dict = {"sparsity_kept_fraction": float(mask.double().mean()), "sparsity_rows_used": int(keep.sum()),
-                  "sparsity_rows": int(rows.shape[0])}
-    if int(keep.sum()) < 2:
-        info["sparsity_completion"] = "too few kept coordinates: the word bag's matrix was pruned away"
-        return [rows[:0]], float("nan"), info
-    R, Mk = rows[keep], mask[keep]
-    m, n = R.shape
-    cap = min(m, n) - 1 if max_rank is None else min(max_rank, min(m, n) - 1)
-    obs = Mk.nonzero()
-    g = torch.Generator().manual_seed(seed)
-    hide = obs[torch.randperm(len(obs), generator=g)[: max(1, len(obs) // 10)]]
-    train = Mk.clone()
-    train[hide[:, 0], hide[:, 1]] = False
-    truth = R[hide[:, 0], hide[:, 1]]
-    cands = ranks or sorted({k for k in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if k <= cap} | {cap})
-    errs = {}
-    for k in cands:
-        if int(train.sum()) <= k * (m + n - k):  # more unknowns than observations: not identifiable at this rank
-            break
-        X = _hard_impute(R, train, k)
-        errs[k] = float(((X[hide[:, 0], hide[:, 1]] - truth) ** 2).mean().sqrt())
-    if not errs:
-        info["sparsity_completion"] = "not identifiable: fewer kept coordinates than a rank-1 completion needs"
-        return [rows[:0]], float("nan"), info
-    k = min(errs, key=errs.get)
-    X = _hard_impute(R, Mk, k)
-    info.update({"sparsity_completion": "ok", "sparsity_completion_rank": k,
-                 "sparsity_heldout_rmse": errs[k], "sparsity_heldout_rel": errs[k] / float(truth.abs().mean() + 1e-300)})
-    return [X], errs[k], info
+    zeros = float((~mask[live]).double().mean())
+    return mask if zeros >= min_fraction else None
+
+
+def pruned_membership(grads: list[torch.Tensor], residuals, exclude: list[int] | None = None,
+                      z: float = 6.0) -> tuple[list[int], Subspace, dict]:
+    """Sparsity-aware membership for a top-k pruned upload (the server knows the support: the nonzeros).
+
+    Pruning keeps the largest entries, so the zero-filled upload is the true gradient plus an error whose entries are
+    bounded by the smallest kept magnitude; its top singular directions still align with the signal's (measured on
+    MiniLM's embedding-adapter gradient, docs/REPRODUCTION.md). The error is neither i.i.d. nor known, so the rank
+    is cut at the noise edge of a Gavish-Donoho estimate of its level (:func:`estimate_noise_std`), and the tolerance
+    is not Wedin's: a member's residual is inflated by the directions' angle error, a non-member's sits near
+    sqrt(1 - rank / n). Every candidate is scored (``residuals(sub)``: one residual per vocabulary entry) and the
+    members are the lower outliers of that distribution -- below its median by more than ``z`` robust standard
+    deviations (1.4826 x MAD) -- at most ``rank`` of them (one signal direction per member). The vocabulary is the
+    null: a threshold that chance would cross once in ~10^9 draws of the bulk.
+
+    Returns ``(tokens, subspace, info)``; info holds the kept fraction, the noise estimate, the threshold and the
+    residuals (for the diagnostics)."""
+    rows = stack_rows(grads)
+    mask = rows != 0
+    info: dict = {"sparsity_kept_fraction": float(mask.double().mean()), "sparsity_aware": True}
+    rows = rows[mask.any(1)]
+    n = rows.shape[-1]
+    if rows.shape[0] < 2 or int(mask.sum()) < 2:
+        info.update({"sparsity_noise_std": None, "sparsity_threshold": 0.0, "residuals": None,
+                     "sparsity_reading": "information absent: the pruning removed this matrix (fewer than 2 kept rows)"})
+        return [], Subspace(torch.zeros(n, 0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64), 0,
+                            rows.shape[0], n), info
+    sigma = estimate_noise_std([rows])
+    sub = noisy_subspace([rows], sigma)
+    info["sparsity_noise_std"] = sigma
+    if sub.rank == 0:
+        info.update({"sparsity_threshold": 0.0, "residuals": None,
+                     "sparsity_reading": "information absent: no direction above the pruning error's edge"})
+        return [], sub, info
+    res = residuals(sub).to(torch.float64)
+    ok = torch.isfinite(res)
+    for v in exclude or []:
+        if v is not None and 0 <= int(v) < len(ok):
+            ok[int(v)] = False
+    med = res[ok].median()
+    mad = (res[ok] - med).abs().median().clamp_min(1e-12)
+    thr = float(med - z * 1.4826 * mad)
+    cand = (ok & (res < thr)).nonzero().flatten()
+    cand = cand[res[cand].argsort()][: sub.rank]
+    info.update({"sparsity_threshold": thr, "residuals": res, "sparsity_rank": sub.rank,
+                 "sparsity_null_median": float(med), "sparsity_reading": "ok"})
+    return sorted(int(v) for v in cand), sub, info

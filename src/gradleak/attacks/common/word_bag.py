@@ -29,7 +29,7 @@ import torch
 from gradleak.attacks.common.bert_pairs import (bert_augmented_bag, bert_pair_decompose, bert_pair_exact,
                                                 bert_pair_residuals)
 from gradleak.attacks.common.pair_signals import refine_pairs
-from gradleak.attacks.common.subspace import complete_pruned, subspace_from_gradients
+from gradleak.attacks.common.subspace import pruned_membership, subspace_from_gradients, support_mask
 from gradleak.attacks.common.text import SpanTestConfig, collect_grads, is_causal
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
@@ -84,26 +84,15 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
     t0 = time.perf_counter()
     grads = collect_grads(view, adapter_param("embedding"), all_rounds=all_rounds)
     sigma = noise_std(grads) if noise_std is not None else None
-    # top-k pruning: the kept support is known (the nonzeros); complete the low-rank matrix on it and test in noise
-    # mode with the completion's held-out error as the noise (gradleak.attacks.common.subspace.complete_pruned)
-    sparse_info: dict[str, Any] = {}
-    first_round = None
-    if extended and getattr(cfg, "sparsity_aware", True):
-        done = complete_pruned(grads)
-        if done is not None:
-            grads, sp_std, sparse_info = done
-            if grads[0].shape[0] == 0 or sp_std != sp_std:  # nothing to complete: information absent
-                return {"tokens": [], "pairs": {}, "subspace": subspace_from_gradients(
-                            [torch.zeros(1, grads[0].shape[-1], dtype=torch.float64)], cfg.rank_rtol),
-                        "seconds": time.perf_counter() - t0, "min_residual": None, "causal": is_causal(model),
-                        "positions_ok": False, "augmented": False, "noise_std": sigma, "eps_bag": cfg.eps_bag,
-                        "signals": None, "support_pairs": None, **sparse_info}
-            sigma = ((sigma or 0.0) ** 2 + sp_std ** 2) ** 0.5
-            first_round = grads
+    # top-k pruning: the server sees the kept support (the nonzeros); the pruned entries are an error bounded by the
+    # smallest kept magnitude, so the upload is read as the signal plus noise of that kind, the token test calibrated
+    # against the vocabulary's own bulk (gradleak.attacks.common.subspace.pruned_membership)
+    if extended and getattr(cfg, "sparsity_aware", True) and support_mask(grads) is not None:
+        return _pruned_word_bag(model, grads, cfg, sigma, t0)
 
     def round_grads() -> list[torch.Tensor]:
-        """The embedding adapter's gradient of the attacked round (completed when it was pruned)."""
-        return first_round if first_round is not None else collect_grads(view, adapter_param("embedding"))
+        """The embedding adapter's gradient of the attacked round."""
+        return collect_grads(view, adapter_param("embedding"))
 
     sub = subspace_from_gradients(grads, cfg.rank_rtol, noise_std=sigma)
     eps_bag = max(cfg.eps_bag, sub.tol)  # noise mode: the tolerance the noise floor implies
@@ -189,4 +178,28 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
     secs = time.perf_counter() - t0
     return {"tokens": tokens, "pairs": pairs, "subspace": sub, "seconds": secs, "min_residual": min_res,
             "causal": causal, "positions_ok": positions_ok, "augmented": augmented, "noise_std": sigma,
-            "eps_bag": eps_bag, "signals": signals, "support_pairs": support, **exact_info, **sparse_info}
+            "eps_bag": eps_bag, "signals": signals, "support_pairs": support, **exact_info}
+
+
+def _pruned_word_bag(model, grads: list[torch.Tensor], cfg, sigma: float | None, t0: float) -> dict[str, Any]:
+    """The word bag of a top-k pruned upload (:func:`~gradleak.attacks.common.subspace.pruned_membership`): every
+    vocabulary token's residual to the pruned matrix's signal subspace (BERT: with the known position and LayerNorm
+    directions added, as :func:`bert_augmented_bag`), the tokens that stand out of the vocabulary's bulk kept. No
+    positions: pruning leaves the pair coefficients unreliable, so the result is a word bag (no sentence search)."""
+    causal = is_causal(model)
+    emb = None if causal else model.base_model.embeddings
+    npos = 0 if causal else min(cfg.max_positions, emb.position_embeddings.weight.shape[0])
+
+    def residuals(sub):
+        if causal:
+            return sub.residual(model.get_input_embeddings().weight.detach())
+        if sub.rank + npos + 1 < sub.dim:
+            return bert_augmented_bag(emb, sub, npos, 0.0)[1]
+        return bert_pair_residuals(emb, sub, npos, stop_after=None, screen=2.0).min(1).values.double()
+
+    pad = None if causal else model.config.pad_token_id
+    tokens, sub, info = pruned_membership(grads, residuals, exclude=[pad] if pad is not None else [])
+    return {"tokens": tokens, "pairs": {int(v): set() for v in tokens}, "subspace": sub,
+            "seconds": time.perf_counter() - t0, "min_residual": info.pop("residuals"), "causal": causal,
+            "positions_ok": causal, "augmented": False, "noise_std": info["sparsity_noise_std"],
+            "eps_bag": info["sparsity_threshold"], "signals": None, "support_pairs": None, **info}

@@ -14,8 +14,8 @@ from gradleak.attacks.base import AttackBase, Reconstruction, ThreatModel
 from gradleak.attacks.common.parameters import set_config_fields
 from gradleak.attacks.common.encoder_search import EncoderChainSearch
 from gradleak.attacks.common.prefix_search import CausalPrefixSearch
-from gradleak.attacks.common.subspace import (Subspace, complete_pruned, estimate_noise_std, spectral_margin,
-                                              subspace_from_gradients)
+from gradleak.attacks.common.subspace import (Subspace, estimate_noise_std, spectral_margin, subspace_from_gradients,
+                                              support_mask)
 from gradleak.attacks.common.text import SpanTestConfig, cap_to_batch, collect_grads, specials
 from gradleak.attacks.common.word_bag import word_bag
 from gradleak.attacks.utr.causal import CausalPeelSearch, CausalValueTest
@@ -202,11 +202,8 @@ class UTRAttack(AttackBase):
         t1 = time.perf_counter()
         grads_la = collect_grads(view, adapter_param(self.sentence_layer), all_rounds=False)
         la_noise = bag["noise_std"]
-        done = complete_pruned(grads_la) if self.sparsity_aware and self.search != "paper" else None
-        if done is not None and done[0][0].shape[0] > 0 and done[1] == done[1]:  # pruned: complete on the support
-            grads_la, la_std, la_info = done
-            la_noise = ((la_noise or 0.0) ** 2 + la_std ** 2) ** 0.5
-            bag = {**bag, **{f"layer_{k}": v for k, v in la_info.items()}}
+        if bag.get("sparsity_aware") and support_mask(grads_la) is not None:  # pruned: the error's level, read off
+            la_noise = estimate_noise_std(grads_la)
         sub_la = subspace_from_gradients(grads_la, self.rank_rtol, noise_std=la_noise)
         eps_sentence = max(self.eps_sentence, sub_la.tol)
         sp = specials(tok, bag["causal"])
@@ -271,11 +268,19 @@ class UTRAttack(AttackBase):
             "eps_sentence_used": eps_sentence,
             "word_bag_seconds": bag["seconds"],
             "word_bag_augmented": bool(bag["augmented"]),
-            **{k: v for k, v in bag.items() if k.startswith(("exact_pairs", "sparsity_", "layer_sparsity_"))},
+            **{k: v for k, v in bag.items() if k.startswith(("exact_pairs", "sparsity_"))},
             "sentence_seconds": t2 - t1,
             **sinfo,
         }
-        if info["capacity_exhausted"]:
+        if bag.get("sparsity_aware"):  # a pruned upload: a word bag read against the vocabulary's bulk, no positions
+            info["capacity_exhausted"] = False
+            info["warning"] = (f"top-k pruned upload ({100 * bag['sparsity_kept_fraction']:.3g} % of the embedding "
+                               f"adapter's coordinates kept): sparsity-aware word bag ({bag['sparsity_reading']}; "
+                               f"{len(bag['tokens'])} tokens below the vocabulary's bulk, threshold "
+                               f"{bag['sparsity_threshold']:.3g}); "
+                               + ("no positions, so no sentence search." if not bag["positions_ok"] else
+                                  "sentences searched at the pruning error's level."))
+        elif info["capacity_exhausted"]:
             info["warning"] = ("token positions unrecoverable: bag tokens + positions + 1 exceed the hidden size "
                                "(bidirectional model); word bag only. " if not bag["positions_ok"] else "") + (
                                f"gradient subspace saturated (rank {sub_ea.rank}/{sub_la.rank} vs {sub_ea.rows} "

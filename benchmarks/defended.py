@@ -1,0 +1,216 @@
+"""The exact attacks under the defenses users deploy: UTR (paper 002 Table 3: pruning and DP) and lora_span (the
+LoRA-ViT exact attack) before and after denoising, each beside its null, with the leakage margin of the upload.
+
+Cells (one ``gradleak run`` each, through the one cell loop; resumable; rows carry the code revision):
+
+* **UTR** on ``configs/audit/text_adapters.yaml`` (MiniLM, 2 layers, bottleneck adapters rf = 2, fortunes-topics,
+  B = 2 and 4): top-k pruning r in {90, 95, 99, 99.9} % read **globally** (the whole upload's top-k, our default)
+  and **per tensor** (each tensor's own top-k, the paper's reading), each with the sparsity-aware word bag
+  (:func:`gradleak.attacks.common.subspace.pruned_membership`) and without it (the plain tests); DP-SGD at
+  sigma in {1e-6, 1e-4} (C = 1: its noise reaches the attack through the declared-defense model) beside the
+  Gaussian upload noise of the same per-coordinate std; the paper's DP-Gaussian sigma = 0.01, C = 1 literally.
+* **lora_span** on ``configs/audit/vit_lora.yaml`` (ViT-S/14 pretrained, LoRA r = 128 on block-0 query/value,
+  Fashion-MNIST, B = 1): absolute per-coordinate Gaussian noise at fractions {0.01, 0.1, 0.3, 1, 3} of the
+  upload's *drowning std* (the std at which the noise edge reaches the weakest of the N + 1 token directions,
+  measured on the undefended upload of the same seed), with the rank cut of the exact solver (``gap``) and the two
+  denoising cuts (``noise_edge``, ``tokens``).
+
+Seeds: 0 is the tuned seed (the tolerances and the z = 6 outlier rule were chosen looking at it); 11 is held out
+(no tuned run drew its data). ``python benchmarks/defended.py --out benchmarks/out --update-docs`` (text part about
+10 minutes, image part about 20 minutes on 2 cores; ``--only text`` / ``--only image``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import ROOT, add_out_args, display, latest_rows, resolve_out, run_cells, start_fresh, write_section  # noqa: E402
+
+TEXT = "configs/audit/text_adapters.yaml"
+IMAGE = "configs/audit/vit_lora.yaml"
+SEEDS = {0: "tuned", 11: "held out"}
+PRUNE = (0.9, 0.95, 0.99, 0.999)
+DRAWN = (0.01, 0.1, 0.3, 1.0, 3.0)
+
+
+def revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=ROOT, capture_output=True, text=True).stdout
+        return rev + ("+dirty" if dirty.strip() else "")
+    except OSError:
+        return "unknown"
+
+
+def base(path: str, attack: dict, seed: int) -> dict:
+    from gradleak.config.loading import load_yaml
+
+    raw = load_yaml(ROOT / path)
+    raw.pop("audit", None)
+    raw["attack"] = attack
+    raw["seed"] = seed
+    return raw
+
+
+def text_cells(args):
+    for seed, split in SEEDS.items():
+        for B in (2, 4):
+            def cell(cid, label, defenses=None, defense=None, **attack):
+                raw = base(TEXT, {"name": "utr", "time_budget": 120.0, **attack}, seed)
+                raw["data"]["batch_size"] = B
+                raw["defenses"] = defenses or []
+                if defense:
+                    raw["defense"] = defense
+                return ({"cell": f"text|{cid}|B{B}|seed{seed}", "part": "text", "attack": "utr", "defense": label,
+                         "B": B, "seed": seed, "split": split, "variant": attack or "as configured"}, raw)
+
+            yield cell("none", "none")
+            for r in PRUNE:
+                for scope in ("global", "per_tensor"):
+                    d = [{"name": "topk_pruning", "params": {"prune_fraction": r, "per_tensor": scope == "per_tensor"}}]
+                    yield cell(f"topk{r}-{scope}-aware", f"top-k {100 * r:g} % {scope}", d, sparsity_aware=True)
+                    yield cell(f"topk{r}-{scope}-plain", f"top-k {100 * r:g} % {scope}", d, sparsity_aware=False)
+            for sigma in (1e-6, 1e-4):
+                yield cell(f"dpsgd{sigma:g}", f"DP-SGD sigma {sigma:g}, C 1",
+                           defense={"name": "dpsgd", "noise_multiplier": sigma, "max_grad_norm": 1.0})
+                yield cell(f"gauss{sigma:g}", f"Gaussian std {sigma / B:g} (DP-SGD's sigma C / B)",
+                           [{"name": "gaussian_noise", "params": {"std": sigma / B}}])
+            yield cell("dpgauss-paper", "DP-Gaussian sigma 0.01, C 1 (paper's literal setting)",
+                       [{"name": "dp_gaussian", "params": {"noise_multiplier": 0.01, "max_norm": 1.0}}])
+
+
+def image_cells(args, drowning: dict[int, float]):
+    for seed, split in SEEDS.items():
+        def cell(cid, label, defenses=None, **attack):
+            raw = base(IMAGE, {"name": "lora_span", **attack}, seed)
+            raw["defenses"] = defenses or []
+            return ({"cell": f"image|{cid}|seed{seed}", "part": "image", "attack": "lora_span", "defense": label,
+                     "B": 1, "seed": seed, "split": split, "variant": attack or "as configured"}, raw)
+
+        yield cell("none", "none")
+        if seed not in drowning:
+            continue
+        for f in DRAWN:
+            std = f * drowning[seed]
+            d = [{"name": "gaussian_noise", "params": {"std": std}}]
+            for cut in ("gap", "noise_edge", "tokens"):
+                yield cell(f"noise{f:g}x-{cut}", f"Gaussian std {std:.3g} ({f:g} x drowning std)", d, rank_cut=cut)
+
+
+def run_one(raw: dict, out: str) -> dict:
+    from gradleak.run.audit import judge
+    from gradleak.run.runner import run_config, validate
+
+    res = run_config(copy.deepcopy(raw), out)
+    _, cfg = validate(copy.deepcopy(raw))
+    per = (res.get("details") or {}).get("per_client") or [{"metrics": res["metrics"]}]
+    j = judge(cfg.attack_cls.reconstruction, per[0]["metrics"], cfg)
+    return {"metrics": res["metrics"], "judge": j}
+
+
+KEEP = ("word_bag_recall", "word_bag_recall_null_p99", "word_bag_precision", "rouge1_f1", "rouge1_f1_null_p99",
+        "sentences_exact", "psnr_max", "psnr_max_null_p99", "ssim_max", "ssim_max_null_p99",
+        "spectral_margin_embedding_adapter", "drowning_noise_std_embedding_adapter",
+        "spectral_margin_block0_lora_A", "drowning_noise_std_block0_lora_A", "lora_span_row_space_rank")
+
+
+def fill(result: dict, row: dict) -> str:
+    m = result["metrics"]
+    row["metrics"] = {k: m[k] for k in KEEP if k in m}
+    row["level"] = result["judge"]["level"]
+    row["rule"] = result["judge"]["rule"]
+    row["revision"] = REV
+    return f"{row['defense']} {row['variant']}: {row['level']}"
+
+
+REV = revision()
+
+
+def fmt(x, spec=".3g"):
+    return "–" if x is None else (f"{x:{spec}}" if isinstance(x, (int, float)) else str(x))
+
+
+def table(rows: list[dict]) -> str:
+    lines = []
+    text = [r for r in rows if r.get("part") == "text" and "metrics" in r]
+    if text:
+        lines += ["### UTR under pruning and DP (MiniLM 2 layers, adapters rf = 2, fortunes-topics)", "",
+                  "| seed (split) | B | defense | variant | level | word-bag recall (null p99) | ROUGE-1 F1 (null p99) "
+                  "| exact sentences | spectral margin (emb. adapter) | drowning std |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in text:
+            m = r["metrics"]
+            v = r["variant"] if isinstance(r["variant"], str) else ", ".join(f"{k}={w}" for k, w in r["variant"].items()
+                                                                             if k != "time_budget") or "as configured"
+            lines.append(f"| {r['seed']} ({r['split']}) | {r['B']} | {r['defense']} | {v} | {r['level']} | "
+                         f"{fmt(m.get('word_bag_recall'), '.1f')} ({fmt(m.get('word_bag_recall_null_p99'), '.1f')}) | "
+                         f"{fmt(m.get('rouge1_f1'), '.1f')} ({fmt(m.get('rouge1_f1_null_p99'), '.1f')}) | "
+                         f"{fmt(m.get('sentences_exact'), 'g')} | {fmt(m.get('spectral_margin_embedding_adapter'))} | "
+                         f"{fmt(m.get('drowning_noise_std_embedding_adapter'))} |")
+        lines.append("")
+    img = [r for r in rows if r.get("part") == "image" and "metrics" in r]
+    if img:
+        lines += ["### lora_span under Gaussian upload noise, before and after denoising (ViT-S/14, LoRA r = 128, "
+                  "Fashion-MNIST, B = 1)", "",
+                  "| seed (split) | defense | rank cut | level | PSNR max dB (null p99) | SSIM (null p99) | rank used "
+                  "| spectral margin | drowning std |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in img:
+            m = r["metrics"]
+            cut = r["variant"].get("rank_cut", "gap") if isinstance(r["variant"], dict) else "gap"
+            lines.append(f"| {r['seed']} ({r['split']}) | {r['defense']} | {cut} | {r['level']} | "
+                         f"{fmt(m.get('psnr_max'), '.1f')} ({fmt(m.get('psnr_max_null_p99'), '.1f')}) | "
+                         f"{fmt(m.get('ssim_max'), '.3f')} ({fmt(m.get('ssim_max_null_p99'), '.3f')}) | "
+                         f"{fmt(m.get('lora_span_row_space_rank'), 'g')} | {fmt(m.get('spectral_margin_block0_lora_A'))} | "
+                         f"{fmt(m.get('drowning_noise_std_block0_lora_A'))} |")
+        lines.append("")
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        lines += [f"Failed cells: {', '.join(r['cell'] for r in failed)}.", ""]
+    revs = sorted({r.get("revision", "?") for r in rows if "metrics" in r})
+    lines.append(f"Code revision(s) of these rows: {', '.join(revs)}. Command: "
+                 "`python benchmarks/defended.py --out benchmarks/out --update-docs`.")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_out_args(ap, "defended")
+    ap.add_argument("--only", choices=("text", "image"), default=None)
+    args = ap.parse_args()
+    args.out = resolve_out(args.out)
+    jsonl = args.out / "defended.jsonl"
+    if getattr(args, "fresh", False):
+        start_fresh(jsonl)
+    if not args.report_only:
+        todo = []
+        if args.only in (None, "text"):
+            todo += [(row, run_one, (raw, str(args.out / "defended" / row["cell"].replace("|", "_"))))
+                     for row, raw in text_cells(args)]
+        if args.only in (None, "image"):
+            first = [(row, run_one, (raw, str(args.out / "defended" / row["cell"].replace("|", "_"))))
+                     for row, raw in image_cells(args, {})]
+            run_cells(jsonl, first, fill, label="defended (image, undefended)")
+            done = {r["seed"]: r["metrics"].get("drowning_noise_std_block0_lora_A") for r in latest_rows(jsonl)
+                    if r.get("part") == "image" and r.get("defense") == "none" and "metrics" in r}
+            todo += [(row, run_one, (raw, str(args.out / "defended" / row["cell"].replace("|", "_"))))
+                     for row, raw in image_cells(args, {k: v for k, v in done.items() if v})
+                     if row["defense"] != "none"]
+        if args.check:
+            print(f"{len(todo)} cells")
+            return
+        run_cells(jsonl, todo, fill, label="defended")
+    rows = latest_rows(jsonl)
+    (args.out / "defended.json").write_text(json.dumps(rows, indent=1, default=str))
+    write_section(args, "defended", table(rows), "The exact attacks under defenses (UTR Table 3, lora_span)",
+                  "defended")
+    print(f"{len(rows)} rows in {display(jsonl)}")
+
+
+if __name__ == "__main__":
+    main()
