@@ -168,3 +168,15 @@ def test_a_declared_dpsgd_audit_is_attacked_at_its_noise(tmp_path):
     assert res["verdict"] == "leaks"
     assert utr["level"] in ("partial", "strong", "exact")
     assert utr["evidence"]["word_bag_recall"] > utr["evidence"]["word_bag_recall_bar"]
+    # the leakage margin of the attacked layer: the used directions stand above the DP-SGD noise edge
+    assert utr["leakage_margin"]["embedding_adapter"]["spectral_margin"] > 1
+
+
+def test_the_leakage_margin_is_read_per_layer_from_a_runs_metrics():
+    from gradleak.run.audit import leakage_margin
+
+    m = leakage_margin({"spectral_margin_embedding_adapter": 3.0, "drowning_noise_std_embedding_adapter": 1e-5,
+                        "drowning_noise_std_all_embedding_adapter": 1e-3, "signal_rank_embedding_adapter": 27.0,
+                        "rouge1_f1": 50.0})
+    assert m == {"embedding_adapter": {"spectral_margin": 3.0, "drowning_noise_std": 1e-5,
+                                       "drowning_noise_std_all": 1e-3, "signal_rank": 27.0}}

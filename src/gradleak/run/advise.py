@@ -275,6 +275,10 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                               "budget_seconds": budget_seconds,
                               "rows": [], "recommendation": None, "unfinished": [], "probes": {}, "utility": {},
                               "utility_rounds": utility_rounds, "executor": executor}
+    # the spectral prediction beside the search: the noise std that the audit's leakage margin says drowns the signal
+    margins = {e["name"]: e["leakage_margin"] for e in audit_result["attacks"] if e.get("leakage_margin")}
+    if margins:
+        advice["margin"] = margins
     if not leaking:
         advice["sentence"] = "Nothing to stop: no attack leaked above its null in this audit."
         return advice

@@ -306,6 +306,27 @@ def judge(kind: str, metrics: dict, cfg) -> dict:
     return out
 
 
+MARGIN_KEYS = ("spectral_margin", "drowning_noise_std_all", "drowning_noise_std", "signal_rank")
+
+
+def leakage_margin(metrics: dict) -> dict[str, dict[str, float]]:
+    """Per attacked layer, the leakage margin an exact attack measured on the observed upload
+    (:func:`gradleak.attacks.common.subspace.spectral_margin`): ``spectral_margin`` (the weakest signal direction the
+    attack used over the noise edge of the declared noise; nan without noise), ``drowning_noise_std`` (the
+    per-coordinate noise std that would drown that direction) and ``drowning_noise_std_all`` (every direction).
+    Read from the run's metrics ``<key>_<layer>``."""
+    out: dict[str, dict[str, float]] = {}
+    for k, v in metrics.items():
+        for key in MARGIN_KEYS:
+            if k.startswith(key + "_") and isinstance(v, (int, float)):
+                layer = k[len(key) + 1:]
+                if key == "drowning_noise_std" and layer.startswith("all_"):
+                    continue
+                out.setdefault(layer, {})[key] = float(v)
+                break
+    return out
+
+
 def config_hash(raw: dict) -> str:
     return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -499,6 +520,9 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
             entry["reason"] = (f"undefined: {entry['rule']}{missing}; the run measured nothing, so it is not evidence "
                                "either way")
         entry["metrics"] = {kk: v for kk, v in res["metrics"].items() if isinstance(v, (int, float))}
+        margin = leakage_margin(entry["metrics"])
+        if margin:  # how far the defense is from drowning the signal the attack read (per attacked layer)
+            entry["leakage_margin"] = margin
         entry["artifacts"] = [a for a in res.get("artifacts", []) if str(a).endswith(".png")]
         entry["evidence_rows"] = _evidence_rows(res)
         # every warning stays with the run (seed, setting) and the client it came from; the evidence carries only its

@@ -211,6 +211,15 @@ def advice_section(advice: dict) -> str:
              f"{advice.get('utility_rounds')} rounds of training without an attack (audit.utility_rounds; fresh samples "
              f"each round; {advice.get('test_size')} held-out samples, same seeds), cost = accuracy without minus with "
              "the defense; ε over those rounds (and over the audited round, where it differs)."]
+    if advice.get("tested_against"):
+        notes.append("Every probe and the recommendation were tested against: " + ", ".join(advice["tested_against"])
+                     + " (every attack the audit measured, not only those that leaked).")
+    for a, layers in (advice.get("margin") or {}).items():
+        for layer, m in layers.items():
+            notes.append(f"Leakage margin of {a} ({layer}): per-coordinate noise of std "
+                         f"{fmt_value(m.get('drowning_noise_std'))} drowns the weakest direction the attack used, "
+                         f"{fmt_value(m.get('drowning_noise_std_all'))} every direction (the spectral prediction, beside "
+                         "the absolute-noise strength the search found).")
     b = advice.get("baseline") or {}
     if b.get("accuracy_curve"):
         notes.append("Undefended model's test accuracy over the utility rounds (before, halfway, end): "
@@ -321,6 +330,13 @@ def write_audit_report(result: dict, out: Path) -> Path:
                          + "</p>")
         for w in dict.fromkeys(a.get("warnings") or []):
             parts.append(f'<p class="warning"><b>Warning:</b> {e(str(w))}</p>')
+        for layer, m in (a.get("leakage_margin") or {}).items():
+            sm = m.get("spectral_margin")
+            parts.append(f'<p class="margin">Leakage margin ({e(layer)}): '
+                         + (f"the weakest direction the attack used stands {fmt_value(sm)}x the noise edge; "
+                            if isinstance(sm, float) and sm == sm else "no declared noise; ")
+                         + f"noise of per-coordinate std {fmt_value(m.get('drowning_noise_std'))} would drown it, "
+                         f"{fmt_value(m.get('drowning_noise_std_all'))} every direction of this upload.</p>")
         if a.get("per_client") and len(a["per_client"]) > 1:
             crow = []
             for c in a["per_client"]:
