@@ -128,6 +128,17 @@ def test_the_domain_prior_is_the_mean_of_held_out_images_only(name, trial):
                                   atol=1e-6), i
 
 
+def test_no_prior_without_an_attack_that_reads_one():
+    """An attack without a domain prior gets no prior chunk: ``prior_image`` is None (not a mean over nothing)."""
+    from gradleak.data.splits import ImageData
+
+    cfg = _validate(TINY_IMAGES)
+    data = ImageData(cfg)
+    assert not data.wants_prior
+    data.clients(0, cfg.model.num_classes)
+    assert data.prior_image() is None
+
+
 # ------------------------------------------------------------------------------------------- data splits: text
 TEXT = {"experiment": "text", "seed": 0, "trials": 2, "model": {"name": "minilm", "layers": 2},
         "peft": {"kind": "adapters", "reduction_factor": 2}, "data": {"name": "rt-sentences", "batch_size": 2},
@@ -295,7 +306,11 @@ def test_only_a_measured_none_or_the_gates_hidden_update_stops_an_attack():
     assert outcome(row(utr=none), attacks) == "unmeasured"  # an attack missing from the probe
     assert outcome({**row(utr=none, lamp=none), "error": "RuntimeError: boom"}, attacks) == "unmeasured"
     assert not stopped({"error": "RuntimeError: boom"}, attacks)
-    assert outcome(row(utr={"level": "partial"}, lamp=none), attacks) == "leaks"
+    from gradleak.evaluation.levels import LEAKING
+
+    for lv in LEAKING:  # any leaking level is a leak, whatever the other attack measured
+        assert outcome(row(utr={"level": lv}, lamp=none), attacks) == "leaks", lv
+        assert outcome(row(utr={"level": "undefined"}, lamp={"level": lv}), attacks) == "leaks", lv
 
 
 @pytest.mark.parametrize("failure", ["raises", "undefined", "not_run"])

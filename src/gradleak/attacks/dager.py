@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 import time
+from typing import Literal, Union
 
 import torch
 from torch import nn
@@ -38,7 +39,8 @@ from gradleak.attacks.common.parameters import set_config_fields
 from gradleak.attacks.common.encoder_search import EncoderChainSearch
 from gradleak.attacks.common.prefix_search import CausalPrefixSearch
 from gradleak.attacks.common.subspace import subspace_from_gradients
-from gradleak.attacks.common.text import SpanTestConfig, cap_to_batch, is_causal, model_layers, specials
+from gradleak.attacks.common.text import (SpanTestConfig, cap_to_batch, declared_noise_std, is_causal, model_layers,
+                                         specials)
 from gradleak.fl.core import ServerView
 from gradleak.peft.text_adapters import StopForward
 from gradleak.registry import ATTACKS
@@ -97,6 +99,11 @@ def _probe_query_input(model: nn.Module, layer: int, **inputs) -> torch.Tensor:
 
 class DAGERConfig(SpanTestConfig):
     max_branches: int = Field(8, ge=1, description="trie branching cap")
+    noise: Union[float, Literal["public", "none", "estimate"]] = Field(
+        "public", description="noise on the observed gradients: 'public' = the per-coordinate std every declared "
+        "defense implies (exact tests when there is none), 'none' = exact tests, 'estimate' = from the spectrum, or a "
+        "known std (float > 0); under noise the ranks come from the noise spectrum's edge and the tolerances from "
+        "Wedin's bound (gradleak.attacks.common.subspace.noisy_subspace)")
 
 
 @ATTACKS.register("dager", "DAGER-style span check on attention (query) gradients; fails with a frozen backbone")
@@ -112,7 +119,10 @@ class DAGERAttack(AttackBase):
             return []
         cfg = cls.Config(**params)
         eb, es = float(cfg.eps_bag), float(cfg.eps_sentence)
-        return [{"eps_bag": min(eb * 10, 0.5), "eps_sentence": min(es * 10, 0.5)}]
+        out = [{"eps_bag": min(eb * 10, 0.5), "eps_sentence": min(es * 10, 0.5)}]
+        if cfg.noise != "estimate":  # the noise read off the upload's spectrum (quantisation, percentile noise)
+            out.append({"noise": "estimate"})
+        return out
     modality = "text"
     peft_kinds = ("adapters", "lora")
     reconstruction = "token_sequences"
@@ -138,24 +148,27 @@ class DAGERAttack(AttackBase):
         t0 = time.perf_counter()
         victim = view.updates[:1]  # the attacked update only: another client's tokens must not join its subspace
         l0, l1 = CHECKED_LAYERS
-        s0 = subspace_from_gradients([u.tensors[k] for u in victim for k in u.tensors
-                                      if k in _names_for(u.tensors, l0)], self.rank_rtol)
-        s1 = subspace_from_gradients([u.tensors[k] for u in victim for k in u.tensors
-                                      if k in _names_for(u.tensors, l1)], self.rank_rtol)
+        g0 = [u.tensors[k] for u in victim for k in u.tensors if k in _names_for(u.tensors, l0)]
+        g1 = [u.tensors[k] for u in victim for k in u.tensors if k in _names_for(u.tensors, l1)]
+        # under a declared (or estimated) noise: ranks at the noise edge, tolerances from Wedin's bound
+        n0, n1 = declared_noise_std(view, self.noise, g0), declared_noise_std(view, self.noise, g1)
+        s0 = subspace_from_gradients(g0, self.rank_rtol, noise_std=n0)
+        s1 = subspace_from_gradients(g1, self.rank_rtol, noise_std=n1)
+        eps_bag, eps_sentence = max(self.eps_bag, s0.tol), max(self.eps_sentence, s1.tol)
         if causal:
             E = model.get_input_embeddings().weight.detach().double()
             norm = model_layers(model)[0].input_layernorm
             res = s0.residual(E * norm.weight.detach().double())
-            tokens = (res < self.eps_bag).nonzero().flatten().tolist()
+            tokens = (res < eps_bag).nonzero().flatten().tolist()
             pairs = {int(v): set() for v in tokens}
         else:
             emb = model.base_model.embeddings
-            screen = max(self.screen_tol, 10 * self.eps_bag)
+            screen = max(self.screen_tol, 10 * eps_bag)
             R = bert_pair_residuals(emb, s0, min(self.max_positions, emb.position_embeddings.weight.shape[0]),
                                     stop_after=s0.rank, screen=screen)
             vv, pp = (R < screen).nonzero(as_tuple=True)
             vv, pp = vv[:200_000], pp[:200_000]
-            ok = bert_pair_exact(emb, s0, vv, pp) < self.eps_bag
+            ok = bert_pair_exact(emb, s0, vv, pp) < eps_bag
             pairs = {}
             for v, p in zip(vv[ok].tolist(), pp[ok].tolist()):
                 pairs.setdefault(int(v), set()).add(int(p))
@@ -168,14 +181,14 @@ class DAGERAttack(AttackBase):
                                           use_cache=True)
 
             cands = torch.tensor([t for t in tokens if t not in (sp["bos"], sp["pad"])] or [sp["bos"]])
-            search = CausalPrefixSearch(model, [], s1, self.eps_sentence, sp["bos"], cands, max_len=self.max_len,
+            search = CausalPrefixSearch(model, [], s1, eps_sentence, sp["bos"], cands, max_len=self.max_len,
                                         max_branches=self.max_branches, probe_fn=probe)
             sents, sinfo = search.run()
         else:
             def probe_enc(m, batch):
                 return _probe_query_input(m, l1, input_ids=batch, attention_mask=torch.ones_like(batch))
 
-            search = EncoderChainSearch(model, "", s1, self.eps_sentence, sp["cls"], sp["sep"], sp["mask"], pairs,
+            search = EncoderChainSearch(model, "", s1, eps_sentence, sp["cls"], sp["sep"], sp["mask"], pairs,
                                         view.public.get("batch_size"), probe_fn=probe_enc)
             sents, sinfo = search.run()
         t2 = time.perf_counter()
@@ -183,6 +196,7 @@ class DAGERAttack(AttackBase):
         info = {"word_bag": tokens, "word_bag_size": len(tokens), "rank_layer0": s0.rank, "rank_layer1": s1.rank,
                 "checked_layers": list(CHECKED_LAYERS), "model_layers": depth,
                 "capacity_exhausted": bool(s0.saturated or s1.saturated), "word_bag_seconds": t1 - t0,
+                "noise_std_layer0": n0, "noise_std_layer1": n1, "eps_bag_used": eps_bag, "eps_sentence_used": eps_sentence,
                 "sentence_seconds": t2 - t1, **sinfo}
         sents = cap_to_batch(sents, info, view.public.get("batch_size"), causal)
         unverify_repeats(sents, info)

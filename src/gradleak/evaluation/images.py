@@ -9,6 +9,7 @@ best-image SSIM beyond the bar and >= 0.5; partial = best-image PSNR beyond the 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -55,6 +56,21 @@ def image_metrics(truth01: torch.Tensor, recon01: torch.Tensor, cfg) -> dict[str
     if lp is not None:
         out["lpips_mean"] = float(lp.mean())
     return out
+
+
+#: the PNGs :func:`image_grids` writes, by the label the pipeline evaluates an attacked update under
+#: (:func:`gradleak.run.pipeline.run_experiment`: ``trial`` for client 0, ``"{trial}_client{c}"`` for client c > 0):
+#: ``ground_truth.png`` (trial 0, client 0), ``ground_truth_trial{t}.png``, ``ground_truth_trial{t}_client{c}.png``;
+#: the same for ``reconstruction``
+GRID_NAME = re.compile(r"^(ground_truth|reconstruction)(?:_trial(\d+)(?:_client(\d+))?)?\.png$")
+
+
+def grid_owner(name: str) -> tuple[str, int, int] | None:
+    """``(role, trial, client)`` of a PNG :func:`image_grids` wrote (``role``: ``ground_truth`` or
+    ``reconstruction``; see :data:`GRID_NAME`), or None for any other file: what lets a report put each client's
+    originals beside its own reconstructions."""
+    m = GRID_NAME.match(Path(str(name)).name)
+    return (m.group(1), int(m.group(2) or 0), int(m.group(3) or 0)) if m else None
 
 
 def image_grids(truth01: torch.Tensor, recon01: torch.Tensor, out_dir: Path, trial: int, title: str, caption: str):

@@ -253,30 +253,94 @@ def _png_size(path: Path) -> tuple[int, int] | None:
 PAIR_TARGET_PX = 480
 
 
-def _figure_pair(a: dict, out: Path) -> str:
-    """An attack's PNGs in one row: the originals first, then the reconstructions beside them, each upscaled by an
-    integer factor with nearest-neighbour (``image-rendering: pixelated``) so 32-pixel images are visible."""
+def _figure_pair(a: dict, out: Path, pngs: list[str], client=None) -> str:
+    """PNGs of an attack in one row: the originals first, then the reconstructions beside them, each upscaled by an
+    integer factor with nearest-neighbour (``image-rendering: pixelated``) so 32-pixel images are visible.
+    ``client``: the audit's label of the client they belong to, set on the row and on every figure and image as
+    ``data-client`` (beside ``data-role``: original / reconstruction / other)."""
     e = html.escape
-    pngs = [str(x) for x in a.get("artifacts", [])]
     if not pngs:
         return ""
+    who = f' data-client="{e(str(client))}"' if client is not None else ""
+    summed = str(client).startswith("the sum of")
     order = lambda n: (0 if n.startswith("ground_truth") else 1 if n.startswith("reconstruction") else 2, n)  # noqa: E731
     figs = []
     for img in sorted(pngs, key=order):
         size = _png_size(out / str(a.get("out", "")) / img)
         k = max(1, min(4, PAIR_TARGET_PX // size[0])) if size and size[0] else 1
         width = f' width="{size[0] * k}"' if size else ""
-        label = ("original (the client's private data)" if img.startswith("ground_truth") else
-                 "reconstruction (the attack's output)" if img.startswith("reconstruction") else Path(img).stem)
-        figs.append(f'<figure><img src="{e(str(a["out"]))}/{e(img)}" alt="{e(label)}"{width}>'
-                    f"<figcaption>{e(label)}<br><small>{e(img)}" + (f", shown {k}×" if k > 1 else "")
-                    + "</small></figcaption></figure>")
-    return '<div class="pair">' + "".join(figs) + "</div>"
+        role = ("original" if img.startswith("ground_truth") else
+                "reconstruction" if img.startswith("reconstruction") else "other")
+        label = {"original": "originals (every summed client's private data)" if summed else
+                             "original (the client's private data)",
+                 "reconstruction": "reconstruction (the attack's output)"}.get(role, Path(img).stem)
+        figs.append(f'<figure data-role="{role}"{who}><img src="{e(str(a["out"]))}/{e(img)}" alt="{e(label)}"{width}'
+                    f' data-role="{role}"{who}><figcaption>{e(label)}<br><small>{e(img)}'
+                    + (f", shown {k}×" if k > 1 else "") + "</small></figcaption></figure>")
+    return f'<div class="pair"{who}>' + "".join(figs) + "</div>"
+
+
+def client_key(client) -> tuple[int, int] | None:
+    """``(trial, client index)`` of an audit client label (``per_client[i].client``, ``worst_client``), as
+    :func:`gradleak.evaluation.images.grid_owner` reads it off the PNGs' names: ``3`` -> (0, 3), ``"1@trial2"`` ->
+    (2, 1); the secure-aggregation sum (``"the sum of 4 clients"``, ``"...@trial2"``) -> (trial, 0), the one update
+    the pipeline attacks there (its originals: every summed client's samples). None for any other label."""
+    s, _, t = str(client).partition("@trial")
+    try:
+        trial = int(t) if t else 0
+        return (trial, 0) if s.startswith("the sum of") else (trial, int(s))
+    except ValueError:
+        return None
+
+
+def _client_label(a: dict, c: dict) -> str:
+    """A per-client row's label (HTML): the client (the sum of N clients under secure aggregation), its level and the
+    measurement that decided it (:func:`evidence_words`; an exact count, which has no null, before the headline)."""
+    e = html.escape
+    text = f"<b>{e(client_words(c['client']))}</b> — {e(str(c.get('level') or 'not graded').upper())}"
+    ev = {"metric": a.get("metric"), **c}
+    if c.get("level") in (None, "undefined") or not shown_evidence(ev).get("metric"):
+        return text
+    d = c.get("decided_by") or {}
+    words = evidence_words(ev)
+    if d.get("metric") and not _number(d.get("null_p99")) and d["metric"] != ev["metric"]:
+        words = (f"{d['metric']} = {fmt_value(d.get('value'))}" + (f" of {c['n_total']}" if c.get("n_total") else "")
+                 + f"; {words}")
+    return text + f" — decided by {e(words)}"
+
+
+def _image_evidence(a: dict, out: Path) -> str:
+    """An attack's image evidence (docs/DESIGN.md §4), one row per attacked client: its originals beside its own
+    reconstructions (the PNGs :func:`gradleak.evaluation.images.grid_owner` names for it), the worst (most leaking)
+    client first (``worst_client``, then :func:`leak_rank`), each row labelled by :func:`_client_label`; any other
+    PNG (t-SNE, ROC, the leakage kind's grids) in one row after them."""
+    from gradleak.evaluation.images import grid_owner
+
+    e = html.escape
+    owned: dict[tuple[int, int], list[str]] = {}
+    rest = []
+    for n in (str(x) for x in a.get("artifacts", [])):
+        o = grid_owner(n)
+        (owned.setdefault(o[1:], []) if o else rest).append(n)
+    clients = list(a.get("per_client") or []) or [{**a, "client": a.get("worst_client", 0)}]  # a one-client entry
+    worst = a.get("worst_client")
+    clients.sort(key=lambda c: (worst is not None and c.get("client") == worst, leak_rank(c)), reverse=True)
+    clients += [{"client": ci if not t else f"{ci}@trial{t}"} for t, ci in sorted(owned)  # not graded in audit.json
+                if not any(client_key(c.get("client")) == (t, ci) for c in clients)]
+    rows = []
+    for c in clients:
+        pngs = owned.pop(client_key(c.get("client")), [])
+        if pngs:
+            rows.append(f'<div class="client-row" data-client="{e(str(c["client"]))}" '
+                        f'data-level="{e(str(c.get("level") or ""))}"><p class="client-label">{_client_label(a, c)}'
+                        "</p>" + _figure_pair(a, out, pngs, c["client"]) + "</div>")
+    return "".join(rows) + _figure_pair(a, out, rest)
 
 
 def write_audit_report(result: dict, out: Path) -> Path:
     """One self-contained HTML page: verdict banner, what to do next, setup, threat, per-attack table (attacks for
-    another modality on one line), evidence worst first (originals beside reconstructions), reproducibility."""
+    another modality on one line), evidence worst first (one row per attacked client, the worst first: its originals
+    beside its own reconstructions, :func:`_image_evidence`), reproducibility."""
     e = html.escape
     out = Path(out)
     colour = {"leaks": "#b00020", "leaks_stronger_server": "#b36b00", "no_leak_found": "#2e7d32",
@@ -340,7 +404,7 @@ def write_audit_report(result: dict, out: Path) -> Path:
         if a.get("per_client") and len(a["per_client"]) > 1:
             crow = []
             for c in a["per_client"]:
-                cv = shown_evidence(c)
+                cv = shown_evidence({"metric": a.get("metric"), **c})  # a client's entry: no headline name of its own
                 crow.append(f"<tr><td>{e(client_words(c['client']))}</td><td>{e(c['level'])}</td>"
                             f"<td>{e(str(cv.get('metric') or ''))} = {fmt_value(cv.get('value'))}</td>"
                             f"<td>{fmt_value(cv.get('null_p99'))}</td><td>{fmt_value(cv.get('p_value'))}</td>"
@@ -352,7 +416,7 @@ def write_audit_report(result: dict, out: Path) -> Path:
                 f"{json.dumps(v['variant']) if isinstance(v['variant'], dict) else v['variant']} (seed {v['seed']}): "
                 f"{v['level']}, {fmt_value(v.get('value'))}" for v in a["per_variant"])) + "</p>")
         if a.get("out"):
-            parts.append(_figure_pair(a, out))
+            parts.append(_image_evidence(a, out))
         if a.get("evidence_rows"):
             tr = []
             for r in a["evidence_rows"]:
@@ -406,6 +470,7 @@ def write_audit_report(result: dict, out: Path) -> Path:
 <style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}.banner{{color:#fff;background:{colour};padding:1em;font-size:1.2em}}
 .pair{{display:flex;flex-wrap:wrap;gap:1.5em;align-items:flex-start;margin:.5em 0}}
+.client-row{{border-top:1px solid #ddd;margin:.8em 0;padding-top:.3em}}.client-label{{margin:.2em 0}}
 .pair figure{{margin:0;max-width:100%}}.pair img{{image-rendering:pixelated;image-rendering:crisp-edges;max-width:100%;height:auto;border:1px solid #ddd}}
 figcaption{{font-size:13px;color:#444}}.warning{{background:#fff4e5;border-left:4px solid #b36b00;padding:.5em}}
 tr.grouped td{{color:#666}}code{{word-break:break-all}}</style>

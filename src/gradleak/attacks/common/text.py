@@ -92,6 +92,32 @@ class SpanTestConfig(AttackConfig):
     screen_tol: float = Field(0.05, gt=0, lt=1, description="coarse screen of (token, position) pairs")
 
 
+def declared_noise_std(view, mode, grads: list[torch.Tensor]) -> float | None:
+    """Per-coordinate std of the noise on the observed uploads for a span test's ``noise`` mode: ``'none'`` -> None
+    (exact tests); a float -> that std; ``'estimate'`` -> read off the spectrum of ``grads`` (Gavish-Donoho);
+    ``'public'`` -> what every declared defense implies (:mod:`gradleak.defenses.declared`: the update list,
+    DP-SGD's training, secure aggregation, a framework's DP) plus a weight reply's rounding (Flower), or None when
+    nothing declared adds noise of a known scale."""
+    from gradleak.attacks.common.subspace import estimate_noise_std
+    from gradleak.defenses.declared import as_declared
+
+    if mode == "none":
+        return None
+    if isinstance(mode, (int, float)) and not isinstance(mode, bool):
+        return float(mode)
+    if mode == "estimate":
+        return estimate_noise_std(grads)
+    declared = view.public.get("declared_defenses")
+    if declared is None:
+        declared = as_declared(view.public.get("update_defenses") or [])
+        declared.clients = int(view.public.get("clients") or 1)
+    rounding = float(view.public.get("upload_rounding_std") or 0.0)  # a weight reply's rounding (Flower)
+    std = declared.noise_std(view.updates[0], individual=not view.secure_aggregation) if view.updates else None
+    if std is None:
+        return rounding if rounding > 0 else None
+    return (std ** 2 + rounding ** 2) ** 0.5
+
+
 @contextlib.contextmanager
 def hooked_with_grads(module: nn.Module, hook: Callable, params: Iterable[nn.Parameter]) -> Iterator[None]:
     """``hook`` on ``module``'s forward and gradients on for ``params`` and autograd, for the block; both restored

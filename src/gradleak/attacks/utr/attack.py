@@ -16,7 +16,7 @@ from gradleak.attacks.common.encoder_search import EncoderChainSearch
 from gradleak.attacks.common.prefix_search import CausalPrefixSearch
 from gradleak.attacks.common.subspace import (Subspace, estimate_noise_std, spectral_margin, subspace_from_gradients,
                                               support_mask)
-from gradleak.attacks.common.text import SpanTestConfig, cap_to_batch, collect_grads, specials
+from gradleak.attacks.common.text import SpanTestConfig, cap_to_batch, collect_grads, declared_noise_std, specials
 from gradleak.attacks.common.word_bag import word_bag
 from gradleak.attacks.utr.causal import CausalPeelSearch, CausalValueTest
 from gradleak.attacks.utr.greedy import METHOD, GreedyCausalSearch, GreedyEncoderSearch
@@ -26,6 +26,25 @@ from gradleak.fl.core import ServerView
 from gradleak.peft.text_adapters import PREFIX, adapter_param
 from gradleak.registry import ATTACKS
 from gradleak.validation import InfOK
+
+#: the automatic sentence-search budget (``time_budget: null``): BASE + PER_SENTENCE seconds per expected sentence,
+#: clamped to [MIN, MAX] (see :func:`auto_time_budget`)
+AUTO_BUDGET_BASE, AUTO_BUDGET_PER_SENTENCE, AUTO_BUDGET_MIN, AUTO_BUDGET_MAX = 30.0, 5.0, 60.0, 600.0
+
+
+def auto_time_budget(sentences: Optional[int]) -> float:
+    """Seconds the sentence search may run when ``time_budget`` is null: 30 s + 5 s per expected sentence, at least
+    60 s, at most 600 s (the old fixed budget; also the budget when the sentence count is unknown).
+
+    ``sentences``: the sentences the observed upload holds -- the view's public ``batch_size`` (under secure
+    aggregation already the sum over the clients, :mod:`gradleak.run.pipeline`), else for a bidirectional model the
+    [SEP] positions stage 1 read. A search stops as soon as every expected sentence is verified, so the budget only
+    bounds searches that do not succeed (a hopeless space: e.g. a batch past the adapter's capacity). Measured
+    (``benchmarks/utr.py``, 2 shared cores): the searches that verified every sentence took at most 74 s at MiniLM
+    rf = 1 B = 16, 94 s at SmolLM2 rf = 1 B = 24, 57 s at SmolLM2 B = 8 -- all inside this rule."""
+    if not sentences or sentences <= 0:
+        return AUTO_BUDGET_MAX
+    return min(AUTO_BUDGET_MAX, max(AUTO_BUDGET_MIN, AUTO_BUDGET_BASE + AUTO_BUDGET_PER_SENTENCE * int(sentences)))
 
 
 class UTRConfig(SpanTestConfig):
@@ -44,7 +63,11 @@ class UTRConfig(SpanTestConfig):
     lm_prior: bool = Field(True, description="rank branches past the cap by the LM")
     all_rounds: bool = Field(True, description="stack the embedding-adapter gradients of every observed round")
     sentence_layer: str = Field("layer_0", description="adapter whose input space tests sentences")
-    time_budget: InfOK = Field(600.0, gt=0, description="seconds before the sentence search stops (.inf: no limit)")
+    time_budget: Optional[InfOK] = Field(None, gt=0, description="seconds before the sentence search stops (all of "
+                                         "stage 2 together; .inf: no limit); null = automatic from the problem size: "
+                                         "30 s + 5 s per expected sentence (the public batch size, summed over the "
+                                         "clients under secure aggregation), at least 60 s, at most 600 s. The search "
+                                         "stops earlier once every expected sentence is verified")
     value_test: bool = Field(True, description="test candidate sentences on the embedding adapter's gradient values "
                              "(one-step uploads): past the first layer's bottleneck, bidirectional models move chains "
                              "by it, causal models verify sentences, peel them from the upload and search the rest")
@@ -77,7 +100,9 @@ class UTRAttack(AttackBase):
     batch size, at least 8 -- B sentences can branch B ways at the root);
     ``eicw`` -- consecutive-identical-word filter; ``all_rounds`` -- stack the embedding-adapter gradients of every
     observed round (beyond the paper: the bag's capacity grows from d_bottleneck towards d_hidden);
-    ``time_budget`` -- seconds after which the sentence search stops (``info["search_truncated"]``).
+    ``time_budget`` -- seconds after which the sentence search (all of stage 2) stops (``info["search_truncated"]``);
+    null: :func:`auto_time_budget` of the expected sentence count (``info["time_budget"]`` reports the one used).
+    Every search stops as soon as every expected sentence is verified, whatever its budget.
     """
 
     name = "utr"
@@ -88,16 +113,19 @@ class UTRAttack(AttackBase):
         """Against a declared update defense the published noise level need not be the one the upload carries
         (quantisation; a std too small to matter): the audit also runs the noise read off the upload's spectrum
         ('estimate', measured: stochastic quantisation 16 bits ROUGE-1 50.8 -> 97.9). Exact tests ('none') on a
-        noisy upload only exhaust the search's time budget, so they are not a variant."""
+        noisy upload only exhaust the search's time budget, so they are not a variant. A variant's budget: an
+        explicit one, at most 120 s; the automatic one (null) as it is (:func:`auto_time_budget`: at most 120 s up to
+        18 expected sentences)."""
         from gradleak.defenses.declared import as_declared
 
         cfg = cls.Config(**params)
         declared = as_declared(defenses)
+        budget = None if cfg.time_budget is None else min(float(cfg.time_budget), 120.0)
         out = []
         if declared and cfg.noise != "estimate":
-            out.append({"noise": "estimate", "time_budget": min(float(cfg.time_budget), 120.0)})
+            out.append({"noise": "estimate", "time_budget": budget})
         if declared.sparsity and cfg.search == "extended":  # the completion and the plain tests: keep the stronger
-            out.append({"sparsity_aware": not cfg.sparsity_aware, "time_budget": min(float(cfg.time_budget), 120.0)})
+            out.append({"sparsity_aware": not cfg.sparsity_aware, "time_budget": budget})
         return out
     modality = "text"
     peft_kinds = ("adapters",)
@@ -109,27 +137,20 @@ class UTRAttack(AttackBase):
         set_config_fields(self, params)
 
     def noise_std(self, view: ServerView, grads: list[torch.Tensor]) -> float | None:
-        """Per-coordinate std of the noise on the observed uploads (see ``noise``), or None: exact tests."""
-        if self.noise == "none":
-            return None
-        if isinstance(self.noise, (int, float)):
-            return float(self.noise)
-        if self.noise == "estimate":
-            return estimate_noise_std(grads)
-        from gradleak.defenses.declared import as_declared
+        """Per-coordinate std of the noise on the observed uploads (see ``noise``), or None: exact tests
+        (:func:`gradleak.attacks.common.text.declared_noise_std`)."""
+        return declared_noise_std(view, self.noise, grads)
 
-        # every declared defense (the update list, DP-SGD's training, secure aggregation, a framework's DP)
-        declared = view.public.get("declared_defenses")
-        if declared is None:
-            declared = as_declared(view.public.get("update_defenses") or [])
-            declared.clients = int(view.public.get("clients") or 1)
-        rounding = float(view.public.get("upload_rounding_std") or 0.0)  # a weight reply's rounding (Flower)
-        if not view.updates:
-            return rounding if rounding > 0 else None
-        std = declared.noise_std(view.updates[0], individual=not view.secure_aggregation)
-        if std is None:
-            return rounding if rounding > 0 else None
-        return (std ** 2 + rounding ** 2) ** 0.5
+    def sentence_budget(self, batch_size: Optional[int], bag: dict, sp: dict) -> float:
+        """Seconds for stage 2: ``time_budget`` when set, else :func:`auto_time_budget` of the expected sentence
+        count -- the public ``batch_size`` (the sentences of the observed upload: under secure aggregation the
+        clients' summed), else for a bidirectional model the [SEP] positions stage 1 read (a lower bound)."""
+        if self.time_budget is not None:
+            return float(self.time_budget)
+        n = int(batch_size) if batch_size else None
+        if n is None and not bag.get("causal") and sp.get("sep") is not None:
+            n = len((bag.get("pairs") or {}).get(sp["sep"], ())) or None
+        return auto_time_budget(n)
 
     def prepare(self, model: nn.Module, threat: ThreatModel) -> nn.Module:
         return model  # honest: no model modification (UTR paper Sec. 3.2)
@@ -143,10 +164,13 @@ class UTRAttack(AttackBase):
                         extended=not paper)
 
     def _causal_peel(self, view: ServerView, bag: dict, sp: dict, cands: torch.Tensor, sents: list[list[int]],
-                     sinfo: dict[str, Any], eps_sentence: float) -> tuple[list[list[int]], dict[str, Any]]:
+                     sinfo: dict[str, Any], eps_sentence: float,
+                     deadline: float = float("inf")) -> tuple[list[list[int]], dict[str, Any]]:
         """Causal models: test the prefix search's sentences on the gradient values, peel the verified ones from the
         upload and search the rest again, soft-graded past the bottleneck (:mod:`gradleak.attacks.utr.causal`).
-        Keeps the prefix search's result when the value test cannot be set up (bag wider than the bottleneck)."""
+        Keeps the prefix search's result when the value test cannot be set up (bag wider than the bottleneck).
+        ``deadline`` (``time.perf_counter()``): the end of stage 2's budget, shared by the peeling and its strict
+        searches (the prefix search's sentences are still tested when it has passed)."""
         model = view.model
         upload = view.updates[0].tensors
         mods = getattr(model, PREFIX)
@@ -166,12 +190,13 @@ class UTRAttack(AttackBase):
         def strict(sub: Subspace, c: torch.Tensor) -> list[list[int]]:
             return CausalPrefixSearch(model, [self.sentence_layer], sub, eps_sentence, sp["bos"], c,
                                       max_len=self.max_len, max_branches=self.max_branches or max(8, int(B or 8)),
-                                      max_sentences=max(4 * int(B or 64), 64), time_budget=self.time_budget,
+                                      max_sentences=max(4 * int(B or 64), 64),
+                                      time_budget=max(deadline - time.perf_counter(), 0.0),
                                       eicw=self.eicw, lm_prior=self.lm_prior).run()[0]
 
         peel = CausalPeelSearch(model, names, test, cands, sp["bos"], sp["eos"], B, eps=eps_sentence,
-                                rank_rtol=self.rank_rtol, max_len=self.max_len, time_budget=self.time_budget,
-                                strict_search=strict)
+                                rank_rtol=self.rank_rtol, max_len=self.max_len,
+                                time_budget=max(deadline - time.perf_counter(), 0.0), strict_search=strict)
         out, pinfo = peel.run(first=sents)
         info = {**sinfo, **pinfo, "value_verified": True, "joint_residual": pinfo["upload_left_after_peeling"],
                 "forward_passes": sinfo.get("forward_passes", 0) + pinfo["forward_passes"],
@@ -209,25 +234,31 @@ class UTRAttack(AttackBase):
         sp = specials(tok, bag["causal"])
         la_saturated = sub_la.rank >= 0.9 * min(sub_la.rows, sub_la.dim)
         B = view.public.get("batch_size")
+        budget = self.sentence_budget(B, bag, sp)
+        deadline = time.perf_counter() + budget  # one budget for all of stage 2 (prefix search and peeling together)
+
+        def left() -> float:
+            return max(deadline - time.perf_counter(), 0.0)
+
         if self.search == "paper" and bag["causal"]:
             cands = torch.tensor([t for t in bag["tokens"] if t not in (sp["bos"], sp["pad"])] or [sp["bos"]])
             sents, sinfo = GreedyCausalSearch(model, self.sentence_layer, sub_la, eps_sentence, sp["bos"], cands, B,
-                                              max_len=self.max_len, eicw=self.eicw, time_budget=self.time_budget).run()
+                                              max_len=self.max_len, eicw=self.eicw, time_budget=left()).run()
         elif self.search == "paper":
             sents, sinfo = GreedyEncoderSearch(model, self.sentence_layer, sub_la, eps_sentence, sp["cls"], sp["sep"],
                                                sp["pad"], bag["pairs"] if bag["positions_ok"] else {}, B,
-                                               eicw=self.eicw, time_budget=self.time_budget).run()
+                                               eicw=self.eicw, time_budget=left()).run()
         elif bag["causal"]:
             cands = torch.tensor([t for t in bag["tokens"] if t not in (sp["bos"], sp["pad"])] or [sp["bos"]])
             search = CausalPrefixSearch(model, [self.sentence_layer], sub_la, eps_sentence, sp["bos"], cands,
                                         max_len=self.max_len,
                                         max_branches=self.max_branches or max(8, int(view.public.get("batch_size") or 8)),
                                         max_sentences=max(4 * int(view.public.get("batch_size") or 64), 64),
-                                        time_budget=self.time_budget,
+                                        time_budget=left(),
                                         eicw=self.eicw, lm_prior=self.lm_prior)
             sents, sinfo = search.run()
             if self.value_test and not bag["noise_std"]:
-                sents, sinfo = self._causal_peel(view, bag, sp, cands, sents, sinfo, eps_sentence)
+                sents, sinfo = self._causal_peel(view, bag, sp, cands, sents, sinfo, eps_sentence, deadline)
         elif not bag["positions_ok"]:
             # bidirectional model past its positional capacity: every bag token passes at every position, a
             # sentence search over that would only burn time -- report the bag, no sentences
@@ -239,7 +270,7 @@ class UTRAttack(AttackBase):
                                                bag["pairs"], signals=bag["signals"])
             search = EncoderChainSearch(model, self.sentence_layer, sub_la, eps_sentence, sp["cls"], sp["sep"],
                                         sp["mask"], bag["pairs"], view.public.get("batch_size"),
-                                        time_budget=self.time_budget,
+                                        time_budget=left(),
                                         # S_LA saturated: chains verified in subsets are peeled out of S_LA;
                                         # the whole batch is verified jointly (beyond the paper)
                                         joint=la_saturated, value_test=value_test, layer_grad=grads_la[0],
@@ -270,6 +301,8 @@ class UTRAttack(AttackBase):
             "word_bag_augmented": bool(bag["augmented"]),
             **{k: v for k, v in bag.items() if k.startswith(("exact_pairs", "sparsity_"))},
             "sentence_seconds": t2 - t1,
+            "time_budget": budget,  # the sentence search's, in seconds (automatic when the config's is null)
+            "time_budget_auto": self.time_budget is None,
             **sinfo,
         }
         if bag.get("sparsity_aware"):  # a pruned upload: a word bag read against the vocabulary's bulk, no positions

@@ -255,7 +255,10 @@ class CausalPeelSearch:
         unverified: list[list[int]] = []
         strict_rounds = soft_rounds = 0
         log: list[dict[str, Any]] = []  # per round: kind, seconds, sentences verified
-        while (time.perf_counter() - t0 < self.time_budget and not (self.B and len(verified) >= self.B)
+        # ``first`` (already searched) is tested even when the budget is spent: stage 2 shares one budget, and
+        # testing sentences in hand costs a backward pass each
+        while ((first is not None or time.perf_counter() - t0 < self.time_budget)
+               and not (self.B and len(verified) >= self.B)
                and self.test.left() > 1e-4):  # the upload explained: every sentence found
             t1 = time.perf_counter()
             sub = subspace_from_gradients([self.test.rest[self._key(self.names[0])]], self.rtol)
