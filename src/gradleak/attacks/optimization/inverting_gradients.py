@@ -187,6 +187,12 @@ class MatchingFields(AttackConfig):
     emulate: EmulateMode = Field("single_step", description="FedAvg: match the pseudo-gradient as one gradient "
                                  "(single_step) or simulate the client's K local SGD steps (local_steps; paper 001 "
                                  "Supp. M)")
+    noise_model: Literal["off", "declared"] = Field(
+        "off", description="declared: attack the upload as the declared defenses make it (gradleak.defenses.declared): "
+        "match by the Gaussian likelihood of the declared noise -- the squared error, the maximum-likelihood "
+        "distance under isotropic per-coordinate noise (whitening by its std is a constant factor) -- instead of the "
+        "attack's own distance, and simulate the declared clipping (the simulated gradient scaled to min(1, C / its "
+        "norm); DP-SGD's per-sample bound, exact for B = 1)")
 
 
 class InvertingGradientsConfig(MatchingFields):
@@ -251,6 +257,19 @@ class InvertingGradients(AttackBase):
     input_pe_term: ClassVar[bool] = False
     #: ``scale:`` (experiment config) -> the attack parameters it sets unless the config sets them
     scales: ClassVar[dict[str, dict[str, Any]]] = {"cpu": {"steps": CPU_STEPS}, "paper": {"steps": PAPER_STEPS}}
+
+    @classmethod
+    def audit_variants(cls, params, defenses):
+        """Under a declared defense that adds noise or clips, the audit also matches by the declared noise's
+        likelihood with the declared clipping simulated (``noise_model: declared``): the attacker who knows the
+        mechanism, beside the one who does not."""
+        from gradleak.defenses.declared import as_declared
+
+        d = as_declared(defenses)
+        if params.get("noise_model", "off") != "declared" and (
+                d.adds_noise or d.noise_unknown or d.clip_norm or d.per_sample_clip_norm):
+            return [{"noise_model": "declared"}]
+        return []
 
     @classmethod
     def check_fl(cls, cfg, fl) -> None:
@@ -354,6 +373,15 @@ class InvertingGradients(AttackBase):
 
     def _setup(self, view: ServerView, time_fwdbwd: bool) -> SimpleNamespace:
         from gradleak.peft.layer_pe import is_input_pe, is_layer_pe
+
+        self._clip = None
+        if getattr(self, "noise_model", "off") == "declared":  # the declared defenses' clipping bound (the noise: the l2 distance)
+            from gradleak.defenses.declared import as_declared
+
+            declared = view.public.get("declared_defenses") or as_declared(view.public.get("update_defenses") or [])
+            upd = view.updates[min(self.client_index, len(view.updates) - 1)] if view.updates else None
+            per_sample = declared.per_sample_clip_norm if int(getattr(upd, "num_samples", 0) or 0) == 1 else None
+            self._clip = declared.clip_norm or per_sample
 
         if not view.updates:
             raise BadInput("view.updates", "the server view holds no update.", "run at least one client round.")
@@ -599,7 +627,14 @@ class InvertingGradients(AttackBase):
         grads: list[Any] = [None] * len(params)
         for i, g in zip(used, got):
             grads[i] = g if g is not None else torch.zeros_like(params[i])
-        main = self._distance(grads, targets, groups["main"], norms["main"], self.distance)
+        kind = self.distance
+        if getattr(self, "noise_model", "off") == "declared":  # the declared noise's likelihood; the declared clip
+            kind = "l2"
+            if getattr(self, "_clip", None):
+                gn = torch.sqrt(sum((grads[i] ** 2).sum() for i in used))
+                factor = torch.clamp(self._clip / gn.clamp_min(1e-30), max=1.0)
+                grads = [g * factor if g is not None else None for g in grads]
+        main = self._distance(grads, targets, groups["main"], norms["main"], kind)
         if not groups["pe"]:
             return main, main, None
         pe = self._distance(grads, targets, groups["pe"], norms["pe"], "cosine")
