@@ -117,7 +117,8 @@ DEFENSE_SETS = {
 
 
 @pytest.mark.parametrize("kind", sorted(DEFENSE_SETS))
-@pytest.mark.parametrize("path, attack, key", [(TEXT, "utr", "noise"), (TEXT, "dager", "eps_bag"),
+@pytest.mark.parametrize("path, attack, key", [(TEXT, "utr", "noise"),
+                                               ("configs/audit/text_lora.yaml", "dager", "eps_bag"),
                                                (IMAGE, "lora_span", "rank_cut"), (IMAGE, "ig", "noise_model"),
                                                (IMAGE, "gias", "noise_model")])
 def test_every_declared_defense_kind_reaches_the_attacks_tuning(kind, path, attack, key):
@@ -180,3 +181,16 @@ def test_the_leakage_margin_is_read_per_layer_from_a_runs_metrics():
                         "rouge1_f1": 50.0})
     assert m == {"embedding_adapter": {"spectral_margin": 3.0, "drowning_noise_std": 1e-5,
                                        "drowning_noise_std_all": 1e-3, "signal_rank": 27.0}}
+
+
+def test_an_attack_that_cannot_apply_runs_no_variant():
+    """DAGER reads attention-query gradients: on an adapters-only upload it is not applicable whatever its
+    tolerances, so the audit runs it once (as configured) and spends no time on full-strength variants."""
+    from gradleak.run.audit import full_strength_variants, plan_audit
+
+    _, _, _, planned, _, _ = plan_audit(load_yaml(TEXT), ["defense.name=dpsgd"], ["dager"])
+    (_, cand, cfg, A), = planned
+    assert full_strength_variants(A, cand, cfg) == [{}]
+    _, _, _, planned, _, _ = plan_audit(load_yaml("configs/audit/text_lora.yaml"), ["defense.name=dpsgd"], ["dager"])
+    (_, cand, cfg, A), = planned
+    assert len(full_strength_variants(A, cand, cfg)) > 1

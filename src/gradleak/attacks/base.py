@@ -104,6 +104,13 @@ class AttackBase:
         return []
 
     @classmethod
+    def measurable(cls, experiment_cfg) -> bool:
+        """False when the attack can find nothing to use in this setup's uploads whatever its parameters (it then
+        runs once, as configured, and reports not applicable; the audit runs no full-strength variant of it).
+        Default: True."""
+        return True
+
+    @classmethod
     def from_config(cls, cfg: AttackConfig, ctx: AttackContext) -> "AttackBase":
         return cls(**cfg.model_dump())
 

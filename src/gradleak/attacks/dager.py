@@ -112,6 +112,17 @@ class DAGERAttack(AttackBase):
     Config = DAGERConfig
 
     @classmethod
+    def measurable(cls, experiment_cfg) -> bool:
+        """DAGER reads the attention query gradients: a setup that trains none (adapters only, or LoRA without a
+        query target) uploads nothing it can use."""
+        peft = experiment_cfg.peft
+        if getattr(experiment_cfg.model, "train_all", False):
+            return True
+        if peft.kind == "lora":  # the default targets include the query projection
+            return peft.lora_targets is None or any(t in ("query", "q_proj") for t in peft.lora_targets)
+        return peft.kind not in ("adapters",)
+
+    @classmethod
     def audit_variants(cls, params, defenses):
         """Its span checks decide on a relative-residual tolerance that noise can push a true token past: under a
         declared update defense the audit also runs both tolerances 10x looser (capped below 1)."""

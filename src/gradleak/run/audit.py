@@ -170,7 +170,7 @@ def full_strength_variants(A, cand: dict, cfg, defenses: list | None = None) -> 
     from gradleak.run.runner import validate
 
     vs: list[dict] = [{}]
-    if A.rewrites_weights:
+    if A.rewrites_weights or not A.measurable(cfg):  # nothing in this setup's uploads for any parameter set
         return vs
     for v in A.audit_variants(cfg.attack_cfg.model_dump(mode="json"), declared_defenses(cfg)):
         if not v or v in vs:
