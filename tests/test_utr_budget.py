@@ -34,8 +34,8 @@ def test_audit_variants_keep_the_automatic_budget_and_cap_an_explicit_one():
     from gradleak.defenses.declared import DeclaredDefenses
 
     sa = DeclaredDefenses(secure_aggregation=True, clients=8)
-    assert [v["time_budget"] for v in UTRAttack.audit_variants({}, sa)] == [None]
-    assert [v["time_budget"] for v in UTRAttack.audit_variants({"time_budget": 600.0}, sa)] == [120.0]
+    assert UTRAttack.audit_variants({}, sa) == [{"noise": "estimate"}]  # the automatic budget: left unset
+    assert UTRAttack.audit_variants({"time_budget": 600.0}, sa) == [{"noise": "estimate", "time_budget": 120.0}]
 
 
 @pytest.mark.timeout(120)
@@ -51,3 +51,25 @@ def test_search_stops_once_every_sentence_is_verified(minilm):
         assert info["verified_sentences"] == 2 and info["unverified_sentences"] == 0
         assert not info["search_truncated"]
         assert info["sentence_seconds"] < 0.25 * budget  # stopped at the last verification, not at the budget
+
+
+def test_a_spent_budget_still_runs_the_inferred_lengths_and_reports_the_cut(monkeypatch):
+    """The length-hypothesis loop (saturated first layer adapter): with the budget spent, the inferred lengths still
+    run once, the other hypotheses are skipped, and the result says so (``search_truncated``)."""
+    from gradleak.attacks.common.encoder_search import EncoderChainSearch
+
+    s = EncoderChainSearch.__new__(EncoderChainSearch)
+    s.time_budget, s.max_peel_sweeps, s.lengths = 0.0, 60, [3, 2]
+    runs = []
+    monkeypatch.setattr(s, "_length_hypotheses", lambda: [[3, 2], [3, 3], [2, 2]], raising=False)
+    monkeypatch.setattr(s, "_reset_peel", lambda: None, raising=False)
+    monkeypatch.setattr(s, "_construct", lambda: [[0, 1, 2, 9], [0, 1, 9]], raising=False)
+
+    def run_peel(chains, info, t0, stale_limit):
+        runs.append(list(s.lengths))
+        return [c[1:-1] for c in chains], {**info, "verified_sentences": 0, "joint_residual": 1.0}
+
+    monkeypatch.setattr(s, "_run_peel", run_peel, raising=False)
+    out, info = s._run_hypotheses({"search_truncated": False}, 0.0)
+    assert runs == [[3, 2]] and info["length_hypotheses_tried"] == 1 and info["search_truncated"]
+    assert out == [[1, 2], [1]]

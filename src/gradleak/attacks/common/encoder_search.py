@@ -593,12 +593,13 @@ class EncoderChainSearch(ChainLengths):
         """Peel search over the length hypotheses: a short run each (a wrong hypothesis stalls quickly), then the
         two most verified ones again with the full sweep budget, until one is verified or time runs out."""
         hyps = [(h, None) for h in self._length_hypotheses()]
-        scored, best, tried = [], None, 0
+        scored, best, tried, out_of_time = [], None, 0, False
         for stale_limit, pool in ((6, hyps), (self.max_peel_sweeps, None)):
             if pool is None:  # the second pass goes on from where the first one stalled
                 pool = [(h, c) for _, _, h, c in sorted(scored, key=lambda x: x[:2], reverse=True)[:2]]
             for lengths, start in pool:
-                if time.perf_counter() - t0 > self.time_budget:
+                if tried and time.perf_counter() - t0 > self.time_budget:  # the inferred lengths always run
+                    out_of_time = True
                     break
                 self.lengths = lengths
                 self._reset_peel()
@@ -613,6 +614,9 @@ class EncoderChainSearch(ChainLengths):
                     best[2]["length_hypotheses_tried"] = tried
                     return best[1], best[2]
         best[2]["length_hypotheses_tried"] = tried
+        # the budget cut the hypotheses (or a run's sweeps): reported, whichever run's chains are returned
+        best[2]["search_truncated"] = bool(best[2].get("search_truncated") or out_of_time
+                                           or time.perf_counter() - t0 > self.time_budget)
         return best[1], best[2]
 
     # ------------------------------------------------------------------ driver
@@ -644,6 +648,7 @@ class EncoderChainSearch(ChainLengths):
 
         for lengths in hypotheses():
             if tried and time.perf_counter() - t0 > self.time_budget:
+                best[1]["search_truncated"] = True  # hypotheses left untried
                 break
             self.lengths = lengths
             out, inf = self._run_plain(dict(info), t0)

@@ -114,18 +114,18 @@ class UTRAttack(AttackBase):
         (quantisation; a std too small to matter): the audit also runs the noise read off the upload's spectrum
         ('estimate', measured: stochastic quantisation 16 bits ROUGE-1 50.8 -> 97.9). Exact tests ('none') on a
         noisy upload only exhaust the search's time budget, so they are not a variant. A variant's budget: an
-        explicit one, at most 120 s; the automatic one (null) as it is (:func:`auto_time_budget`: at most 120 s up to
+        explicit one, at most 120 s; else the automatic one, left unset (:func:`auto_time_budget`: at most 120 s up to
         18 expected sentences)."""
         from gradleak.defenses.declared import as_declared
 
         cfg = cls.Config(**params)
         declared = as_declared(defenses)
-        budget = None if cfg.time_budget is None else min(float(cfg.time_budget), 120.0)
+        budget = {} if cfg.time_budget is None else {"time_budget": min(float(cfg.time_budget), 120.0)}
         out = []
         if declared and cfg.noise != "estimate":
-            out.append({"noise": "estimate", "time_budget": budget})
+            out.append({"noise": "estimate", **budget})
         if declared.sparsity and cfg.search == "extended":  # the completion and the plain tests: keep the stronger
-            out.append({"sparsity_aware": not cfg.sparsity_aware, "time_budget": budget})
+            out.append({"sparsity_aware": not cfg.sparsity_aware, **budget})
         return out
     modality = "text"
     peft_kinds = ("adapters",)
