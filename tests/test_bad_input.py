@@ -102,6 +102,15 @@ def test_nan_inf_and_bool_and_fraction_refused_in_every_numeric_field_of_every_m
             return kinds(args[0])
         return set().union(*(kinds(a) for a in args)) if typing.get_origin(ann) is typing.Union else {ann}
 
+    def inf_annotated(ann) -> bool:
+        """An InfOK inside Optional[...] (e.g. a budget that is automatic when null, unlimited at .inf)."""
+        if typing.get_origin(ann) is typing.Annotated:
+            return any(getattr(x, "allow_inf_nan", None) or any(getattr(y, "allow_inf_nan", None)
+                                                                 for y in getattr(x, "metadata", ()))
+                       for x in typing.get_args(ann)[1:]) \
+                or inf_annotated(typing.get_args(ann)[0])
+        return typing.get_origin(ann) is typing.Union and any(inf_annotated(a) for a in typing.get_args(ann))
+
     def error_types(m, name, value):
         try:
             m(**{name: value})
@@ -113,7 +122,7 @@ def test_nan_inf_and_bool_and_fraction_refused_in_every_numeric_field_of_every_m
     for m in models:
         for name, f in m.model_fields.items():
             k = kinds(f.annotation)
-            inf_ok = any(getattr(x, "allow_inf_nan", None) for x in f.metadata)
+            inf_ok = any(getattr(x, "allow_inf_nan", None) for x in f.metadata) or inf_annotated(f.annotation)
             if float in k:
                 assert error_types(m, name, float("nan")) & {"finite_number", "nan_number"}, (m, name)
                 if not inf_ok:
