@@ -10,7 +10,7 @@ Cells (one ``gradleak run`` each, through the one cell loop; resumable; rows car
   sigma in {1e-6, 1e-4} (C = 1: its noise reaches the attack through the declared-defense model) beside the
   Gaussian upload noise of the same per-coordinate std; the paper's DP-Gaussian sigma = 0.01, C = 1 literally.
 * **lora_span** on ``configs/audit/vit_lora.yaml`` (ViT-S/14 pretrained, LoRA r = 128 on block-0 query/value,
-  Fashion-MNIST, B = 1): absolute per-coordinate Gaussian noise at fractions {0.01, 0.1, 0.3, 1, 3} of the
+  Fashion-MNIST, B = 1): absolute per-coordinate Gaussian noise at {0.01, 0.1, 0.3, 1, 3, 10, 100, 1000} x the
   upload's *drowning std* (the std at which the noise edge reaches the weakest of the N + 1 token directions,
   measured on the undefended upload of the same seed), with the rank cut of the exact solver (``gap``) and the two
   denoising cuts (``noise_edge``, ``tokens``).
@@ -36,7 +36,7 @@ TEXT = "configs/audit/text_adapters.yaml"
 IMAGE = "configs/audit/vit_lora.yaml"
 SEEDS = {0: "tuned", 11: "held out"}
 PRUNE = (0.9, 0.95, 0.99, 0.999)
-DRAWN = (0.01, 0.1, 0.3, 1.0, 3.0)
+DRAWN = (0.01, 0.1, 0.3, 1.0, 3.0, 10.0, 100.0, 1000.0)
 
 
 def revision() -> str:
