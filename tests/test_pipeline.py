@@ -124,8 +124,9 @@ def test_view_carries_exactly_the_granted_keys_through_the_runner(tmp_path, monk
     raw = {**TINY_IMAGE, "threat": threat, "attack": {**TINY_IMAGE["attack"], "labels": labels}}
     res = run_config(raw, tmp_path)
     (view,) = seen
-    assert set(view.public) == expected | {"update_defenses", "clients"}
+    assert set(view.public) == expected | {"update_defenses", "declared_defenses", "clients"}
     assert view.public["update_defenses"] == [] and view.public["clients"] == raw.get("fl", {}).get("clients", 1)
+    assert not view.public["declared_defenses"]  # nothing declared: the attacks run as configured
     if "labels" in expected:
         assert len(view.public["labels"]) == 2
     assert res["config"]["threat_resolved"]["knows_labels"] == threat["knows_labels"]
@@ -140,7 +141,8 @@ def test_text_view_grants_lengths_only_under_the_flag(tmp_path, monkeypatch):
 
     seen = _spy_views(monkeypatch, UTRAttack)
     res = run_config({**TEXT, "attack": {"name": "utr"}}, tmp_path / "utr")
-    protocol_public = {"update_defenses", "clients"}  # published by the protocol itself
+    # published by the protocol itself (the declared defenses: what the server knows of the mechanism it runs)
+    protocol_public = {"update_defenses", "declared_defenses", "clients"}
     assert set(seen[0].public) == {"tokenizer", "model_kind", "model_task", "batch_size"} | protocol_public
     assert res["metrics"]["rouge1"] == 100 and res["metrics"]["sentences_verified"] == 1
     seen = _spy_views(monkeypatch, LAMPAttack)
