@@ -116,22 +116,21 @@ DEFENSE_SETS = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(DEFENSE_SETS))
-@pytest.mark.parametrize("path, attack, key", [(TEXT, "utr", "noise"),
-                                               ("configs/audit/text_lora.yaml", "dager", "eps_bag"),
-                                               (IMAGE, "lora_span", "rank_cut"), (IMAGE, "ig", "noise_model"),
-                                               (IMAGE, "gias", "noise_model")])
+FAMILIES = [(TEXT, "utr", "noise"), ("configs/audit/text_lora.yaml", "dager", "eps_bag"),
+            (IMAGE, "lora_span", "rank_cut"), (IMAGE, "ig", "noise_model"), (IMAGE, "gias", "noise_model")]
+#: no noise and no clipping declared: nothing for the optimisation attacks' likelihood or clip model to use
+NOTHING_TO_MODEL = ("top-k", "secure aggregation")
+
+
+@pytest.mark.parametrize("kind, path, attack, key", [
+    (kind, *f) for kind in sorted(DEFENSE_SETS) for f in FAMILIES
+    if not (f[2] == "noise_model" and kind in NOTHING_TO_MODEL)])
 def test_every_declared_defense_kind_reaches_the_attacks_tuning(kind, path, attack, key):
     """The audit's full-strength variants of each exact-attack family appear under every kind of declared defense
     (and not on an undefended setup, where they would only cost time)."""
     from gradleak.run.audit import full_strength_variants
 
     sets = DEFENSE_SETS[kind]
-    if key == "noise_model" and kind in ("top-k", "secure aggregation"):
-        pytest.skip("no noise and no clipping declared: nothing for a likelihood or a clip model to use")
-    if path == IMAGE and kind in ("dp-sgd (training)", "percentile noise (defense section)"):
-        sets = {"dp-sgd (training)": ["defense.name=dpsgd", "defense.noise_multiplier=1.0e-4"],
-                "percentile noise (defense section)": ["defense.name=percentile_noise", "defense.sigma0=1.0"]}[kind]
     from gradleak.run.audit import plan_audit
 
     def variants(sets_):
@@ -194,3 +193,14 @@ def test_an_attack_that_cannot_apply_runs_no_variant():
     _, _, _, planned, _, _ = plan_audit(load_yaml("configs/audit/text_lora.yaml"), ["defense.name=dpsgd"], ["dager"])
     (_, cand, cfg, A), = planned
     assert len(full_strength_variants(A, cand, cfg)) > 1
+
+
+@pytest.mark.parametrize("kind", NOTHING_TO_MODEL)
+def test_the_likelihood_variant_needs_declared_noise_or_clipping(kind):
+    """Top-k pruning and secure aggregation add no noise and clip nothing: the optimisation attacks get no
+    noise-model variant there (it would be the same attack again)."""
+    from gradleak.run.audit import full_strength_variants, plan_audit
+
+    _, _, _, planned, _, _ = plan_audit(load_yaml(IMAGE), DEFENSE_SETS[kind], ["ig"])
+    (_, cand, cfg, A), = planned
+    assert not any("noise_model" in v for v in full_strength_variants(A, cand, cfg))
