@@ -121,15 +121,12 @@ class DeclaredDefenses:
         if individual is None:
             individual = not self.secure_aggregation
         agg = 1 if individual else max(self.clients, 1)
-        var, known = 0.0, True
+        var = 0.0
         for d in self._all():
             v = d.observed_noise_variance(update, aggregate_of=agg, individual=individual,
                                           **({"local_batch_size": self.local_batch_size}
                                              if isinstance(d, TrainingDefense) else {}))
-            if v is None:
-                known = False
-            else:
-                var += float(v)
+            var += float(v) if v is not None else 0.0  # None: a scale the server cannot know (noise_unknown)
         var += self._framework_noise(individual, agg)
         return var ** 0.5 if var > 0 else None  # an unknown part (noise_unknown) is left to the spectrum
 

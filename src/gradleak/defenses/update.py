@@ -265,16 +265,11 @@ def coordinate_noise_std(entries: list[dict] | list[DefenseConfig], update: Upda
     The server knows the DP configuration (it is part of the published protocol); each defense says what it adds
     (:meth:`~gradleak.defenses.base.UpdateDefense.observed_noise_variance`). Independent noises add in variance;
     clipping scales the signal only."""
-    var, known = 0.0, True
-    for d in build_defenses(entries):
-        v = d.observed_noise_variance(update, aggregate_of=aggregate_of, individual=individual)
-        if v is None:
-            known = False
-        else:
-            var += v
-    if not known and var == 0.0:
-        return None
-    return var ** 0.5 if var > 0 else None
+    from gradleak.defenses.declared import as_declared
+
+    declared = as_declared(entries)
+    declared.clients = max(int(aggregate_of), 1)
+    return declared.noise_std(update, individual=individual)
 
 
 @DEFENSES.register("topk_pruning", "zero all but the largest-magnitude (1 - prune_fraction) of the coordinates "
