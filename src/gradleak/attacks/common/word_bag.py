@@ -90,10 +90,6 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
     if extended and getattr(cfg, "sparsity_aware", True) and support_mask(grads) is not None:
         return _pruned_word_bag(model, grads, cfg, sigma, t0)
 
-    def round_grads() -> list[torch.Tensor]:
-        """The embedding adapter's gradient of the attacked round."""
-        return collect_grads(view, adapter_param("embedding"))
-
     sub = subspace_from_gradients(grads, cfg.rank_rtol, noise_std=sigma)
     eps_bag = max(cfg.eps_bag, sub.tol)  # noise mode: the tolerance the noise floor implies
     causal = is_causal(model)
@@ -124,7 +120,7 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
             eps_bag = min(eps_bag, 0.5 * floor)
             cand = [v for v in (min_res < eps_bag).nonzero().flatten().tolist() if v != model.config.pad_token_id]
             dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
-                                      round_grads(), cand, npos,
+                                      collect_grads(view, adapter_param("embedding")), cand, npos,
                                       noise_std=sigma) if cand else None
             if dec is not None:
                 pairs = {v: ps for v, ps in dec.items() if ps}
@@ -137,7 +133,7 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
             dec = None
             if 0 < len(cand) < sub.rows:
                 dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
-                                          round_grads(), cand, npos,
+                                          collect_grads(view, adapter_param("embedding")), cand, npos,
                                           noise_std=sigma)
             if dec is not None:
                 pairs = {v: ps for v, ps in dec.items() if ps}
@@ -165,7 +161,7 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
             if pairs and not sub.saturated and extended:
                 npos_seen = 1 + max(p for ps in pairs.values() for p in ps)
                 dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
-                                          round_grads(), tokens, npos_seen,
+                                          collect_grads(view, adapter_param("embedding")), tokens, npos_seen,
                                           noise_std=sigma)
                 if dec is not None:
                     pairs = dec
