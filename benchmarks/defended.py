@@ -211,7 +211,12 @@ def table(rows: list[dict]) -> str:
     lines += reading(rows)
     failed = [r for r in rows if "error" in r]
     if failed:
-        lines += [f"Failed cells: {', '.join(r['cell'] for r in failed)}.", ""]
+        by: dict[str, list[dict]] = {}
+        for r in failed:
+            by.setdefault(r.get("model") or r.get("part", "?"), []).append(r)
+        for who, rs in by.items():
+            lines += [f"Failed cells ({who}, {len(rs)}): the first failed with `{rs[0]['error'][:160]}` "
+                      f"({rs[0]['cell']}); not measured, so not counted above.", ""]
     revs = sorted({r.get("revision", "?") for r in rows if "metrics" in r})
     lines.append(f"Code revision(s) of these rows: {', '.join(revs)}. Command: "
                  "`python benchmarks/defended.py --out benchmarks/out --update-docs`.")
