@@ -293,11 +293,9 @@ class LoraSpan(AttackBase):
         # the leakage margin: the weakest of the B (N + 1) token directions over the noise edge the declared defenses
         # imply, and the noise that would drown it (gradleak.attacks.common.subspace.spectral_margin)
         from gradleak.attacks.common.subspace import spectral_margin
-        from gradleak.defenses.declared import as_declared
+        from gradleak.defenses.declared import view_noise_std
 
-        declared = view.public.get("declared_defenses") or as_declared(view.public.get("update_defenses") or [])
-        sigma = declared.noise_std(upd, individual=not view.secure_aggregation)
-        margin = spectral_margin([G], max(batch, 1) * (N + 1), sigma)
+        margin = spectral_margin([G], max(batch, 1) * (N + 1), view_noise_std(view, upd))
         info["leakage_margin"] = {"layer": "block0_lora_A", **margin}
         metrics.update({f"{k}_block0_lora_A": v for k, v in margin.items()})
         return Reconstruction({"images": imgs.to(torch.float32)}, info, metrics)
@@ -309,10 +307,9 @@ class LoraSpan(AttackBase):
             return min(batch * (N + 1), len(S)), None
         if self.rank_cut == "noise_edge":
             from gradleak.attacks.common.subspace import estimate_noise_std
-            from gradleak.defenses.declared import as_declared
+            from gradleak.defenses.declared import view_noise_std
 
-            declared = view.public.get("declared_defenses") or as_declared(view.public.get("update_defenses") or [])
-            sigma = declared.noise_std(view.updates[0], individual=not view.secure_aggregation)
+            sigma = view_noise_std(view)
             if not sigma:
                 sigma = estimate_noise_std([G])
             edge = sigma * (G.shape[0] ** 0.5 + G.shape[1] ** 0.5)

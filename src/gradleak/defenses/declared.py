@@ -154,6 +154,27 @@ def as_declared(defenses: Any) -> DeclaredDefenses:
     return DeclaredDefenses(update=built, names=[d["name"] if isinstance(d, dict) else d.name for d in entries])
 
 
+def view_declared(view: Any) -> DeclaredDefenses:
+    """The declared defenses a server view carries (``view.public["declared_defenses"]``, set by the pipeline); a
+    view built without them (a test, an integration's own view) falls back to its published update list and client
+    count."""
+    declared = view.public.get("declared_defenses")
+    if declared is None:
+        declared = as_declared(view.public.get("update_defenses") or [])
+        declared.clients = int(view.public.get("clients") or 1)
+    return declared
+
+
+def view_noise_std(view: Any, update: Any = None) -> Optional[float]:
+    """Per-coordinate std of the declared noise on ``update`` (default: the view's first) as the server observes
+    it: an individual upload, or under secure aggregation the mean of the clients' uploads; None: no noise of a
+    known scale (:meth:`DeclaredDefenses.noise_std`)."""
+    update = update if update is not None else (view.updates[0] if view.updates else None)
+    if update is None:
+        return None
+    return view_declared(view).noise_std(update, individual=not view.secure_aggregation)
+
+
 def declared_defenses(cfg: Any, seed: Optional[int] = None) -> DeclaredDefenses:
     """Resolve every defense a validated experiment config declares (module docstring)."""
     seed = cfg.seed if seed is None else seed
@@ -180,4 +201,4 @@ def declared_defenses(cfg: Any, seed: Optional[int] = None) -> DeclaredDefenses:
                             framework_dp=framework, lr=float(fl.lr), names=names)
 
 
-__all__ = ["DeclaredDefenses", "as_declared", "declared_defenses"]
+__all__ = ["DeclaredDefenses", "as_declared", "declared_defenses", "view_declared", "view_noise_std"]

@@ -99,7 +99,7 @@ def declared_noise_std(view, mode, grads: list[torch.Tensor]) -> float | None:
     DP-SGD's training, secure aggregation, a framework's DP) plus a weight reply's rounding (Flower), or None when
     nothing declared adds noise of a known scale."""
     from gradleak.attacks.common.subspace import estimate_noise_std
-    from gradleak.defenses.declared import as_declared
+    from gradleak.defenses.declared import view_noise_std
 
     if mode == "none":
         return None
@@ -107,12 +107,8 @@ def declared_noise_std(view, mode, grads: list[torch.Tensor]) -> float | None:
         return float(mode)
     if mode == "estimate":
         return estimate_noise_std(grads)
-    declared = view.public.get("declared_defenses")
-    if declared is None:
-        declared = as_declared(view.public.get("update_defenses") or [])
-        declared.clients = int(view.public.get("clients") or 1)
     rounding = float(view.public.get("upload_rounding_std") or 0.0)  # a weight reply's rounding (Flower)
-    std = declared.noise_std(view.updates[0], individual=not view.secure_aggregation) if view.updates else None
+    std = view_noise_std(view)
     if std is None:
         return rounding if rounding > 0 else None
     return (std ** 2 + rounding ** 2) ** 0.5

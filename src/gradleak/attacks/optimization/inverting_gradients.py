@@ -376,9 +376,9 @@ class InvertingGradients(AttackBase):
 
         self._clip = None
         if getattr(self, "noise_model", "off") == "declared":  # the declared defenses' clipping bound (the noise: the l2 distance)
-            from gradleak.defenses.declared import as_declared
+            from gradleak.defenses.declared import view_declared
 
-            declared = view.public.get("declared_defenses") or as_declared(view.public.get("update_defenses") or [])
+            declared = view_declared(view)
             upd = view.updates[min(self.client_index, len(view.updates) - 1)] if view.updates else None
             per_sample = declared.per_sample_clip_norm if int(getattr(upd, "num_samples", 0) or 0) == 1 else None
             self._clip = declared.clip_norm or per_sample

@@ -71,8 +71,10 @@ class UTRConfig(SpanTestConfig):
     value_test: bool = Field(True, description="test candidate sentences on the embedding adapter's gradient values "
                              "(one-step uploads): past the first layer's bottleneck, bidirectional models move chains "
                              "by it, causal models verify sentences, peel them from the upload and search the rest")
-    sparsity_aware: bool = Field(True, description="a top-k pruned upload (coordinates exactly zero): complete the "
-                                 "gradient matrix on the kept support before the membership tests (extended search)")
+    sparsity_aware: bool = Field(True, description="a top-k pruned upload (coordinates exactly zero): read the word "
+                                 "bag on the kept support, the pruned entries as an error of the level read off the "
+                                 "spectrum, members as the vocabulary's lower outliers (extended search; "
+                                 "gradleak.attacks.common.subspace.pruned_membership)")
     soft_rank: Optional[float] = Field(0.96, gt=0, le=1, description="past the first layer's bottleneck (with the "
                                        "value test): grade chains by this fraction of the upload's strongest "
                                        "directions instead of its whole (saturated) row space; null = off")
