@@ -180,7 +180,7 @@ def declared_defenses(cfg: Any, seed: Optional[int] = None) -> DeclaredDefenses:
     seed = cfg.seed if seed is None else seed
     entries = [d.model_dump() for d in cfg.defenses]
     update = build_defenses(entries, seed=seed)
-    names = [e["name"] for e in entries]
+    names = [f"{e['name']} (update)" for e in entries]
     training = getattr(cfg, "training_defense", None)
     if training is None and getattr(cfg, "defense", None) is not None:
         training = build_defense_section(cfg.defense, getattr(cfg, "modality", "text"), seed=seed)
@@ -193,9 +193,9 @@ def declared_defenses(cfg: Any, seed: Optional[int] = None) -> DeclaredDefenses:
     framework = None
     if getattr(fl, "engine", "builtin") == "flower" and getattr(fl.flower, "dp", "none") != "none":
         framework = fl.flower.model_dump()
-        names.append(f"flower {fl.flower.dp} DP")
+        names.append(f"Flower DP ({fl.flower.dp})")
     if fl.secure_aggregation:
-        names.append(f"secure aggregation ({fl.clients} clients)")
+        names.append(f"secure aggregation over {fl.clients} client(s)")
     return DeclaredDefenses(update=update, training=training, secure_aggregation=bool(fl.secure_aggregation),
                             clients=int(fl.clients), algorithm=fl.algorithm, local_batch_size=fl.local_batch_size,
                             framework_dp=framework, lr=float(fl.lr), names=names)

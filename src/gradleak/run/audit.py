@@ -802,11 +802,9 @@ def describe_setup(cfg) -> list[str]:
         params = {k: v for k, v in section.model_dump(mode="json").items() if k != "name"}
         lines.append(f"training defense {tname} {json.dumps(params)} (the `defense:` section: it changes each "
                      "client's local training)")
-    declared = [f"{d.name} (update)" for d in cfg.defenses] + ([f"{tname} (training)"] if tname != "none" else [])
-    if getattr(cfg.fl, "secure_aggregation", False):
-        declared.append(f"secure aggregation over {cfg.fl.clients} client(s)")
-    if getattr(cfg.fl, "engine", "builtin") == "flower" and getattr(cfg.fl.flower, "dp", "none") != "none":
-        declared.append(f"Flower DP ({cfg.fl.flower.dp})")
+    from gradleak.defenses.declared import declared_defenses
+
+    declared = declared_defenses(cfg).names  # the one resolution the attacks' tuning reads too
     lines.append("declared defenses: " + (", ".join(declared) if declared else "none"))
     return lines
 
