@@ -147,7 +147,8 @@ def spectral_margin(grads: list[torch.Tensor], rank: int, noise_std: float | Non
     rows = stack_rows(grads)
     M, n = rows.shape
     if rows.numel() == 0 or rank < 1:
-        return {"spectral_margin": float("nan"), "drowning_noise_std": 0.0, "drowning_noise_std_all": 0.0}
+        return {"spectral_margin": float("nan"), "drowning_noise_std": 0.0, "drowning_noise_std_all": 0.0,
+                "signal_rank": 0.0}
     s = torch.linalg.svdvals(rows)
     k = min(int(rank), len(s))
     scale = M ** 0.5 + n ** 0.5
@@ -157,18 +158,14 @@ def spectral_margin(grads: list[torch.Tensor], rank: int, noise_std: float | Non
             "signal_rank": float(k)}
 
 
-def support_mask(grads: list[torch.Tensor], min_fraction: float = 0.01) -> torch.Tensor | None:
-    """The retained support of a pruned upload (True where a coordinate was kept), stacked as :func:`stack_rows`;
-    None when the upload was not pruned: fewer than ``min_fraction`` of the entries of its nonzero rows are exactly
+def is_pruned(grads: list[torch.Tensor], min_fraction: float = 0.01) -> bool:
+    """Whether the upload was top-k pruned: at least ``min_fraction`` of the entries of its nonzero rows are exactly
     zero (a gradient row is a sum of dense inputs, so it has no exact zeros; whole zero rows -- a neuron that did not
-    fire -- are not pruning)."""
+    fire -- are not pruning). The kept support (the nonzeros) is then known to the server."""
     rows = stack_rows(grads)
     mask = rows != 0
     live = mask.any(1)
-    if not bool(live.any()):
-        return None
-    zeros = float((~mask[live]).double().mean())
-    return mask if zeros >= min_fraction else None
+    return bool(live.any()) and float((~mask[live]).double().mean()) >= min_fraction
 
 
 def pruned_membership(grads: list[torch.Tensor], residuals, exclude: list[int] | None = None,

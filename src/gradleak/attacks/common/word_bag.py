@@ -29,7 +29,7 @@ import torch
 from gradleak.attacks.common.bert_pairs import (bert_augmented_bag, bert_pair_decompose, bert_pair_exact,
                                                 bert_pair_residuals)
 from gradleak.attacks.common.pair_signals import refine_pairs
-from gradleak.attacks.common.subspace import pruned_membership, subspace_from_gradients, support_mask
+from gradleak.attacks.common.subspace import is_pruned, pruned_membership, subspace_from_gradients
 from gradleak.attacks.common.text import SpanTestConfig, collect_grads, is_causal
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
@@ -87,7 +87,7 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
     # top-k pruning: the server sees the kept support (the nonzeros); the pruned entries are an error bounded by the
     # smallest kept magnitude, so the upload is read as the signal plus noise of that kind, the token test calibrated
     # against the vocabulary's own bulk (gradleak.attacks.common.subspace.pruned_membership)
-    if extended and getattr(cfg, "sparsity_aware", True) and support_mask(grads) is not None:
+    if extended and getattr(cfg, "sparsity_aware", True) and is_pruned(grads):
         return _pruned_word_bag(model, grads, cfg, sigma, t0)
 
     sub = subspace_from_gradients(grads, cfg.rank_rtol, noise_std=sigma)

@@ -14,8 +14,8 @@ from gradleak.attacks.base import AttackBase, Reconstruction, ThreatModel
 from gradleak.attacks.common.parameters import set_config_fields
 from gradleak.attacks.common.encoder_search import EncoderChainSearch
 from gradleak.attacks.common.prefix_search import CausalPrefixSearch
-from gradleak.attacks.common.subspace import (Subspace, estimate_noise_std, spectral_margin, subspace_from_gradients,
-                                              support_mask)
+from gradleak.attacks.common.subspace import (Subspace, estimate_noise_std, is_pruned, spectral_margin,
+                                              subspace_from_gradients)
 from gradleak.attacks.common.text import SpanTestConfig, cap_to_batch, collect_grads, declared_noise_std, specials
 from gradleak.attacks.common.word_bag import word_bag
 from gradleak.attacks.utr.causal import CausalPeelSearch, CausalValueTest
@@ -229,7 +229,7 @@ class UTRAttack(AttackBase):
         t1 = time.perf_counter()
         grads_la = collect_grads(view, adapter_param(self.sentence_layer), all_rounds=False)
         la_noise = bag["noise_std"]
-        if bag.get("sparsity_aware") and support_mask(grads_la) is not None:  # pruned: the error's level, read off
+        if bag.get("sparsity_aware") and is_pruned(grads_la):  # pruned: the error's level, read off
             la_noise = estimate_noise_std(grads_la)
         sub_la = subspace_from_gradients(grads_la, self.rank_rtol, noise_std=la_noise)
         eps_sentence = max(self.eps_sentence, sub_la.tol)
