@@ -76,13 +76,15 @@ MUTATION_EVALUATION := 'gradleak.evaluation.levels.*' 'gradleak.evaluation.image
 	'gradleak.evaluation.patches.x_grade*' 'gradleak.evaluation.text.x_grade*' 'gradleak.evaluation.membership.x_grade*' \
 	'gradleak.evaluation.leakage.x_grade*'
 # The guarantees tests/test_guarantees_pinned.py pins (docs/MUTATION.md, "Deliberate breakages of the splits, ..."):
-# the nulls' pools and the prior of the data splits; the per-client victim rotation (inside run_experiment), the
-# advice's ranking (inside advise) and stopping rule, the audit's failure path (inside run_audit) and verdict banner.
+# the nulls' pools and the prior of the data splits; the per-client victim rotation (victim_rounds, attacked_clients:
+# what run_experiment attacks), the advice's ranking (ranked, hollow_dp) and stopping rule (outcome, stopped), the
+# audit's failure path (record_failures) and its verdict banner (verdict_and_headline, banner_colour).
 MUTATION_SPLITS := 'gradleak.data.splits.xǁImageDataǁnull_pool*' 'gradleak.data.splits.xǁImageDataǁclients*' \
 	'gradleak.data.splits.xǁImageDataǁprior_image*' 'gradleak.data.splits.xǁTextDataǁnull_pool*'
-MUTATION_RUN := 'gradleak.run.pipeline.x_run_experiment*' 'gradleak.run.advise.x_advise__mutmut*' \
-	'gradleak.run.advise.x_outcome*' 'gradleak.run.advise.x_stopped*' 'gradleak.run.audit.x_run_audit__mutmut*' \
-	'gradleak.run.audit.x_verdict_and_headline*' 'gradleak.run.audit_report.x_write_audit_report*'
+MUTATION_RUN := 'gradleak.run.pipeline.x_victim_rounds*' 'gradleak.run.pipeline.x_attacked_clients*' \
+	'gradleak.run.advise.x_ranked*' 'gradleak.run.advise.x_hollow_dp*' 'gradleak.run.advise.x_outcome*' \
+	'gradleak.run.advise.x_stopped*' 'gradleak.run.audit.x_record_failures*' \
+	'gradleak.run.audit.x_verdict_and_headline*' 'gradleak.run.audit_report.x_banner_colour*'
 MUTATION_TARGETS := $(MUTATION_THREAT) $(MUTATION_AGGREGATION) $(MUTATION_DEFENSES) $(MUTATION_EVALUATION) \
 	$(MUTATION_SPLITS) $(MUTATION_RUN)
 

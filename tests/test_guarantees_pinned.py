@@ -502,3 +502,110 @@ def test_the_client_count_of_the_gate_comes_from_the_config(n, monkeypatch):
                          "threat": {"preset": "honest-but-curious"}})
         assert cfg.threat_model.individual_updates is False and cfg.threat_model.exposure is None
     assert asked and set(asked) == {n}
+
+
+# ------------------------------------------------------------------------------------------- the small pieces
+# The functions the pieces above are made of, pinned one by one (fast: they are what ``make mutation`` mutates).
+def test_victim_rounds_puts_the_victims_upload_first_in_every_round_and_keeps_the_rest():
+    from gradleak.run.pipeline import victim_rounds
+
+    rounds = [["a0", "a1", "a2"], ["b0", "b1", "b2"]]
+    assert victim_rounds(rounds, 0) is rounds  # client 0: the rounds as observed
+    assert victim_rounds(rounds, 1) == [["a1", "a2", "a0"], ["b1", "b2", "b0"]]
+    assert victim_rounds(rounds, 2) == [["a2", "a0", "a1"], ["b2", "b0", "b1"]]
+    for v in range(3):  # nothing lost, nothing duplicated
+        assert all(sorted(r) == sorted(o) for r, o in zip(victim_rounds(rounds, v), rounds))
+
+
+@pytest.mark.parametrize("attack_clients, individual, n, kind, expected", [
+    ("all", True, 3, "images", [0, 1, 2]),
+    ("all", True, 2, "token_sequences", [0, 1]),
+    ("all", True, 1, "images", [0]),          # one client: itself
+    ("all", False, 3, "images", [0]),         # secure aggregation: the sum, attacked once
+    ("first", True, 3, "images", [0]),        # the run asks for the first client only
+    ("all", True, 3, "membership", [0]),      # membership is graded over all candidates at once
+    ("all", True, 3, "leakage", [0]),         # the leakage unit grades every client in one evaluation
+])
+def test_attacked_clients_are_every_client_only_when_each_upload_is_seen(attack_clients, individual, n, kind,
+                                                                         expected):
+    from types import SimpleNamespace
+
+    from gradleak.evaluation import unit
+    from gradleak.run.pipeline import attacked_clients
+
+    if kind in ("membership", "leakage"):
+        assert not unit(kind).per_client, "the case assumes membership is graded over all candidates"
+    else:
+        assert unit(kind).per_client, f"the case assumes {kind} is graded per client"
+    cfg = SimpleNamespace(metrics=SimpleNamespace(attack_clients=attack_clients))
+    assert attacked_clients(n, cfg, SimpleNamespace(individual_updates=individual), kind) == expected
+
+
+def _adv_row(defense, cost, status="stopped", **kw):
+    return {"defense": defense, "cost": cost, "status": status, "strength": 1.0, **kw}
+
+
+def test_ranked_orders_by_cost_then_finished_then_a_meaningful_guarantee():
+    from gradleak.run.advise import MEANINGFUL_EPSILON, STANDARD, hollow_dp, ranked
+
+    rows = [_adv_row("clipping", 0.30), _adv_row("gaussian_noise", 0.10), _adv_row("topk_pruning", 0.20),
+            {"defense": "quantization", "status": "failed"}, {"defense": "fisguard", "status": "stopped"},
+            _adv_row("secure_aggregation", 0.05, status="leaks")]
+    assert [r["defense"] for r in ranked(rows)] == ["gaussian_noise", "topk_pruning", "clipping"]
+    # a diverged defense ranks after every trainable one, even at a lower cost; an unmeasured cost last among these
+    rows = [_adv_row("clipping", 0.30), _adv_row("gaussian_noise", 0.01, diverged={"round": 1, "lr": 1.0}),
+            _adv_row("topk_pruning", None)]
+    assert [r["defense"] for r in ranked(rows)] == ["clipping", "topk_pruning", "gaussian_noise"]
+    # at equal cost: a finished search before an unfinished one; a meaningful epsilon before a hollow one
+    rows = [_adv_row("clipping", 0.1, status="unfinished"), _adv_row("topk_pruning", 0.1)]
+    assert [r["defense"] for r in ranked(rows)] == ["topk_pruning", "clipping"]
+    good = _adv_row("dpsgd", 0.1, epsilon=MEANINGFUL_EPSILON)
+    hollow = _adv_row("dp_gaussian", 0.1, epsilon=MEANINGFUL_EPSILON * 10)
+    assert hollow_dp(hollow) and not hollow_dp(good) and hollow_dp(_adv_row("dpsgd", 0.1))
+    assert not hollow_dp(_adv_row("clipping", 0.1)) and hollow_dp(_adv_row("x", 0.1, is_dp=True))
+    assert [r["defense"] for r in ranked([hollow, good])] == ["dpsgd", "dp_gaussian"]
+    # every tie broken by the candidate order, or the row's own tie-break
+    a, b = sorted(["clipping", "topk_pruning"], key=STANDARD.index)
+    assert [r["defense"] for r in ranked([_adv_row(b, 0.1), _adv_row(a, 0.1)])] == [a, b]
+    assert [r["defense"] for r in ranked([_adv_row(a, 0.1, tie_break=9), _adv_row(b, 0.1, tie_break=1)])] == [b, a]
+
+
+def test_record_failures_never_grades_a_crash_none():
+    from gradleak.run.audit import record_failures
+
+    said = []
+    e = {"name": "dlg"}
+    assert record_failures(e, [{"error": "RuntimeError: boom"}], "images", said.append) is True
+    assert e["level"] == "undefined" and e["success"] is False and e["undefined"] is True and e["value"] is None
+    assert e["failed"] == "RuntimeError: boom" and e["reason"] == "the run failed: RuntimeError: boom"
+    assert e["metric"] and said and "FAILED" in said[0] and "dlg" in said[0]
+    e = {"name": "dlg"}  # one crashed, one measured: the crash is recorded, the measured run is judged
+    assert record_failures(e, [{"error": "E"}, {"metrics": {}}], "images", said.append) is False
+    assert e == {"name": "dlg", "failed": "E"}
+    e = {"name": "dlg"}  # nothing at all came back: undefined, said so
+    assert record_failures(e, [], "images", said.append) is True and e["reason"] == "the run failed: no result"
+    e = {"name": "dlg", "applicable": True}  # refused once the data are known: not applicable, with the reason
+    assert record_failures(e, [{"bad_input": "data.x: no"}], "images", said.append) is True
+    assert e["applicable"] is False and e["applicable_under"] is None and e["reason"] == "data.x: no"
+    assert "level" not in e
+    e = {"name": "dlg"}  # refused in one run, measured in another: judged
+    assert record_failures(e, [{"bad_input": "x"}, {"metrics": {}}], "images", said.append) is False
+    assert e == {"name": "dlg"}
+
+
+def test_banner_colour_is_green_only_for_no_leak_found():
+    from gradleak.run.audit_report import banner_colour
+
+    def rgb(h):
+        return int(h[1:3], 16), int(h[3:5], 16), int(h[5:7], 16)
+
+    r, g, b = rgb(banner_colour("leaks"))
+    assert r > g and r > b
+    r, g, b = rgb(banner_colour("leaks_stronger_server"))
+    assert r > b and g > b and r > g  # amber
+    r, g, b = rgb(banner_colour("no_leak_found"))
+    assert g > r and g > b
+    for v in ("undefined", "something new", ""):
+        r, g, b = rgb(banner_colour(v))
+        assert r == g == b, v  # grey: never green over what was not measured
+    assert len({banner_colour(v) for v in ("leaks", "leaks_stronger_server", "no_leak_found", "undefined")}) == 4

@@ -228,6 +228,26 @@ def stopped(row: dict, attacks: list[str]) -> bool:
     return outcome(row, attacks) == "stopped"
 
 
+def hollow_dp(r: dict) -> bool:
+    """A DP row whose epsilon guarantees nothing: absolute noise under a DP name (no epsilon, or above
+    ``MEANINGFUL_EPSILON``)."""
+    e = r.get("epsilon")
+    return bool(r["defense"] in ("dp_gaussian", "dpsgd") or r.get("is_dp")) and not (
+        isinstance(e, (int, float)) and e <= MEANINGFUL_EPSILON)
+
+
+def ranked(rows: list[dict]) -> list[dict]:
+    """The candidates that can be recommended (a strength found: ``stopped``, or ``unfinished`` with its best so far),
+    best first: a defense the model trains under before one it diverges under; then the lowest accuracy cost (an
+    unmeasured cost last); a finished search before an unfinished one; a meaningful DP guarantee before a hollow one;
+    then the candidate's tie-break (its place in ``STANDARD``)."""
+    ok = [r for r in rows if r.get("status") in ("stopped", "unfinished") and "strength" in r]
+    return sorted(ok, key=lambda r: (bool(r.get("diverged")),
+                                     r.get("cost") if isinstance(r.get("cost"), (int, float)) else math.inf,
+                                     r["status"] != "stopped", hollow_dp(r),
+                                     r["tie_break"] if "tie_break" in r else STANDARD.index(r["defense"])))
+
+
 def _levels(row: dict, attacks: list[str]) -> dict[str, str]:
     out = {}
     for a in attacks:
@@ -433,16 +453,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     advice["unfinished"] = [r["defense"] for r in advice["rows"] if r.get("status") == "unfinished"]
     advice["ran_now"] = ran
     advice["seconds"] = clock() - t0
-    ok = [r for r in advice["rows"] if r.get("status") in ("stopped", "unfinished") and "strength" in r]
-    def hollow_dp(r) -> bool:  # a DP row whose epsilon guarantees nothing: absolute noise under a DP name
-        e = r.get("epsilon")
-        return bool(r["defense"] in ("dp_gaussian", "dpsgd") or r.get("is_dp")) and not (
-            isinstance(e, (int, float)) and e <= MEANINGFUL_EPSILON)
-
-    ok.sort(key=lambda r: (bool(r.get("diverged")),  # a defense the model cannot train under ranks after the rest
-                           r.get("cost") if isinstance(r.get("cost"), (int, float)) else math.inf,
-                           r["status"] != "stopped", hollow_dp(r),
-                           r["tie_break"] if "tie_break" in r else STANDARD.index(r["defense"])))
+    ok = ranked(advice["rows"])
     advice["ranking"] = [r["defense"] for r in ok]
     b = advice["baseline"]
     if b.get("diverged"):

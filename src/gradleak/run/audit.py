@@ -460,18 +460,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
         runs = [(sd, k, results[f"{name}@{sd}#{k}"]) for sd in seeds for k in range(len(variants[name]))]
         entry["seconds"] = sum(r.get("seconds", 0.0) for _, _, r in runs)
         ok_runs = [(sd, k, r) for sd, k, r in runs if "metrics" in r]
-        bad = next((r for _, _, r in runs if "bad_input" in r), None)
-        if bad is not None and not ok_runs:  # refused once the data/model are known (e.g. a generator shape)
-            entry.update({"applicable": False, "applicable_under": None, "reason": bad["bad_input"]})
-            continue
-        err = next((r for _, _, r in runs if "error" in r), None)
-        if err is not None:  # one attack's crash must not lose the others' results: recorded, level undefined
-            entry["failed"] = err["error"]
-            log(f"[audit] {name}: a run FAILED ({err['error']})")
-        if not ok_runs:
-            entry.update({"level": "undefined", "success": False, "undefined": True, "metric": headline_metric(A.reconstruction),
-                          "value": None, "rule": "the run failed: nothing was measured",
-                          "reason": f"the run failed: {err['error'] if err else 'no result'}"})
+        if record_failures(entry, [r for _, _, r in runs], A.reconstruction, log):
             continue
         judged = []  # (seed, variant, result, client, judgement) for every client of every run
         warned: dict = {}  # (seed, variant, client) -> the warnings of that client's attack in that run
@@ -726,6 +715,29 @@ LEVEL_RULES = {
                "partial: RDLV beyond the null (rdlv_excess > 0)",
 }
 
+
+
+def record_failures(entry: dict, runs: list[dict], reconstruction: str, log: Callable[[str], Any] = print) -> bool:
+    """The failure path of one attack's runs (``runs``: each run's result). A run refused once the data and model are
+    known (``bad_input``) with no run measured: the attack is not applicable (with the reason). A crashed run is
+    recorded in ``entry["failed"]``, never dropped; with no run measured the level is ``undefined`` -- never ``none``:
+    a crash is not evidence of safety. Returns True when nothing is left to judge."""
+    ok = [r for r in runs if "metrics" in r]
+    bad = next((r for r in runs if "bad_input" in r), None)
+    if bad is not None and not ok:  # refused once the data/model are known (e.g. a generator shape)
+        entry.update({"applicable": False, "applicable_under": None, "reason": bad["bad_input"]})
+        return True
+    err = next((r for r in runs if "error" in r), None)
+    if err is not None:  # one attack's crash must not lose the others' results: recorded, level undefined
+        entry["failed"] = err["error"]
+        log(f"[audit] {entry['name']}: a run FAILED ({err['error']})")
+    if not ok:
+        entry.update({"level": "undefined", "success": False, "undefined": True,
+                      "metric": headline_metric(reconstruction), "value": None,
+                      "rule": "the run failed: nothing was measured",
+                      "reason": f"the run failed: {err['error'] if err else 'no result'}"})
+        return True
+    return False
 
 
 def verdict_and_headline(entries: list[dict], not_run: list[str] | None = None) -> tuple[str, str]:

@@ -337,14 +337,20 @@ def _image_evidence(a: dict, out: Path) -> str:
     return "".join(rows) + _figure_pair(a, out, rest)
 
 
+def banner_colour(verdict: str) -> str:
+    """The banner's colour for ``verdict``: red for a leak, amber for a leak only a stronger server reaches, green only
+    for ``no_leak_found``; grey for ``undefined`` (nothing measured is not safety) and any verdict not listed."""
+    return {"leaks": "#b00020", "leaks_stronger_server": "#b36b00", "no_leak_found": "#2e7d32",
+            "undefined": "#555555"}.get(verdict, "#555555")
+
+
 def write_audit_report(result: dict, out: Path) -> Path:
     """One self-contained HTML page: verdict banner, what to do next, setup, threat, per-attack table (attacks for
     another modality on one line), evidence worst first (one row per attacked client, the worst first: its originals
     beside its own reconstructions, :func:`_image_evidence`), reproducibility."""
     e = html.escape
     out = Path(out)
-    colour = {"leaks": "#b00020", "leaks_stronger_server": "#b36b00", "no_leak_found": "#2e7d32",
-              "undefined": "#555555"}.get(result["verdict"], "#555555")
+    colour = banner_colour(result["verdict"])
     groups = not_run_groups(result)
     grouped = {n for v in groups["other_modality"].values() for n in v}
     rows = []

@@ -29,6 +29,21 @@ from gradleak.config.schema import ExperimentConfig
 
 # ------------------------------------------------------------------------------------------------ runner
 
+def attacked_clients(n_clients: int, cfg: ExperimentConfig, threat, reconstruction: str) -> list[int]:
+    """The clients attacked, each on its own upload: every client when the audit asks for it
+    (``metrics.attack_clients = all``), the server sees individual updates, there is more than one client and the
+    evaluation unit grades clients apart; else client 0 alone (under secure aggregation: the sum)."""
+    every = (cfg.metrics.attack_clients == "all" and threat.individual_updates and n_clients > 1
+             and unit(reconstruction).per_client)
+    return list(range(n_clients)) if every else [0]
+
+
+def victim_rounds(rounds: list, v: int) -> list:
+    """Each observed round's uploads rotated so client ``v``'s comes first: the attack reads the view's first update,
+    so victim ``v`` is attacked on its own upload (and the others keep their order after it)."""
+    return [list(r[v:]) + list(r[:v]) for r in rounds] if v else rounds
+
+
 def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     from gradleak.attacks.base import AttackContext
     from gradleak.fl.engines import rounds_engine
@@ -100,14 +115,13 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
         t_hook += outcome.server_hook_seconds
         # the attacked updates: the first client's (the view's first update), or every client's in turn
         # (metrics.attack_clients = all; the audit): the view's rounds rotated so the victim comes first
-        per_client = (cfg.metrics.attack_clients == "all" and threat.individual_updates and len(batches) > 1
-                      and unit(A.reconstruction).per_client)
-        victims = list(range(len(batches))) if per_client else [0]
+        victims = attacked_clients(len(batches), cfg, threat, A.reconstruction)
+        per_client = len(victims) > 1
         null_pool = None
         if cfg.metrics.null and A.reconstruction != "membership":
             null_pool = data.null_pool(trial)
         for v in victims:
-            rounds_v = [list(r[v:]) + list(r[:v]) for r in outcome.rounds] if v else outcome.rounds
+            rounds_v = victim_rounds(outcome.rounds, v)
             truth_v, knowledge_v = truth, knowledge
             if v:
                 _, truth_v = clients_and_truth(handle, batches[v:] + batches[:v], loss_fn, dev, threat, cfg)
