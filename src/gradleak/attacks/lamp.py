@@ -33,7 +33,7 @@ from pydantic import Field
 
 from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction, ThreatModel
 from gradleak.attacks.common.parameters import set_config_fields
-from gradleak.attacks.common.text import SpanTestConfig, is_causal, specials
+from gradleak.attacks.common.text import SpanTestConfig, has_lm_head, is_causal, specials
 from gradleak.attacks.common.word_bag import word_bag
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
@@ -87,6 +87,8 @@ class LAMPAttack(AttackBase):
 
     # ------------------------------------------------------------------ the auxiliary LM
     def _aux_lm(self, model, tok, causal):
+        """``causal``: the attacked model is a causal LM (a decoder with an LM head; a classifier head has no
+        next-token logits, so it cannot be its own prior)."""
         if self.lm_weight == 0 or self.lm == "none":
             return None
         if causal and self.lm == "self":
@@ -99,7 +101,8 @@ class LAMPAttack(AttackBase):
                 return out
             return nll
         if self.lm == "self":
-            raise BadInput("attack.params.lm", "'self' needs a causal model; this one is bidirectional.",
+            raise BadInput("attack.params.lm", "'self' needs a causal LM; this one is bidirectional or a "
+                           "classifier (no LM head).",
                            "use lm: smollm2 (re-tokenised prior) or lm: none.")
         from gradleak.models.text import load_text_model
 
@@ -148,7 +151,10 @@ class LAMPAttack(AttackBase):
         spec_ids[:, 0] = first
         spec_ids[torch.arange(B), ends] = last
         emb_norm = float(E[vocab].norm(dim=-1).mean())
-        aux = self._aux_lm(model, tok, causal)
+        # the client's loss: the LM loss only under an LM head; a causal backbone with a classification head
+        # (a Llama sequence classifier) trains on the labels like a bidirectional one
+        lm_loss = causal and has_lm_head(model)
+        aux = self._aux_lm(model, tok, lm_loss)
 
         def with_specials(xx):
             return torch.where(fixed[..., None], E[spec_ids], xx)
@@ -156,7 +162,7 @@ class LAMPAttack(AttackBase):
         def loss_of(xx):
             xx = with_specials(xx)
             out = model(inputs_embeds=xx, attention_mask=mask)
-            if causal:
+            if lm_loss:
                 logits = out.logits[:, :-1]
                 lab = self._project(xx.detach(), E, vocab, Ev)[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
                 return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1),

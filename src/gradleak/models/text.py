@@ -169,6 +169,20 @@ def resolve_model(name: str, num_layers: int) -> tuple[Path | str, str]:
                    "use minilm, smollm2, a local HF model directory or an HF hub id.")
 
 
+#: model types whose backbone is a decoder (causal attention, RoPE or learned positions inside the layers)
+DECODER_MODEL_TYPES = ("llama", "gpt2", "qwen2", "mistral", "gemma", "gemma3_text", "phi3", "gpt_neox")
+
+
+def is_decoder_config(cfg: Any) -> bool:
+    """Whether an HF config describes a causal (decoder) backbone, whatever head sits on it (LM head or a
+    sequence-classification head): ``is_decoder``, a ``*CausalLM`` architecture, or a decoder model type."""
+    if cfg is None:
+        return False
+    archs = " ".join(getattr(cfg, "architectures", None) or [])
+    return (bool(getattr(cfg, "is_decoder", False)) or "CausalLM" in archs
+            or getattr(cfg, "model_type", None) in DECODER_MODEL_TYPES)
+
+
 def load_text_model(name: str, num_layers: int = 2, num_labels: int = 2, seed: int = 0,
                     dtype: torch.dtype = torch.float32, task: str | None = None) -> TextModel:
     """Load a frozen, truncated text model with a task head (classification) or LM head (causal).
@@ -192,9 +206,7 @@ def load_text_model(name: str, num_layers: int = 2, num_labels: int = 2, seed: i
     except (OSError, ValueError, TypeError) as err:
         raise BadInput("model.name", f"the model at '{name}' has no usable tokenizer ({err}).",
                        "save the tokenizer next to the weights (tokenizer.save_pretrained(dir)).") from None
-    archs = " ".join(getattr(cfg, "architectures", None) or [])
-    causal = bool(getattr(cfg, "is_decoder", False)) or "CausalLM" in archs or cfg.model_type in (
-        "llama", "gpt2", "qwen2", "mistral", "gemma", "gemma3_text", "phi3", "gpt_neox")
+    causal = is_decoder_config(cfg)
     cfg = _truncate_config(cfg, num_layers)
     for k in ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout", "resid_pdrop",
               "embd_pdrop", "attn_pdrop", "classifier_dropout"):

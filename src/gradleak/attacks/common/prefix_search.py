@@ -9,7 +9,9 @@ extension passes (the final EOS gets no gradient under the LM loss, so it is inv
 Filters (open point A3.1 in docs/PAPERS.md, not specified in the paper): EICW rejects an extension equal to the previous token unless nothing
 else passes (real text does repeat tokens: "very very", "..."). When more extensions pass than ``max_branches``, the
 causal LM's own next-token log-probability ranks them and prunes the tail (``lm_prior``). Membership, not the prior,
-decides acceptance, so the prior never introduces wrong text.
+decides acceptance, so the prior never introduces wrong text. A causal backbone with a classification head (no LM
+head: its logits are over the classes) has no prior: the tail is then pruned by the membership residual alone, and
+``info["lm_prior"]`` says so.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from gradleak.attacks.common.subspace import Subspace
+from gradleak.attacks.common.text import has_lm_head
 from gradleak.peft.text_adapters import capture_inputs
 
 
@@ -50,7 +53,12 @@ class CausalPrefixSearch:
         self.adaptive = bool(getattr(sub, "noise_edge", 0.0))  # noise mode: per-prefix tolerance (see run)
         self.bos, self.cands = bos, candidates
         self.max_len, self.max_branches, self.max_sentences = max_len, max_branches, max_sentences
-        self.eicw, self.lm_prior = eicw, lm_prior
+        self.eicw = eicw
+        # the prior needs next-token logits: a classifier's head has none (its logits are over the classes)
+        self.lm_prior = bool(lm_prior) and has_lm_head(model)
+        self.lm_prior_note = ("on" if self.lm_prior else "off" if not lm_prior else
+                              "off: the model has no LM head (classifier), extensions past max_branches are ranked by "
+                              "their membership residual")
         self.probe_fn = probe_fn
         self.forwards = 0
 
@@ -128,5 +136,6 @@ class CausalPrefixSearch:
                         passing = ranked[:self.max_branches]
                     nxt.extend(prefix + [t] for t in passing)
             frontier = nxt[:max(0, self.max_sentences * self.max_branches)]
-        return sentences, {"forward_passes": self.forwards, "pruned_branches": pruned, "search_truncated": truncated}
+        return sentences, {"forward_passes": self.forwards, "pruned_branches": pruned, "search_truncated": truncated,
+                           "lm_prior": self.lm_prior_note}
 

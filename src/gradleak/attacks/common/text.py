@@ -16,7 +16,26 @@ from gradleak.fl.core import ServerView
 
 
 def is_causal(model: nn.Module) -> bool:
-    return hasattr(model, "lm_head") or "CausalLM" in type(model).__name__
+    """Whether the model's backbone is causal (a decoder: a token's states depend only on its prefix), whatever its
+    head: an LM head, or a sequence-classification head (``*ForSequenceClassification`` on Llama, mean-pooled or
+    not). Read off the config (:func:`gradleak.models.text.is_decoder_config`), not the head: a Llama classifier
+    has no ``lm_head`` but is causal all the same."""
+    from gradleak.models.text import is_decoder_config
+
+    return (has_lm_head(model) or "CausalLM" in type(model).__name__
+            or is_decoder_config(getattr(model, "config", None)))
+
+
+def has_lm_head(model: nn.Module) -> bool:
+    """Whether the model's output is next-token logits over the vocabulary (an LM head; the client then trains with
+    the LM loss), as opposed to a task head (sequence classification: logits over the classes)."""
+    if hasattr(model, "lm_head"):
+        return True
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        return callable(get) and get() is not None
+    except (AttributeError, NotImplementedError):
+        return False
 
 
 def model_layers(model: nn.Module) -> nn.ModuleList:

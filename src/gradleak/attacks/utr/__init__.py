@@ -32,7 +32,11 @@ Stage 2 (sentences, Sec. 4.3) uses the first layer adapter's subspace S_LA = spa
   invisible; open point A3.6). With ``value_test`` (one-step uploads), :mod:`gradleak.attacks.utr.causal` then tests
   every complete sentence on the embedding adapter's gradient values, peels the verified ones from the upload and
   searches the rest again -- soft-graded by the upload's strongest directions while the states left still fill
-  the bottleneck, strictly once they fit (beyond the paper).
+  the bottleneck, strictly once they fit (beyond the paper). A causal backbone with a classification head (a Llama
+  ``*ForSequenceClassification``, mean-pooled or not; no LM head) is causal all the same (``is_causal`` reads the
+  config, not the head): its head pools every position, so the EOS gets a gradient (found, then stripped from the
+  returned sentence), there is no LM prior (``info["lm_prior"]``), and the value test fits the head's C - 1
+  coefficients per sentence instead of the LM's one batch scale (``info["head"]``, ``info["value_test_head"]``).
 * bidirectional models (whole sentence): the exact (token, position) pairs and [SEP] positions of stage 1 turn
   the search into assigning each position's tokens to B sentences; :mod:`gradleak.attacks.common.encoder_search`
   solves it with Hungarian assignments scored by S_LA residuals (construction, point moves, splices, segment swaps) and

@@ -16,7 +16,8 @@ from gradleak.attacks.common.encoder_search import EncoderChainSearch
 from gradleak.attacks.common.prefix_search import CausalPrefixSearch
 from gradleak.attacks.common.subspace import (Subspace, estimate_noise_std, is_pruned, spectral_margin,
                                               subspace_from_gradients)
-from gradleak.attacks.common.text import SpanTestConfig, cap_to_batch, collect_grads, declared_noise_std, specials
+from gradleak.attacks.common.text import (SpanTestConfig, cap_to_batch, collect_grads, declared_noise_std,
+                                          has_lm_head, specials)
 from gradleak.attacks.common.word_bag import word_bag
 from gradleak.attacks.utr.causal import CausalPeelSearch, CausalValueTest
 from gradleak.attacks.utr.greedy import METHOD, GreedyCausalSearch, GreedyEncoderSearch
@@ -45,6 +46,15 @@ def auto_time_budget(sentences: Optional[int]) -> float:
     if not sentences or sentences <= 0:
         return AUTO_BUDGET_MAX
     return min(AUTO_BUDGET_MAX, max(AUTO_BUDGET_MIN, AUTO_BUDGET_BASE + AUTO_BUDGET_PER_SENTENCE * int(sentences)))
+
+
+def strip_eos(sents: list[list[int]], eos: int | None, lm: bool) -> list[list[int]]:
+    """Sentences of a causal search without their final EOS when the model is a classifier (``lm`` False): its head
+    pools every position, so the EOS gets a gradient and the search finds it as the sentence's last token; an LM's
+    final EOS gets none, so an LM's sentences are left as they are. The result reads as the LM path's (no BOS/EOS)."""
+    if lm or eos is None:
+        return sents
+    return [s[:-1] if s and s[-1] == eos else s for s in sents]
 
 
 class UTRConfig(SpanTestConfig):
@@ -184,23 +194,30 @@ class UTRAttack(AttackBase):
         if any(k not in upload for k in keys + (adapter_param("embedding", "up.weight"),)):
             return sents, sinfo
         pad = sp["pad"] if sp["pad"] is not None else sp["bos"]
-        test = CausalValueTest(model, upload, bag["tokens"], pad, peel_names=keys)
+        lm = has_lm_head(model)
+        test = CausalValueTest(model, upload, bag["tokens"], pad, peel_names=keys, lm=lm)
+        head = ("lm: one batch scale (1 / targets)" if lm else
+                f"classifier: {test.num_labels - 1} logit-difference coefficients fitted per sentence (label-free)")
         if not test.usable:
-            return sents, {**sinfo, "value_test": "unusable"}
+            return sents, {**sinfo, "value_test": "unusable", "value_test_head": head}
         B = view.public.get("batch_size")
 
         def strict(sub: Subspace, c: torch.Tensor) -> list[list[int]]:
-            return CausalPrefixSearch(model, [self.sentence_layer], sub, eps_sentence, sp["bos"], c,
-                                      max_len=self.max_len, max_branches=self.max_branches or max(8, int(B or 8)),
-                                      max_sentences=max(4 * int(B or 64), 64),
-                                      time_budget=max(deadline - time.perf_counter(), 0.0),
-                                      eicw=self.eicw, lm_prior=self.lm_prior).run()[0]
+            return strip_eos(CausalPrefixSearch(model, [self.sentence_layer], sub, eps_sentence, sp["bos"], c,
+                                                max_len=self.max_len,
+                                                max_branches=self.max_branches or max(8, int(B or 8)),
+                                                max_sentences=max(4 * int(B or 64), 64),
+                                                time_budget=max(deadline - time.perf_counter(), 0.0),
+                                                eicw=self.eicw, lm_prior=self.lm_prior).run()[0], sp["eos"], lm)
 
+        if not lm:  # the peel search appends EOS to every candidate sentence itself
+            cands = cands[cands != sp["eos"]] if bool((cands != sp["eos"]).any()) else cands
         peel = CausalPeelSearch(model, names, test, cands, sp["bos"], sp["eos"], B, eps=eps_sentence,
                                 rank_rtol=self.rank_rtol, max_len=self.max_len,
                                 time_budget=max(deadline - time.perf_counter(), 0.0), strict_search=strict)
         out, pinfo = peel.run(first=sents)
-        info = {**sinfo, **pinfo, "value_verified": True, "joint_residual": pinfo["upload_left_after_peeling"],
+        info = {**sinfo, **pinfo, "value_verified": True, "value_test_head": head,
+                "joint_residual": pinfo["upload_left_after_peeling"],
                 "forward_passes": sinfo.get("forward_passes", 0) + pinfo["forward_passes"],
                 "search_truncated": bool(sinfo.get("search_truncated")) or pinfo["search_truncated"]}
         kept = min(len(out), int(B)) if B else len(out)  # cap_to_batch keeps the verified ones first
@@ -242,10 +259,12 @@ class UTRAttack(AttackBase):
         def left() -> float:
             return max(deadline - time.perf_counter(), 0.0)
 
+        lm = has_lm_head(model)
         if self.search == "paper" and bag["causal"]:
             cands = torch.tensor([t for t in bag["tokens"] if t not in (sp["bos"], sp["pad"])] or [sp["bos"]])
             sents, sinfo = GreedyCausalSearch(model, self.sentence_layer, sub_la, eps_sentence, sp["bos"], cands, B,
                                               max_len=self.max_len, eicw=self.eicw, time_budget=left()).run()
+            sents = strip_eos(sents, sp["eos"], lm)
         elif self.search == "paper":
             sents, sinfo = GreedyEncoderSearch(model, self.sentence_layer, sub_la, eps_sentence, sp["cls"], sp["sep"],
                                                sp["pad"], bag["pairs"] if bag["positions_ok"] else {}, B,
@@ -259,6 +278,7 @@ class UTRAttack(AttackBase):
                                         time_budget=left(),
                                         eicw=self.eicw, lm_prior=self.lm_prior)
             sents, sinfo = search.run()
+            sents = strip_eos(sents, sp["eos"], lm)
             if self.value_test and not bag["noise_std"]:
                 sents, sinfo = self._causal_peel(view, bag, sp, cands, sents, sinfo, eps_sentence, deadline)
         elif not bag["positions_ok"]:
@@ -281,6 +301,10 @@ class UTRAttack(AttackBase):
         t2 = time.perf_counter()
         info = {
             "method": METHOD[self.search],
+            # a causal backbone with a classification head (no LM head): the client's loss is the classifier's,
+            # every position (the final EOS included) receives a gradient, and the value test fits the head's
+            # coefficients per sentence (gradleak.attacks.utr.causal)
+            "head": "lm" if lm else "classification",
             "word_bag": bag["tokens"],
             "word_bag_size": len(bag["tokens"]),
             "word_bag_pairs": sum(len(p) for p in bag["pairs"].values()),

@@ -22,6 +22,15 @@ the adapter has rows, that space is numerically everything and the strict test p
   tokens become once-occurring in what is left of g_v, and once the states left fit the rows the strict prefix
   search is exact again. When everything is peeled, the upload is explained to the float32 floor (a joint check
   of the whole batch).
+
+**A causal backbone with a classification head** (a Llama ``*ForSequenceClassification``, mean-pooled or reading
+the last token; no LM head). The same test holds with the classifier's loss in place of the LM loss: the
+cross-entropy's gradient at a sentence's logits is (p - y) / B, whose entries sum to zero, so the sentence's share
+of every gradient is sum_{c >= 1} w_c grad(logit_c - logit_0) with C - 1 coefficients w_c per sentence (its
+prediction, label and the batch size). They are fitted by least squares at each tested token, as the bidirectional
+value test does (:class:`gradleak.attacks.utr.values.TokenGradientTest`), so the test needs neither the labels nor the
+batch size; a verified sentence keeps its fitted coefficients, and peeling subtracts its share at them. The head
+pools every position, so the final EOS receives a gradient too (it is a bag token and part of the sentence).
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from torch import nn
 
 from gradleak.attacks.common.prefix_search import extension_inputs
 from gradleak.attacks.common.subspace import subspace_from_gradients
-from gradleak.attacks.common.text import hooked_with_grads
+from gradleak.attacks.common.text import has_lm_head, hooked_with_grads
 from gradleak.attacks.utr.values import pad_right
 from gradleak.peft.text_adapters import PREFIX, capture_inputs
 
@@ -47,14 +56,20 @@ def _base(model: nn.Module) -> nn.Module:
 
 
 class CausalValueTest:
-    """Exact test of complete candidate sentences of a causal LM on the embedding adapter's gradient values.
+    """Exact test of complete candidate sentences of a causal model on the embedding adapter's gradient values.
 
     ``upload``: parameter name -> tensor of the attacked update (the embedding adapter's ``up.weight`` gradient is
-    read; the names in ``peel_names`` are peeled along); ``bag``: stage 1's tokens."""
+    read; the names in ``peel_names`` are peeled along); ``bag``: stage 1's tokens; ``lm``: whether the client's
+    loss is the LM loss (default: the model has an LM head) or its classification head's cross-entropy (module
+    docstring: C - 1 coefficients fitted per sentence instead of one batch scale)."""
 
     def __init__(self, model: nn.Module, upload: dict[str, torch.Tensor], bag: list[int], pad: int,
-                 peel_names: tuple[str, ...] = (), chunk: int = 32):
+                 peel_names: tuple[str, ...] = (), chunk: int = 32, lm: bool | None = None):
         self.model, self.pad, self.chunk = model, int(pad), int(chunk)
+        self.lm = has_lm_head(model) if lm is None else bool(lm)
+        self.num_labels = 1 if self.lm else int(getattr(getattr(model, "config", None), "num_labels", 2) or 2)
+        #: classifier: each verified sentence's fitted (C - 1,) coefficients, set by the caller that verified it
+        self.coefs: dict[tuple[int, ...], torch.Tensor] = {}
         self.adapter = getattr(model, PREFIX)["embedding"]
         self.bag = sorted(int(v) for v in bag)
         self.index = {v: i for i, v in enumerate(self.bag)}
@@ -70,13 +85,28 @@ class CausalValueTest:
         self.norms = self.obs.norm(dim=1).clamp_min(1e-300)  # of the full upload: residuals stay relative to it
         self.peel_names = tuple(peel_names)
         self.rest = {n: upload[n].detach().to(f64).clone() for n in self.peel_names}
-        self.scale: float | None = None  # 1 / (targets in the batch), fixed by the first verified sentence
+        self.scale: float | None = None  # LM: 1 / (targets in the batch), fixed by the first verified sentence
         self.evaluations = 0
 
     # ------------------------------------------------------------------ candidate gradients
-    def _backward(self, sents: list[list[int]], params: list[nn.Parameter] = ()):
-        """Per sentence {token: summed embedding-adapter output gradient} under the *summed* token loss, and the
-        gradients of ``params`` (summed over the sentences)."""
+    def _objectives(self, ids: torch.Tensor, am: torch.Tensor) -> list[torch.Tensor]:
+        """The per-sentence loss components whose gradients a sentence's share combines: the LM loss summed over
+        the sentence's targets (one), or the classifier's logit differences logit_c - logit_0, c = 1..C-1; each
+        (N,) over the chunk's sentences."""
+        logits = self.model(input_ids=ids, attention_mask=am).logits
+        if not self.lm:
+            return [logits[:, c] - logits[:, 0] for c in range(1, logits.shape[-1])]
+        logits = logits[:, :-1]
+        tgt = ids[:, 1:].masked_fill(am[:, 1:] == 0, -100)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1),
+                                           ignore_index=-100, reduction="none")
+        return [loss.view(tgt.shape).sum(1)]
+
+    def _backward(self, sents: list[list[int]], params: list[nn.Parameter] = (),
+                  weights: list[torch.Tensor] | None = None):
+        """Per sentence {token: (K, d) summed embedding-adapter output gradients, one row per loss component} (LM:
+        K = 1, the *summed* token loss; classifier: K = C - 1 logit differences), and the gradients of ``params``
+        summed over the sentences of each sentence's components weighted by ``weights[i]`` ((K,); default ones)."""
         out: list[dict[int, torch.Tensor]] = []
         totals = [torch.zeros_like(p, dtype=f64) for p in params]
         rec: list[torch.Tensor] = []
@@ -90,14 +120,17 @@ class CausalValueTest:
                 part = sents[a:a + self.chunk]
                 ids, am = pad_right(part, self.pad)
                 rec.clear()
-                logits = self.model(input_ids=ids, attention_mask=am).logits[:, :-1]
-                tgt = ids[:, 1:].masked_fill(am[:, 1:] == 0, -100)
-                loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                                   tgt.reshape(-1), ignore_index=-100, reduction="sum")
-                grads = torch.autograd.grad(loss, [rec[0]] + list(params))
-                g = grads[0].detach().to(f64)
-                for t, pg in zip(totals, grads[1:]):
-                    t += pg.detach().to(f64)
+                objs = self._objectives(ids, am)
+                K = len(objs)
+                cols = [torch.autograd.grad(o.sum(), rec[0], retain_graph=True)[0].detach().to(f64) for o in objs]
+                g = torch.stack(cols, 2)  # (N, L, K, d)
+                if params:
+                    w = (torch.ones(len(part), K) if weights is None
+                         else torch.stack([torch.as_tensor(x, dtype=torch.float32).reshape(K)
+                                           for x in weights[a:a + self.chunk]]))
+                    total = sum((w[:, k].to(o.dtype) * o).sum() for k, o in enumerate(objs))
+                    for t, pg in zip(totals, torch.autograd.grad(total, list(params))):
+                        t += pg.detach().to(f64)
                 for i, s in enumerate(part):
                     per: dict[int, torch.Tensor] = {}
                     for pos, v in enumerate(s):
@@ -107,45 +140,60 @@ class CausalValueTest:
         return out, totals
 
     # ------------------------------------------------------------------ the test
-    def residuals(self, sents: list[list[int]]) -> list[tuple[float, float]]:
-        """(best relative residual over the sentence's tokens, the scale fitted there) per sentence: at each token v,
-        || obs_v - w g_v(s) || / || obs_v || (what is left of obs_v after peeling) with w fitted, or the batch
-        scale once known; tokens whose occurrences are all peeled are skipped."""
+    def residuals(self, sents: list[list[int]]) -> list[tuple[float, Any]]:
+        """(best relative residual over the sentence's tokens, the coefficients fitted there) per sentence: at each
+        token v, || obs_v - g_v(s)^T w || / || obs_v || (what is left of obs_v after peeling). LM: w is one float,
+        fitted, or the batch scale once known; classifier: w is the (C - 1,) tensor fitted by least squares. Tokens
+        whose occurrences are all peeled are skipped."""
         return self._match(self._backward(sents)[0])
 
-    def _match(self, per: list[dict[int, torch.Tensor]]) -> list[tuple[float, float]]:
+    def _match(self, per: list[dict[int, torch.Tensor]]) -> list[tuple[float, Any]]:
         """:meth:`residuals` for per-sentence token gradients already computed."""
         res = []
         for d in per:
             best, w_best = math.inf, float("nan")
-            for v, g in d.items():
+            for v, G in d.items():
                 i = self.index.get(v)
-                gn = float(g.norm())
+                gn = float(G.norm())
                 if i is None or gn == 0.0:
                     continue
                 o = self.obs[i]
                 on = float(o.norm())
                 if on < 1e-4 * float(self.norms[i]):  # every occurrence peeled: nothing left to match
                     continue
-                w = float(o @ g) / gn ** 2 if self.scale is None else self.scale
-                r = float((o - w * g).norm()) / on
+                if self.lm:
+                    g = G[0]
+                    w = float(o @ g) / gn ** 2 if self.scale is None else self.scale
+                    r = float((o - w * g).norm()) / on
+                else:
+                    w = torch.linalg.lstsq(G.T, o[:, None]).solution[:, 0]
+                    r = float((o - G.T @ w).norm()) / on
                 if r < best:
                     best, w_best = r, w
             res.append((best, w_best))
         return res
 
     def peel(self, sents: list[list[int]]) -> None:
-        """Subtract the sentences' exact shares (at the batch scale) from g_v and from the peeled gradients."""
+        """Subtract the sentences' exact shares from g_v and from the peeled gradients: at the batch scale (LM) or
+        at each sentence's coefficients fitted when it was verified (classifier, :attr:`coefs`)."""
+        if not sents:
+            return
         mods = dict(self.model.named_parameters())
         params = [mods[n] for n in self.peel_names]
-        per, totals = self._backward(sents, params)
-        w = float(self.scale)
-        for d in per:
-            for v, g in d.items():
+        if self.lm:
+            weights = [torch.tensor([float(self.scale)], dtype=f64)] * len(sents)
+        else:
+            missing = [s for s in sents if tuple(s) not in self.coefs]
+            if missing:
+                raise ValueError(f"{len(missing)} sentence(s) to peel have no fitted coefficients (not verified)")
+            weights = [self.coefs[tuple(s)].to(f64) for s in sents]
+        per, totals = self._backward(sents, params, weights)
+        for d, w in zip(per, weights):
+            for v, G in d.items():
                 if v in self.index:
-                    self.obs[self.index[v]] -= w * g
+                    self.obs[self.index[v]] -= G.T @ w
         for n, t in zip(self.peel_names, totals):
-            self.rest[n] -= w * t
+            self.rest[n] -= t
 
     def left(self) -> float:
         """What is left of g_v relative to the upload's (0 once every sentence is peeled)."""
@@ -213,6 +261,11 @@ class CausalPeelSearch:
         per, _ = self.test._backward(sents)
         res = self.test._match(per)
         ok = [r < self.tol for r, _ in res]
+        if not self.test.lm:  # classifier: each sentence its own coefficients, kept for peeling
+            for s, (_, w), o in zip(sents, res, ok):
+                if o:
+                    self.test.coefs[tuple(s)] = w
+            return ok
         if self.test.scale is None and any(ok):
             self.test.scale = next(w for (r, w), o in zip(res, ok) if o)
             res = self.test._match(per)  # again at the fixed scale
