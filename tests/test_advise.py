@@ -128,10 +128,12 @@ def test_bisection_finds_the_weakest_stopping_strength_and_resumes_without_rerun
     calls2: list = []
     monkeypatch.setattr(mod, "probe", _fake(calls2))
     adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
-    assert len(calls2) == 4 and adv["ran_now"][0] == "gaussian_noise:std=0.1"  # the killed probe, then 3 more
+    # the killed probe, 3 more against the screen (utr, the attack that leaked), then the check against every attack
+    assert len(calls2) == 5 and adv["ran_now"][0] == "gaussian_noise:std=0.1[utr]"
     rows = [json.loads(x) for x in (tmp_path / adv["jsonl"]).read_text().splitlines()]
     ids = [r["cell"] for r in rows if not r["cell"].startswith("utility:")]
-    assert len(ids) == len(set(ids)) == 6  # baseline + strong end + 4 steps, none twice
+    assert len(ids) == len(set(ids)) == 7  # baseline + strong end + 4 steps + the check, none twice
+    assert [i.split("#")[0] for i in ids][-1] == "gaussian_noise:std=0.0562"  # the check: every attack
     utility_ids = [r["cell"] for r in rows if r["cell"].startswith("utility:")]
     assert len(utility_ids) == len(set(utility_ids)) == 2  # the baseline's and the found strength's, each once
     assert len(fake_utility) == 2
@@ -141,6 +143,7 @@ def test_bisection_finds_the_weakest_stopping_strength_and_resumes_without_rerun
     assert hi / lo == pytest.approx(10 ** (4 / 2 ** 4), rel=0.02)  # 4 halvings of the 4 decades on a log scale
     # every attack the audit measured is probed (dlg did not leak undefended, but a defense could make it the best)
     assert row["bracket"] == [1e-3, 10.0] and row["levels"] == {"utr": "none", "dlg": "none"}
+    assert row["searched_against"] == ["utr"] and "unverified" not in row
     assert adv["tested_against"] == ["utr", "dlg"]
     assert adv["baseline"]["accuracy"] == 0.8 and row["cost"] == pytest.approx(hi)
     assert adv["recommendation"]["defense"] == "gaussian_noise" and adv["attacks"] == ["utr"]
@@ -149,6 +152,71 @@ def test_bisection_finds_the_weakest_stopping_strength_and_resumes_without_rerun
     monkeypatch.setattr(mod, "probe", _fake(calls3))
     again = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
     assert calls3 == [] and again["rows"][0]["strength"] == hi
+
+
+def _two_attack_probe(calls, utr_stops=0.05, dlg_leaks=(0.01, 0.3)):
+    """UTR (leaked undefended) stops from ``utr_stops``; DLG (``none`` undefended) leaks inside ``dlg_leaks``: a
+    defense in that range leaves the lossy attack above its null."""
+
+    def probe(raw, out_dir, only, device, workers, utility_from):
+        std = next((d["params"]["std"] for d in raw.get("defenses") or [] if d["name"] == "gaussian_noise"), 0.0)
+        calls.append((std, tuple(only)))
+        lv = {"utr": "none" if std >= utr_stops else "partial",
+              "dlg": "partial" if dlg_leaks[0] <= std < dlg_leaks[1] else "none"}
+        return {"verdict": "leaks" if "partial" in [lv[a] for a in only] else "no_leak_found",
+                "attacks": {a: {"level": lv[a], "metric": "m", "value": 0.5, "null_p99": 0.5, "null_median": 0.4}
+                            for a in only}}
+
+    return probe
+
+
+def test_the_search_screens_with_the_leaking_attacks_and_checks_every_attack_at_the_strength_found(
+        tmp_path, monkeypatch, fake_utility):
+    """The bisection probes only the attack that leaked (utr); the strength found is probed against every tested
+    attack; where another attack still leaks there, the search resumes above it against every attack, and the
+    strength reported stops them all."""
+    from gradleak.run import advise as mod
+
+    calls: list = []
+    monkeypatch.setattr(mod, "probe", _two_attack_probe(calls))
+    adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
+    (row,) = adv["rows"]
+    screen = [c for c in calls[1:] if c[1] == ("utr",)]
+    full = [c for c in calls[1:] if set(c[1]) == {"utr", "dlg"}]
+    assert len(screen) == 5 and len(full) >= 2 and len(screen) + len(full) == len(calls) - 1
+    utr_found = min(s for s, _ in screen if s >= 0.05)
+    assert full[0][0] == utr_found < 0.3  # the check at the screen's strength: dlg leaks there
+    assert row["verification"]["strength"] == utr_found and row["verification"]["levels"]["dlg"] == "partial"
+    assert row["status"] == "stopped" and row["strength"] >= 0.3 and row["interval"][0] >= utr_found
+    assert row["levels"] == {"utr": "none", "dlg": "none"}
+    assert all(set(o) == {"utr", "dlg"} for s, o in calls[1 + len(screen):])  # after the check: every attack
+    assert adv["recommendation"]["strength"] == row["strength"]
+    # where the check passes, one extra probe: no resumed search
+    calls2: list = []
+    monkeypatch.setattr(mod, "probe", _two_attack_probe(calls2, dlg_leaks=(0.0, 0.0)))
+    adv = mod.advise(TEXT, tmp_path / "b", LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
+    assert [set(o) for _, o in calls2[1:]] == [{"utr"}] * 5 + [{"utr", "dlg"}]
+    assert adv["rows"][0]["strength"] == calls2[-1][0] and "verification" not in adv["rows"][0]
+
+
+def test_a_strength_the_budget_left_unchecked_is_never_recommended(tmp_path, monkeypatch, fake_utility):
+    from gradleak.run import advise as mod
+
+    clock = [0.0]
+    monkeypatch.setattr(mod, "clock", lambda: clock[0])
+    calls: list = []
+    inner = _two_attack_probe(calls, dlg_leaks=(0.0, 0.0))
+
+    def probe(*a, **k):
+        clock[0] += 10.0
+        return inner(*a, **k)
+
+    monkeypatch.setattr(mod, "probe", probe)
+    adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None,
+                     budget_seconds=35)
+    (row,) = adv["rows"]
+    assert row["status"] == "unfinished" and row["unverified"] is True and "not recommended" in row["note"]
+    assert all(o == ("utr",) for _, o in calls[1:]) and adv["recommendation"] is None and adv["ranking"] == []
 
 
 def test_not_stopped_within_the_bracket_and_a_configured_defense_is_the_starting_point(tmp_path, monkeypatch,
@@ -168,13 +236,16 @@ def test_not_stopped_within_the_bracket_and_a_configured_defense_is_the_starting
     monkeypatch.setattr(mod, "probe", _fake(calls, threshold=0.0))
     adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=2, log=lambda m: None)
     (row,) = adv["rows"]
-    assert [p[0] for p in row["probes"]] == [10.0, 0.1, 0.01, 1e-3] and row["strength"] == 1e-3
-    assert row["interval"] == [None, 1e-3] and "weak end" in row["note"] and len(calls) == 5
+    assert [p[0] for p in row["probes"]] == [10.0, 0.1, 0.01, 1e-3, 1e-3] and row["strength"] == 1e-3
+    assert row["probes"][-1][1] == "gaussian_noise:std=0.001"  # the check of the found strength against every attack
+    assert row["interval"] == [None, 1e-3] and "weak end" in row["note"] and len(calls) == 6
 
 
 def test_budget_marks_unfinished_defenses(tmp_path, monkeypatch, fake_utility):
     """Each fake probe takes 10 (fake) seconds; a 25 s budget ends the noise search after its first bisection step
-    and never starts DP-Gaussian: both are listed as unfinished, in the advice and the report."""
+    and never starts DP-Gaussian: both are listed as unfinished, in the advice and the report. (Every tested attack
+    leaked here, so the search's probes are the full check; a screened strength left unchecked is never recommended:
+    :func:`test_a_strength_the_budget_left_unchecked_is_never_recommended`.)"""
     from gradleak.run import advise as mod
     from gradleak.run.audit_report import advice_section
 
@@ -182,7 +253,7 @@ def test_budget_marks_unfinished_defenses(tmp_path, monkeypatch, fake_utility):
     monkeypatch.setattr(mod, "clock", lambda: clock[0])
     calls: list = []
     monkeypatch.setattr(mod, "probe", _fake(calls, clock=clock))
-    adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise", "dp_gaussian"], steps=3, budget_seconds=25,
+    adv = mod.advise(TEXT, tmp_path, {"attacks": [{"name": "utr", "level": "partial"}]}, candidates=["gaussian_noise", "dp_gaussian"], steps=3, budget_seconds=25,
                      log=lambda m: None)
     assert adv["unfinished"] == ["gaussian_noise", "dp_gaussian"] and len(calls) == 3
     noise, dp = adv["rows"]
@@ -426,7 +497,8 @@ def test_a_parallel_executor_gets_every_strong_end_at_once_and_picklable_jobs(tm
                      log=lambda m: None, executor="ray", workers=3)
     parallel = [ids for ex, ids in batches if ex == "ray"]
     assert parallel[0] == ["baseline", "utility:baseline"]
-    assert parallel[1] == ["gaussian_noise:std=10", "clipping:max_norm=0.0001", "topk_pruning:prune_fraction=0.999"]
+    assert parallel[1] == ["gaussian_noise:std=10[utr]", "clipping:max_norm=0.0001[utr]",
+                           "topk_pruning:prune_fraction=0.999[utr]"]
     assert batches[-1][1][0].startswith("utility:gaussian_noise") and adv["executor"] == "ray"  # the found ones
     assert len(calls) == len(set(calls))  # no probe ran twice
 

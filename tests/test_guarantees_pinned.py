@@ -552,6 +552,9 @@ def test_ranked_orders_by_cost_then_finished_then_a_meaningful_guarantee():
             {"defense": "quantization", "status": "failed"}, {"defense": "fisguard", "status": "stopped"},
             _adv_row("secure_aggregation", 0.05, status="leaks")]
     assert [r["defense"] for r in ranked(rows)] == ["gaussian_noise", "topk_pruning", "clipping"]
+    # a strength not checked against every tested attack is never ranked, however cheap
+    rows.append(_adv_row("dp_gaussian", 0.0, status="unfinished", unverified=True))
+    assert [r["defense"] for r in ranked(rows)] == ["gaussian_noise", "topk_pruning", "clipping"]
     # a diverged defense ranks after every trainable one, even at a lower cost; an unmeasured cost last among these
     rows = [_adv_row("clipping", 0.30), _adv_row("gaussian_noise", 0.01, diverged={"round": 1, "lr": 1.0}),
             _adv_row("topk_pruning", None)]

@@ -176,6 +176,10 @@ class MetricsConfig(Strict):
     null: bool = Field(True, description="score chance (random public samples, matched like the reconstruction) on "
                        "every headline metric: <m>_null_median / _null_p99 / _p_value (gradleak.evaluation.nulls)")
     null_draws: int = Field(1000, ge=200, le=100_000, description="draws of every null (>= 200)")
+    utility: bool = Field(True, description="the global model's accuracy on the data.test_size held-out samples after "
+                          "the run's rounds (metrics accuracy / test_samples). The audit's attack runs turn it off: "
+                          "nothing reads a model's accuracy after one attacked round, and --advise measures the "
+                          "utility of a defense in runs of its own (on vit_lora it was 60 % of a run's time)")
 
 
 class AttackSection(Checked):

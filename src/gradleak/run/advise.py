@@ -14,6 +14,13 @@ aggregation); ``advice["tested_against"]`` names them. The search assumes the
 leak falls monotonically with the strength; the strength reported is the weakest probed one that stops, the
 threshold lying between it and the strongest probed one that did not.
 
+The bisection probes run the attacks that leaked undefended (the *screen*: the exact attacks take seconds where an
+optimisation attack takes minutes), and the strength found is then probed against every tested attack before it
+counts (``row["searched_against"]``). This finds the same threshold: a probe where a screen attack leaks is a probe
+where the full set leaks (the screen is a subset), so every "leaks" of the search is also one for every attack; if
+the check at the found strength shows another attack leaking, the search resumes above it against every attack
+(``row["verification"]``). A strength the budget left unchecked is ``unverified`` and never recommended.
+
 Probes are cells of the one resumable cell loop (:func:`gradleak.run.cells.run_cells`) in
 ``OUT/advise/advise-<hash>.jsonl`` (the hash of the audited config): a rerun after a kill redoes no finished probe.
 ``budget_seconds`` bounds the search between probes; defenses whose search did not end are listed as unfinished.
@@ -228,6 +235,13 @@ def stopped(row: dict, attacks: list[str]) -> bool:
     return outcome(row, attacks) == "stopped"
 
 
+def probe_id(spec: dict, value, attacks: list[str], tested: list[str]) -> str:
+    """The cell id of a probe of ``spec`` at ``value``: ``<candidate>:<param>=<value>``, with ``[a+b]`` when it runs
+    only some of the tested attacks (the screen of the search)."""
+    return f"{key(spec)}:{spec['param']}={fmt(value)}" + (
+        "" if set(attacks) == set(tested) else f"[{'+'.join(attacks)}]")
+
+
 def hollow_dp(r: dict) -> bool:
     """A DP row whose epsilon guarantees nothing: absolute noise under a DP name (no epsilon, or above
     ``MEANINGFUL_EPSILON``)."""
@@ -237,11 +251,12 @@ def hollow_dp(r: dict) -> bool:
 
 
 def ranked(rows: list[dict]) -> list[dict]:
-    """The candidates that can be recommended (a strength found: ``stopped``, or ``unfinished`` with its best so far),
-    best first: a defense the model trains under before one it diverges under; then the lowest accuracy cost (an
+    """The candidates that can be recommended (a strength found: ``stopped``, or ``unfinished`` with its best so far;
+    never one whose strength was not checked against every tested attack, ``unverified``), best first: a defense the model trains under before one it diverges under; then the lowest accuracy cost (an
     unmeasured cost last); a finished search before an unfinished one; a meaningful DP guarantee before a hollow one;
     then the candidate's tie-break (its place in ``STANDARD``)."""
-    ok = [r for r in rows if r.get("status") in ("stopped", "unfinished") and "strength" in r]
+    ok = [r for r in rows if r.get("status") in ("stopped", "unfinished") and "strength" in r
+          and not r.get("unverified")]
     return sorted(ok, key=lambda r: (bool(r.get("diverged")),
                                      r.get("cost") if isinstance(r.get("cost"), (int, float)) else math.inf,
                                      r["status"] != "stopped", hollow_dp(r),
@@ -325,16 +340,17 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         if " cells: " not in msg:
             log(msg)
 
-    def run_batch(jobs: list[tuple[str, dict, bool]]) -> list[dict]:
+    def run_batch(jobs: list[tuple]) -> list[dict]:
         """Probes (``utility=False``) or utility runs (``True``) as cells, in parallel under ``executor``; each
-        cell's id holds its config's hash: a changed config (or a changed candidate) is a new cell."""
+        cell's id holds its config's hash: a changed config (or a changed candidate) is a new cell. A probe job may
+        name the attacks it runs as a fourth element (default: every tested attack)."""
         cells, names = [], {}
-        for cid, cfg_raw, is_utility in jobs:
+        for cid, cfg_raw, is_utility, *only in jobs:
             key = f"{cid}#{config_hash(cfg_raw)[:8]}"
             d = out / cell_dir_name(cid)
             args = ((cfg_raw, utility_from or leaking, utility_rounds, device, cid == "utility:baseline")
-                    if is_utility else (cfg_raw, str(d), tested, device, 1 if executor != "inline" else workers,
-                                        utility_from))
+                    if is_utility else (cfg_raw, str(d), (only[0] if only else None) or tested, device,
+                                        1 if executor != "inline" else workers, utility_from))
             cells.append(Cell(key, _utility_job if is_utility else _probe_job, args, info=(cid, d)))
             names[key] = cid
         before = done_cells(jsonl)
@@ -347,8 +363,9 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         def describe(r):
             if r["cell"].startswith("utility:"):
                 return f"accuracy {fmt(r.get('accuracy'))} after {r.get('rounds')} round(s)"
-            return "stops the leak" if stopped(r, tested) else "leaks: " + ", ".join(
-                f"{a} {lv}" for a, lv in _levels(r, tested).items())
+            ran_here = list(r.get("attacks") or {}) or tested
+            return "stops the leak" if stopped(r, ran_here) else "leaks: " + ", ".join(
+                f"{a} {lv}" for a, lv in _levels(r, ran_here).items())
 
         latest = run_cells(cells, jsonl, row, label="advise", log=quiet, describe=describe,
                            executor=executor if len(cells) > 1 else "inline", workers=workers)
@@ -357,8 +374,16 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             (advice["utility"] if names[c.id].startswith("utility:") else advice["probes"])[names[c.id]] = r
         return rows
 
-    def run_probe(cid: str, cfg_raw: dict) -> dict:
-        return run_batch([(cid, cfg_raw, False)])[0]
+    def run_probe(cid: str, cfg_raw: dict, attacks: list[str] | None = None) -> dict:
+        return run_batch([(cid, cfg_raw, False, attacks)])[0]
+
+    # the search runs against the attacks that leaked undefended (the screen: those the defense must stop); the
+    # strength it finds is then verified against every tested attack. A leak of the screen is a leak of every
+    # attack, so each "leaks" of the search bounds the full threshold from below; a failed verification resumes
+    # the search above the found strength against every attack (:func:`screened_search`)
+    screen = [a for a in tested if a in leaking]
+    if not screen or set(screen) == set(tested):
+        screen = list(tested)
 
     def over_budget() -> bool:
         return budget_seconds is not None and clock() - t0 >= budget_seconds
@@ -371,7 +396,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
              and (not s.get("membership_only") or "membership" in kinds)]
     specs += [s for s in extra if candidates is None or key(s) in candidates]
     if executor != "inline":  # every admitted candidate's strong end at once (the bisections then find them done)
-        run_batch([(f"{key(sp)}:{sp['param']}={fmt(sp['strong'])}", defended_config(base, sp, sp["strong"]), False)
+        run_batch([(probe_id(sp, sp["strong"], screen, tested), defended_config(base, sp, sp["strong"]), False, screen)
                    for sp in specs if _admitted(base, sp, leaking) is None])
     for spec in specs:
         row: dict[str, Any] = {"defense": key(spec), "stage": spec["stage"], "parameter": spec["param"],
@@ -391,53 +416,91 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         if over_budget():
             row.update({"status": "unfinished", "note": "not started: the budget was spent"})
             continue
-        cid = f"{key(spec)}:{spec['param']}={fmt(spec['strong'])}"
-        r = run_probe(cid, defended_config(base, spec, spec["strong"]))
-        row["probes"].append([spec["strong"], cid])
-        if "error" in r:
-            row.update({"status": "failed", "note": r["error"]})
-            continue
-        if outcome(r, tested) == "unmeasured":
-            row.update({"status": "not_measured", "levels": _levels(r, tested),
-                        "note": f"not measured at the strong end {fmt(spec['strong'])}: an attack did not run there"})
-            continue
-        if not stopped(r, tested):
-            row.update({"status": "not_stopped", "levels": _levels(r, tested),
-                        "note": f"not stopped within [{fmt(weak)}, {fmt(spec['strong'])}]"})
-            continue
-        good, bad, found = spec["strong"], weak, r
-        status = "stopped"
-        for _ in range(steps):
-            m = midpoint(spec, bad, good)
-            if m is None:
-                break
-            if over_budget():
-                status = "unfinished"
-                break
-            cid = f"{key(spec)}:{spec['param']}={fmt(m)}"
-            rm = run_probe(cid, defended_config(base, spec, m))
-            row["probes"].append([m, cid])
-            if stopped(rm, tested):  # a failed or unmeasured probe is not evidence of a stop
-                good, found = m, rm
+        def at(value, attacks):
+            """The probe of ``spec`` at ``value`` against ``attacks`` (recorded in the row)."""
+            cid = probe_id(spec, value, attacks, tested)
+            r = run_probe(cid, defended_config(base, spec, value), attacks)
+            row["probes"].append([value, cid])
+            return r
+
+        def strong_end(attacks) -> dict | None:
+            """The strong end's probe; None (and the row's status set) unless it stops ``attacks``."""
+            r = at(spec["strong"], attacks)
+            if "error" in r:
+                row.update({"status": "failed", "note": r["error"]})
+            elif outcome(r, attacks) == "unmeasured":
+                row.update({"status": "not_measured", "levels": _levels(r, attacks),
+                            "note": f"not measured at the strong end {fmt(spec['strong'])}: an attack did not run "
+                                    "there"})
+            elif not stopped(r, attacks):
+                row.update({"status": "not_stopped", "levels": _levels(r, attacks),
+                            "note": f"not stopped within [{fmt(weak)}, {fmt(spec['strong'])}]"})
             else:
-                bad = m
+                return r
+            return None
+
+        def bisect(bad, good, found, attacks):
+            status = "stopped"
+            for _ in range(steps):
+                m = midpoint(spec, bad, good)
+                if m is None:
+                    break
+                if over_budget():
+                    status = "unfinished"
+                    break
+                rm = at(m, attacks)
+                if stopped(rm, attacks):  # a failed or unmeasured probe is not evidence of a stop
+                    good, found = m, rm
+                else:
+                    bad = m
+            return bad, good, found, status
+
+        r = strong_end(screen)
+        if r is None:
+            continue
+        bad, good, found, status = bisect(weak, spec["strong"], r, screen)
         if status == "stopped" and bad == weak and start is None and not over_budget():
             # every probe stopped: the weak end, assumed to leak, is measured (the configured strength is measured
             # by the audit itself)
-            cid = f"{key(spec)}:{spec['param']}={fmt(weak)}"
-            rw = run_probe(cid, defended_config(base, spec, weak))
-            row["probes"].append([weak, cid])
-            if "error" not in rw and stopped(rw, tested):
+            rw = at(weak, screen)
+            if "error" not in rw and stopped(rw, screen):
                 good, found = weak, rw
                 row["note"] = (f"stops already at the bracket's weak end {fmt(weak)}: a weaker strength may stop it "
                                "too (not searched)")
+        if screen != tested:  # the found strength, verified against every tested attack
+            row["searched_against"] = screen
+            if over_budget():
+                status = "unfinished"
+                row["unverified"] = True
+            else:
+                rv = at(good, tested)
+                if stopped(rv, tested):
+                    found = rv
+                elif "error" in rv or outcome(rv, tested) == "unmeasured":
+                    row.update({"status": "failed", "levels": _levels(rv, tested), "note": (
+                        f"stops {', '.join(screen)} at {fmt(good)}, but its check against every tested attack "
+                        f"failed: {rv.get('error') or 'an attack did not run'}")})
+                    continue
+                else:  # another attack still leaks there: search above it against every attack
+                    row["verification"] = {"strength": good, "levels": _levels(rv, tested)}
+                    if good == spec["strong"]:
+                        row.update({"status": "not_stopped", "levels": _levels(rv, tested),
+                                    "note": f"not stopped within [{fmt(weak)}, {fmt(spec['strong'])}]"})
+                        continue
+                    lo = good
+                    r = strong_end(tested)
+                    if r is None:
+                        continue
+                    bad, good, found, status = bisect(lo, spec["strong"], r, tested)
         row.update({"status": status, "strength": good, "interval": [bad if bad != good else None, good],
                     "levels": _levels(found, tested), "set": set_strings(base, spec, good),
                     "config": {k: v for k, v in defended_config(base, spec, good).items()
                                if k in ("defenses", "defense", "fl", "threat")}})
         if status == "unfinished":
             row["note"] = (f"unfinished (budget): stops at {fmt(good)}; the weakest strength lies in "
-                           f"[{fmt(bad)}, {fmt(good)}]")
+                           f"[{fmt(bad)}, {fmt(good)}]" + (
+                               f" (against {', '.join(screen)} only: not yet checked against every tested attack, "
+                               "so not recommended)" if row.get("unverified") else ""))
         if spec["name"] == "dpsgd":
             row["epsilon_attacked"] = found.get("dp_epsilon")
         elif spec["name"] == "dp_gaussian":

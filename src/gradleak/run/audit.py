@@ -68,7 +68,8 @@ def attack_names() -> list[str]:
 def candidate(raw: dict, name: str, threat: dict | None = None, variant: dict | None = None) -> dict:
     """The run config of one attack: the setup, ``attack.name`` and the attack's defaults, plus any
     ``audit.params.<attack>`` the audit config gives (e.g. fewer steps for a quick audit) and a full-strength
-    ``variant``; every client of the round is attacked (``metrics.attack_clients: all``)."""
+    ``variant``; every client of the round is attacked (``metrics.attack_clients: all``); no accuracy is measured
+    (``metrics.utility: false``: --advise measures a defense's utility in runs of its own)."""
     cand = copy.deepcopy(raw)
     extra = ((cand.pop("audit", None) or {}).get("params") or {}).get(name) or {}
     flat = {k: v for k, v in (cand.get("attack") or {}).items() if k not in ("name", "params")}
@@ -80,6 +81,7 @@ def candidate(raw: dict, name: str, threat: dict | None = None, variant: dict | 
     cand["attack"] = {"name": name, **inherited, **extra, **(variant or {})}
     metrics = dict(cand.get("metrics") or {})
     metrics.setdefault("attack_clients", "all")
+    metrics.setdefault("utility", False)  # the accuracy after one attacked round: read by nothing (--advise has its own)
     cand["metrics"] = metrics
     if threat is not None:
         cand["threat"] = threat
@@ -170,7 +172,7 @@ def full_strength_variants(A, cand: dict, cfg, defenses: list | None = None) -> 
     from gradleak.run.runner import validate
 
     vs: list[dict] = [{}]
-    if A.rewrites_weights or not A.measurable(cfg):  # nothing in this setup's uploads for any parameter set
+    if not A.measurable(cfg):  # nothing in this setup's uploads for any parameter set
         return vs
     for v in A.audit_variants(cfg.attack_cfg.model_dump(mode="json"), declared_defenses(cfg)):
         if not v or v in vs:

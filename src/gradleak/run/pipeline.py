@@ -149,7 +149,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
                                      membership=membership, **per_client_truth)
                 split_by_guarantee(ev, defense.layer_condition(view.rounds))  # {}: no per-layer guarantee
                 ev.metrics.update(defense.report(view.rounds))
-                test = data.test(mcfg.num_classes)
+                test = data.test(mcfg.num_classes) if cfg.metrics.utility else None
                 if test is not None:
                     ev.metrics.update(_utility(handle, model, outcome, cfg, test, dev) if modality == "text"
                                       else _image_utility(model, outcome, cfg, test, dev))
