@@ -26,15 +26,44 @@ Decisions the summary leaves open (open point A5.2, docs/PAPERS.md), each a para
 * Candidates come from the server's public knowledge (``view.public["candidates"]``: per observed update,
   the sentences to score); granted under ``threat.public_data``. ``max_clients`` scores the first N observed
   clients only (the cost is candidates × observed rounds forward passes).
+
+Noisy uploads (``noise``; beyond the paper, which scores a clean gradient). The upload is G̃ = G + σE (Gaussian
+noise, DP-Gaussian, DP-SGD: E i.i.d. N(0, 1), σ the per-coordinate std). G̃ is full rank, so at ``rank_rtol`` its
+row space is the whole input space (an up-projection, m >= n: every residual 0) or half of it filled with noise
+directions (a down-projection), and Sec. VI-B's argument -- a row space covering every candidate leaves no residual
+to rank -- applies to the noise as it does to FISGuard's fixed subspace. ``noise`` (``public``/``declared``: σ from
+the declared defenses, :func:`gradleak.defenses.declared.view_noise_std`; ``estimate``: σ read off each layer's
+spectrum bulk, Gavish-Donoho; a float: that σ; ``none``: the exact score above, unchanged) replaces the row space by
+what the noise leaves testable, with one of two scores (``noise_score``):
+
+* ``residual`` -- the Sec. III score on the *signal subspace*: only the right singular directions of G̃ above the
+  noise edge margin × σ(√m + √n) are kept (Bai-Yin / Marchenko-Pastur: below it no direction can be told from
+  noise; :func:`gradleak.attacks.common.subspace.noisy_subspace`) and the candidate's relative residual is taken
+  against them. A layer with no direction above the edge gives every candidate residual 1 (no spread: it drops out
+  of ``min_z``; pure noise ties every candidate, AUC ½).
+* ``chi2`` -- a matched filter for the candidate's own direction: for a unit ĥ, G̃ĥ = Gĥ + σEĥ with Eĥ ~ N(0, I_m)
+  exactly, so T = ‖G̃ĥ‖²/σ² is χ²_m when ĥ ⟂ row(G) (what noise alone gives) and non-central with ‖Gĥ‖²/σ²
+  otherwise; the score is z = (T − m)/√(2m) (higher = member; the residual ‖ĥ − P_row(G)ĥ‖ is 1 exactly when
+  ‖Gĥ‖ = 0, and ‖Gĥ‖² is ĥ's energy in row(G) weighted by G's singular values). Testing a *known* direction needs
+  ‖Gĥ‖ ≳ σ√m, not a singular value above σ(√m + √n): it still ranks members where the spectrum has drowned (a wide
+  layer such as the task head, m ≪ n). A layer counts only when one of its tests (every scored token or vector
+  of every candidate) exceeds the χ²_m quantile 1 − ``noise_alpha`` / #tests (Bonferroni: noise alone passes with
+  probability ``noise_alpha``); otherwise every candidate gets z = 0 and the layer drops out.
+
+``info`` then holds the σ used and the signal rank per layer (``rank_per_layer``) and, for ``chi2``, the layers that
+passed the noise gate. The adaptive attack (``projres_adaptive``) has no row-space step: its NNLS fit of G̃ over the
+candidates' gradients is already the maximum-likelihood fit under i.i.d. Gaussian noise.
 """
 
 from __future__ import annotations
 
 import copy
+import math
+from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 from torch import nn
 
 from gradleak.attacks.common.parameters import set_config_fields
@@ -53,6 +82,22 @@ class ProjResConfig(AttackConfig):
     batch_size: int = Field(64, ge=1, description="candidates per forward pass")
     max_clients: Optional[int] = Field(None, ge=1, description="score only the first N observed clients (cost: "
                                        "candidates × observed rounds forward passes)")
+    noise: Union[float, Literal["none", "public", "declared", "estimate"]] = Field(
+        "none", description="noise on the observed gradients: 'none' = exact row space (the paper), "
+        "'public'/'declared' = the per-coordinate std the declared defenses imply (exact when none adds noise), "
+        "'estimate' = read off each layer's spectrum (Gavish-Donoho), or a known std (float > 0)")
+    noise_score: Literal["residual", "chi2"] = Field(
+        "residual", description="with noise: residual on the signal subspace above the noise edge, or chi2 = the "
+        "matched-filter energy of the candidate's direction over what noise alone gives")
+    noise_alpha: float = Field(0.01, gt=0, lt=1, description="chi2: a layer counts when a test exceeds the chi-square "
+                               "quantile 1 - alpha / #tests (noise alone passes with probability alpha)")
+
+    @field_validator("noise")
+    @classmethod
+    def _noise_positive(cls, v):
+        if isinstance(v, float) and v <= 0:
+            raise ValueError("a noise std must be > 0 (use 'none' for the exact row space)")
+        return v
 
 
 def row_space(G: torch.Tensor, rtol: float) -> torch.Tensor:
@@ -72,6 +117,61 @@ def relative_residual(h: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
         return torch.zeros(h.shape[:-1], dtype=torch.float64)
     r = h - (h @ V) @ V.T if V.shape[1] else h
     return r.norm(dim=-1) / h.norm(dim=-1).clamp_min(1e-300)
+
+
+@dataclass
+class NoisyRowSpace:
+    """What a noisy layer gradient G̃ (out × in) = G + σE leaves testable (module docstring, "Noisy uploads"):
+    the signal subspace above the noise edge and the per-candidate score, lower = more likely a member
+    (``residual``: relative residual on the signal subspace; ``chi2``: −z of the matched-filter statistic)."""
+
+    G: torch.Tensor  # the noisy gradient, float64
+    sigma: float
+    score: str
+    basis: torch.Tensor  # (in × r) signal subspace
+    edge: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.basis.shape[1])
+
+    def chi2_z(self, h: torch.Tensor) -> torch.Tensor:
+        """z = (‖G̃ĥ‖²/σ² − m)/√(2m) for ĥ = h/‖h‖ along the last dimension (0 for h = 0)."""
+        h = h.to(torch.float64)
+        n = h.norm(dim=-1, keepdim=True)
+        T = (h @ self.G.T).pow(2).sum(-1) / n.squeeze(-1).clamp_min(1e-300) ** 2 / self.sigma ** 2
+        m = self.G.shape[0]
+        return torch.where(n.squeeze(-1) > 0, (T - m) / math.sqrt(2 * m), torch.zeros_like(T))
+
+    def residual(self, h: torch.Tensor) -> torch.Tensor:
+        if self.score == "chi2":
+            return -self.chi2_z(h)
+        if self.rank == 0:
+            return torch.ones(h.shape[:-1], dtype=torch.float64)
+        return relative_residual(h, self.basis)
+
+    def gate(self, tests: int, alpha: float) -> float:
+        """The z a test must exceed for the layer to count: the χ²_m quantile 1 − alpha / tests (Bonferroni)."""
+        from scipy.stats import chi2
+
+        m = self.G.shape[0]
+        return (float(chi2.isf(alpha / max(tests, 1), m)) - m) / math.sqrt(2 * m)
+
+
+def noisy_row_space(G: torch.Tensor, sigma: float, score: str = "residual") -> NoisyRowSpace:
+    """Signal subspace of G̃ (out × in) under per-coordinate noise std ``sigma`` (the edge of
+    :func:`gradleak.attacks.common.subspace.noisy_subspace`) and the ``score`` it is tested with."""
+    from gradleak.attacks.common.subspace import noisy_subspace
+
+    G = G.detach().to(torch.float64).cpu()
+    sub = noisy_subspace([G], float(sigma))
+    return NoisyRowSpace(G, float(sigma), score, sub.basis, sub.noise_edge)
+
+
+def _residual(h: torch.Tensor, base) -> torch.Tensor:
+    if isinstance(base, NoisyRowSpace):
+        return base.residual(h)
+    return relative_residual(h, base.cpu())
 
 
 class _InputCapture:
@@ -123,8 +223,41 @@ class ProjRes(AttackBase):
     def requires(cls, cfg=None) -> dict[str, bool]:
         return {"public_data": True}
 
+    @classmethod
+    def audit_variants(cls, params, defenses):
+        """Under declared noise the exact row space is the whole (or half the) input space and the plain score ties
+        or inverts (module docstring, "Noisy uploads"): the audit also runs both noise-aware scores, with the declared
+        σ (``public``) when every noisy defense's scale is known, and σ read off the spectrum (``estimate``) when one
+        adds noise of an unknown scale (percentile noise, stochastic rounding)."""
+        from gradleak.defenses.declared import as_declared
+
+        declared = as_declared(defenses)
+        if not declared.adds_noise:
+            return []
+        mode = "estimate" if declared.noise_unknown else "public"
+        here = {"noise": params.get("noise", "none"), "noise_score": params.get("noise_score", "residual")}
+        out = [{"noise": mode, "noise_score": sc} for sc in ("residual", "chi2")]
+        return [v for v in out if v != here]
+
     def observes_round(self, round_index: int, total_rounds: int) -> bool:
         return self.round_aggregation != "last" or round_index == total_rounds - 1
+
+    def _row_space(self, view, upd, G: torch.Tensor):
+        """The exact row space of G when no noise is declared (``public``), else its :class:`NoisyRowSpace`."""
+        G64 = G.detach().to(torch.float64).cpu()
+        if self.noise in ("public", "declared"):
+            from gradleak.defenses.declared import view_noise_std
+
+            std = view_noise_std(view, upd) or 0.0  # this client's upload (a relative noise scales with it)
+            rounding = float(view.public.get("upload_rounding_std") or 0.0)  # a weight reply's rounding (Flower)
+            sigma = (std ** 2 + rounding ** 2) ** 0.5
+        else:
+            from gradleak.attacks.common.text import declared_noise_std
+
+            sigma = declared_noise_std(view, self.noise, [G64])
+        if not sigma or not math.isfinite(sigma):
+            return row_space(G, self.rank_rtol)
+        return noisy_row_space(G64, sigma, self.noise_score)
 
     def reconstruct(self, view) -> Reconstruction:
         cands = view.public.get("candidates")
@@ -144,6 +277,8 @@ class ProjRes(AttackBase):
         per_round: list[dict[int, dict[str, torch.Tensor]]] = []
         ranks: dict[str, list[int]] = {n: [] for n in targets}
         client_rank: dict[int, dict[str, int]] = {}
+        sigmas: dict[str, list[float]] = {n: [] for n in targets}
+        gates: dict[str, list[bool]] = {n: [] for n in targets}
         for ups, state in zip(rounds, states):
             with torch.no_grad():
                 params = dict(model.named_parameters())
@@ -152,11 +287,16 @@ class ProjRes(AttackBase):
             res: dict[int, dict[str, torch.Tensor]] = {}
             for ci, texts in cands.items():
                 upd = ups[ci]
-                bases = {n: row_space(upd.tensors[n + ".weight"], self.rank_rtol) for n in targets}
+                if self.noise == "none":
+                    bases = {n: row_space(upd.tensors[n + ".weight"], self.rank_rtol) for n in targets}
+                else:
+                    bases = {n: self._row_space(view, upd, upd.tensors[n + ".weight"]) for n in targets}
                 for n, V in bases.items():
-                    ranks[n].append(V.shape[1])
-                client_rank[ci] = {n: V.shape[1] for n, V in bases.items()}
-                res[ci] = self._score(model, tok, targets, bases, texts, view.public.get("model_kind"))
+                    ranks[n].append(_rank(V))
+                    if isinstance(V, NoisyRowSpace):
+                        sigmas[n].append(V.sigma)
+                client_rank[ci] = {n: _rank(V) for n, V in bases.items()}
+                res[ci] = self._score(model, tok, targets, bases, texts, view.public.get("model_kind"), gates)
             per_round.append(res)
         batch = int(view.public.get("batch_size") or 0)
         scores, layer_scores = {}, {n: {} for n in targets}
@@ -172,7 +312,9 @@ class ProjRes(AttackBase):
                 sd = allr.std(1, keepdim=True)
                 z = (allr - allr.mean(1, keepdim=True)) / sd.clamp_min(1e-12)
                 informative = sd[:, 0] > 1e-9
-                if batch:  # rank <= B: at most one direction per sentence (a pooled token), no member's tokens
+                # rank <= B: at most one direction per sentence (a pooled token), no member's tokens; a chi2 layer
+                # counts by its noise gate instead (its matched filter needs no direction above the edge)
+                if batch and not (self.noise != "none" and self.noise_score == "chi2"):
                     ranks_now = torch.tensor([client_rank[ci][n] for n in comb])
                     if (informative & (ranks_now > batch)).any():
                         informative &= ranks_now > batch
@@ -183,13 +325,24 @@ class ProjRes(AttackBase):
         info = {"layers": list(targets), "rank_per_layer": {n: max(r) if r else 0 for n, r in ranks.items()},
                 "input_width_per_layer": {n: m.in_features for n, m in targets.items()},
                 "rounds_scored": len(per_round), "layer_scores": layer_scores}
+        if self.noise != "none":
+            info["noise"] = self.noise
+            info["noise_score"] = self.noise_score
+            info["noise_std_per_layer"] = {n: (max(v) if v else None) for n, v in sigmas.items()}
+            if self.noise_score == "chi2":
+                info["layers_above_noise"] = [n for n, v in gates.items() if any(v)]
         return Reconstruction({"scores": scores}, info)
 
-    def _score(self, model, tok, targets, bases, texts, kind) -> dict[str, torch.Tensor]:
-        """Residual per candidate and layer (aggregated over the candidate's non-special tokens)."""
+    def _score(self, model, tok, targets, bases, texts, kind, gates=None) -> dict[str, torch.Tensor]:
+        """Residual per candidate and layer (aggregated over the candidate's non-special tokens). A ``chi2`` layer
+        whose largest test stays below the noise gate (:meth:`NoisyRowSpace.gate`) scores every candidate 0
+        (``gates[layer]`` records whether it passed)."""
         from gradleak.models.text import causal_specials, encode_batch
 
         out = {n: [] for n in targets}
+        chi2 = {n for n, b in bases.items() if isinstance(b, NoisyRowSpace) and b.score == "chi2"}
+        best = {n: -math.inf for n in chi2}  # the largest z over every test of the layer
+        tests = {n: 0 for n in chi2}
         dev = next(model.parameters()).device
         special = set(tok.all_special_ids) | (set(causal_specials(tok)) if kind == "causal" else set())
         for a in range(0, len(texts), self.batch_size):
@@ -200,19 +353,36 @@ class ProjRes(AttackBase):
                 model(input_ids=ids.to(dev), attention_mask=mask.to(dev))
             for n in targets:
                 h = cap.records[n].cpu()
-                r = relative_residual(h, bases[n].cpu())
+                r = _residual(h, bases[n])
                 if h.dim() == 2:  # one vector per sentence (the task head's pooled input)
                     out[n].append(r)
-                    continue
-                if self.aggregation == "sentence":
+                    tested = r
+                elif self.aggregation == "sentence":
                     w = keep.unsqueeze(-1).to(h.dtype)
                     mean = (h * w).sum(1) / w.sum(1).clamp_min(1)
-                    out[n].append(relative_residual(mean, bases[n].cpu()))
+                    out[n].append(_residual(mean, bases[n]))
+                    tested = out[n][-1]
                 elif self.aggregation == "min":
                     out[n].append(torch.where(keep, r, torch.full_like(r, float("inf"))).min(1).values)
+                    tested = r[keep]
                 else:
                     out[n].append((r * keep).sum(1) / keep.sum(1).clamp_min(1))
-        return {n: torch.cat(v) for n, v in out.items()}
+                    tested = r[keep]
+                if n in chi2 and tested.numel():
+                    best[n] = max(best[n], float(-tested.min()))
+                    tests[n] += int(tested.numel())
+        scores = {n: torch.cat(v) for n, v in out.items()}
+        for n in chi2:
+            passed = best[n] > bases[n].gate(tests[n], self.noise_alpha)
+            if gates is not None:
+                gates[n].append(passed)
+            if not passed:  # nothing above what noise alone gives: every candidate ties, the layer drops out
+                scores[n] = torch.zeros_like(scores[n])
+        return scores
+
+
+def _rank(base) -> int:
+    return base.rank if isinstance(base, NoisyRowSpace) else int(base.shape[1])
 
 
 class GradientDecompositionConfig(AttackConfig):
