@@ -73,6 +73,8 @@ Modules of this package:
 * :mod:`.geometry` — the linear algebra both parties share (slot scales, per-patch quantities);
 * :mod:`.server` — :class:`~.server.PEFTLeakServer`: poisoning, round planning, per-round adapters;
 * :mod:`.recovery` — :class:`~.recovery.PEFTLeakRecovery`: recovery from the server view, grouping;
+* :mod:`.denoise` — the noise mode (``attack.noise``): σ declared or read off the upload, calibrated bin tests,
+  patch estimates with their errors, combination of one patch's bins (beyond the paper, which reads exact gradients);
 * :mod:`.attack` — :class:`~.attack.PEFTLeak`, registered as ``peftleak``.
 
 The patch geometry of the ViT grid (``image_to_patches`` and its inverses) is in :mod:`gradleak.metrics.patches`.

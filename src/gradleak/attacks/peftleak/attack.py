@@ -49,12 +49,26 @@ class PEFTLeak(AttackBase):
         fedavg_aware = ((fl or {}).get("algorithm") == "fedavg") if cfg.fedavg_aware is None else cfg.fedavg_aware
         self.server = PEFTLeakServer(cfg, public_images=public_images, fedavg_aware=fedavg_aware,
                                      expected_batch_size=expected_batch_size, seed=seed)
-        self.recovery = PEFTLeakRecovery(self.server)
+        self.recovery = PEFTLeakRecovery(self.server, noise=cfg.noise, noise_false_alarm=cfg.noise_false_alarm)
         self.max_rounds = cfg.max_rounds
 
     @classmethod
     def requires(cls, cfg: Optional[AttackConfig] = None) -> dict[str, bool]:
         return {"malicious": True, "public_data": True, "individual_updates": True}
+
+    @classmethod
+    def audit_variants(cls, params, defenses):
+        """Under a declared defense that adds noise, the noise mode (:mod:`gradleak.attacks.peftleak.denoise`) at full
+        strength: the declared std ('public', unless configured) and the std read off the upload ('estimate': it also
+        covers noise of a scale the server cannot compute, e.g. stochastic rounding). The exact recovery on a noisy
+        upload divides by noisy bias differences (measured: garbage or nothing), so it is not a variant."""
+        from gradleak.defenses.declared import as_declared
+
+        cfg = cls.Config(**params)
+        declared = as_declared(defenses)
+        if not declared.adds_noise:
+            return []
+        return [{"noise": m} for m in ("public", "estimate") if cfg.noise != m]
 
     @classmethod
     def from_config(cls, cfg: PEFTLeakConfig, ctx: AttackContext) -> "PEFTLeak":

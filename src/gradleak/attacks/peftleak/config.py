@@ -3,9 +3,9 @@ attack read them from here)."""
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from gradleak.attacks.base import AttackConfig
 
@@ -30,6 +30,22 @@ class PEFTLeakConfig(AttackConfig):
     fedavg_aware: Optional[bool] = Field(
         None, description="FedAvg-aware scaling of the malicious weights (App. C.6); default: on when fl.algorithm is fedavg")
     up_scale: float = Field(1e-12, gt=0, le=1e-3, description="scale of the adapters' up-projection (forward perturbation)")
+    noise: Union[float, Literal["public", "none", "estimate"]] = Field(
+        "public", description="noise on the observed adapter gradients (gradleak.attacks.peftleak.denoise): 'public' = "
+        "the per-coordinate std the declared defenses imply (the exact recovery when there is none), 'none' = the "
+        "exact recovery, 'estimate' = read off the upload (the ones-direction of every down-projection gradient row "
+        "is pure noise by design), or a known std (float > 0); under noise bins are tested against it and patches "
+        "estimated with their errors")
+    noise_false_alarm: float = Field(
+        0.01, gt=0, lt=1, description="noise mode: chance that pure noise yields any occupied bin (Bonferroni over "
+        "every bin); every noise tolerance uses the same level")
+
+    @field_validator("noise")
+    @classmethod
+    def _positive_noise(cls, v):
+        if isinstance(v, float) and not v > 0:
+            raise ValueError("a known noise std must be > 0 (use 'none' for the exact recovery)")
+        return v
 
 
 __all__ = ["PEFTLeakConfig"]

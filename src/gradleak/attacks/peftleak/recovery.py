@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from gradleak.attacks.base import Reconstruction
+from gradleak.attacks.peftleak.denoise import (NoiseTests, PatchPrior, agreement, estimate_patches, group_noisy,
+                                               merge_estimates, resolve_noise_std)
 from gradleak.attacks.peftleak.geometry import F64, PatchGeometry, slot_scales
 from gradleak.attacks.peftleak.server import PEFTLeakServer, RoundPlan
 from gradleak.errors import BadInput
@@ -30,10 +32,16 @@ class PEFTLeakRecovery:
     positional embeddings, ``M``, thresholds, scales) through ``self.server`` and, in :meth:`reconstruct`,
     the observed updates and per-round adapter states of the :class:`~gradleak.fl.core.ServerView` only.
     Holds no reference to the model or to any client data.
+
+    ``noise`` / ``noise_false_alarm``: the noise mode of :mod:`.denoise` (``attack.noise``); when it resolves to no
+    noise (``none``, or ``public`` with nothing declared) the exact recovery below runs unchanged.
     """
 
-    def __init__(self, server: PEFTLeakServer):
+    def __init__(self, server: PEFTLeakServer, noise: Any = "none", noise_false_alarm: float = 0.01):
         self.server = server
+        self.noise = noise
+        self.noise_false_alarm = float(noise_false_alarm)
+        self._prior: PatchPrior | None = None
         # per reconstruction: tolerance on g agreement, and each slot's bin differences Δb of the round
         self._match_tol = 1e-6
         self._dgb: dict[int, torch.Tensor] = {}
@@ -88,6 +96,11 @@ class PEFTLeakRecovery:
             raise BadInput("fl.secure_aggregation", "PEFTLeak needs the victim's individual per-round updates.",
                            "turn secure aggregation off for this attack (it then sees only the aggregate).")
         n_rounds = min(len(view.rounds), len(srv.plans))
+        if self.noise != "none":
+            sigmas = [resolve_noise_std(self.noise, view, view.rounds[k][0], srv.plans[k], srv.D)
+                      for k in range(n_rounds)]
+            if any(s is not None and s > 0 for s in sigmas):
+                return self._reconstruct_noisy(view, n_rounds, sigmas)
         # how closely the image coefficient g of two patches of one image agree: to float64 rounding
         # after one gradient step; to ~1e-4 after several FedAvg steps (the adapters move a little)
         multi_step = any(u.kind == "pseudo_gradient" and u.local_steps > 1 for r in view.rounds for u in r)
@@ -302,6 +315,284 @@ class PEFTLeakRecovery:
             if not new:
                 break
             known += new
+        return known
+
+    # ------------------------------------------------------------------ noise mode (:mod:`.denoise`)
+    def _reconstruct_noisy(self, view: ServerView, n_rounds: int, sigmas: list[float | None]) -> Reconstruction:
+        """:meth:`reconstruct` under upload noise of per-coordinate std ``sigmas[k]`` in round k: calibrated occupancy
+        tests, the scale-estimated patches of :func:`.denoise.estimate_patches`, noise-derived consistency, trust and
+        peeling, estimates of one patch combined, grouping within each patch's error on g."""
+        srv = self.server
+        known = [s for s in sigmas if s is not None and s > 0]
+        sigmas = [s if s is not None and s > 0 else min(known) for s in sigmas]
+        n_tests = sum(len(sp.usable_bins) for k in range(n_rounds) for sp in srv.plans[k].slots)
+        tests = NoiseTests.at(self.noise_false_alarm, n_tests, srv.D, srv.Pd)
+        if self._prior is None:
+            self._prior = PatchPrior.from_server(srv)
+        # the exact recovery's agreement of g (float64 rounding; a few FedAvg steps move the adapters a little)
+        # is the floor of every tolerance on g
+        multi_step = any(u.kind == "pseudo_gradient" and u.local_steps > 1 for r in view.rounds for u in r)
+        self._match_tol = 1e-4 if multi_step else 1e-6
+        self._nonzero_bins = 0
+        found: list[dict[str, Any]] = []
+        for k in range(n_rounds):
+            state = {n: v.detach().cpu() for n, v in view.round_states[k].items()}
+            found += self._noisy_round(k, view.rounds[k][0], state, float(sigmas[k]), tests)
+        merged = merge_estimates(found, tests)
+        # an estimate whose error is as large as the public patches' spread says nothing the public mean does not
+        informative = [c for c in merged if c["err"] ** 2 < self._prior.pixel_variance]
+        dropped = len(merged) - len(informative)
+        merged = informative
+        if merged:
+            patches = torch.stack([c["x"] for c in merged]).clamp(-1, 1)
+            positions = torch.tensor([c["position"] for c in merged], dtype=torch.long)
+            gvals = torch.tensor([c.get("g", float("nan")) for c in merged], dtype=F64)
+            gerr = torch.tensor([c.get("g_err", float("inf")) for c in merged], dtype=F64)
+            err = torch.tensor([c["err"] for c in merged], dtype=F64)
+        else:
+            patches = torch.zeros(0, srv.Pd, dtype=F64)
+            positions = torch.zeros(0, dtype=torch.long)
+            gvals, gerr, err = (torch.zeros(0, dtype=F64),) * 3
+        groups = group_noisy(gvals, gerr, positions, tests.z)
+        expected = 10 * torch.log10(4 / (err * err).clamp(min=1e-300)) if len(err) else torch.zeros(0, dtype=F64)
+        bins = sum(len(sp.usable_bins) for plan in srv.plans[:n_rounds] for sp in plan.slots)
+        info = {"candidates": len(found), "unique_patches": int(len(patches)), "rounds": n_rounds, "bins": bins,
+                "groups": int(groups.max() + 1) if len(groups) else 0, "design": srv.design,
+                "noise_mode": self.noise, "noise_std": [float(s) for s in sigmas],
+                "occupancy_threshold_chi2": tests.occupancy, "tolerance_z": tests.z,
+                "bins_per_patch": [int(c.get("members", 1)) for c in merged],
+                "uninformative_patches_dropped": dropped}
+        attacked = sorted({sp.position for plan in srv.plans[:n_rounds] for sp in plan.slots})
+        data = {"patches": patches, "positions": positions, "groups": groups, "g": gvals, "reduce": srv.reduce,
+                "patch_size": srv.P, "channels": srv.C, "num_positions": srv.N, "image_size": srv.S,
+                "attacked_positions": attacked, "patch_error_std": err}
+        metrics = {"attacked_positions": len(attacked), "rounds_used": n_rounds, "adapters_per_position": srv.K,
+                   "nonzero_bins": self._nonzero_bins,
+                   "hash_directions_per_position": srv.K if srv.multi_direction else 1,
+                   "positions_per_round": srv.ppr, "rounds_needed_all_positions": srv.num_rounds,
+                   "noise_std_used": float(sum(sigmas) / len(sigmas)), "occupied_bins": self._nonzero_bins,
+                   "expected_patch_psnr_median": float(expected.median()) if len(expected) else float("nan")}
+        return Reconstruction(data, info, metrics)
+
+    def _noisy_round(self, k: int, upd, state: dict[str, torch.Tensor], sigma: float,
+                     tests: NoiseTests) -> list[dict[str, Any]]:
+        srv = self.server
+        plan = srv.plans[k]
+        self._dgb, self._nvb = {}, {}
+        occupied: dict[int, torch.Tensor] = {}
+        bins: list[dict[str, Any]] = []
+        for sp in plan.slots:
+            pre = sp.slot.prefix
+            if f"{pre}.down.weight" not in upd.tensors:
+                raise BadInput("update", f"the observed update lacks '{pre}.down.weight'.",
+                               "the client must upload the adapter gradients (adapters trainable).")
+            GW = upd.tensors[f"{pre}.down.weight"].to("cpu", F64)
+            Gb = upd.tensors[f"{pre}.down.bias"].to("cpu", F64)
+            dGb = torch.cat([Gb[:-1] - Gb[1:], Gb[-1:]])
+            dGW = torch.cat([GW[:-1] - GW[1:], GW[-1:]])
+            nv = torch.full((srv.r,), 2 * sigma * sigma, dtype=F64)
+            nv[-1] = sigma * sigma  # the top bin is one neuron, not a difference
+            occ = ((dGW * dGW).sum(1) + dGb * dGb) / nv > tests.occupancy
+            usable = torch.zeros(srv.r, dtype=torch.bool)
+            usable[sp.usable_bins] = True
+            occupied[sp.index] = occ
+            self._dgb[sp.index], self._nvb[sp.index] = dGb, nv
+            for j in torch.nonzero(usable & occ)[:, 0].tolist():
+                bins.append({"plan": sp, "bin": j, "db": float(dGb[j]), "dw": dGW[j], "nv": float(nv[j])})
+        self._nonzero_bins += len(bins)
+        if not bins:
+            return []
+        cands = self._noisy_candidates(bins, k)
+        if srv.multi_direction:
+            cands = self._noisy_consistent(cands, plan, occupied, tests)
+        self._noisy_attach_g(cands, state)
+        if srv.multi_direction:
+            cands = self._noisy_trusted(cands, plan, tests)
+        if srv.peel and srv.multi_direction:
+            cands = self._noisy_peel(cands, bins, plan, occupied, state, tests)
+        return cands
+
+    def _noisy_candidates(self, bins: list[dict], k: int) -> list[dict]:
+        """:func:`.denoise.estimate_patches` for every bin at once."""
+        if not bins:
+            return []
+        dw = torch.stack([b["dw"] for b in bins])
+        db = torch.tensor([b["db"] for b in bins], dtype=F64)
+        nv = torch.tensor([b["nv"] for b in bins], dtype=F64)
+        t = torch.tensor([b["plan"].position for b in bins])
+        idx = torch.tensor([b["plan"].index for b in bins])
+        est = estimate_patches(dw, db, nv, t, idx, self.server, self._prior)
+        return [{"x": est["x"][i], "err": float(est["err"][i]), "err_iso": float(est["err_iso"][i]),
+                 "scale_dir": est["scale_dir"][i], "axis": est["axis"][i], "position": int(t[i]), "bin": bins[i],
+                 "round": k}
+                for i in range(len(bins))]
+
+    def _noisy_ranges(self, cands: list[dict], plan: RoundPlan, z: float) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Per slot of the round, the lowest and highest bin each candidate's statistic can fall in within ``z``
+        errors (-2: another position; -1: below c_1): its estimate's i.i.d. error through the read-out, and its scale
+        error by evaluating the statistic at the estimate moved one std along ``scale_dir``."""
+        srv = self.server
+        X = torch.stack([c["x"] for c in cands])
+        S = torch.stack([c["scale_dir"] for c in cands])
+        t = torch.tensor([c["position"] for c in cands])
+        iso = torch.tensor([c.get("err_iso", c["err"]) for c in cands], dtype=F64)
+        geos = [srv.geometry(X), srv.geometry(X + S), srv.geometry(X - S)]
+        out = {}
+        for sp in plan.slots:
+            lo = torch.full((len(X),), -2, dtype=torch.long)
+            hi = torch.full((len(X),), -2, dtype=torch.long)
+            rows = torch.nonzero(t == sp.position)[:, 0]
+            if len(rows):
+                st = []
+                for geo in geos:
+                    sub = PatchGeometry(geo.Mx_c[rows], geo.norm2[rows], geo.pdot[rows])
+                    st.append(srv.stats(sub, sp.position, sp.index, sp.weight))
+                s0 = st[0]
+                phi = srv._phi(PatchGeometry(geos[0].Mx_c[rows], geos[0].norm2[rows], geos[0].pdot[rows]),
+                               torch.full((len(rows),), sp.position))[:, sp.index]
+                wc = sp.weight - sp.weight.mean()
+                e_iso = phi * 0.5 * float((wc @ srv.M).norm()) * iso[rows]
+                e_scale = 0.5 * (st[1] - st[2]).abs()
+                e = torch.sqrt(e_iso ** 2 + e_scale ** 2)
+                lo[rows] = torch.searchsorted(sp.thresholds, s0 - z * e) - 1
+                hi[rows] = torch.searchsorted(sp.thresholds, s0 + z * e) - 1
+            out[sp.index] = (lo, hi)
+        return out
+
+    def _noisy_consistent(self, cands: list[dict], plan: RoundPlan, occupied: dict[int, torch.Tensor],
+                          tests: NoiseTests) -> list[dict]:
+        """:meth:`_filter_consistent` within the noise: pixels in [-1, 1] up to z errors, and in every adapter of the
+        position some bin the statistic can reach within z errors is occupied."""
+        if not cands:
+            return []
+        X = torch.stack([c["x"] for c in cands])
+        err = torch.tensor([c["err"] for c in cands], dtype=F64)
+        keep = X.abs().amax(1) <= 1.0 + 1e-3 + tests.z * err
+        ranges = self._noisy_ranges(cands, plan, tests.z)
+        for c, rg in zip(cands, zip(*[[(int(lo[i]), int(hi[i])) for i in range(len(cands))]
+                                      for lo, hi in ranges.values()])):
+            c["ranges"] = dict(zip(ranges.keys(), rg))
+        for idx, (lo, hi) in ranges.items():
+            occ = occupied[idx]
+            for i in range(len(cands)):
+                a, b = int(lo[i]), int(hi[i])
+                if a == -2 or not keep[i]:
+                    continue
+                keep[i] = b >= 0 and bool(occ[max(a, 0):b + 1].any())
+        return [c for c, k in zip(cands, keep.tolist()) if k]
+
+    def _noisy_attach_g(self, cands: list[dict], state: dict[str, torch.Tensor]) -> None:
+        """κ at each estimate and g = Δb/κ with its error (the noise of Δb, √v/|Δb| relative, and κ's change when the
+        estimate moves one std along its scale direction), floored by the exact recovery's agreement of g."""
+        if not cands:
+            return
+        X = torch.stack([c["x"] for c in cands])
+        S = torch.stack([c["scale_dir"] for c in cands])
+        pos = torch.tensor([c["position"] for c in cands])
+        kappa = self._token_coefficients(state, X, pos)
+        # κ's own error: κ moves with the estimate, most along its scale direction
+        dk = 0.5 * (self._token_coefficients(state, X + S, pos) - self._token_coefficients(state, X - S, pos))
+        for c, kap, dkap in zip(cands, kappa, dk):
+            j = c["bin"]["plan"].index
+            k0 = float(kap[j])
+            c["kappa"] = kap
+            c["g"] = c["bin"]["db"] / k0
+            rel = math.hypot(math.sqrt(c["bin"]["nv"]) / max(abs(c["bin"]["db"]), 1e-300), float(dkap[j]) / k0)
+            c["g_err"] = math.hypot(rel * abs(c["g"]), self._match_tol * abs(c["g"]))
+
+    def _noisy_trusted(self, cands: list[dict], plan: RoundPlan, tests: NoiseTests) -> list[dict]:
+        """:meth:`_trusted` within the noise: a candidate is kept when (a) another adapter's bin it must fall in
+        holds g·κ within z errors (and g·κ stands out of that bin's noise), (b) a patch of another position shares
+        its g within z errors, or (c) an estimate from another adapter at its position agrees with it
+        (:func:`.denoise.agreement`)."""
+        if not cands:
+            return []
+        z = tests.z
+        n = len(cands)
+        t = torch.tensor([c["position"] for c in cands])
+        g = torch.tensor([c["g"] for c in cands], dtype=F64)
+        ge = torch.tensor([c["g_err"] for c in cands], dtype=F64)
+        kappa = torch.stack([c["kappa"] for c in cands])
+        own = torch.tensor([c["bin"]["plan"].index for c in cands])
+        trusted = torch.zeros(n, dtype=torch.bool)
+        for sp in plan.slots:
+            idx = sp.index
+            rg = torch.tensor([c.get("ranges", {}).get(idx, (-2, -2)) for c in cands])
+            rows = torch.nonzero((rg[:, 0] == rg[:, 1]) & (rg[:, 0] >= 0) & (own != idx))[:, 0]
+            if len(rows):
+                b = rg[rows, 0]
+                observed = self._dgb[idx][b]
+                expected = g[rows] * kappa[rows, idx]
+                tol = z * torch.sqrt(self._nvb[idx][b] + (kappa[rows, idx] * ge[rows]) ** 2) \
+                    + self._match_tol * observed.abs()
+                trusted[rows] |= ((observed - expected).abs() <= tol) & (expected.abs() > tol)
+        informative = g.abs() > z * ge
+        close = (g[:, None] - g[None]).abs() <= z * torch.sqrt(ge[:, None] ** 2 + ge[None] ** 2)
+        shared = (close & (t[:, None] != t[None]) & informative[:, None] & informative[None]).any(1)
+        agree = torch.zeros(n, n, dtype=torch.bool)
+        for p in t.unique().tolist():
+            rows = torch.nonzero(t == p)[:, 0]
+            sub = [cands[i] for i in rows.tolist()]
+            agree[rows[:, None], rows[None]] = agreement(sub, sub, tests)
+        agree &= own[:, None] != own[None]
+        keep = trusted | shared | agree.any(1)
+        return [c for c, k in zip(cands, keep.tolist()) if k]
+
+    def _noisy_peel(self, cands: list[dict], bins: list[dict], plan: RoundPlan, occupied: dict[int, torch.Tensor],
+                    state: dict[str, torch.Tensor], tests: NoiseTests) -> list[dict]:
+        """:meth:`_peel` within the noise: subtract the estimated ``g·κ·(h, 1)`` of recovered patches from the bins
+        they fall in (bins a patch may straddle within z errors are left alone), test what is left for occupancy
+        against the bin's noise plus the subtracted estimates' errors, and recover it like any bin."""
+        srv = self.server
+        known = merge_estimates(cands, tests)
+        for _ in range(8):
+            if not known:
+                break
+            X = torch.stack([c["x"] for c in known])
+            t = torch.tensor([c["position"] for c in known])
+            g = torch.tensor([c["g"] for c in known], dtype=F64)
+            ge = torch.tensor([c["g_err"] for c in known], dtype=F64)
+            err = torch.tensor([c["err"] for c in known], dtype=F64)
+            kappa = self._token_coefficients(state, X, t)
+            ranges = self._noisy_ranges(known, plan, tests.z)
+            for i, c in enumerate(known):
+                c["ranges"] = {idx: (int(lo[i]), int(hi[i])) for idx, (lo, hi) in ranges.items()}
+            geo = srv.geometry(X)
+            res: list[dict] = []
+            for b in bins:
+                sp = b["plan"]
+                lo, hi = ranges[sp.index]
+                mine = (lo <= b["bin"]) & (hi >= b["bin"])
+                if not bool(mine.any()) or bool(((lo != hi) & mine).any()):
+                    continue
+                members = torch.nonzero(mine)[:, 0]
+                coef = g[members] * kappa[members, sp.index]
+                sub = PatchGeometry(geo.Mx_c[members], geo.norm2[members], geo.pdot[members])
+                h = srv.adapter_inputs(sub, t[members], torch.full((len(members),), sp.index))
+                y = 0.5 * sub.Mx_c + srv.pos_c[t[members]]
+                phi = h.norm(dim=1) / y.norm(dim=1)
+                kap_err2 = (kappa[members, sp.index] * ge[members]) ** 2
+                var_w = b["nv"] + float(((coef * phi * 0.5 * err[members]) ** 2 + kap_err2 * (h * h).sum(1) / srv.D).sum())
+                var = max(var_w, b["nv"] + float(kap_err2.sum()))
+                db = b["db"] - float(coef.sum())
+                dw = b["dw"] - coef @ h
+                if (float(dw @ dw) + db * db) / var <= tests.occupancy:
+                    continue
+                res.append({**b, "db": db, "dw": dw, "nv": var})
+            if not res:
+                break
+            new = self._noisy_candidates(res, known[0]["round"])
+            new = self._noisy_consistent(new, plan, occupied, tests)
+            new = [c for c in new if not any(bool(agreement([c], [m], tests)[0, 0])
+                                             for m in known if m["position"] == c["position"])]
+            if not new:
+                break
+            self._noisy_attach_g(new, state)
+            ok = {id(c) for c in self._noisy_trusted(known + new, plan, tests)}
+            new = [c for c in new if id(c) in ok]
+            if not new:
+                break
+            known = merge_estimates(known + new, tests)
         return known
 
     @staticmethod
