@@ -18,6 +18,7 @@ the held-out repetition with other clients' sentences / image and other noise dr
 from __future__ import annotations
 
 import argparse
+import subprocess
 import json
 import sys
 from pathlib import Path
@@ -172,9 +173,41 @@ def report(out: Path, args) -> int:
                "", ("Round trip (the recommendation set in the config, a plain audit): **" + trip["verdict"] + "** ("
                     + ", ".join(f"{a} {lv}" for a, lv in trip["levels"].items()) + ")." if trip else
                     "No recommendation, so no round trip."), ""]
+    md += before_after(out / "advise.jsonl", rows)
     md += summary([r for r in rows if r.get("config_sha") == config_sha(r["config"])])
     write_section(args, "advise", "\n".join(md), "What stops each attack: `gradleak audit --advise` (issue 30)", "advise")
     return 0
+
+
+def before_after(jsonl: Path, rows: list[dict]) -> list[str]:
+    """Per cell measured again (``--redo``): the strengths found by the earlier measurement of the same cell on the
+    same config beside the latest (the JSONL keeps every row), with each one's revision where the row carries it."""
+    history: dict[str, list[dict]] = {}
+    for line in jsonl.read_text().splitlines():
+        r = json.loads(line)
+        if "error" not in r and r.get("config_sha") == config_sha(r.get("config", "")):
+            history.setdefault(r["cell"], []).append(r)
+    out = []
+    for r in rows:
+        h = history.get(r["cell"], [])
+        if len(h) < 2:
+            continue
+        old = h[-2]
+
+        def found(row, name):
+            x = next((x for x in row.get("rows") or [] if x["defense"] == name), {})
+            return (f"{_fmt(x['strength'])}" if x.get("strength") is not None else (x.get("status") or "–"))
+
+        names = [x["defense"] for x in r.get("rows") or []]
+        table = [{"defense": n, "before": found(old, n), "after": found(r, n)} for n in names]
+        rec = lambda row: (f"{row['recommendation']['defense']} {_fmt(row['recommendation'].get('strength'))}"  # noqa: E731
+                           if row.get("recommendation") else "none")
+        out += [f"**{r['cell']}, before and after** (revision {old.get('revision', 'earlier, not recorded')} → "
+                f"{r.get('revision', '?')}; weakest stopping strength, or the status):", "",
+                markdown_table(table, ["defense", "before", "after"], ["defense", "before", "after"]), "",
+                f"Recommended before: {rec(old)}; after: {rec(r)}. Round trip after: "
+                f"{(r.get('roundtrip') or {}).get('verdict', 'none')}.", ""]
+    return out
 
 
 def summary(rows: list[dict]) -> list[str]:
@@ -218,6 +251,9 @@ def summary(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_out_args(ap, "advise")
+    ap.add_argument("--redo", action="store_true", help="measure the selected cells again on this revision (the "
+                    "JSONL keeps the earlier rows: the before / after of a change)")
+    ap.add_argument("--seeds", default="", help="comma-separated seeds (default: all)")
     ap.add_argument("--only", default="", help=f"comma-separated configs: {','.join(CONFIGS)}")
     args = ap.parse_args(argv)
     args.out = resolve_out(args.out)
@@ -225,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     if only and only - set(CONFIGS):
         ap.error(f"--only: unknown config(s) {', '.join(sorted(only - set(CONFIGS)))}")
     sel = cells(only)
+    if args.seeds:
+        sel = [c for c in sel if str(c[2]) in args.seeds.split(",")]
     if args.check:
         from gradleak.config.loading import load_yaml as load_config
         from gradleak.run.audit import plan_audit
@@ -237,13 +275,15 @@ def main(argv: list[str] | None = None) -> int:
         return report(args.out, args)
     if args.fresh:
         start_fresh(args.out / "advise.jsonl")
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     jsonl = args.out / "advise.jsonl"
     stored = {r["cell"]: r for r in latest_rows(jsonl)} if jsonl.exists() else {}
     stale = {cid for cid, name, _ in sel if cid in stored and stored[cid].get("config_sha") != config_sha(name)}
-    for part, redo in (([c for c in sel if c[0] in stale], True), ([c for c in sel if c[0] not in stale], False)):
-        if part:  # a cell measured on another version of its config is measured again
+    for part, redo in (([c for c in sel if c[0] in stale], True), ([c for c in sel if c[0] not in stale], args.redo)):
+        if part:  # a cell measured on another version of its config (or --redo) is measured again
             run_cells(jsonl, [({"cell": cid, "config": name, "seed": s, "command": command(name, s),
-                                "config_sha": config_sha(name)}, advised_cell, (name, s, args.out / "advise" / cid))
+                                "config_sha": config_sha(name), "revision": rev}, advised_cell,
+                               (name, s, args.out / "advise" / cid))
                               for cid, name, s in part], fill, label="advise", redo=redo)
     return report(args.out, args)
 
