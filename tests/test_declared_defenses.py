@@ -204,3 +204,45 @@ def test_the_likelihood_variant_needs_declared_noise_or_clipping(kind):
     _, _, _, planned, _, _ = plan_audit(load_yaml(IMAGE), DEFENSE_SETS[kind], ["ig"])
     (_, cand, cfg, A), = planned
     assert not any("noise_model" in v for v in full_strength_variants(A, cand, cfg))
+
+
+@pytest.mark.parametrize("name", ["ig", "dlg", "april"])
+def test_the_declared_noise_model_changes_what_the_attack_matches(name, monkeypatch):
+    """``noise_model: declared`` reaches the matching: the squared error (the declared Gaussian noise's
+    log-likelihood) replaces the configured similarity, and the declared clipping bound scales the dummy gradient;
+    ``off`` matches as configured. (Before, the field was validated but never set on the attack: every declared
+    variant matched by cosine.)"""
+    from torch import nn
+
+    from gradleak.registry import ATTACKS
+
+    A = ATTACKS.get(name)
+    kinds = []
+    real = A._distance
+
+    def spy(self, grads, targets, idx, norm, kind):
+        kinds.append((kind, [g.detach().clone() for g in grads]))
+        return real(self, grads, targets, idx, norm, kind)
+
+    monkeypatch.setattr(A, "_distance", spy)
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3).double()
+    params = [model.weight]
+    x, labels = torch.randn(2, 6, dtype=torch.float64), torch.tensor([0, 2])
+    targets = [torch.randn(3, 6, dtype=torch.float64)]
+    groups, norms = {"main": [0], "pe": []}, {"main": targets[0].norm(), "pe": None}
+    out = {}
+    for m in ("off", "declared"):
+        attack = A(noise_model=m)
+        assert attack.noise_model == m
+        attack._clip = 1e-3 if m == "declared" else None  # what _setup reads off the declared defenses
+        kinds.clear()
+        out[m] = attack.matching_terms(model, params, targets, groups, norms, x, labels, create_graph=False)[0]
+        (kind, grads), = kinds
+        out[m + "_kind"], out[m + "_norm"] = kind, float(grads[0].norm())
+    configured = A(noise_model="off").distance
+    assert out["declared_kind"] == "l2" and out["off_kind"] == configured
+    if name == "ig":
+        assert configured == "cosine"  # IG matches by cosine unless the noise is declared
+    assert out["declared_norm"] == pytest.approx(1e-3) and out["off_norm"] > 1e-2  # the declared clip applied
+    assert float(out["declared"]) != pytest.approx(float(out["off"]))

@@ -333,6 +333,7 @@ class InvertingGradients(AttackBase):
         self.label_param = cfg.label_param
         self.anchor = cfg.anchor
         self.anchor_weight = cfg.anchor_weight
+        self.noise_model = cfg.noise_model  # read by _setup (the declared clip) and matching_terms (the likelihood)
         self.time_fwdbwd = cfg.time_fwdbwd
         self.emulate = cfg.emulate
         self.fl = dict(fl or {})  # the public training configuration (local_steps reads the client's schedule)
@@ -375,7 +376,7 @@ class InvertingGradients(AttackBase):
         from gradleak.peft.layer_pe import is_input_pe, is_layer_pe
 
         self._clip = None
-        if getattr(self, "noise_model", "off") == "declared":  # the declared defenses' clipping bound (the noise: the l2 distance)
+        if self.noise_model == "declared":  # the declared defenses' clipping bound (the noise: the l2 distance)
             from gradleak.defenses.declared import view_declared
 
             declared = view_declared(view)
@@ -628,7 +629,7 @@ class InvertingGradients(AttackBase):
         for i, g in zip(used, got):
             grads[i] = g if g is not None else torch.zeros_like(params[i])
         kind = self.distance
-        if getattr(self, "noise_model", "off") == "declared":  # the declared noise's likelihood; the declared clip
+        if self.noise_model == "declared":  # the declared noise's likelihood; the declared clip
             kind = "l2"
             if getattr(self, "_clip", None):
                 gn = torch.sqrt(sum((grads[i] ** 2).sum() for i in used))
