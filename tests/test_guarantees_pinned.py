@@ -581,6 +581,7 @@ def test_record_failures_never_grades_a_crash_none():
     assert record_failures(e, [{"error": "RuntimeError: boom"}], "images", said.append) is True
     assert e["level"] == "undefined" and e["success"] is False and e["undefined"] is True and e["value"] is None
     assert e["failed"] == "RuntimeError: boom" and e["reason"] == "the run failed: RuntimeError: boom"
+    assert e["rule"] == "the run failed: nothing was measured"  # the rule the report shows beside the level
     assert e["metric"] and said and "FAILED" in said[0] and "dlg" in said[0]
     e = {"name": "dlg"}  # one crashed, one measured: the crash is recorded, the measured run is judged
     assert record_failures(e, [{"error": "E"}, {"metrics": {}}], "images", said.append) is False
