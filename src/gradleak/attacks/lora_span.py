@@ -201,7 +201,7 @@ class LoraSpan(AttackBase):
         side = int(shape[-1]) if shape else int(round(math.sqrt(len(fb["pos"]) - 1))) * P
         grid = side // P
         N = grid * grid
-        k, noise_std = self._rank(view, G, S, N)
+        k, noise_std = self._rank(view, G, S, N, keys)
         if len(fb["pos"]) != N + 1:
             raise BadInput("model.patch_size", f"the model has {len(fb['pos']) - 1} patch positions but a "
                            f"{side}-px image at patch {P} has {N}.", "use the image size the model was built for.")
@@ -295,13 +295,15 @@ class LoraSpan(AttackBase):
         from gradleak.attacks.common.subspace import spectral_margin
         from gradleak.defenses.declared import view_noise_std
 
-        margin = spectral_margin([G], max(batch, 1) * (N + 1), view_noise_std(view, upd))
+        margin = spectral_margin([G], max(batch, 1) * (N + 1), view_noise_std(view, upd, tensor=keys))
         info["leakage_margin"] = {"layer": "block0_lora_A", **margin}
         metrics.update({f"{k}_block0_lora_A": v for k, v in margin.items()})
         return Reconstruction({"images": imgs.to(torch.float32)}, info, metrics)
 
-    def _rank(self, view, G: torch.Tensor, S: torch.Tensor, N: int) -> tuple[int, Optional[float]]:
-        """The gradient's rank under ``rank_cut`` (config), and the noise std it assumed (None: exact)."""
+    def _rank(self, view, G: torch.Tensor, S: torch.Tensor, N: int,
+              keys: Optional[list[str]] = None) -> tuple[int, Optional[float]]:
+        """The gradient's rank under ``rank_cut`` (config), and the noise std it assumed (None: exact). ``keys``: the
+        upload's tensors stacked in G (per-tensor noise, stochastic rounding: their variances pooled by size)."""
         if self.rank_cut == "tokens":
             batch = int(view.public.get("batch_size") or 1)
             return min(batch * (N + 1), len(S)), None
@@ -309,7 +311,7 @@ class LoraSpan(AttackBase):
             from gradleak.attacks.common.subspace import estimate_noise_std
             from gradleak.defenses.declared import view_noise_std
 
-            sigma = view_noise_std(view)
+            sigma = view_noise_std(view, tensor=keys)
             if not sigma:
                 sigma = estimate_noise_std([G])
             edge = sigma * (G.shape[0] ** 0.5 + G.shape[1] ** 0.5)

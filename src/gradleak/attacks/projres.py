@@ -228,33 +228,38 @@ class ProjRes(AttackBase):
         """Under declared noise the exact row space is the whole (or half the) input space and the plain score ties
         or inverts (module docstring, "Noisy uploads"): the audit also runs both noise-aware scores, with the declared
         σ (``public``) when every noisy defense's scale is known, and σ read off the spectrum (``estimate``) when one
-        adds noise of an unknown scale (percentile noise, stochastic rounding)."""
+        adds noise of an unknown scale (percentile noise, stochastic rounding of a summed upload). Stochastic rounding
+        of an individual upload runs both: its declared σ is each layer's step² / 6, a mean over the coordinates'
+        fractional parts (:class:`~gradleak.defenses.update.StochasticQuantization`), not the exact level."""
         from gradleak.defenses.declared import as_declared
 
         declared = as_declared(defenses)
         if not declared.adds_noise:
             return []
-        mode = "estimate" if declared.noise_unknown else "public"
+        modes = ["estimate"] if declared.noise_unknown else (
+            ["public", "estimate"] if declared.noise_per_tensor else ["public"])
         here = {"noise": params.get("noise", "none"), "noise_score": params.get("noise_score", "residual")}
-        out = [{"noise": mode, "noise_score": sc} for sc in ("residual", "chi2")]
+        out = [{"noise": m, "noise_score": sc} for m in modes for sc in ("residual", "chi2")]
         return [v for v in out if v != here]
 
     def observes_round(self, round_index: int, total_rounds: int) -> bool:
         return self.round_aggregation != "last" or round_index == total_rounds - 1
 
-    def _row_space(self, view, upd, G: torch.Tensor):
-        """The exact row space of G when no noise is declared (``public``), else its :class:`NoisyRowSpace`."""
+    def _row_space(self, view, upd, G: torch.Tensor, tensor: Optional[str] = None):
+        """The exact row space of G (the upload's tensor ``tensor``) when no noise is declared (``public``), else its
+        :class:`NoisyRowSpace`."""
         G64 = G.detach().to(torch.float64).cpu()
         if self.noise in ("public", "declared"):
             from gradleak.defenses.declared import view_noise_std
 
-            std = view_noise_std(view, upd) or 0.0  # this client's upload (a relative noise scales with it)
+            # this client's upload (a relative noise scales with it), this layer's tensor (stochastic rounding: its step)
+            std = view_noise_std(view, upd, tensor=tensor) or 0.0
             rounding = float(view.public.get("upload_rounding_std") or 0.0)  # a weight reply's rounding (Flower)
             sigma = (std ** 2 + rounding ** 2) ** 0.5
         else:
             from gradleak.attacks.common.text import declared_noise_std
 
-            sigma = declared_noise_std(view, self.noise, [G64])
+            sigma = declared_noise_std(view, self.noise, [G64], tensor=tensor)
         if not sigma or not math.isfinite(sigma):
             return row_space(G, self.rank_rtol)
         return noisy_row_space(G64, sigma, self.noise_score)
@@ -290,7 +295,8 @@ class ProjRes(AttackBase):
                 if self.noise == "none":
                     bases = {n: row_space(upd.tensors[n + ".weight"], self.rank_rtol) for n in targets}
                 else:
-                    bases = {n: self._row_space(view, upd, upd.tensors[n + ".weight"]) for n in targets}
+                    bases = {n: self._row_space(view, upd, upd.tensors[n + ".weight"], n + ".weight")
+                             for n in targets}
                 for n, V in bases.items():
                     ranks[n].append(_rank(V))
                     if isinstance(V, NoisyRowSpace):

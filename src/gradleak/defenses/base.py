@@ -105,8 +105,10 @@ class Defense:
     def server_knowledge(self) -> dict[str, Any]:
         """What the server knows of this defense besides its noise (:mod:`gradleak.defenses.declared`):
         ``clip_norm`` / ``per_sample_clip_norm``, ``sparsity`` ({keep_fraction, scope}), ``quant_bits``,
-        ``adds_noise`` (Gaussian noise of a scale :meth:`observed_noise_variance` computes), ``noise_unknown`` (noise
-        of a scale the server cannot compute). Default: nothing."""
+        ``adds_noise`` (Gaussian noise of a scale :meth:`observed_noise_variance` computes), ``noise_per_tensor``
+        (noise whose scale differs per tensor, read off each observed tensor of an individual upload: its
+        :meth:`observed_noise_variance` needs the ``tensor``), ``noise_unknown`` (noise of a scale the server cannot
+        compute). Default: nothing."""
         return {}
 
 
@@ -125,10 +127,14 @@ class UpdateDefense(Defense):
         """The aggregate of ``num_updates`` uploads after the server's part of the mechanism (central DP)."""
         return aggregate
 
-    def observed_noise_variance(self, update: "Update", aggregate_of: int = 1, individual: bool = True) -> Optional[float]:
+    def observed_noise_variance(self, update: "Update", aggregate_of: int = 1, individual: bool = True,
+                                tensor: Optional[str] = None) -> Optional[float]:
         """Per-coordinate variance of the Gaussian noise this defense puts on an observed upload (``individual``)
         or on the mean of ``aggregate_of`` uploads, as the server can compute it from the published parameters
-        and the observed (noisy) ``update``; 0 for no noise, None for noise of a scale the server cannot know."""
+        and the observed (noisy) ``update``; 0 for no noise, None for noise of a scale the server cannot know.
+        ``tensor``: the name of the observed tensor the variance is for (a defense whose noise differs per tensor,
+        ``noise_per_tensor``, reads it off that tensor; None: the upload as a whole); a defense whose noise is the
+        same on every tensor ignores it."""
         return 0.0
 
 
@@ -165,10 +171,11 @@ class TrainingDefense(Defense):
         return []
 
     def observed_noise_variance(self, update: "Update", aggregate_of: int = 1, individual: bool = True,
-                                local_batch_size: Optional[int] = None) -> Optional[float]:
+                                local_batch_size: Optional[int] = None, tensor: Optional[str] = None) -> Optional[float]:
         """Per-coordinate variance of the Gaussian noise the defense's training puts on an observed upload, as
         :meth:`UpdateDefense.observed_noise_variance` (``local_batch_size``: the protocol's minibatch size, for
-        FedAvg); 0 for none, None for noise of a scale the server cannot know."""
+        FedAvg; ``tensor``: the observed tensor's name, for noise that differs per tensor); 0 for none, None for
+        noise of a scale the server cannot know."""
         return 0.0
 
 
@@ -183,8 +190,9 @@ class UpdateInDefenseSection(TrainingDefense):
         return self.transform.server_knowledge()
 
     def observed_noise_variance(self, update: "Update", aggregate_of: int = 1, individual: bool = True,
-                                local_batch_size: Optional[int] = None) -> Optional[float]:
-        return self.transform.observed_noise_variance(update, aggregate_of=aggregate_of, individual=individual)
+                                local_batch_size: Optional[int] = None, tensor: Optional[str] = None) -> Optional[float]:
+        return self.transform.observed_noise_variance(update, aggregate_of=aggregate_of, individual=individual,
+                                                      tensor=tensor)
 
     def __init__(self, transform: UpdateDefense):
         self.transform = transform

@@ -6,16 +6,18 @@ A deployment's privacy mechanism is public: the server runs the protocol, so it 
 (Flower's ``fl.flower.dp``). :func:`declared_defenses` turns all of it into one :class:`DeclaredDefenses`, the
 object every attack's full-strength settings derive from:
 
-* ``noise_std(update, individual)`` -- the per-coordinate std of the Gaussian noise on an observed upload (or on the
-  observed mean of the clients' uploads under secure aggregation), from each defense's
+* ``noise_std(update, individual, tensor)`` -- the per-coordinate std of the Gaussian noise on an observed upload
+  (or on the observed mean of the clients' uploads under secure aggregation), from each defense's
   :meth:`~gradleak.defenses.base.Defense.observed_noise_variance`; ``None`` when nothing adds noise, and
-  ``noise_unknown`` when a defense adds noise whose scale the server cannot compute (percentile noise,
-  stochastic rounding): the attack then reads the level off the upload's spectrum;
+  ``noise_unknown`` when a defense adds noise whose scale the server cannot compute (percentile noise;
+  stochastic rounding of a summed upload): the attack then reads the level off the upload's spectrum.
+  ``noise_per_tensor``: a defense's noise differs per tensor (stochastic rounding of an individual upload: the
+  step of each observed tensor), so an attack passes the ``tensor`` whose spectrum it cuts;
 * ``clip_norm`` -- the L2 bound of an upload (update clipping) or of each sample's gradient (DP-SGD);
 * ``sparsity`` -- top-k pruning: the kept fraction and its scope (``global`` / ``per_tensor``); the server sees
   the retained support (the upload's nonzero coordinates), which the sparsity-aware tests use;
 * ``quant_bits`` -- stochastic quantisation's levels per tensor (the step is (max - min) / (2^bits - 1), read off
-  the observed tensor's own range);
+  the observed tensor's own range; its rounding noise, step² / 6 per coordinate, is ``noise_std(..., tensor)``);
 * ``summed`` -- how many clients' uploads the server sees only as their sum (1: individual uploads).
 
 Each defense contributes through two hooks of :class:`~gradleak.defenses.base.Defense`: ``server_knowledge()``
@@ -30,7 +32,7 @@ pseudo-gradient of K steps (their sum) σC√K / b for the minibatch size b.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from gradleak.defenses.base import Defense, TrainingDefense, UpdateDefense, build_defense_section, build_defenses
 
@@ -89,10 +91,18 @@ class DeclaredDefenses:
         return self.clients if self.secure_aggregation else 1
 
     @property
+    def noise_per_tensor(self) -> bool:
+        """A declared defense adds noise whose scale differs per tensor (stochastic rounding): :meth:`noise_std`
+        needs the observed tensor's name, and is None without it."""
+        return bool(self._facts().get("noise_per_tensor"))
+
+    @property
     def noise_unknown(self) -> bool:
-        """A declared defense adds noise whose scale the server cannot compute from the protocol (percentile noise,
-        stochastic rounding): the attack must read it off the upload's spectrum."""
-        return bool(self._facts().get("noise_unknown"))
+        """A declared defense adds noise whose scale the server cannot compute from the protocol (percentile noise;
+        per-tensor noise read off an individual upload, stochastic rounding, when the server sees only the sum of
+        several clients' uploads): the attack must read it off the upload's spectrum."""
+        facts = self._facts()
+        return bool(facts.get("noise_unknown")) or (bool(facts.get("noise_per_tensor")) and self.summed > 1)
 
     @property
     def adds_noise(self) -> bool:
@@ -114,16 +124,27 @@ class DeclaredDefenses:
         std = f["noise_multiplier"] * f["clipping_norm"] / max(aggregate_of, 1) / lr
         return std * std
 
-    def noise_std(self, update: Any, individual: Optional[bool] = None) -> Optional[float]:
+    def noise_std(self, update: Any, individual: Optional[bool] = None,
+                  tensor: Optional[str | Sequence[str]] = None) -> Optional[float]:
         """Per-coordinate std of the Gaussian noise on the observed ``update`` (an individual upload, or under
         secure aggregation the mean of ``clients`` uploads); None when no declared defense adds noise of a scale the
-        server can compute."""
+        server can compute. ``tensor``: the observed tensor it is for (per-tensor noise, ``noise_per_tensor``, is
+        read off it; without it that part counts as unknown), or several names, whose variances are pooled
+        weighted by their sizes (the std of the noise on their concatenation)."""
+        if tensor is not None and not isinstance(tensor, str):
+            names = list(tensor)
+            sizes = [int(update.tensors[n].numel()) if n in update.tensors else 0 for n in names]
+            if not names or sum(sizes) == 0:
+                return self.noise_std(update, individual)
+            var = sum(sz * (self.noise_std(update, individual, n) or 0.0) ** 2 for n, sz in zip(names, sizes))
+            var /= sum(sizes)
+            return var ** 0.5 if var > 0 else None
         if individual is None:
             individual = not self.secure_aggregation
         agg = 1 if individual else max(self.clients, 1)
         var = 0.0
         for d in self._all():
-            v = d.observed_noise_variance(update, aggregate_of=agg, individual=individual,
+            v = d.observed_noise_variance(update, aggregate_of=agg, individual=individual, tensor=tensor,
                                           **({"local_batch_size": self.local_batch_size}
                                              if isinstance(d, TrainingDefense) else {}))
             var += float(v) if v is not None else 0.0  # None: a scale the server cannot know (noise_unknown)
@@ -139,7 +160,8 @@ class DeclaredDefenses:
     def as_dict(self) -> dict[str, Any]:
         """JSON summary (audit.json, the report's setup)."""
         return {"defenses": list(self.names), "secure_aggregation": self.secure_aggregation, "summed": self.summed,
-                "adds_noise": self.adds_noise, "noise_unknown": self.noise_unknown, "clip_norm": self.clip_norm,
+                "adds_noise": self.adds_noise, "noise_unknown": self.noise_unknown,
+                "noise_per_tensor": self.noise_per_tensor, "clip_norm": self.clip_norm,
                 "per_sample_clip_norm": self.per_sample_clip_norm, "sparsity": self.sparsity,
                 "quant_bits": self.quant_bits,
                 "framework_dp": (self.framework_dp or {}).get("dp") if self.framework_dp else None}
@@ -165,14 +187,15 @@ def view_declared(view: Any) -> DeclaredDefenses:
     return declared
 
 
-def view_noise_std(view: Any, update: Any = None) -> Optional[float]:
+def view_noise_std(view: Any, update: Any = None, tensor: Optional[str | Sequence[str]] = None) -> Optional[float]:
     """Per-coordinate std of the declared noise on ``update`` (default: the view's first) as the server observes
     it: an individual upload, or under secure aggregation the mean of the clients' uploads; None: no noise of a
-    known scale (:meth:`DeclaredDefenses.noise_std`)."""
+    known scale (:meth:`DeclaredDefenses.noise_std`). ``tensor``: the name (or names) of the observed tensor the
+    attack cuts the spectrum of (stochastic rounding's noise is read off each tensor's own step)."""
     update = update if update is not None else (view.updates[0] if view.updates else None)
     if update is None:
         return None
-    return view_declared(view).noise_std(update, individual=not view.secure_aggregation)
+    return view_declared(view).noise_std(update, individual=not view.secure_aggregation, tensor=tensor)
 
 
 def declared_defenses(cfg: Any, seed: Optional[int] = None) -> DeclaredDefenses:

@@ -203,7 +203,7 @@ class DPSGD(TrainingDefense):
         return {"per_sample_clip_norm": float(self.cfg.max_grad_norm), "adds_noise": self.cfg.noise_multiplier > 0}
 
     def observed_noise_variance(self, update, aggregate_of: int = 1, individual: bool = True,
-                                local_batch_size: int | None = None) -> float:
+                                local_batch_size: int | None = None, tensor: str | None = None) -> float:
         """The noise the server knows is on an upload (:mod:`gradleak.defenses.declared`): each step's private
         gradient carries N(0, (σC/b)²) per coordinate for its batch of b samples; a FedSGD upload is one step on the
         client's whole batch (b = its samples), a FedAvg pseudo-gradient the sum of its K steps (variance K (σC/b)²,

@@ -55,8 +55,9 @@ class GaussianNoise(UpdateDefense):
     def server_knowledge(self) -> dict:
         return {"adds_noise": self.std > 0}
 
-    def observed_noise_variance(self, update: Update, aggregate_of: int = 1, individual: bool = True) -> float:
-        """For noise relative to the update's norm, std = s ||g||, and the server estimates ||g|| from the noisy
+    def observed_noise_variance(self, update: Update, aggregate_of: int = 1, individual: bool = True,
+                                tensor: str | None = None) -> float:
+        """The same on every tensor (``tensor`` is ignored). For noise relative to the update's norm, std = s ||g||, and the server estimates ||g|| from the noisy
         upload: E||g + n||² = ||g||² (1 + P s²) for P coordinates."""
         P = sum(t.numel() for t in update.tensors.values())
         std = self.std
@@ -172,7 +173,8 @@ class PercentileNoise(UpdateDefense):
             buffers = {k: (noised(t, sig[f"b:{k}"]) if f"b:{k}" in sig else t) for k, t in buffers.items()}
         return Update(tensors, update.num_samples, update.client_id, update.kind, update.local_steps, buffers)
 
-    def observed_noise_variance(self, update: Update, aggregate_of: int = 1, individual: bool = True) -> None:
+    def observed_noise_variance(self, update: Update, aggregate_of: int = 1, individual: bool = True,
+                                tensor: str | None = None) -> None:
         return None  # σ follows the (unseen) clean update's percentile
 
     def server_knowledge(self) -> dict:
@@ -249,18 +251,21 @@ class DPGaussian(UpdateDefense):
     def server_knowledge(self) -> dict:
         return {"clip_norm": float(self.max_norm), "adds_noise": self.noise_multiplier > 0}
 
-    def observed_noise_variance(self, update: Update, aggregate_of: int = 1, individual: bool = True) -> float:
-        std = self.noise_multiplier * self.max_norm
+    def observed_noise_variance(self, update: Update, aggregate_of: int = 1, individual: bool = True,
+                                tensor: str | None = None) -> float:
+        std = self.noise_multiplier * self.max_norm  # the same on every tensor (``tensor`` is ignored)
         if self.server_side:  # the raw upload carries no noise; the mean of K uploads N(0, (σC/K)²)
             return 0.0 if individual else (std / aggregate_of) ** 2
         return std * std / (1 if individual else aggregate_of)
 
 
 def coordinate_noise_std(entries: list[dict] | list[DefenseConfig], update: Update, aggregate_of: int = 1,
-                         individual: bool = True) -> float | None:
+                         individual: bool = True, tensor: str | None = None) -> float | None:
     """Per-coordinate std of the Gaussian noise the update defenses ``entries`` put on an observed upload
     (``individual``) or on the observed mean of ``aggregate_of`` uploads; None when no defense adds Gaussian
-    noise, or when one adds noise whose scale the server cannot know (percentile-scaled noise, quantisation).
+    noise, or when one adds noise whose scale the server cannot know (percentile-scaled noise; quantisation without
+    a ``tensor`` name, or of a summed upload). ``tensor``: the observed tensor it is for (quantisation's step is
+    read off that tensor).
 
     The server knows the DP configuration (it is part of the published protocol); each defense says what it adds
     (:meth:`~gradleak.defenses.base.UpdateDefense.observed_noise_variance`). Independent noises add in variance;
@@ -269,7 +274,7 @@ def coordinate_noise_std(entries: list[dict] | list[DefenseConfig], update: Upda
 
     declared = as_declared(entries)
     declared.clients = max(int(aggregate_of), 1)
-    return declared.noise_std(update, individual=individual)
+    return declared.noise_std(update, individual=individual, tensor=tensor)
 
 
 @DEFENSES.register("topk_pruning", "zero all but the largest-magnitude (1 - prune_fraction) of the coordinates "
@@ -335,11 +340,35 @@ class StochasticQuantization(UpdateDefense):
 
         return update.map(q)
 
-    def observed_noise_variance(self, update: Update, aggregate_of: int = 1, individual: bool = True) -> None:
-        return None  # rounding noise depends on each tensor's (unseen) range
+    def observed_noise_variance(self, update: Update, aggregate_of: int = 1, individual: bool = True,
+                                tensor: str | None = None) -> float | None:
+        """The rounding noise on the observed tensor ``tensor`` of an individual upload, read off that tensor.
+
+        The step is readable: the coordinates at a tensor's min and max round to themselves (scaled 0 and
+        ``levels``), so the observed tensor keeps its range and step = (max - min) / (2^bits - 1). A coordinate
+        whose scaled value has fractional part p is rounded up with probability p: zero-mean noise of variance
+        step² p (1 - p). The server does not see p; this returns its mean over uniformly spread fractional parts,
+        step² / 6 (the choice: exact for a tensor spread over many levels; the bound, at p = 1/2, is step² / 4 --
+        with few levels, e.g. 1 or 2 bits, most coordinates sit mid-step and the noise is nearer the bound).
+        A constant tensor is kept as it is (0).
+
+        None (a scale the server cannot know): ``tensor`` None (the step differs per tensor) or not in the upload,
+        and the mean of ``aggregate_of`` > 1 independently quantised uploads (secure aggregation): its variance
+        would be the clients' mean step² / 6 divided by ``aggregate_of``, but each client quantised on its own
+        range, and the clients' steps cannot be read off their sum."""
+        if tensor is None or tensor not in update.tensors:
+            return None
+        if not individual and aggregate_of > 1:
+            return None
+        t = update.tensors[tensor].detach().to(torch.float64)
+        if t.numel() == 0:
+            return 0.0
+        step = float(t.max() - t.min()) / self.levels
+        return step * step / 6.0
 
     def server_knowledge(self) -> dict:
-        return {"quant_bits": int(self.cfg.bits), "noise_unknown": True}
+        """The rounding noise is known per tensor (``noise_per_tensor``, :meth:`observed_noise_variance`)."""
+        return {"quant_bits": int(self.cfg.bits), "adds_noise": True, "noise_per_tensor": True}
 
 
 __all__ = ["Clipping", "DPGaussian", "GaussianNoise", "PercentileNoise", "StochasticQuantization", "TopKPruning",

@@ -111,12 +111,13 @@ class SpanTestConfig(AttackConfig):
     screen_tol: float = Field(0.05, gt=0, lt=1, description="coarse screen of (token, position) pairs")
 
 
-def declared_noise_std(view, mode, grads: list[torch.Tensor]) -> float | None:
+def declared_noise_std(view, mode, grads: list[torch.Tensor], tensor: str | None = None) -> float | None:
     """Per-coordinate std of the noise on the observed uploads for a span test's ``noise`` mode: ``'none'`` -> None
     (exact tests); a float -> that std; ``'estimate'`` -> read off the spectrum of ``grads`` (Gavish-Donoho);
     ``'public'`` -> what every declared defense implies (:mod:`gradleak.defenses.declared`: the update list,
     DP-SGD's training, secure aggregation, a framework's DP) plus a weight reply's rounding (Flower), or None when
-    nothing declared adds noise of a known scale."""
+    nothing declared adds noise of a known scale. ``tensor``: the name of the uploaded tensor ``grads`` are of
+    (stochastic rounding's noise is read off that tensor's step)."""
     from gradleak.attacks.common.subspace import estimate_noise_std
     from gradleak.defenses.declared import view_noise_std
 
@@ -127,7 +128,7 @@ def declared_noise_std(view, mode, grads: list[torch.Tensor]) -> float | None:
     if mode == "estimate":
         return estimate_noise_std(grads)
     rounding = float(view.public.get("upload_rounding_std") or 0.0)  # a weight reply's rounding (Flower)
-    std = view_noise_std(view)
+    std = view_noise_std(view, tensor=tensor)
     if std is None:
         return rounding if rounding > 0 else None
     return (std ** 2 + rounding ** 2) ** 0.5

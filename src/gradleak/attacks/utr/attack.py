@@ -136,6 +136,8 @@ class UTRAttack(AttackBase):
         out = []
         if declared and cfg.noise != "estimate":
             out.append({"noise": "estimate", **budget})
+        if declared.adds_noise and not declared.noise_unknown and cfg.noise != "public":  # the declared level too
+            out.append({"noise": "public", **budget})  # (stochastic rounding: each tensor's step² / 6)
         if declared.sparsity and cfg.search == "extended":  # the completion and the plain tests: keep the stronger
             out.append({"sparsity_aware": not cfg.sparsity_aware, **budget})
         return out
@@ -148,10 +150,11 @@ class UTRAttack(AttackBase):
         """``params``: fields of :class:`UTRConfig`, whose defaults and constraints apply."""
         set_config_fields(self, params)
 
-    def noise_std(self, view: ServerView, grads: list[torch.Tensor]) -> float | None:
-        """Per-coordinate std of the noise on the observed uploads (see ``noise``), or None: exact tests
-        (:func:`gradleak.attacks.common.text.declared_noise_std`)."""
-        return declared_noise_std(view, self.noise, grads)
+    def noise_std(self, view: ServerView, grads: list[torch.Tensor], tensor: str | None = None) -> float | None:
+        """Per-coordinate std of the noise on the observed uploads (see ``noise``) of the uploaded tensor ``tensor``
+        (``grads`` are its gradients; per-tensor noise such as stochastic rounding is read off it), or None: exact
+        tests (:func:`gradleak.attacks.common.text.declared_noise_std`)."""
+        return declared_noise_std(view, self.noise, grads, tensor=tensor)
 
     def sentence_budget(self, batch_size: Optional[int], bag: dict, sp: dict) -> float:
         """Seconds for stage 2: ``time_budget`` when set, else :func:`auto_time_budget` of the expected sentence
@@ -172,7 +175,7 @@ class UTRAttack(AttackBase):
         """Stage 1 (:func:`gradleak.attacks.common.word_bag.word_bag`) with this attack's parameters and noise
         model."""
         paper = self.search == "paper"
-        return word_bag(view, self, self.all_rounds and not paper, noise_std=lambda grads: self.noise_std(view, grads),
+        return word_bag(view, self, self.all_rounds and not paper, noise_std=lambda grads: self.noise_std(view, grads, adapter_param("embedding")),
                         extended=not paper)
 
     def _causal_peel(self, view: ServerView, bag: dict, sp: dict, cands: torch.Tensor, sents: list[list[int]],
@@ -246,6 +249,8 @@ class UTRAttack(AttackBase):
         t1 = time.perf_counter()
         grads_la = collect_grads(view, adapter_param(self.sentence_layer), all_rounds=False)
         la_noise = bag["noise_std"]
+        if la_noise and self.noise == "public":  # the sentence layer's own tensor (per-tensor noise: its own step)
+            la_noise = self.noise_std(view, grads_la, adapter_param(self.sentence_layer))
         if bag.get("sparsity_aware") and is_pruned(grads_la):  # pruned: the error's level, read off
             la_noise = estimate_noise_std(grads_la)
         sub_la = subspace_from_gradients(grads_la, self.rank_rtol, noise_std=la_noise)
