@@ -135,13 +135,7 @@ class PEFTLeakRecovery:
         bins: list[dict[str, Any]] = []  # every nonempty bin of this round
         for sp in plan.slots:
             pre = sp.slot.prefix
-            if f"{pre}.down.weight" not in upd.tensors:
-                raise BadInput("update", f"the observed update lacks '{pre}.down.weight'.",
-                               "the client must upload the adapter gradients (adapters trainable).")
-            GW = upd.tensors[f"{pre}.down.weight"].to("cpu", F64)
-            Gb = upd.tensors[f"{pre}.down.bias"].to("cpu", F64)
-            dGb = torch.cat([Gb[:-1] - Gb[1:], Gb[-1:]])  # bin j = neuron j minus neuron j+1; top bin alone
-            dGW = torch.cat([GW[:-1] - GW[1:], GW[-1:]])
+            GW, Gb, dGW, dGb = bin_differences(upd, pre)
             scale = float(Gb.abs().max()) + 1e-300
             ok = torch.zeros(self.server.r, dtype=torch.bool)
             ok[sp.usable_bins] = True
@@ -383,13 +377,7 @@ class PEFTLeakRecovery:
         bins: list[dict[str, Any]] = []
         for sp in plan.slots:
             pre = sp.slot.prefix
-            if f"{pre}.down.weight" not in upd.tensors:
-                raise BadInput("update", f"the observed update lacks '{pre}.down.weight'.",
-                               "the client must upload the adapter gradients (adapters trainable).")
-            GW = upd.tensors[f"{pre}.down.weight"].to("cpu", F64)
-            Gb = upd.tensors[f"{pre}.down.bias"].to("cpu", F64)
-            dGb = torch.cat([Gb[:-1] - Gb[1:], Gb[-1:]])
-            dGW = torch.cat([GW[:-1] - GW[1:], GW[-1:]])
+            GW, Gb, dGW, dGb = bin_differences(upd, pre)
             nv = torch.full((srv.r,), 2 * sigma * sigma, dtype=F64)
             nv[-1] = sigma * sigma  # the top bin is one neuron, not a difference
             occ = ((dGW * dGW).sum(1) + dGb * dGb) / nv > tests.occupancy
@@ -615,6 +603,17 @@ class PEFTLeakRecovery:
         pos = torch.tensor([c["position"] for c in uniq], dtype=torch.long)
         g = torch.tensor([c.get("g", float("nan")) for c in uniq], dtype=F64)
         return X, pos, g
+
+
+def bin_differences(upd, pre: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The down-projection gradients of adapter ``pre`` in ``upd`` (float64, CPU) and their bin differences: bin j =
+    neuron j minus neuron j + 1, the top bin alone (PEFTLeak eqs. 24-25): ``(GW, Gb, dGW, dGb)``."""
+    if f"{pre}.down.weight" not in upd.tensors:
+        raise BadInput("update", f"the observed update lacks '{pre}.down.weight'.",
+                       "the client must upload the adapter gradients (adapters trainable).")
+    GW = upd.tensors[f"{pre}.down.weight"].to("cpu", F64)
+    Gb = upd.tensors[f"{pre}.down.bias"].to("cpu", F64)
+    return GW, Gb, torch.cat([GW[:-1] - GW[1:], GW[-1:]]), torch.cat([Gb[:-1] - Gb[1:], Gb[-1:]])
 
 
 def group_by_coefficient(g: torch.Tensor, positions: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
