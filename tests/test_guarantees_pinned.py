@@ -613,3 +613,70 @@ def test_banner_colour_is_green_only_for_no_leak_found():
         r, g, b = rgb(banner_colour(v))
         assert r == g == b, v  # grey: never green over what was not measured
     assert len({banner_colour(v) for v in ("leaks", "leaks_stronger_server", "no_leak_found", "undefined")}) == 4
+
+
+# ------------------------------------------------------------------------------------------- null pool: the edges
+def _tiny_images(batch_size: int, clients: int):
+    return _validate({**TINY_IMAGES, "data": {**TINY_IMAGES["data"], "batch_size": batch_size},
+                      "fl": {"clients": clients}})
+
+
+@pytest.mark.parametrize("batch_size, clients, trial", [(20, 2, 0), (20, 2, 1), (13, 3, 1)])
+def test_a_private_set_that_spares_no_image_falls_back_to_the_public_draw(batch_size, clients, trial):
+    """cifar-samples holds 40 images: when the clients use all of them (or all but the one a permuted draw leaves
+    out), the nulls come from the public set's documented draw (seed + 2000), never from an empty or private pool."""
+    from gradleak.data.splits import ImageData, _public_name, load_images
+
+    cfg = _tiny_images(batch_size, clients)
+    data = ImageData(cfg)
+    chunks = data.clients(trial, cfg.model.num_classes)
+    k = 8
+    pool, source = data.null_pool(trial, k)
+    assert "spares no image" in source and _public_name(cfg) in source
+    want, _ = load_images(_public_name(cfg), k, cfg.data.image_size, cfg.data.seed + 2000, "data.public",
+                          channels=cfg.image_channels)
+    assert pool.shape == want.shape and torch.equal(pool, want)
+    for x, _ in chunks:
+        assert _holds(pool, x) == []
+
+
+@pytest.mark.parametrize("trial, expected", [(0, 10), (1, 9)])
+def test_the_null_pool_of_a_small_private_set_is_what_the_draw_spares(trial, expected):
+    """30 of cifar-samples' 40 images go to the clients; 20 nulls are asked for: the pool holds the 10 images the
+    unpermuted draw spares (trial 0 of seed 0), or 9 of a permuted one (a permutation of 39 of the 40)."""
+    from gradleak.data.splits import ImageData
+
+    cfg = _tiny_images(15, 2)
+    data = ImageData(cfg)
+    chunks = data.clients(trial, cfg.model.num_classes)
+    pool, source = data.null_pool(trial, 20)
+    assert "no client holds" in source and len(pool) == expected
+    for x, _ in chunks:
+        assert _holds(pool, x) == []
+
+
+def test_the_null_pool_defaults_to_null_pool_images():
+    from gradleak.data.splits import NULL_POOL, ImageData
+
+    cfg = _validate({**TINY_IMAGES, "data": {**TINY_IMAGES["data"], "name": "natural-crops"}})
+    data = ImageData(cfg)
+    data.clients(0, cfg.model.num_classes)
+    pool, _ = data.null_pool(0)
+    assert len(pool) == NULL_POOL
+
+
+@pytest.mark.parametrize("trial", [0, 1])
+def test_the_test_chunk_keeps_its_own_labels(trial):
+    """The held-out test images come after the clients', validation and prior chunks of the draw, each with its own
+    label (a shifted label slice would score the accuracy against other images' labels)."""
+    from gradleak.data.splits import ImageData, fold_labels
+
+    cfg = _leakage_cfg("cifar-samples")
+    data = ImageData(cfg)
+    data.clients(trial, cfg.model.num_classes)
+    x, y = data.test(cfg.model.num_classes)
+    sizes, val, prior = data._layout()
+    b = sum(sizes) + val * len(sizes) + prior
+    imgs, labels = data._load(trial, b + data._test_size())
+    assert torch.equal(x, imgs[b:b + len(x)]) and len(x) == cfg.data.test_size
+    assert torch.equal(y, fold_labels(labels[b:b + len(x)], cfg.model.num_classes, cfg.data.name, False))
