@@ -254,6 +254,11 @@ def fmt(x, spec=".3g"):
     return "–" if x is None else (f"{x:{spec}}" if isinstance(x, (int, float)) else str(x))
 
 
+def with_null(m: dict, key: str, spec: str) -> str:
+    """``m[key]`` beside its null's 99th percentile (``m[key + "_null_p99"]``), both formatted with ``spec``."""
+    return f"{fmt(m.get(key), spec)} ({fmt(m.get(key + '_null_p99'), spec)})"
+
+
 def table(rows: list[dict]) -> str:
     lines = []
     text = [r for r in rows if r.get("part") == "text" and "metrics" in r]
@@ -268,8 +273,8 @@ def table(rows: list[dict]) -> str:
             v = r["variant"] if isinstance(r["variant"], str) else ", ".join(f"{k}={w}" for k, w in r["variant"].items()
                                                                              if k != "time_budget") or "as configured"
             lines.append(f"| {r.get('model', 'minilm-L2')} | {r['seed']} ({r['split']}) | {r['B']} | {r['defense']} | "
-                         f"{v} | {r['level']} | {fmt(m.get('word_bag_recall'), '.1f')} ({fmt(m.get('word_bag_recall_null_p99'), '.1f')}) | "
-                         f"{fmt(m.get('rouge1_f1'), '.1f')} ({fmt(m.get('rouge1_f1_null_p99'), '.1f')}) | "
+                         f"{v} | {r['level']} | {with_null(m, 'word_bag_recall', '.1f')} | "
+                         f"{with_null(m, 'rouge1_f1', '.1f')} | "
                          f"{fmt(m.get('sentences_exact'), 'g')} | {fmt(m.get('spectral_margin_embedding_adapter'))} | "
                          f"{fmt(m.get('drowning_noise_std_embedding_adapter'))} |")
         lines.append("")
@@ -283,8 +288,8 @@ def table(rows: list[dict]) -> str:
             m = r["metrics"]
             cut = r["variant"].get("rank_cut", "gap") if isinstance(r["variant"], dict) else "gap"
             lines.append(f"| {r['seed']} ({r['split']}) | {r['defense']} | {cut} | {r['level']} | "
-                         f"{fmt(m.get('psnr_max'), '.1f')} ({fmt(m.get('psnr_max_null_p99'), '.1f')}) | "
-                         f"{fmt(m.get('ssim_max'), '.3f')} ({fmt(m.get('ssim_max_null_p99'), '.3f')}) | "
+                         f"{with_null(m, 'psnr_max', '.1f')} | "
+                         f"{with_null(m, 'ssim_max', '.3f')} | "
                          f"{fmt(m.get('lora_span_row_space_rank'), 'g')} | {fmt(m.get('spectral_margin_block0_lora_A'))} | "
                          f"{fmt(m.get('drowning_noise_std_block0_lora_A'))} |")
         lines.append("")
@@ -313,8 +318,8 @@ def table(rows: list[dict]) -> str:
                          f"{fmt(m.get('recovered_patch_psnr_median'), '.1f')} "
                          f"({fmt(m.get('expected_patch_psnr_median'), '.1f')}) | "
                          f"{fmt(m.get('num_returned_patches'), 'g')} ({fmt(m.get('false_positives'), 'g')}) | "
-                         f"{fmt(m.get('psnr_max'), '.1f')} ({fmt(m.get('psnr_max_null_p99'), '.1f')}) | "
-                         f"{fmt(m.get('ssim_max'), '.3f')} ({fmt(m.get('ssim_max_null_p99'), '.3f')}) |")
+                         f"{with_null(m, 'psnr_max', '.1f')} | "
+                         f"{with_null(m, 'ssim_max', '.3f')} |")
         lines.append("")
     pr = [r for r in rows if r.get("part") == "projres" and "metrics" in r]
     if pr:
@@ -336,8 +341,8 @@ def table(rows: list[dict]) -> str:
         for r in pr:
             m = r["metrics"]
             lines.append(f"| {r['seed']} ({r['split']}) | {r['defense']} | {_projres_variant(r)} | {r['level']} | "
-                         f"{fmt(m.get('auc'), '.3f')} ({fmt(m.get('auc_null_p99'), '.3f')}) | "
-                         f"{fmt(m.get('tpr_at_1pct_fpr'), '.2f')} ({fmt(m.get('tpr_at_1pct_fpr_null_p99'), '.2f')}) |")
+                         f"{with_null(m, 'auc', '.3f')} | "
+                         f"{with_null(m, 'tpr_at_1pct_fpr', '.2f')} |")
         lines.append("")
     lines += reading(rows)
     failed = [r for r in rows if "error" in r]
