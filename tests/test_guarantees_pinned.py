@@ -680,3 +680,31 @@ def test_the_test_chunk_keeps_its_own_labels(trial):
     imgs, labels = data._load(trial, b + data._test_size())
     assert torch.equal(x, imgs[b:b + len(x)]) and len(x) == cfg.data.test_size
     assert torch.equal(y, fold_labels(labels[b:b + len(x)], cfg.model.num_classes, cfg.data.name, False))
+
+
+def test_a_later_trial_draws_a_permutation_even_when_seed_plus_offset_would_cancel():
+    """Trial t draws with seed + 7919·t. Data seed 7919 in trial 1 is the case where a wrong sign would give seed 0,
+    the unpermuted draw, and take one image more than a permuted draw can spare (9, not 10, of the 10 left over)."""
+    from gradleak.data.splits import ImageData
+
+    cfg = _validate({**TINY_IMAGES, "data": {**TINY_IMAGES["data"], "batch_size": 15, "seed": 7919},
+                     "fl": {"clients": 2}})
+    data = ImageData(cfg)
+    chunks = data.clients(1, cfg.model.num_classes)
+    pool, source = data.null_pool(1, 20)
+    assert "no client holds" in source and len(pool) == 9
+    for x, _ in chunks:
+        assert _holds(pool, x) == []
+
+
+def test_a_grey_models_fallback_nulls_are_grey():
+    """The public fallback pool has the model's input channels (a one-channel model scores one-channel nulls)."""
+    from gradleak.data.splits import ImageData
+
+    cfg = _validate({**TINY_IMAGES, "data": {**TINY_IMAGES["data"], "batch_size": 20},
+                     "model": {"name": "resnet18", "num_channels": 1}, "peft": {"kind": "none"}, "fl": {"clients": 2}})
+    data = ImageData(cfg)
+    chunks = data.clients(0, cfg.model.num_classes)
+    pool, source = data.null_pool(0, 4)
+    assert "spares no image" in source
+    assert pool.shape[1] == 1 == chunks[0][0].shape[1]
