@@ -254,7 +254,6 @@ class DPSGD(TrainingDefense):
         """Σ_i clip_C(g_i) + N(0, σ²C²), divided by B: one float64 tensor per parameter (flattened)."""
         import warnings
 
-        c = self.cfg
         for p in params:
             p.grad_sample, p.grad = None, None
         with warnings.catch_warnings():  # the stem's hook fires on the images, which need no gradient
@@ -263,16 +262,43 @@ class DPSGD(TrainingDefense):
             loss.backward()
         per = [p.grad_sample.reshape(len(x), -1).double() if p.grad_sample is not None
                else torch.zeros(len(x), p.numel(), dtype=torch.float64, device=p.device) for p in params]  # B × |p|
+        for p in params:
+            p.grad_sample, p.grad = None, None
+        return self.privatise(per, gen)
+
+    def privatise(self, per: list[torch.Tensor], gen) -> list[torch.Tensor]:
+        """The mechanism on per-sample gradients ``per`` (one B × |p| float64 tensor per parameter): each sample
+        clipped to C in total L2 norm, summed, N(0, σ²C²) added, divided by B."""
+        c = self.cfg
+        b = per[0].shape[0]
         norms = torch.sqrt(sum((g ** 2).sum(1) for g in per))
         scale = (c.max_grad_norm / norms.clamp_min(1e-12)).clamp(max=1.0)
         out = []
         for g in per:
             summed = (g * scale[:, None]).sum(0)
             noise = torch.randn(summed.shape, generator=gen, dtype=torch.float64) * (c.noise_multiplier * c.max_grad_norm)
-            out.append((summed + noise.to(summed.device)) / len(x))
-        for p in params:
-            p.grad_sample, p.grad = None, None
+            out.append((summed + noise.to(summed.device)) / b)
         return out
+
+    def _canary_update(self, client, model, gen, *, algorithm: str, lr: float | None, epochs: int):
+        """A canary client (:mod:`gradleak.fl.canaries`) under DP-SGD: one example whose per-sample gradient is the
+        canary (its direction × the canary scale × C), through :meth:`privatise` at every local step (FedSGD: one;
+        FedAvg: ``epochs`` steps of its one-example batch), accounted like any client (sampling rate 1)."""
+        from gradleak.fl.core import Update
+
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        canary = client.tensors(client.scale * self.cfg.max_grad_norm)
+        per = [canary[n].reshape(1, -1) for n in names]
+        steps = 1 if algorithm == "fedsgd" else int(epochs)
+        moved = [torch.zeros(g.shape[1], dtype=torch.float64) for g in per]
+        for _ in range(steps):
+            for m, g in zip(moved, self.privatise(per, gen)):
+                m += g
+        self._account(client.client_id, 1.0, steps)
+        shapes = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
+        kind = "gradient" if algorithm == "fedsgd" else "pseudo_gradient"
+        return Update({n: m.reshape(shapes[n]) for n, m in zip(names, moved)}, client.num_samples, client.client_id,
+                      kind, steps)
 
     def local_update(self, client, model, *, seed: int, algorithm: str = "fedsgd", lr: float | None = None,
                      epochs: int = 1, batch_size: int | None = None, **_: Any):
@@ -283,13 +309,15 @@ class DPSGD(TrainingDefense):
         _refuse_batchnorm(model)
         if algorithm not in ("fedsgd", "fedavg"):
             raise BadInput("fl.algorithm", f"unknown algorithm '{algorithm}'.", "use 'fedsgd' or 'fedavg'.")
+        gen = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + int(client.client_id) * 7_919
+                                            + int(seed))
+        if getattr(client, "canary", False):  # the one-shot ε check's canary example (it reads no weights)
+            return self._canary_update(client, model, gen, algorithm=algorithm, lr=lr, epochs=epochs)
         model.train()
         device = next(model.parameters()).device
         x, y = client._inputs.to(device), client._labels.to(device)
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         params = [p for p in model.parameters() if p.requires_grad]
-        gen = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + int(client.client_id) * 7_919
-                                            + int(seed))
         gsm = GradSampleModule(model, batch_first=True, loss_reduction="mean")
         try:
             if algorithm == "fedsgd":

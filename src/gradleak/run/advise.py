@@ -167,17 +167,12 @@ def set_strings(raw: dict, spec: dict, value: Any) -> list[str]:
 
 
 def gaussian_epsilon(noise_multiplier: float, steps: int, delta: float = DELTA) -> float | None:
-    """Epsilon of ``steps`` compositions of the Gaussian mechanism with ``noise_multiplier`` (sampling rate 1),
-    Opacus' RDP accountant; None without Opacus."""
-    try:
-        from opacus.accountants import RDPAccountant
-    except ImportError:
-        return None
-    if noise_multiplier <= 0:
-        return math.inf
-    acc = RDPAccountant()
-    acc.history = [(float(noise_multiplier), 1.0, int(steps))]
-    return float(acc.get_epsilon(delta))
+    """Epsilon of ``steps`` compositions of the Gaussian mechanism with ``noise_multiplier`` (sampling rate 1): the
+    RDP accountant's closed form (:func:`gradleak.defenses.accounting.gaussian_rdp_epsilon`, equal to Opacus'
+    ``RDPAccountant``)."""
+    from gradleak.defenses.accounting import gaussian_rdp_epsilon
+
+    return gaussian_rdp_epsilon(noise_multiplier, steps, delta)
 
 
 # ------------------------------------------------------------------------------------------------ probes

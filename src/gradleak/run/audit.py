@@ -112,7 +112,7 @@ def audit_overrides(raw: dict, overrides: list[str]) -> dict:
         value = parse_value(item.split("=", 1)[1], f"--set {key}")
         parts = key.split(".")[1:]
         names = attack_names()
-        if parts in (["seeds"], ["advise"], ["budget"], ["utility_rounds"]):
+        if parts in (["seeds"], ["advise"], ["budget"], ["utility_rounds"], ["dp_check"]):
             section[parts[0]] = value
         elif parts[:1] == ["params"] and 2 <= len(parts) <= 3:
             if parts[1] not in names:
@@ -133,14 +133,17 @@ def audit_overrides(raw: dict, overrides: list[str]) -> dict:
                 params[parts[1]] = {**(params.get(parts[1]) or {}), parts[2]: value}
         else:
             raise BadInput(f"--set {key}", "the audit section has the keys audit.seeds, audit.advise, audit.budget, "
-                           "audit.utility_rounds and audit.params.<attack>.<parameter>.",
+                           "audit.utility_rounds, audit.dp_check and audit.params.<attack>.<parameter>.",
                            "write e.g. --set audit.params.lora_span.rank_rtol=1e-4 or --set audit.seeds=[0,1].")
     out = apply_overrides(raw, plain, ExperimentConfig) if plain else raw
-    bad = sorted(set(section) - {"params", "seeds", "advise", "budget", "utility_rounds"})
+    bad = sorted(set(section) - {"params", "seeds", "advise", "budget", "utility_rounds", "dp_check"})
     if bad:
         raise BadInput(f"audit.{bad[0]}", "this key of the audit section does not exist.",
-                       "the audit section has params: {<attack>: {...}}, seeds: [...], advise, budget and "
-                       "utility_rounds.")
+                       "the audit section has params: {<attack>: {...}}, seeds: [...], advise, budget, "
+                       "utility_rounds and dp_check.")
+    from gradleak.run.dp_check import dp_section
+
+    dp_section(section.get("dp_check"))
     from gradleak.run.advise_options import advise_section, check_budget, check_utility_rounds
 
     advise_section(section.get("advise"))  # `audit: {advise: true, budget: SECONDS}` (--advise), checked here
@@ -559,12 +562,48 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
               "left_out_by_only": [n for n in attack_names() if n not in names] if only else [],
               "left_out": left_out,
               "defenses_available": applicable_defenses(shown)}
+    dp = dp_check_cell(raw, shown, out, device, log)
+    if dp is not None:
+        result["dp_check"] = dp
+        result["seconds"] = time.perf_counter() - t_all
     from gradleak.run.results import write_json_atomic
 
     write_json_atomic(out / "audit.json", result)
     write_audit_report(result, out)
     protect_private_artifacts(out)
     return result
+
+
+def dp_check_cell(raw: dict, cfg, out: Path, device: str | None, log: Callable[[str], Any] = print) -> dict | None:
+    """The DP check (:mod:`gradleak.run.dp_check`) of the audited federation when it declares a DP mechanism and
+    ``audit.dp_check`` is not false; kept in ``OUT/dp_check.json`` under the config's hash, so a rerun into the same
+    ``--out`` reuses it. A check that fails is recorded as ``undefined`` with its error, never as consistent."""
+    from gradleak.run.dp_check import dp_check, dp_section
+    from gradleak.run.results import write_json_atomic
+
+    opts = dp_section((raw.get("audit") or {}).get("dp_check"))
+    if opts is None:
+        return None
+    path = out / "dp_check.json"
+    key = config_hash(raw)
+    if path.exists():
+        try:
+            kept = json.loads(path.read_text())
+            if kept.get("config_hash") == key:
+                return kept["result"]
+        except (ValueError, KeyError):
+            pass
+    try:
+        res = dp_check(cfg, device, canaries=opts["canaries"], log=log)
+    except BadInput:
+        raise
+    except Exception as err:  # noqa: BLE001 -- a crashed check is undefined, never a pass
+        res = {"verdict": "undefined", "sentence": f"the DP check could not run: {type(err).__name__}: {err}"}
+    if res is None:
+        return None
+    log(f"[audit] dp_check: {res['verdict'].upper()} -- {res['sentence']}")
+    write_json_atomic(path, {"config_hash": key, "result": res})
+    return res
 
 
 def run_audit_grid(raw: dict, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,

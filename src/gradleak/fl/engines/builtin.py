@@ -94,7 +94,8 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
         ups = []
         for ci, c in enumerate(clients):
             c = c.for_round(r)  # a client holding a dataset trains on this round's batch of it
-            local = copy.deepcopy(model)  # the client's own copy
+            # the client's own copy (a canary client, which uploads a fixed direction, reads no model: none)
+            local = copy.deepcopy(model) if getattr(c, "reads_model", True) else model
             if has_bn:
                 local.train()  # BN normalises with batch statistics and updates its running statistics
             own = (client_settings[ci] if client_settings is not None else None) or {}

@@ -161,15 +161,17 @@ def run_rounds_flower(model, clients: Sequence[Any], *, rounds: int, algorithm: 
         c = clients[pid].for_round(r)  # a client holding a dataset trains on this round's batch of it
         lr_r = float(conf["lr"])
         sent = to_tensors(msg.content["arrays"])
-        local = copy.deepcopy(base)
+        reads = getattr(c, "reads_model", True)  # a canary client reads no weights (only the trainable names)
+        local = copy.deepcopy(base) if reads else base
         params = dict(local.named_parameters())
         unknown = sorted(set(sent) - set(params))
         if unknown:
             raise BadInput("arrays", f"the server sent arrays the client's model does not have ({', '.join(unknown[:3])}).",
                            "the ClientApp and the ServerApp must build the same model.")
-        with torch.no_grad():
-            for nm, v in sent.items():
-                params[nm].copy_(v.to(device=params[nm].device, dtype=params[nm].dtype))
+        if reads:
+            with torch.no_grad():
+                for nm, v in sent.items():
+                    params[nm].copy_(v.to(device=params[nm].device, dtype=params[nm].dtype))
         own = (client_settings[pid] if client_settings is not None else None) or {}
         t0 = time.perf_counter()
         if local_update is None:

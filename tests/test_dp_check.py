@@ -1,0 +1,222 @@
+"""The DP check (one-shot empirical ε beside the accountant's ε; gradleak.run.dp_check): the estimator against the
+Gaussian mechanism's exact ε, correct mechanisms called consistent, and each plausible DP bug called violated."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gradleak.evaluation.empirical_epsilon import (delta_two_gaussians, dp_verdict, epsilon_two_gaussians, estimate,
+                                                   gaussian_mechanism_epsilon, threshold_lower_bound)
+
+TINY = {"experiment": "image", "seed": 0, "data": {"name": "cifar-samples", "batch_size": 2, "image_size": 16},
+        "model": {"name": "vit-tiny", "layers": 1}, "peft": {"kind": "adapters", "bottleneck": 8},
+        "metrics": {"feature_distance": False}, "threat": {"preset": "honest-but-curious"},
+        "attack": {"name": "inverting_gradients", "steps": 1, "labels": "idlg"}, "fl": {"clients": 2}}
+
+
+def _cfg(**over):
+    from gradleak.run import validate
+
+    raw = copy.deepcopy(TINY)
+    for k, v in over.items():
+        raw[k] = v
+    return validate(raw, [])[1]
+
+
+def _check(cfg, canaries=100):
+    from gradleak.run.dp_check import dp_check
+
+    return dp_check(cfg, "cpu", canaries=canaries)
+
+
+# ------------------------------------------------------------------------------------------------ the estimator
+@pytest.mark.parametrize("mu", [0.5, 1.0, 3.0])
+@pytest.mark.parametrize("delta", [1e-5, 1e-3])
+def test_two_gaussians_equal_spread_is_the_analytic_gaussian_mechanism(mu, delta):
+    """δ(ε) of N(0,1) vs N(μ,1) is Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) (Balle & Wang 2018, Thm. 8): the ε found
+    gives back δ, and the affine invariance holds."""
+    from scipy.stats import norm
+
+    eps = gaussian_mechanism_epsilon(mu, delta)
+    want = norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2)
+    assert want == pytest.approx(delta, rel=1e-3)
+    assert epsilon_two_gaussians(3.0, 2.0, 3.0 + 2.0 * mu, 2.0, delta) == pytest.approx(eps, rel=1e-5)
+
+
+def test_unequal_spreads_give_the_delta_asked_for():
+    """The separate-spread pair: the ε found has δ(ε) = δ in the worse direction (checked by Monte Carlo)."""
+    rng = np.random.default_rng(0)
+    for mu0, s0, mu1, s1 in [(0.0, 1.0, 1.0, 1.3), (0.2, 0.7, 1.5, 0.5)]:
+        eps = epsilon_two_gaussians(mu0, s0, mu1, s1, 1e-2)
+        assert delta_two_gaussians(mu0, s0, mu1, s1, eps) == pytest.approx(1e-2, rel=1e-3)
+        worst = 0.0
+        for (a, sa), (b, sb) in [((mu0, s0), (mu1, s1)), ((mu1, s1), (mu0, s0))]:
+            y = rng.normal(a, sa, 400_000)
+            loss = (-(y - a) ** 2 / (2 * sa ** 2) - math.log(sa)) - (-(y - b) ** 2 / (2 * sb ** 2) - math.log(sb))
+            worst = max(worst, float(np.mean(np.maximum(0, 1 - np.exp(eps - loss)))))
+        assert worst == pytest.approx(1e-2, rel=0.05)
+
+
+def test_the_estimate_recovers_the_gaussian_mechanisms_epsilon_on_a_synthetic_release():
+    """A synthetic Gaussian mechanism in d = 20,000 (sum of 200 unit canaries clipped to 1, plus N(0, σ²) per
+    coordinate, σ = 1): the cosine statistics' estimate has the analytic ε (one round: μ = 1/σ) inside its interval,
+    and the threshold bound is below it."""
+    g = torch.Generator().manual_seed(0)
+    d, k, sigma = 20_000, 200, 1.0
+    seen = torch.randn(k, d, generator=g, dtype=torch.float64)
+    seen /= seen.norm(dim=1, keepdim=True)
+    unseen = torch.randn(k, d, generator=g, dtype=torch.float64)
+    unseen /= unseen.norm(dim=1, keepdim=True)
+    release = [c + sigma * torch.randn(d, generator=g, dtype=torch.float64) for c in seen]  # each canary's own upload
+    s = [float(c @ r / r.norm()) for c, r in zip(seen, release)]
+    u = [float(c @ r / r.norm()) for c, r in zip(unseen, release)]
+    est = estimate(s, u, 1e-5)
+    exact = gaussian_mechanism_epsilon(1.0 / sigma, 1e-5)
+    assert est["interval"][0] <= exact <= est["interval"][1]
+    assert est["strict_lower"] <= exact
+    assert est["lower_bound"] <= exact
+
+
+def test_the_threshold_bound_grows_with_separation_and_stays_below_log_k():
+    rng = np.random.default_rng(1)
+    u = rng.normal(0, 1, 100)
+    weak = threshold_lower_bound(rng.normal(0.5, 1, 100), u, 1e-5)
+    strong = threshold_lower_bound(rng.normal(20, 1, 100), u, 1e-5)
+    assert 0 <= weak < strong <= math.log(2 * 100 / 0.05)
+
+
+def test_the_verdict_rules():
+    m = {"threat_model": "each_upload", "epsilon": 9.0, "interval": [8.0, 10.0], "strict_lower": 7.5}
+    assert dp_verdict(5.0, [m])[0] == "claim_violated"
+    assert dp_verdict(8.0, [m])[0] == "consistent"  # the point estimate above, the 99.9 % lower end not
+    assert dp_verdict(12.0, [m])[0] == "vacuous"
+    assert dp_verdict(math.inf, [m])[0] == "vacuous"
+    assert dp_verdict(50.0, [{**m, "strict_lower": 60.0}])[0] == "claim_violated"  # a vacuous claim still violated
+
+
+# ------------------------------------------------------------------------------------ correct mechanisms: consistent
+@pytest.mark.parametrize("where", ["client", "server"])
+def test_dp_gaussian_is_consistent_and_the_estimate_brackets_its_exact_epsilon(where):
+    from gradleak.defenses.accounting import gaussian_rdp_epsilon
+
+    cfg = _cfg(defenses=[{"name": "dp_gaussian", "params": {"noise_multiplier": 1.0, "max_norm": 1e-3, "where": where}}])
+    res = _check(cfg)
+    assert res["verdict"] == "consistent", res["sentence"]
+    assert res["claimed_epsilon"] == pytest.approx(gaussian_rdp_epsilon(1.0, 1, 1e-5))
+    models = {m["threat_model"]: m for m in res["measured"]}
+    assert ("each_upload" in models) == (where == "client")  # central DP claims nothing against the server
+    decisive = models["each_upload" if where == "client" else "final_model"]
+    exact = gaussian_mechanism_epsilon(1.0, 1e-5)
+    assert decisive["interval"][0] <= exact <= decisive["interval"][1]
+
+
+def test_dpsgd_is_consistent_and_claims_its_accountants_epsilon():
+    pytest.importorskip("opacus")
+    cfg = _cfg(defense={"name": "dpsgd", "noise_multiplier": 1.0, "max_grad_norm": 1.0})
+    res = _check(cfg)
+    assert res["verdict"] == "consistent", res["sentence"]
+    (mech,) = res["mechanisms"]
+    assert mech["name"] == "dpsgd" and "Opacus" in mech["accountant"]
+    each = next(m for m in res["measured"] if m["threat_model"] == "each_upload")
+    assert each["interval"][0] <= gaussian_mechanism_epsilon(1.0, 1e-5) <= each["interval"][1]
+
+
+def test_no_dp_declared_means_no_check():
+    assert _check(_cfg(defenses=[{"name": "gaussian_noise", "params": {"std": 0.1}}])) is None
+
+
+def test_a_hollow_claim_is_vacuous():
+    res = _check(_cfg(defenses=[{"name": "dp_gaussian", "params": {"noise_multiplier": 0.05, "max_norm": 1e-3}}]))
+    assert res["verdict"] == "vacuous" and res["claimed_epsilon"] > 10
+
+
+# ------------------------------------------------------------------------------------ broken mechanisms: violated
+def _noise_before_clipping(self, update, ctx):
+    return self.clip.apply(self.noise.apply(update, ctx), ctx)
+
+
+def _clipping_ignored(self, update, ctx):
+    return self.noise.apply(update, ctx)
+
+
+def _no_noise(self, update, ctx):
+    return self.clip.apply(update, ctx)
+
+
+@pytest.mark.parametrize("broken", [_noise_before_clipping, _clipping_ignored, _no_noise],
+                         ids=["noise-before-clipping", "clipping-ignored", "no-noise"])
+def test_a_broken_local_dp_gaussian_violates_its_claim(broken, monkeypatch):
+    from gradleak.defenses.update import DPGaussian
+
+    monkeypatch.setattr(DPGaussian, "apply", broken)
+    res = _check(_cfg(defenses=[{"name": "dp_gaussian", "params": {"noise_multiplier": 1.0, "max_norm": 1e-3}}]))
+    assert res["verdict"] == "claim_violated", res["sentence"]
+
+
+def test_central_noise_divided_by_the_client_count_twice_violates_the_claim(monkeypatch):
+    from gradleak.defenses.update import DPGaussian, GaussianNoise
+
+    def twice(self, aggregate, ctx, num_updates):
+        k = max(num_updates, 1)
+        return GaussianNoise(self.noise_multiplier * self.max_norm / k / k, seed=self.noise.seed).apply(
+            aggregate, {**ctx, "client_id": -1})
+
+    monkeypatch.setattr(DPGaussian, "server_apply", twice)
+    res = _check(_cfg(defenses=[{"name": "dp_gaussian",
+                                 "params": {"noise_multiplier": 1.0, "max_norm": 1e-3, "where": "server"}}]))
+    assert res["verdict"] == "claim_violated", res["sentence"]
+
+
+@pytest.mark.parametrize("breakage", ["no-noise", "clipping-ignored"])
+def test_a_broken_dpsgd_violates_its_claim(breakage, monkeypatch):
+    pytest.importorskip("opacus")
+    from gradleak.defenses.training import DPSGD
+
+    real = DPSGD.privatise
+
+    def broken(self, per, gen):
+        c = self.cfg
+        if breakage == "no-noise":
+            saved = c.noise_multiplier
+            object.__setattr__(c, "noise_multiplier", 0.0)
+            try:
+                return real(self, per, gen)
+            finally:
+                object.__setattr__(c, "noise_multiplier", saved)
+        b = per[0].shape[0]
+        return [(g.sum(0) + torch.randn(g.shape[1], generator=gen, dtype=torch.float64) * c.noise_multiplier
+                 * c.max_grad_norm) / b for g in per]
+
+    monkeypatch.setattr(DPSGD, "privatise", broken)
+    res = _check(_cfg(defense={"name": "dpsgd", "noise_multiplier": 1.0, "max_grad_norm": 1.0}))
+    assert res["verdict"] == "claim_violated", res["sentence"]
+
+
+# ------------------------------------------------------------------------------------------------ the accountant
+@pytest.mark.parametrize("z, steps", [(1.0, 1), (0.3, 5), (5.0, 200), (2.0, 3)])
+def test_the_closed_form_gaussian_accountant_is_opacus_rdp(z, steps):
+    pytest.importorskip("opacus")
+    from opacus.accountants import RDPAccountant
+
+    from gradleak.defenses.accounting import gaussian_rdp_epsilon
+
+    acc = RDPAccountant()
+    acc.history = [(z, 1.0, steps)]
+    assert gaussian_rdp_epsilon(z, steps, 1e-5) == pytest.approx(float(acc.get_epsilon(1e-5)), rel=1e-12)
+
+
+def test_flowers_central_dp_wrapper_is_checked_on_the_flower_engine():
+    """fl.engine: flower with DifferentialPrivacyServerSideFixedClipping: the canaries go through Flower's own
+    strategy wrapper (clipping norm on Δw), and its claim (RDP of its noise multiplier) holds."""
+    pytest.importorskip("flwr")
+    cfg = _cfg(fl={"clients": 2, "engine": "flower",
+                   "flower": {"dp": "server-fixed", "noise_multiplier": 1.0, "clipping_norm": 1e-5}})
+    res = _check(cfg, canaries=60)
+    assert res["engine"] == "flower" and res["mechanisms"][0]["name"] == "flower server-fixed"
+    assert res["verdict"] == "consistent", res["sentence"]
+    assert {m["threat_model"] for m in res["measured"]} == {"final_model", "every_round"}
