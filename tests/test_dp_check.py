@@ -4,6 +4,7 @@ Gaussian mechanism's exact ε, correct mechanisms called consistent, and each pl
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import numpy as np
@@ -220,3 +221,69 @@ def test_flowers_central_dp_wrapper_is_checked_on_the_flower_engine():
     assert res["engine"] == "flower" and res["mechanisms"][0]["name"] == "flower server-fixed"
     assert res["verdict"] == "consistent", res["sentence"]
     assert {m["threat_model"] for m in res["measured"]} == {"final_model", "every_round"}
+
+
+# ------------------------------------------------------------------------------------------------ in the audit
+AUDIT = {**{k: v for k, v in TINY.items() if k != "attack"}, "audit": {"params": {"dlg": {"steps": 1}}},
+         "defenses": [{"name": "dp_gaussian", "params": {"noise_multiplier": 1.0, "max_norm": 1e-3}}]}
+
+
+def test_the_audit_writes_dp_check_and_the_report_says_it(tmp_path):
+    """audit.json gets dp_check (claimed ε named, measured ε per threat model with its interval, the verdict), the
+    report a section in words; a rerun into the same --out reuses the check (dp_check.json under the config hash)."""
+    from gradleak.run.audit import run_audit
+
+    logs = []
+    res = run_audit(copy.deepcopy(AUDIT), tmp_path, only=["dlg"], log=logs.append)
+    dp = res["dp_check"]
+    assert dp["verdict"] == "consistent" and dp["claimed_epsilon"] == pytest.approx(4.7285, rel=1e-4)
+    assert "RDP of the Gaussian mechanism" in dp["mechanisms"][0]["accountant"]
+    assert {m["threat_model"] for m in dp["measured"]} == {"final_model", "every_round", "each_upload"}
+    assert all(m["interval"][0] <= m["epsilon"] <= m["interval"][1] for m in dp["measured"])
+    saved = json.loads((tmp_path / "audit.json").read_text())
+    assert saved["dp_check"]["verdict"] == "consistent"
+    page = (tmp_path / "report.html").read_text()
+    assert 'id="dp_check"' in page and "CONSISTENT" in page and "claimed by dp_gaussian" in page
+    assert any("dp_check: CONSISTENT" in m for m in logs)
+    logs.clear()
+    again = run_audit(copy.deepcopy(AUDIT), tmp_path, only=["dlg"], log=logs.append)
+    assert again["dp_check"] == dp and not any("[dp_check]" in m for m in logs)  # reused, not rerun
+
+
+def test_dp_check_false_skips_it_and_a_bad_value_names_the_field(tmp_path):
+    from gradleak.errors import BadInput
+    from gradleak.run.audit import audit_overrides, run_audit
+
+    res = run_audit(copy.deepcopy(AUDIT), tmp_path / "off", ["audit.dp_check=false"], only=["dlg"], log=lambda m: None)
+    assert "dp_check" not in res
+    with pytest.raises(BadInput) as err:
+        audit_overrides(copy.deepcopy(AUDIT), ["audit.dp_check={canaries: 3}"])
+    assert err.value.field == "audit.dp_check.canaries"
+    with pytest.raises(BadInput) as err:
+        audit_overrides(copy.deepcopy(AUDIT), ["audit.dp_check=sometimes"])
+    assert err.value.field == "audit.dp_check"
+
+
+def test_a_crashed_check_is_undefined_never_consistent(tmp_path, monkeypatch):
+    from gradleak.run.audit import run_audit
+
+    def boom(*a, **k):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr("gradleak.run.dp_check.dp_check", boom)
+    res = run_audit(copy.deepcopy(AUDIT), tmp_path, only=["dlg"], log=lambda m: None)
+    assert res["dp_check"]["verdict"] == "undefined" and "out of memory" in res["dp_check"]["sentence"]
+
+
+def test_the_shipped_dp_config_declares_a_checked_mechanism():
+    from gradleak.config.loading import load_yaml
+    from gradleak.defenses import build_defenses
+    from gradleak.run.audit import plan_audit
+    from gradleak.run.dp_check import declared_mechanisms
+
+    raw, _, _, planned, _, _ = plan_audit(load_yaml("configs/audit/text_dp_gaussian.yaml"), [], ["utr"])
+    assert raw["audit"]["dp_check"] == {"canaries": 100}
+    cfg = planned[0][2]
+    mech = declared_mechanisms(cfg, build_defenses([d.model_dump() for d in cfg.defenses], seed=cfg.seed))
+    assert [m["name"] for m in mech] == ["dp_gaussian"]
+    assert mech[0]["covers"] == ["final_model", "every_round", "each_upload"]

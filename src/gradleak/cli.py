@@ -202,6 +202,13 @@ def _print_audit_table(result: dict, out: Path) -> None:
     for row in console_rows(result):
         table.add_row(*(Text(x) for x in row))
     out_console.print(table)
+    if result.get("dp_check"):
+        from gradleak.run.audit_report import dp_check_words
+
+        words = dp_check_words(result["dp_check"])
+        out_console.print(Text("DP check: " + words[0], style="bold"), soft_wrap=True)
+        for w in words[1:-1]:
+            out_console.print(Text("  " + w), soft_wrap=True)
 
 
 def _print_advice(advice: dict) -> None:

@@ -203,6 +203,12 @@ def probe(raw: dict, out_dir: str, only: list[str], device: str | None, workers:
             out["accuracy"], out["accuracy_from"] = mets["accuracy"], e["name"]
         if "dp_epsilon" in mets and out.get("dp_epsilon") is None:
             out["dp_epsilon"] = mets["dp_epsilon"]
+    dp = res.get("dp_check")
+    if dp:  # the probe's measured ε (its strongest threat model) beside the claim
+        worst = max(dp.get("measured") or [{}], key=lambda m: m.get("epsilon", -1.0))
+        out["dp_check"] = {"verdict": dp["verdict"], "claimed_epsilon": dp.get("claimed_epsilon"),
+                           **({"epsilon": worst["epsilon"], "interval": worst["interval"],
+                               "threat_model": worst["threat_model"]} if "epsilon" in worst else {})}
     return out
 
 
@@ -496,6 +502,8 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                            f"[{fmt(bad)}, {fmt(good)}]" + (
                                f" (against {', '.join(screen)} only: not yet checked against every tested attack, "
                                "so not recommended)" if row.get("unverified") else ""))
+        if (found or {}).get("dp_check"):  # measured at the strength found (gradleak.run.dp_check)
+            row["epsilon_measured"] = found["dp_check"]
         if spec["name"] == "dpsgd":
             row["epsilon_attacked"] = found.get("dp_epsilon")
         elif spec["name"] == "dp_gaussian":

@@ -190,7 +190,12 @@ def advice_rows(advice: dict) -> list[tuple[str, ...]]:
                     (f"{fmt_value(eps)} (δ = {advice.get('delta', 1e-5):g}"
                      + ("; no meaningful guarantee: ε > 10" if eps > 10 else "")
                      + (f"; {fmt_value(r['epsilon_attacked'])} over the audited round(s)"
-                        if isinstance(r.get("epsilon_attacked"), (int, float)) else "") + ")"
+                        if isinstance(r.get("epsilon_attacked"), (int, float)) else "")
+                     + (f"; measured {fmt_value(r['epsilon_measured']['epsilon'])} (95 % interval "
+                        f"{fmt_value(r['epsilon_measured']['interval'][0])}–{fmt_value(r['epsilon_measured']['interval'][1])}"
+                        f", {r['epsilon_measured']['threat_model'].replace('_', ' ')}): "
+                        f"{r['epsilon_measured']['verdict'].replace('_', ' ')}"
+                        if "epsilon" in (r.get("epsilon_measured") or {}) else "") + ")"
                      if isinstance(eps, (int, float))
                      else "–" if r["defense"] not in ("dp_gaussian", "dpsgd") else "not computed"),
                     "; ".join(x for x in (r.get("status", ""), r.get("note", ""), r.get("clip_note", ""),
@@ -337,6 +342,29 @@ def _image_evidence(a: dict, out: Path) -> str:
     return "".join(rows) + _figure_pair(a, out, rest)
 
 
+def dp_check_words(dp: dict) -> list[str]:
+    """The DP check (``audit.json`` ``dp_check``) in sentences: the verdict, each claim with its accountant, each
+    measured threat model with its interval, the method."""
+    from gradleak.evaluation.empirical_epsilon import _fmt
+
+    out = [f"{dp['verdict'].replace('_', ' ').upper()}: {dp.get('sentence', '')}."]
+    for c in dp.get("mechanisms") or []:
+        out.append(f"claimed by {c['name']}" + (f" (where: {c['where']})" if c.get("where") else "")
+                   + f": ε = {_fmt(c['claimed_epsilon'])} at δ = {c['delta']:g} ({c['accountant']}); covers "
+                   + ", ".join(t.replace("_", " ") for t in c["covers"]))
+    for m in dp.get("measured") or []:
+        out.append(f"measured, {m['threat_model'].replace('_', ' ')}: ε = {_fmt(m['epsilon'])} (95 % interval "
+                   f"{_fmt(m['interval'][0])}–{_fmt(m['interval'][1])}, 99.9 % lower end {_fmt(m['strict_lower'])}; "
+                   f"threshold bound {_fmt(m['lower_bound'])} at {m['lower_bound_confidence']:.0%}; two-spread fit "
+                   f"{_fmt(m['epsilon_separate_spreads'])}) against the claimed {_fmt(m.get('claimed_epsilon'))}: "
+                   f"{m.get('verdict', '').replace('_', ' ')}")
+    if "canaries" in dp:
+        out.append(f"{dp['canaries']} canary clients inserted and {dp['unseen_canaries']} never inserted, "
+                   f"{dp['dimension']} trainable coordinates, {dp['rounds']} round(s), engine {dp['engine']}, "
+                   f"{dp['seconds']:.1f} s. Method: {dp['method']}")
+    return out
+
+
 def banner_colour(verdict: str) -> str:
     """The banner's colour for ``verdict``: red for a leak, amber for a leak only a stronger server reaches, green only
     for ``no_leak_found``; grey for ``undefined`` (nothing measured is not safety) and any verdict not listed."""
@@ -472,6 +500,9 @@ def write_audit_report(result: dict, out: Path) -> Path:
                     "searches the weakest strength of each that stops every leaking attack, and what it costs.</li>")
     advice_html = advice_section(advice) if advice is not None else ""
     not_tested = not_tested_lines(result)
+    dp = result.get("dp_check")
+    dp_html = ("<h2 id=\"dp_check\">Does the DP claim hold? (measured ε beside the accountant's)</h2><ul>"
+               + "".join(f"<li>{e(x)}</li>" for x in dp_check_words(dp)) + "</ul>") if dp else ""
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>gradleak audit</title>
 <style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}.banner{{color:#fff;background:{colour};padding:1em;font-size:1.2em}}
@@ -487,7 +518,7 @@ tr.grouped td{{color:#666}}code{{word-break:break-all}}</style>
 <ul>{''.join(f'<li>{e(k)}: {e(v)}</li>' for k, v in lv['rules'].items())}</ul>
 <p>Every client of the audited round was attacked; each attack also ran the full-strength settings it derives from
 the declared defenses (listed under its evidence); the worst client and setting are the evidence.</p>
-<h2>Configuration</h2><ul>{''.join(f'<li>{e(x)}</li>' for x in result['setup'])}</ul>
+{dp_html}<h2>Configuration</h2><ul>{''.join(f'<li>{e(x)}</li>' for x in result['setup'])}</ul>
 <h2>Threat model (configured)</h2><ul>{''.join(f'<li>{e(x)}</li>' for x in result['threat'])}</ul>
 <h2>Attacks</h2><table id="attacks"><tr><th>attack</th><th>applicable</th><th>server</th><th>level</th><th>deciding measure</th>
 <th>null p99</th><th>p</th><th>worst client</th><th>exact samples</th><th>time</th><th>rule / note</th></tr>{''.join(rows)}</table>
