@@ -27,3 +27,9 @@ def gaussian_rdp_epsilon(noise_multiplier: float, steps: int, delta: float) -> f
     rdp = steps * ORDERS / (2.0 * noise_multiplier ** 2)
     eps = rdp - (math.log(delta) + np.log(ORDERS)) / (ORDERS - 1) + np.log((ORDERS - 1) / ORDERS)
     return float(np.nanmin(eps))
+
+
+def classic_gaussian_z(epsilon: float, delta: float) -> float:
+    """The classic Gaussian mechanism's noise std over its sensitivity for (ε, δ): √(2 ln(1.25/δ)) / ε (Dwork & Roth
+    2014, Thm. A.1; what Flower's ``LocalDpMod`` adds)."""
+    return math.sqrt(2 * math.log(1.25 / delta)) / epsilon

@@ -206,20 +206,20 @@ def dp_verdict(claimed: float | None, measured: list[dict]) -> tuple[str, str]:
     if over:
         m = max(over, key=lambda m: m["strict_lower"])
         return "claim_violated", (f"the {m['threat_model'].replace('_', ' ')} leaks more than the claim allows: measured "
-                                  f"ε = {_fmt(m['epsilon'])} (95 % interval {_fmt(m['interval'][0])}–"
-                                  f"{_fmt(m['interval'][1])}; 99.9 % lower end {_fmt(m['strict_lower'])}) above the "
-                                  f"claimed ε = {_fmt(claimed)}: the implementation does not do what its accountant "
+                                  f"ε = {fmt_epsilon(m['epsilon'])} (95 % interval {fmt_epsilon(m['interval'][0])}–"
+                                  f"{fmt_epsilon(m['interval'][1])}; 99.9 % lower end {fmt_epsilon(m['strict_lower'])}) above the "
+                                  f"claimed ε = {fmt_epsilon(claimed)}: the implementation does not do what its accountant "
                                   "assumes")
     if claimed is None or not math.isfinite(claimed) or claimed > VACUOUS_EPSILON:
-        return "vacuous", (f"the claimed ε = {_fmt(claimed)} is above {VACUOUS_EPSILON:g}: no meaningful guarantee "
+        return "vacuous", (f"the claimed ε = {fmt_epsilon(claimed)} is above {VACUOUS_EPSILON:g}: no meaningful guarantee "
                            "(the measurement did not exceed it)")
     worst = max(measured, key=lambda m: m["epsilon"]) if measured else None
     return "consistent", ("the measured ε stays within the claim" + (
-        f" (largest: ε = {_fmt(worst['epsilon'])}, {worst['threat_model'].replace('_', ' ')}, interval "
-        f"{_fmt(worst['interval'][0])}–{_fmt(worst['interval'][1])}; claimed {_fmt(claimed)})" if worst else ""))
+        f" (largest: ε = {fmt_epsilon(worst['epsilon'])}, {worst['threat_model'].replace('_', ' ')}, interval "
+        f"{fmt_epsilon(worst['interval'][0])}–{fmt_epsilon(worst['interval'][1])}; claimed {fmt_epsilon(claimed)})" if worst else ""))
 
 
-def _fmt(x: float | None) -> str:
+def fmt_epsilon(x: float | None) -> str:
     if x is None:
         return "none"
     if not math.isfinite(x):

@@ -345,18 +345,18 @@ def _image_evidence(a: dict, out: Path) -> str:
 def dp_check_words(dp: dict) -> list[str]:
     """The DP check (``audit.json`` ``dp_check``) in sentences: the verdict, each claim with its accountant, each
     measured threat model with its interval, the method."""
-    from gradleak.evaluation.empirical_epsilon import _fmt
+    from gradleak.evaluation.empirical_epsilon import fmt_epsilon
 
     out = [f"{dp['verdict'].replace('_', ' ').upper()}: {dp.get('sentence', '')}."]
     for c in dp.get("mechanisms") or []:
         out.append(f"claimed by {c['name']}" + (f" (where: {c['where']})" if c.get("where") else "")
-                   + f": ε = {_fmt(c['claimed_epsilon'])} at δ = {c['delta']:g} ({c['accountant']}); covers "
+                   + f": ε = {fmt_epsilon(c['claimed_epsilon'])} at δ = {c['delta']:g} ({c['accountant']}); covers "
                    + ", ".join(t.replace("_", " ") for t in c["covers"]))
     for m in dp.get("measured") or []:
-        out.append(f"measured, {m['threat_model'].replace('_', ' ')}: ε = {_fmt(m['epsilon'])} (95 % interval "
-                   f"{_fmt(m['interval'][0])}–{_fmt(m['interval'][1])}, 99.9 % lower end {_fmt(m['strict_lower'])}; "
-                   f"threshold bound {_fmt(m['lower_bound'])} at {m['lower_bound_confidence']:.0%}; two-spread fit "
-                   f"{_fmt(m['epsilon_separate_spreads'])}) against the claimed {_fmt(m.get('claimed_epsilon'))}: "
+        out.append(f"measured, {m['threat_model'].replace('_', ' ')}: ε = {fmt_epsilon(m['epsilon'])} (95 % interval "
+                   f"{fmt_epsilon(m['interval'][0])}–{fmt_epsilon(m['interval'][1])}, 99.9 % lower end {fmt_epsilon(m['strict_lower'])}; "
+                   f"threshold bound {fmt_epsilon(m['lower_bound'])} at {m['lower_bound_confidence']:.0%}; two-spread fit "
+                   f"{fmt_epsilon(m['epsilon_separate_spreads'])}) against the claimed {fmt_epsilon(m.get('claimed_epsilon'))}: "
                    f"{m.get('verdict', '').replace('_', ' ')}")
     if "canaries" in dp:
         out.append(f"{dp['canaries']} canary clients inserted and {dp['unseen_canaries']} never inserted, "

@@ -100,9 +100,9 @@ def declared_mechanisms(cfg, defenses: list) -> list[dict]:
                             f"RDP of the Gaussian mechanism (closed form, as Opacus' RDPAccountant; Flower's {mode} strategy keeps no "
                             f"accountant), noise multiplier {z:g}, sampling rate 1, {rounds} round(s)")})
         else:
-            from gradleak.integrations.flower_advise import z_of_epsilon
+            from gradleak.defenses.accounting import classic_gaussian_z
 
-            z = z_of_epsilon(f.local_epsilon, f.local_delta) * f.local_sensitivity / f.clipping_norm
+            z = classic_gaussian_z(f.local_epsilon, f.local_delta) * f.local_sensitivity / f.clipping_norm
             out.append({"name": "flower LocalDpMod", "clip": f.clipping_norm / lr,
                         "covers": ["final_model", "every_round", "each_upload"], "delta": f.local_delta,
                         "claim": lambda rounds, rep, z=z, e=f.local_epsilon: (
