@@ -157,6 +157,8 @@ def main() -> None:
     ap.set_defaults(out=REFERENCE_OUT)
     ap.add_argument("--timing", action="store_true", help="also time the audit with and without the check")
     ap.add_argument("--redo", action="store_true", help="recompute the selected cells (their rows are replaced)")
+    ap.add_argument("--cells", nargs="+", metavar="PATTERN", default=None,
+                    help="run only the cells whose id matches one of these shell-style patterns (e.g. 'timing|*')")
     args = ap.parse_args()
     args.out = resolve_out(args.out)
     jsonl = args.out / f"{NAME}.jsonl"
@@ -177,6 +179,10 @@ def main() -> None:
                     todo.append(({"cell": f"timing|{arm}|{i}", "arm": arm, "revision": rev,
                                   "command": audit_command(sets + extra, 0)}, timed_audit,
                                  (sets + extra, str(scratch / f"timing_{arm}_{i}"))))
+        if args.cells:
+            import fnmatch
+
+            todo = [t for t in todo if any(fnmatch.fnmatchcase(t[0]["cell"], p) for p in args.cells)]
         run_cells(jsonl, todo, lambda res, row: (row.update(res) or "done") if "audit_seconds" in res else fill(res, row),
                   label=NAME, redo=args.redo, error_fields={"revision": rev})
     rows = latest_rows(jsonl)

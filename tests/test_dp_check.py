@@ -230,7 +230,7 @@ AUDIT = {**{k: v for k, v in TINY.items() if k != "attack"}, "audit": {"params":
 
 def test_the_audit_writes_dp_check_and_the_report_says_it(tmp_path):
     """audit.json gets dp_check (claimed ε named, measured ε per threat model with its interval, the verdict), the
-    report a section in words; a rerun into the same --out reuses the check (dp_check.json under the config hash)."""
+    report a section in words; a rerun into the same --out reuses the check (a job of the audit's resumable ledger)."""
     from gradleak.run.audit import run_audit
 
     logs = []
@@ -247,7 +247,8 @@ def test_the_audit_writes_dp_check_and_the_report_says_it(tmp_path):
     assert any("dp_check: CONSISTENT" in m for m in logs)
     logs.clear()
     again = run_audit(copy.deepcopy(AUDIT), tmp_path, only=["dlg"], log=logs.append)
-    assert again["dp_check"] == dp and not any("[dp_check]" in m for m in logs)  # reused, not rerun
+    assert again["dp_check"] == dp  # reused from the audit's ledger (attacks/runs.jsonl), not rerun
+    assert any("reused" in m and "dp_check" in m for m in logs), logs
 
 
 def test_dp_check_false_skips_it_and_a_bad_value_names_the_field(tmp_path):
@@ -270,7 +271,7 @@ def test_a_crashed_check_is_undefined_never_consistent(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr("gradleak.run.dp_check.dp_check", boom)
+    monkeypatch.setattr("gradleak.run.dp_check.dp_check", boom)  # the audit runs it in this process (workers=1)
     res = run_audit(copy.deepcopy(AUDIT), tmp_path, only=["dlg"], log=lambda m: None)
     assert res["dp_check"]["verdict"] == "undefined" and "out of memory" in res["dp_check"]["sentence"]
 

@@ -708,3 +708,60 @@ def test_a_grey_models_fallback_nulls_are_grey():
     pool, source = data.null_pool(0, 4)
     assert "spares no image" in source
     assert pool.shape[1] == 1 == chunks[0][0].shape[1]
+
+
+# ------------------------------------------------------------------------------------------- the banner's words
+def _entry(name, level, applicable=True, **kw):
+    return {"name": name, "level": level, "applicable": applicable, "rule": f"{level} rule",
+            "metric": "psnr_max", "value": 30.0, "null_p99": 12.0, "p_value": 0.001,
+            "threat_words": "an honest-but-curious server", **kw}
+
+
+def test_the_banner_names_the_worst_leak_first_with_its_count_client_and_threat():
+    """Found by mutation (verdict_and_headline: the leaking entries' order, the exact count, the client, the threat
+    dropped): the banner names the most leaking attack, how many private samples were exact, whose, and under which
+    server."""
+    from gradleak.run.audit import verdict_and_headline
+
+    es = [_entry("dlg", "partial", worst_client=1, value=14.0),
+          _entry("peftleak", "exact", worst_client=3, n_success=2, n_total=4, unit="images"),
+          _entry("ig", "strong", worst_client=0)]
+    for order in (es, es[::-1], [es[2], es[0], es[1]]):
+        v, text = verdict_and_headline(order)
+        assert v == "leaks" and text.startswith("LEAKS: EXACT leakage by peftleak, client 3 under an honest-but-curious "
+                                                "server: exact rule -- psnr_max = 30")
+        assert "; 2 of 4 private images exact" in text
+    v, text = verdict_and_headline([_entry("dlg", "partial", worst_client=0, n_success=1, n_total=2)])
+    assert "1 of 2 private samples exact" in text  # the unit defaults to samples
+    bare = _entry("dlg", "partial", threat="malicious")
+    del bare["threat_words"]  # an entry without the words: the threat's name
+    v, text = verdict_and_headline([bare])
+    assert "dlg under malicious:" in text and "client" not in text.split(" under ")[0]
+
+
+def test_a_stronger_server_leak_never_reads_as_no_leak():
+    from gradleak.run.audit import verdict_and_headline
+
+    es = [_entry("peftleak", "exact", applicable=False, worst_client=0), _entry("dlg", "none"),
+          _entry("ig", "partial", applicable=False, worst_client=1)]
+    v, text = verdict_and_headline(es, ["utr"])
+    assert v == "leaks_stronger_server"
+    assert text.startswith("LEAKS ONLY UNDER A STRONGER SERVER: EXACT leakage by peftleak, client 0")
+    assert text.endswith("; 1 applicable attack(s) not run (--only): utr")
+
+
+def test_the_no_leak_banner_counts_what_measured_none_and_names_what_was_left_out():
+    from gradleak.run.audit import verdict_and_headline
+
+    es = [_entry("dlg", "none", variants=[{}, {"x": 1}], per_client=[{}, {}]), _entry("ig", "none"),
+          _entry("dager", "undefined", reason="no tokens"), _entry("lamp", "undefined", reason="refused")]
+    v, text = verdict_and_headline(es, ["utr", "april"])
+    assert v == "no_leak_found"
+    assert text == ("NO LEAK FOUND: 2 attack(s) measured at full strength, none above its null -- dlg (2 setting(s), 2 "
+                    "client(s)), ig (1 setting(s), 1 client(s)); 2 applicable attack(s) not run (--only): utr, april "
+                    "(evidence, not proof); 2 undefined (measured nothing): dager, lamp")
+    v, text = verdict_and_headline([_entry("dager", "undefined", reason="no tokens"),
+                                    _entry("lamp", "undefined", rule="nothing measured")], ["utr"])
+    assert v == "undefined"
+    assert text == ("UNDEFINED: no attack measured anything (dager: no tokens; lamp: nothing measured) -- this is not "
+                    "evidence of safety; 1 applicable attack(s) not run (--only): utr")

@@ -459,6 +459,10 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     for e, _, cfg, _ in planned:
         log(f"[audit] {e['name']}: running under the {e['applicable_under']} threat ({cfg.threat_model.capability})"
             + (f", seeds {seeds}" if multi else ""))
+    dp_job = dp_check_job(raw, planned, out, device)
+    if dp_job is not None:  # first: the longest jobs start early in a worker pool
+        jobs.insert(0, dp_job)
+        log("[audit] dp_check: the declared DP mechanism's claim is checked (canary clients; gradleak.run.dp_check)")
     results = _run_jobs(out, jobs, workers, log)
     for entry, cand, cfg, A in planned:
         name = entry["name"]
@@ -562,10 +566,10 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
               "left_out_by_only": [n for n in attack_names() if n not in names] if only else [],
               "left_out": left_out,
               "defenses_available": applicable_defenses(shown)}
-    dp = dp_check_cell(raw, shown, out, device, log)
+    dp = dp_check_entry(results.get(DP_JOB) if dp_job is not None else None)
     if dp is not None:
         result["dp_check"] = dp
-        result["seconds"] = time.perf_counter() - t_all
+        log(f"[audit] dp_check: {dp['verdict'].upper()} -- {dp['sentence']}")
     from gradleak.run.results import write_json_atomic
 
     write_json_atomic(out / "audit.json", result)
@@ -574,36 +578,54 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     return result
 
 
-def dp_check_cell(raw: dict, cfg, out: Path, device: str | None, log: Callable[[str], Any] = print) -> dict | None:
-    """The DP check (:mod:`gradleak.run.dp_check`) of the audited federation when it declares a DP mechanism and
-    ``audit.dp_check`` is not false; kept in ``OUT/dp_check.json`` under the config's hash, so a rerun into the same
-    ``--out`` reuses it. A check that fails is recorded as ``undefined`` with its error, never as consistent."""
-    from gradleak.run.dp_check import dp_check, dp_section
-    from gradleak.run.results import write_json_atomic
+#: the job id of the DP check in the audit's cell loop (beside the attack runs; gradleak.run.dp_check)
+DP_JOB = "dp_check"
+_DP_KEY = "_dp_check"
+
+
+def dp_check_job(raw: dict, planned: list, out: Path, device: str | None) -> tuple | None:
+    """The DP check's job for :func:`_run_jobs` when the audited federation declares a DP mechanism and
+    ``audit.dp_check`` is not false: the first planned run's config (its federation: model, data, clients, engine,
+    rounds, defenses; the attack is not used) marked with the check's options. It runs in the same resumable cell loop
+    as the attacks (in parallel with them under ``--workers``), so a rerun into the same ``--out`` reuses it."""
+    from gradleak.run.dp_check import declares_dp, dp_section
 
     opts = dp_section((raw.get("audit") or {}).get("dp_check"))
-    if opts is None:
+    if opts is None or not planned or not declares_dp(planned[0][2]):
         return None
-    path = out / "dp_check.json"
-    key = config_hash(raw)
-    if path.exists():
-        try:
-            kept = json.loads(path.read_text())
-            if kept.get("config_hash") == key:
-                return kept["result"]
-        except (ValueError, KeyError):
-            pass
+    return (DP_JOB, {**planned[0][1], _DP_KEY: opts}, str(out / "dp_check"), device)
+
+
+def _run_dp_check(cand: dict, out_dir: str, device: str | None) -> dict:
+    """The DP check of a marked run config (in this process or a worker), also written to ``out_dir/results.json``
+    (what the ledger's reuse looks for); a crash comes back as ``error``."""
+    t0 = time.perf_counter()
     try:
-        res = dp_check(cfg, device, canaries=opts["canaries"], log=log)
-    except BadInput:
-        raise
+        from gradleak.run import dp_check as dpc
+        from gradleak.run.runner import validate
+
+        cand = dict(cand)
+        opts = cand.pop(_DP_KEY)
+        _, cfg = validate(cand)
+        res = dpc.dp_check(cfg, device, canaries=opts["canaries"])
+        from gradleak.run.results import write_json_atomic
+
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        write_json_atomic(Path(out_dir) / "results.json", {"dp_check": res})
+    except BadInput as err:
+        return {"error": f"BadInput: {err}", "seconds": time.perf_counter() - t0}
     except Exception as err:  # noqa: BLE001 -- a crashed check is undefined, never a pass
-        res = {"verdict": "undefined", "sentence": f"the DP check could not run: {type(err).__name__}: {err}"}
+        return {"error": f"{type(err).__name__}: {err}", "seconds": time.perf_counter() - t0}
+    return {"dp_check": res, "seconds": time.perf_counter() - t0}
+
+
+def dp_check_entry(res: dict | None) -> dict | None:
+    """``audit.json``'s ``dp_check`` from the job's result: the check, or ``undefined`` with the error."""
     if res is None:
         return None
-    log(f"[audit] dp_check: {res['verdict'].upper()} -- {res['sentence']}")
-    write_json_atomic(path, {"config_hash": key, "result": res})
-    return res
+    if res.get("dp_check") is not None:
+        return res["dp_check"]
+    return {"verdict": "undefined", "sentence": f"the DP check could not run: {res.get('error', 'no result')}"}
 
 
 def run_audit_grid(raw: dict, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,
@@ -658,7 +680,10 @@ def _audit_cell(raw: dict, out_dir: Path, overrides, device, only, command, log,
 
 
 def _run_one(name: str, cand: dict, out_dir: str, device: str | None) -> dict:
-    """One attack's run (in this process or a worker); errors come back as values (they must cross processes)."""
+    """One attack's run (in this process or a worker); errors come back as values (they must cross processes).
+    The DP check's job (:data:`DP_JOB`) runs :func:`_run_dp_check` instead."""
+    if name == DP_JOB:
+        return _run_dp_check(cand, out_dir, device)
     t0 = time.perf_counter()
     try:
         with warnings.catch_warnings():  # imports too: a dependency's kernel registration warns when first loaded

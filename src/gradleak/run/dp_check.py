@@ -62,6 +62,20 @@ def _gaussian_epsilon(z: float, steps: int, delta: float) -> float:
     return gaussian_rdp_epsilon(z, steps, delta)
 
 
+def round_defenses(cfg) -> list:
+    """The update defenses of every round, as the pipeline builds them (the ``defenses:`` list, then a ``defense:``
+    that is an update transform), without a model."""
+    from gradleak.defenses import build_defenses
+
+    return build_defenses([d.model_dump() for d in cfg.defenses], seed=cfg.seed) + \
+        cfg.training_defense.update_transforms(seed=cfg.seed)
+
+
+def declares_dp(cfg) -> bool:
+    """Whether ``cfg`` declares a DP mechanism the check measures (cheap: no model is built)."""
+    return bool(declared_mechanisms(cfg, round_defenses(cfg)))
+
+
 def declared_mechanisms(cfg, defenses: list) -> list[dict]:
     """The DP mechanisms ``cfg`` declares, each with what the server knows of it: ``name``, ``clip`` (the bound the
     canary is scaled against, in the upload's units), ``covers`` (threat models its claim covers), ``claim``
