@@ -649,3 +649,38 @@ def test_a_defense_that_leaves_another_attack_leaking_is_not_a_stop(tmp_path, mo
     (row,) = adv["rows"]
     assert row["status"] == "not_stopped" and row["levels"]["dlg"] == "partial"
     assert adv["recommendation"] is None
+
+
+def test_dp_rows_carry_the_measured_epsilon_beside_the_accountants(tmp_path, monkeypatch, fake_utility):
+    """Each DP row carries both ε: the accountant's (epsilon, epsilon_attacked) and the probe's measured one at the
+    strength found (the audit's dp_check, gradleak.run.dp_check), shown in the advice table."""
+    from gradleak.run import advise as mod
+    from gradleak.run.audit_report import advice_rows
+
+    def probe(raw, out_dir, only, device, workers, utility_from):
+        return {"verdict": "no_leak_found", "dp_epsilon": 4.0,
+                "dp_check": {"verdict": "consistent", "claimed_epsilon": 4.7, "epsilon": 3.9,
+                             "interval": [2.5, 5.5], "threat_model": "each_upload"},
+                "attacks": {a: {"level": "none", "metric": "m", "value": 0.1, "null_p99": 0.5, "null_median": 0.4}
+                            for a in only}}
+
+    monkeypatch.setattr(mod, "probe", probe)
+    adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["dp_gaussian"], steps=1, utility_rounds=7, log=lambda m: None)
+    (row,) = adv["rows"]
+    assert row["epsilon_measured"]["epsilon"] == 3.9 and row["epsilon_measured"]["verdict"] == "consistent"
+    assert isinstance(row["epsilon_attacked"], float)
+    cell = advice_rows(adv)[0][6]
+    assert "measured 3.9 (95 % interval 2.5–5.5, each upload): consistent" in cell
+
+
+def test_a_probe_keeps_the_audits_dp_check_compact(tmp_path, monkeypatch):
+    from gradleak.run import advise as mod
+
+    audit = {"verdict": "no_leak_found", "attacks": [],
+             "dp_check": {"verdict": "claim_violated", "claimed_epsilon": 2.0, "sentence": "...",
+                          "measured": [{"threat_model": "final_model", "epsilon": 1.0, "interval": [0.5, 1.5]},
+                                       {"threat_model": "each_upload", "epsilon": 9.0, "interval": [8.0, 10.0]}]}}
+    monkeypatch.setattr("gradleak.run.audit.run_audit", lambda *a, **k: audit)
+    out = mod.probe(TEXT, str(tmp_path), ["utr"], None, 1, [])
+    assert out["dp_check"] == {"verdict": "claim_violated", "claimed_epsilon": 2.0, "epsilon": 9.0,
+                               "interval": [8.0, 10.0], "threat_model": "each_upload"}
