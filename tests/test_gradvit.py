@@ -253,3 +253,25 @@ def test_gradvit_runs_on_the_lora_vit_config(tmp_path, vit_s14_available):
     info = r["details"]["attack_info"]
     assert info["attack"] == "gradvit" and "ResNet-50" in info["feature_prior"]["substitute_for"]
     assert info["feature_prior"]["public_images"] == 32 and info["patch_size"] == 4
+
+
+def test_the_feature_priors_public_statistics_are_kept_and_reused_bit_for_bit(images8, vit_s14_available, tmp_path,
+                                                                              monkeypatch):
+    """The public set's token statistics are computed once ($GRADLEAK_CACHE/feature_prior, keyed by the images and
+    the prior's settings) and read back identical by the next attack; another public set or size is another file."""
+    from gradleak.attacks.optimization.gradvit import ViTFeaturePrior
+
+    monkeypatch.setenv("GRADLEAK_CACHE", str(tmp_path))
+    pub = load("natural-crops", n=8, size=32, seed=1).images
+    first = ViTFeaturePrior(pub, image_size=28, layers=None, max_images=8)
+    first.fit(torch.device("cpu"))
+    assert not first.from_cache and len(list((tmp_path / "feature_prior").glob("*.pt"))) == 1
+    again = ViTFeaturePrior(pub, image_size=28, layers=None, max_images=8)
+    again.fit(torch.device("cpu"))
+    assert again.from_cache and again.layers == first.layers == list(range(12))
+    assert all(torch.equal(a, b) for (m1, v1), (m2, v2) in zip(first.stats, again.stats) for a, b in ((m1, m2), (v1, v2)))
+    x = images8[:1] * 2 - 1
+    assert torch.equal(first(x), again(x))
+    ViTFeaturePrior(pub[:4], image_size=28, layers=None, max_images=8).fit(torch.device("cpu"))
+    ViTFeaturePrior(pub, image_size=42, layers=[0, 1], max_images=8).fit(torch.device("cpu"))
+    assert len(list((tmp_path / "feature_prior").glob("*.pt"))) == 3

@@ -109,6 +109,7 @@ class ViTFeaturePrior:
         self.chunk = int(chunk)
         self.stats: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
         self.fit_seconds = 0.0
+        self.from_cache = False
 
     @property
     def backbone_name(self) -> str:
@@ -152,10 +153,40 @@ class ViTFeaturePrior:
                            "use 0-based block indices of the ViT-S/14 (0..11), or leave it unset (every block).")
         return [hidden[i][:, 1:] for i in self.layers]
 
+    def _cache_path(self):
+        """Where the statistics of this public set are kept between runs (``$GRADLEAK_CACHE/feature_prior``), keyed by
+        the images' bytes, the input side, the blocks, the chunking and the backbone; None for a backbone passed in
+        (not the offline ViT-S/14: nothing identifies its weights)."""
+        import hashlib
+
+        from gradleak.models.text import cache_dir
+
+        if self._backbone is not None and not getattr(self._backbone, "_gradleak_offline", False):
+            return None
+        h = hashlib.sha256(self.public_images.to(torch.float32).contiguous().numpy().tobytes())
+        h.update(repr((tuple(self.public_images.shape), self.image_size, self.layers, self.chunk, self.backbone_name,
+                       "v1")).encode())
+        return cache_dir() / "feature_prior" / f"{h.hexdigest()[:32]}.pt"
+
     @torch.no_grad()
     def fit(self, device: torch.device) -> None:
-        """The public statistics: per layer the channel mean and variance over every public image's patch tokens."""
+        """The public statistics: per layer the channel mean and variance over every public image's patch tokens.
+        Computed once per public set and kept (:meth:`_cache_path`): the audit's variants and ``--advise``'s probes
+        read the same statistics instead of running the 256 public images through the backbone again."""
+        import os
+
         t = time.perf_counter()
+        path = self._cache_path()
+        if path is not None and path.is_file():
+            try:
+                kept = torch.load(path, map_location=device, weights_only=True)
+                self.stats = [(m.to(device), v.to(device)) for m, v in kept["stats"]]
+                self.layers = list(kept["layers"])
+                self.fit_seconds = time.perf_counter() - t
+                self.from_cache = True
+                return
+            except Exception:  # noqa: BLE001 -- an unreadable cache file is recomputed (and rewritten)
+                pass
         sums: Optional[list[list[torch.Tensor]]] = None
         count = 0
         for chunk in self.public_images.split(self.chunk):
@@ -174,6 +205,15 @@ class ViTFeaturePrior:
             var = (s2 / count - mu * mu).clamp_min(0.0) * count / max(1, count - 1)
             self.stats.append((mu.to(torch.float32), var.to(torch.float32)))
         self.fit_seconds = time.perf_counter() - t
+        self.from_cache = False
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                torch.save({"stats": [(m.cpu(), v.cpu()) for m, v in self.stats], "layers": self.layers}, tmp)
+                os.replace(tmp, path)  # atomic: a parallel run reads either nothing or the whole file
+            except OSError:
+                pass  # a read-only cache: the statistics were computed, only not kept
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The prior of dummy images ``x`` (model range [−1, 1]): mean over layers of the normalised distances."""
@@ -194,7 +234,7 @@ class ViTFeaturePrior:
                 "statistics": "per block: channel mean and variance over the patch tokens (BN-prior analogue)",
                 "distance": "mean over blocks of ||mu - mu_pub|| / ||sigma_pub|| + ||var - var_pub|| / ||var_pub||",
                 "layers": self.layers, "image_size": self.image_size, "public_images": int(len(self.public_images)),
-                "fit_seconds": self.fit_seconds}
+                "fit_seconds": self.fit_seconds, "statistics_from_cache": self.from_cache}
 
 
 def model_patch_size(model) -> Optional[int]:
