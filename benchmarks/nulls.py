@@ -159,10 +159,53 @@ def peftleak_rows() -> list[dict]:
 UTR_GROUPS = {"table1": "Table 1", "table2": "Table 2", "table3": "Table 3 (defenses)", "fig4a": "Fig. 4a",
               "fig4b": "Fig. 4b", "noise": "noise-aware"}
 NA_DAGER = f"n/a — not applicable: {NOT_APPLICABLE}"
-UTR_METHODS = {"utr": "UTR rf=2", "utr_rf1": "UTR rf=1", "dager_lora": "DAGER (LoRA q+k, 2 layers)",
-               "dager_lora_L6": "DAGER as published (LoRA q+k, 6 layers)",
-               "dager_full_L6": "DAGER as published, full-rank (LoRA rank 384, 6 layers)",
+UTR_METHODS = {"dager_lora": "DAGER (LoRA q+k, 2 layers)",
+               "dager_lora_L6": "our encoder search with DAGER's span test (LoRA q+k, 6 layers)",
+               "dager_full_L6": "our encoder search with DAGER's span test, full-rank (LoRA rank 384, 6 layers)",
                "dager_frozen": "DAGER (adapters)", "lamp": "LAMP", "lamp_bag": "LAMP + UTR bag"}
+#: a UTR value stored before the project's ROUGE F1 keys: marked, and :data:`LEGACY_F1_NOTE` says what it is
+LEGACY_F1_MARK = "†"
+LEGACY_F1_NOTE = (
+    f"{LEGACY_F1_MARK} = the cell's stored row predates the project's ROUGE F1 (`rouge1_f1` / `rouge2_f1`: "
+    "batch-level F1 over every returned sentence, `gradleak.metrics.text.rouge_f1_scores` -- the audit's headline for "
+    "text and what the null draws score) and holds only `rouge1_f` / `rouge2_f` (the mean over the private sentences "
+    "of the rouge_score package's F-measure against each one's matched candidate, "
+    "`gradleak.metrics.text.rouge_scores`: unmatched returned sentences do not lower it). That other definition's "
+    "value is shown, beside the null of the project's; rerunning the cell "
+    "(`python benchmarks/utr.py --out benchmarks/out --cells 'CELL' --rerun`) stores both.")
+
+
+def utr_setting(r: dict) -> str:
+    """A ``benchmarks/utr.py`` row's label, read from its stored config: the method of its cell id and, for UTR (our
+    extended search), the reduction factor it ran at (Table 2's ``t2/*/utr/*`` cells run at rf = 1)."""
+    key = r["cell"].split("/")[2] if r["cell"].count("/") >= 2 else ""
+    if key in ("utr", "utr_rf1"):
+        method = f"UTR (our extension) rf={r['config']['peft'].get('reduction_factor', 2)}"
+    else:
+        method = UTR_METHODS.get(key, key)
+    return f"{UTR_GROUPS[r['group']]}: `{r['cell']}` ({method}, B = {r['config']['data']['batch_size']})"
+
+
+def restate_utr(row: dict, u: dict | None) -> dict:
+    """A stored UTR null row as the report shows it, from its cell's row ``u`` of ``utr.json``: the setting rebuilt
+    (:func:`utr_setting`) and the project's ROUGE-1/2 F1 (``rouge{n}_f1``, the metric the null draws score) as the
+    value where the cell stores it -- older null rows hold ``rouge{n}_f``, another definition; a cell without
+    ``rouge{n}_f1`` keeps that value, marked ``legacy`` (:data:`LEGACY_F1_NOTE`)."""
+    if u is None or row.get("paper") != "UTR":
+        return row
+    row = {**row, "setting": utr_setting(u)}
+    if row.get("not_applicable"):
+        return row
+    m = u.get("metrics") or {}
+    for k in ("rouge1_f1", "rouge2_f1"):
+        q = dict(row.get(k) or {})
+        if m.get(k) is not None and q.get("draws"):
+            q.update(value=float(m[k]), beyond_null=bool(m[k] > q["null_p99"]))
+            q.pop("p_value", None)  # the draws are not stored: no p-value for the new value
+        else:
+            q["legacy"] = True
+        row[k] = q
+    return row
 
 
 def utr_rows() -> list[dict]:
@@ -172,17 +215,16 @@ def utr_rows() -> list[dict]:
     rows, cache = [], {}
     for r in u:
         m = r.get("metrics") or {}
-        if r.get("group") not in UTR_GROUPS or m.get("rouge1_f") is None or "error" in r:
+        if r.get("group") not in UTR_GROUPS or m.get("rouge1_f1", m.get("rouge1_f")) is None or "error" in r:
             continue
         cfg = config_from_dict(r["config"])
-        parts = r["cell"].split("/")
-        method = UTR_METHODS.get(parts[2], parts[2]) if len(parts) > 2 else ""
-        setting = f"{UTR_GROUPS[r['group']]}: `{r['cell']}` ({method}, B = {cfg.data.batch_size})"
+        setting = utr_setting(r)
         if m.get("attack_failed") and cfg.attack.name == "dager":  # nothing measured: no value to set beside chance
             rows.append({"paper": "UTR", "setting": setting, "cell": r["cell"], "not_applicable": NA_DAGER})
             continue
         key = (cfg.data.name, cfg.data.batch_size, cfg.seed, cfg.fl.clients, cfg.trials, cfg.data.nonmembers)
-        vals = {"rouge1_f1": m.get("rouge1_f"), "rouge2_f1": m.get("rouge2_f")}
+        # the project's ROUGE F1 (what the null draws score); rows stored before it: rouge{n}_f (restate_utr marks them)
+        vals = {k: m.get(k, m.get(k[:-1])) for k in ("rouge1_f1", "rouge2_f1")}
         print(f"utr {r['cell']}", flush=True)
         if key not in cache:
             cache[key] = text_null_setting(cfg, {})
@@ -251,11 +293,21 @@ def _cell(q: dict | None, spec: str = ".3g", pct: bool = False) -> str:
     v = q.get("value")
     if v is None or v != v:
         return f"– ({f(q['null_p99'])})"
-    return (f"**{f(v)}**" if q.get("beyond_null") else f(v)) + f" ({f(q['null_p99'])})"
+    mark = LEGACY_F1_MARK if q.get("legacy") else ""
+    return (f"**{f(v)}**" if q.get("beyond_null") else f(v)) + mark + f" ({f(q['null_p99'])})"
+
+
+#: per table, the one metric whose test says "beyond chance" -- no OR over the columns: the headline the audit grades
+#: for the reconstruction kind (:func:`gradleak.run.audit.headline_metric`, rules in :mod:`gradleak.evaluation.levels`)
+#: as the stored rows hold it. Text: ROUGE-1 F1. Membership: the AUC both ways, abs(AUC - 0.5) (the grade's
+#: ``auc_distance``: an inverted signal leaks too). Patches and images: PSNR (the audit's ``psnr_max``, best-image
+#: PSNR; these rows hold the recovered patches' median PSNR / the matched batch's mean PSNR, see :func:`report`).
+DECIDES = {"PEFTLeak": "patch_psnr_max", "UTR": "rouge1_f1", "ProjRes": "auc_distance", "lora_span": "psnr",
+           "LoRA-ViT optimisation": "psnr"}
 
 
 def _leaks(r: dict) -> bool:
-    return any(v.get("beyond_null") for v in r.values() if isinstance(v, dict) and "beyond_null" in v)
+    return bool((r.get(DECIDES[r["paper"]]) or {}).get("beyond_null"))
 
 
 TABLES = [  # (paper, header, metric keys with their format)
@@ -277,7 +329,16 @@ def report(rows: list[dict]) -> str:
              "member sets of the same size. Each cell reads **ours** (the null's 99th percentile); bold = beyond it. "
              "An AUC below 0.5 beyond the null of abs(AUC − 0.5) is an inverted signal and leaks too. The leakage "
              "quantification section has its own table (RDLV, best-of-N). Each row's cell and command: "
-             "`benchmarks/out/nulls.json`.", ""]
+             "`benchmarks/out/nulls.json`.", "",
+             "**Beyond chance** is decided by one metric per table, the headline the audit grades for that "
+             "reconstruction kind (`gradleak.run.audit.headline_metric`, rules in `gradleak.evaluation.levels`), not "
+             "by whichever column clears its null: UTR -- ROUGE-1 F1 (the project's, `rouge1_f1`); ProjRes -- the AUC "
+             "read both ways, abs(AUC − 0.5), as the audit's grade reads it; PEFTLeak and the image attacks -- PSNR. "
+             "The audit's image headline is best-image PSNR (`psnr_max`), whose bar also counts the grey, mean public "
+             "and flat images; these rows store the recovered patches' median PSNR against the best chance patch "
+             "(PEFTLeak) and the matched batch's mean PSNR against the null of that mean (lora_span, LoRA-ViT "
+             "optimisation: the same as best-image PSNR at B = 1, not at B = 2, 4), and no trivial-image scores, so "
+             "an image row's yes is against the null only.", ""]
     for paper, heads, keys in TABLES:
         mine = [r for r in rows if r["paper"] == paper]
         if not mine:
@@ -291,6 +352,8 @@ def report(rows: list[dict]) -> str:
             cells = [str(r.get(k, "–")) if spec is None else _cell(r.get(k), spec, pct) for k, spec, pct in keys]
             lines.append(f"| {r['setting']} | " + " | ".join(cells) + f" | {'yes' if _leaks(r) else 'no'} |")
         lines.append("")
+        if any((r.get(k) or {}).get("legacy") for r in mine for k, _, _ in keys if isinstance(r.get(k), dict)):
+            lines += [f"*{LEGACY_F1_NOTE}*", ""]
     lines += ["**Who leaks, restated against the null** (per paper; a comparison between arms that are both at "
               "chance is not a conclusion):", ""]
     for paper in dict.fromkeys(r["paper"] for r in rows):
@@ -332,6 +395,8 @@ def main(argv=None) -> int:
             rows += compute() if not only or group in only else [r for r in stored if r["paper"] in papers]
         path.write_text(json.dumps(rows, indent=1, default=str))
         print(f"wrote {path}", flush=True)
+    utr = {r["cell"]: r for r in json.loads((OUT / "utr.json").read_text())} if (OUT / "utr.json").exists() else {}
+    rows = [restate_utr(r, utr.get(r["cell"])) for r in rows]  # labels and ROUGE F1 from the cells' stored rows
     write_section(args, "nulls", report(rows), "Against the null: every headline beside chance (issue 26)", "nulls")
     return 0
 

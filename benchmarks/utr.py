@@ -172,6 +172,10 @@ DAGER_LAYERS = 6
 FULL_RANK = 384
 #: seed 0 tuned on (the span tolerances), 4242 held out
 FAIR_SEEDS = (0, 4242)
+#: what the 6-layer DAGER rows run: DAGER's span test (Petrov et al. 2024; stage 1 per (token, position) on BERT) with
+#: our sentence search (:mod:`gradleak.attacks.common.encoder_search`, layer 1's query input as the probe), not DAGER's
+#: own search -- the rows say so instead of "as published"
+DAGER_OURS = "our encoder search with DAGER's span test"
 
 
 def fair_cell(cell: str, seed: int) -> str:
@@ -180,8 +184,9 @@ def fair_cell(cell: str, seed: int) -> str:
 
 
 def fair_baseline_grid() -> list[tuple[str, str, dict]]:
-    """Issue 28 item 1: DAGER as published (6 layers, LoRA on query + key) at B = 1, 2, 4, 8 and LAMP at B = 1, 2, 4
-    on MiniLM, the tuned seed and a held-out one (LAMP B = 1 seed 0 is the 2-trial Table 1 cell)."""
+    """Issue 28 item 1: DAGER's span test with our encoder search (6 layers, LoRA on query + key) at B = 1, 2, 4, 8
+    and LAMP at B = 1, 2, 4 on MiniLM, the tuned seed and a held-out one (LAMP B = 1 seed 0 is the 2-trial Table 1
+    cell)."""
     cells = []
     for seed in FAIR_SEEDS:
         for B in (1, 2, 4, 8):
@@ -277,6 +282,16 @@ NOT_RUN = {("smollm2", f"dager_lora_L{DAGER_LAYERS}"): _CAUSAL, ("smollm2", f"da
            ("minilm", "lamp_bag"): _LAMP_COST + " (B = 1 only)", ("smollm2", "lamp_bag"): _LAMP_COST + " (B = 1 only)"}
 
 
+def _seed_note(rows: list[dict | None]) -> str:
+    """The seeds the stored cells of a row ran on, read from their configs: the seed the extended UTR search (and
+    DAGER's span tolerances) were tuned on, or held out -- said beside the paper's numbers (issue 28 item 7)."""
+    seeds = sorted({r["config"]["seed"] for r in rows if r})
+    tuned, held = [s for s in seeds if s == FAIR_SEEDS[0]], [s for s in seeds if s != FAIR_SEEDS[0]]
+    said = ([f"tuned on seed {tuned[0]}"] if tuned else []) + (
+        [f"held-out seed {', '.join(map(str, held))}"] if held else [])
+    return " and ".join(said) or "not run"
+
+
 def _t1_cell(by: dict, model: str, key: str, B: int) -> str:
     row = by.get(f"t1/{model}/{key}/B{B}")
     if row is None:
@@ -289,9 +304,10 @@ def _command(cell: str) -> str:
 
 
 def fair_section(by: dict) -> str:
-    """Issue 28 item 1: DAGER as published and LAMP at B = 1, 2, 4 on MiniLM, each seed beside the held-out one,
-    ROUGE F1 beside its null (``benchmarks/nulls.py``'s text null of the cell's own batch), the command per cell."""
-    from nulls import config_from_dict, text_null_setting
+    """Issue 28 item 1: DAGER's span test (with our encoder search) and LAMP at B = 1, 2, 4 on MiniLM, each seed
+    beside the held-out one, ROUGE F1 beside its null (``benchmarks/nulls.py``'s text null of the cell's own batch),
+    the command per cell."""
+    from nulls import LEGACY_F1_MARK, LEGACY_F1_NOTE, config_from_dict, text_null_setting
 
     nulls: dict[tuple, dict] = {}
 
@@ -302,10 +318,10 @@ def fair_section(by: dict) -> str:
             nulls[key] = text_null_setting(cfg, {})
         return nulls[key]
 
-    table, missing = [], set()
-    for meth, key, bs in ((f"DAGER as published (LoRA q+k rank 128, {DAGER_LAYERS} layers)",
+    table, missing, legacy = [], set(), False
+    for meth, key, bs in ((f"{DAGER_OURS} (LoRA q+k rank 128, {DAGER_LAYERS} layers)",
                            f"dager_lora_L{DAGER_LAYERS}", (1, 2, 4, 8)),
-                          (f"DAGER as published, full-rank (LoRA q+k rank {FULL_RANK} = d, {DAGER_LAYERS} layers)",
+                          (f"{DAGER_OURS}, full-rank (LoRA q+k rank {FULL_RANK} = d, {DAGER_LAYERS} layers)",
                            f"dager_full_L{DAGER_LAYERS}", (1, 2, 4, 8)),
                           ("DAGER, 2 layers (2nd check on the last layer)", "dager_lora", (1, 2, 4, 8)),
                           ("LAMP (its schedule, SmolLM2 prior)", "lamp", (1, 2, 4))):
@@ -323,9 +339,13 @@ def fair_section(by: dict) -> str:
                                   "attack s": "–", "command": _command(cell)})
                     continue
                 m, nul = row["metrics"], null_of(row)
-                # rows before the evaluator's *_f1 keys hold the same F1 under rouge1_f / rouge2_f
-                f1 = " / ".join(f"{v:.1f} ({nul[k]['null_p99']:.1f})" if v is not None else "–"
-                                for k, v in ((k, m.get(k, m.get(k[:-1]))) for k in ("rouge1_f1", "rouge2_f1")))
+                # the project's ROUGE F1 (rouge{n}_f1); a row stored before those keys holds only rouge{n}_f, another
+                # definition (LEGACY_F1_NOTE): shown marked, never as the same number
+                old = m.get("rouge1_f1") is None
+                legacy |= old
+                f1 = " / ".join(f"{v:.1f}{LEGACY_F1_MARK if old else ''} ({nul[k]['null_p99']:.1f})"
+                                if v is not None else "–"
+                                for k, v in ((k, m.get(k[:-1] if old else k)) for k in ("rouge1_f1", "rouge2_f1")))
                 trials = row["config"].get("trials", 1)
                 n_sent = B * trials
                 ver = m.get("sentences_verified")
@@ -334,8 +354,10 @@ def fair_section(by: dict) -> str:
                               "verified": f"{int(round(ver * trials))}/{n_sent}" if ver is not None else "–",
                               "paper BERT RT": PAPER_T1.get((B, key.split("_")[0]), ("–",))[0],
                               "attack s": _t(row), "command": _command(cell)})
-    return ("### Fair baselines (issue 28 item 1): DAGER as published, LAMP at B = 1, 2, 4 (MiniLM, RT)\n\n"
+    return ("### Fair baselines (issue 28 item 1): DAGER's span test with our encoder search, LAMP at B = 1, 2, 4 "
+            "(MiniLM, RT)\n\n"
             + FAIR_INTRO + "\n\n" + markdown_table(table, list(table[0])) + "\n\n"
+            + (f"*{LEGACY_F1_NOTE}*\n\n" if legacy else "")
             + "".join(f"*{FAIR_NOT_MEASURED[k]}*\n\n" for k in sorted(missing) if k in FAIR_NOT_MEASURED)
             + fair_verdict(by))
 
@@ -361,7 +383,9 @@ FAIR_INTRO = (
     f"{DAGER_LAYERS} layers (`model.layers = {DAGER_LAYERS}`), so the second check (layer 1) is not the last layer "
     "of the [CLS] classifier; span tolerances 1e-3 (seed 0 tuned on, 4242 held out), the encoder sentence search "
     "of `gradleak.attacks.common.encoder_search` with layer 1's query input as the probe (our search, not DAGER's). "
-    "Recall is the paper's metric; the null is ROUGE F1 of as many random RT sentences no client holds, matched the "
+    "Recall is the paper's metric; the F1 column is the project's batch-level ROUGE F1 (`rouge1_f1` / `rouge2_f1`, "
+    "`gradleak.metrics.text.rouge_f1_scores`, the audit's headline for text) beside its null: ROUGE F1 of as many "
+    "random RT sentences no client holds, matched the "
     "same way (1000 draws, `benchmarks/nulls.py`; LAMP B = 1 seed 0 averages 2 batches, its null is the first "
     "batch's). `verified` = sentences the span check proves. LAMP grants lengths and labels (its threat model). "
     "Wall times on a shared 2-core machine (several jobs at once).")
@@ -382,7 +406,8 @@ def fair_verdict(by: dict) -> str:
     holds = all(v >= 90 for v in d6 + df)
     fmt = lambda vs: " / ".join("not measured" if v is None else f"{v:.1f}" for v in vs)  # noqa: E731
     return (f"**Verdict:** the paper's DAGER level on BERT (ROUGE-1 >= 90 at B = 2; 98.1 on RT) "
-            f"{'holds' if holds else 'does not hold'} here when DAGER gets what it is built for -- query/key "
+            f"{'holds' if holds else 'does not hold'} here for {DAGER_OURS} (not DAGER's own search) when it gets "
+            "what it is built for -- query/key "
             f"gradients of a model deep enough that its second check is not the last layer ({DAGER_LAYERS} layers; "
             f"B = 2 ROUGE-1 {fmt(d6)} with LoRA rank 128 and {fmt(df)} full-rank, seeds {FAIR_SEEDS[0]} / "
             f"{FAIR_SEEDS[1]}) -- not on a 2-layer [CLS] classifier ({d2:.1f}), and it is not applicable on an "
@@ -409,22 +434,34 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
              "position's tokens to B chains by Hungarian assignments scored with S_LA residuals (left-to-right "
              "construction, point moves, splices, segment swaps) on cached per-pair layer-0 projections, and "
              "accepts a sentence only when every position passes the membership test.\n")]
-    t1 = []
+    t1, shown = [], []
     for B in (1, 2, 4, 8):
         for meth, key in (("UTR rf=2", "utr"), ("UTR rf=1", "utr_rf1"), ("DAGER (adapters, frozen)", "dager_frozen"),
-                          (f"DAGER as published (LoRA q+k, {DAGER_LAYERS} layers)", f"dager_lora_L{DAGER_LAYERS}"),
-                          (f"DAGER as published, full-rank (LoRA rank {FULL_RANK} = d)", f"dager_full_L{DAGER_LAYERS}"),
+                          (f"{DAGER_OURS} (LoRA q+k, {DAGER_LAYERS} layers)", f"dager_lora_L{DAGER_LAYERS}"),
+                          (f"{DAGER_OURS}, full-rank (LoRA rank {FULL_RANK} = d)", f"dager_full_L{DAGER_LAYERS}"),
                           ("DAGER (LoRA q+k, 2 layers: 2nd check on the last)", "dager_lora"), ("LAMP", "lamp"),
                           ("LAMP + UTR word bag", "lamp_bag")):
             base = key.split("_")[0]
             paper = PAPER_T1.get((B, base), ("–", "–"))
             if key == "dager_frozen":
                 paper = ("0/0 (Qwen column)", "0/0 (Qwen column)")
+            cells = [by.get(f"t1/{m}/{key}/B{B}") for m in ("minilm", "smollm2")]
+            shown += cells
+            if key in ("utr", "utr_rf1"):  # our extended search beside the paper's numbers, not UTR as published
+                meth = f"{meth} (our extension, {_seed_note(cells)})"
             t1.append({"B": B, "method": meth, "minilm": _t1_cell(by, "minilm", key, B), "paper BERT RT": paper[0],
                        "smollm2": _t1_cell(by, "smollm2", key, B), "paper GPT2 RT": paper[1],
                        "time minilm s": _t(by.get(f"t1/minilm/{key}/B{B}")),
                        "time smollm2 s": _t(by.get(f"t1/smollm2/{key}/B{B}"))})
-    parts.append("### Table 1 (B = 1..8)\n\n" + markdown_table(t1, list(t1[0])))
+    seeds = sorted({r["config"]["seed"] for r in shown if r})
+    parts.append("### Table 1 (B = 1..8)\n\n"
+                 "`UTR` rows are our extension of the paper's method (`attack.params.search: extended`, the default: "
+                 "exact pairs, value test, peeling, soft rank, trie / chain search -- see 'How stage 2 works here' and "
+                 "the notes), not UTR as published: that is `UTR (paper)` in the next table. Every cell of this table "
+                 + (f"ran on seed {FAIR_SEEDS[0]}, the seed the extended search and DAGER's span tolerances were tuned "
+                    "on" if seeds == [FAIR_SEEDS[0]] else f"ran on seeds {', '.join(map(str, seeds))}")
+                 + f"; held-out seed {FAIR_SEEDS[1]} is in the next two tables and under 'Past the bottleneck'.\n\n"
+                 + markdown_table(t1, list(t1[0])))
     parts += [t for t in (paper_table(by, PAPER_T1),) if t]  # UTR (paper) vs UTR (ours), issue 28 item 7
     parts.append(fair_section(by))
     t2 = []
@@ -433,7 +470,9 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
                    "unique vectors minilm / smollm2": f"{_m(by.get(f't2/minilm/utr/B{B}'), 'unique_token_vectors')} / "
                                                       f"{_m(by.get(f't2/smollm2/utr/B{B}'), 'unique_token_vectors')}",
                    "paper RT": PAPER_T2[B]})
-    parts.append("### Table 2 (large batches, UTR, reduction factor 1)\n\n" + markdown_table(t2, list(t2[0])))
+    t2_note = _seed_note([by.get(f"t2/{m}/utr/B{B}") for m in ("minilm", "smollm2") for B in (16, 32, 64, 128)])
+    parts.append(f"### Table 2 (large batches, UTR: our extension, {t2_note}; reduction factor 1)\n\n"
+                 + markdown_table(t2, list(t2[0])))
     t3 = []
     for name, key in (("DP σ=0.01", "dp0.01"), ("DP σ=1.5", "dp1.5"), ("DP σ=2", "dp2.0"), ("DP σ=3", "dp3.0"),
                       ("prune 90%", "prune0.9"), ("prune 99%", "prune0.99"), ("prune 99.9%", "prune0.999")):
@@ -442,7 +481,10 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
               "dp 3": "dp 3.0"}.get(pk, pk)
         t3.append({"defense (B=2, rf=2)": name, "minilm": r12(by.get(f"t3/minilm/{key}")),
                    "smollm2": r12(by.get(f"t3/smollm2/{key}")), "paper BERT": PAPER_T3.get(pk, "–")})
-    parts.append("### Table 3 (defenses, client-side on the update, clip 1.0)\n\n" + markdown_table(t3, list(t3[0])))
+    t3_note = _seed_note([by.get(f"t3/{m}/{k}") for m in ("minilm", "smollm2") for k in
+                          ("dp0.01", "dp1.5", "dp2.0", "dp3.0", "prune0.9", "prune0.99", "prune0.999")])
+    parts.append(f"### Table 3 (defenses, client-side on the update, clip 1.0; UTR: our extension, {t3_note})\n\n"
+                 + markdown_table(t3, list(t3[0])))
     nz = []
     for m in ("minilm", "smollm2"):
         for nsr in NSR:
