@@ -765,3 +765,12 @@ def test_the_no_leak_banner_counts_what_measured_none_and_names_what_was_left_ou
     assert v == "undefined"
     assert text == ("UNDEFINED: no attack measured anything (dager: no tokens; lamp: nothing measured) -- this is not "
                     "evidence of safety; 1 applicable attack(s) not run (--only): utr")
+
+
+def test_a_leak_banner_adds_nothing_it_was_not_given():
+    """No count without exact samples, no left-out clause without --only (found by mutation: both empty strings)."""
+    from gradleak.run.audit import verdict_and_headline
+
+    v, text = verdict_and_headline([_entry("ig", "strong", worst_client=2)])
+    assert text == ("LEAKS: STRONG leakage by ig, client 2 under an honest-but-curious server: strong rule -- "
+                    "psnr_max = 30 against a null 99th percentile of 12 (p = 0.001)")
