@@ -59,6 +59,7 @@ def load_images(name: str, n: int, size: int, seed: int, field: str, path: str |
     if name not in GENERATED and seed != 0 and len(imgs) > n:
         perm = torch.randperm(len(imgs), generator=torch.Generator().manual_seed(seed))[:n]
         imgs, labels = imgs[perm], labels[perm]
+    imgs, labels = imgs[:n], labels[:n]  # before the resize below: a 60,000-image set is not resized whole for n
     if len(imgs) < n:
         raise BadInput(field, f"'{name}' has only {len(imgs)} images but {n} were asked for "
                        "(data.batch_size × fl.clients, or data.public_size).",
