@@ -12,6 +12,8 @@ Both classes read the experiment config (``gradleak.config.schema.ExperimentConf
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -48,7 +50,7 @@ def load_images(name: str, n: int, size: int, seed: int, field: str, path: str |
     if split is not None:
         kwargs["split"] = split
     try:
-        ds = load(name, **kwargs)
+        ds = _shared_set(name, tuple(sorted(kwargs.items()))) if name not in USER_IMAGE_SETS else load(name, **kwargs)
     except BadInput as err:
         if not (resize and name == "image-folder" and err.field == "data.resize"):
             raise
@@ -77,7 +79,17 @@ def load_images(name: str, n: int, size: int, seed: int, field: str, path: str |
     elif imgs.shape[1] != channels:
         raise BadInput("model.num_channels", f"'{name}' has {imgs.shape[1]}-channel images; the model takes {channels}.",
                        "use model.num_channels=1 (grey) or 3 (RGB).")
-    return imgs[:n].clamp(0, 1), labels[:n]
+    return imgs[:n].clamp(0, 1), labels[:n].clone()
+
+
+@functools.lru_cache(maxsize=4)
+def _shared_set(name: str, kwargs: tuple):
+    """A built-in image set loaded once per process (read, never written: :func:`load_images` indexes and copies).
+    Every client batch, null pool, prior and test chunk of every run in a process draws from the same set: loading
+    (decoding, a 60,000-image copy) once instead of each time. A user's own folder/npz is read fresh each time."""
+    from gradleak.data import load
+
+    return load(name, **dict(kwargs))
 
 
 def fold_labels(labels: torch.Tensor, num_classes: int, name: str, labels_matter: bool) -> torch.Tensor:
@@ -101,7 +113,9 @@ def fixed_image_count(cfg) -> int | None:
     kwargs = {"size": cfg.data.image_size} if cfg.data.name == "imagenet-samples" else {}
     if cfg.data.path is not None:
         kwargs["path"] = cfg.data.path
-    return len(load(cfg.data.name, **kwargs).images)
+    if cfg.data.name in USER_IMAGE_SETS:
+        return len(load(cfg.data.name, **kwargs).images)
+    return len(_shared_set(cfg.data.name, tuple(sorted(kwargs.items()))).images)
 
 
 def _public_name(cfg) -> str:
