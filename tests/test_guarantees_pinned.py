@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -774,3 +775,33 @@ def test_a_leak_banner_adds_nothing_it_was_not_given():
     v, text = verdict_and_headline([_entry("ig", "strong", worst_client=2)])
     assert text == ("LEAKS: STRONG leakage by ig, client 2 under an honest-but-curious server: strong rule -- "
                     "psnr_max = 30 against a null 99th percentile of 12 (p = 0.001)")
+
+
+# ------------------------------------------------------------------------------------------- per-process reuse
+def test_a_kept_image_null_is_the_null_drawn_again_and_callers_cannot_change_it():
+    from gradleak.evaluation import nulls
+
+    g = torch.Generator().manual_seed(0)
+    orig, pool = torch.rand(3, 3, 8, 8, generator=g), torch.rand(20, 3, 8, 8, generator=g)
+    nulls._IMAGE_NULLS.clear()
+    first = nulls.image_null(orig, pool, draws=50, seed=3)
+    fresh = nulls._image_null(orig, pool, draws=50, seed=3)
+    assert all(np.array_equal(first[k], fresh[k]) for k in fresh)
+    first["psnr"][:] = -1  # a caller's change stays with the caller
+    again = nulls.image_null(orig, pool, draws=50, seed=3)
+    assert np.array_equal(again["psnr"], fresh["psnr"]) and len(nulls._IMAGE_NULLS) == 1
+    other = nulls.image_null(orig, pool[1:], draws=50, seed=3)  # another pool: another key, another null
+    assert len(nulls._IMAGE_NULLS) == 2 and not np.array_equal(other["psnr"], fresh["psnr"])
+    assert not np.array_equal(nulls.image_null(orig, pool, draws=50, seed=4)["psnr"], fresh["psnr"])
+
+
+def test_a_shared_image_set_is_read_never_written():
+    from gradleak.data.splits import _shared_set, load_images
+
+    a, la = load_images("cifar-samples", 5, 16, 0, "data.name")
+    a.add_(1.0)
+    la.add_(7)
+    b, lb = load_images("cifar-samples", 5, 16, 0, "data.name")
+    assert float(b.max()) <= 1.0 and not torch.equal(la, lb)
+    ds = _shared_set("cifar-samples", ())
+    assert float(ds.images.max()) <= 1.0

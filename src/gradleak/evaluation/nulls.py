@@ -25,6 +25,7 @@ null). ``null_p99`` is the 99th percentile of the draws; "beyond the null" means
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
@@ -76,8 +77,35 @@ def _pairwise(pool01: torch.Tensor, originals01: torch.Tensor) -> dict[str, np.n
     return {"mse": mse, "psnr": ps, "ssim": ss}
 
 
+#: image nulls already drawn in this process (:func:`image_null`), most recent last
+_IMAGE_NULLS: "OrderedDict[tuple, dict[str, np.ndarray]]" = OrderedDict()
+_IMAGE_NULLS_KEPT = 16
+
+
+def _digest(t: torch.Tensor) -> str:
+    import hashlib
+
+    a = t.detach().to("cpu", torch.float32).contiguous()
+    return hashlib.sha1(a.numpy().tobytes()).hexdigest() + str(tuple(a.shape))
+
+
 def image_null(originals01: torch.Tensor, pool01: torch.Tensor, *, n: int | None = None, match: str = "hungarian",
                draws: int = NULL_DRAWS, seed: int = 0) -> dict[str, np.ndarray]:
+    """:func:`_image_null`, kept per process for the same originals, pool, count, matching, draws and seed (the
+    variants of an attack and the probes of ``--advise`` score the same private images against the same pool; the
+    draws are seeded, so a kept null is the one that would be drawn again)."""
+    key = (_digest(originals01), _digest(pool01), n, match, int(draws), int(seed))
+    if key in _IMAGE_NULLS:
+        _IMAGE_NULLS.move_to_end(key)
+    else:
+        _IMAGE_NULLS[key] = _image_null(originals01, pool01, n=n, match=match, draws=draws, seed=seed)
+        while len(_IMAGE_NULLS) > _IMAGE_NULLS_KEPT:
+            _IMAGE_NULLS.popitem(last=False)
+    return {k: v.copy() for k, v in _IMAGE_NULLS[key].items()}
+
+
+def _image_null(originals01: torch.Tensor, pool01: torch.Tensor, *, n: int | None = None, match: str = "hungarian",
+                draws: int = NULL_DRAWS, seed: int = 0) -> dict[str, np.ndarray]:
     """Null draws of the image metrics: ``n`` (default: as many as originals) random pool images as the attack's
     output, matched to the originals like :func:`gradleak.evaluation.images.evaluate_images` (``hungarian``:
     order-free on MSE, unmatched originals scored against grey) or in order (``paired``, PEFTLeak's placement).
