@@ -166,18 +166,12 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
     from gradleak.evaluation.empirical_epsilon import dp_verdict, estimate
     from gradleak.fl.canaries import CANARY_SCALE, CanaryClient, direction, flat
     from gradleak.fl.engines import rounds_engine
-    from gradleak.run.pipeline import build_handle, clients_and_truth, round_defenses_and_loss
-    from gradleak.data.splits import ImageData, TextData
+    from gradleak.run.pipeline import clients_and_truth, federation
 
     t0 = time.perf_counter()
     dev = torch.device(device or cfg.device or "cpu") if not isinstance(device, torch.device) else device
-    data = ImageData(cfg) if cfg.modality == "image" else TextData(cfg)
-    handle, mcfg = build_handle(cfg)
-    defense = cfg.training_defense
-    defense.apply(handle, cfg, data=data)
-    model = handle.model.to(dev)
-    handle.model = model
-    defenses, loss_fn = round_defenses_and_loss(cfg, handle, model)
+    data, handle, mcfg, defense, defenses, loss_fn = federation(cfg, dev)
+    model = handle.model
     mechanisms = declared_mechanisms(cfg, defenses)
     if not mechanisms:
         return None

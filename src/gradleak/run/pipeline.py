@@ -193,13 +193,8 @@ def train_global(cfg: ExperimentConfig, device, rounds: int, *, slices: int | No
     from gradleak.fl.engines.builtin import apply_aggregate
 
     dev = torch.device(device) if not isinstance(device, torch.device) else device
-    data = ImageData(cfg) if cfg.modality == "image" else TextData(cfg)
-    handle, mcfg = build_handle(cfg)
-    defense = cfg.training_defense
-    defense.apply(handle, cfg, data=data)
-    model = handle.model.to(dev)
-    handle.model = model
-    defenses, loss_fn = round_defenses_and_loss(cfg, handle, model)
+    data, handle, mcfg, defense, defenses, loss_fn = federation(cfg, dev)
+    model = handle.model
     batches = data.clients(0, mcfg.num_classes)
     test = data.test(mcfg.num_classes)
     if test is None:
@@ -253,6 +248,19 @@ def train_global(cfg: ExperimentConfig, device, rounds: int, *, slices: int | No
     if norms:
         out.update(update_norms=update_norms, sample_gradient_norms=sample_norms)
     return out
+
+
+def federation(cfg: ExperimentConfig, dev: torch.device):
+    """The honest federation of ``cfg`` without an attack (the utility run, the DP check): its data, the model handle
+    on ``dev`` with the training-time defense applied, the model config, that defense, the round defenses and the
+    clients' loss."""
+    data = ImageData(cfg) if cfg.modality == "image" else TextData(cfg)
+    handle, mcfg = build_handle(cfg)
+    defense = cfg.training_defense
+    defense.apply(handle, cfg, data=data)
+    handle.model = handle.model.to(dev)
+    defenses, loss_fn = round_defenses_and_loss(cfg, handle, handle.model)
+    return data, handle, mcfg, defense, defenses, loss_fn
 
 
 def evaluate_update(rec, truth: dict, *, handle, cfg: ExperimentConfig, out_dir, label, null_pool=None,
