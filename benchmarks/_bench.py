@@ -163,6 +163,53 @@ def check_configs(items: Iterable[tuple[str, dict, list[str]]]) -> int:
     return 0 if not bad else 1
 
 
+def client_samples(raw: dict, overrides: Iterable[str] = ()) -> dict[tuple[int, int], tuple[str, ...]]:
+    """The private samples each client of a cell holds, per ``(trial, client)``: ``raw`` (a config as
+    :func:`gradleak.config.loading.load_yaml` reads it) validated with ``overrides`` as the benchmarks run it (issue
+    41: held out = data no tuned cell drew). Loads data only, never a model.
+
+    Drawn by the pipeline's own code (``ImageData.clients`` / ``TextData.clients`` for every trial): for an image set
+    each image's labels are replaced by its position in the set, which the seeded draw (``data.seed + 7919·trial``)
+    carries through, so identity = the set's name for that image (``ImageSet.names``: the file for the CIFAR / ImageNet
+    samples, shared by ``cifar-samples`` and ``cifar10/100-samples``; ``train#i`` for Fashion-MNIST). A generated set's
+    crops are identified by their source photo (crops of one photo share pixels: not disjoint data). Text: the
+    sentence itself."""
+    import copy
+    import dataclasses
+
+    import torch
+
+    import gradleak.data as registry
+    from gradleak.data import splits
+    from gradleak.run import validate
+
+    _, cfg = validate(copy.deepcopy(raw), list(overrides))
+    if cfg.modality == "text":
+        data = splits.TextData(cfg)
+        return {(t, c): tuple(texts) for t in range(cfg.trials)
+                for c, (texts, _) in enumerate(data.clients(t, 1 << 30))}
+    loaded: list = []
+
+    def tagged(ds):
+        loaded.append(ds)
+        return dataclasses.replace(ds, labels=torch.arange(len(ds.images)))
+
+    # one of the two loaders load_images calls (a built-in set: the process's cached copy, read and never written, so
+    # the cache keeps the real labels; a user's folder / npz: read fresh), tagged while the clients are drawn
+    where, attr = (registry, "load") if cfg.data.name in splits.USER_IMAGE_SETS else (splits, "_shared_set")
+    original = getattr(where, attr)
+    data, out = splits.ImageData(cfg), {}
+    setattr(where, attr, lambda *a, **kw: tagged(original(*a, **kw)))
+    try:
+        for t in range(cfg.trials):
+            for c, (_, idx) in enumerate(data.clients(t, 1 << 30)):
+                names = loaded[-1].names
+                out[(t, c)] = tuple(names[int(i)].split("#crop")[0] for i in idx)
+    finally:
+        setattr(where, attr, original)
+    return out
+
+
 def save_figure(fig, path: Path) -> str:
     """Save a matplotlib figure (120 dpi), close it, and return its path relative to docs/ for Markdown links."""
     import matplotlib.pyplot as plt

@@ -53,7 +53,9 @@ DP_SIGMAS = (0.5, 1.0, 2.0)
 MULTISTEP_B = (4, 2, 1)  # 8 images: K = 2, 4, 8 local steps
 MULTISTEP_ITERS = 150
 ABLATIONS = ("gradient_only", "bn_only", "stale_checkpoint", "fixed_bn")
-NULL_SEEDS = (0, 4242)  # 0: the tuning seed; 4242: a held-out seed (same images: data.seed stays 0)
+NULL_SEEDS = (0, 4242)  # 0: the tuning seed; 4242: a new seed on the same images (data.seed stays 0): not held out
+#: the null table's seed labels (issue 41 item 2: held out = images no tuned cell drew; tests/test_heldout_disjoint.py)
+NULL_SEED_LABELS = {0: "tuning", 4242: "new seed, same images: not held-out data"}
 #: the gradient-only arm's own tuning (issue 28 item 2), seed 0's high-risk client: a coordinate search, each setting
 #: a cell. Stage 1 the objective (matching form and weight, label source, energy noise) from the shipped weights
 #: (which were tuned for the combined objective: ``hr/gradient_only``); stage 2 one knob at a time (TV weight, lr,
@@ -245,7 +247,7 @@ def _null_section(rows: dict, checks: list[list[str]]) -> list[str]:
             lvl = grade("leakage", m)["level"]
             leaking.setdefault(c, []).append(lvl in ("partial", "strong", "exact"))
             ex = m.get("rdlv_excess")
-            trows.append([f"{s} ({'tuning' if s == 0 else 'held-out seed'})", str(c), SETUP.get(c, "–"),
+            trows.append([f"{s} ({NULL_SEED_LABELS[s]})", str(c), SETUP.get(c, "–"),
                           _f(m.get("rdlv"), "+.3f"), _f(m.get("rdlv_null_median"), "+.3f"),
                           _f(m.get("rdlv_null_p99"), "+.3f"), _f(m.get("rdlv_p_value"), ".3f"),
                           ("**" + _f(ex, "+.3f") + "**") if ex is not None and ex > 0 else _f(ex, "+.3f"),

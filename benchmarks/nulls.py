@@ -142,7 +142,8 @@ def peftleak_rows() -> list[dict]:
     rows = []
     for cell, label in [("t1-cifar-B32-paper-s0", "Table 1, CIFAR samples, B = 32, paper design (seed 0)"),
                         ("t1-cifar-B32-improved-s0", "Table 1, B = 32, improved design (seed 0)"),
-                        ("t1-cifar-B32-paper-s4", "Table 1, B = 32, paper design (held-out seed 4)"),
+                        ("ho-fmnist-B32-paper-s4", "Table 1 setting, B = 32, paper design (held-out data: 32 "
+                         "Fashion-MNIST images no tuned cell drew, seed 4)"),
                         ("f6a-B8-paper-s0", "Fig. 6a, B = 8, paper design"),
                         ("f6a-B128-improved-s0", "Fig. 6a, B = 128 (natural crops), improved design")]:
         c = cells.get(cell)
