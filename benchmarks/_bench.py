@@ -64,6 +64,20 @@ def display(path: Path) -> str:
     except ValueError:
         return str(path)
 
+def revision() -> str:
+    """``git rev-parse --short HEAD``, ``+dirty`` when src/ differs from it (read-only: no index refresh); the code
+    revision every benchmark row records."""
+    import subprocess
+
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "src"], cwd=ROOT,
+                               capture_output=True, text=True).stdout
+        return (rev or "unknown") + ("+dirty" if dirty.strip() else "")
+    except OSError:
+        return "unknown"
+
+
 
 def latest_rows(jsonl: Path) -> list[dict]:
     """The latest row of every cell (in the order cells first appear)."""

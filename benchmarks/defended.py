@@ -47,12 +47,12 @@ import argparse
 import copy
 import fnmatch
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import ROOT, add_out_args, display, latest_rows, resolve_out, run_cells, start_fresh, write_section  # noqa: E402
+from _bench import (ROOT, add_out_args, display, latest_rows, resolve_out, revision, run_cells,  # noqa: E402
+                    start_fresh, write_section)
 
 TEXT = "configs/audit/text_adapters.yaml"
 IMAGE = "configs/audit/vit_lora.yaml"
@@ -65,14 +65,6 @@ PEFTLEAK_SEEDS = {0: "tuned", 65124: "held out"}
 PEFTLEAK_B = 16
 PEFTLEAK_STDS = (1e-22, 1e-21, 1e-20, 1e-19, 1e-18, 1e-17, 1e-16, 1e-15, 1e-14, 1e-13)
 
-
-def revision() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=ROOT, capture_output=True, text=True).stdout
-        return rev + ("+dirty" if dirty.strip() else "")
-    except OSError:
-        return "unknown"
 
 
 def base(path: str, attack: dict, seed: int) -> dict:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import (REFERENCE_OUT, ROOT, add_out_args, display, fmt_num, latest_rows, resolve_out,  # noqa: E402
+from _bench import (REFERENCE_OUT, ROOT, add_out_args, display, fmt_num, latest_rows, resolve_out, revision,  # noqa: E402
                     run_cells, start_fresh, write_section)
 
 NAME = "dp_check"
@@ -50,15 +50,6 @@ MECHANISMS = {
 }
 CANARIES = 100
 
-
-def revision() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "src"], cwd=ROOT,
-                               capture_output=True, text=True).stdout
-        return (rev or "unknown") + ("+dirty" if dirty.strip() else "")
-    except OSError:
-        return "unknown"
 
 
 def audit_command(sets: list[str], seed: int) -> str:

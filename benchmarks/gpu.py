@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import REFERENCE_OUT, ROOT, display, latest_rows, resolve_out, run_cells  # noqa: E402
+from _bench import REFERENCE_OUT, ROOT, display, latest_rows, resolve_out, revision, run_cells  # noqa: E402
 
 NAME = "gpu"
 AUDITS = {"audit_vit_adapters": ROOT / "configs" / "audit" / "vit_adapters.yaml",
@@ -50,13 +49,6 @@ TINY_AUDIT = ["model.layers=1", "data.image_size=16", "audit.params.dlg.steps=1"
 TINY_ANCHOR = ["model.pretrain=null", "model.layers=2", "attack.name=ig", "attack.anchor=true", "attack.steps=2",
                "data.seed=0", "seed=0"]
 
-
-def revision() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def device_name(device: str) -> str:

@@ -35,12 +35,11 @@ import argparse
 import fnmatch
 import json
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import (REFERENCE_OUT, ROOT, add_out_args, check_configs, display, fmt_num, latest_rows,  # noqa: E402
+from _bench import (REFERENCE_OUT, ROOT, add_out_args, check_configs, display, fmt_num, latest_rows, revision,  # noqa: E402
                     resolve_out, run_cells, start_fresh, write_section)
 
 NAME = "optnoise"
@@ -56,16 +55,6 @@ KEEP = ("psnr_max", "psnr_max_null_p99", "ssim_max", "ssim_max_null_p99", "psnr_
         "image_psnr_mean", "image_ssim_mean", "feature_distance_mean", "psnr_flat", "psnr_grey", "psnr_mean_public",
         "ssim_flat", "ssim_grey", "ssim_mean_public", "final_matching_loss", "final_pe_term", "initial_matching_loss")
 
-
-def revision() -> str:
-    """``git rev-parse --short HEAD``, ``+dirty`` when src/ differs from it (read-only: no index refresh)."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "src"], cwd=ROOT,
-                               capture_output=True, text=True).stdout
-        return (rev or "unknown") + ("+dirty" if dirty.strip() else "")
-    except OSError:
-        return "unknown"
 
 
 REV = revision()
