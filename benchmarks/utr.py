@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import (add_out_args, check_configs, display, latest_rows, resolve_out,  # noqa: E402
                     run_cells as run_bench_cells, save_figure, start_fresh, write_section)
-from _utr_paper import paper_grid, paper_table  # noqa: E402
+from _utr_paper import SEED_LABELS, paper_grid, paper_table  # noqa: E402
 from gradleak.run.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
 from gradleak.attacks.dager import NOT_APPLICABLE  # noqa: E402
@@ -170,8 +170,26 @@ DAGER_LAYERS = 6
 #: LoRA rank = MiniLM's hidden size: B is square (and invertible), so the A gradient's rows span exactly what the full
 #: query/key gradient's rows span -- the paper's full-fine-tuning setting as far as DAGER's span checks go
 FULL_RANK = 384
-#: seed 0 tuned on (the span tolerances), 4242 held out
+#: seed 0 tuned on (the span tolerances); 4242 is a new seed on the same RT sentences, not held-out data (issue 41:
+#: ``SEED_LABELS``, ``SEED_OVERLAP``)
 FAIR_SEEDS = (0, 4242)
+#: issue 41 (held out = data no tuned cell drew): a text cell's seed permutes the same RT sentences, so another seed is
+#: not another data set. Measured over the grid with ``_bench.client_samples`` (tests/test_heldout_disjoint.py checks
+#: every number): the RT sentences, those the seed-0 cells draw, those the seed-4242 cells draw, the ones both draw,
+#: and the smallest share (%) of one seed-4242 cell's sentences that seed-0 cells draw
+SEED_OVERLAP = {"rt": 200, "seed0": 128, "seed4242": 32, "shared": 25, "least_cell_pct": 78}
+SEED_NOTE = (f"Seed 4242 is a new seed on the same data, not held-out data: a text cell's seed permutes the same "
+             f"{SEED_OVERLAP['rt']} RT sentences; the seed-0 cells draw {SEED_OVERLAP['seed0']} of them and the "
+             f"seed-4242 cells {SEED_OVERLAP['seed4242']}, {SEED_OVERLAP['shared']} of which seed-0 cells draw too (at "
+             f"least {SEED_OVERLAP['least_cell_pct']} % of every seed-4242 cell's sentences; measured through the "
+             "pipeline's own draw by `tests/test_heldout_disjoint.py`).")
+
+
+def seed_label(seed: int) -> str:
+    """What a table says beside a seed: tuned on (0), or a new seed on the same sentences (any other)."""
+    return SEED_LABELS.get(seed, "new seed, same sentences: not held-out data")
+
+
 #: what the 6-layer DAGER rows run: DAGER's span test (Petrov et al. 2024; stage 1 per (token, position) on BERT) with
 #: our sentence search (:mod:`gradleak.attacks.common.encoder_search`, layer 1's query input as the probe), not DAGER's
 #: own search -- the rows say so instead of "as published"
@@ -179,13 +197,13 @@ DAGER_OURS = "our encoder search with DAGER's span test"
 
 
 def fair_cell(cell: str, seed: int) -> str:
-    """The id of a fair-baseline cell at ``seed``: seed 0 keeps the Table 1 id, a held-out seed gets ``/s<seed>``."""
+    """The id of a fair-baseline cell at ``seed``: seed 0 keeps the Table 1 id, another seed gets ``/s<seed>``."""
     return cell if seed == FAIR_SEEDS[0] else f"{cell}/s{seed}"
 
 
 def fair_baseline_grid() -> list[tuple[str, str, dict]]:
     """Issue 28 item 1: DAGER's span test with our encoder search (6 layers, LoRA on query + key) at B = 1, 2, 4, 8
-    and LAMP at B = 1, 2, 4 on MiniLM, the tuned seed and a held-out one (LAMP B = 1 seed 0 is the 2-trial Table 1
+    and LAMP at B = 1, 2, 4 on MiniLM, the tuned seed and a new one (LAMP B = 1 seed 0 is the 2-trial Table 1
     cell)."""
     cells = []
     for seed in FAIR_SEEDS:
@@ -204,7 +222,7 @@ def fair_baseline_grid() -> list[tuple[str, str, dict]]:
 
 
 #: issue 11: how far past the bottleneck (layer states / bottleneck rows) ROUGE stays >= 90; seed 0 tuned on,
-#: 4242 held out. MiniLM rf = 1 B >= 24 loses the positions (bag + positions + 1 > hidden size), so it stops at 22.
+#: 4242 a new seed (same sentences). MiniLM rf = 1 B >= 24 loses the positions (bag + positions + 1 > hidden size), so it stops at 22.
 BOTTLENECK_SWEEP = {("minilm", 1): (12, 14, 16, 18, 20, 22), ("minilm", 2): (6, 7, 8, 9, 10, 12),
                     ("smollm2", 1): (16, 20, 24, 28, 32), ("smollm2", 2): (6, 8, 10, 12)}
 
@@ -230,7 +248,7 @@ NSR = (1e-5, 1e-4, 1e-3, 1e-2)
 
 def noise_grid() -> list[tuple[str, str, dict]]:
     """Issue 11 item 3: ROUGE against the per-coordinate noise-to-signal ratio (B = 2, rf = 2; seed 0 tuned on,
-    4242 held out), the exact tests beside the noise-aware ones, and server-side DP on the aggregate."""
+    4242 a new seed on the same sentences), the exact tests beside the noise-aware ones, and server-side DP on the aggregate."""
     cells = []
     for m in ("minilm", "smollm2"):
         for seed in (0, 4242):
@@ -284,11 +302,12 @@ NOT_RUN = {("smollm2", f"dager_lora_L{DAGER_LAYERS}"): _CAUSAL, ("smollm2", f"da
 
 def _seed_note(rows: list[dict | None]) -> str:
     """The seeds the stored cells of a row ran on, read from their configs: the seed the extended UTR search (and
-    DAGER's span tolerances) were tuned on, or held out -- said beside the paper's numbers (issue 28 item 7)."""
+    DAGER's span tolerances) were tuned on, or another seed on the same sentences (not held-out data, issue 41) --
+    said beside the paper's numbers (issue 28 item 7)."""
     seeds = sorted({r["config"]["seed"] for r in rows if r})
     tuned, held = [s for s in seeds if s == FAIR_SEEDS[0]], [s for s in seeds if s != FAIR_SEEDS[0]]
     said = ([f"tuned on seed {tuned[0]}"] if tuned else []) + (
-        [f"held-out seed {', '.join(map(str, held))}"] if held else [])
+        [f"seed {', '.join(map(str, held))} ({seed_label(held[0])})"] if held else [])
     return " and ".join(said) or "not run"
 
 
@@ -305,7 +324,7 @@ def _command(cell: str) -> str:
 
 def fair_section(by: dict) -> str:
     """Issue 28 item 1: DAGER's span test (with our encoder search) and LAMP at B = 1, 2, 4 on MiniLM, each seed
-    beside the held-out one, ROUGE F1 beside its null (``benchmarks/nulls.py``'s text null of the cell's own batch),
+    beside the new one (same sentences), ROUGE F1 beside its null (``benchmarks/nulls.py``'s text null of the cell's own batch),
     the command per cell."""
     from nulls import LEGACY_F1_MARK, LEGACY_F1_NOTE, config_from_dict, text_null_setting
 
@@ -331,7 +350,7 @@ def fair_section(by: dict) -> str:
                 row = by.get(cell)
                 if row is None and key == "dager_lora" and seed != FAIR_SEEDS[0]:
                     continue  # the 2-layer row is the old Table 1 cell, seed 0 only (the contrast)
-                entry = {"method": meth, "B": B, "seed": f"{seed} ({'tuned on' if seed == FAIR_SEEDS[0] else 'held out'})"}
+                entry = {"method": meth, "B": B, "seed": f"{seed} ({seed_label(seed)})"}
                 if row is None:
                     missing.add(key.split("_")[0])
                     table.append({**entry, "R1/R2 recall": "not measured (note below)",
@@ -364,14 +383,14 @@ def fair_section(by: dict) -> str:
 
 #: why a fair-baseline cell has no stored result (what was observed when it was tried)
 FAIR_NOT_MEASURED = {
-    "lamp": "LAMP B >= 2 and its held-out B = 1: not measured. LAMP's schedule took 477 s of one core for one "
+    "lamp": "LAMP B >= 2 and its seed-4242 B = 1: not measured. LAMP's schedule took 477 s of one core for one "
             "B = 1 batch (more at B >= 2: every sentence gets its own 200 rearrangements per discrete step); the "
             "shared 2-core machine of issue 28's session (load 13-25) gave each job ~5-8 % of a core -- "
             "`t1/minilm/lamp/B2` had 250 s of CPU after 53 min and was stopped unfinished to leave the cores to "
             "the DAGER cells. Run the commands on a quiet machine (~10-30 min a cell).",
     "dager": "DAGER cells marked not measured were started but stopped unfinished when issue 28's session ended: on "
              "the shared machine a B = 4 cell took ~50 min of wall time (attack 2,800-3,000 s; the encoder search has "
-             "no time budget under DAGER), so the held-out B = 4 cells and full-rank B = 8 did not finish."}
+             "no time budget under DAGER), so the seed-4242 B = 4 cells and full-rank B = 8 did not finish."}
 
 FAIR_INTRO = (
     "DAGER (Petrov et al. 2024) filters tokens by span membership of each (token, position) embedding in the first "
@@ -381,8 +400,9 @@ FAIR_INTRO = (
     f"*full-rank*: LoRA rank {FULL_RANK} = the hidden size, whose square B makes the A gradient's row space exactly "
     "the full query/key gradient's (the paper's full fine-tuning, as far as the span checks see). MiniLM with all "
     f"{DAGER_LAYERS} layers (`model.layers = {DAGER_LAYERS}`), so the second check (layer 1) is not the last layer "
-    "of the [CLS] classifier; span tolerances 1e-3 (seed 0 tuned on, 4242 held out), the encoder sentence search "
-    "of `gradleak.attacks.common.encoder_search` with layer 1's query input as the probe (our search, not DAGER's). "
+    "of the [CLS] classifier; span tolerances 1e-3 (tuned on seed 0; seed 4242 is a new seed on the same sentences, "
+    "not held-out data), the encoder sentence search of `gradleak.attacks.common.encoder_search` with layer 1's "
+    "query input as the probe (our search, not DAGER's). "
     "Recall is the paper's metric; the F1 column is the project's batch-level ROUGE F1 (`rouge1_f1` / `rouge2_f1`, "
     "`gradleak.metrics.text.rouge_f1_scores`, the audit's headline for text) beside its null: ROUGE F1 of as many "
     "random RT sentences no client holds, matched the "
@@ -460,7 +480,8 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
                  "the notes), not UTR as published: that is `UTR (paper)` in the next table. Every cell of this table "
                  + (f"ran on seed {FAIR_SEEDS[0]}, the seed the extended search and DAGER's span tolerances were tuned "
                     "on" if seeds == [FAIR_SEEDS[0]] else f"ran on seeds {', '.join(map(str, seeds))}")
-                 + f"; held-out seed {FAIR_SEEDS[1]} is in the next two tables and under 'Past the bottleneck'.\n\n"
+                 + f"; seed {FAIR_SEEDS[1]} ({seed_label(FAIR_SEEDS[1])}) is in the next two tables, the noise table "
+                   f"and under 'Past the bottleneck'. {SEED_NOTE}\n\n"
                  + markdown_table(t1, list(t1[0])))
     parts += [t for t in (paper_table(by, PAPER_T1),) if t]  # UTR (paper) vs UTR (ours), issue 28 item 7
     parts.append(fair_section(by))
@@ -491,7 +512,7 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
             r0, r1 = by.get(f"noise/{m}/nsr{nsr:g}/s0"), by.get(f"noise/{m}/nsr{nsr:g}/s4242")
             if r0 or r1:
                 nz.append({"model": m, "upload noise": f"per-coordinate NSR {nsr:g}", "seed 0 (tuned on)": r12(r0),
-                           "seed 4242 (held out)": r12(r1), "paper": "–"})
+                           f"seed 4242 ({seed_label(4242)})": r12(r1), "paper": "–"})
         for key, name, paper in ((f"noise/{m}/nsr0.0001-exact/s0", "NSR 1e-4, exact tests (noise=none)", "–"),
                                  (f"noise/{m}/dp0.01-server", "central DP σ=0.01 (mean of K=1), secure-agg. view",
                                   PAPER_T3["dp 0.01"]),
@@ -501,7 +522,7 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
                                   "–")):
             if key in by:
                 nz.append({"model": m, "upload noise": name, "seed 0 (tuned on)": r12(by[key]),
-                           "seed 4242 (held out)": "–", "paper": paper})
+                           f"seed 4242 ({seed_label(4242)})": "–", "paper": paper})
     if nz:
         parts.append("### Noise-aware membership (issue 11 item 3; B = 2, rf = 2)\n\n"
                      "Per-coordinate noise-to-signal ratio NSR: `gaussian_noise` with `per_coordinate: true`, std = "
@@ -607,8 +628,9 @@ NOTES = """### Notes
     test accepts are peeled by subtraction at any number of states.
   - *Measured, 300 s budget, one thread:* `gradleak run configs/utr/minilm_rt.yaml --out D --set
     data.batch_size=16 --set peft.reduction_factor=1 --set seed=S --set attack.params.time_budget=300 --set
-    threads=1`. ROUGE 100/100 with 16 of 16 verified on seeds 0 (tuned on; 40 s), 1, 777 and 4242 (held out;
-    38, 98 and 23 s), and on news sentences (`--set data.name=news-sentences`, 447 states, 24 s). rf = 2 B = 8
+    threads=1`. ROUGE 100/100 with 16 of 16 verified on seeds 0 (tuned on; 40 s), 1, 777 and 4242 (new seeds on the
+    same RT sentences, not held-out data: 7, 11 and 14 of their 16 are sentences the seed-0 cells draw; 38, 98 and
+    23 s), and on news sentences (`--set data.name=news-sentences`, 447 states, 24 s). rf = 2 B = 8
     (`--set data.batch_size=8`): 100/100, 8 of 8 verified, 3.4-11.5 s on seeds 0, 1, 777, 4242. Before these
     changes seed 0 gave 39.0/13.7 (2 verified). Further past: B = 20 at rf = 1 (559 states, 146 %) gives
     46.2/28.2 with none verified, and B = 24 loses the positions (366 unique tokens + positions + 1 exceed the
@@ -696,14 +718,15 @@ def _bottleneck_section(bn: list[dict], out: Path) -> str:
             seed = r["config"]["seed"]
             mt = r["metrics"]
             table.append({"model": m, "rf": rf, "B": r["config"]["data"]["batch_size"],
-                          "seed": f"{seed}{' (tuned on)' if seed == 0 else ' (held out)'}",
+                          "seed": f"{seed} ({seed_label(seed)})",
                           "layer states / rows": f"{int(mt.get('layer_states', 0))} / {int(mt['bottleneck'])} "
                                                  f"({_ratio(r):.0f} %)",
                           "R1/R2": r12(r), "verified": f"{int(mt.get('sentences_verified', 0))}/"
                                                        f"{r['config']['data']['batch_size']}",
                           "attack s": _t(r)})
     body = ("### Past the bottleneck (issue 11): ROUGE against layer states / bottleneck rows\n\n"
-            "Each cell is one batch (RT sentences, seed 0 tuned on, 4242 held out; FedSGD, 2 layers, one torch "
+            "Each cell is one batch (RT sentences, seed 0 tuned on, 4242 a new seed on the same sentences: not "
+            "held-out data; FedSGD, 2 layers, one torch "
             "thread; sentence-search budget 120 s MiniLM, 600 s SmolLM2). `verified` = sentences the attack proves "
             "(membership at every position, or the value test). Reach:\n\n" + markdown_table(reach, list(reach[0]))
             + "\n\n" + markdown_table(table, list(table[0])))

@@ -1,10 +1,14 @@
 """Held out means disjoint data (issue 41 item 2): a cell labelled held out draws no private sample that a tuned cell
 drew, checked through the pipeline's own draw (``benchmarks/_bench.client_samples``: data only, no model). PEFTLeak's
 held-out cells are disjoint from every other cell; the anchor study's seed 1 and the leakage study's null seed 4242
-are new seeds on the same images, and their labels say so; the leakage study's seed 1 draws other images."""
+are new seeds on the same images, and their labels say so; the leakage study's seed 1 draws other images. Text: a
+cell's seed permutes the same sentences, so UTR's seed 4242 and ProjRes's seeds 1 and 2 are new seeds on the same
+sentences (labelled so, with the counts measured here); ProjRes's WordNet cells draw no quote any tuned cell drew."""
 
 from __future__ import annotations
 
+import argparse
+import copy
 import importlib
 import sys
 from functools import lru_cache
@@ -128,3 +132,147 @@ def test_leakage_seed4242_is_the_same_images_and_seed1_other_images():
                          f"gradonly/seed{lk.GRADONLY_HELDOUT}/tuned"}
     for cid in held:
         assert drawn[cid] and not drawn[cid] & tuned, cid
+
+
+def drawn(raw: dict, overrides=()) -> set[str]:
+    """Every private sample of a cell given as a raw config dict (the UTR grid's cells)."""
+    return {s for held in _bench("_bench").client_samples(raw, list(overrides)).values() for s in held}
+
+
+def _section(name: str) -> str:
+    text = (BENCH.parent / "docs" / "REPRODUCTION.md").read_text()
+    return text[text.index(f"<!-- BEGIN {name} -->"):text.index(f"<!-- END {name} -->")]
+
+
+@pytest.fixture(scope="module")
+def utr_cells():
+    u = _bench("utr")
+    return u, {cid: (raw["seed"], raw["data"]["name"], drawn(raw)) for _, cid, raw in u.grid(False, None)}
+
+
+def test_utr_seed4242_is_a_new_seed_on_the_same_sentences_and_labelled_so(utr_cells):
+    """A text cell's seed permutes the same 200 RT sentences (``TextDataset.batch``): the seed-0 cells draw 128 of
+    them, so no seed-4242 cell is disjoint from them -- the counts ``utr.SEED_OVERLAP`` prints, measured here."""
+    from gradleak.data.text import load_text
+
+    u, cells = utr_cells
+    paper = _bench("_utr_paper")
+    assert {seed for seed, _, _ in cells.values()} == set(u.FAIR_SEEDS) == set(paper.SEEDS) == {0, 4242}
+    held = {cid: s for cid, (seed, _, s) in cells.items() if seed == 4242}
+    assert {cells[cid][1] for cid in held} == {"rt-sentences"} and all(held.values())
+    tuned = set().union(*(s for seed, data, s in cells.values() if seed == 0 and data == "rt-sentences"))
+    o = u.SEED_OVERLAP
+    assert len(set(load_text("rt-sentences").texts)) == o["rt"]
+    assert len(tuned) == o["seed0"]
+    every = set().union(*held.values())
+    assert (len(every), len(every & tuned)) == (o["seed4242"], o["shared"])
+    shares = {cid: len(s & tuned) / len(s) for cid, s in held.items()}
+    assert int(100 * min(shares.values())) == o["least_cell_pct"]  # every seed-4242 cell: mostly seed-0 sentences
+    assert max(shares.values()) == 1.0  # and some only seed-0 sentences
+    # the NOTES' hand-run seeds (rf = 1 B = 16) are new seeds on the same sentences too
+    for seed, k in ((1, 7), (777, 11), (4242, 14)):
+        assert len(drawn(u.cell_config("minilm", 16, rf=1, seed=seed)) & tuned) == k, seed
+    assert "1, 777 and 4242 (new seeds on the\n    same RT sentences, not held-out data: 7, 11 and 14 of their 16" in u.NOTES
+    # the labels, and the docs section they were regenerated into (--report-only)
+    assert paper.SEED_LABELS == {0: "tuned on", 4242: "new seed, same sentences: not held-out data"}
+    assert u.seed_label(4242) == u.seed_label(1) == paper.SEED_LABELS[4242]
+    assert "4242 held out" not in u.FAIR_INTRO and "not held-out data" in u.FAIR_INTRO
+    doc = _section("utr")
+    assert "(held out)" not in doc and "held-out seed" not in doc and "4242 held out" not in doc
+    assert u.SEED_NOTE in doc and doc.count("4242 (new seed, same sentences: not held-out data)") >= 20
+
+
+def _projres_draw(raw: dict, overrides: list[str], cfg) -> dict[str, set]:
+    """A ProjRes cell's members (``client_samples``), non-member candidates (``TextData.nonmembers``), test and
+    min-max reference quotes, and FISGuard's public set as ``FISGuard.apply`` draws it (``(set name, sentence)``)."""
+    from gradleak.data.splits import TextData
+    from gradleak.defenses.training import PUBLIC_TEXT_DEFAULTS
+
+    data, d = TextData(cfg), cfg.defense
+    clients = [(t, c) for t in range(cfg.trials) for c in range(cfg.fl.clients)]
+    other = set(data.test(cfg.model.num_classes)[0]) if cfg.data.test_size else set()
+    if d.name == "minmax":
+        other |= {s for c in range(cfg.fl.clients)
+                  for s in data.reference(c, getattr(d, "reference_size", None) or cfg.data.batch_size)[0]}
+    public: set = set()
+    if d.name == "fisguard":
+        name = getattr(d, "public", None) or next(n for n in PUBLIC_TEXT_DEFAULTS if n != cfg.data.name)
+        public = {(name, s) for s in _public(name, getattr(d, "public_size", 2000), cfg.seed + 99)}
+    return {"members": drawn(raw, overrides), "nonmembers": {s for t, c in clients for s in data.nonmembers(t, c)},
+            "other": other, "public": public}
+
+
+@lru_cache(maxsize=None)
+def _public(name: str, size: int, seed: int) -> tuple[str, ...]:
+    from gradleak.data.text import load_text
+
+    ds = load_text(name)
+    return tuple(ds.batch(min(size, len(ds)), seed=seed)[0])
+
+
+@pytest.fixture(scope="module")
+def projres_cells():
+    """Every ProjRes cell's draw; cells that draw alike (same seed, data, split sizes and data-using defense) once."""
+    from gradleak.data.splits import TextData
+    from gradleak.run import validate
+
+    p = _bench("projres")
+    raw = _raw(str(p.CONFIG))
+    cells, done = {}, {}
+    for c in p.grid(argparse.Namespace(rounds=None, lr=None, tiny=False, quick=False), quick=False):
+        _, cfg = validate(copy.deepcopy(raw), list(c["overrides"]))
+        d = cfg.defense
+        key = (cfg.seed, cfg.data.name, cfg.fl.clients, TextData.client_size(cfg), cfg.trials, cfg.data.nonmembers,
+               cfg.data.test_size, cfg.data.batch_size, d.name if d.name in ("minmax", "fisguard") else None,
+               getattr(d, "reference_size", None), getattr(d, "public", None), getattr(d, "public_size", None))
+        if key not in done:
+            done[key] = _projres_draw(raw, c["overrides"], cfg)
+        cells[c["cell"]] = (c["params"], done[key])
+    return p, cells
+
+
+def test_projres_seeds_1_and_2_reuse_the_tuned_quotes_and_are_labelled_so(projres_cells):
+    """Seed 0's cells draw 2,406 of the 2,441 quotes (members, non-member candidates, test and min-max reference
+    quotes), so every seed-1 / seed-2 cell's members and candidates are almost all quotes they drew: the counts
+    ``projres.SEED_OVERLAP`` prints, measured here."""
+    from gradleak.data.text import load_text
+
+    p, cells = projres_cells
+    quotes = [(prm, d) for prm, d in cells.values() if prm["data"] == p.DEFAULT_DATA]
+    tuned = [d for prm, d in quotes if prm["seed"] == 0]
+    seen = set().union(*(d["members"] | d["nonmembers"] | d["other"] for d in tuned))
+    tuned_members = set().union(*(d["members"] for d in tuned))
+    o = p.SEED_OVERLAP
+    assert len(set(load_text(p.DEFAULT_DATA).texts)) == o["quotes"] and len(seen) == o["seed0"]
+    other = {(prm.get("setting", "batch"), prm["seed"]): d for prm, d in quotes if prm["seed"]}
+    assert set(other) == {k for k in o if isinstance(k, tuple)}
+    for key, d in other.items():
+        m, n = d["members"], d["nonmembers"]
+        assert (len(m & seen), len(m), len(n & seen), len(n)) == o[key], key
+        assert m & tuned_members, key  # some of its members are a seed-0 cell's members, not only its candidates
+    assert p.HELDOUT_LABELS["seed1"] == "seed 1 (new seed, same quotes: not held-out data)"
+    assert p.SEED_LABEL == "new seed, same quotes: not held-out data"
+    doc = _section("projres")
+    assert "held-out seed" not in doc and "| seed1 |" not in doc and "### Held out" not in doc
+    assert p.seed_overlap_note() in doc and p.HELDOUT_LABELS["seed1"] in doc
+
+
+def test_projres_wordnet_cells_draw_no_quote_any_other_cell_draws(projres_cells):
+    """The WordNet cells are held-out data: no member or candidate is a sentence a fortunes cell drew. Their only
+    contact with the tuned cells: some are among the 2,000 WordNet examples the seed-0 FISGuard cells use as public
+    data (Q; the WordNet cells' own Q is news sentences), ``projres.WORDNET_PUBLIC``."""
+    p, cells = projres_cells
+    wn = [d for prm, d in cells.values() if prm["data"] == "wordnet-examples"]
+    assert len(wn) == 4 and all(prm["seed"] == 0 for prm, _ in cells.values() if prm["data"] == "wordnet-examples")
+    quotes = set().union(*(d["members"] | d["nonmembers"] | d["other"]
+                           for prm, d in cells.values() if prm["data"] == p.DEFAULT_DATA))
+    public = {s for prm, d in cells.values() if prm["data"] == p.DEFAULT_DATA and prm["seed"] == 0
+              for name, s in d["public"] if name == "wordnet-examples"}
+    assert len(public) == 2000
+    for d in wn:
+        m, n = d["members"], d["nonmembers"]
+        assert m and n and not (m | n) & quotes
+        assert {name for name, _ in d["public"]} <= {"news-sentences"}
+        assert (len(m & public), len(m), len(n & public), len(n)) == p.WORDNET_PUBLIC
+    assert p.HELDOUT_LABELS["wordnet"] == "WordNet gloss examples (held out: no quote a tuned cell drew)"
+    assert p.HELDOUT_LABELS["wordnet"] in _section("projres")
