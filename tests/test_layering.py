@@ -19,10 +19,11 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "gradleak"
 
 # Foundation every package may import.
-BASE = {"", "errors", "registry", "validation"}
+BASE = {"", "errors", "registry", "validation", "atomic"}
 # package -> the packages it may import (besides itself and BASE). Dependencies point down the pipeline.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
+    "atomic": set(),  # the one atomic file write (temporary file + rename)
     "registry": set(),
     "validation": set(),  # the base of every user-facing pydantic model (finite numbers, no booleans for numbers)
     "": set(),  # gradleak/__init__.py

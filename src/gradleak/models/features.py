@@ -36,7 +36,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -125,13 +124,11 @@ def cached_state_dict() -> dict[str, torch.Tensor]:
             pass
     sd = convert_onnx(src)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
-        os.close(fd)
-        save_file({k: v.contiguous() for k, v in sd.items()}, tmp,
-                  metadata={"source": str(src), "format": "transformers.Dinov2Model"})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
+        from gradleak.atomic import atomic_path
+
+        with atomic_path(target, mode=0o644) as tmp:
+            save_file({k: v.contiguous() for k, v in sd.items()}, tmp,
+                      metadata={"source": str(src), "format": "transformers.Dinov2Model"})
     except OSError:  # read-only cache: work from memory
         pass
     return sd

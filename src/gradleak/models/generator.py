@@ -35,7 +35,6 @@ import importlib.util
 import json
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -147,14 +146,10 @@ def save_generator(gen: DCGANGenerator, path: str | os.PathLike, *, info: dict[s
     tensors = {k: (v.float() if v.is_floating_point() else v) for k, v in tensors.items()}
     meta = {"format": FILE_FORMAT, "version": FILE_VERSION, **{k: str(v) for k, v in gen.hparams().items()},
             "info": json.dumps(info or getattr(gen, "metadata", {}) or {}, sort_keys=True, default=str)}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    from gradleak.atomic import atomic_path
+
+    with atomic_path(path) as tmp:
         save_file(tensors, tmp, metadata=meta)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 

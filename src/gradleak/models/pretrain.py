@@ -29,7 +29,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -146,11 +145,10 @@ def pretrained(model: torch.nn.Module, spec: dict[str, Any], arch: dict[str, Any
         torch.set_num_threads(threads)
     info = {**info, "pretrain_images": int(spec["images"]), "pretrain_data": f"{spec['data']}/{spec['split']}"}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
-        torch.save({"state": model.state_dict(), "info": info}, tmp)
-        os.replace(tmp, path)
+        from gradleak.atomic import atomic_path
+
+        with atomic_path(path) as tmp:
+            torch.save({"state": model.state_dict(), "info": info}, tmp)
     except OSError:  # an unwritable cache only costs the next run the pretraining
         pass
     return {**info, "pretrain_cache": str(path), "pretrain_cached": False}

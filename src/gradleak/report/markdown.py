@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -36,8 +34,6 @@ def update_section(path: str | Path, key: str, body: str, title: str | None = No
         text = pre + block + post
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    from gradleak.atomic import write_text_atomic
+
+    write_text_atomic(path, text, mode=0o644)

@@ -173,8 +173,6 @@ class ViTFeaturePrior:
         """The public statistics: per layer the channel mean and variance over every public image's patch tokens.
         Computed once per public set and kept (:meth:`_cache_path`): the audit's variants and ``--advise``'s probes
         read the same statistics instead of running the 256 public images through the backbone again."""
-        import os
-
         t = time.perf_counter()
         path = self._cache_path()
         if path is not None and path.is_file():
@@ -207,11 +205,11 @@ class ViTFeaturePrior:
         self.fit_seconds = time.perf_counter() - t
         self.from_cache = False
         if path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-                torch.save({"stats": [(m.cpu(), v.cpu()) for m, v in self.stats], "layers": self.layers}, tmp)
-                os.replace(tmp, path)  # atomic: a parallel run reads either nothing or the whole file
+            from gradleak.atomic import atomic_path
+
+            try:  # atomic: a parallel run reads either nothing or the whole file
+                with atomic_path(path) as tmp:
+                    torch.save({"stats": [(m.cpu(), v.cpu()) for m, v in self.stats], "layers": self.layers}, tmp)
             except OSError:
                 pass  # a read-only cache: the statistics were computed, only not kept
 
