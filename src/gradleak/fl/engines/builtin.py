@@ -95,8 +95,9 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
         for ci, c in enumerate(clients):
             c = c.for_round(r)  # a client holding a dataset trains on this round's batch of it
             # the client's own copy (a canary client, which uploads a fixed direction, reads no model: none)
-            local = copy.deepcopy(model) if getattr(c, "reads_model", True) else model
-            if has_bn:
+            reads = getattr(c, "reads_model", True)
+            local = copy.deepcopy(model) if reads else model
+            if has_bn and reads:
                 local.train()  # BN normalises with batch statistics and updates its running statistics
             own = (client_settings[ci] if client_settings is not None else None) or {}
             t0 = time.perf_counter()
