@@ -288,3 +288,13 @@ def test_the_shipped_dp_config_declares_a_checked_mechanism():
     mech = declared_mechanisms(cfg, build_defenses([d.model_dump() for d in cfg.defenses], seed=cfg.seed))
     assert [m["name"] for m in mech] == ["dp_gaussian"]
     assert mech[0]["covers"] == ["final_model", "every_round", "each_upload"]
+
+
+def test_the_canaries_are_fitted_to_the_memory_the_uploads_need():
+    from gradleak.run.dp_check import MIN_CANARIES, fitted_canaries
+
+    assert fitted_canaries(100, 445_636, 1, 1) == 100  # the text audit: about 0.5 GiB
+    assert fitted_canaries(100, 2_363_146, 1, 1) == 100  # vit_lora: about 2.6 GiB
+    few = fitted_canaries(100, 2_363_146, 5, 8)
+    assert MIN_CANARIES <= few < 100 and 5 * (8 + few) * 2_363_146 * 8 + few * 2_363_146 * 4 <= 6 * 2 ** 30
+    assert fitted_canaries(100, 50_000_000, 10, 8) == MIN_CANARIES

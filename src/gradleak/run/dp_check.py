@@ -40,6 +40,21 @@ METHOD = ("one-shot empirical ε (Andrew et al., ICLR 2024, Sec. 3–4): canary 
           "(ours; the paper fits two spreads, reported as epsilon_separate_spreads); 95 % bootstrap interval (ours)")
 
 
+#: memory the check's uploads may hold (float64 uploads of every client and canary of every round, plus the canaries'
+#: float32 directions)
+MEMORY_GIB = 6.0
+#: the fewest canaries a check runs with (below this the interval says little)
+MIN_CANARIES = 20
+
+
+def fitted_canaries(k: int, dim: int, rounds: int, clients: int) -> int:
+    """``k`` canaries, or fewer (not below :data:`MIN_CANARIES`) so that the uploads the engine keeps for the
+    statistics fit :data:`MEMORY_GIB`: rounds × (clients + k) × dim × 8 bytes, plus k × dim × 4."""
+    per = max(dim, 1) * (8 * max(rounds, 1) + 4)
+    fit = int((MEMORY_GIB * 2 ** 30 - max(rounds, 1) * clients * dim * 8) // per)
+    return max(MIN_CANARIES, min(k, fit))
+
+
 def dp_section(section: Any, field: str = "audit.dp_check") -> dict | None:
     """The validated ``audit.dp_check``: ``None`` (off: ``false``), or ``{"canaries": k}`` (default ``true``)."""
     if section is False:
@@ -179,6 +194,8 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
     names = {n for n, _ in shapes}
     dim = sum(int(s.numel()) for _, s in shapes)
     clip = min(m["clip"] for m in mechanisms)
+    asked = canaries
+    canaries = fitted_canaries(canaries, dim, int(cfg.fl.rounds), int(cfg.fl.clients))
     batches = data.clients(0, mcfg.num_classes)
     real, _ = clients_and_truth(handle, batches, loss_fn, dev, cfg.threat_model, cfg)
     per = max(real[0].num_samples, 1) if cfg.data.samples_per_client is None else cfg.data.batch_size
@@ -238,4 +255,7 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
     return {"verdict": verdict, "sentence": sentence, "claimed_epsilon": claimed, "mechanisms": claims,
             "measured": measured, "delta": delta, "canaries": canaries, "unseen_canaries": canaries,
             "dimension": dim, "rounds": rounds, "engine": cfg.fl.engine, "clients": len(real),
-            "canary_norm": CANARY_SCALE * clip, "method": METHOD, "seconds": time.perf_counter() - t0}
+            "canary_norm": CANARY_SCALE * clip, "method": METHOD, "seconds": time.perf_counter() - t0,
+            **({"canaries_asked": asked, "canaries_note": f"{asked} canaries would hold more than {MEMORY_GIB:g} GiB "
+                f"of uploads for {dim} coordinates over {cfg.fl.rounds} round(s): {canaries} inserted (a wider "
+                "interval)"} if canaries != asked else {})}
