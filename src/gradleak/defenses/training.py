@@ -280,7 +280,7 @@ class DPSGD(TrainingDefense):
             out.append((summed + noise.to(summed.device)) / b)
         return out
 
-    def _canary_update(self, client, model, gen, *, algorithm: str, lr: float | None, epochs: int):
+    def _canary_update(self, client, model, gen, *, algorithm: str, epochs: int):
         """A canary client (:mod:`gradleak.fl.canaries`) under DP-SGD: one example whose per-sample gradient is the
         canary (its direction × the canary scale × C), through :meth:`privatise` at every local step (FedSGD: one;
         FedAvg: ``epochs`` steps of its one-example batch), accounted like any client (sampling rate 1)."""
@@ -312,7 +312,7 @@ class DPSGD(TrainingDefense):
         gen = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + int(client.client_id) * 7_919
                                             + int(seed))
         if getattr(client, "canary", False):  # the one-shot ε check's canary example (it reads no weights)
-            return self._canary_update(client, model, gen, algorithm=algorithm, lr=lr, epochs=epochs)
+            return self._canary_update(client, model, gen, algorithm=algorithm, epochs=epochs)
         model.train()
         device = next(model.parameters()).device
         x, y = client._inputs.to(device), client._labels.to(device)
