@@ -12,7 +12,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[peft,text,dp,dev,fl,fl-simulation,sweeps]'
+	$(BIN)/pip install -q -e '.[peft,text,dp,dev,fl,fl-simulation,sweeps,nvflare]'
 	$(MAKE) assets
 	touch $(STAMP)
 

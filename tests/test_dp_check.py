@@ -103,7 +103,7 @@ def test_the_verdict_rules():
 # ------------------------------------------------------------------------------------ correct mechanisms: consistent
 @pytest.mark.parametrize("where", ["client", "server"])
 def test_dp_gaussian_is_consistent_and_the_estimate_brackets_its_exact_epsilon(where):
-    from gradleak.defenses.accounting import gaussian_rdp_epsilon
+    from gradleak.accounting import gaussian_rdp_epsilon
 
     cfg = _cfg(defenses=[{"name": "dp_gaussian", "params": {"noise_multiplier": 1.0, "max_norm": 1e-3, "where": where}}])
     res = _check(cfg)
@@ -204,7 +204,7 @@ def test_the_closed_form_gaussian_accountant_is_opacus_rdp(z, steps):
     pytest.importorskip("opacus")
     from opacus.accountants import RDPAccountant
 
-    from gradleak.defenses.accounting import gaussian_rdp_epsilon
+    from gradleak.accounting import gaussian_rdp_epsilon
 
     acc = RDPAccountant()
     acc.history = [(z, 1.0, steps)]

@@ -130,7 +130,7 @@ def _clients(data):
 def test_flower_engine_equals_the_builtin_round_protocol(algorithm):
     """fl.engine=flower runs the same rounds as gradleak's own protocol: the same uploads, defenses included."""
     from gradleak.defenses import build_defenses
-    from gradleak.config.schema import FlowerConfig
+    from gradleak.fl.engines.flower import FlowerConfig
 
     data = _data()
     kw = dict(rounds=3, algorithm=algorithm, lr=LR, local_epochs=2, local_batch_size=3, seed=5,
@@ -160,7 +160,7 @@ def test_flower_engine_equals_the_builtin_round_protocol(algorithm):
 
 
 def test_flower_engine_secure_aggregation_keeps_only_the_sum():
-    from gradleak.config.schema import FlowerConfig
+    from gradleak.fl.engines.flower import FlowerConfig
 
     data = _data()
     got = gle.run_rounds_flower(_net(), _clients(data), rounds=1, algorithm="fedsgd", lr=LR, secure_aggregation=True,
@@ -180,7 +180,7 @@ def _norm(upd):
 def test_flower_dp_wrappers_what_the_server_sees():
     """Server-side fixed clipping: raw updates; client-side fixed clipping: clipped, noise-free; LocalDpMod:
     clipped and noised (the wrapper records the replies before Flower's wrapper rewrites them)."""
-    from gradleak.config.schema import FlowerConfig
+    from gradleak.fl.engines.flower import FlowerConfig
 
     data = _data()
     kw = dict(rounds=1, algorithm="fedavg", lr=LR, local_epochs=3, seed=1)

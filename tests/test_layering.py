@@ -19,11 +19,12 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "gradleak"
 
 # Foundation every package may import.
-BASE = {"", "errors", "registry", "validation", "atomic"}
+BASE = {"", "errors", "registry", "validation", "atomic", "accounting"}
 # package -> the packages it may import (besides itself and BASE). Dependencies point down the pipeline.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "atomic": set(),  # the one atomic file write (temporary file + rename)
+    "accounting": set(),  # closed-form DP accounting (math only): defenses, engines and the DP check claim with it
     "registry": set(),
     "validation": set(),  # the base of every user-facing pydantic model (finite numbers, no booleans for numbers)
     "": set(),  # gradleak/__init__.py
@@ -36,11 +37,13 @@ ALLOWED: dict[str, set[str]] = {
     "attacks": {"fl", "peft", "models", "data", "metrics", "defenses"},
     "evaluation": {"metrics", "data", "models", "report"},
     "report": set(),
+    # a modality plug-in: its data class, encoding, truth, public interface, accuracy (docs/DESIGN.md §7)
+    "modalities": {"data", "fl", "models", "metrics"},
     "config": {"fl", "peft", "models", "data", "defenses", "attacks", "evaluation", "metrics"},
-    "run": {"config", "fl", "peft", "models", "data", "defenses", "attacks", "evaluation", "metrics", "report"},
-    "integrations": {"config", "run", "fl", "peft", "models", "data", "defenses", "attacks",
+    "run": {"config", "modalities", "fl", "peft", "models", "data", "defenses", "attacks", "evaluation", "metrics", "report"},
+    "integrations": {"config", "run", "modalities", "fl", "peft", "models", "data", "defenses", "attacks",
                      "evaluation", "metrics", "report"},
-    "cli": {"config", "run", "integrations", "fl", "peft", "models", "data", "defenses", "attacks",
+    "cli": {"config", "run", "integrations", "modalities", "fl", "peft", "models", "data", "defenses", "attacks",
             "evaluation", "metrics", "report"},
 }
 

@@ -1,6 +1,7 @@
 """``gradleak`` command line (typer + rich). Thin: parses, calls :mod:`gradleak.run`, prints.
 
 Exit codes (docs/DESIGN.md §4): 0 success, 2 bad input (a message naming the field and the fix), 1 internal error.
+``gradleak audit --fail-on LEVEL`` adds 3: the CI gate tripped (:func:`fail_on_decision`).
 ``gradleak list``, ``--version`` and config validation import neither transformers nor any model: only the
 registries (torch for the attack modules) — a bad ``--set`` is answered in about two seconds.
 """
@@ -146,11 +147,19 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
                                                  "(unfinished defenses are listed)"),
           executor: str = typer.Option("inline", "--executor", help="--advise: inline (one probe after another), or "
                                        "local / ray: the candidates' strong-end probes and the utility runs in "
-                                       "parallel (--workers of them)")):
+                                       "parallel (--workers of them)"),
+          fail_on: Optional[str] = typer.Option(None, "--fail-on", help="CI gate: exit 3 when the worst level of the "
+                                                "attacks the audit ran (over every client; under the configured "
+                                                "threat or a stronger server's upgrade) reaches this level: partial, "
+                                                "strong or exact; else 0. An undefined or crashed attack also exits 3 "
+                                                "(the gate cannot be evaluated). Reads the audit's levels only (with "
+                                                "--advise too: the advice does not change them). One audit, not a "
+                                                "grid: config.")):
     """Run every applicable attack on one setup; write DIR/audit.json and DIR/report.html with a verdict."""
     from gradleak.errors import BadInput
 
     try:
+        threshold = check_fail_on(fail_on)
         from gradleak.config.loading import load_yaml
 
         raw = load_yaml(config)
@@ -166,6 +175,9 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
             if advise or budget is not None:
                 raise BadInput("--advise", "advises one setup, not an audit grid (the config has grid:).",
                                "drop grid: from the config, or drop --advise / --budget.")
+            if threshold is not None:
+                raise BadInput("--fail-on", "gates one audit, not an audit grid (the config has grid:).",
+                               "drop grid: from the config (one audit per setup in CI), or drop --fail-on.")
 
             summary = run_audit_grid(raw, out, list(set_ or []), device, yes=yes, **kw)
             for row in summary["cells"]:
@@ -188,6 +200,69 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
     if result.get("advice") is not None:
         _print_advice(result["advice"])
     out_console.print(f"report: {out / 'report.html'}")
+    if threshold is not None:
+        code, line = fail_on_decision(result, threshold)
+        out_console.print(Text(line, style="bold red" if code else "bold green"), soft_wrap=True)
+        if code:
+            raise typer.Exit(code=code)
+
+
+#: the levels ``gradleak audit --fail-on`` accepts, weakest first (the leaking levels of gradleak.evaluation.levels)
+FAIL_ON_LEVELS = ("partial", "strong", "exact")
+#: the exit code of a tripped gate (0 passes; 2 stays bad input, 1 an internal error)
+GATE_EXIT = 3
+
+
+def check_fail_on(value: str | None) -> str | None:
+    """``--fail-on``'s level (case and spaces ignored), None when not given; any other value is bad input."""
+    from gradleak.errors import BadInput
+
+    if value is None:
+        return None
+    level = value.strip().lower()
+    if level not in FAIL_ON_LEVELS:
+        raise BadInput("--fail-on", f"'{value}' is not a level the gate compares against.",
+                       f"use --fail-on {', '.join(FAIL_ON_LEVELS[:-1])} or {FAIL_ON_LEVELS[-1]} "
+                       "(none and undefined are not thresholds).")
+    return level
+
+
+def fail_on_decision(result: dict, threshold: str) -> tuple[int, str]:
+    """``--fail-on``'s decision on an audit result: ``(exit code, the line saying why)``.
+
+    The gate reads every attack the audit ran (``level`` present): under the configured threat *and* those run under
+    a stronger server's upgrade (docs/DESIGN.md §6: never green while any attack is above its null); each entry's
+    ``level`` is already its worst over clients, seeds and full-strength variants. Attacks refused as not applicable
+    or left out by ``--only`` were not run and are not read. Rule, in order:
+
+    1. the worst measured level (``none`` < ``partial`` < ``strong`` < ``exact``) reaches ``threshold``: exit 3;
+    2. else an attack that ran is ``undefined`` (measured nothing) or ``failed`` (a run crashed, even if another
+       variant measured): exit 3 -- the gate cannot be evaluated, a crash never passes it;
+    3. else exit 0 (also when no attack ran at all).
+    """
+    from gradleak.evaluation.levels import LEVELS, level_rank
+
+    ran = [e for e in result.get("attacks") or [] if "level" in e]
+    measured = [e for e in ran if e.get("level") in LEVELS and e["level"] != "undefined"]
+    worst = max(measured, key=lambda e: level_rank(e["level"]), default=None)
+    found = worst["level"] if worst is not None else "none"
+    incomplete = [e for e in ran if e.get("level") not in LEVELS or e["level"] == "undefined" or e.get("failed")]
+    head = f"gate --fail-on {threshold}: "
+
+    def by(e: dict) -> str:
+        server = e.get("threat_words") or e.get("threat") or "?"
+        return (f"by {e['name']} under {server}" if e.get("applicable")
+                else f"by {e['name']}, under a stronger server than configured: {server}")
+
+    if worst is not None and level_rank(found) >= level_rank(threshold):
+        return GATE_EXIT, f"{head}FAIL -- worst level {found} ({by(worst)}) reaches {threshold}; exit {GATE_EXIT}"
+    if incomplete:
+        why = "; ".join(f"{e['name']}: {e.get('failed') or e.get('reason') or e.get('level')}" for e in incomplete)
+        return GATE_EXIT, (f"{head}FAIL -- the gate could not be evaluated: {len(incomplete)} attack(s) undefined or "
+                           f"failed ({why}); worst level measured {found}; exit {GATE_EXIT}")
+    if worst is None:
+        return 0, f"{head}pass -- no attack ran (nothing to gate); exit 0"
+    return 0, f"{head}pass -- worst level {found} ({by(worst)}) is below {threshold}; exit 0"
 
 
 def _print_audit_table(result: dict, out: Path) -> None:

@@ -119,28 +119,10 @@ class ModelConfig(Strict):
     task: Optional[Literal["classification", "lm"]] = None  # default: LM loss for causal models, else a class head
 
 
-class FlowerConfig(Strict):
-    """``fl.flower``: how the Flower engine runs (``fl.engine: flower``, :mod:`gradleak.fl.engines.flower`)."""
+class _FLProtocol(Strict):
+    """``fl``: the round protocol. ``engine`` and the engines' own sections (``fl.<engine>``) are mounted from the
+    engine registry (:data:`gradleak.fl.engines.ENGINES`) in :data:`FLConfig`: the schema names no engine."""
 
-    runtime: Literal["inprocess", "simulation"] = Field("inprocess", description="inprocess: every node in this "
-                                                        "process, no Ray; simulation: Flower's simulation engine (Ray)")
-    reply: Literal["weights", "update"] = Field("weights", description="clients reply with their new weights "
-                                                "(Flower's convention) or with the update itself")
-    dp: Literal["none", "server-fixed", "client-fixed", "local"] = Field(
-        "none", description="Flower's own DP: DifferentialPrivacyServerSideFixedClipping (server-fixed), "
-        "DifferentialPrivacyClientSideFixedClipping + fixedclipping_mod (client-fixed), LocalDpMod (local)")
-    noise_multiplier: float = Field(1.0, ge=0, le=1e6, description="central DP: noise std = multiplier × clipping norm / "
-                                    "clients (Flower's convention)")
-    clipping_norm: float = Field(1.0, gt=0, le=1e9, description="L2 bound of each client's weight change (Δw, not Δw/lr)")
-    local_sensitivity: float = Field(1.0, gt=0, le=1e9, description="LocalDpMod sensitivity")
-    local_epsilon: float = Field(1.0, gt=0, le=1e6, description="LocalDpMod epsilon")
-    local_delta: float = Field(1e-5, gt=0, lt=1, description="LocalDpMod delta")
-
-
-class FLConfig(Strict):
-    engine: Literal["builtin", "flower"] = Field("builtin", description="builtin: gradleak's round protocol; flower: "
-                                                 "the same rounds through a Flower ServerApp/ClientApp (the fl extra)")
-    flower: FlowerConfig = Field(default_factory=FlowerConfig)
     algorithm: Literal["fedsgd", "fedavg"] = "fedsgd"
     rounds: int = Field(1, ge=1, le=10_000)
     lr: float = Field(0.05, gt=0, le=1e4)
@@ -159,6 +141,24 @@ class FLConfig(Strict):
     def lr_at(self, r: int) -> float:
         """The learning rate of round ``r`` (step decay; constant without ``lr_step_rounds``)."""
         return self.lr * (self.lr_decay ** (r // self.lr_step_rounds) if self.lr_step_rounds else 1.0)
+
+
+def _fl_config() -> type:
+    """The ``fl`` section: :class:`_FLProtocol` plus ``engine`` (one of the registered engines) and each engine's
+    ``fl.<name>`` section (its default when not given)."""
+    from pydantic import create_model
+
+    from gradleak.fl.engines import ENGINES, engine_sections
+
+    names = tuple(ENGINES.names())
+    words = "; ".join(f"{e.name}: {e.summary}" for e in ENGINES)
+    fields: dict[str, Any] = {"engine": (Literal[names], Field("builtin", description=words))}  # type: ignore[valid-type]
+    for name, model in engine_sections().items():
+        fields[name] = (model, Field(default_factory=model, description=f"the {name} engine's settings (fl.engine: {name})"))
+    return create_model("FLConfig", __base__=_FLProtocol, __module__=__name__, **fields)
+
+
+FLConfig = _fl_config()
 
 
 class MetricsConfig(Strict):
@@ -329,6 +329,9 @@ class ExperimentConfig(Strict):
         from gradleak.fl.threat import check_requirements
 
         check_requirements(self._attack_cls.name, self._attack_cls.requires(self._attack_cfg), self._threat)
+        from gradleak.fl.engines import engine_of
+
+        engine_of(self.fl.engine).check(self)  # what the round engine cannot run (its extra missing, say)
 
     @property
     def image_channels(self) -> int:

@@ -57,6 +57,44 @@ class Defense:
     modalities: ClassVar[tuple[str, ...]] = ("image", "text")
     #: True: the Config has a ``seed`` field that the builders set to the run's seed when the config leaves it out
     seeded: ClassVar[bool] = False
+    #: ``gradleak audit --advise``: the brackets this defense is searched over (none: not a candidate). Each is a dict:
+    #: ``stage`` (where the probe puts it: ``update`` appended to ``defenses:``, ``training`` the ``defense:``
+    #: section), ``param`` (the one parameter searched), ``weak`` -> ``strong`` (its bracket), ``scale`` (``log``,
+    #: ``log1m`` (on ``unit - x``, ``unit`` default 1), ``int`` (whole numbers, log), ``lin``), ``fixed`` (other
+    #: parameters), ``what`` (the words of the advice row); optional ``key`` (its name in the advice when one defense
+    #: is searched in two modes), ``mode`` (the parameters that make a configured defense this candidate),
+    #: ``requires`` (what the setup must have), ``membership_only``; ``order`` (its place among the candidates) and
+    #: ``rank`` (the tie-break among equally cheap rows: the most standard first). The name is the defense's own.
+    advice: ClassVar[tuple[dict[str, Any], ...]] = ()
+    #: a differential-privacy mechanism: its advice rows carry an epsilon (:meth:`advice_epsilon`), and one whose
+    #: epsilon is above the advice's meaningful bound ranks after the other equally cheap rows
+    is_dp: ClassVar[bool] = False
+    #: the advice's clipping fit of a DP mechanism: ``(parameter, observed norms, words)`` -- the parameter is set to the
+    #: median of the baseline utility run's ``update_norms`` (the uploads) or ``sample_gradient_norms`` (per sample),
+    #: the median quantile of adaptive clipping (:func:`gradleak.run.advise_utility.fitted_clip`); None: no clip
+    clip_fit: ClassVar[Optional[tuple[str, str, str]]] = None
+
+    @classmethod
+    def describe(cls, params: dict[str, Any]) -> str:
+        """Words the audit's setup adds after ``defense <name> <params>`` (what the parameters mean for who sees what);
+        empty by default."""
+        return ""
+
+    @classmethod
+    def advice_epsilon(cls, value: Any, rounds: int, measured: Optional[float], delta: float,
+                       gaussian_epsilon: Callable[[float, int, float], Optional[float]]) -> Optional[float]:
+        """The epsilon of an advice row at strength ``value`` over ``rounds`` rounds (a DP mechanism, :attr:`is_dp`):
+        ``measured`` is the run's own ``dp_epsilon`` metric (an accountant that ran), ``delta`` the advice's delta,
+        ``gaussian_epsilon(z, steps, delta)`` the Gaussian mechanism's RDP ε. None: not computed (default)."""
+        return None
+
+    def dp_claims(self, cfg: Any, gaussian_epsilon: Callable[[float, int, float], float], delta: float) -> list[dict]:
+        """The DP mechanisms this defense declares for the audit's DP check (:mod:`gradleak.run.dp_check`), each a
+        dict: ``name``, ``where`` (update defenses), ``clip`` (the bound a canary is scaled against, in the upload's
+        units), ``covers`` (threat models its claim covers), ``delta`` and ``claim`` (rounds, the training defense's
+        report -> (ε, accountant words)); ``gaussian_epsilon(z, steps, delta)`` is the Gaussian mechanism's RDP ε and
+        ``delta`` the check's. Default: none."""
+        return []
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -284,5 +322,25 @@ def build_defense_section(section: DefenseSection, modality: str, seed: int = 0)
     return UpdateInDefenseSection(d) if isinstance(d, UpdateDefense) else d
 
 
+def defense_class(name: str) -> Optional[type[Defense]]:
+    """The registered defense ``name`` (or an alias of it); None for a name that is no registered defense (an advice
+    candidate of another kind: secure aggregation, a framework's wrapper, a second mode's key)."""
+    return DEFENSES.get(name) if name in DEFENSES else None
+
+
+def is_dp_defense(name: str) -> bool:
+    """Whether ``name`` is a registered DP mechanism (:attr:`Defense.is_dp`)."""
+    cls = defense_class(name)
+    return bool(cls is not None and cls.is_dp)
+
+
+def advice_candidates() -> list[dict[str, Any]]:
+    """Every registered defense's advice brackets (:attr:`Defense.advice`), each with its ``name``, in their
+    ``order``."""
+    out = [{"name": e.name, **spec} for e in DEFENSES for spec in e.obj.advice]
+    return sorted(out, key=lambda s: s.get("order", float("inf")))
+
+
 __all__ = ["Defense", "DefenseConfig", "DefenseParams", "DefenseSection", "Stage", "TrainingDefense", "UpdateDefense",
-           "UpdateInDefenseSection", "build_defense_section", "build_defenses"]
+           "UpdateInDefenseSection", "advice_candidates", "build_defense_section", "build_defenses", "defense_class",
+           "is_dp_defense"]

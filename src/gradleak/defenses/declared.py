@@ -214,9 +214,12 @@ def declared_defenses(cfg: Any, seed: Optional[int] = None) -> DeclaredDefenses:
         training = None
     fl = cfg.fl
     framework = None
-    if getattr(fl, "engine", "builtin") == "flower" and getattr(fl.flower, "dp", "none") != "none":
-        framework = fl.flower.model_dump()
-        names.append(f"Flower DP ({fl.flower.dp})")
+    from gradleak.fl.engines import engine_of
+
+    own = engine_of(getattr(fl, "engine", "builtin")).framework_dp(fl)  # the engine's own DP (Flower's wrappers)
+    if own is not None:
+        names.append(own[0])
+        framework = own[1]
     if fl.secure_aggregation:
         names.append(f"secure aggregation over {fl.clients} client(s)")
     return DeclaredDefenses(update=update, training=training, secure_aggregation=bool(fl.secure_aggregation),

@@ -79,6 +79,9 @@ class RDLVFilter(TrainingDefense):
     Config = RDLVFilterParams
     modalities = ("image",)
     changes_upload = True  # it withholds what leaks: the upload differs from the plain client's
+    advice = ({"stage": "training", "param": "threshold", "weak": 1.0, "strong": 0.0, "scale": "lin", "fixed": {},
+               "requires": "batchnorm", "order": 10, "rank": 10,
+               "what": "RDLV threshold: a client withholds an update whose self-audit's RDLV lower 95 % bound exceeds it"},)
 
     def setup(self) -> None:
         cfg = self.cfg

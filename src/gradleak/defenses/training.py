@@ -53,6 +53,8 @@ PUBLIC_TEXT_DEFAULTS = ("wordnet-examples", "news-sentences", "rt-sentences")
 @DEFENSES.register("fisguard", "FISGuard: fixed input subspaces (Q from public data, U = 0 trained)")
 class FISGuard(TrainingDefense):
     Config = FISGuardParams
+    advice = ({"stage": "training", "param": "rank", "weak": 64, "strong": 4, "scale": "int", "fixed": {},
+               "what": "rank of the fixed input subspaces", "membership_only": True, "order": 9, "rank": 9},)
 
     def check_experiment(self, cfg) -> None:
         if cfg.peft.kind not in ("adapters", "lora"):
@@ -198,6 +200,25 @@ class DPSGD(TrainingDefense):
     Config = DPSGDParams
     modalities = ("text", "image")
     changes_upload = True
+    is_dp = True
+    clip_fit = ("max_grad_norm", "sample_gradient_norms", "the median per-sample gradient L2 norm of the undefended clients")
+    advice = ({"stage": "training", "param": "noise_multiplier", "weak": 1e-3, "strong": 10.0, "scale": "log",
+               "fixed": {"max_grad_norm": 1.0}, "what": "DP-SGD noise multiplier, per-sample clipping norm 1.0",
+               "order": 7, "rank": 1},)
+
+    @classmethod
+    def advice_epsilon(cls, value, rounds: int, measured, delta: float, gaussian_epsilon):
+        """DP-SGD's own accountant's ε (the run's ``dp_epsilon``: the worst client, at the config's ``delta``)."""
+        return measured
+
+    def dp_claims(self, cfg, gaussian_epsilon, delta: float) -> list[dict]:
+        td = self
+        return [{"name": "dpsgd", "clip": td.cfg.max_grad_norm, "covers": ["final_model", "every_round", "each_upload"],
+                 "delta": td.cfg.delta, "claim": lambda rounds, rep: (
+                     rep.get("canary_epsilon"),
+                     f"DP-SGD's Opacus RDPAccountant for the canary example (noise multiplier "
+                     f"{td.cfg.noise_multiplier:g}, sampling rate 1, {rep.get('canary_steps', 0):.0f} step(s)); the "
+                     f"configured clients' worst: ε = {rep.get('dp_epsilon', float('nan')):.4g}")}]
 
     def server_knowledge(self) -> dict:
         return {"per_sample_clip_norm": float(self.cfg.max_grad_norm), "adds_noise": self.cfg.noise_multiplier > 0}

@@ -35,6 +35,14 @@ class GaussianNoise(UpdateDefense):
         seed: int = Field(0, description="noise seed (default: the run's seed)")
 
     seeded = True
+    advice = (
+        {"stage": "update", "param": "std", "weak": 1e-3, "strong": 10.0, "scale": "log", "fixed": {},
+         "mode": {"per_coordinate": True}, "what": "noise std as a multiple of the update's per-coordinate RMS",
+         "order": 0, "rank": 3},
+        {"key": "gaussian_noise_absolute", "stage": "update", "param": "std", "weak": 1e-7, "strong": 0.1,
+         "scale": "log", "fixed": {}, "mode": {"per_coordinate": False, "relative": False},
+         "what": "absolute noise std per coordinate (on the update's own scale)", "order": 1, "rank": 4},
+    )
 
     def setup(self) -> None:
         c = self.cfg
@@ -120,6 +128,8 @@ class PercentileNoise(UpdateDefense):
 
     seeded = True
     modalities = ("image", "text")
+    advice = ({"stage": "update", "param": "sigma0", "weak": 1e-2, "strong": 100.0, "scale": "log", "fixed": {},
+               "what": "noise std as a multiple of the 95th percentile of |update|", "order": 2, "rank": 8},)
 
     def setup(self) -> None:
         c = self.cfg
@@ -192,6 +202,9 @@ class Clipping(UpdateDefense):
     class Config(DefenseParams):
         max_norm: float = Field(description="L2 bound of the whole update")
 
+    advice = ({"stage": "update", "param": "max_norm", "weak": 10.0, "strong": 1e-4, "scale": "log", "fixed": {},
+               "what": "L2 bound of each update", "order": 4, "rank": 5},)
+
     def setup(self) -> None:
         if self.cfg.max_norm <= 0:
             raise BadInput("defenses.clipping.max_norm", f"max_norm must be > 0, got {self.cfg.max_norm}.", "use e.g. 1.0.")
@@ -225,6 +238,34 @@ class DPGaussian(UpdateDefense):
         seed: int = Field(0, description="noise seed (default: the run's seed)")
 
     seeded = True
+    is_dp = True
+    clip_fit = ("max_norm", "update_norms", "the median L2 norm of the undefended uploads")
+    advice = ({"stage": "update", "param": "noise_multiplier", "weak": 1e-3, "strong": 10.0, "scale": "log",
+               "fixed": {"max_norm": 1.0, "where": "client"},
+               "what": "noise multiplier, each upload clipped to L2 norm 1.0 (local DP)", "order": 3, "rank": 0},)
+
+    @classmethod
+    def describe(cls, params: dict) -> str:
+        if params.get("where") == "server":
+            return (" -- central DP: the noise is added to the aggregate, so a server that sees individual "
+                    "updates still sees them raw")
+        return ""
+
+    @classmethod
+    def advice_epsilon(cls, value, rounds: int, measured, delta: float, gaussian_epsilon):
+        """The Gaussian mechanism's RDP ε of ``rounds`` compositions at noise multiplier ``value`` (sampling rate 1;
+        ``gaussian_epsilon``: :func:`gradleak.accounting.gaussian_rdp_epsilon`, equal to Opacus'
+        ``RDPAccountant``)."""
+        return gaussian_epsilon(value, rounds, delta)
+
+    def dp_claims(self, cfg, gaussian_epsilon, delta: float) -> list[dict]:
+        z = self.noise_multiplier
+        covers = ["final_model", "every_round"] + ([] if self.server_side else ["each_upload"])
+        return [{"name": "dp_gaussian", "where": self.where, "clip": self.max_norm, "covers": covers, "delta": delta,
+                 "claim": lambda rounds, rep, z=z: (
+                     gaussian_epsilon(z, rounds, delta),
+                     f"RDP of the Gaussian mechanism (closed form, as Opacus' RDPAccountant), noise multiplier {z:g}, "
+                     f"sampling rate 1, {rounds} round(s), user-level (one client's clipped update)")}]
 
     def setup(self) -> None:
         c = self.cfg
@@ -289,6 +330,9 @@ class TopKPruning(UpdateDefense):
         prune_fraction: float = Field(description="fraction of the coordinates set to zero, in [0, 1)")
         per_tensor: bool = Field(False, description="prune each tensor to its own top (1 - prune_fraction)")
 
+    advice = ({"stage": "update", "param": "prune_fraction", "weak": 0.5, "strong": 0.999, "scale": "log1m",
+               "fixed": {}, "what": "fraction of the coordinates zeroed", "order": 5, "rank": 6},)
+
     def setup(self) -> None:
         p = self.cfg.prune_fraction
         if not 0 <= p < 1:
@@ -319,6 +363,8 @@ class StochasticQuantization(UpdateDefense):
         seed: int = Field(0, description="rounding seed (default: the run's seed)")
 
     seeded = True
+    advice = ({"stage": "update", "param": "bits", "weak": 8, "strong": 1, "scale": "int", "fixed": {},
+               "what": "bits per coordinate", "order": 6, "rank": 7},)
 
     def setup(self) -> None:
         c = self.cfg

@@ -70,7 +70,7 @@ def advise_options(advise: Any, budget: Any) -> dict | None:
 
 def z_of_epsilon(epsilon: float, delta: float) -> float:
     """LocalDpMod's noise std over its sensitivity: √(2 ln(1.25/δ)) / ε (the classic Gaussian mechanism)."""
-    from gradleak.defenses.accounting import classic_gaussian_z
+    from gradleak.accounting import classic_gaussian_z
 
     return classic_gaussian_z(epsilon, delta)
 

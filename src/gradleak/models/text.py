@@ -379,3 +379,18 @@ def text_loss(tm_kind: str, label_smoothing: float = 0.0, task: str | None = Non
         return nn.functional.cross_entropy(out.logits, labels, label_smoothing=label_smoothing)
 
     return loss
+
+
+def hf_weight_files(d: Path) -> list[Path]:
+    """The weights files ``from_pretrained`` reads from an HF model folder (safetensors first, as transformers)."""
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (d / single).is_file():
+            return [d / single]
+        if (d / index).is_file():
+            try:
+                shards = sorted(set(json.loads((d / index).read_text(encoding="utf-8"))["weight_map"].values()))
+                return [d / s for s in shards]
+            except (OSError, ValueError, KeyError, AttributeError):
+                return [d / index]
+    return sorted(d.glob("*.safetensors"))

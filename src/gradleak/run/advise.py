@@ -52,7 +52,7 @@ from typing import Any, Callable
 from gradleak.errors import BadInput
 from gradleak.run.advise_options import (CANDIDATES, MEANINGFUL_EPSILON, STANDARD, STEPS, UTILITY_ROUNDS,
                                          advise_section, check_budget, check_utility_rounds)
-from gradleak.run.advise_utility import CLIP_FROM, fitted_clip, improves
+from gradleak.run.advise_utility import clip_fit, fitted_clip, improves
 from gradleak.run.advise_utility import utility_job as utility
 
 #: held-out samples for the accuracy when the config sets no ``data.test_size``
@@ -82,8 +82,9 @@ def midpoint(spec: dict, a: float, b: float) -> float | None:
     if spec["scale"] == "int":
         m = int(round(math.sqrt(a * b)))
         return None if m in (a, b) or not min(a, b) < m < max(a, b) else m
-    if spec["scale"] == "log1m":
-        m = 1 - math.sqrt((1 - a) * (1 - b))
+    if spec["scale"] == "log1m":  # on unit - x (a fraction: unit 1; a percentile: 100)
+        u = spec.get("unit", 1)
+        m = u - math.sqrt((u - a) * (u - b))
     elif spec["scale"] == "lin":
         m = (a + b) / 2
     else:
@@ -168,9 +169,9 @@ def set_strings(raw: dict, spec: dict, value: Any) -> list[str]:
 
 def gaussian_epsilon(noise_multiplier: float, steps: int, delta: float = DELTA) -> float | None:
     """Epsilon of ``steps`` compositions of the Gaussian mechanism with ``noise_multiplier`` (sampling rate 1): the
-    RDP accountant's closed form (:func:`gradleak.defenses.accounting.gaussian_rdp_epsilon`, equal to Opacus'
+    RDP accountant's closed form (:func:`gradleak.accounting.gaussian_rdp_epsilon`, equal to Opacus'
     ``RDPAccountant``)."""
-    from gradleak.defenses.accounting import gaussian_rdp_epsilon
+    from gradleak.accounting import gaussian_rdp_epsilon
 
     return gaussian_rdp_epsilon(noise_multiplier, steps, delta)
 
@@ -247,7 +248,9 @@ def hollow_dp(r: dict) -> bool:
     """A DP row whose epsilon guarantees nothing: absolute noise under a DP name (no epsilon, or above
     ``MEANINGFUL_EPSILON``)."""
     e = r.get("epsilon")
-    return bool(r["defense"] in ("dp_gaussian", "dpsgd") or r.get("is_dp")) and not (
+    from gradleak.defenses.base import is_dp_defense
+
+    return bool(is_dp_defense(r["defense"]) or r.get("is_dp")) and not (
         isinstance(e, (int, float)) and e <= MEANINGFUL_EPSILON)
 
 
@@ -504,13 +507,13 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                                "so not recommended)" if row.get("unverified") else ""))
         if (found or {}).get("dp_check"):  # measured at the strength found (gradleak.run.dp_check)
             row["epsilon_measured"] = found["dp_check"]
-        if spec["name"] == "dpsgd":
-            row["epsilon_attacked"] = found.get("dp_epsilon")
-        elif spec["name"] == "dp_gaussian":
-            row["epsilon_attacked"] = gaussian_epsilon(good, cfg0.fl.rounds)
+        cls = _dp_class(spec)
+        if cls is not None:  # the defense's own accounting over the audited round(s)
+            row["epsilon_attacked"] = cls.advice_epsilon(good, cfg0.fl.rounds, found.get("dp_epsilon"), DELTA,
+                                                        gaussian_epsilon)
         elif "epsilon" in spec:
             row.update(spec["epsilon"](good, cfg0.fl.rounds))
-        if spec["name"] in CLIP_FROM and "clip_norm" not in row:  # no norm observed: the candidate's own norm
+        if clip_fit(spec) is not None and "clip_norm" not in row:  # no norm observed: the candidate's own norm
             row["clip_note"] = (f"clipping norm held at {_clip_norm(defended_config(base, spec, good), spec)} (no "
                                 "update norm observed in the baseline utility run)")
     by_key = {key(sp): sp for sp in specs}  # the candidates as searched (DP: the fitted clipping norm)
@@ -555,13 +558,21 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     return advice
 
 
+def _dp_class(spec: dict):
+    """The registered DP mechanism a candidate searches (its class owns the epsilon), or None."""
+    from gradleak.defenses.base import defense_class
+
+    cls = defense_class(spec["name"])
+    return cls if cls is not None and cls.is_dp else None
+
+
 def _spare_images(cfg) -> int:
     """:data:`TEST_SIZE`, or fewer when a fixed image set (e.g. the 40 CIFAR samples) cannot spare that many beside the
     clients' images of the largest federation a probe builds (secure aggregation: up to 8 clients), their validation
     images and the prior images."""
-    from gradleak.data.splits import fixed_image_count
+    from gradleak.modalities import modality_of
 
-    total = fixed_image_count(cfg) if cfg.modality == "image" else None
+    total = modality_of(cfg).fixed_size(cfg)
     if total is None:
         return TEST_SIZE
     clients = max(int(cfg.fl.clients), max(int(c["strong"]) for c in CANDIDATES if c["name"] == "secure_aggregation"))
@@ -591,6 +602,7 @@ def _utility_job(raw, attacks, rounds, device, norms):
 def _admitted(base: dict, spec: dict, leaking: list[str]) -> str | None:
     """None when this setup admits the candidate (at its strong end), else why not. The gate refusing every attack
     (the server no longer sees what they read) is a stop, not a refusal of the defense."""
+    from gradleak.modalities import modality_of
     from gradleak.run.audit import plan_audit
 
     try:
@@ -598,8 +610,7 @@ def _admitted(base: dict, spec: dict, leaking: list[str]) -> str | None:
     except BadInput as err:
         return None if err.field.startswith("threat.") else str(err)
     needs = spec.get("requires")
-    if needs == "batchnorm" and not (cfg.modality == "image" and cfg.model.name == "resnet18"
-                                     and cfg.model.norm == "batch"):
+    if needs == "batchnorm" and not modality_of(cfg).has_batchnorm(cfg):
         return (f"{key(spec)} audits each update with the BN-aware inversion, which reads BatchNorm running "
                 f"statistics: the model ({cfg.model.name}, {cfg.modality}) has no BatchNorm layer (it applies to "
                 "model.name=resnet18 with model.norm=batch, e.g. configs/leakage/fmnist_resnet18.yaml)")
@@ -638,11 +649,11 @@ def measure_utility(base: dict, found: list[tuple[dict, dict]], advice: dict, ru
             se = cost_sampling_error(b, r["accuracy"], advice.get("test_size"))
             if se is not None:
                 r["cost_se"] = se
-        if spec["name"] == "dpsgd":
-            r["epsilon"] = u.get("dp_epsilon")
-        elif spec["name"] == "dp_gaussian":
-            r["epsilon"] = gaussian_epsilon(r["strength"], u.get("rounds") or 1)
-        if spec["name"] in CLIP_FROM:
+        cls = _dp_class(spec)
+        if cls is not None:  # the defense's own accounting over the utility rounds
+            r["epsilon"] = cls.advice_epsilon(r["strength"], u.get("rounds") or 1, u.get("dp_epsilon"), DELTA,
+                                              gaussian_epsilon)
+        if clip_fit(spec) is not None:
             r["epsilon_note"] = (f"epsilon over the {u.get('rounds')} utility round(s) (the training whose accuracy is "
                                  f"reported); epsilon_attacked over the audited {attacked_rounds} round(s)")
         if spec["name"] == "secure_aggregation":

@@ -15,42 +15,42 @@ UTILITY_ROUNDS = 20
 #: an epsilon above this guarantees nothing meaningful: such a DP row ranks after the other equally cheap defenses
 #: (it is absolute noise under a DP name) and the report marks it
 MEANINGFUL_EPSILON = 10.0
-#: tie-break among equally cheap defenses: the most standard first
-STANDARD = ("dp_gaussian", "dpsgd", "secure_aggregation", "gaussian_noise", "gaussian_noise_absolute", "clipping",
-            "topk_pruning", "stochastic_quantization", "percentile_noise", "fisguard", "rdlv_filter")
+#: secure aggregation, searched over the clients summed (an FL option, not a registered defense): its place among the
+#: candidates (``order``) and in the tie-break (``rank``), as a defense's :attr:`~gradleak.defenses.base.Defense.advice`
+SECURE_AGGREGATION = {"name": "secure_aggregation", "stage": "fl", "param": "clients", "weak": 2, "strong": 8,
+                      "scale": "int", "fixed": {}, "what": "clients summed by secure aggregation", "order": 8, "rank": 2}
 
-#: the candidates (``scale``: ``log``, ``log1m`` (on 1 - x), ``int`` (whole numbers, log), ``lin``; ``requires``: what
-#: the setup must have, else the candidate is listed as not applicable): where the defense goes (``update``: appended to ``defenses``; ``training``: ``defense:``; ``fl``:
-#: secure aggregation), the parameter searched, its bracket (weak -> strong), the scale, fixed parameters; ``key``: the
-#: name in the advice when one defense is searched in two modes; ``mode``: the parameters that make a configured
-#: defense this candidate (its starting point)
-CANDIDATES: list[dict[str, Any]] = [
-    {"name": "gaussian_noise", "stage": "update", "param": "std", "weak": 1e-3, "strong": 10.0, "scale": "log",
-     "fixed": {}, "mode": {"per_coordinate": True}, "what": "noise std as a multiple of the update's per-coordinate RMS"},
-    {"name": "gaussian_noise", "key": "gaussian_noise_absolute", "stage": "update", "param": "std", "weak": 1e-7,
-     "strong": 0.1, "scale": "log", "fixed": {}, "mode": {"per_coordinate": False, "relative": False},
-     "what": "absolute noise std per coordinate (on the update's own scale)"},
-    {"name": "percentile_noise", "stage": "update", "param": "sigma0", "weak": 1e-2, "strong": 100.0, "scale": "log",
-     "fixed": {}, "what": "noise std as a multiple of the 95th percentile of |update|"},
-    {"name": "dp_gaussian", "stage": "update", "param": "noise_multiplier", "weak": 1e-3, "strong": 10.0,
-     "scale": "log", "fixed": {"max_norm": 1.0, "where": "client"},
-     "what": "noise multiplier, each upload clipped to L2 norm 1.0 (local DP)"},
-    {"name": "clipping", "stage": "update", "param": "max_norm", "weak": 10.0, "strong": 1e-4, "scale": "log",
-     "fixed": {}, "what": "L2 bound of each update"},
-    {"name": "topk_pruning", "stage": "update", "param": "prune_fraction", "weak": 0.5, "strong": 0.999,
-     "scale": "log1m", "fixed": {}, "what": "fraction of the coordinates zeroed"},
-    {"name": "stochastic_quantization", "stage": "update", "param": "bits", "weak": 8, "strong": 1, "scale": "int",
-     "fixed": {}, "what": "bits per coordinate"},
-    {"name": "dpsgd", "stage": "training", "param": "noise_multiplier", "weak": 1e-3, "strong": 10.0, "scale": "log",
-     "fixed": {"max_grad_norm": 1.0}, "what": "DP-SGD noise multiplier, per-sample clipping norm 1.0"},
-    {"name": "secure_aggregation", "stage": "fl", "param": "clients", "weak": 2, "strong": 8, "scale": "int",
-     "fixed": {}, "what": "clients summed by secure aggregation"},
-    {"name": "fisguard", "stage": "training", "param": "rank", "weak": 64, "strong": 4, "scale": "int", "fixed": {},
-     "what": "rank of the fixed input subspaces", "membership_only": True},
-    {"name": "rdlv_filter", "stage": "training", "param": "threshold", "weak": 1.0, "strong": 0.0, "scale": "lin",
-     "fixed": {}, "requires": "batchnorm",
-     "what": "RDLV threshold: a client withholds an update whose self-audit's RDLV lower 95 % bound exceeds it"},
-]
+
+def _specs() -> list[dict[str, Any]]:
+    from gradleak.defenses.base import advice_candidates
+
+    return sorted(advice_candidates() + [SECURE_AGGREGATION], key=lambda s: s.get("order", float("inf")))
+
+
+def candidates() -> list[dict[str, Any]]:
+    """The candidates of ``--advise``: every registered defense's brackets
+    (:attr:`gradleak.defenses.base.Defense.advice`) and secure aggregation, in their order. ``scale``: ``log``,
+    ``log1m`` (on ``unit - x``), ``int`` (whole numbers, log), ``lin``; ``requires``: what the setup must have, else
+    the candidate is listed as not applicable; ``stage``: where the defense goes (``update``: appended to
+    ``defenses``; ``training``: ``defense:``; ``fl``: secure aggregation); ``param`` the parameter searched, its
+    bracket (weak -> strong), ``fixed`` parameters; ``key``: the name in the advice when one defense is searched in
+    two modes; ``mode``: the parameters that make a configured defense this candidate (its starting point)."""
+    return [{k: v for k, v in s.items() if k not in ("order", "rank")} for s in _specs()]
+
+
+def standard() -> tuple[str, ...]:
+    """Tie-break among equally cheap defenses: the candidates' names (``key``), the most standard first."""
+    return tuple(s.get("key", s["name"]) for s in sorted(_specs(), key=lambda s: s.get("rank", float("inf"))))
+
+
+def __getattr__(name: str) -> Any:
+    """``CANDIDATES`` and ``STANDARD``, built from the defense registry when first read (importing this module does
+    not import the defenses)."""
+    if name == "CANDIDATES":
+        return candidates()
+    if name == "STANDARD":
+        return standard()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def advise_section(section: Any, field: str = "audit.advise", extra_names: tuple[str, ...] = ()) -> dict | None:
@@ -67,7 +67,7 @@ def advise_section(section: Any, field: str = "audit.advise", extra_names: tuple
     bad = sorted(set(section) - {"candidates", "steps"})
     if bad:
         raise BadInput(f"{field}.{bad[0]}", "this key does not exist.", f"{field} has candidates and steps.")
-    names = [c.get("key", c["name"]) for c in CANDIDATES] + list(extra_names)
+    names = [c.get("key", c["name"]) for c in candidates()] + list(extra_names)
     cands = section.get("candidates")
     if cands is not None and (not isinstance(cands, list) or not cands or any(c not in names for c in cands)):
         raise BadInput(f"{field}.candidates", f"must be a non-empty list of candidates, got {cands!r}.",

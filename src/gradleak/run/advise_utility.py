@@ -29,10 +29,14 @@ from typing import Any
 
 from gradleak.errors import BadInput
 
-#: the DP candidates' clipping parameter, and which observed norm sets it
-CLIP_FROM = {"dp_gaussian": ("max_norm", "update_norms", "the median L2 norm of the undefended uploads"),
-             "dpsgd": ("max_grad_norm", "sample_gradient_norms",
-                       "the median per-sample gradient L2 norm of the undefended clients")}
+
+def clip_fit(spec: dict) -> tuple[str, str, str] | None:
+    """A candidate's clipping parameter, which observed norm sets it and the words: its defense's own
+    (:attr:`gradleak.defenses.base.Defense.clip_fit`); None for a candidate without one."""
+    from gradleak.defenses.base import defense_class
+
+    cls = defense_class(spec["name"])
+    return cls.clip_fit if cls is not None else None
 
 
 def utility_config(raw: dict, slices: int, rounds: int) -> dict:
@@ -57,7 +61,7 @@ def plan_utility(raw: dict, attacks: list[str], rounds: int):
     set has the samples, else as many as fit beside the ``data.test_size`` test samples (the rounds then cycle through
     them: local epochs). The config is the first of ``attacks`` that validates (the attack decides the model's dtype and
     initialisation, as in the probes)."""
-    from gradleak.data.splits import TextData, fixed_image_count
+    from gradleak.modalities import modality_of
     from gradleak.run.audit import plan_audit
 
     def plan(slices: int):
@@ -69,12 +73,7 @@ def plan_utility(raw: dict, attacks: list[str], rounds: int):
 
     one = plan(1)
     per_round = sum(p["images"] for p in one.client_plan())
-    if one.modality == "image":
-        total = fixed_image_count(one)
-        other = one.data.validation_size * one.fl.clients + (one.data.prior_size if one.attack_cls.uses_prior else 0)
-        total = None if total is None else total - 1 - other
-    else:
-        total = len(TextData(one).ds)
+    total = modality_of(one).training_pool(one)  # None: as many samples as asked
     slices = rounds if total is None else min(rounds, (total - one.data.test_size) // max(1, per_round))
     if slices < 1:
         raise BadInput("data.test_size", f"{one.data.test_size} test samples leave no training sample of the "
@@ -93,10 +92,11 @@ def utility_job(raw: dict, attacks: list[str], rounds: int, device: str | None, 
 
 def fitted_clip(spec: dict, baseline: dict) -> dict:
     """The DP candidate ``spec`` with its clipping norm fitted to the baseline utility run's observed norms (the
-    median; :data:`CLIP_FROM`), or ``spec`` unchanged (another candidate, or no norm observed)."""
-    if spec["name"] not in CLIP_FROM:
+    median; :func:`clip_fit`), or ``spec`` unchanged (another candidate, or no norm observed)."""
+    fit = clip_fit(spec)
+    if fit is None:
         return spec
-    param, source, words = CLIP_FROM[spec["name"]]
+    param, source, words = fit
     seen = [v for v in baseline.get(source) or [] if v == v and v > 0]
     if not seen:
         return spec

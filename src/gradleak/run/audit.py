@@ -286,6 +286,19 @@ def headline_metric(kind: str) -> str | None:
     return EVALUATORS.get(kind).headline if kind in EVALUATORS else None
 
 
+#: the judgement keys a per-client row carries (the one entry shape of ``audit.json``, CLI and framework audits)
+ROW_KEYS = ("level", "success", "value", "null_p99", "p_value", "n_success", "n_total", "decided_by")
+
+
+def client_row(client: Any, judgement: dict, warnings: list | None = None) -> dict:
+    """One client's row of an attack's ``per_client`` list: its label and its judgement (the keys of
+    :data:`ROW_KEYS`), with the attack's warnings for that client."""
+    row = {"client": client}
+    row.update({k: judgement.get(k) for k in ROW_KEYS})
+    row["warnings"] = list(warnings or [])
+    return row
+
+
 def judge(kind: str, metrics: dict, cfg) -> dict:
     """The level of one client's metrics, with the headline metric beside its null (module docstring)."""
     from gradleak.evaluation import EVALUATORS
@@ -487,11 +500,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
         if len(variants[name]) > 1:
             entry["worst_variant"] = variants[name][k] or "as configured"
         run0 = [t for t in judged if t[0] == sd and t[1] == k]
-        entry["per_client"] = [{"client": t[3], "level": t[4]["level"], "value": t[4].get("value"),
-                                "null_p99": t[4].get("null_p99"), "p_value": t[4].get("p_value"),
-                                "n_success": t[4].get("n_success"), "n_total": t[4].get("n_total"),
-                                "decided_by": t[4].get("decided_by"), "warnings": warned.get((t[0], t[1], t[3]), [])}
-                               for t in run0]
+        entry["per_client"] = [client_row(t[3], t[4], warned.get((t[0], t[1], t[3]), [])) for t in run0]  # one shape
         by_run: dict = {}
         for t in judged:
             if leak_rank(t[4]) > leak_rank(by_run.get((t[0], t[1]), {"level": "undefined"})):
@@ -566,6 +575,9 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
               "left_out_by_only": [n for n in attack_names() if n not in names] if only else [],
               "left_out": left_out,
               "defenses_available": applicable_defenses(shown)}
+    from gradleak.run.evidence import evidence_record  # config, weights, split seeds and source hashes (never raises)
+
+    result["evidence_record"] = evidence_record(raw, shown, [c for _, _, c, _ in planned], seeds, command)
     dp = dp_check_entry(results.get(DP_JOB) if dp_job is not None else None)
     if dp is not None:
         result["dp_check"] = dp
@@ -852,25 +864,17 @@ def describe_setup(cfg) -> list[str]:
                                         "sees it" if cfg.fl.clients <= 1 else "on -- the server sees only the sum of "
                                         "the updates") if getattr(cfg.fl, "secure_aggregation", False)
                                        else "off -- the server sees every client's update")]
-    fl = cfg.fl
-    if getattr(fl, "engine", "builtin") == "flower":
-        f = fl.flower
-        sees = {"none": "each client's update as sent",
-                "server-fixed": "each client's raw update (Flower clips and noises on the server, after it has them)",
-                "client-fixed": "each client's clipped update, without noise (the noise goes on the aggregate)",
-                "local": "each client's clipped and noised update (LocalDpMod)"}[f.dp]
-        lines.append(f"engine: Flower ({f.runtime}; clients reply with their {'new weights' if f.reply == 'weights' else 'update'}"
-                     + (f"; Flower DP: {f.dp}, clipping norm {f.clipping_norm:g} on the weight change"
-                        + (f", noise multiplier {f.noise_multiplier:g}" if f.dp != "local" else
-                           f", epsilon {f.local_epsilon:g}, delta {f.local_delta:g}") if f.dp != "none" else "")
-                     + f") -- the server sees {sees}")
+    from gradleak.fl.engines import engine_of
+
+    engine_line = engine_of(cfg.fl.engine).describe(cfg.fl)  # how the engine runs, what the server sees
+    if engine_line:
+        lines.append(engine_line)
+    from gradleak.defenses.base import defense_class
+
     for d in cfg.defenses:
         p = d.params
-        txt = f"defense {d.name} {json.dumps(p)}"
-        if d.name == "dp_gaussian" and p.get("where") == "server":
-            txt += (" -- central DP: the noise is added to the aggregate, so a server that sees individual "
-                    "updates still sees them raw")
-        lines.append(txt)
+        cls = defense_class(d.name)
+        lines.append(f"defense {d.name} {json.dumps(p)}" + (cls.describe(p) if cls is not None else ""))
     # the training-time `defense:` section (DP-SGD, FISGuard, ...): declared as much as the update list is
     section = getattr(cfg, "defense", None)
     tname = getattr(section, "name", "none") or "none"

@@ -175,6 +175,8 @@ def next_steps(result: dict) -> dict:
 def advice_rows(advice: dict) -> list[tuple[str, ...]]:
     """The advice table (``--advise``), cheapest first: defense, strength found (parameter), bracket, the leaking
     attacks' levels there, accuracy (vs without), cost, epsilon, status / note."""
+    from gradleak.defenses.base import is_dp_defense
+
     rank = {n: i for i, n in enumerate(advice.get("ranking") or [])}
     rows = sorted(advice.get("rows") or [], key=lambda r: (rank.get(r["defense"], len(rank)), r["defense"]))
     base = (advice.get("baseline") or {}).get("accuracy")
@@ -197,7 +199,7 @@ def advice_rows(advice: dict) -> list[tuple[str, ...]]:
                         f"{r['epsilon_measured']['verdict'].replace('_', ' ')}"
                         if "epsilon" in (r.get("epsilon_measured") or {}) else "") + ")"
                      if isinstance(eps, (int, float))
-                     else "–" if r["defense"] not in ("dp_gaussian", "dpsgd") else "not computed"),
+                     else "not computed" if is_dp_defense(r["defense"]) else "–"),
                     "; ".join(x for x in (r.get("status", ""), r.get("note", ""), r.get("clip_note", ""),
                                           r.get("utility_note", ""), r.get("utility_error", "")) if x)))
     return out
@@ -500,6 +502,8 @@ def write_audit_report(result: dict, out: Path) -> Path:
                     "searches the weakest strength of each that stops every leaking attack, and what it costs.</li>")
     advice_html = advice_section(advice) if advice is not None else ""
     not_tested = not_tested_lines(result)
+    rec = result.get("evidence_record")  # gradleak.run.evidence; an older audit.json has none
+    record_words = json.dumps({k: rec.get(k) for k in ("config_sha256", "gradleak_version", "source")}) if rec else "none"
     dp = result.get("dp_check")
     dp_html = ("<h2 id=\"dp_check\">Does the DP claim hold? (measured ε beside the accountant's)</h2><ul>"
                + "".join(f"<li>{e(x)}</li>" for x in dp_check_words(dp)) + "</ul>") if dp else ""
@@ -525,6 +529,7 @@ the declared defenses (listed under its evidence); the worst client and setting 
 <h2>Evidence (worst level first)</h2>{''.join(evidence) or '<p>no attack ran</p>'}
 <h2>Reproducibility</h2><ul><li>command: <code id="command">{e(result['command'])}</code></li>
 <li>config hash: {e(result['config_hash'])}; seed: {e(str(result['seed']))}</li>
+<li>evidence record (<code>evidence_record</code> in audit.json: config, weights, split seeds, source): {e(record_words)}</li>
 <li>versions: {e(json.dumps(result['environment']))}</li>
 <li>not tested: {'<ul>' + ''.join(f'<li>{e(x)}</li>' for x in not_tested) + '</ul>' if not_tested else 'nothing'}</li>
 <li>undefined (measured nothing): {e('; '.join(result.get('undefined') or []) or 'none')}</li></ul>

@@ -72,7 +72,7 @@ def dp_section(section: Any, field: str = "audit.dp_check") -> dict | None:
 
 
 def _gaussian_epsilon(z: float, steps: int, delta: float) -> float:
-    from gradleak.defenses.accounting import gaussian_rdp_epsilon
+    from gradleak.accounting import gaussian_rdp_epsilon
 
     return gaussian_rdp_epsilon(z, steps, delta)
 
@@ -96,48 +96,13 @@ def declared_mechanisms(cfg, defenses: list) -> list[dict]:
     canary is scaled against, in the upload's units), ``covers`` (threat models its claim covers), ``claim``
     (a function of the rounds run and the training defense's report after them -> (ε, accountant words)) and
     ``delta``."""
-    from gradleak.defenses.training import DPSGD
-    from gradleak.defenses.update import DPGaussian
-
     out = []
-    for d in defenses:
-        if isinstance(d, DPGaussian):
-            z = d.noise_multiplier
-            covers = ["final_model", "every_round"] + ([] if d.server_side else ["each_upload"])
-            out.append({"name": "dp_gaussian", "where": d.where, "clip": d.max_norm, "covers": covers, "delta": DELTA,
-                        "claim": lambda rounds, rep, z=z: (
-                            _gaussian_epsilon(z, rounds, DELTA),
-                            f"RDP of the Gaussian mechanism (closed form, as Opacus' RDPAccountant), noise multiplier {z:g}, sampling "
-                            f"rate 1, {rounds} round(s), user-level (one client's clipped update)")})
-    td = cfg.training_defense
-    if isinstance(td, DPSGD):
-        out.append({"name": "dpsgd", "clip": td.cfg.max_grad_norm, "covers": ["final_model", "every_round", "each_upload"],
-                    "delta": td.cfg.delta, "claim": lambda rounds, rep: (
-                        rep.get("canary_epsilon"),
-                        f"DP-SGD's Opacus RDPAccountant for the canary example (noise multiplier "
-                        f"{td.cfg.noise_multiplier:g}, sampling rate 1, {rep.get('canary_steps', 0):.0f} step(s)); the "
-                        f"configured clients' worst: ε = {rep.get('dp_epsilon', float('nan')):.4g}")})
-    fl = cfg.fl
-    if fl.engine == "flower" and fl.flower is not None and fl.flower.dp != "none":
-        f = fl.flower
-        lr = cfg.fl.lr
-        if f.dp in ("server-fixed", "client-fixed"):
-            z = f.noise_multiplier
-            out.append({"name": f"flower {f.dp}", "clip": f.clipping_norm / lr, "covers": ["final_model", "every_round"],
-                        "delta": DELTA, "claim": lambda rounds, rep, z=z, mode=f.dp: (
-                            _gaussian_epsilon(z, rounds, DELTA),
-                            f"RDP of the Gaussian mechanism (closed form, as Opacus' RDPAccountant; Flower's {mode} strategy keeps no "
-                            f"accountant), noise multiplier {z:g}, sampling rate 1, {rounds} round(s)")})
-        else:
-            from gradleak.defenses.accounting import classic_gaussian_z
+    for d in defenses:  # each defense's own claims (dp_gaussian), then the training-time defense's (DP-SGD)
+        out += d.dp_claims(cfg, _gaussian_epsilon, DELTA)
+    out += cfg.training_defense.dp_claims(cfg, _gaussian_epsilon, DELTA)
+    from gradleak.fl.engines import engine_of
 
-            z = classic_gaussian_z(f.local_epsilon, f.local_delta) * f.local_sensitivity / f.clipping_norm
-            out.append({"name": "flower LocalDpMod", "clip": f.clipping_norm / lr,
-                        "covers": ["final_model", "every_round", "each_upload"], "delta": f.local_delta,
-                        "claim": lambda rounds, rep, z=z, e=f.local_epsilon: (
-                            _gaussian_epsilon(z, rounds, f.local_delta),
-                            f"LocalDpMod's ε = {e:g} per round (classic Gaussian-mechanism bound); over {rounds} "
-                            f"round(s): RDP of its noise multiplier {z:.4g} (closed form, as Opacus' RDPAccountant)")})
+    out += engine_of(cfg.fl.engine).dp_claims(cfg, DELTA)  # the engine's own mechanisms
     return out
 
 
@@ -204,7 +169,7 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
     cans = [CanaryClient(first_id + i, i, shapes, seed, CANARY_SCALE * clip, num_samples=per) for i in range(canaries)]
     rounds = int(cfg.fl.rounds)
     log(f"[dp_check] {len(real)} client(s) + {canaries} canaries, {rounds} round(s), {dim} trainable coordinates")
-    rounds_fn = rounds_engine(cfg.fl.engine, flower=cfg.fl.flower)
+    rounds_fn = rounds_engine(cfg.fl)
     plan = cfg.client_plan() if cfg.fl.algorithm == "fedavg" else None
     outcome = rounds_fn(model, real + cans, rounds=rounds, algorithm=cfg.fl.algorithm, lr=cfg.fl.lr,
                         local_epochs=cfg.fl.local_epochs, local_batch_size=cfg.fl.local_batch_size,

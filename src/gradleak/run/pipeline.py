@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradleak.data.splits import ImageData, TextData
 from gradleak.errors import BadInput, TrainingDiverged
 from gradleak.evaluation import Truth, evaluate, unit
 from gradleak.evaluation.membership import split_by_guarantee
 from gradleak.config.schema import ExperimentConfig
+from gradleak.modalities import final_global_model, jsonable, modality_of
 
 
 
@@ -49,7 +49,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     from gradleak.fl.engines import rounds_engine
     from gradleak.fl.threat import build_view
 
-    A, acfg, threat, modality = cfg.attack_cls, cfg.attack_cfg, cfg.threat_model, cfg.modality
+    A, acfg, threat, mod = cfg.attack_cls, cfg.attack_cfg, cfg.threat_model, modality_of(cfg)
     dev = ctx.device
     if dev.type not in A.devices:
         raise BadInput("--device", f"attack '{A.name}' runs on {', '.join(A.devices)} only, not on {dev.type}.",
@@ -59,11 +59,9 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     timings: dict[str, float] = {}
     # ---- data (private: the clients'; public: the server's, only if the threat model grants it)
     t0 = time.perf_counter()
-    data = ImageData(cfg) if modality == "image" else TextData(cfg)
+    data = mod.data(cfg)
     data.check_labels(cfg.model.num_classes)  # a user's labels beyond model.num_classes: refused before any model loads
-    public: dict[str, Any] = {}
-    if threat.public_data and modality == "image":
-        public["public_images"] = data.public()
+    public: dict[str, Any] = dict(mod.attack_public(cfg, data, threat))  # public data the threat model grants
     # ---- model + PEFT
     handle, mcfg = build_handle(cfg, ctx.stage)
     defense = cfg.training_defense
@@ -94,14 +92,13 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
         batches = data.clients(trial, mcfg.num_classes)
         clients, truth = clients_and_truth(handle, batches, loss_fn, dev, threat, cfg)
         knowledge = truth.pop("_knowledge")
-        if modality == "image" and data.wants_prior and data.prior_image() is not None:
-            knowledge.setdefault("public_data", {})["prior_image"] = data.prior_image()
+        mod.trial_knowledge(cfg, data, knowledge)  # e.g. a prior image the server is granted
         membership = None
         if A.reconstruction == "membership":
             cands, membership = _candidates(data, trial, batches, threat, cfg)
             knowledge["public_data"] = {"candidates": cands}
         # builtin, or the same rounds through a real Flower federation (fl.engine: flower)
-        rounds_fn = rounds_engine(cfg.fl.engine, flower=cfg.fl.flower)
+        rounds_fn = rounds_engine(cfg.fl)
         outcome = rounds_fn(model, clients, rounds=rounds, algorithm=cfg.fl.algorithm, lr=cfg.fl.lr,
                              local_epochs=cfg.fl.local_epochs, local_batch_size=cfg.fl.local_batch_size,
                              defenses=defenses, seed=cfg.seed, server_hook=attack.server_model,
@@ -151,8 +148,8 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
                 ev.metrics.update(defense.report(view.rounds))
                 test = data.test(mcfg.num_classes) if cfg.metrics.utility else None
                 if test is not None:
-                    ev.metrics.update(_utility(handle, model, outcome, cfg, test, dev) if modality == "text"
-                                      else _image_utility(model, outcome, cfg, test, dev))
+                    with final_global_model(model, outcome, cfg, eval_mode=mod.eval_mode_for_release()):
+                        ev.metrics.update(mod.accuracy(handle, model, cfg, test, dev))
                 ev.client, ev.trial = v, trial
                 evals.append(ev)
             infos.append(rec.info)
@@ -162,12 +159,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
                     "attack_reconstruct_seconds": t_rec, "attack_total_seconds": attack_time,
                     "client_step_seconds": t_client,
                     "attack_to_client_step_ratio": attack_time / max(t_client, 1e-12)})
-    if modality == "text":  # the text benchmarks' names (per trial)
-        T = cfg.trials
-        timings.update({"client_seconds": t_client / T, "attack_seconds": t_rec / T,
-                        "word_bag_seconds": float(np.mean([i.get("word_bag_seconds", float("nan")) for i in infos])),
-                        "sentence_seconds": float(np.mean([i.get("sentence_seconds", float("nan")) for i in infos])),
-                        "seconds_per_sentence": t_rec / T / max(1, cfg.data.batch_size)})
+    timings.update(mod.timings(cfg, infos, t_client, t_rec))  # the modality's benchmark names
     for k in sorted({k for i in infos for k in (i.get("timings") or {})}):  # the attack's own timings (mean over trials)
         vals = [float(i["timings"][k]) for i in infos if k in (i.get("timings") or {})]
         timings.setdefault(k, float(np.mean(vals)))
@@ -204,17 +196,12 @@ def train_global(cfg: ExperimentConfig, device, rounds: int, *, slices: int | No
     per = [p["images"] // slices for p in plan]
     settings = [{"batch_size": min(p["batch_size"], n), "epochs": p["epochs"]} for p, n in zip(plan, per)]
 
-    def accuracy() -> float:
-        if cfg.modality == "text":
-            return text_accuracy(handle, model, cfg, test, dev)["accuracy"]
-        was = model.training
-        model.eval()
-        try:
-            return image_accuracy(model, test, dev)["accuracy"]
-        finally:
-            model.train(was)
+    mod = modality_of(cfg)
 
-    rounds_fn = rounds_engine(cfg.fl.engine, flower=cfg.fl.flower)
+    def accuracy() -> float:
+        return mod.accuracy(handle, model, cfg, test, dev)["accuracy"]
+
+    rounds_fn = rounds_engine(cfg.fl)
     every = max(1, rounds // 2)  # the curve: before training, halfway and at the end
     curve, update_norms, sample_norms = [accuracy()], [], []
     diverged: dict[str, Any] | None = None
@@ -254,7 +241,7 @@ def federation(cfg: ExperimentConfig, dev: torch.device):
     """The honest federation of ``cfg`` without an attack (the utility run, the DP check): its data, the model handle
     on ``dev`` with the training-time defense applied, the model config, that defense, the round defenses and the
     clients' loss."""
-    data = ImageData(cfg) if cfg.modality == "image" else TextData(cfg)
+    data = modality_of(cfg).data(cfg)
     handle, mcfg = build_handle(cfg)
     defense = cfg.training_defense
     defense.apply(handle, cfg, data=data)
@@ -293,19 +280,19 @@ def build_handle(cfg: ExperimentConfig, stage=None):
     from gradleak.models import build
     from gradleak.peft import apply_peft
 
-    A, modality = cfg.attack_cls, cfg.modality
+    A = cfg.attack_cls
     dtype = cfg.model.dtype or ("float64" if A.needs_float64 else "float32")
     mcfg = cfg.model
     if mcfg.init_weights is None:
         mcfg = mcfg.model_copy(update={"init_weights": not A.rewrites_weights})
-    extra_build = {"num_channels": cfg.image_channels} if modality == "image" else {}
+    extra_build = dict(modality_of(cfg).build_kwargs(cfg))
     if getattr(mcfg, "pretrain", None) is not None:
         import sys
 
         extra_build["progress"] = lambda msg: print(msg, file=sys.stderr, flush=True)
     with (stage("model" + (" (pretraining, cached after the first run)" if "progress" in extra_build else ""))
           if stage is not None else contextlib.nullcontext()):
-        handle = build(mcfg, modality, image_size=cfg.data.image_size, seed=cfg.seed, dtype=dtype, **extra_build)
+        handle = build(mcfg, cfg.modality, image_size=cfg.data.image_size, seed=cfg.seed, dtype=dtype, **extra_build)
     apply_peft(handle, cfg.peft, seed=cfg.seed)
     if cfg.model.train_all:  # full fine-tuning (the leakage study's ResNet-18)
         for p in handle.model.parameters():
@@ -317,37 +304,24 @@ def clients_and_truth(handle, batches, loss_fn, dev, threat, cfg):
     """Clients from the private batches, plus the truth for evaluation and the facts the view may be granted."""
     from gradleak.fl.core import Client
 
-    clients, inputs_all, labels_all, texts_all, lengths = [], [], [], [], []
+    mod = modality_of(cfg)
+    clients, kept_all, raw_all, labels_all, lengths = [], [], [], [], []
     # data.samples_per_client: each client holds a dataset and trains each round on a batch of data.batch_size of it
     round_batch = cfg.data.batch_size if cfg.data.samples_per_client else None
     for i, (x, y) in enumerate(batches):
-        if handle.modality == "image":
-            inputs = (x.to(next(handle.model.parameters()).dtype) * 2 - 1).to(dev)
-            inputs_all.append(x)
-        else:
-            enc = handle.text_model.encode(x, cfg.data.max_length)
-            inputs = torch.stack([enc["input_ids"], enc["attention_mask"]], 1).to(dev)
-            texts_all += list(x)
-            inputs_all.append(enc)
-            lengths += enc["attention_mask"].sum(1).tolist()
+        inputs, kept, lens = mod.encode(handle, x, cfg, dev)
+        raw_all.append(x)
+        kept_all.append(kept)
+        lengths += lens
         clients.append(Client(i, inputs, y.to(dev), loss_fn=loss_fn, round_batch=round_batch, sample_seed=cfg.seed))
         labels_all.append(y)
     victim = slice(0, 1) if threat.individual_updates else slice(0, len(batches))  # what the observed update holds
     labels = torch.cat(labels_all[victim])
-    if handle.modality == "image":
-        truth_inputs = torch.cat(inputs_all[victim])
-    else:
-        truth_inputs = _pad_cat(inputs_all[victim], handle.tokenizer)
-        B = cfg.data.batch_size
-        lengths = lengths[: B] if threat.individual_updates else lengths
     per_update = len(labels) if round_batch is None else round_batch * (victim.stop - victim.start)  # one round's
     knowledge = {"knows_labels": {"labels": labels.tolist()},
                  "knows_batch_size": {"batch_size": int(per_update)}}
-    if handle.modality == "text":
-        knowledge["knows_lengths"] = {"lengths": [int(v) for v in lengths]}
-    truth = {"inputs": truth_inputs, "labels": labels, "_knowledge": knowledge}
-    if handle.modality == "text":
-        truth["texts"] = texts_all[: len(labels)] if threat.individual_updates else texts_all
+    truth = mod.truth(handle, kept_all[victim], raw_all, lengths, labels, threat, cfg, knowledge)
+    truth["_knowledge"] = knowledge
     return clients, truth
 
 
@@ -372,80 +346,6 @@ def _candidates(data, trial, batches, threat, cfg):
     return cands, member
 
 
-@contextlib.contextmanager
-def _final_global_model(model, outcome, cfg, *, eval_mode: bool):
-    """``model`` as the global model after the last round's aggregate (parameters stepped at the last round's lr, BN
-    buffers by the mean change), optionally in eval mode; restored to what the server sent on exit."""
-    from gradleak.fl.core import batchnorm_buffers
-    from gradleak.fl.engines.builtin import apply_aggregate
-
-    agg = outcome.last_aggregate
-    lr = cfg.fl.lr_at(cfg.fl.rounds - 1)
-    params = {n: p.detach().clone() for n, p in model.named_parameters() if n in agg.tensors}
-    buffers = batchnorm_buffers(model)
-    was = model.training
-    try:
-        apply_aggregate(model, agg, lr)
-        if eval_mode:
-            model.eval()
-        yield model
-    finally:  # leave the model as the server sent it (later trials restore it anyway)
-        with torch.no_grad():
-            named = dict(model.named_parameters())
-            for n, v in params.items():
-                named[n].copy_(v)
-            nb = dict(model.named_buffers())
-            for n, v in buffers.items():
-                nb[n].copy_(v.to(nb[n].device))
-        model.train(was)
-
-
-def _utility(handle, model, outcome, cfg, test, dev) -> dict[str, float]:
-    """Accuracy of the global model after the last round's aggregate, on held-out samples (:func:`text_accuracy`)."""
-    with _final_global_model(model, outcome, cfg, eval_mode=False):
-        return text_accuracy(handle, model, cfg, test, dev)
-
-
-def text_accuracy(handle, model, cfg, test, dev) -> dict[str, float]:
-    """``model``'s accuracy on held-out ``test`` texts: the classification accuracy (bidirectional models) or the
-    next-token accuracy (causal LMs, whose clients train the LM loss)."""
-    texts, labels = test
-    correct = total = 0
-    with torch.no_grad():
-        for a in range(0, len(texts), 64):
-            enc = handle.text_model.encode(texts[a:a + 64], cfg.data.max_length)
-            ids, mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
-            out = model(input_ids=ids, attention_mask=mask).logits
-            if handle.info.get("task") == "lm":
-                pred, gold, m = out[:, :-1].argmax(-1), ids[:, 1:], mask[:, 1:].bool()
-                correct += int((pred == gold)[m].sum())
-                total += int(m.sum())
-            else:
-                correct += int((out.argmax(-1).cpu() == labels[a:a + 64]).sum())
-                total += len(ids)
-    return {"accuracy": correct / max(total, 1), "test_samples": float(len(texts))}
-
-
-def _image_utility(model, outcome, cfg, test, dev) -> dict[str, float]:
-    """Test accuracy of the global model after the last round's aggregate, in eval mode (running statistics), on
-    ``data.test_size`` held-out images (:func:`image_accuracy`)."""
-    with _final_global_model(model, outcome, cfg, eval_mode=True):
-        return image_accuracy(model, test, dev)
-
-
-def image_accuracy(model, test, dev) -> dict[str, float]:
-    """``model``'s accuracy on held-out ``test`` images (as it is: the caller sets eval mode)."""
-    x, y = test
-    correct = 0
-    with torch.no_grad():
-        dtype = next(model.parameters()).dtype
-        for a in range(0, len(x), 256):
-            out = model((x[a:a + 256].to(dtype) * 2 - 1).to(dev))
-            logits = out.logits if hasattr(out, "logits") else out
-            correct += int((logits.argmax(-1).cpu() == y[a:a + 256]).sum())
-    return {"accuracy": correct / max(len(x), 1), "test_samples": float(len(x))}
-
-
 def round_defenses_and_loss(cfg: ExperimentConfig, handle, model):
     """The update defenses of every round (``defenses:``, then a ``defense:`` that is an update transform) and the
     clients' loss (the training-time defense's loss options and wrapper), as the pipeline trains with them."""
@@ -463,16 +363,6 @@ def round_defenses_and_loss(cfg: ExperimentConfig, handle, model):
     return defenses, defense.wrap_loss(loss_fn, model)
 
 
-def _pad_cat(encs: list[dict], tok) -> dict[str, torch.Tensor]:
-    if len(encs) == 1:
-        return encs[0]
-    L = max(e["input_ids"].shape[1] for e in encs)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    ids = torch.cat([torch.nn.functional.pad(e["input_ids"], (0, L - e["input_ids"].shape[1]), value=pad) for e in encs])
-    mask = torch.cat([torch.nn.functional.pad(e["attention_mask"], (0, L - e["attention_mask"].shape[1])) for e in encs])
-    return {"input_ids": ids, "attention_mask": mask}
-
-
 def always_public(handle, cfg) -> dict[str, Any]:
     """What the protocol makes public whatever the threat model: the architecture's interface, and the update
     defenses' configuration (a DP deployment publishes its mechanism and parameters; the server runs the protocol)."""
@@ -482,16 +372,13 @@ def always_public(handle, cfg) -> dict[str, Any]:
     # every declared defense -- the update list, the training-time `defense:`, secure aggregation, a framework's DP
     # wrapper -- resolved once into what the server knows of it (gradleak.defenses.declared)
     known = {"update_defenses": defenses, "declared_defenses": declared_defenses(cfg), "clients": cfg.fl.clients}
-    if handle.modality == "image":
-        return {"image_shape": (cfg.image_channels, cfg.data.image_size, cfg.data.image_size),
-                "num_classes": cfg.model.num_classes, **known}
-    return {"tokenizer": handle.tokenizer, "model_kind": handle.kind, "model_task": handle.info.get("task"), **known}
+    return {**modality_of(handle.modality).always_public(handle, cfg), **known}
 
 
 def peft_bottleneck(cfg, handle) -> int | None:
     """The PEFT bottleneck width the evaluation reads (adapter width, LoRA rank), or None."""
     if cfg.peft.kind == "adapters":
-        return handle.hidden_size // cfg.peft.reduction_factor if handle.modality == "text" else (cfg.peft.bottleneck or 64)
+        return modality_of(handle.modality).bottleneck(cfg, handle)
     if cfg.peft.kind == "lora":
         return cfg.peft.lora_rank
     return None
@@ -513,36 +400,16 @@ def _results(cfg, handle, evals, infos, metrics, timings) -> dict[str, Any]:
     notes = [f"threat model — {line}" for line in threat.describe()] + notes
     report = {"figures": figures, "figure_rows": [list(range(len(figures)))] if figures else [], "tables": tables,
               "notes": notes}
-    from gradleak.metrics import lpips_status
-    from gradleak.models.features import BACKBONE_NAME
-
     details = {"model": handle.name, "model_kind": handle.kind, "hidden_size": handle.hidden_size,
                "attack": {"name": cfg.attack.name, "params": cfg.attack_cfg.model_dump(mode="json"),
                           "requires": cfg.attack_cls.requires(cfg.attack_cfg)},
                "threat": threat.as_dict(),
-               "trials": [{"info": _jsonable(i)} for i in infos], "warnings": warnings}
+               "trials": [{"info": jsonable(i)} for i in infos], "warnings": warnings}
     # each attacked client's own warnings beside its metrics (evals and infos are appended together, one per client
     # and trial): the audit shows on its evidence only the warnings of the client that is the evidence
     details["per_client"] = [{"trial": e.trial, "client": e.client,
                               "metrics": {k: v for k, v in e.metrics.items() if isinstance(v, (int, float))},
                               "warnings": [i["warning"]] if i.get("warning") else []}
                              for e, i in zip(evals, infos)]
-    if handle.modality == "image":
-        details["feature_distance_backbone"] = BACKBONE_NAME if cfg.metrics.feature_distance else None
-        details["lpips"] = lpips_status()[1]
-        details["attack_info"] = _jsonable(infos[0])
-    else:
-        details["trials"] = [{"references": [r["reference"] for r in e.rows if r["verified"] != "-"],
-                              "reconstructions": [r["reconstruction"] for r in e.rows],
-                              "metrics": e.metrics, "info": _jsonable({k: v for k, v in i.items() if k != "word_bag"})}
-                             for e, i in zip(evals, infos)]
+    details.update(modality_of(handle.modality).details(cfg, evals, infos))
     return {"metrics": metrics, "timings": timings, "artifacts": artifacts, "details": details, "report": report}
-
-
-def _jsonable(d: dict) -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, torch.Tensor):
-            v = v.tolist() if v.numel() <= 64 else f"tensor{tuple(v.shape)}"
-        out[k] = v
-    return out

@@ -159,3 +159,14 @@ def apply_buffer_change(model, change: dict[str, torch.Tensor]) -> None:
             b = buffers[n]
             new = b.to(torch.float64) + d.to(device=b.device, dtype=torch.float64)
             b.copy_(torch.round(new).to(b.dtype) if not b.is_floating_point() else new.to(b.dtype))
+
+
+from gradleak.fl.engines import ENGINES, Engine  # noqa: E402  (the plug-in registration, after the round loop)
+
+
+@ENGINES.register("builtin", "gradleak's own round protocol, in this process")
+class BuiltinEngine(Engine):
+    name = "builtin"
+
+    def rounds(self, fl: Any) -> Callable[..., Any]:
+        return run_rounds

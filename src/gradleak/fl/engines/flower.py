@@ -11,15 +11,36 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
+from pydantic import Field
 
 from gradleak.errors import BadInput
+from gradleak.fl.engines import ENGINES, Engine
 from gradleak.fl.engines.builtin import RoundsOutcome
 from gradleak.fl.engines.flower_bridge import (GradleakStrategy, RecordedRound, legacy_mod, require_flower,
                                                run_inprocess, run_simulation_engine, to_arrays, to_tensors,
                                                update_defense_mod)
+from gradleak.validation import Checked
+
+
+class FlowerConfig(Checked):
+    """``fl.flower``: how the Flower engine runs (``fl.engine: flower``, :mod:`gradleak.fl.engines.flower`)."""
+
+    runtime: Literal["inprocess", "simulation"] = Field("inprocess", description="inprocess: every node in this "
+                                                        "process, no Ray; simulation: Flower's simulation engine (Ray)")
+    reply: Literal["weights", "update"] = Field("weights", description="clients reply with their new weights "
+                                                "(Flower's convention) or with the update itself")
+    dp: Literal["none", "server-fixed", "client-fixed", "local"] = Field(
+        "none", description="Flower's own DP: DifferentialPrivacyServerSideFixedClipping (server-fixed), "
+        "DifferentialPrivacyClientSideFixedClipping + fixedclipping_mod (client-fixed), LocalDpMod (local)")
+    noise_multiplier: float = Field(1.0, ge=0, le=1e6, description="central DP: noise std = multiplier × clipping norm / "
+                                    "clients (Flower's convention)")
+    clipping_norm: float = Field(1.0, gt=0, le=1e9, description="L2 bound of each client's weight change (Δw, not Δw/lr)")
+    local_sensitivity: float = Field(1.0, gt=0, le=1e9, description="LocalDpMod sensitivity")
+    local_epsilon: float = Field(1.0, gt=0, le=1e6, description="LocalDpMod epsilon")
+    local_delta: float = Field(1e-5, gt=0, lt=1, description="LocalDpMod delta")
 
 
 def _quiet_flower(verbose: bool) -> None:
@@ -67,7 +88,7 @@ def run_rounds_flower(model, clients: Sequence[Any], *, rounds: int, algorithm: 
     update defenses run in :func:`~gradleak.fl.engines.flower_bridge.update_defense_mod`, Flower's client-side DP in its own mods (:func:`~gradleak.fl.engines.flower_bridge.legacy_mod`). What
     the attacks get is what the strategy wrapper recorded, round by round. The server sends the trainable arrays,
     plus every frozen tensor that differs from the model the clients downloaded (a malicious server's poisoning).
-    ``flower`` is the ``fl.flower`` section (:class:`~gradleak.config.schema.FlowerConfig`: runtime, reply, dp)."""
+    ``flower`` is the ``fl.flower`` section (:class:`FlowerConfig`: runtime, reply, dp)."""
     require_flower()
     from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
@@ -209,3 +230,61 @@ def run_rounds_flower(model, clients: Sequence[Any], *, rounds: int, algorithm: 
     out.client_seconds, out.server_hook_seconds = clock["client"], clock["hook"]
     out.flower_computed = holder.get("computed", {})  # what the clients computed (tests compare the record to it)
     return out
+
+
+_SEES = {"none": "each client's update as sent",
+         "server-fixed": "each client's raw update (Flower clips and noises on the server, after it has them)",
+         "client-fixed": "each client's clipped update, without noise (the noise goes on the aggregate)",
+         "local": "each client's clipped and noised update (LocalDpMod)"}
+
+
+@ENGINES.register("flower", "the same rounds through a Flower ServerApp/ClientApp (the fl extra)")
+class FlowerEngine(Engine):
+    """``fl.engine: flower`` (:func:`run_rounds_flower`), configured by ``fl.flower`` (:class:`FlowerConfig`)."""
+
+    name = "flower"
+    section = FlowerConfig
+    extra = "fl"
+
+    def rounds(self, fl: Any) -> Callable[..., Any]:
+        from functools import partial
+
+        return partial(run_rounds_flower, flower=fl.flower)
+
+    def describe(self, fl: Any) -> str:
+        f = fl.flower
+        return (f"engine: Flower ({f.runtime}; clients reply with their "
+                f"{'new weights' if f.reply == 'weights' else 'update'}"
+                + (f"; Flower DP: {f.dp}, clipping norm {f.clipping_norm:g} on the weight change"
+                   + (f", noise multiplier {f.noise_multiplier:g}" if f.dp != "local" else
+                      f", epsilon {f.local_epsilon:g}, delta {f.local_delta:g}") if f.dp != "none" else "")
+                + f") -- the server sees {_SEES[f.dp]}")
+
+    def framework_dp(self, fl: Any) -> tuple[str, dict] | None:
+        if fl.flower.dp == "none":
+            return None
+        return f"Flower DP ({fl.flower.dp})", fl.flower.model_dump()
+
+    def dp_claims(self, cfg: Any, delta: float) -> list[dict]:
+        """Flower's central wrappers (RDP of the Gaussian mechanism; Flower keeps no accountant) and ``LocalDpMod``
+        (its per-round ε as the RDP of its noise multiplier over the rounds). The clip is in the upload's units:
+        Flower clips the weight change, the upload is the change / lr."""
+        from gradleak.accounting import classic_gaussian_z, gaussian_rdp_epsilon as gaussian_epsilon
+
+        f, lr = cfg.fl.flower, cfg.fl.lr
+        if f.dp in ("server-fixed", "client-fixed"):
+            z = f.noise_multiplier
+            return [{"name": f"flower {f.dp}", "clip": f.clipping_norm / lr, "covers": ["final_model", "every_round"],
+                     "delta": delta, "claim": lambda rounds, rep, z=z, mode=f.dp: (
+                         gaussian_epsilon(z, rounds, delta),
+                         f"RDP of the Gaussian mechanism (closed form, as Opacus' RDPAccountant; Flower's {mode} strategy "
+                         f"keeps no accountant), noise multiplier {z:g}, sampling rate 1, {rounds} round(s)")}]
+        if f.dp == "local":
+            z = classic_gaussian_z(f.local_epsilon, f.local_delta) * f.local_sensitivity / f.clipping_norm
+            return [{"name": "flower LocalDpMod", "clip": f.clipping_norm / lr,
+                     "covers": ["final_model", "every_round", "each_upload"], "delta": f.local_delta,
+                     "claim": lambda rounds, rep, z=z, e=f.local_epsilon: (
+                         gaussian_epsilon(z, rounds, f.local_delta),
+                         f"LocalDpMod's ε = {e:g} per round (classic Gaussian-mechanism bound); over {rounds} "
+                         f"round(s): RDP of its noise multiplier {z:.4g} (closed form, as Opacus' RDPAccountant)")}]
+        return []

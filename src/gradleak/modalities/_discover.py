@@ -1,0 +1,13 @@
+"""Imports every module of :mod:`gradleak.modalities`, so each modality registers itself in
+:data:`~gradleak.modalities.MODALITIES` (a modality's optional dependencies are imported inside its functions only)."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import gradleak.modalities as _pkg
+
+for _m in pkgutil.iter_modules(_pkg.__path__):
+    if not _m.name.startswith("_"):
+        importlib.import_module(f"{_pkg.__name__}.{_m.name}")

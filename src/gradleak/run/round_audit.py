@@ -1,0 +1,284 @@
+"""The audit of one recorded round of a framework's federation (Flower, NVFlare): every applicable attack on each
+client's own upload, scored against the client's data when a simulation knows it, and judged by the one judging
+step the CLI audit uses (:func:`gradleak.run.audit.judge`), with the one entry shape of ``audit.json``
+(:func:`gradleak.run.audit.client_row` per client, the worst client's judgement on the entry; docs/DESIGN.md §7).
+
+* :func:`attack_update` — one attack on one client's view: reconstruct, then score and judge against the truth, or
+  save the reconstruction for inspection (no truth on a real server). A refused attack is ``refused``, a crashed
+  one ``failed`` — never ``none``.
+* :class:`RoundAudit` — an ``on_round`` callback over :class:`~gradleak.fl.recorded.RecordedRound`: every client of
+  the round attacked on its own upload (the view's first update is the attacked one); under secure aggregation the
+  one sum, against every client's data. Writes ``OUT/round_<r>/audit.json``. The Flower audit
+  (:class:`gradleak.integrations.flower.FlowerAudit`) adds ``--advise`` to it; the NVFlare result filter
+  (:mod:`gradleak.integrations.nvflare`) calls it per round.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from gradleak.errors import BadInput
+from gradleak.fl.recorded import RecordedRound, view_of
+
+#: the judgement keys copied onto an attack's entry from its most leaking client
+ENTRY_KEYS = ("success", "level", "rule", "evidence", "metric", "value", "null_median", "null_p99", "p_value",
+              "criterion", "decided_by", "n_success", "n_total", "unit")
+
+
+def raw_config(config) -> dict:
+    """A gradleak config (a path or a mapping) as a raw mapping (a copy)."""
+    from gradleak.config.loading import load_yaml
+
+    return load_yaml(config) if isinstance(config, (str, Path)) else copy.deepcopy(dict(config))
+
+
+def validated_config(config, who: str = "the federation"):
+    """The validated experiment of a framework app's gradleak config (``audit:`` dropped; ``attack.name`` required:
+    it fixes the model's dtype the app trains in)."""
+    from gradleak.run.runner import validate
+
+    raw = raw_config(config)
+    raw.pop("audit", None)
+    if not (raw.get("attack") or {}).get("name"):
+        raise BadInput("attack.name", f"{who}'s config names no attack, so its model's dtype is not fixed.",
+                       "name the attack whose setting the app models (e.g. attack: {name: lora_span}).")
+    return validate(raw)[1]
+
+
+def save_reconstruction(rec, out_dir: Path, tokenizer=None) -> None:
+    """What an attack produced, for a human to inspect when nothing can score it (no ground truth): images as a PNG
+    grid, token sequences decoded, scores as numbers."""
+    from gradleak.run.results import write_json_atomic
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data, saved = rec.data, {"metrics": {k: float(v) for k, v in (getattr(rec, "metrics", {}) or {}).items()}}
+    if isinstance(data, dict) and isinstance(data.get("images"), torch.Tensor):
+        from gradleak.report import save_image_grid
+
+        save_image_grid(data["images"].detach().float().clamp(0, 1).cpu(), out_dir / "images.png")
+        saved["images"] = "images.png"
+    elif isinstance(data, dict) and "scores" in data:
+        saved["scores"] = {str(k): [float(x) for x in v] for k, v in dict(data["scores"]).items()}
+    elif isinstance(data, (list, tuple)) and tokenizer is not None:
+        saved["texts"] = [tokenizer.decode(list(s), skip_special_tokens=True).strip() for s in data]
+    write_json_atomic(out_dir / "reconstruction.json", saved)
+
+
+def attack_update(name: str, cfg, handle, view, truth: dict | None, *, device, null_pool=None,
+                  out_dir: Path) -> dict:
+    """Attack ``name`` (validated experiment ``cfg``) on one client's ``view`` of ``handle.model``: its judgement
+    (:func:`gradleak.run.audit.judge`) when ``truth`` is known, else ``{"success": None}`` with the reconstruction
+    saved under ``out_dir``; ``{"refused": why}`` / ``{"failed": error}`` when it could not run."""
+    from gradleak.attacks.base import AttackContext
+    from gradleak.run.audit import judge
+    from gradleak.run.pipeline import evaluate_update, public_protocol
+
+    A = cfg.attack_cls
+    threat = cfg.threat_model
+    public = {"batch_size": view.updates[0].num_samples} if threat.knows_batch_size else {}
+    ctx = AttackContext(seed=cfg.seed, device=device, threat=threat, fl=public_protocol(cfg), public=public)
+    try:
+        attack = A.from_config(cfg.attack_cfg, ctx)
+        attack.prepare(handle.model, threat)
+        out = attack.reconstruct(view)
+        if truth is None:
+            save_reconstruction(out, out_dir, handle.tokenizer)
+            return {"success": None}
+        ev = evaluate_update(out, truth, handle=handle, cfg=cfg, out_dir=out_dir, label=0, null_pool=null_pool)
+        one = judge(A.reconstruction, ev.metrics, cfg)
+        if one.get("n_total") is not None and A.reconstruction != "patches":
+            one["n_total"] = int(len(truth["labels"]))
+        return one
+    except BadInput as err:
+        return {"refused": str(err)}
+    except Exception as err:  # noqa: BLE001 -- one attack's crash must not stop the federation's audit
+        return {"failed": f"{type(err).__name__}: {err}"}
+
+
+def _summed(threat):
+    from dataclasses import replace as dc_replace
+
+    return dc_replace(threat, individual_updates=False)
+
+
+def fold_clients(entry: dict, rows: list[dict], threat) -> None:
+    """Put the per-client outcomes ``rows`` (``{"client", ...attack_update's result}``) on ``entry`` in the one shape:
+    ``per_client`` (:func:`gradleak.run.audit.client_row` each), the most leaking client's judgement,
+    ``worst_client``; an attack that ran on no client is not applicable (refused) or failed, with the reason."""
+    from gradleak.run.audit import client_row, leak_rank, server_words
+
+    ran = [o for o in rows if "success" in o]
+    if not ran:
+        first = rows[0]
+        entry.update({"applicable": "refused" not in first, "reason": first.get("refused") or first.get("failed", "")})
+        if "failed" in first:
+            entry["failed"] = first["failed"]
+        return
+    if all(o["success"] is None for o in ran):
+        entry.update({"success": None, "reason": "no ground truth on the server: the reconstructions are saved for "
+                      "inspection; see the clients' own scores",
+                      "per_client": [{"client": o["client"], "level": None, "success": None} for o in ran]})
+        return
+    worst = max(ran, key=leak_rank)
+    entry.update({k: worst[k] for k in ENTRY_KEYS if k in worst})
+    entry["threat_words"] = server_words(threat)
+    entry["success"] = any(o["success"] for o in ran)
+    if all(o.get("n_success") is not None for o in ran):
+        entry["n_success"] = sum(o["n_success"] for o in ran)
+        entry["n_total"] = sum(o["n_total"] for o in ran)
+    entry["worst_client"] = worst["client"]
+    entry["per_client"] = [client_row(o["client"], o) for o in ran]
+    skipped = [o for o in rows if "success" not in o]
+    if skipped:  # a client whose attack crashed or was refused: named, never counted as "none"
+        entry["clients_not_scored"] = [{"client": o["client"], "reason": o.get("failed") or o.get("refused", "")}
+                                       for o in skipped]
+
+
+class RoundAudit:
+    """gradleak's attacks on every audited round of a framework's federation (module docstring).
+
+    ``config`` is the gradleak config that describes the federation (model, PEFT, data kind, threat, fl); its
+    ``attack`` names the setting the app models, and every registered attack the config's gate accepts is run
+    (``attacks=[...]`` restricts them). Attacks that poison the weights the server sends cannot run after the fact:
+    they are listed as not run. ``truth(server_round) -> [(inputs, labels), ...]`` (per client id, the pipeline's
+    form: images in [0, 1], or texts) is what a *simulation* knows; with it every attack is scored and judged as
+    ``gradleak audit`` judges it. Without it (a real deployment) the reconstructions are saved for inspection.
+    Calling it with a :class:`~gradleak.fl.recorded.RecordedRound` returns the round's result and writes
+    ``OUT/round_<r>/audit.json``."""
+
+    who = "the federation"
+    log_prefix = "[round audit]"
+
+    def __init__(self, config, out_dir, *, attacks: Sequence[str] | None = None,
+                 truth: Callable[[int], list] | None = None, device: str = "cpu", log: Callable[[str], Any] = print):
+        from gradleak.registry import ATTACKS
+        from gradleak.run.audit import attack_names, candidate
+        from gradleak.run.pipeline import build_handle
+        from gradleak.run.runner import validate
+
+        self.raw = raw_config(config)
+        self.cfg = validated_config(self.raw, self.who)
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.truth, self.log, self.device = truth, log, torch.device(device)
+        names = list(attacks) if attacks else attack_names()
+        unknown = sorted(set(names) - set(ATTACKS.names()))
+        if unknown:
+            raise BadInput("attacks", f"unknown attack(s) {', '.join(unknown)}.", f"choose from {', '.join(ATTACKS.names())}.")
+        self.plans, self.not_run = [], []
+        for name in names:
+            try:
+                _, cfg = validate(candidate(self.raw, name))
+            except BadInput as err:
+                self.not_run.append({"name": name, "applicable": False, "reason": str(err)})
+                continue
+            if cfg.attack_cls.rewrites_weights:
+                self.not_run.append({"name": name, "applicable": False, "reason": "poisons the weights the server "
+                                     "sends, which a recorded honest federation did not do; run it through the "
+                                     "engine's server hook (gradleak run with fl.engine set)"})
+                continue
+            self.plans.append((name, cfg))
+        if not self.plans:
+            raise BadInput("attacks", "no attack applies to this federation's config: "
+                           + "; ".join(f"{e['name']}: {e['reason']}" for e in self.not_run[:4]),
+                           "check the config's model / PEFT kind / threat, or name attacks that apply.")
+        self.handle, _ = build_handle(self.cfg)
+        self.handle.model.to(self.device)
+        self.summary: list[dict] = []
+        self.null_pool = None  # chance, for the levels (public samples of the config's data no client holds)
+        if truth is not None:
+            from gradleak.modalities import modality_data
+
+            try:
+                self.null_pool = modality_data(self.cfg).null_pool(0)
+            except (BadInput, OSError, ValueError) as err:
+                self.log(f"{self.log_prefix} no null pool ({err}): levels will be undefined")
+
+    def targets(self, rec: RecordedRound) -> list[tuple[Any, Any, dict | None]]:
+        """``(client label, view, truth)`` per attacked update of ``rec``: each client on its own upload (first in
+        its view), or the one sum against every client's data."""
+        from gradleak.fl.core import default_classification_loss
+        from gradleak.run.pipeline import always_public, clients_and_truth
+
+        h, base, model = self.handle, self.cfg, self.handle.model
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for k, v in rec.sent.items():
+                if k in params:
+                    params[k].copy_(v.to(device=params[k].device, dtype=params[k].dtype))
+        threat = base.threat_model
+        batches = self.truth(rec.server_round) if self.truth is not None else None
+        victims = [None] if (rec.aggregated or not threat.individual_updates) else list(range(len(rec.updates)))
+        always = always_public(h, base)
+        out = []
+        for v in victims:
+            r_v = rec if v is None else RecordedRound(rec.server_round, rec.sent, rec.replies,
+                                                      rec.updates[v:] + rec.updates[:v], rec.aggregated,
+                                                      rec.aggregate, rec.note)
+            knowledge, truth = {}, None
+            if batches is not None:
+                b_v = batches if v is None else [batches[rec.updates[v].client_id]] + [
+                    batches[u.client_id] for u in rec.updates if u is not rec.updates[v]]
+                _, truth = clients_and_truth(h, b_v, h.loss_fn or default_classification_loss, self.device,
+                                             threat if v is not None else _summed(threat), base)
+                knowledge = truth.pop("_knowledge")
+            view = view_of([r_v], model=model, threat=threat, knowledge=knowledge, always_public=always)
+            out.append(("sum" if v is None else rec.updates[v].client_id, view, truth))
+        return out
+
+    def audit(self, rec: RecordedRound) -> dict:
+        """The round's result (not written): every plan on every target, judged, with the verdict."""
+        from gradleak.run.audit import verdict_and_headline
+
+        t_round = time.perf_counter()
+        threat = self.cfg.threat_model
+        rdir = self.out / f"round_{rec.server_round}"
+        targets = self.targets(rec)
+        entries = []
+        for name, cfg in self.plans:
+            entry = {"name": name, "reconstruction": cfg.attack_cls.reconstruction, "applicable": True,
+                     "threat": threat.capability}
+            t0 = time.perf_counter()
+            rows = [{"client": cid, **attack_update(name, cfg, self.handle, view, truth, device=self.device,
+                                                    null_pool=self.null_pool, out_dir=rdir / name / f"client_{cid}")}
+                    for cid, view, truth in targets]
+            entry["seconds"] = time.perf_counter() - t0
+            fold_clients(entry, rows, threat)
+            entries.append(entry)
+            n_ran = len(entry.get("per_client") or [])
+            self.log(f"{self.log_prefix} round {rec.server_round} {name}: "
+                     + ("SUCCESS" if entry.get("success") else "no success" if entry.get("success") is False else
+                        entry.get("failed") or entry.get("reason", "")[:80])
+                     + (f" ({entry['metric']} = {entry['value']:.4g}, worst of {n_ran} update(s))"
+                        if isinstance(entry.get("value"), (int, float)) else ""))
+        judged = [e for e in entries if e.get("success") is not None and "level" in e]
+        verdict, headline = verdict_and_headline(judged) if judged else (
+            "not_scored", "no ground truth on the server: see the clients' own scores")
+        return {"server_round": rec.server_round, "verdict": verdict, "headline": headline,
+                "aggregated": rec.aggregated, "note": rec.note, "attacks": entries + self.not_run,
+                "client_scores": {str(k): v for k, v in rec.client_metrics.items() if v},
+                "seconds": time.perf_counter() - t_round}
+
+    def write(self, result: dict, summary_name: str = "round_audit.json") -> None:
+        """``OUT/round_<r>/audit.json`` and the summary of every audited round (``OUT/<summary_name>``), atomically."""
+        from gradleak.run.results import write_json_atomic
+
+        rdir = self.out / f"round_{result['server_round']}"
+        rdir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(rdir / "audit.json", result)
+        self.summary.append({k: result[k] for k in ("server_round", "verdict", "headline", "aggregated", "seconds")}
+                            | {"values": {e["name"]: e.get("value") for e in result["attacks"] if e not in self.not_run},
+                               "client_scores": result["client_scores"]}
+                            | ({"advice": {k: result["advice"].get(k) for k in ("sentence", "recommendation")}}
+                               if "advice" in result else {}))
+        write_json_atomic(self.out / summary_name, {"rounds": self.summary, "config": self.raw})
+
+    def __call__(self, rec: RecordedRound) -> dict:
+        result = self.audit(rec)
+        self.write(result)
+        return result
