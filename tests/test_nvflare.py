@@ -154,20 +154,6 @@ def test_nvflare_missing_is_named(monkeypatch):
         nvb.require_nvflare()
 
 
-def test_nvflare_engine_through_the_pipeline_matches_builtin(tmp_path):
-    """The whole pipeline (data, MiniLM + adapters, UTR, evaluation) on fl.engine=nvflare gives the builtin result."""
-    from gradleak.config.loading import load_yaml
-    from gradleak.run.runner import run_config
-
-    raw = load_yaml(str(ROOT / "configs/audit/text_adapters.yaml"))
-    out = {}
-    for eng in ("builtin", "nvflare"):
-        res = run_config(copy.deepcopy(raw), tmp_path / eng, overrides=[f"fl.engine={eng}", "attack.name=utr"])
-        out[eng] = res["metrics"]
-    assert out["nvflare"]["sentences_exact"] == out["builtin"]["sentences_exact"] == 2
-    assert out["nvflare"]["rouge1"] == out["builtin"]["rouge1"] == 100.0
-
-
 # ------------------------------------------------------------------------------------------ the audit filter
 
 TEXT = str(ROOT / "examples/nvflare/text_adapters.yaml")
