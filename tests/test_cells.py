@@ -120,6 +120,22 @@ def test_rows_are_written_as_before_and_the_pool_executor_agrees(tmp_path):
     assert cell_dir_name("seed=1,x=\"a/b\"").startswith("seed=1_x=_a_b_-")
 
 
+def test_the_pool_stays_warm_between_calls_and_a_dead_worker_is_replaced():
+    """Two calls reuse the same spawned worker (imports and per-process caches paid once: an --advise search's
+    probes); a worker that dies fails its own job only, and the next call gets a fresh pool that works."""
+    import os
+
+    from gradleak.run import cells
+
+    pid1 = [v for _, v in cells.pool_results(os.getpid, [()], 1)]
+    pid2 = [v for _, v in cells.pool_results(os.getpid, [()], 1)]
+    assert pid1 == pid2 and pid1[0] != os.getpid()
+    died = [v for _, v in cells.pool_results(os._exit, [(3,)], 1)]
+    assert isinstance(died[0], BaseException)  # BrokenProcessPool, recorded by the caller as the cell's error
+    pid3 = [v for _, v in cells.pool_results(os.getpid, [()], 1)]
+    assert isinstance(pid3[0], int) and pid3 != pid1
+
+
 def test_the_benchmarks_row_helper(tmp_path, monkeypatch):
     """``_bench.run_cells``: the row's leading fields, what ``fill`` copies, ``error`` (+ error_fields) on failure,
     ``wall_seconds`` last; the published rows' shapes."""

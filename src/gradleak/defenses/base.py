@@ -73,6 +73,8 @@ class Defense:
     #: median of the baseline utility run's ``update_norms`` (the uploads) or ``sample_gradient_norms`` (per sample),
     #: the median quantile of adaptive clipping (:func:`gradleak.run.advise_utility.fitted_clip`); None: no clip
     clip_fit: ClassVar[Optional[tuple[str, str, str]]] = None
+    #: what a DP mechanism's advice epsilon is (its accountant, δ), added to the row's ``epsilon_note``; empty: nothing
+    epsilon_words: ClassVar[str] = ""
 
     @classmethod
     def describe(cls, params: dict[str, Any]) -> str:

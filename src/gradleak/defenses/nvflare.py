@@ -56,18 +56,13 @@ from gradleak.errors import BadInput
 from gradleak.fl.core import Update
 from gradleak.registry import DEFENSES
 
-EXTRA = "nvflare"
 
 
 def require_nvflare(field: str) -> None:
-    """BadInput naming the ``nvflare`` extra when NVFlare is not installed."""
-    try:
-        import nvflare  # noqa: F401
-        from nvflare.apis.dxo_filter import DXOFilter  # noqa: F401
-    except ImportError:
-        raise BadInput(field, "NVFlare's privacy filters need NVFlare, which is not installed.",
-                       f"install the `{EXTRA}` extra (pip install 'gradleak[{EXTRA}]', NVFlare 2.9), or use gradleak's "
-                       "own defenses (gradleak list defenses).") from None
+    """BadInput naming ``field`` and the ``nvflare`` extra when NVFlare is not installed (or not 2.9)."""
+    from gradleak.fl.engines.nvflare_bridge import require_nvflare as require
+
+    require(field, "NVFlare's privacy filters")
 
 
 def fl_context():
@@ -141,8 +136,13 @@ class _NVFlareFilter(UpdateDefense):
     registered_name = "nvflare"
 
     def check_experiment(self, cfg: Any) -> None:
-        """Not applicable without NVFlare (the audit's list of applicable defenses leaves it out)."""
-        require_nvflare(f"defenses.{self.registered_name}")
+        """Not applicable without NVFlare (the audit's list of applicable defenses leaves it out); read from the
+        package metadata, without importing NVFlare."""
+        from gradleak.fl.engines.nvflare_bridge import nvflare_problem
+
+        problem = nvflare_problem(f"defenses.{self.registered_name}", "NVFlare's privacy filters")
+        if problem is not None:
+            raise problem
 
     def check(self) -> None:
         """The parameters beyond their types."""
@@ -208,6 +208,8 @@ class NVFlareSVT(_NVFlareFilter):
 
     seeded = True
     is_dp = True
+    epsilon_words = ("pure ε-DP (δ = 0) as NVFlare's own SVTPrivacy accountant sums it: epsilon + n_upload × noise_var "
+                     "per client per round, summed over the rounds (the worst client)")
     registered_name = "nvflare_svt"
     advice = ({"stage": "training", "param": "noise_var", "weak": 100.0, "strong": 1e-3, "scale": "log", "fixed": {},
                "order": 12, "rank": 12,

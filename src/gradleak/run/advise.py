@@ -34,8 +34,11 @@ the defense, on ``data.test_size`` held-out samples (:data:`TEST_SIZE` when the 
 cells of the same JSONL. DP mechanisms report epsilon at :data:`DELTA` twice: ``epsilon`` over the utility rounds
 (the training whose accuracy is reported) and ``epsilon_attacked`` over the audited round(s) (what the probe's
 attacker faced): DP-SGD from its own accountant (per-sample clipping, sampling rate of its local steps), DP-Gaussian
-the Gaussian mechanism's RDP epsilon (Opacus' ``RDPAccountant``, sampling rate 1, one step per round); other
-defenses have none (no bounded sensitivity). ``executor`` (``--executor``): ``inline``, or ``local`` / ``ray`` (the
+the Gaussian mechanism's RDP epsilon (Opacus' ``RDPAccountant``, sampling rate 1, one step per round), NVFlare's
+SVT filter its own accountant (pure DP) -- each DP defense's own
+:meth:`~gradleak.defenses.base.Defense.advice_epsilon`; other defenses have none (no bounded sensitivity). The
+candidates are every registered defense's :attr:`~gradleak.defenses.base.Defense.advice` brackets and secure
+aggregation (:func:`gradleak.run.advise_options.candidates`). ``executor`` (``--executor``): ``inline``, or ``local`` / ``ray`` (the
 cell loop's executors, :mod:`gradleak.run.cells`) to run the strong-end probes of every candidate and the utility
 runs in parallel (the bisection steps depend on each other and stay sequential).
 """
@@ -656,6 +659,8 @@ def measure_utility(base: dict, found: list[tuple[dict, dict]], advice: dict, ru
         if clip_fit(spec) is not None:
             r["epsilon_note"] = (f"epsilon over the {u.get('rounds')} utility round(s) (the training whose accuracy is "
                                  f"reported); epsilon_attacked over the audited {attacked_rounds} round(s)")
+        if cls is not None and cls.epsilon_words:  # the defense's own words on its accountant
+            r["epsilon_note"] = "; ".join(x for x in (r.get("epsilon_note"), cls.epsilon_words) if x)
         if spec["name"] == "secure_aggregation":
             r["utility_note"] = (f"trains {fmt(r['strength'])} clients' batches a round (the baseline: the configured "
                                  "clients'): the cost compares federations of different sizes")

@@ -178,24 +178,64 @@ def _die_with_parent(parent_pid: int, interval: float = 0.5) -> None:
     threading.Thread(target=watch, name="gradleak-parent-watch", daemon=True).start()
 
 
+#: the warm worker pools of this process, by size (:func:`pool_results`)
+_POOLS: dict[int, Any] = {}
+
+
+def _shutdown_pools() -> None:
+    for pool in list(_POOLS.values()):
+        pool.shutdown(wait=False, cancel_futures=True)
+    _POOLS.clear()
+
+
+def _warm_pool(workers: int):
+    """The process pool of ``workers`` spawned processes this process keeps between calls (started on first use;
+    each worker starts when a job first needs it). A pool whose worker died is replaced."""
+    import atexit
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    pool = _POOLS.get(workers)
+    if pool is not None and getattr(pool, "_broken", False):
+        pool.shutdown(wait=False, cancel_futures=True)
+        pool = None
+    if pool is None:
+        if not _POOLS:
+            atexit.register(_shutdown_pools)
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
+                                   initializer=_die_with_parent, initargs=(os.getpid(),))
+        _POOLS[workers] = pool
+    return pool
+
+
 def pool_results(fn: Callable, jobs: list[tuple], workers: int):
     """Yield (job index, ``fn(*job)`` or the exception it raised) as jobs finish, from ``workers`` spawned processes
-    (``OMP_NUM_THREADS=1`` for them: one torch thread each). ``fn`` must be importable at module level."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    (``OMP_NUM_THREADS=1`` for them: one torch thread each). ``fn`` must be importable at module level.
+
+    The pool stays warm between calls (:func:`_warm_pool`): an ``--advise`` search's probes, an audit's runs and a
+    sweep's cells reuse the workers, which pay the imports (torch, transformers: seconds) and fill their per-process
+    caches (image sets, nulls) once. Every job is independent of what ran before it in its worker, as in the
+    ``inline`` executor, where all run in one process. An interrupt (or any error of the loop itself) shuts the pool
+    down, so no worker outlives a killed run."""
+    from concurrent.futures import as_completed
 
     env = os.environ.copy()
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
+    n = max(1, int(workers))
     try:
-        with ProcessPoolExecutor(max_workers=max(1, min(int(workers), len(jobs))),
-                                 mp_context=mp.get_context("spawn"), initializer=_die_with_parent,
-                                 initargs=(os.getpid(),)) as pool:
-            futs = {pool.submit(fn, *job): i for i, job in enumerate(jobs)}
-            for f in as_completed(futs):
-                try:
-                    yield futs[f], f.result()
-                except Exception as err:  # noqa: BLE001 -- the caller records it
-                    yield futs[f], err
+        pool = _warm_pool(n)
+        futs = {pool.submit(fn, *job): i for i, job in enumerate(jobs)}
+        for f in as_completed(futs):
+            try:
+                yield futs[f], f.result()
+            except Exception as err:  # noqa: BLE001 -- the caller records it
+                yield futs[f], err
+    except BaseException:
+        _POOLS.pop(n, None)
+        pool = locals().get("pool")
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        raise
     finally:
         os.environ.clear()
         os.environ.update(env)

@@ -32,7 +32,8 @@ from pydantic import Field
 
 from gradleak.errors import BadInput
 from gradleak.fl.engines import ENGINES, Engine
-from gradleak.fl.engines.nvflare_bridge import ClientSide, ServerRounds, require_nvflare, run_inprocess
+from gradleak.fl.engines.nvflare_bridge import (ClientSide, ServerRounds, nvflare_problem, require_nvflare,
+                                                run_inprocess)
 from gradleak.validation import Checked
 
 
@@ -171,7 +172,9 @@ class NVFlareEngine(Engine):
         return partial(run_rounds_nvflare, nvflare=fl.nvflare)
 
     def check(self, cfg: Any) -> None:
-        require_nvflare()
+        problem = nvflare_problem()  # from the package metadata: validation does not import NVFlare
+        if problem is not None:
+            raise problem
         nv = cfg.fl.nvflare
         if nv.runtime == "simulator" and cfg.attack_cls.rewrites_weights:
             raise BadInput("fl.nvflare.runtime", f"the attack {cfg.attack.name} rewrites the weights the server sends, "

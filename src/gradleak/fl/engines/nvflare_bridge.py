@@ -53,19 +53,38 @@ META_SAMPLES = "gradleak.num_examples"
 NVFLARE_WEIGHT = "NUM_STEPS_CURRENT_ROUND"  # NVFlare's FedAvg weighs a result by this meta key (set to the samples)
 
 
-def require_nvflare():
-    """The ``nvflare`` module, or a clear error naming the install command / the supported version."""
+def nvflare_problem(field: str = "fl.engine", what: str = "the NVFlare integration") -> BadInput | None:
+    """Why NVFlare cannot be used (not installed, or a version outside :data:`NVFLARE_RANGE`), read from the package
+    metadata without importing NVFlare (seconds); None when it can."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("nvflare") is None:
+        return BadInput(field, f"{what} needs the optional `nvflare` extra (NVFlare), which is not installed.",
+                        f"install it with `{INSTALL}`.")
+    try:
+        version = importlib.metadata.version("nvflare")
+    except importlib.metadata.PackageNotFoundError:
+        return None  # an unpackaged checkout: the import decides
+    ver = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    lo, hi = NVFLARE_RANGE
+    if not (lo <= ver < hi):
+        return BadInput("nvflare", f"NVFlare {version} is installed, but gradleak's NVFlare integration supports "
+                        f"nvflare {lo[0]}.{lo[1]}.x (FLModel, ModelController, FedJob, the privacy filters as of 2.9).",
+                        f"install a supported version: `{INSTALL}`.")
+    return None
+
+
+def require_nvflare(field: str = "fl.engine", what: str = "the NVFlare integration"):
+    """The ``nvflare`` module, or a clear error naming the field, the install command / the supported version."""
+    problem = nvflare_problem(field, what)
+    if problem is not None:
+        raise problem
     try:
         import nvflare
     except ImportError:
-        raise BadInput("fl.engine", "the NVFlare integration needs the optional `nvflare` extra (NVFlare), which is "
-                       "not installed.", f"install it with `{INSTALL}`.") from None
-    ver = tuple(int(p) for p in str(nvflare.__version__).split(".")[:2] if p.isdigit())
-    lo, hi = NVFLARE_RANGE
-    if not (lo <= ver < hi):
-        raise BadInput("nvflare", f"NVFlare {nvflare.__version__} is installed, but gradleak's NVFlare integration "
-                       f"supports nvflare {lo[0]}.{lo[1]}.x (FLModel, ModelController, FedJob as of 2.9).",
-                       f"install a supported version: `{INSTALL}`.")
+        raise BadInput(field, f"{what} needs the optional `nvflare` extra (NVFlare), which is not installed.",
+                       f"install it with `{INSTALL}`.") from None
     return nvflare
 
 
