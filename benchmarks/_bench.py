@@ -78,6 +78,36 @@ def revision() -> str:
         return "unknown"
 
 
+#: the sentence each docs section with a revision column carries once
+REVISION_NOTE = ("Revision (last column): the code revision that wrote the row (`+dirty`: src/ had uncommitted changes); "
+                 "`committed with <hash>`: written before rows recorded their revision -- the commit that added the row, "
+                 "found in git by `scripts/revisions_from_blame.py` (the code that produced it is that commit's or "
+                 "older); an aggregate lists its rows' revisions.")
+
+
+def revision_label(rows: dict | Iterable[dict | None] | None) -> str:
+    """The code revision(s) behind a table row, compact (issue 41): the short hash the row recorded when it was
+    written; ``committed with <hash>`` for a row written before rows recorded it, whose revision was recovered from
+    git as the commit that added the row (``revision_committed_with``, by ``scripts/revisions_from_blame.py``: the
+    code that produced it is that commit or an earlier one); ``not recorded`` where neither is known; ``–`` for no
+    row. Several rows (an aggregate): their recorded revisions, then ``committed with <hash>, <hash>``, then ``not
+    recorded``, separated by ``; ``."""
+    if rows is None or isinstance(rows, dict):
+        rows = [rows]
+    recorded, committed, unknown = set(), set(), False
+    for r in rows:
+        if r is None:
+            continue
+        if r.get("revision"):
+            recorded.add(str(r["revision"]))
+        elif r.get("revision_committed_with"):
+            committed.add(str(r["revision_committed_with"]))
+        else:
+            unknown = True
+    labels = sorted(recorded) + ([f"committed with {', '.join(sorted(committed))}"] if committed else [])
+    return "; ".join(labels + (["not recorded"] if unknown else [])) or "–"
+
+
 
 def latest_rows(jsonl: Path) -> list[dict]:
     """The latest row of every cell (in the order cells first appear)."""

@@ -14,6 +14,8 @@ from typing import Callable
 
 from gradleak.report.markdown import markdown_table
 
+from _bench import revision_label
+
 SEEDS = (0, 4242)  #: seed 0 tuned on (the extended search's development seed), 4242 a new seed (same sentences)
 #: what the tables say beside a seed (issue 41: held out = data no tuned cell drew). A text cell's seed permutes the
 #: same 200 RT sentences, so seed 4242's batches are mostly sentences the seed-0 cells draw (``utr.SEED_OVERLAP``,
@@ -98,7 +100,7 @@ def paper_table(by: dict[str, dict], paper_t1: dict) -> str | None:
                              "verified s0 · s4242": _verified(cells),
                              "paper (RT)": paper,
                              "command (both seeds)": f"`python benchmarks/utr.py --only table1 --cells "
-                                                     f"'t1/{m}/{key}/B{B}/s*'`"})
+                                                     f"'t1/{m}/{key}/B{B}/s*'`", "revision": revision_label(cells)})
     body = ("### Table 1, UTR as published vs ours (issue 28 item 7)\n\n"
             f"Reduction factor 2, first two layers, FedSGD (one step, lr 0.5), ε = 1e-3 for both stages, {TRIALS} "
             "batches per cell (means); `verified` = sentences per batch the attack proves (every state in S_LA, or the value "

@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import (ROOT, add_out_args, display, fmt_num, latest_rows, resolve_out, run_cells, start_fresh,  # noqa: E402
-                    write_section)
+from _bench import (REVISION_NOTE, ROOT, add_out_args, display, fmt_num, latest_rows, resolve_out, revision_label,  # noqa: E402
+                    run_cells, start_fresh, write_section)
 from gradleak.report.markdown import markdown_table  # noqa: E402
 from gradleak.run.results import write_json_atomic  # noqa: E402
 
@@ -139,7 +139,8 @@ def report(out: Path, args) -> int:
           + "; ".join(f"`{name}` runs with `--only {','.join(only)}` (not {LEFT_OUT.get(name, 'its other attacks')})"
                       for name, (_, only) in CONFIGS.items() if only)
           + ". A strength found for such a cell stops the attacks of its `leaking` line only; no strength is searched "
-          "for the attacks left out (a round trip that lists them measured them at the recommended strength only).", ""]
+          "for the attacks left out (a round trip that lists them measured them at the recommended strength only).", "",
+          REVISION_NOTE, ""]
     for r in rows:
         b = r.get("baseline") or {}
         if r.get("config_sha") != config_sha(r["config"]):  # measured on another version of the shipped config
@@ -171,11 +172,13 @@ def report(out: Path, args) -> int:
                   "eps": _fmt(x.get("epsilon")) + (f" ({_fmt(x['epsilon_attacked'])})"
                                                    if x.get("epsilon_attacked") is not None else ""),
                   "clip": _fmt(x.get("clip_norm")),
-                  "status": "; ".join(v for v in (x.get("status"), x.get("utility_note")) if v) or "–"}
+                  "status": "; ".join(v for v in (x.get("status"), x.get("utility_note")) if v) or "–",
+                  "revision": revision_label(r)}
                  for x in r.get("rows") or []]
-        md += [markdown_table(table, ["defense", "strength", "bracket", "levels", "acc", "cost", "eps", "clip", "status"],
+        md += [markdown_table(table, ["defense", "strength", "bracket", "levels", "acc", "cost", "eps", "clip", "status",
+                                      "revision"],
                               ["defense", "weakest stopping strength", "bracket", "levels there", "accuracy",
-                               "cost", "ε (audited round)", "clip norm", "status"]), ""]
+                               "cost", "ε (audited round)", "clip norm", "status", "revision"]), ""]
         trip = r.get("roundtrip")
         md += [f"{r.get('sentence') or ''}" + (f" {r['cost_note'][0].upper()}{r['cost_note'][1:]}." if r.get("cost_note") else ""),
                "", ("Round trip (the recommendation set in the config, a plain audit): **" + trip["verdict"] + "** ("
@@ -207,12 +210,14 @@ def before_after(jsonl: Path, rows: list[dict]) -> list[str]:
             return (f"{_fmt(x['strength'])}" if x.get("strength") is not None else (x.get("status") or "–"))
 
         names = [x["defense"] for x in r.get("rows") or []]
-        table = [{"defense": n, "before": found(old, n), "after": found(r, n)} for n in names]
+        table = [{"defense": n, "before": found(old, n), "after": found(r, n),
+                  "revision": f"{revision_label(old)} → {revision_label(r)}"} for n in names]
         rec = lambda row: (f"{row['recommendation']['defense']} {_fmt(row['recommendation'].get('strength'))}"  # noqa: E731
                            if row.get("recommendation") else "none")
-        out += [f"**{r['cell']}, before and after** (revision {old.get('revision', 'earlier, not recorded')} → "
-                f"{r.get('revision', '?')}; weakest stopping strength, or the status):", "",
-                markdown_table(table, ["defense", "before", "after"], ["defense", "before", "after"]), "",
+        out += [f"**{r['cell']}, before and after** (revision {revision_label(old)} → "
+                f"{revision_label(r)}; weakest stopping strength, or the status):", "",
+                markdown_table(table, ["defense", "before", "after", "revision"],
+                               ["defense", "before", "after", "revision (before → after)"]), "",
                 f"Recommended before: {rec(old)}; after: {rec(r)}. Round trip after: "
                 f"{(r.get('roundtrip') or {}).get('verdict', 'none')}.", ""]
     return out

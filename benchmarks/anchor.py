@@ -44,8 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import (ROOT, add_out_args, check_configs, display, fmt_num, latest_rows,  # noqa: E402
-                    resolve_out, run_cells as run_bench_cells, start_fresh, write_section)
+from _bench import (REVISION_NOTE, ROOT, add_out_args, check_configs, display, fmt_num, latest_rows,  # noqa: E402
+                    resolve_out, revision, revision_label, run_cells as run_bench_cells, start_fresh, write_section)
 from lora_vit import mean_std, welch  # noqa: E402  (one Welch test and one mean (std) format for both tables)
 from gradleak.run.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
@@ -151,6 +151,7 @@ def pretrained_backbones(out: Path, settings: set[str]) -> dict:
                   progress=lambda m: print(m, flush=True))
         info[s] = {k: v for k, v in h.info.items() if k.startswith("pretrain_") and k != "pretrain_cache"}
         info[s]["recipe"] = cfg.model.pretrain.model_dump()
+        info[s]["revision"] = revision()
         write_json_atomic(path, info)
     return info
 
@@ -176,8 +177,10 @@ def run(cells: list[dict], out: Path, device: str) -> None:
         row = {k: c[k] for k in ("cell", "lane", "setting", "scale", "backbone", "attack", "anchor", "image", "seed",
                                  "overrides")}
         row["command"] = command(c) + ("" if device == "cpu" else f" --device {device}")
+        row["revision"] = rev  # the code revision that writes the row
         return row
 
+    rev = revision()
     run_bench_cells(out / f"{NAME}.jsonl", [(first(c), run_file, (CONFIG, out / NAME / c["cell"], c["overrides"], device))
                                             for c in cells], fill, label=NAME)
 
@@ -220,6 +223,7 @@ def summary(cells: list[dict], out: Path) -> dict:
                 s[f"p_{m}"] = welch(p[m], q[m])
         rs = g["plain"] + g["anchor"]
         s["example_overrides"] = rs[0]["overrides"] if rs else None
+        s["revision"] = revision_label(rs)
         out_s[key] = s
     return out_s
 
@@ -234,15 +238,16 @@ def med(v: list[float]) -> float | None:
 
 
 def lane_status(cells: list[dict], out: Path) -> list[dict]:
-    rows = {r["cell"] for r in latest_rows(out / f"{NAME}.jsonl") if "error" not in r} \
-        if (out / f"{NAME}.jsonl").exists() else set()
+    rows = {r["cell"]: r for r in latest_rows(out / f"{NAME}.jsonl") if "error" not in r} \
+        if (out / f"{NAME}.jsonl").exists() else {}
     table = []
     for lane, (what, _) in LANES.items():
         mine = [c for c in cells if c["lane"] == lane]
         done = sum(c["cell"] in rows for c in mine)
         table.append({"lane": lane, "holds": what, "cells done": f"{done} / {len(mine)}",
                       "status": "done" if done == len(mine) else ("partial" if done else "not run"),
-                      "command": f"`benchmarks/anchor.py --out benchmarks/out --lane {lane}`"})
+                      "command": f"`benchmarks/anchor.py --out benchmarks/out --lane {lane}`",
+                      "revision": revision_label([rows[c["cell"]] for c in mine if c["cell"] in rows])})
     return table
 
 
@@ -309,7 +314,7 @@ def size_check(summ: dict) -> str:
 def markdown(summ: dict, cells: list[dict], out: Path, pretrain: dict) -> str:
     cols = ["setting", "scale", "backbone", "attack", "seed", "images", "n", "PSNR", "PSNR + anchor", "Δ PSNR", "p",
             "SSIM", "SSIM + anchor", "Δ SSIM", "p (SSIM)", "null PSNR p99", "flat / grey PSNR", "null SSIM p99",
-            "flat / grey SSIM", "beyond null", "command (U = each image)"]
+            "flat / grey SSIM", "beyond null", "command (U = each image)", "revision"]
     table = []
     for s in summ.values():
         p, q = s["plain"], s["anchor"]
@@ -329,10 +334,12 @@ def markdown(summ: dict, cells: list[dict], out: Path, pretrain: dict) -> str:
             "flat / grey PSNR": f"{fmt_num(med(pooled(s, 'psnr_flat')), '.2f')} / {fmt_num(med(pooled(s, 'psnr_grey')), '.2f')}",
             "null SSIM p99": fmt_num(med(pooled(s, "ssim_max_null_p99")), ".3f"),
             "flat / grey SSIM": f"{fmt_num(med(pooled(s, 'ssim_flat')), '.3f')} / {fmt_num(med(pooled(s, 'ssim_grey')), '.3f')}",
-            "beyond null": f"{p['beyond_null']} / {q['beyond_null']}", "command (U = each image)": cmd})
+            "beyond null": f"{p['beyond_null']} / {q['beyond_null']}", "command (U = each image)": cmd,
+            "revision": s["revision"]})
     back = "\n".join(f"* `{k}`: {v[0]}" for k, v in BACKBONES.items())
     pre = "; ".join(f"{k}: {v.get('pretrain_images')} images of {v.get('pretrain_data')}, {v['recipe']['epochs']} epochs, "
-                    f"last-epoch training accuracy {fmt_num(v.get('pretrain_accuracy_last_epoch'), '.3f')}"
+                    f"last-epoch training accuracy {fmt_num(v.get('pretrain_accuracy_last_epoch'), '.3f')} "
+                    f"(revision: {revision_label(v)})"
                     for k, v in pretrain.items())
     from gradleak.config.loading import load_yaml
     from gradleak.run import validate
@@ -361,10 +368,10 @@ def markdown(summ: dict, cells: list[dict], out: Path, pretrain: dict) -> str:
         "grey and flat images (the graded-level bar). Seed 0 is the tuned seed; seed 1 is a new seed (init, the "
         "attack's start, the random backbone's weights) on the same 6 images: not held-out data. "
         f"{len(ran)} cells ran, {secs / 3600:.2f} h of cell wall time (one torch thread per process, on a "
-        "2-core CPU shared with other jobs: wall times are upper bounds).\n\n"
+        "2-core CPU shared with other jobs: wall times are upper bounds). " + REVISION_NOTE + "\n\n"
         + markdown_table(table, cols)
         + "\n\n**Lanes** (resumable; `--part K/N` splits one over processes):\n\n"
-        + markdown_table(lane_status(cells, out), ["lane", "holds", "cells done", "status", "command"])
+        + markdown_table(lane_status(cells, out), ["lane", "holds", "cells done", "status", "command", "revision"])
         + "\n\n**Reading** (computed from the table):\n" + "\n".join(f"* {v}" for v in verdict(summ)))
 
 

@@ -51,8 +51,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import (ROOT, add_out_args, display, latest_rows, resolve_out, revision, run_cells,  # noqa: E402
-                    start_fresh, write_section)
+from _bench import (REVISION_NOTE, ROOT, add_out_args, display, latest_rows, resolve_out, revision, revision_label,  # noqa: E402
+                    run_cells, start_fresh, write_section)
 
 TEXT = "configs/audit/text_adapters.yaml"
 IMAGE = "configs/audit/vit_lora.yaml"
@@ -258,8 +258,8 @@ def table(rows: list[dict]) -> str:
         lines += ["### UTR under pruning and DP (adapters rf = 2, fortunes-topics; MiniLM 2 layers unless the model "
                   "column says otherwise)", "",
                   "| model | seed (split) | B | defense | variant | level | word-bag recall (null p99) | ROUGE-1 F1 "
-                  "(null p99) | exact sentences | spectral margin (emb. adapter) | drowning std |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "(null p99) | exact sentences | spectral margin (emb. adapter) | drowning std | revision |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in text:
             m = r["metrics"]
             v = r["variant"] if isinstance(r["variant"], str) else ", ".join(f"{k}={w}" for k, w in r["variant"].items()
@@ -268,14 +268,14 @@ def table(rows: list[dict]) -> str:
                          f"{v} | {r['level']} | {with_null(m, 'word_bag_recall', '.1f')} | "
                          f"{with_null(m, 'rouge1_f1', '.1f')} | "
                          f"{fmt(m.get('sentences_exact'), 'g')} | {fmt(m.get('spectral_margin_embedding_adapter'))} | "
-                         f"{fmt(m.get('drowning_noise_std_embedding_adapter'))} |")
+                         f"{fmt(m.get('drowning_noise_std_embedding_adapter'))} | {revision_label(r)} |")
         lines.append("")
     img = [r for r in rows if r.get("part") == "image" and "metrics" in r]
     if img:
         lines += ["### lora_span under Gaussian upload noise, before and after denoising (ViT-S/14, LoRA r = 128, "
                   "Fashion-MNIST, B = 1)", "",
                   "| seed (split) | defense | rank cut | level | PSNR max dB (null p99) | SSIM (null p99) | rank used "
-                  "| spectral margin | drowning std |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| spectral margin | drowning std | revision |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in img:
             m = r["metrics"]
             cut = r["variant"].get("rank_cut", "gap") if isinstance(r["variant"], dict) else "gap"
@@ -283,7 +283,7 @@ def table(rows: list[dict]) -> str:
                          f"{with_null(m, 'psnr_max', '.1f')} | "
                          f"{with_null(m, 'ssim_max', '.3f')} | "
                          f"{fmt(m.get('lora_span_row_space_rank'), 'g')} | {fmt(m.get('spectral_margin_block0_lora_A'))} | "
-                         f"{fmt(m.get('drowning_noise_std_block0_lora_A'))} |")
+                         f"{fmt(m.get('drowning_noise_std_block0_lora_A'))} | {revision_label(r)} |")
         lines.append("")
     pl = sorted((r for r in rows if r.get("part") == "peftleak" and "metrics" in r),
                 key=lambda r: (list(PEFTLEAK_SEEDS).index(r["seed"]) if r["seed"] in PEFTLEAK_SEEDS else 99,
@@ -297,8 +297,8 @@ def table(rows: list[dict]) -> str:
                   "prediction from σ/|Δb| beside it). The level and best-image PSNR/SSIM are judged against the "
                   "null (random held-out CIFAR images) and the mean public, grey and flat images.", "",
                   "| seed (split) | defense | recovery | level | patches recovered (isolated) | patch PSNR dB (predicted) "
-                  "| returned (below 30 dB) | PSNR max dB (null p99) | SSIM max (null p99) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| returned (below 30 dB) | PSNR max dB (null p99) | SSIM max (null p99) | revision |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in pl:
             m = r["metrics"]
             mode = r["variant"].get("noise", "public") if isinstance(r["variant"], dict) else "public"
@@ -311,7 +311,7 @@ def table(rows: list[dict]) -> str:
                          f"({fmt(m.get('expected_patch_psnr_median'), '.1f')}) | "
                          f"{fmt(m.get('num_returned_patches'), 'g')} ({fmt(m.get('false_positives'), 'g')}) | "
                          f"{with_null(m, 'psnr_max', '.1f')} | "
-                         f"{with_null(m, 'ssim_max', '.3f')} |")
+                         f"{with_null(m, 'ssim_max', '.3f')} | {revision_label(r)} |")
         lines.append("")
     pr = [r for r in rows if r.get("part") == "projres" and "metrics" in r]
     if pr:
@@ -328,13 +328,13 @@ def table(rows: list[dict]) -> str:
                   "direction's projection energy against the χ² law of noise alone, a layer counting only when it "
                   "passes a Bonferroni χ² quantile. The level is decided by TPR at 1 % FPR and |AUC − 0.5| against "
                   "their nulls (members and non-members drawn at random); the audit keeps the strongest of the three.",
-                  "", "| seed (split) | defense | score | level | AUC (null p99) | TPR at 1 % FPR (null p99) |",
-                  "|---|---|---|---|---|---|"]
+                  "", "| seed (split) | defense | score | level | AUC (null p99) | TPR at 1 % FPR (null p99) | revision |",
+                  "|---|---|---|---|---|---|---|"]
         for r in pr:
             m = r["metrics"]
             lines.append(f"| {r['seed']} ({r['split']}) | {r['defense']} | {_projres_variant(r)} | {r['level']} | "
                          f"{with_null(m, 'auc', '.3f')} | "
-                         f"{with_null(m, 'tpr_at_1pct_fpr', '.2f')} |")
+                         f"{with_null(m, 'tpr_at_1pct_fpr', '.2f')} | {revision_label(r)} |")
         lines.append("")
     lines += reading(rows)
     failed = [r for r in rows if "error" in r]
@@ -345,8 +345,8 @@ def table(rows: list[dict]) -> str:
         for who, rs in by.items():
             lines += [f"Failed cells ({who}, {len(rs)}): the first failed with `{rs[0]['error'][:160]}` "
                       f"({rs[0]['cell']}); not measured, so not counted above.", ""]
-    revs = sorted({r.get("revision", "?") for r in rows if "metrics" in r})
-    lines.append(f"Code revision(s) of these rows: {', '.join(revs)}. Command: "
+    lines.append(f"Code revision(s) of these rows: {revision_label([r for r in rows if 'metrics' in r])}. "
+                 f"{REVISION_NOTE} Command: "
                  "`python benchmarks/defended.py --out benchmarks/out --update-docs`.")
     return "\n".join(lines)
 
@@ -493,7 +493,7 @@ def main() -> None:
         if args.only in (None, "image"):
             first = selected(args, [(row, run_one, (raw, str(args.out / "defended" / row["cell"].replace("|", "_"))))
                                     for row, raw in image_cells(args, {})])
-            run_cells(jsonl, first, fill, label="defended (image, undefended)")
+            run_cells(jsonl, first, fill, label="defended (image, undefended)", error_fields={"revision": REV})
             done = {r["seed"]: r["metrics"].get("drowning_noise_std_block0_lora_A") for r in latest_rows(jsonl)
                     if r.get("part") == "image" and r.get("defense") == "none" and "metrics" in r}
             todo += [(row, run_one, (raw, str(args.out / "defended" / row["cell"].replace("|", "_"))))
@@ -509,7 +509,7 @@ def main() -> None:
         if args.check:
             print(f"{len(todo)} cells")
             return
-        run_cells(jsonl, todo, fill, label="defended", redo=args.redo)
+        run_cells(jsonl, todo, fill, label="defended", redo=args.redo, error_fields={"revision": REV})
     rows = latest_rows(jsonl)
     (args.out / "defended.json").write_text(json.dumps(rows, indent=1, default=str))
     write_section(args, "defended", table(rows), "The exact attacks under defenses (UTR Table 3, lora_span)",

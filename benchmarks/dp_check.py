@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import (REFERENCE_OUT, ROOT, add_out_args, display, fmt_num, latest_rows, resolve_out, revision,  # noqa: E402
-                    run_cells, start_fresh, write_section)
+from _bench import (REFERENCE_OUT, REVISION_NOTE, ROOT, add_out_args, display, fmt_num, latest_rows, resolve_out,  # noqa: E402
+                    revision, revision_label, run_cells, start_fresh, write_section)
 
 NAME = "dp_check"
 CONFIG = ROOT / "configs" / "audit" / "text_adapters.yaml"
@@ -118,8 +118,9 @@ def table(rows: list[dict]) -> str:
              "clipping, clipping bound ignored, no noise, central noise divided by the client count twice; DP-SGD "
              "without noise or without per-sample clipping), and a correct mechanism `consistent` (dp_gaussian client "
              "and server, DP-SGD, Flower's server-side fixed clipping).", "",
-             "| mechanism | seed | claimed (accountant) | exact | each upload | every round / final model | verdict | s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| mechanism | seed | claimed (accountant) | exact | each upload | every round / final model | verdict | s "
+             "| revision |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["cell"].startswith("timing") or "measured" not in r:
             continue
@@ -134,7 +135,7 @@ def table(rows: list[dict]) -> str:
         agg = "final_model" if "final_model" in m else "every_round"
         lines.append(f"| {r['mechanism']} | {r['seed']} ({r['role']}) | {f(r['claimed_epsilon'])} | "
                      f"{f(r.get('exact_epsilon'))} | {cell('each_upload')} | {cell(agg)} | {r['verdict']} | "
-                     f"{f(r['check_seconds'], '.1f')} |")
+                     f"{f(r['check_seconds'], '.1f')} | {revision_label(r)} |")
     timing = [r for r in rows if r["cell"].startswith("timing") and "audit_seconds" in r]
     if timing:
         on = [r["audit_seconds"] for r in timing if r["arm"] == "check"]
@@ -145,9 +146,8 @@ def table(rows: list[dict]) -> str:
                           f"(z = 1) declared, alternating runs on one idle 2-core machine (`--timing`): with the check "
                           f"{', '.join(f(x, '.1f') for x in on)} s (mean {mon:.1f}), with `--set audit.dp_check=false` "
                           f"{', '.join(f(x, '.1f') for x in off)} s (mean {moff:.1f}): the check adds "
-                          f"{(mon / moff - 1) * 100:.0f} %."]
-    revs = sorted({r.get("revision", "?") for r in rows})
-    lines += ["", f"Code revision(s) of these rows: {', '.join(revs)}."]
+                          f"{(mon / moff - 1) * 100:.0f} % (revision: {revision_label(timing)})."]
+    lines += ["", f"Code revision(s) of these rows: {revision_label(rows)}. {REVISION_NOTE}"]
     return "\n".join(lines) + "\n"
 
 

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import (ROOT, add_out_args, display, latest_rows, resolve_out, run_cells,  # noqa: E402
-                    start_fresh, write_section)
+from _bench import (REVISION_NOTE, ROOT, add_out_args, display, latest_rows, resolve_out, revision, revision_label,  # noqa: E402
+                    run_cells, start_fresh, write_section)
 
 AUDITS = [("vit_lora", "configs/audit/vit_lora.yaml", "lora_span"), ("text_adapters", "configs/audit/text_adapters.yaml", "utr")]
 DPS = {"none": "no DP", "server-fixed": "DifferentialPrivacyServerSideFixedClipping",
@@ -138,13 +138,14 @@ def report(args, jsonl: Path) -> None:
         v = r.get("null_p99")
         return "–" if v is None else (f"{v:.1f} dB" if str(r.get("metric")).startswith("psnr") else f"{v:.1f}")
 
-    lines = ["Every cell is a real Flower federation; the command of each is in `benchmarks/out/flower_dp.jsonl`.", "",
+    lines = ["Every cell is a real Flower federation; the command of each is in `benchmarks/out/flower_dp.jsonl`. "
+             + REVISION_NOTE, "",
              "### What the server sees under Flower's DP mechanisms (2 clients; the audit attacks every client)", "",
              "Verdict and level as `gradleak audit` grades them (issue 26): the worst client's headline against "
              "chance matched the same way (null p99: the 99th percentile of 1000 seeded draws of random held-out "
              "images / public sentences; for images the level's bar is the larger of that and the PSNR of the mean public and the grey image, so a value just above the null p99 can still read `none`).", "",
              "| setup (attack) | Flower DP | the server sees | verdict | level | worst client: result | null p99 | "
-             "every client |", "|---|---|---|---|---|---|---|---|"]
+             "every client | revision |", "|---|---|---|---|---|---|---|---|---|"]
     for name, _, attack in AUDITS:
         for dp in DPS:
             r = rows.get(f"dp|{name}|{dp}")
@@ -152,32 +153,35 @@ def report(args, jsonl: Path) -> None:
                 continue
             per = ", ".join("–" if v is None else f"{v:.1f}" for v in r.get("per_client") or [])
             lines.append(f"| {name} ({attack}) | {DPS[dp]} | {SEES[dp]} | {r['verdict']} | {r.get('level', '–')} | "
-                         f"{r.get('worst_client', '–')}: {val(r)} | {null(r)} | {per or '–'} |")
+                         f"{r.get('worst_client', '–')}: {val(r)} | {null(r)} | {per or '–'} | {revision_label(r)} |")
     lines += ["", "The central-DP wrappers protect the released model, not the individual uploads a curious server "
               "receives: with server-side clipping it holds the raw updates, with client-side clipping a scaled copy "
               "(both attacks are scale-invariant), so both read **leaks**; only LocalDpMod's noise (σ = 4.8 on the "
               "weights at ε = 1) stops them.", "",
               "### The reply convention (example app, float32 clients, 3 clients, round 1)", "",
-              "| setup (attack) | clients reply | lr | verdict | level | worst client | null p99 | every client |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| setup (attack) | clients reply | lr | verdict | level | worst client | null p99 | every client | revision |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for key, r in rows.items():
         if not key.startswith("reply|") or "error" in r:
             continue
         per = ", ".join("–" if v is None else (f"{v:.1f}" if str(r.get("metric")).startswith("psnr") else f"{v:.0f}")
                         for v in r.get("per_client", []))
         lines.append(f"| {r['setup']} ({r['attack']}) | {'new weights' if r['reply'] == 'weights' else 'the update'} | "
-                     f"{r['lr']:g} | {r['verdict']} | {r.get('level', '–')} | {val(r)} | {null(r)} | {per} |")
+                     f"{r['lr']:g} | {r['verdict']} | {r.get('level', '–')} | {val(r)} | {null(r)} | {per} | "
+                     f"{revision_label(r)} |")
     lines += ["", "A float32 weight reply rounds the small step against the weights: the server's (sent − new) / lr "
               "carries noise ≈ ulp(w) / (√12 lr) per coordinate, so the attack's precision scales with the lr. The "
               "same clients replying with their update (FedSGD's gradient) leak exactly.", "",
               "### PEFTLeak through Flower (malicious server, ViT-B/16 + adapters, B = 16 real CIFAR images)", "",
-              "| protocol | patches recovered | median patch PSNR | test accuracy after the round |", "|---|---|---|---|"]
+              "| protocol | patches recovered | median patch PSNR | test accuracy after the round | revision |",
+              "|---|---|---|---|---|"]
     for key, r in rows.items():
         if key.startswith("peftleak|") and "error" not in r:
             p = r.get("patch_psnr")
             lines.append(f"| {r['label']} | {100 * (r.get('patch_recovery_rate') or 0):.1f} % | "
                          f"{'–' if p is None or p != p else f'{p:.1f} dB'} | "
-                         f"{100 * (r.get('accuracy') or 0):.1f} % of {int(r.get('test_samples') or 0)} |")
+                         f"{100 * (r.get('accuracy') or 0):.1f} % of {int(r.get('test_samples') or 0)} | "
+                         f"{revision_label(r)} |")
     lines += ["", "The poisoned model has no utility (chance is 10 %). Its down-projection biases are ≈ 6e4–7e4 "
               "and weights ≈ 200, their FedSGD gradients ≈ 1e-12 and 3e-11 (lr 0.05), so a weight reply rounds the "
               "step away even in float64: the server's (sent − new) / lr is off by 60–100 % on exactly the tensors "
@@ -185,11 +189,12 @@ def report(args, jsonl: Path) -> None:
               "attack is exact. When the clients train the poisoned weights for 4 local steps (FedAvg) PEFTLeak "
               "recovers far fewer patches, with either reply (the paper: one reconstruction, then none).", "",
               "### Runtimes (text example, 3 nodes, 2 rounds, UTR audit every round)", "",
-              "| runtime | Flower run (s) | process wall (s) | verdict |", "|---|---|---|---|"]
+              "| runtime | Flower run (s) | process wall (s) | verdict | revision |", "|---|---|---|---|---|"]
     for rt in ("inprocess", "simulation"):
         r = rows.get(f"runtime|{rt}")
         if r and "error" not in r:
-            lines.append(f"| {rt} | {r.get('flower_seconds') or float('nan'):.1f} | {r['wall_seconds']:.1f} | {r['verdict']} |")
+            lines.append(f"| {rt} | {r.get('flower_seconds') or float('nan'):.1f} | {r['wall_seconds']:.1f} | {r['verdict']} | "
+                         f"{revision_label(r)} |")
     write_section(args, "flower_dp", "\n".join(lines), "Flower: DP wrappers, reply precision, runtimes (issue 13)",
                   "flower_dp")
 
@@ -212,7 +217,9 @@ def main(argv=None) -> int:
             return (f"{row.get('verdict', 'done')} "
                     f"{row.get('value', row.get('patch_recovery_rate', ''))!s:.200}")
 
-        run_cells(jsonl, [({"cell": cell}, run_cell, (kind, cmd, d, meta)) for cell, kind, cmd, d, meta in cells(args)],
+        rev = revision()  # every row records the code revision that wrote it
+        run_cells(jsonl, [({"cell": cell, "revision": rev}, run_cell, (kind, cmd, d, meta))
+                          for cell, kind, cmd, d, meta in cells(args)],
                   fill, label="flower_dp", wall_seconds=False)
     report(args, jsonl)
     return 0

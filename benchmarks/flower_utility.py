@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import add_out_args, display, latest_rows, resolve_out, save_figure, start_fresh, write_section  # noqa: E402
+from _bench import (REVISION_NOTE, add_out_args, display, latest_rows, resolve_out, revision, revision_label, save_figure,  # noqa: E402
+                    start_fresh, write_section)
 
 ARMS = {"no noise": 0.0, "noise σ = 0.01": 0.01, "noise σ = 0.1": 0.1}
 PAPER = "no-DP PSNR ≈ 14.6 → 12.1 dB over 100 rounds, ≈ 9.3–10.8 dB under DP (Fig. 12; annotations partly garbled)"
@@ -197,16 +198,17 @@ def report(args, jsonl: Path) -> None:
              "lora_span on that round's upload of the one-image client; the last column counts every client's images "
              "reconstructed at ≥ 30 dB (the Dirichlet clients hold " + ", ".join(
                  str(p["images"]) for p in sorted(rows[0]["per_client"], key=lambda p: p["images"])[1:])
-             + " images and take several local steps, where lora_span does not apply).", "",
+             + " images and take several local steps, where lora_span does not apply). " + REVISION_NOTE, "",
              "| arm | round | test accuracy | high-risk client: lora_span | high-risk client: "
-             + (rows[0].get("second_attack") or "–") + " (cpu scale) | images ≥ 30 dB (all clients, lora_span) | paper |",
-             "|---|---|---|---|---|---|---|"]
+             + (rows[0].get("second_attack") or "–") + " (cpu scale) | images ≥ 30 dB (all clients, lora_span) | paper | revision |",
+             "|---|---|---|---|---|---|---|---|"]
     for arm in ARMS:
         for r in sorted([r for r in rows if r["arm"] == arm], key=lambda r: r["round"]):
             sec = r.get("second_attack_psnr")
             lines.append(f"| {arm} | {r['round']} | {100 * r['accuracy']:.1f} % | {r['high_risk_psnr']:.1f} dB | "
                          f"{'–' if sec is None else f'{sec:.1f} dB'} | "
-                         f"{r['images_reconstructed']} / {r['images_total']} | {PAPER if r['round'] == 1 and arm == 'no noise' else ''} |")
+                         f"{r['images_reconstructed']} / {r['images_total']} | {PAPER if r['round'] == 1 and arm == 'no noise' else ''} | "
+                         f"{revision_label(r)} |")
     fin = {arm: max((r for r in rows if r["arm"] == arm), key=lambda r: r["round"], default=None) for arm in ARMS}
     if all(fin.values()):
         lines += ["", f"Without noise the one-image client's image is recovered exactly in every measured round while the "
@@ -256,8 +258,9 @@ def main(argv=None) -> int:
         from gradleak.run.cells import Cell, run_cells
 
         # one cell per arm, its rows (one per measured round) appended when the arm is done; an error stops the run
+        rev = revision()  # every row records the code revision that wrote it
         run_cells([Cell(arm, run_arm, (args, arm, ARMS[arm])) for arm in args.arms], jsonl,
-                  lambda cell, rows, err, seconds: rows, key="arm", fatal=(Exception,), label="flower_utility",
+                  lambda cell, rows, err, seconds: [{**r, "revision": rev} for r in rows], key="arm", fatal=(Exception,), label="flower_utility",
                   log=lambda m: print(m, flush=True))
     report(args, jsonl)
     return 0

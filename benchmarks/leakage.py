@@ -38,8 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import (ROOT, add_out_args, check_configs, display, fmt_num, latest_rows,  # noqa: E402
-                    resolve_out, run_cells as run_bench_cells, save_figure, start_fresh, write_section)
+from _bench import (REVISION_NOTE, ROOT, add_out_args, check_configs, display, fmt_num, latest_rows,  # noqa: E402
+                    resolve_out, revision, revision_label, run_cells as run_bench_cells, save_figure, start_fresh, write_section)
 from gradleak.run.results import write_json_atomic  # noqa: E402
 
 CONFIG = ROOT / "configs" / "leakage" / "fmnist_resnet18.yaml"
@@ -167,9 +167,10 @@ def run_cells(sel: list[dict], out: Path) -> None:
         return (f"RDLV high-risk {fmt_num(m.get('rdlv_high_risk_client'), '+.3f')} others' max low "
                 f"{fmt_num(m.get('rdlv_max_other_clients'), '+.3f')} acc {fmt_num(m.get('accuracy'), '.3f')}")
 
+    rev = revision()  # every row records the code revision that wrote it
     run_bench_cells(out / "leakage.jsonl", [
         ({"cell": c["cell"], "tables": c["tables"], "overrides": c["overrides"], "config": display(c["config"]),
-          "command": command(c)}, run_file, (c["config"], out / "leakage" / c["cell"], c["overrides"], "cpu"))
+          "command": command(c), "revision": rev}, run_file, (c["config"], out / "leakage" / c["cell"], c["overrides"], "cpu"))
         for c in sel], fill, label="leakage")
 
 
@@ -193,7 +194,7 @@ def measure_speed(out: Path) -> dict:
         print(f"speed B={batch} K={steps}: {r['ratio_per_step']:.2f}× (median {r['ratio_per_step_median']:.2f}×)",
               flush=True)
     res = {"rows": rows, "command": "OMP_NUM_THREADS=1 python benchmarks/leakage.py --only speed",
-           "torch_threads": 1, "image_size": 40}
+           "torch_threads": 1, "image_size": 40, "revision": revision()}
     write_json_atomic(out / "leakage_speed.json", res)
     return res
 
@@ -204,6 +205,20 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+class _Check(list):
+    """A row of the checks table, ``[finding, measurement, verdict]``; ``revision``: the revision label of the cells
+    it reads (the table's last column)."""
+
+    def __init__(self, finding: str, measured: str, verdict: str, revision: str = "–"):
+        super().__init__([finding, measured, verdict])
+        self.revision = revision
+
+
+def _rv(rows: dict, *cells: str) -> str:
+    """The revision column of a table row read off ``cells`` (issue 41)."""
+    return revision_label([rows.get(c) for c in cells])
 
 
 def _get(rows: dict, cell: str, key: str):
@@ -251,7 +266,7 @@ def _null_section(rows: dict, checks: list[list[str]]) -> list[str]:
                           _f(m.get("rdlv"), "+.3f"), _f(m.get("rdlv_null_median"), "+.3f"),
                           _f(m.get("rdlv_null_p99"), "+.3f"), _f(m.get("rdlv_p_value"), ".3f"),
                           ("**" + _f(ex, "+.3f") + "**") if ex is not None and ex > 0 else _f(ex, "+.3f"),
-                          f"{_f(m.get('ssim'))} ({_f(m.get('ssim_null_p99'))})", lvl])
+                          f"{_f(m.get('ssim'))} ({_f(m.get('ssim_null_p99'))})", lvl, revision_label(r)])
     if not trows:
         return []
     L = ["", "#### Against the null: who leaks, restated (issue 26)\n",
@@ -264,7 +279,7 @@ def _null_section(rows: dict, checks: list[list[str]]) -> list[str]:
          "exact = a best match at ≥ 30 dB. Cells `null/seed<S>` (`--set seed=S`; the images are seed 0's, "
          "`data.seed` = 0).\n",
          _table(["seed", "client", "images / batch / steps", "RDLV", "null median", "null p99", "p", "rdlv_excess",
-                 "SSIM (null p99)", "level"], trows), ""]
+                 "SSIM (null p99)", "level", "revision"], trows), ""]
     always = [c for c, v in sorted(leaking.items()) if all(v)]
     some = [c for c, v in sorted(leaking.items()) if any(v) and not all(v)]
     never = [c for c, v in sorted(leaking.items()) if not any(v)]
@@ -273,8 +288,8 @@ def _null_section(rows: dict, checks: list[list[str]]) -> list[str]:
              f"{', '.join(map(str, some)) or 'none'}; on none: {', '.join(map(str, never)) or 'none'}. The ablation, "
              "noise and DP-SGD tables below still read RDLV against 0 (their cells predate the null).\n")
     only_hr = bool(leaking) and always == [HIGH_RISK] and not some
-    checks.append(["Without noise only the one-image client leaks beyond chance (every null seed)",
-                   f"beyond the null on every seed: {always or 'none'}; on some: {some or 'none'}", _yes(only_hr)])
+    checks.append(_Check("Without noise only the one-image client leaks beyond chance (every null seed)",
+                   f"beyond the null on every seed: {always or 'none'}; on some: {some or 'none'}", _yes(only_hr), _rv(rows, *(f"null/seed{s}" for s in NULL_SEEDS))))
     return L
 
 
@@ -318,7 +333,7 @@ def _gradonly_section(rows: dict, checks: list[list[str]]) -> tuple[list[str], d
     trows, measured = [], []
     for name, cell, stage in tune:
         m = _client_metrics(rows, cell)
-        trows.append([stage, f"`{name}`", *_null_cols(m), _cmd(rows, cell)])
+        trows.append([stage, f"`{name}`", *_null_cols(m), _cmd(rows, cell), _rv(rows, cell)])
         if m is not None and cell != "hr/gradient_only":
             measured.append((m["ssim"], name, stage))
     best = max(measured)[1] if measured else None
@@ -337,7 +352,8 @@ def _gradonly_section(rows: dict, checks: list[list[str]]) -> tuple[list[str], d
          "null: 1000 draws of one random held-out Fashion-MNIST image as the reconstruction (the `leakage` unit's "
          "null); levels as `gradleak audit` grades them. Substitutes deciding these numbers: ResNet-18 pretrained by us "
          "on Fashion-MNIST (not ImageNet), 40 px, 300-iteration budget unless the row says otherwise.\n",
-         _table(["stage", "setting", "SSIM", "SSIM prior", "null median", "null p99", "level", "command"], trows), ""]
+         _table(["stage", "setting", "SSIM", "SSIM prior", "null median", "null p99", "level", "command", "revision"],
+                trows), ""]
     chosen = GRADONLY_CHOSEN
     L.append(f"Stage 1's best: `{best1}`" + ("" if best1 in (None, "cos_head") else " (stage 2 branched from "
              "`cos_head`, not from it)") + f". Best on the tuning seed: `{best}`; the held-out and GroupNorm cells "
@@ -349,27 +365,27 @@ def _gradonly_section(rows: dict, checks: list[list[str]]) -> tuple[list[str], d
     hrows, gate, margins = [], [], []
     for label, full_cell, grad_cell in pairs:
         fm, gm = _client_metrics(rows, full_cell), _client_metrics(rows, grad_cell)
-        hrows.append([label, "BN-aware (full)", *_null_cols(fm), "–", _cmd(rows, full_cell)])
+        hrows.append([label, "BN-aware (full)", *_null_cols(fm), "–", _cmd(rows, full_cell), _rv(rows, full_cell)])
         ok = None if gm is None else gm["ssim"] >= gm["ssim_prior"]
         hrows.append([label, f"gradient-only, tuned (`{chosen}`)", *_null_cols(gm),
-                      "–" if ok is None else ("yes" if ok else "**no**"), _cmd(rows, grad_cell)])
+                      "–" if ok is None else ("yes" if ok else "**no**"), _cmd(rows, grad_cell), _rv(rows, grad_cell)])
         gate.append(ok)
         if fm is not None and gm is not None and gm["spread"] is not None:
             margins.append((label, fm["ssim"] - gm["ssim"], gm["spread"], gm["level"], fm["level"]))
     L.append(_table(["seed", "attack", "SSIM", "SSIM prior", "null median", "null p99", "level", "gate: SSIM ≥ prior",
-                     "command"], hrows))
+                     "command", "revision"], hrows))
     L.append("")
     g = None if None in gate else all(gate)
-    checks.append(["Gate (issue 28): the tuned gradient-only arm at least matches the prior (SSIM ≥ SSIM(prior, x)) on "
+    checks.append(_Check("Gate (issue 28): the tuned gradient-only arm at least matches the prior (SSIM ≥ SSIM(prior, x)) on "
                    "the tuning and the held-out seed, before any conclusion uses it",
                    "; ".join(f"seed {lab.split()[0]}: {'passes' if ok else 'fails'}" for (lab, _, _), ok in zip(pairs, gate)
                              if ok is not None) or "not measured",
-                   "– not measured" if g is None else ("✅ passes" if g else "❌ fails")])
+                   "– not measured" if g is None else ("✅ passes" if g else "❌ fails"), _rv(rows, *(g for _, _, g in pairs))))
     c1 = None if len(margins) < len(pairs) else all(d > sp for _, d, sp, _, _ in margins)
-    checks.append(["The attack fails without BN accounting: the BN-aware attack beats the tuned gradient-only arm by "
+    checks.append(_Check("The attack fails without BN accounting: the BN-aware attack beats the tuned gradient-only arm by "
                    "more than the SSIM null's spread (p99 − median), tuning and held-out seed",
                    "; ".join(f"seed {lab.split()[0]}: SSIM margin {d:+.3f} vs spread {sp:.3f} (levels: full {lf}, "
-                             f"gradient-only {lg})" for lab, d, sp, lg, lf in margins) or "not measured", _gated(c1, g)])
+                             f"gradient-only {lg})" for lab, d, sp, lg, lf in margins) or "not measured", _gated(c1, g), _rv(rows, *(c for _, f, g in pairs for c in (f, g)))))
     claim = {True: "holds here", False: "**does not hold** here", None: "is **not concluded**"}[c1 if g else None]
     L.append(f"The paper's claim that the attack fails without BN accounting (SPEC §4.2 step 5) {claim} — for the "
              "one-image, one-step client at 40 px on our Fashion-MNIST-pretrained ResNet-18, a 300-iteration budget and "
@@ -389,24 +405,24 @@ def _dpsgd_tuned(rows: dict, checks: list[list[str]], gsum: dict) -> list[str]:
     for label, cell in cells:
         m = got[cell] = _client_metrics(rows, cell)
         trows.append([label, _f(_get(rows, cell, f"dp_epsilon_client{HIGH_RISK}"), ".1f"), *_null_cols(m),
-                      _f(_get(rows, cell, "accuracy")), _cmd(rows, cell)])
+                      _f(_get(rows, cell, "accuracy")), _cmd(rows, cell), _rv(rows, cell)])
     L = [f"The same with the gradient-only arm tuned on its own (`{chosen}`, the `gradonly` table's choice; issue 28), "
          "each beside the prior and the SSIM null:\n",
          _table(["model / defense", "ε (client 2)", "SSIM", "SSIM prior", "null median", "null p99", "level", "accuracy",
-                 "command"], trows), ""]
+                 "command", "revision"], trows), ""]
     full, gn = _client_metrics(rows, "null/seed0"), got["gradonly/group/none"]
     ok = None
     if full is not None and gn is not None and gn["spread"] is not None:
         ok = gn["level"] == "none" and full["ssim"] - gn["ssim"] > gn["spread"]
     dp = [f"σ = {s}: {got[f'gradonly/group/{s}']['level']}" for s in GRADONLY_DP_SIGMAS if got[f"gradonly/group/{s}"]]
-    checks.append(["DP-SGD protects through the GroupNorm it forces: without DP noise the tuned gradient-only arm on "
+    checks.append(_Check("DP-SGD protects through the GroupNorm it forces: without DP noise the tuned gradient-only arm on "
                    "the GroupNorm model is not beyond its null and the BN-aware attack on the BatchNorm model beats it "
                    "by more than the null's spread",
                    "not measured" if gn is None or full is None else
                    f"GroupNorm, no DP: SSIM {_f(gn['ssim'])} (prior {_f(gn['ssim_prior'])}, null p99 "
                    f"{_f(gn.get('ssim_null_p99'))}), level {gn['level']}; BN-aware on BatchNorm {_f(full['ssim'])}, "
                    f"margin {full['ssim'] - gn['ssim']:+.3f} vs spread {_f(gn['spread'])}"
-                   + (f"; with DP-SGD: {', '.join(dp)}" if dp else ""), _gated(ok, gsum.get("gate"))])
+                   + (f"; with DP-SGD: {', '.join(dp)}" if dp else ""), _gated(ok, gsum.get("gate")), _rv(rows, "null/seed0", *(c for _, c in cells))))
     gsum["groupnorm"] = {"ok": ok, "none": gn, "dp": {s: got[f"gradonly/group/{s}"] for s in GRADONLY_DP_SIGMAS}, "full": full}
     return L
 
@@ -470,7 +486,7 @@ def report(args: argparse.Namespace) -> int:
              "cosine of ViT-S/14 features (offline, DINOv2 arch.; the paper's network is unnamed) among all clients' "
              "training and validation images (8 per client). Accuracy: the global model after the last round on 500 "
              "held-out images. One torch thread per process, 2-core CPU. Each cell's exact command is in "
-             f"`{display(out / 'leakage.jsonl')}` (`command`).\n")
+             f"`{display(out / 'leakage.jsonl')}` (`command`). {REVISION_NOTE}\n")
     checks: list[list[str]] = []
 
     # ---- main
@@ -482,28 +498,28 @@ def report(args: argparse.Namespace) -> int:
                           {0: "8 / B 4 / 2", 1: "8 / B 8 / 1", 2: "1 / B 1 / 1"}[c],
                           _f(_get(rows, cell, f"ssim_client{c}")), _f(_get(rows, cell, f"ssim_prior_client{c}")),
                           _interval(rows, cell, c), _f(_get(rows, cell, f"iip_client{c}"), ".2f"),
-                          _f(_get(rows, cell, f"iip_matched_cosine_client{c}"))])
+                          _f(_get(rows, cell, f"iip_matched_cosine_client{c}")), _rv(rows, cell)])
     for c in range(3):
         cell = "main/seed0/bn_only"
         trows.append(["seed 0, BN + priors only (the public code's attack in effect)", str(c),
                       {0: "8 / B 4 / 2", 1: "8 / B 8 / 1", 2: "1 / B 1 / 1"}[c],
                       _f(_get(rows, cell, f"ssim_client{c}")), _f(_get(rows, cell, f"ssim_prior_client{c}")),
                       _interval(rows, cell, c), _f(_get(rows, cell, f"iip_client{c}"), ".2f"),
-                      _f(_get(rows, cell, f"iip_matched_cosine_client{c}"))])
+                      _f(_get(rows, cell, f"iip_matched_cosine_client{c}")), _rv(rows, cell)])
     L.append("### No defense: who leaks (`main`)\n")
     L.append("The public code differences detached `state_dict`s, so its matching term has no gradient path: its "
              "attack is the BN term and the priors (`bn_only`). Ours differentiates through the simulated steps.\n")
     L.append(_table(["run", "client", "images / batch / steps", "SSIM", "SSIM prior", "RDLV [95 %]", "IIP",
-                             "matched cos"], trows))
+                             "matched cos", "revision"], trows))
     L += _null_section(rows, checks)
     for s in (0, 1):
         hr = _get(rows, f"main/seed{s}", "rdlv_high_risk_client_low")
         oth = _get(rows, f"main/seed{s}", "rdlv_max_other_clients")
         ok = None if hr is None else bool(hr > 0 and (oth is None or not oth > 0))
-        checks.append([f"Without noise only the one-image client has RDLV > 0 beyond its interval (seed {s}; read against 0, "
+        checks.append(_Check(f"Without noise only the one-image client has RDLV > 0 beyond its interval (seed {s}; read against 0, "
                        "which random images pass too: see the null row above)",
                        f"high-risk RDLV {_f(_get(rows, f'main/seed{s}', 'rdlv_high_risk_client'), '+.3f')}; largest "
-                       f"lower bound among the others {_f(oth, '+.3f')}", _yes(ok)])
+                       f"lower bound among the others {_f(oth, '+.3f')}", _yes(ok), _rv(rows, f"main/seed{s}")))
     L.append("")
     figs = []
     for s in (0, 1):
@@ -528,25 +544,27 @@ def report(args: argparse.Namespace) -> int:
 
     # ---- ablations
     base = _get(rows, "hr/none", f"rdlv_client{HIGH_RISK}")
-    arows = [["full attack (none)", _f(_get(rows, "hr/none", f"ssim_client{HIGH_RISK}")), _interval(rows, "hr/none", HIGH_RISK)]]
+    arows = [["full attack (none)", _f(_get(rows, "hr/none", f"ssim_client{HIGH_RISK}")), _interval(rows, "hr/none", HIGH_RISK),
+              _rv(rows, "hr/none")]]
     for a in (*ABLATIONS, "stale_checkpoint_2"):
         v = _get(rows, f"hr/{a}", f"rdlv_client{HIGH_RISK}")
         label = {"gradient_only": "gradient_only (the combined objective's weights, not tuned for it: see `gradonly`)",
                  "stale_checkpoint": "stale_checkpoint (1 round old)",
                  "stale_checkpoint_2": "stale_checkpoint (2 rounds old: the pretrained start)"}.get(a, a)
-        arows.append([label, _f(_get(rows, f"hr/{a}", f"ssim_client{HIGH_RISK}")), _interval(rows, f"hr/{a}", HIGH_RISK)])
+        arows.append([label, _f(_get(rows, f"hr/{a}", f"ssim_client{HIGH_RISK}")), _interval(rows, f"hr/{a}", HIGH_RISK),
+                      _rv(rows, f"hr/{a}")])
     L.append("### Ablations on the high-risk client (`ablations`)\n")
-    L.append(_table(["attack", "SSIM", "RDLV"], arows))
+    L.append(_table(["attack", "SSIM", "RDLV", "revision"], arows))
     L.append("")
     fixed = _get(rows, "hr/fixed_bn", f"rdlv_client{HIGH_RISK}")
-    checks.append(["The attack fails (RDLV ≤ 0) with prior work's fixed-BN assumption (read against 0)",
-                   f"RDLV fixed_bn {_f(fixed, '+.3f')} vs full {_f(base, '+.3f')}", _yes(None if fixed is None else fixed <= 0)])
+    checks.append(_Check("The attack fails (RDLV ≤ 0) with prior work's fixed-BN assumption (read against 0)",
+                   f"RDLV fixed_bn {_f(fixed, '+.3f')} vs full {_f(base, '+.3f')}", _yes(None if fixed is None else fixed <= 0), _rv(rows, "hr/fixed_bn", "hr/none")))
     G, gsum = _gradonly_section(rows, checks)
     L += G
     st = [_get(rows, f"hr/{a}", f"rdlv_client{HIGH_RISK}") for a in ("stale_checkpoint", "stale_checkpoint_2")]
-    checks.append(["The attack fails (RDLV ≤ 0) with a stale checkpoint",
+    checks.append(_Check("The attack fails (RDLV ≤ 0) with a stale checkpoint",
                    f"RDLV one round old {_f(st[0], '+.3f')}, two rounds old (the pretrained start) {_f(st[1], '+.3f')} "
-                   f"vs full {_f(base, '+.3f')}", _yes(None if st[0] is None else all(v is not None and v <= 0 for v in st))])
+                   f"vs full {_f(base, '+.3f')}", _yes(None if st[0] is None else all(v is not None and v <= 0 for v in st)), _rv(rows, "hr/stale_checkpoint", "hr/stale_checkpoint_2", "hr/none")))
 
     # ---- multistep
     mrows, better = [], []
@@ -556,17 +574,18 @@ def report(args: argparse.Namespace) -> int:
         s1 = _get(rows, f"multistep/B{b}/single_step_bn", "rdlv_client0")
         mrows.append([str(k), str(b), _f(_get(rows, f"multistep/B{b}/none", "ssim_client0")), _interval(rows, f"multistep/B{b}/none", 0),
                       _f(_get(rows, f"multistep/B{b}/single_step_bn", "ssim_client0")),
-                      _interval(rows, f"multistep/B{b}/single_step_bn", 0)])
+                      _interval(rows, f"multistep/B{b}/single_step_bn", 0),
+                      _rv(rows, f"multistep/B{b}/none", f"multistep/B{b}/single_step_bn")])
         if a is not None and s1 is not None:
             better.append(a > s1)
     L.append(f"### Multi-step clients: K-step BN inference vs the one-step formula (`multistep`, client 0, 8 images, "
              f"{MULTISTEP_ITERS} iterations)\n")
     L.append("The exactness of the K-step combination on a toy case is a test (`tests/test_leakage.py`, ≤ 1e-5 where the "
              "one-step formula is 13–100 % off); `benchmarks/probes/bn_probes.py bnstats` measures it on ResNet-18.\n")
-    L.append(_table(["K steps", "B", "SSIM (K-step)", "RDLV (K-step)", "SSIM (one-step)", "RDLV (one-step)"], mrows))
+    L.append(_table(["K steps", "B", "SSIM (K-step)", "RDLV (K-step)", "SSIM (one-step)", "RDLV (one-step)", "revision"], mrows))
     L.append("")
-    checks.append(["The attack on 2–8-step clients improves with the K-step BN inference (beyond the public code)",
-                   f"K-step RDLV > one-step RDLV in {sum(better)} of {len(better)} K values", _yes(all(better) if better else None)])
+    checks.append(_Check("The attack on 2–8-step clients improves with the K-step BN inference (beyond the public code)",
+                   f"K-step RDLV > one-step RDLV in {sum(better)} of {len(better)} K values", _yes(all(better) if better else None), _rv(rows, *(f"multistep/B{b}/{a}" for b in MULTISTEP_B for a in ("none", "single_step_bn")))))
 
     # ---- noise
     acc0 = _get(rows, "hr/none", "accuracy")
@@ -577,19 +596,19 @@ def report(args: argparse.Namespace) -> int:
             cell = "hr/none" if s0 == 0 else f"noise/{reading}/{s0}"
             v, acc = _get(rows, cell, f"rdlv_client{HIGH_RISK}"), _get(rows, cell, "accuracy")
             nrows.append([reading, str(s0), _f(_get(rows, cell, f"ssim_client{HIGH_RISK}")), _f(v, "+.3f"),
-                          _f(_get(rows, cell, f"iip_client{HIGH_RISK}"), ".2f"), _f(acc)])
+                          _f(_get(rows, cell, f"iip_client{HIGH_RISK}"), ".2f"), _f(acc), _rv(rows, cell)])
             if v is not None and reading not in crossing and v <= 0:
                 crossing[reading] = (s0, acc)
     cell = "noise/absolute/0.01"
     va = _get(rows, cell, f"rdlv_client{HIGH_RISK}")
     nrows.append(["absolute σ", "0.01", _f(_get(rows, cell, f"ssim_client{HIGH_RISK}")), _f(va, "+.3f"),
-                  _f(_get(rows, cell, f"iip_client{HIGH_RISK}"), ".2f"), _f(_get(rows, cell, "accuracy"))])
+                  _f(_get(rows, cell, f"iip_client{HIGH_RISK}"), ".2f"), _f(_get(rows, cell, "accuracy")), _rv(rows, cell)])
     L.append("### Gaussian update noise σ = σ0 × p95(|update|) (`noise`, high-risk client)\n")
     L.append("`global`: one percentile over every entry of the upload (weights and BN-buffer changes, NVFlare's "
              "`GaussianPrivacy`); `per_tensor`: one percentile per tensor; `per_tensor_weights_only`: the same on the "
              "weights, the BN running statistics sent clean (`defense.include_buffers=false`). Noise on every client's "
              "upload. Accuracy 0.100 is chance (10 classes).\n")
-    L.append(_table(["percentile", "σ0", "SSIM", "RDLV", "IIP", "accuracy"], nrows))
+    L.append(_table(["percentile", "σ0", "SSIM", "RDLV", "IIP", "accuracy", "revision"], nrows))
     L.append("")
     for reading in ("global", "per_tensor"):
         if reading in crossing:
@@ -600,85 +619,93 @@ def report(args: argparse.Namespace) -> int:
         else:
             txt = "**no σ0 measured stops the leak**: an auditor must not call this client safe at these σ0"
         ok = reading in crossing and crossing[reading][0] <= 50 and not (crossing[reading][1] or 0) <= COLLAPSE
-        checks.append([f"σ0 where the high-risk client's RDLV crosses 0 with a usable model ({reading} percentile; the "
-                       "paper: ≈ 25)", txt, _yes(ok)])
-    checks.append(["σ = 1e-2 (absolute) brings the high-risk client to SSIM ≤ prior", f"RDLV {_f(va, '+.3f')}",
-                   _yes(None if va is None else va <= 0)])
+        checks.append(_Check(f"σ0 where the high-risk client's RDLV crosses 0 with a usable model ({reading} percentile; the "
+                       "paper: ≈ 25)", txt, _yes(ok),
+                       _rv(rows, "hr/none", *(f"noise/{reading}/{s0}" for s0 in
+                                              {"global": SIGMA0_GLOBAL, "per_tensor": SIGMA0_PER_TENSOR}[reading] if s0))))
+    checks.append(_Check("σ = 1e-2 (absolute) brings the high-risk client to SSIM ≤ prior", f"RDLV {_f(va, '+.3f')}",
+                   _yes(None if va is None else va <= 0), _rv(rows, "noise/absolute/0.01")))
 
     # ---- DP-SGD
     drows = [["BatchNorm, no DP (gradient term only)", "–", "–", _f(_get(rows, "hr/gradient_only", f"rdlv_client{HIGH_RISK}"), "+.3f"),
-              _f(_get(rows, "hr/gradient_only", "accuracy"))],
+              _f(_get(rows, "hr/gradient_only", "accuracy")), _rv(rows, "hr/gradient_only")],
              ["GroupNorm, no DP", "–", "–", _f(_get(rows, "dpsgd/group/none", f"rdlv_client{HIGH_RISK}"), "+.3f"),
-              _f(_get(rows, "dpsgd/group/none", "accuracy"))]]
+              _f(_get(rows, "dpsgd/group/none", "accuracy")), _rv(rows, "dpsgd/group/none")]]
     dp_ok = []
     for s in DP_SIGMAS:
         cell = f"dpsgd/group/{s}"
         v = _get(rows, cell, f"rdlv_client{HIGH_RISK}")
         drows.append([f"GroupNorm, DP-SGD σ = {s}, C = 1", _f(_get(rows, cell, "dp_epsilon"), ".1f"),
-                      _f(_get(rows, cell, f"dp_epsilon_client{HIGH_RISK}"), ".1f"), _f(v, "+.3f"), _f(_get(rows, cell, "accuracy"))])
+                      _f(_get(rows, cell, f"dp_epsilon_client{HIGH_RISK}"), ".1f"), _f(v, "+.3f"), _f(_get(rows, cell, "accuracy")),
+                      _rv(rows, cell)])
         if v is not None:
             dp_ok.append((v <= 0, _get(rows, cell, "accuracy")))
     L.append("### DP-SGD (Opacus) on the GroupNorm ResNet-18 (`dpsgd`, high-risk client)\n")
     L.append("Opacus refuses BatchNorm; GroupNorm has no running statistics, so the attack is the gradient term alone "
              "(the same on the BatchNorm model for comparison). ε per client by the RDP accountant (δ = 1e-5; sample "
              "rate B / images, one step per local step), the worst client's reported.\n")
-    L.append(_table(["model / defense", "ε (worst client)", "ε (client 2)", "RDLV client 2", "accuracy"], drows))
+    L.append(_table(["model / defense", "ε (worst client)", "ε (client 2)", "RDLV client 2", "accuracy", "revision"], drows))
     L.append("")
     L += _dpsgd_tuned(rows, checks, gsum)
     pn = crossing.get("global")
-    checks.append(["DP-SGD drives the high-risk client's RDLV ≤ 0 at a larger accuracy cost than percentile noise",
+    checks.append(_Check("DP-SGD drives the high-risk client's RDLV ≤ 0 at a larger accuracy cost than percentile noise",
                    ", ".join(f"σ = {s}: RDLV ≤ 0 {'yes' if ok else 'no'}, accuracy {_f(a)}" for s, (ok, a) in zip(DP_SIGMAS, dp_ok))
                    + (f"; percentile noise at its crossing σ0 = {pn[0]}: accuracy {_f(pn[1])}" if pn else "")
                    + f"; BatchNorm model without a defense: accuracy {_f(acc0)}, GroupNorm without DP: "
                    f"{_f(_get(rows, 'dpsgd/group/none', 'accuracy'))}, RDLV {_f(_get(rows, 'dpsgd/group/none', f'rdlv_client{HIGH_RISK}'), '+.3f')}",
                    _yes(None if not dp_ok or pn is None else (any(ok for ok, _ in dp_ok) and
-                        min(a for ok, a in dp_ok if ok) < pn[1]) if any(ok for ok, _ in dp_ok) else False)])
+                        min(a for ok, a in dp_ok if ok) < pn[1]) if any(ok for ok, _ in dp_ok) else False),
+                   _rv(rows, "hr/none", "dpsgd/group/none", *(f"dpsgd/group/{s}" for s in DP_SIGMAS),
+                       *(f"noise/global/{s0}" for s0 in SIGMA0_GLOBAL if s0))))
 
     # ---- filter
     f = "filter/threshold0"
     if f in rows and "error" not in rows[f]:
         frows = [[str(c), _f(_get(rows, f, f"filter_rdlv_low_client{c}"), "+.3f"),
-                  "yes" if _get(rows, f, f"filter_withheld_client{c}") else "no", _interval(rows, f, c)] for c in (1, 2)]
+                  "yes" if _get(rows, f, f"filter_withheld_client{c}") else "no", _interval(rows, f, c), _rv(rows, f)]
+                 for c in (1, 2)]
         L.append("### RDLV-threshold filter (`filter`: clients 1 and 2 audit their last-round update, threshold 0)\n")
-        L.append(_table(["client", "audit RDLV lower bound", "withheld", "server's RDLV afterwards"], frows))
+        L.append(_table(["client", "audit RDLV lower bound", "withheld", "server's RDLV afterwards", "revision"], frows))
         L.append(f"\nAccuracy {_f(_get(rows, f, 'accuracy'))} (no defense: {_f(acc0)}).\n")
         w2 = _get(rows, f, f"filter_withheld_client{HIGH_RISK}")
-        checks.append(["The RDLV filter withholds a leaking update (beyond the paper)",
+        checks.append(_Check("The RDLV filter withholds a leaking update (beyond the paper)",
                        f"client 2 withheld: {'yes' if w2 else 'no'}; server's RDLV {_f(_get(rows, f, f'rdlv_client{HIGH_RISK}'), '+.3f')}",
-                       _yes(None if w2 is None else bool(w2))])
+                       _yes(None if w2 is None else bool(w2)), _rv(rows, f)))
 
     # ---- rounds
     rr = [(r, _get(rows, "rounds/hr", f"rdlv_client{HIGH_RISK}_round{r}")) for r in range(3)]
     if any(v is not None for _, v in rr):
         L.append("### RDLV vs round (`rounds`, high-risk client)\n")
-        L.append(_table(["round", "SSIM", "RDLV"], [[str(r), _f(_get(rows, "rounds/hr", f"ssim_client{HIGH_RISK}_round{r}")),
-                                                           _f(v, "+.3f")] for r, v in rr]))
+        L.append(_table(["round", "SSIM", "RDLV", "revision"],
+                        [[str(r), _f(_get(rows, "rounds/hr", f"ssim_client{HIGH_RISK}_round{r}")), _f(v, "+.3f"),
+                          _rv(rows, "rounds/hr")] for r, v in rr]))
         L.append("")
         vals = [v for _, v in rr if v is not None]
-        checks.append(["Later rounds reconstruct better (the paper: round 90 of 100)",
-                       "RDLV by round " + ", ".join(_f(v, "+.3f") for v in vals), _yes(vals[-1] >= vals[0] if len(vals) > 1 else None)])
+        checks.append(_Check("Later rounds reconstruct better (the paper: round 90 of 100)",
+                       "RDLV by round " + ", ".join(_f(v, "+.3f") for v in vals), _yes(vals[-1] >= vals[0] if len(vals) > 1 else None), _rv(rows, "rounds/hr")))
 
     # ---- paper layout
     p = "paper/nine"
     if p in rows and "error" not in rows[p]:
         prow = [[str(c), {0: "8 / B 4 / 2", 1: "8 / B 8 / 1", 8: "1 / B 1 / 1"}[c], _f(_get(rows, p, f"ssim_client{c}")),
-                 _f(_get(rows, p, f"ssim_prior_client{c}")), _interval(rows, p, c), _f(_get(rows, p, f"iip_client{c}"), ".2f")]
-                for c in (0, 1, 8)]
+                 _f(_get(rows, p, f"ssim_prior_client{c}")), _interval(rows, p, c), _f(_get(rows, p, f"iip_client{c}"), ".2f"),
+                 _rv(rows, p)] for c in (0, 1, 8)]
         L.append("### The public code's nine clients (`paper`, `configs/leakage/fmnist_resnet18_paper.yaml`, 10 rounds, "
                  "lr decay every 4; clients 0, 1 and 8 attacked)\n")
-        L.append(_table(["client", "images / batch / steps", "SSIM", "SSIM prior", "RDLV [95 %]", "IIP"], prow))
+        L.append(_table(["client", "images / batch / steps", "SSIM", "SSIM prior", "RDLV [95 %]", "IIP", "revision"], prow))
         L.append(f"\nAccuracy {_f(_get(rows, p, 'accuracy'))}.\n")
 
     # ---- speed
     if speed:
         srows = [[str(r["batch"]), str(r["steps"]), f"{r['forward_backward_s'] * 1e3:.1f}", f"{r['iteration_s'] * 1e3:.1f}",
-                  f"{r['ratio_per_step']:.2f}×", f"{r['ratio_per_step_median']:.2f}×"] for r in speed["rows"]]
+                  f"{r['ratio_per_step']:.2f}×", f"{r['ratio_per_step_median']:.2f}×", revision_label(r if "revision" in r
+                  else speed)] for r in speed["rows"]]
         L.append("### Speed: one inversion iteration vs one forward+backward per simulated step (`speed`)\n")
-        L.append(_table(["B", "K", "fwd+bwd ms", "iteration ms", "ratio (fastest)", "ratio (median)"], srows))
+        L.append(_table(["B", "K", "fwd+bwd ms", "iteration ms", "ratio (fastest)", "ratio (median)", "revision"], srows))
         L.append("")
         worst = max(r["ratio_per_step"] for r in speed["rows"])
-        checks.append(["One inversion iteration ≤ 4× a forward+backward per simulated local step (issue 9)",
-                       f"worst {worst:.2f}× over the B/K cells", _yes(worst <= 4)])
+        checks.append(_Check("One inversion iteration ≤ 4× a forward+backward per simulated local step (issue 9)",
+                       f"worst {worst:.2f}× over the B/K cells", _yes(worst <= 4), revision_label(speed)))
 
     g = lambda cell, k: _get(rows, cell, k)  # noqa: E731
     grad_txt, dp_txt = _gradonly_reading(gsum, acc0, g("gradonly/group/none", "accuracy"))
@@ -708,7 +735,8 @@ def report(args: argparse.Namespace) -> int:
         "* **The RDLV filter** stops exactly the leaking updates, at no accuracy cost in 3 rounds, but costs each "
         "auditing client one inversion per audited round.\n")
     L.append("### The paper's findings as checks\n")
-    L.append(_table(["finding (paper / issue 9)", "our measurement", "verdict"], checks))
+    L.append(_table(["finding (paper / issue 9)", "our measurement", "verdict", "revision (the cells it reads)"],
+                    [[*c, getattr(c, "revision", "–")] for c in checks]))
     L.append("")
     missing = [c for c in cfgs if c not in rows or "error" in rows[c]]
     if missing:

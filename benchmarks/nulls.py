@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import ROOT, write_section  # noqa: E402
+from _bench import REVISION_NOTE, ROOT, revision, revision_label, write_section  # noqa: E402
 from gradleak.attacks.dager import NOT_APPLICABLE  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
@@ -167,13 +167,14 @@ UTR_METHODS = {"dager_lora": "DAGER (LoRA q+k, 2 layers)",
 #: a UTR value stored before the project's ROUGE F1 keys: marked, and :data:`LEGACY_F1_NOTE` says what it is
 LEGACY_F1_MARK = "†"
 LEGACY_F1_NOTE = (
-    f"{LEGACY_F1_MARK} = the cell's stored row predates the project's ROUGE F1 (`rouge1_f1` / `rouge2_f1`: "
+    f"{LEGACY_F1_MARK} = not measured in ROUGE F1 as these documents define it (`rouge1_f1` / `rouge2_f1`: "
     "batch-level F1 over every returned sentence, `gradleak.metrics.text.rouge_f1_scores` -- the audit's headline for "
-    "text and what the null draws score) and holds only `rouge1_f` / `rouge2_f` (the mean over the private sentences "
-    "of the rouge_score package's F-measure against each one's matched candidate, "
-    "`gradleak.metrics.text.rouge_scores`: unmatched returned sentences do not lower it). That other definition's "
-    "value is shown, beside the null of the project's; rerunning the cell "
-    "(`python benchmarks/utr.py --out benchmarks/out --cells 'CELL' --rerun`) stores both.")
+    "text and what the null draws score; the one ROUGE F1 the documents report): the cell's stored row predates it "
+    "and holds only `rouge1_f` / `rouge2_f`, another definition (the mean over the private sentences of the "
+    "rouge_score package's F-measure against each one's matched candidate, `gradleak.metrics.text.rouge_scores`: "
+    "unmatched returned sentences do not lower it), which is neither shown as F1 nor set against this null (its p99 "
+    "in brackets), so the row's beyond-chance is not measured. Rerunning the cell "
+    "(`python benchmarks/utr.py --out benchmarks/out --cells 'CELL' --rerun`) measures it.")
 
 
 def utr_setting(r: dict) -> str:
@@ -191,7 +192,7 @@ def restate_utr(row: dict, u: dict | None) -> dict:
     """A stored UTR null row as the report shows it, from its cell's row ``u`` of ``utr.json``: the setting rebuilt
     (:func:`utr_setting`) and the project's ROUGE-1/2 F1 (``rouge{n}_f1``, the metric the null draws score) as the
     value where the cell stores it -- older null rows hold ``rouge{n}_f``, another definition; a cell without
-    ``rouge{n}_f1`` keeps that value, marked ``legacy`` (:data:`LEGACY_F1_NOTE`)."""
+    ``rouge{n}_f1`` is marked ``legacy``: the report shows no value for it (:data:`LEGACY_F1_NOTE`)."""
     if u is None or row.get("paper") != "UTR":
         return row
     row = {**row, "setting": utr_setting(u)}
@@ -292,10 +293,11 @@ def _cell(q: dict | None, spec: str = ".3g", pct: bool = False) -> str:
         return "–"
     f = (lambda v: f"{100 * v:.1f} %") if pct else (lambda v: format(v, spec))
     v = q.get("value")
+    if q.get("legacy"):  # another ROUGE definition's value: not shown as this metric (LEGACY_F1_NOTE)
+        return f"–{LEGACY_F1_MARK} ({f(q['null_p99'])})"
     if v is None or v != v:
         return f"– ({f(q['null_p99'])})"
-    mark = LEGACY_F1_MARK if q.get("legacy") else ""
-    return (f"**{f(v)}**" if q.get("beyond_null") else f(v)) + mark + f" ({f(q['null_p99'])})"
+    return (f"**{f(v)}**" if q.get("beyond_null") else f(v)) + f" ({f(q['null_p99'])})"
 
 
 #: per table, the one metric whose test says "beyond chance" -- no OR over the columns: the headline the audit grades
@@ -307,8 +309,13 @@ DECIDES = {"PEFTLeak": "patch_psnr_max", "UTR": "rouge1_f1", "ProjRes": "auc_dis
            "LoRA-ViT optimisation": "psnr"}
 
 
-def _leaks(r: dict) -> bool:
-    return bool((r.get(DECIDES[r["paper"]]) or {}).get("beyond_null"))
+def _leaks(r: dict) -> bool | None:
+    """Beyond the null on the deciding metric; None when the row holds no value of it (LEGACY_F1_NOTE)."""
+    q = r.get(DECIDES[r["paper"]]) or {}
+    return None if q.get("legacy") else bool(q.get("beyond_null"))
+
+
+VERDICT = {True: "yes", False: "no", None: f"not measured{LEGACY_F1_MARK}"}
 
 
 TABLES = [  # (paper, header, metric keys with their format)
@@ -339,19 +346,20 @@ def report(rows: list[dict]) -> str:
              "and flat images; these rows store the recovered patches' median PSNR against the best chance patch "
              "(PEFTLeak) and the matched batch's mean PSNR against the null of that mean (lora_span, LoRA-ViT "
              "optimisation: the same as best-image PSNR at B = 1, not at B = 2, 4), and no trivial-image scores, so "
-             "an image row's yes is against the null only.", ""]
+             "an image row's yes is against the null only.", "", REVISION_NOTE, ""]
     for paper, heads, keys in TABLES:
         mine = [r for r in rows if r["paper"] == paper]
         if not mine:
             continue
-        lines += [f"### {paper}", "", "| setting | " + " | ".join(heads) + " | beyond chance |",
-                  "|---|" + "---|" * len(heads) + "---|"]
+        lines += [f"### {paper}", "", "| setting | " + " | ".join(heads) + " | beyond chance | revision |",
+                  "|---|" + "---|" * len(heads) + "---|---|"]
         for r in mine:
             if r.get("not_applicable"):
-                lines.append(f"| {r['setting']} | " + " | ".join([r["not_applicable"]] * len(heads)) + " | n/a |")
+                lines.append(f"| {r['setting']} | " + " | ".join([r["not_applicable"]] * len(heads))
+                             + f" | n/a | {revision_label(r)} |")
                 continue
             cells = [str(r.get(k, "–")) if spec is None else _cell(r.get(k), spec, pct) for k, spec, pct in keys]
-            lines.append(f"| {r['setting']} | " + " | ".join(cells) + f" | {'yes' if _leaks(r) else 'no'} |")
+            lines.append(f"| {r['setting']} | " + " | ".join(cells) + f" | {VERDICT[_leaks(r)]} | {revision_label(r)} |")
         lines.append("")
         if any((r.get(k) or {}).get("legacy") for r in mine for k, _, _ in keys if isinstance(r.get(k), dict)):
             lines += [f"*{LEGACY_F1_NOTE}*", ""]
@@ -360,9 +368,13 @@ def report(rows: list[dict]) -> str:
     for paper in dict.fromkeys(r["paper"] for r in rows):
         na = [r["setting"] for r in rows if r["paper"] == paper and r.get("not_applicable")]
         mine = [r for r in rows if r["paper"] == paper and not r.get("not_applicable")]
-        no = [r["setting"] for r in mine if not _leaks(r)]
-        text = f"- {paper}: {len(mine) - len(no)} of {len(mine)} settings beyond chance"
+        no = [r["setting"] for r in mine if _leaks(r) is False]
+        unmeasured = [r for r in mine if _leaks(r) is None]
+        text = f"- {paper}: {sum(_leaks(r) is True for r in mine)} of {len(mine)} settings beyond chance"
         text += "." if not no else "; at chance: " + "; ".join(no) + "."
+        if unmeasured:
+            text += (f" Not measured in `{DECIDES[paper]}` ({len(unmeasured)}, marked {LEGACY_F1_MARK}: stored before "
+                     "it; rerun to measure).")
         if na:
             text += f" Not applicable ({len(na)}, nothing measured): " + "; ".join(na) + "."
         lines.append(text)
@@ -391,9 +403,10 @@ def main(argv=None) -> int:
         rows = json.loads(path.read_text())
     else:
         stored = json.loads(path.read_text()) if only and path.exists() else []
-        rows = []
+        rows, rev = [], revision()  # every computed row records the code revision that computed it
         for group, (compute, papers) in GROUPS.items():
-            rows += compute() if not only or group in only else [r for r in stored if r["paper"] in papers]
+            rows += ([{**r, "revision": rev} for r in compute()] if not only or group in only
+                     else [r for r in stored if r["paper"] in papers])
         path.write_text(json.dumps(rows, indent=1, default=str))
         print(f"wrote {path}", flush=True)
     utr = {r["cell"]: r for r in json.loads((OUT / "utr.json").read_text())} if (OUT / "utr.json").exists() else {}

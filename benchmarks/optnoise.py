@@ -39,8 +39,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import (REFERENCE_OUT, ROOT, add_out_args, check_configs, display, fmt_num, latest_rows, revision,  # noqa: E402
-                    resolve_out, run_cells, start_fresh, write_section)
+from _bench import (REFERENCE_OUT, REVISION_NOTE, ROOT, add_out_args, check_configs, display, fmt_num, latest_rows,  # noqa: E402
+                    resolve_out, revision, revision_label, run_cells, start_fresh, write_section)
 
 NAME = "optnoise"
 CONFIG = ROOT / "configs" / "anchor" / "fmnist_b1.yaml"
@@ -180,7 +180,7 @@ def table(rows: list[dict]) -> str:
              "noise, matched plainly (`off`: cosine) or by the declared noise's likelihood (`declared`). "
              "PSNR/SSIM: the best image; beside each its null's 99th percentile (random Fashion-MNIST train images "
              "matched like the reconstruction). Upload RMS: the per-coordinate RMS of the undefended gradient "
-             "upload (" + ", ".join(f"U = {u}: {v:.4g}" for u, v in sorted(rms.items())) + ").", "",
+             "upload (" + ", ".join(f"U = {u}: {v:.4g}" for u, v in sorted(rms.items())) + "). " + REVISION_NOTE, "",
              "| image U (role) | std | std / upload RMS | noise_model | PSNR dB (null p99) | SSIM (null p99) | level "
              "| seconds | revision |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -192,13 +192,13 @@ def table(rows: list[dict]) -> str:
             why = ("not run: the attack ignores `noise_model` at this revision" if "is not applied" in err
                    else "failed: " + err[:80].replace("|", "/"))
             lines.append(f"| {r['image']} ({r['role']}) | {r['std']:g} | {ratio} | {r['noise_model']} | {why} | – | – "
-                         f"| {fmt_num(r.get('wall_seconds'), '.0f')} | {r.get('revision', '–')} |")
+                         f"| {fmt_num(r.get('wall_seconds'), '.0f')} | {revision_label(r)} |")
             continue
         m = r["metrics"]
         lines.append(f"| {r['image']} ({r['role']}) | {r['std']:g} | {ratio} | {r['noise_model']} | "
                      f"{fmt_num(m.get('psnr_max'), '.2f')} ({fmt_num(m.get('psnr_max_null_p99'), '.2f')}) | "
                      f"{fmt_num(m.get('ssim_max'), '.3f')} ({fmt_num(m.get('ssim_max_null_p99'), '.3f')}) | "
-                     f"{r['level']} | {fmt_num(r.get('wall_seconds'), '.0f')} | {r.get('revision', '–')} |")
+                     f"{r['level']} | {fmt_num(r.get('wall_seconds'), '.0f')} | {revision_label(r)} |")
     cmd = next((r["command"] for r in rows if r.get("part") == "attack" and r.get("std")), None)
     pairs = {}
     for r in rows:

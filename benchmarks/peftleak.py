@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import (ROOT, add_out_args, check_configs, default_out, display, fmt_num, latest_rows,  # noqa: E402
-                    resolve_out, run_cells as run_bench_cells, start_fresh, write_section)
+                    resolve_out, REVISION_NOTE, revision, revision_label, run_cells as run_bench_cells, start_fresh, write_section)
 from gradleak.run.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import fmt, markdown_table  # noqa: E402
 
@@ -215,8 +215,10 @@ def run_cells(selected, threads: int | None, out: Path) -> None:
                 f"psnr {fmt_num(m.get('recovered_patch_psnr_median'), '.1f')} "
                 f"grouping {fmt_num(m.get('grouping_accuracy'), '.3f')} ratio {fmt_num(t.get('attack_to_client_step_ratio'), '.2f')}")
 
+    rev = revision()  # every row records the code revision that wrote it
     run_bench_cells(out / "peftleak.jsonl", [
-        ({"cell": cell, "table": table, "meta": meta, "overrides": _overrides(ov), "command": _command(_overrides(ov))},
+        ({"cell": cell, "table": table, "meta": meta, "overrides": _overrides(ov), "command": _command(_overrides(ov)),
+          "revision": rev},
          run_file, (CONFIG, out / "peftleak" / cell, _overrides(ov))) for table, cell, meta, ov in selected],
         fill, label="peftleak")
 
@@ -310,7 +312,7 @@ def report(out: Path, args: argparse.Namespace) -> int:
     md = [f"Reproduce any cell with the `command` stored for it in `{display(out / 'peftleak.json')}` "
           f"(all cells: `python benchmarks/peftleak.py --out {display(out)}`). % = share of the B·N true patches recovered at ≥ 30 dB "
           "in the right image and position (`metrics.patch_recovery_rate`). Machine: 2 CPU cores, float64.", "",
-          METHODS_NOTE, ""]
+          METHODS_NOTE, "", REVISION_NOTE, ""]
 
     def agg(table, key_fn):
         out = {}
@@ -331,17 +333,19 @@ def report(out: Path, args: argparse.Namespace) -> int:
         row["data"] = data_of(t1.get((ds, "paper"), []) + t1.get((ds, "improved"), []))
         row["grouping (improved)"] = _mean([x["metrics"]["grouping_accuracy"] for x in t1.get((ds, "improved"), [])])
         row["ratio (improved)"] = _mean([x["timings"]["attack_to_client_step_ratio"] for x in t1.get((ds, "improved"), [])])
+        row["revision"] = revision_label(t1.get((ds, "paper"), []) + t1.get((ds, "improved"), []))
         lines.append(row)
     md += ["### Table 1 (ViT-B/16, r = 64)", "", "", ""]
     md[-2] = markdown_table(
         [{"cell": r["cell"], "paper": r["paper_fig"], "ours_paper": r["paper %"],
           "ours_improved": r["improved %"], "psnr_p": r["paper PSNR dB"], "psnr_i": r["improved PSNR dB"],
           "n": f"{r['paper n']}/{r['improved n']}", "grouping": r["grouping (improved)"], "ratio": r["ratio (improved)"],
-          "data": r["data"]}
+          "data": r["data"], "revision": r["revision"]}
          for r in lines],
-        ["cell", "data", "paper", "ours_paper", "ours_improved", "psnr_p", "psnr_i", "n", "grouping", "ratio"],
+        ["cell", "data", "paper", "ours_paper", "ours_improved", "psnr_p", "psnr_i", "n", "grouping", "ratio", "revision"],
         ["cell", DATA_COLUMN, "paper's %", "ours, paper design %", "ours, improved %", "median PSNR dB (paper design)",
-         "median PSNR dB (improved)", "batches (paper/improved)", "grouping acc. (improved)", "attack / client step time (improved)"])
+         "median PSNR dB (improved)", "batches (paper/improved)", "grouping acc. (improved)", "attack / client step time (improved)",
+         "revision"])
     summary["table1"] = lines
     ho = by.get("heldout", [])
     if ho:  # issue 41 item 2: the held-out cells beside Table 1's B = 32 batches of the CIFAR images
@@ -353,7 +357,8 @@ def report(out: Path, args: argparse.Namespace) -> int:
                    "data": data_of([r]), "design": r["meta"]["design"], "seed": r["meta"]["seed"],
                    "recovery": _pct(r["metrics"]["patch_recovery_rate"]),
                    "isolated": _pct(r["metrics"]["isolated_patch_rate"]),
-                   "psnr": r["metrics"]["recovered_patch_psnr_median"], "grouping": r["metrics"]["grouping_accuracy"]}
+                   "psnr": r["metrics"]["recovered_patch_psnr_median"], "grouping": r["metrics"]["grouping_accuracy"],
+                   "revision": revision_label(r)}
                   for r in b32 + sorted(ho, key=lambda r: r["meta"]["design"])]
         summary["heldout"] = rows_h
         md += ["### Held out (issue 41): Table 1's B = 32 on images no tuned cell drew", "",
@@ -366,9 +371,9 @@ def report(out: Path, args: argparse.Namespace) -> int:
                "another distribution than CIFAR, so a difference from seed 0 is not only the images' being unseen. "
                "Cells: `heldout` in this script (`--only heldout`), commands in the JSON.", "",
                markdown_table(rows_h, ["cell", "split", "data", "design", "seed", "recovery", "isolated", "psnr",
-                                       "grouping"],
+                                       "grouping", "revision"],
                               ["cell", "split", DATA_COLUMN, "design", "seed", "recovered %",
-                               "isolated (any grouping) %", "median PSNR dB", "grouping acc."]), ""]
+                               "isolated (any grouping) %", "median PSNR dB", "grouping acc.", "revision"]), ""]
 
     def sweep(table, key, paper_map, title, key_name, whole=False):
         """One sweep's table. ``whole``: the cells ran the first rounds only (Table 2), so the attacked positions'
@@ -387,7 +392,7 @@ def report(out: Path, args: argparse.Namespace) -> int:
                           "rounds": _mean([x["metrics"].get("rounds_used") for x in ri]),
                           "rounds_all": _mean([x["metrics"].get("rounds_needed_all_positions") for x in rp]),
                           "rounds_all_i": _mean([x["metrics"].get("rounds_needed_all_positions") for x in ri]),
-                          "n": f"{len(rp)}/{len(ri)}", "data": data_of(rp + ri)})
+                          "n": f"{len(rp)}/{len(ri)}", "data": data_of(rp + ri), "revision": revision_label(rp + ri)})
             if whole:
                 for d, rs in (("paper", rp), ("improved", ri)):
                     rows_[-1][f"ours_{d}_all"] = _pct(_mean([x["metrics"]["patch_recovery_rate"] for x in rs]))
@@ -402,15 +407,16 @@ def report(out: Path, args: argparse.Namespace) -> int:
                      for r in rows_]
             return [f"### {title}", "", markdown_table(
                 shown, [key_name, "data", "paper", "ours_paper", "ours_paper_all", "ours_improved", "ours_improved_all",
-                        "psnr", "grouping", "n"],
+                        "psnr", "grouping", "n", "revision"],
                 [key_name, DATA_COLUMN, "paper's %", "ours, paper design: of the attacked positions %",
                  "ours, paper design: whole image (all positions) %", "ours, improved: of the attacked positions %",
                  "ours, improved: whole image (all positions) %", "median PSNR dB", "grouping acc. (improved)",
-                 "batches (paper/improved)"]), ""]
+                 "batches (paper/improved)", "revision"]), ""]
         return [f"### {title}", "", markdown_table(rows_, [key_name, "data", "paper", "ours_paper", "ours_improved", "psnr",
-                                                             "grouping", "n"],
+                                                             "grouping", "n", "revision"],
                                                    [key_name, DATA_COLUMN, "paper's %", "ours, paper design %", "ours, improved %",
-                                                    "median PSNR dB", "grouping acc. (improved)", "batches (paper/improved)"]), ""]
+                                                    "median PSNR dB", "grouping acc. (improved)", "batches (paper/improved)",
+                                                    "revision"]), ""]
 
     fig6a_paper = {k: v for k, v in PAPER["fig6a"].items() if v is not None}
     b32 = agg("table1", lambda r: (r["meta"]["dataset"], r["meta"]["design"]))
@@ -442,11 +448,12 @@ def report(out: Path, args: argparse.Namespace) -> int:
             continue
         rows4.append({"pe": pe, "sigma": sigma, "paper": PAPER["table4"][pe].get(sigma),
                       "ours_paper": _pct(_mean([x["metrics"]["patch_recovery_rate"] for x in g4[(pe, sigma, "paper")]])),
-                      "ours_improved": _pct(_mean([x["metrics"]["patch_recovery_rate"] for x in g4.get((pe, sigma, "improved"), [])]))})
+                      "ours_improved": _pct(_mean([x["metrics"]["patch_recovery_rate"] for x in g4.get((pe, sigma, "improved"), [])])),
+                      "revision": revision_label(g4[(pe, sigma, "paper")] + g4.get((pe, sigma, "improved"), []))})
     summary["table4"] = rows4
     md += ["### Table 4: positional-embedding scale σ and distribution (B = 32)", "",
-           markdown_table(rows4, ["pe", "sigma", "paper", "ours_paper", "ours_improved"],
-                          ["PE distribution", "σ", "paper's %", "ours, paper design %", "ours, improved %"]), ""]
+           markdown_table(rows4, ["pe", "sigma", "paper", "ours_paper", "ours_improved", "revision"],
+                          ["PE distribution", "σ", "paper's %", "ours, paper design %", "ours, improved %", "revision"]), ""]
     if rows4:
         md += [table4_reading(rows4, sorted({len(v) for v in g4.values()})), ""]
     for table, title in (("ablation", "Ablation: the paper design with empirical bin edges"),
@@ -456,9 +463,9 @@ def report(out: Path, args: argparse.Namespace) -> int:
             md += [f"### {title}", "", markdown_table(
                 [{"cell": r["cell"], "recovery": _pct(r["metrics"]["patch_recovery_rate"]),
                   "isolated": _pct(r["metrics"]["isolated_patch_rate"]), "psnr": r["metrics"]["recovered_patch_psnr_median"],
-                  "grouping": r["metrics"]["grouping_accuracy"]} for r in rs],
-                ["cell", "recovery", "isolated", "psnr", "grouping"],
-                ["cell", "recovered %", "isolated (any grouping) %", "median PSNR dB", "grouping acc."]), ""]
+                  "grouping": r["metrics"]["grouping_accuracy"], "revision": revision_label(r)} for r in rs],
+                ["cell", "recovery", "isolated", "psnr", "grouping", "revision"],
+                ["cell", "recovered %", "isolated (any grouping) %", "median PSNR dB", "grouping acc.", "revision"]), ""]
             summary[table] = rs
     cnt = agg("counts", lambda r: r["meta"]["arm"])
     if cnt:
@@ -479,7 +486,7 @@ def report(out: Path, args: argparse.Namespace) -> int:
                            "strict_seeds": per_seed("patch_recovery_rate"),
                            "authors_seeds": per_seed("authors_count_rate"),
                            "K": _mean([r["metrics"].get("adapters_per_position") for r in rs]),
-                           "seeds": ", ".join(str(r["meta"]["seed"]) for r in rs)})
+                           "seeds": ", ".join(str(r["meta"]["seed"]) for r in rs), "revision": revision_label(rs)})
         summary["counts"] = rows_c
         md += ["### PEFTLeak's count vs ours (paper design, B = 128; issue 28 item 6)", "",
                "Two counts of the same runs: **strict** = a true patch counts when a returned patch at its image and "
@@ -489,10 +496,10 @@ def report(out: Path, args: argparse.Namespace) -> int:
                "/ (B × attacked positions), so it can pass 100 %). Paper: 72.6 % (Fig. 6a, CIFAR-100, "
                "same-dataset public split). Cells: `counts` in this script (`--only counts`), commands in the JSON.", "",
                markdown_table(rows_c, ["arm", "paper", "strict", "isolated", "authors", "strict_seeds", "authors_seeds",
-                                       "K", "seeds"],
+                                       "K", "seeds", "revision"],
                               ["private / public statistics", "paper's %", "ours, strict %", "isolated (any grouping) %",
                                "authors' count %", "strict % per seed", "authors' count % per seed",
-                               "adapters per position", "seeds"]), ""]
+                               "adapters per position", "seeds", "revision"]), ""]
         strict = [r["strict"] for r in rows_c if r["strict"] is not None]
         authors = [r["authors"] for r in rows_c if r["authors"] is not None]
         arm = {r["arm"]: r for r in rows_c}
@@ -516,7 +523,7 @@ def report(out: Path, args: argparse.Namespace) -> int:
                          f"SSIM {v.get('ssim_mean', float('nan')):.3f}, gradient-matching loss "
                          f"{v.get('initial_matching_loss', float('nan')):.3g} → {v.get('final_matching_loss', float('nan')):.3g}"
                          for k, v in (b.get("metrics_by_batch_size") or {}).items() if isinstance(v, dict)) +
-               f". Command: `{b.get('command')}`. The paper reports that it recovers no image; so do we: the gradients "
+               f". Command: `{b.get('command')}` (revision: {revision_label(b)}). The paper reports that it recovers no image; so do we: the gradients "
                "match while the images stay noise (a randomly initialised ViT-B/16 — no pretrained ViT-B exists offline).", ""]
     md += ["### Notes", "",
            "* **Exactness.** Both designs return patches at ≈ 85–90 dB median PSNR (float64 rounding); the authors' "

@@ -47,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import ROOT, add_out_args, check_configs, display, fmt_num, resolve_out  # noqa: E402
+from _bench import ROOT, add_out_args, check_configs, display, fmt_num, resolve_out, revision  # noqa: E402
 
 CONFIG = ROOT / "configs" / "peftleak" / "ig_baseline.yaml"
 # fraction of the B=1 step budget spent at larger B (one step costs ~1.5x at B=8, ~5x at B=32 on CPU)
@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
                         "threads": env.get("torch_threads", torch.get_num_threads()), "device": env.get("device", args.device)},
         "command": " ".join(["python", "benchmarks/peftleak_baseline.py", *(argv if argv is not None else sys.argv[1:])]),
+        "revision": revision(),  # the code revision that measured it
     }
     path = args.out / "peftleak_baseline.json"
     write_json_atomic(path, report)

@@ -45,8 +45,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import (ROOT, add_out_args, check_configs, display, fmt_num, latest_rows,  # noqa: E402
-                    resolve_out, run_cells as run_bench_cells, save_figure, start_fresh, write_section)
+from _bench import (REVISION_NOTE, ROOT, add_out_args, check_configs, display, fmt_num, latest_rows,  # noqa: E402
+                    resolve_out, revision, revision_label, run_cells as run_bench_cells, save_figure, start_fresh, write_section)
 from gradleak.run.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
 
@@ -276,9 +276,10 @@ def run_cells(cells: list[dict], out: Path) -> None:
                 + (f" rank condition {fmt_num(m['fisguard_rank_condition_rate'], '.2f')}"
                    if "fisguard_rank_condition_rate" in m else ""))
 
+    rev = revision()  # every row records the code revision that wrote it
     run_bench_cells(out / "projres.jsonl", [
         ({"cell": c["cell"], "tables": c["tables"], "params": c["params"], "overrides": c["overrides"],
-          "command": command(c["overrides"])}, run_cell, (c["overrides"], out / "projres" / c["cell"])) for c in cells],
+          "command": command(c["overrides"]), "revision": rev}, run_cell, (c["overrides"], out / "projres" / c["cell"])) for c in cells],
         fill, label="projres")
 
 
@@ -314,7 +315,8 @@ def measure_overhead(out: Path, pefts=("adapter",)) -> dict:
             rows.append({"peft": k, "defense": d, "client_step_seconds": min(times[k][d]),
                          "overhead_ratio": min(times[k][d]) / base, "setup_seconds": min(setup[k][d]),
                          "repeats": times[k][d],
-                         "command": command([f"peft.kind={k}", f"defense={DEFENSES[d]}", *OVERHEAD_SETUP])})
+                         "command": command([f"peft.kind={k}", f"defense={DEFENSES[d]}", *OVERHEAD_SETUP]),
+                         "revision": revision()})
     result = {"setup": OVERHEAD_SETUP, "repeats": OVERHEAD_REPEATS, "threads": torch.get_num_threads(), "rows": rows}
     write_json_atomic(out / "projres_overhead.json", result)
     return result
@@ -405,13 +407,13 @@ def report(args: argparse.Namespace) -> int:
              "(the adaptive attack decomposes the first 10 clients); accuracy is the final model's on the held-out "
              "quotes. `best layer` picks the layer with the truth (an upper bound, not an attack). Timings are wall "
              "seconds on 2 shared CPU cores (noisy). Each cell's command is in `projres.json` "
-             f"(e.g. `{command(full[0]['overrides'])}`)."]
+             f"(e.g. `{command(full[0]['overrides'])}`). {REVISION_NOTE}"]
     t = [{"model": m, "stands in for": STANDS_IN[m], "data": DATA_LABEL, "PEFT": k, "AUC": _m(r, "auc"), "TPR@1%FPR": _m(r, "tpr_at_1pct_fpr"),
           "TPR@0.1%FPR": _m(r, "tpr_at_0.1pct_fpr"), "best layer AUC": _m(r, "auc_best_layer"),
           "accuracy": _m(r, "accuracy"), "members / non-members": f"{_m(r, 'members', '.0f')} / {_m(r, 'nonmembers', '.0f')}",
           "client step s": fmt_num(r["timings"].get("client_step_seconds") if r else None, ".1f"),
           "attack s": fmt_num(r["timings"].get("attack_reconstruct_seconds") if r else None, ".1f"),
-          "AUC per layer": _layers(r)}
+          "AUC per layer": _layers(r), "revision": revision_label(r)}
          for m in ("minilm", "smollm2") for k in ("adapter", "lora") for r in [get(model=m, peft=k)]]
     parts.append("### Main: ProjRes on undefended clients (batch-level reading: each client holds one batch, members "
                  "= the observed batch)\n\n" + markdown_table(t, list(t[0])))
@@ -429,7 +431,7 @@ def report(args: argparse.Namespace) -> int:
                       "rank condition": _rank_flag(r or ra), "AUC max, guarantee holds": _m(r, "auc_max_guarantee_holds"),
                       "AUC max, guarantee fails": _m(r, "auc_max_guarantee_fails"),
                       "AUC max, unprotected": _m(r, "auc_max_unprotected"), "ε": _m(r or ra, "dp_epsilon", ".2f"),
-                      "ProjRes AUC per layer": _layers(r)})
+                      "ProjRes AUC per layer": _layers(r), "revision": revision_label([r, ra])})
     if t:
         parts.append("### Defenses (MiniLM)\n\n`training time vs none` is the client step time over the undefended "
                      "cell's (same PEFT and attack). `rank condition`: share of (client, layer) uploads where FISGuard's "
@@ -449,7 +451,8 @@ def report(args: argparse.Namespace) -> int:
                 t.append({"data": HELDOUT_LABELS[variant], "defense": d, "ProjRes AUC": _m(r, "auc"), "adaptive AUC": _m(ra, "auc"),
                           "accuracy": _m(r or ra, "accuracy"), "rank condition": _rank_flag(r or ra),
                           "AUC max, guarantee holds": _m(r, "auc_max_guarantee_holds"),
-                          "AUC max, guarantee fails": _m(r, "auc_max_guarantee_fails")})
+                          "AUC max, guarantee fails": _m(r, "auc_max_guarantee_fails"),
+                          "revision": revision_label([r, ra])})
     if t:
         parts.append(f"### {SEEDS_TITLE}\n\n{seed_overlap_note()}\n\n" + markdown_table(t, list(t[0])))
 
@@ -457,7 +460,8 @@ def report(args: argparse.Namespace) -> int:
     if oh.exists():
         o = json.loads(oh.read_text())
         t = [{"PEFT": r["peft"], "defense": r["defense"], "client step s": f"{r['client_step_seconds']:.2f}",
-              "training time vs none": f"{r['overhead_ratio']:.2f}×", "setup s": f"{r['setup_seconds']:.1f}"}
+              "training time vs none": f"{r['overhead_ratio']:.2f}×", "setup s": f"{r['setup_seconds']:.1f}",
+              "revision": revision_label(r if "revision" in r else o)}
              for r in o["rows"]]
         parts.append(f"### Training-time overhead (one process, interleaved, fastest of {o['repeats']} repeats)\n\n"
                      f"MiniLM, `{' '.join(o['setup'])}`, {o['threads']} thread(s); `setup s` is model load + the "
@@ -531,7 +535,8 @@ def _dataset_section(get, failed: list[dict]) -> list[str]:
           "TPR@1%FPR (null p99)": f"{_m(r, 'tpr_at_1pct_fpr')} ({_m(r, 'tpr_at_1pct_fpr_null_p99')})",
           "accuracy": _m(r, "accuracy"), "members / non-members": f"{_m(r, 'members', '.0f')} / {_m(r, 'nonmembers', '.0f')}",
           "rank condition": _rank_flag(r), "AUC per layer": _layers(r),
-          "cell `--set`s beyond the base": _sets(r, base) if "/dataset" in r["cell"] else f"batch-level cell `{r['cell']}`"}
+          "cell `--set`s beyond the base": _sets(r, base) if "/dataset" in r["cell"] else f"batch-level cell `{r['cell']}`",
+          "revision": revision_label(r)}
          for reading, k, d, sd, r in items]
     n, B = DATASET["samples_per_client"], 16
     text = (f"### Paper's setting: each client holds a dataset (issue 28 item 3)\n\n"
@@ -606,7 +611,7 @@ def _fisguard_section(get) -> list[str]:
           "AUC max, guarantee holds": _m(r, "auc_max_guarantee_holds"),
           "AUC max, guarantee fails": _m(r, "auc_max_guarantee_fails"), "AUC max, unprotected": _m(r, "auc_max_unprotected"),
           "ProjRes AUC per layer (rank of G / its input width: r for U)": _layers(r, ranks=True),
-          "cell `--set`s beyond the base": _sets(r, base)} for k, d, sd, st, r in items]
+          "cell `--set`s beyond the base": _sets(r, base), "revision": revision_label(r)} for k, d, sd, st, r in items]
     text = ("### FISGuard per layer: where the residual AUC comes from (issue 28 item 4)\n\n"
             "Batch-level reading (each client holds 16 quotes, 40 FedSGD rounds, the last scored; 30 clients as the "
             "tables above, the cells added for this table 10 clients for CPU time -- the rank of each upload's G_U does "

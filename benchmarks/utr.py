@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import (add_out_args, check_configs, display, latest_rows, resolve_out,  # noqa: E402
-                    run_cells as run_bench_cells, save_figure, start_fresh, write_section)
+from _bench import (REVISION_NOTE, add_out_args, check_configs, display, latest_rows, resolve_out,  # noqa: E402
+                    revision, revision_label, run_cells as run_bench_cells, save_figure, start_fresh, write_section)
 from _utr_paper import SEED_LABELS, paper_grid, paper_table  # noqa: E402
 from gradleak.run.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
@@ -355,16 +355,16 @@ def fair_section(by: dict) -> str:
                     missing.add(key.split("_")[0])
                     table.append({**entry, "R1/R2 recall": "not measured (note below)",
                                   "R1 / R2 F1 (null p99)": "–", "verified": "–", "paper BERT RT": "–",
-                                  "attack s": "–", "command": _command(cell)})
+                                  "attack s": "–", "command": _command(cell), "revision": "–"})
                     continue
                 m, nul = row["metrics"], null_of(row)
                 # the project's ROUGE F1 (rouge{n}_f1); a row stored before those keys holds only rouge{n}_f, another
-                # definition (LEGACY_F1_NOTE): shown marked, never as the same number
+                # definition (LEGACY_F1_NOTE): not shown, the cell marked not measured
                 old = m.get("rouge1_f1") is None
                 legacy |= old
-                f1 = " / ".join(f"{v:.1f}{LEGACY_F1_MARK if old else ''} ({nul[k]['null_p99']:.1f})"
-                                if v is not None else "–"
-                                for k, v in ((k, m.get(k[:-1] if old else k)) for k in ("rouge1_f1", "rouge2_f1")))
+                f1 = " / ".join(f"–{LEGACY_F1_MARK} ({nul[k]['null_p99']:.1f})" if old  # not shown as F1
+                                else f"{v:.1f} ({nul[k]['null_p99']:.1f})" if v is not None else "–"
+                                for k, v in ((k, m.get(k)) for k in ("rouge1_f1", "rouge2_f1")))
                 trials = row["config"].get("trials", 1)
                 n_sent = B * trials
                 ver = m.get("sentences_verified")
@@ -372,7 +372,7 @@ def fair_section(by: dict) -> str:
                               "R1 / R2 F1 (null p99)": f1,
                               "verified": f"{int(round(ver * trials))}/{n_sent}" if ver is not None else "–",
                               "paper BERT RT": PAPER_T1.get((B, key.split("_")[0]), ("–",))[0],
-                              "attack s": _t(row), "command": _command(cell)})
+                              "attack s": _t(row), "command": _command(cell), "revision": revision_label(row)})
     return ("### Fair baselines (issue 28 item 1): DAGER's span test with our encoder search, LAMP at B = 1, 2, 4 "
             "(MiniLM, RT)\n\n"
             + FAIR_INTRO + "\n\n" + markdown_table(table, list(table[0])) + "\n\n"
@@ -453,7 +453,7 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
              "BERT -- stage 1 gives exact (token, position) pairs and [SEP] positions, so stage 2 assigns each "
              "position's tokens to B chains by Hungarian assignments scored with S_LA residuals (left-to-right "
              "construction, point moves, splices, segment swaps) on cached per-pair layer-0 projections, and "
-             "accepts a sentence only when every position passes the membership test.\n")]
+             "accepts a sentence only when every position passes the membership test.\n"), REVISION_NOTE]
     t1, shown = [], []
     for B in (1, 2, 4, 8):
         for meth, key in (("UTR rf=2", "utr"), ("UTR rf=1", "utr_rf1"), ("DAGER (adapters, frozen)", "dager_frozen"),
@@ -472,7 +472,7 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
             t1.append({"B": B, "method": meth, "minilm": _t1_cell(by, "minilm", key, B), "paper BERT RT": paper[0],
                        "smollm2": _t1_cell(by, "smollm2", key, B), "paper GPT2 RT": paper[1],
                        "time minilm s": _t(by.get(f"t1/minilm/{key}/B{B}")),
-                       "time smollm2 s": _t(by.get(f"t1/smollm2/{key}/B{B}"))})
+                       "time smollm2 s": _t(by.get(f"t1/smollm2/{key}/B{B}")), "revision": revision_label(cells)})
     seeds = sorted({r["config"]["seed"] for r in shown if r})
     parts.append("### Table 1 (B = 1..8)\n\n"
                  "`UTR` rows are our extension of the paper's method (`attack.params.search: extended`, the default: "
@@ -490,7 +490,8 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
         t2.append({"B": B, "minilm rf=1": r12(by.get(f"t2/minilm/utr/B{B}")), "smollm2 rf=1": r12(by.get(f"t2/smollm2/utr/B{B}")),
                    "unique vectors minilm / smollm2": f"{_m(by.get(f't2/minilm/utr/B{B}'), 'unique_token_vectors')} / "
                                                       f"{_m(by.get(f't2/smollm2/utr/B{B}'), 'unique_token_vectors')}",
-                   "paper RT": PAPER_T2[B]})
+                   "paper RT": PAPER_T2[B],
+                   "revision": revision_label([by.get(f"t2/{m}/utr/B{B}") for m in ("minilm", "smollm2")])})
     t2_note = _seed_note([by.get(f"t2/{m}/utr/B{B}") for m in ("minilm", "smollm2") for B in (16, 32, 64, 128)])
     parts.append(f"### Table 2 (large batches, UTR: our extension, {t2_note}; reduction factor 1)\n\n"
                  + markdown_table(t2, list(t2[0])))
@@ -501,7 +502,8 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
         pk = {"prune 90": "prune 0.9", "prune 99": "prune 0.99", "prune 99.9": "prune 0.999", "dp 2": "dp 2.0",
               "dp 3": "dp 3.0"}.get(pk, pk)
         t3.append({"defense (B=2, rf=2)": name, "minilm": r12(by.get(f"t3/minilm/{key}")),
-                   "smollm2": r12(by.get(f"t3/smollm2/{key}")), "paper BERT": PAPER_T3.get(pk, "–")})
+                   "smollm2": r12(by.get(f"t3/smollm2/{key}")), "paper BERT": PAPER_T3.get(pk, "–"),
+                   "revision": revision_label([by.get(f"t3/{m}/{key}") for m in ("minilm", "smollm2")])})
     t3_note = _seed_note([by.get(f"t3/{m}/{k}") for m in ("minilm", "smollm2") for k in
                           ("dp0.01", "dp1.5", "dp2.0", "dp3.0", "prune0.9", "prune0.99", "prune0.999")])
     parts.append(f"### Table 3 (defenses, client-side on the update, clip 1.0; UTR: our extension, {t3_note})\n\n"
@@ -512,7 +514,7 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
             r0, r1 = by.get(f"noise/{m}/nsr{nsr:g}/s0"), by.get(f"noise/{m}/nsr{nsr:g}/s4242")
             if r0 or r1:
                 nz.append({"model": m, "upload noise": f"per-coordinate NSR {nsr:g}", "seed 0 (tuned on)": r12(r0),
-                           f"seed 4242 ({seed_label(4242)})": r12(r1), "paper": "–"})
+                           f"seed 4242 ({seed_label(4242)})": r12(r1), "paper": "–", "revision": revision_label([r0, r1])})
         for key, name, paper in ((f"noise/{m}/nsr0.0001-exact/s0", "NSR 1e-4, exact tests (noise=none)", "–"),
                                  (f"noise/{m}/dp0.01-server", "central DP σ=0.01 (mean of K=1), secure-agg. view",
                                   PAPER_T3["dp 0.01"]),
@@ -522,7 +524,7 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
                                   "–")):
             if key in by:
                 nz.append({"model": m, "upload noise": name, "seed 0 (tuned on)": r12(by[key]),
-                           f"seed 4242 ({seed_label(4242)})": "–", "paper": paper})
+                           f"seed 4242 ({seed_label(4242)})": "–", "paper": paper, "revision": revision_label(by[key])})
     if nz:
         parts.append("### Noise-aware membership (issue 11 item 3; B = 2, rf = 2)\n\n"
                      "Per-coordinate noise-to-signal ratio NSR: `gaussian_noise` with `per_coordinate: true`, std = "
@@ -533,12 +535,14 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
     for m in ("minilm", "smollm2"):
         for rf in (1, 2, 4, 8):
             f4.append({"sweep": f"{m} rf={rf} (B=4)", "R1/R2": r12(by.get(f"f4a/{m}/rf{rf}")),
-                       "unique vectors": _m(by.get(f"f4a/{m}/rf{rf}"), "unique_token_vectors")})
+                       "unique vectors": _m(by.get(f"f4a/{m}/rf{rf}"), "unique_token_vectors"),
+                       "revision": revision_label(by.get(f"f4a/{m}/rf{rf}"))})
         for eps in (1e-1, 1e-2, 1e-3, 1e-4):
             for B in (4, 16, 64):
                 if f"f4b/{m}/eps{eps}/B{B}" in by:
                     f4.append({"sweep": f"{m} eps={eps} B={B} (rf=1)", "R1/R2": r12(by[f"f4b/{m}/eps{eps}/B{B}"]),
-                               "unique vectors": _m(by[f"f4b/{m}/eps{eps}/B{B}"], "unique_token_vectors")})
+                               "unique vectors": _m(by[f"f4b/{m}/eps{eps}/B{B}"], "unique_token_vectors"),
+                               "revision": revision_label(by[f"f4b/{m}/eps{eps}/B{B}"])})
     parts.append("### Fig. 4 (reduction factor, tolerance)\n\n" + markdown_table(f4, list(f4[0])))
     cap = [r for r in rows if r["cell"].startswith("cap/")]
     for r in rows:  # Table 1 UTR cells are points of the capacity curve too
@@ -555,7 +559,8 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
                  "word bag": r["metrics"]["word_bag_size"], "recovered tokens": r["metrics"]["recovered_tokens"],
                  "total tokens": r["metrics"].get("total_tokens"),
                  "capacity exhausted": "yes" if r["metrics"].get("capacity_exhausted") else "no",
-                 "R1/R2": r12(r), "s/sentence": round(r["timings"]["seconds_per_sentence"], 2)} for r in cap]
+                 "R1/R2": r12(r), "s/sentence": round(r["timings"]["seconds_per_sentence"], 2),
+                 "revision": revision_label(r)} for r in cap]
         parts.append("### Capacity (Fig. 3) and time per sentence\n\n" + markdown_table(crow, list(crow[0])))
         fig = _plot(cap, out)
         if fig:
@@ -713,7 +718,8 @@ def _bottleneck_section(bn: list[dict], out: Path) -> str:
         top = max((_ratio(r) for r in ok if first_bad is None or _ratio(r) < first_bad), default=None)
         reach.append({"model": m, "rf": rf, "every batch >= 90 up to": f"{top:.0f} %" if top else "–",
                       "first batch < 90 at": f"{first_bad:.0f} %" if first_bad else "–",
-                      "largest with >= 90": (f"{max(_ratio(r) for r in ok):.0f} %" if ok else "–")})
+                      "largest with >= 90": (f"{max(_ratio(r) for r in ok):.0f} %" if ok else "–"),
+                      "revision": revision_label(rs)})
         for r in rs:
             seed = r["config"]["seed"]
             mt = r["metrics"]
@@ -723,7 +729,7 @@ def _bottleneck_section(bn: list[dict], out: Path) -> str:
                                                  f"({_ratio(r):.0f} %)",
                           "R1/R2": r12(r), "verified": f"{int(mt.get('sentences_verified', 0))}/"
                                                        f"{r['config']['data']['batch_size']}",
-                          "attack s": _t(r)})
+                          "attack s": _t(r), "revision": revision_label(r)})
     body = ("### Past the bottleneck (issue 11): ROUGE against layer states / bottleneck rows\n\n"
             "Each cell is one batch (RT sentences, seed 0 tuned on, 4242 a new seed on the same sentences: not "
             "held-out data; FedSGD, 2 layers, one torch "
@@ -825,7 +831,8 @@ def main(argv: list[str] | None = None) -> int:
             row.update(metrics=res["metrics"], timings=res["timings"], warnings=res["details"].get("warnings", []))
             return f"R1={row['metrics'].get('rouge1', 0):.1f} R2={row['metrics'].get('rouge2', 0):.1f}"
 
-        run_bench_cells(jsonl, [({"cell": cell, "group": group, "config": raw}, run_cell, (raw, args.out / "utr" / cell))
+        rev = revision()  # every row records the code revision that wrote it
+        run_bench_cells(jsonl, [({"cell": cell, "group": group, "config": raw, "revision": rev}, run_cell, (raw, args.out / "utr" / cell))
                                 for group, cell, raw in sel], fill, label="utr", redo=args.rerun, wall_seconds=False,
                         error_fields={"metrics": {"rouge1": 0.0, "rouge2": 0.0}, "timings": {}})
     latest = latest_rows(jsonl)

@@ -242,10 +242,12 @@ def test_not_stopped_within_the_bracket_and_a_configured_defense_is_the_starting
 
 
 def test_budget_marks_unfinished_defenses(tmp_path, monkeypatch, fake_utility):
-    """Each fake probe takes 10 (fake) seconds; a 25 s budget ends the noise search after its first bisection step
-    and never starts DP-Gaussian: both are listed as unfinished, in the advice and the report. (Every tested attack
-    leaked here, so the search's probes are the full check; a screened strength left unchecked is never recommended:
-    :func:`test_a_strength_the_budget_left_unchecked_is_never_recommended`.)"""
+    """Each fake probe takes 10 (fake) seconds. The searches advance together, one probe of each per batch: the
+    baseline (10 s), then both strong ends (30 s), then the noise search's first bisection step (40 s; DP-Gaussian's
+    fake probe leaks at its strong end: not stopped, its search over); a 35 s budget then ends the noise search,
+    listed as unfinished in the advice and the report. A budget spent before the first batch starts no candidate.
+    (Every tested attack leaked here, so the search's probes are the full check; a screened strength left unchecked
+    is never recommended: :func:`test_a_strength_the_budget_left_unchecked_is_never_recommended`.)"""
     from gradleak.run import advise as mod
     from gradleak.run.audit_report import advice_section
 
@@ -253,15 +255,21 @@ def test_budget_marks_unfinished_defenses(tmp_path, monkeypatch, fake_utility):
     monkeypatch.setattr(mod, "clock", lambda: clock[0])
     calls: list = []
     monkeypatch.setattr(mod, "probe", _fake(calls, clock=clock))
-    adv = mod.advise(TEXT, tmp_path, {"attacks": [{"name": "utr", "level": "partial"}]}, candidates=["gaussian_noise", "dp_gaussian"], steps=3, budget_seconds=25,
-                     log=lambda m: None)
-    assert adv["unfinished"] == ["gaussian_noise", "dp_gaussian"] and len(calls) == 3
+    adv = mod.advise(TEXT, tmp_path, {"attacks": [{"name": "utr", "level": "partial"}]},
+                     candidates=["gaussian_noise", "dp_gaussian"], steps=3, budget_seconds=35, log=lambda m: None)
+    assert adv["unfinished"] == ["gaussian_noise"] and len(calls) == 4
     noise, dp = adv["rows"]
     assert noise["strength"] == 0.1 and noise["interval"] == [1e-3, 0.1] and "unfinished (budget)" in noise["note"]
-    assert dp["status"] == "unfinished" and "strength" not in dp
+    assert dp["status"] == "not_stopped" and "strength" not in dp
     assert adv["recommendation"]["defense"] == "gaussian_noise"  # stops, though not the weakest: said
     page = advice_section(adv)
-    assert "Not finished within the budget of 25 s: gaussian_noise, dp_gaussian" in page
+    assert "Not finished within the budget of 35 s: gaussian_noise" in page
+    clock[0] = 0.0
+    calls.clear()
+    adv = mod.advise(TEXT, tmp_path / "spent", {"attacks": [{"name": "utr", "level": "partial"}]},
+                     candidates=["gaussian_noise", "dp_gaussian"], steps=3, budget_seconds=5, log=lambda m: None)
+    assert adv["unfinished"] == ["gaussian_noise", "dp_gaussian"] and len(calls) == 1  # the baseline only
+    assert all(r["status"] == "unfinished" and "not started" in r["note"] for r in adv["rows"])
 
 
 def test_strength_scales_and_the_gaussian_epsilon():

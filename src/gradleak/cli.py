@@ -145,9 +145,10 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
                                       "stops every leaking attack, and its accuracy cost (resumable; also audit.advise)"),
           budget: Optional[float] = typer.Option(None, "--budget", help="--advise: seconds the search may take "
                                                  "(unfinished defenses are listed)"),
-          executor: str = typer.Option("inline", "--executor", help="--advise: inline (one probe after another), or "
-                                       "local / ray: the candidates' strong-end probes and the utility runs in "
-                                       "parallel (--workers of them)"),
+          executor: Optional[str] = typer.Option(None, "--executor", help="--advise: inline (one probe after "
+                                                 "another), or local / ray: every candidate's next probe and the "
+                                                 "utility runs in parallel (--workers of them). Default: local when "
+                                                 "--workers > 1, else inline"),
           fail_on: Optional[str] = typer.Option(None, "--fail-on", help="CI gate: exit 3 when the worst level of the "
                                                 "attacks the audit ran (over every client; under the configured "
                                                 "threat or a stronger server's upgrade) reaches this level: partial, "
@@ -187,9 +188,11 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
         from gradleak.run.advise import check_budget, run_audit_advised
 
         check_budget(budget)
-        if executor != "inline" and not advise:
+        if executor is not None and executor != "inline" and not advise:
             raise BadInput("--executor", "chooses how the --advise search runs its probes, but the audit is not "
                            "advising.", "add --advise, or drop --executor.")
+        if executor is None:  # the probes of the candidates side by side on the cores --workers gives
+            executor = "local" if kw["workers"] > 1 else "inline"
         result = run_audit_advised(raw, out, list(set_ or []), device, budget_seconds=budget, advise_on=advise,
                                    executor=executor, **kw)
     except BadInput as err:

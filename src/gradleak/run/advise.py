@@ -381,9 +381,6 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             (advice["utility"] if names[c.id].startswith("utility:") else advice["probes"])[names[c.id]] = r
         return rows
 
-    def run_probe(cid: str, cfg_raw: dict, attacks: list[str] | None = None) -> dict:
-        return run_batch([(cid, cfg_raw, False, attacks)])[0]
-
     # the search runs against the attacks that leaked undefended (the screen: those the defense must stop); the
     # strength it finds is then verified against every tested attack. A leak of the screen is a leak of every
     # attack, so each "leaks" of the search bounds the full threshold from below; a failed verification resumes
@@ -402,10 +399,12 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     specs = [fitted_clip(s, base_utility) for s in CANDIDATES if (candidates is None or key(s) in candidates)
              and (not s.get("membership_only") or "membership" in kinds)]
     specs += [s for s in extra if candidates is None or key(s) in candidates]
-    if executor != "inline":  # every admitted candidate's strong end at once (the bisections then find them done)
-        run_batch([(probe_id(sp, sp["strong"], screen, tested), defended_config(base, sp, sp["strong"]), False, screen)
-                   for sp in specs if _admitted(base, sp, leaking) is None])
-    for spec in specs:
+
+    def search(spec):
+        """One candidate's search, as a generator: it yields each probe it needs (a :func:`run_batch` job) and is
+        sent the probe's row. The driver below advances every candidate's search one probe at a time, so the
+        candidates' next probes run together (in parallel under the ``local`` / ``ray`` executor); each search's own
+        probes stay sequential (a bisection step depends on the one before)."""
         row: dict[str, Any] = {"defense": key(spec), "stage": spec["stage"], "parameter": spec["param"],
                                "what": spec["what"], "fixed": spec["fixed"], "probes": [], **(spec.get("row") or {})}
         start = starting_point(base, spec)
@@ -419,20 +418,22 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         why_not = _admitted(base, spec, leaking)
         if why_not is not None:
             row.update({"status": "not_applicable", "note": why_not})
-            continue
+            return
         if over_budget():
             row.update({"status": "unfinished", "note": "not started: the budget was spent"})
-            continue
+            return
+
         def at(value, attacks):
-            """The probe of ``spec`` at ``value`` against ``attacks`` (recorded in the row)."""
+            """The probe of ``spec`` at ``value`` against ``attacks`` (recorded in the row): asked of the driver,
+            which runs it beside the other candidates' next probes."""
             cid = probe_id(spec, value, attacks, tested)
-            r = run_probe(cid, defended_config(base, spec, value), attacks)
+            r = yield (cid, defended_config(base, spec, value), False, attacks)
             row["probes"].append([value, cid])
             return r
 
         def strong_end(attacks) -> dict | None:
             """The strong end's probe; None (and the row's status set) unless it stops ``attacks``."""
-            r = at(spec["strong"], attacks)
+            r = yield from at(spec["strong"], attacks)
             if "error" in r:
                 row.update({"status": "failed", "note": r["error"]})
             elif outcome(r, attacks) == "unmeasured":
@@ -455,21 +456,21 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                 if over_budget():
                     status = "unfinished"
                     break
-                rm = at(m, attacks)
+                rm = yield from at(m, attacks)
                 if stopped(rm, attacks):  # a failed or unmeasured probe is not evidence of a stop
                     good, found = m, rm
                 else:
                     bad = m
             return bad, good, found, status
 
-        r = strong_end(screen)
+        r = yield from strong_end(screen)
         if r is None:
-            continue
-        bad, good, found, status = bisect(weak, spec["strong"], r, screen)
+            return
+        bad, good, found, status = yield from bisect(weak, spec["strong"], r, screen)
         if status == "stopped" and bad == weak and start is None and not over_budget():
             # every probe stopped: the weak end, assumed to leak, is measured (the configured strength is measured
             # by the audit itself)
-            rw = at(weak, screen)
+            rw = yield from at(weak, screen)
             if "error" not in rw and stopped(rw, screen):
                 good, found = weak, rw
                 row["note"] = (f"stops already at the bracket's weak end {fmt(weak)}: a weaker strength may stop it "
@@ -480,25 +481,25 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                 status = "unfinished"
                 row["unverified"] = True
             else:
-                rv = at(good, tested)
+                rv = yield from at(good, tested)
                 if stopped(rv, tested):
                     found = rv
                 elif "error" in rv or outcome(rv, tested) == "unmeasured":
                     row.update({"status": "failed", "levels": _levels(rv, tested), "note": (
                         f"stops {', '.join(screen)} at {fmt(good)}, but its check against every tested attack "
                         f"failed: {rv.get('error') or 'an attack did not run'}")})
-                    continue
+                    return
                 else:  # another attack still leaks there: search above it against every attack
                     row["verification"] = {"strength": good, "levels": _levels(rv, tested)}
                     if good == spec["strong"]:
                         row.update({"status": "not_stopped", "levels": _levels(rv, tested),
                                     "note": f"not stopped within [{fmt(weak)}, {fmt(spec['strong'])}]"})
-                        continue
+                        return
                     lo = good
-                    r = strong_end(tested)
+                    r = yield from strong_end(tested)
                     if r is None:
-                        continue
-                    bad, good, found, status = bisect(lo, spec["strong"], r, tested)
+                        return
+                    bad, good, found, status = yield from bisect(lo, spec["strong"], r, tested)
         row.update({"status": status, "strength": good, "interval": [bad if bad != good else None, good],
                     "levels": _levels(found, tested), "set": set_strings(base, spec, good),
                     "config": {k: v for k, v in defended_config(base, spec, good).items()
@@ -519,6 +520,24 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         if clip_fit(spec) is not None and "clip_norm" not in row:  # no norm observed: the candidate's own norm
             row["clip_note"] = (f"clipping norm held at {_clip_norm(defended_config(base, spec, good), spec)} (no "
                                 "update norm observed in the baseline utility run)")
+
+    searches = []
+    for spec in specs:
+        g = search(spec)
+        try:
+            searches.append((g, next(g)))
+        except StopIteration:
+            pass
+    while searches:  # one probe of every search still running, as one batch
+        results = run_batch([job for _, job in searches])
+        nxt = []
+        for (g, _), r in zip(searches, results):
+            try:
+                nxt.append((g, g.send(r)))
+            except StopIteration:
+                pass
+        searches = nxt
+
     by_key = {key(sp): sp for sp in specs}  # the candidates as searched (DP: the fitted clipping norm)
     measure_utility(base, [(r, by_key[r["defense"]]) for r in advice["rows"] if "strength" in r], advice, run_batch,
                     cfg0.fl.rounds)
