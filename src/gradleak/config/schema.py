@@ -163,6 +163,8 @@ FLConfig = _fl_config()
 
 class MetricsConfig(Strict):
     psnr_threshold_db: float = Field(30.0, gt=0, le=400)
+    figures: bool = Field(True, description="plotted figures in the run folders (ROC curves, t-SNE of the IIP "
+                          "features); false for --advise probes, of which only the numbers are read")
     feature_distance: bool = True  # 1 − cos of ViT-S/14 features (offline); LPIPS is added when its weights exist
     # leakage evaluation (reconstruction kind "leakage")
     high_risk_client: Optional[int] = Field(None, ge=0, description="the client reported as rdlv_high_risk_client "

@@ -335,6 +335,8 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                                     + (f"; fewer than {TEST_SIZE} because '{cfg0.data.name}' has no more to spare"
                                        if n_test < TEST_SIZE else ""))
     advice["test_size"] = data["test_size"]
+    probe_base = copy.deepcopy(base)  # the probes' config: no plotted figures (only their numbers are read)
+    probe_base["metrics"] = {**(probe_base.get("metrics") or {}), "figures": False}
     utility_from = [a for a in leaking if not ATTACKS.get(a).rewrites_weights]
     kinds = {ATTACKS.get(a).reconstruction for a in leaking}
     out = Path(out_dir) / "advise"
@@ -392,7 +394,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     def over_budget() -> bool:
         return budget_seconds is not None and clock() - t0 >= budget_seconds
 
-    baseline, base_utility = run_batch([("baseline", base, False), ("utility:baseline", base, True)])
+    baseline, base_utility = run_batch([("baseline", probe_base, False), ("utility:baseline", base, True)])
     advice["baseline"] = {"accuracy": base_utility.get("accuracy"), "levels": _levels(baseline, tested),
                           **{k: base_utility.get(k) for k in ("accuracy_start", "accuracy_curve", "error", "diverged")
                              if k in base_utility}}
@@ -427,7 +429,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             """The probe of ``spec`` at ``value`` against ``attacks`` (recorded in the row): asked of the driver,
             which runs it beside the other candidates' next probes."""
             cid = probe_id(spec, value, attacks, tested)
-            r = yield (cid, defended_config(base, spec, value), False, attacks)
+            r = yield (cid, defended_config(probe_base, spec, value), False, attacks)
             row["probes"].append([value, cid])
             return r
 
@@ -521,21 +523,31 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             row["clip_note"] = (f"clipping norm held at {_clip_norm(defended_config(base, spec, good), spec)} (no "
                                 "update norm observed in the baseline utility run)")
 
-    searches = []
+    def utility_of(spec: dict) -> list[tuple]:
+        """The utility run of a finished search's strength (the job :func:`measure_utility` runs), or none: queued
+        into the next batch, beside the other searches' probes, so no worker idles while they end."""
+        row = next((r for r in reversed(advice["rows"]) if r["defense"] == key(spec)), {})
+        if "strength" not in row:
+            return []
+        return [(f"utility:{key(spec)}:{spec['param']}={fmt(row['strength'])}",
+                 defended_config(base, spec, row["strength"]), True)]
+
+    searches, early = [], []
     for spec in specs:
         g = search(spec)
         try:
-            searches.append((g, next(g)))
+            searches.append((g, spec, next(g)))
         except StopIteration:
-            pass
-    while searches:  # one probe of every search still running, as one batch
-        results = run_batch([job for _, job in searches])
+            early += utility_of(spec)
+    while searches:  # one probe of every search still running (and the utility runs of those done), as one batch
+        results = run_batch([job for _, _, job in searches] + early)
+        early = []
         nxt = []
-        for (g, _), r in zip(searches, results):
+        for (g, spec, _), r in zip(searches, results):
             try:
-                nxt.append((g, g.send(r)))
+                nxt.append((g, spec, g.send(r)))
             except StopIteration:
-                pass
+                early += utility_of(spec)
         searches = nxt
 
     by_key = {key(sp): sp for sp in specs}  # the candidates as searched (DP: the fitted clipping norm)
