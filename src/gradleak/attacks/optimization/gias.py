@@ -217,6 +217,16 @@ class GIAS(GroupInversion):
 
     def _terms(self, st, x):
         match, main, pe = self.matching_terms(st.model, st.params, st.targets, st.groups, st.norms, x, st.labels, True)
+        return self._combine(x, match, main, pe)
+
+    def _terms_batch(self, st, xs):
+        """:meth:`_terms` of every running restart's images, the matching terms through one double backward
+        (:meth:`matching_terms_batch`)."""
+        matches = self.matching_terms_batch(st.model, st.params, st.targets, st.groups, st.norms, xs, st.labels, True,
+                                            names=st.names)
+        return [self._combine(x, *m) for x, m in zip(xs, matches)]
+
+    def _combine(self, x, match, main, pe):
         parts = {"main": main}
         if pe is not None:
             parts["pe"] = pe
@@ -259,6 +269,7 @@ class GIAS(GroupInversion):
         fit = generator_fit(self.generator, C, H, W)
         gen = copy.deepcopy(self.generator).to(st.device, st.dtype).eval()
         objective = lambda x: self._terms(st, x)  # noqa: E731
+        batch_objective = lambda xs: self._terms_batch(st, xs)  # noqa: E731
         # ---- stage 1: latent search, generator frozen
         members = [self._latent_member(r, st, gen, fit) for r in range(self.restarts)]
         glr1 = GroupLazyRegularizer(self.glr_weight, self.glr_every, glr_start_of(self.glr_start, self.latent_steps),
@@ -266,7 +277,7 @@ class GIAS(GroupInversion):
         t1: list[float] = []
         optimise_group(members, self.latent_steps, objective, glr1, signed=self.signed, step_seconds=t1,
                        probe=st.fb_probe, probe_samples=st.fb_samples, log_every=self.log_every,
-                       progress=self.progress, stage="latent")
+                       progress=self.progress, stage="latent", batch_objective=batch_objective)
         stage1 = [self._final(st, m, record=False) for m in members]
         best1 = min(range(len(stage1)), key=lambda i: stage1[i]["final_matching_loss"])
         # ---- stage 2: generator fine-tuning from the stage-1 latents
@@ -280,7 +291,8 @@ class GIAS(GroupInversion):
             stage2 = {i: self._generator_member(members[i], st, gen, fit) for i in chosen}
             optimise_group(list(stage2.values()), self.generator_steps, objective, glr2, signed=self.signed,
                            step_seconds=t2, probe=st.fb_probe, probe_samples=st.fb_samples, log_every=self.log_every,
-                           progress=self.progress, stage="generator", step_offset=self.latent_steps)
+                           progress=self.progress, stage="generator", step_offset=self.latent_steps,
+                           batch_objective=batch_objective)
             for i, m2 in stage2.items():
                 m2.initial_matching_loss = members[i].initial_matching_loss
                 members[i] = m2

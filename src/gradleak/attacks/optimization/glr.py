@@ -112,7 +112,10 @@ def optimise_group(members: Sequence[GroupMember], steps: int,
                    step_seconds: Optional[list[float]] = None, probe: Optional[Callable[[], float]] = None,
                    probe_samples: Optional[list[float]] = None, log_every: int = 1,
                    progress: Optional[Callable[[dict[str, Any]], None]] = None, stage: str = "",
-                   step_offset: int = 0) -> None:
+                   step_offset: int = 0,
+                   batch_objective: Optional[Callable[[list[torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor,
+                                                                                      dict[str, torch.Tensor]]]]] = None,
+                   ) -> None:
     """Optimise the ``members`` together for ``steps`` steps.
 
     Each step: if the GLR consensus is due it is rebuilt from the running members' current images; then every running
@@ -120,7 +123,14 @@ def optimise_group(members: Sequence[GroupMember], steps: int,
     named parts)). A member whose objective is NaN/inf stops there (``diverged_at`` = global step, the others go
     on); non-finite gradient entries are zeroed as in IG. ``step_seconds`` collects the wall time of each member step
     but the first of the stage (one-off costs); ``probe`` (the sent model's forward + backward) is sampled ~10 times
-    per member over the stage, so both medians span the same machine load."""
+    per member over the stage, so both medians span the same machine load.
+
+    ``batch_objective`` (the objective of several members' images at once, one result per image, each depending on
+    its own image only) runs the running members through one forward and one double backward per step instead of
+    one after another: every member still has its own parameters, optimiser state, schedule, projection, history and
+    divergence check, and takes exactly the step it would take alone (up to floating-point summation order). Its
+    ``step_seconds`` entries are then the batched step's wall time divided by the members in it (the cost of one
+    member step)."""
     every_probe = max(1, steps // 10)
     for step in range(steps):
         running = [m for m in members if m.active and m.diverged_at is None]
@@ -131,6 +141,10 @@ def optimise_group(members: Sequence[GroupMember], steps: int,
                 imgs = [x for x in (m.image() for m in running) if torch.isfinite(x).all()]
             if imgs:
                 glr.refresh(imgs, step + step_offset)
+        if batch_objective is not None and len(running) > 1:
+            _batched_step(running, step, steps, objective, batch_objective, glr, signed, step_seconds, probe,
+                          probe_samples, every_probe, log_every, progress, stage, step_offset)
+            continue
         for m in running:
             t = time.perf_counter()
             for opt_group in m.optimizer.param_groups:
@@ -171,6 +185,65 @@ def optimise_group(members: Sequence[GroupMember], steps: int,
                 step_seconds.append(time.perf_counter() - t)
             if probe is not None and probe_samples is not None and step % every_probe == every_probe // 2:
                 probe_samples.append(probe())
+
+
+def _batched_step(running: list[GroupMember], step: int, steps: int, objective, batch_objective, glr, signed: bool,
+                  step_seconds, probe, probe_samples, every_probe: int, log_every: int, progress, stage: str,
+                  step_offset: int) -> None:
+    """One step of every running member through ``batch_objective`` (:func:`optimise_group`). A member whose
+    objective is not finite stops there, as in the sequential loop; the step is then recomputed without it, so no
+    non-finite value enters the others' backward."""
+    t = time.perf_counter()
+    while running:
+        for m in running:
+            for opt_group in m.optimizer.param_groups:
+                for p in opt_group["params"]:
+                    p.grad = None
+        xs = [m.image() for m in running]
+        results = batch_objective(xs) if len(running) > 1 else [objective(xs[0])]
+        g_terms = [glr.penalty(x) if glr is not None else x.new_zeros(()) for x in xs]
+        fulls = [res[0] + g for res, g in zip(results, g_terms)]
+        bad = [i for i, f in enumerate(fulls) if not torch.isfinite(f)]
+        if not bad:
+            break
+        for i in bad:
+            running[i].diverged_at = step + step_offset
+        running = [m for i, m in enumerate(running) if i not in bad]
+    if not running:
+        return
+    flat = [p for m in running for p in m.params]
+    grads = torch.autograd.grad(torch.stack(fulls).sum(), flat, allow_unused=True)
+    k = 0
+    for m, (total, match, parts), g_term in zip(running, results, g_terms):
+        for p in m.params:
+            g = grads[k]
+            k += 1
+            if g is None:
+                continue
+            if not torch.isfinite(g).all():
+                g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
+            p.grad = g.sign() if signed else g
+        mv = float(match.detach())
+        if m.initial_matching_loss is None:
+            m.initial_matching_loss = mv
+        if step % log_every == 0:
+            m.history.append([step + step_offset, mv])
+            if progress is not None:
+                rec = {"restart": m.index, "stage": stage, "step": step + step_offset, "steps": steps,
+                       "matching_loss": mv, "glr": float(g_term.detach()), "lr": m.optimizer.param_groups[0]["lr"]}
+                rec.update({k2: float(v.detach()) for k2, v in parts.items()})
+                progress(rec)
+        m.optimizer.step()
+        if m.scheduler is not None:
+            m.scheduler.step()
+        if m.project is not None:
+            with torch.no_grad():
+                m.project()
+    if step and step_seconds is not None:
+        per_member = (time.perf_counter() - t) / len(running)
+        step_seconds.extend([per_member] * len(running))
+    if probe is not None and probe_samples is not None and step % every_probe == every_probe // 2:
+        probe_samples.extend(probe() for _ in running)
 
 
 def finite_or_inf(v: float) -> float:

@@ -30,7 +30,9 @@ anchor checks, eager attention, the iteration-cost timing):
 
 * **Gradient distance.** 1 − cos (IG's), which paper 001 eq. 7 prescribes for every method; GradViT's own gradient
   term is not restated in paper 001.
-* **Restarts = the GLR group**, optimised together (one step of every running restart per iteration), default 3
+* **Restarts = the GLR group**, optimised together (one step of every running restart per iteration; the restarts
+  go through one batched double backward and one backbone pass of the feature prior per step where that is exact,
+  :mod:`~gradleak.attacks.optimization.inverting_gradients` "Restarts batched"), default 3
   (paper 001 Sec. 4.2.1: three reconstructions per sample); the restart with the lowest final matching loss (priors excluded)
   is returned. λ_G = 1e-4 (paper 001's experiments; 1e-3 in its Table 7), consensus rebuilt every ``glr_every``
   steps from ``glr_start`` (default a quarter of the steps, as the GIAS code's 500 of 2000) on.
@@ -217,7 +219,23 @@ class ViTFeaturePrior:
         """The prior of dummy images ``x`` (model range [−1, 1]): mean over layers of the normalised distances."""
         if self.stats is None:
             self.fit(x.device)
-        toks = self._tokens((x + 1.0) / 2.0)
+        return self._prior(self._tokens((x + 1.0) / 2.0)).to(x.dtype)
+
+    def batch(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The prior of each of several batches of dummy images (the restarts), through one forward of the backbone
+        on them stacked: the statistics are still taken over each batch's own tokens (the backbone treats every image
+        on its own: LayerNorm, no batch statistics), so entry r equals ``self(xs[r])``."""
+        if self.stats is None:
+            self.fit(xs[0].device)
+        toks = self._tokens((torch.cat(list(xs)) + 1.0) / 2.0)
+        out, start = [], 0
+        for x in xs:
+            n = int(x.shape[0])
+            out.append(self._prior([h[start:start + n] for h in toks]).to(x.dtype))
+            start += n
+        return out
+
+    def _prior(self, toks: list[torch.Tensor]) -> torch.Tensor:
         terms = []
         for h, (mu_ref, var_ref) in zip(toks, self.stats):
             h = h.reshape(-1, h.shape[-1])
@@ -225,7 +243,7 @@ class ViTFeaturePrior:
             var = h.var(0, unbiased=h.shape[0] > 1)
             terms.append(torch.linalg.vector_norm(mu - mu_ref) / torch.linalg.vector_norm(var_ref.sqrt())
                          + torch.linalg.vector_norm(var - var_ref) / torch.linalg.vector_norm(var_ref))
-        return torch.stack(terms).mean().to(x.dtype)
+        return torch.stack(terms).mean()
 
     def describe(self) -> dict[str, Any]:
         return {"backbone": self.backbone_name, "substitute_for": FEATURE_PRIOR_SUBSTITUTE,
@@ -322,6 +340,7 @@ class GroupInversion(IG):
             "final_main_term": finals[best]["final_main_term"], "final_pe_term": finals[best]["final_pe_term"],
             "history": members[best].history, "best_restart": best,
             "restart_final_losses": [f["final_matching_loss"] for f in finals], "diverged": diverged,
+            "restarts_batched": self._restarts_batched(st.model),
             "glr": {"weight": glr.weight, "every": glr.every, "start": glr.start, "norm": glr.norm,
                     "consensus": "pixel-wise mean of the running restarts, no registration (paper 001 eq. 21)",
                     "group_size": self.restarts, "refreshed_at": glr.refreshed_at,
@@ -392,8 +411,10 @@ class GradViT(GroupInversion):
                                                  backbone=feature_backbone)
 
     # ------------------------------------------------------------------ objective
-    def prior_terms(self, x: torch.Tensor, patch_size: Optional[int]) -> dict[str, torch.Tensor]:
-        """GradViT's image and feature priors of ``x`` (unweighted), the ones with a non-zero weight."""
+    def prior_terms(self, x: torch.Tensor, patch_size: Optional[int],
+                    feature: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+        """GradViT's image and feature priors of ``x`` (unweighted), the ones with a non-zero weight (``feature``: the
+        feature prior of ``x`` when already computed, e.g. with the other restarts')."""
         parts = {}
         if self.tv_weight > 0:
             parts["tv"] = total_variation(x)
@@ -402,7 +423,7 @@ class GradViT(GroupInversion):
         if self.patch_weight > 0 and patch_size is not None:
             parts["patch"] = patch_prior(x, patch_size)
         if self.feature_prior is not None:
-            parts["feature"] = self.feature_prior(x)
+            parts["feature"] = feature if feature is not None else self.feature_prior(x)
         return parts
 
     def _weights(self) -> dict[str, float]:
@@ -425,13 +446,25 @@ class GradViT(GroupInversion):
     def _terms(self, st, patch_size, x, create_graph):
         match, main, pe = self.matching_terms(st.model, st.params, st.targets, st.groups, st.norms, x, st.labels,
                                               create_graph)
-        parts = self.prior_terms(x, patch_size)
+        return self._combine(match, main, pe, self.prior_terms(x, patch_size))
+
+    def _combine(self, match, main, pe, parts):
         w = self._weights()
         total = match + sum(w[k] * v for k, v in parts.items())
         parts = dict(parts, main=main)
         if pe is not None:
             parts["pe"] = pe
         return total, match, parts
+
+    def _terms_batch(self, st, patch_size, xs):
+        """:meth:`_terms` of every running restart's images at once: the matching terms through one double backward
+        (:meth:`matching_terms_batch`), the feature prior through one backbone pass (:meth:`ViTFeaturePrior.batch`),
+        the pixel priors per restart."""
+        matches = self.matching_terms_batch(st.model, st.params, st.targets, st.groups, st.norms, xs, st.labels, True,
+                                            names=st.names)
+        feats = self.feature_prior.batch(xs) if self.feature_prior is not None else [None] * len(xs)
+        return [self._combine(match, main, pe, self.prior_terms(x, patch_size, feature=f))
+                for x, (match, main, pe), f in zip(xs, matches, feats)]
 
     # ------------------------------------------------------------------ reconstruction
     def _member(self, r: int, st) -> GroupMember:
@@ -456,7 +489,8 @@ class GradViT(GroupInversion):
         step_seconds: list[float] = []
         optimise_group(members, self.steps, lambda x: self._terms(st, patch, x, True), glr, signed=self.signed,
                        step_seconds=step_seconds, probe=st.fb_probe, probe_samples=st.fb_samples,
-                       log_every=self.log_every, progress=self.progress, stage="pixels")
+                       log_every=self.log_every, progress=self.progress, stage="pixels",
+                       batch_objective=lambda xs: self._terms_batch(st, patch, xs))
         finals = [self._final(st, m) for m in members]
         return self._result(t0, st, members, finals, glr, step_seconds, extra={
             "l2_weight": self.l2_weight, "patch_weight": self.patch_weight, "patch_size": patch,
