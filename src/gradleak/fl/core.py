@@ -324,3 +324,21 @@ def dirichlet_split(labels: np.ndarray, num_clients: int, alpha: float, seed: in
         for k, chunk in enumerate(np.split(idx, cuts)):
             parts[k].extend(chunk.tolist())
     return [np.array(sorted(p), dtype=int) for p in parts]
+
+
+def model_as_sent(base, sent: dict, *, reads: bool = True, field: str = "params",
+                  fix: str = "the server and the clients must build the same model."):
+    """A client's own copy of ``base`` loaded with the tensors the server ``sent`` (a framework engine's client side:
+    Flower's ClientApp, NVFlare's Executor). A client that reads no model (a canary) gets ``base`` itself. A sent
+    name the model does not have is a :class:`~gradleak.errors.BadInput` naming ``field``."""
+    local = copy.deepcopy(base) if reads else base
+    params = dict(local.named_parameters())
+    unknown = sorted(set(sent) - set(params))
+    if unknown:
+        raise BadInput(field, f"the server sent {field} the client's model does not have ({', '.join(unknown[:3])}).",
+                       fix)
+    if reads:
+        with torch.no_grad():
+            for nm, v in sent.items():
+                params[nm].copy_(v.to(device=params[nm].device, dtype=params[nm].dtype))
+    return local

@@ -158,33 +158,40 @@ def optimise_group(members: Sequence[GroupMember], steps: int,
                 m.diverged_at = step + step_offset
                 continue
             grads = torch.autograd.grad(full, m.params, allow_unused=True)
-            for p, g in zip(m.params, grads):
-                if g is None:
-                    continue
-                if not torch.isfinite(g).all():
-                    g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
-                p.grad = g.sign() if signed else g
-            mv = float(match.detach())
-            if m.initial_matching_loss is None:
-                m.initial_matching_loss = mv
-            if step % log_every == 0:
-                m.history.append([step + step_offset, mv])
-                if progress is not None:
-                    rec = {"restart": m.index, "stage": stage, "step": step + step_offset, "steps": steps,
-                           "matching_loss": mv, "glr": float(g_term.detach()),
-                           "lr": m.optimizer.param_groups[0]["lr"]}
-                    rec.update({k: float(v.detach()) for k, v in parts.items()})
-                    progress(rec)
-            m.optimizer.step()
-            if m.scheduler is not None:
-                m.scheduler.step()
-            if m.project is not None:
-                with torch.no_grad():
-                    m.project()
+            _member_step(m, grads, match, parts, g_term, signed, step, steps, step_offset, log_every, progress, stage)
             if step and step_seconds is not None:
                 step_seconds.append(time.perf_counter() - t)
             if probe is not None and probe_samples is not None and step % every_probe == every_probe // 2:
                 probe_samples.append(probe())
+
+
+def _member_step(m: GroupMember, grads, match, parts: dict, g_term, signed: bool, step: int, steps: int,
+                 step_offset: int, log_every: int, progress, stage: str) -> None:
+    """One member's optimiser step from its parameters' ``grads`` (non-finite entries zeroed as in IG; signed for
+    sign-Adam), its history and progress record, its schedule and projection: the same in the sequential and the
+    batched loop."""
+    for p, g in zip(m.params, grads):
+        if g is None:
+            continue
+        if not torch.isfinite(g).all():
+            g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
+        p.grad = g.sign() if signed else g
+    mv = float(match.detach())
+    if m.initial_matching_loss is None:
+        m.initial_matching_loss = mv
+    if step % log_every == 0:
+        m.history.append([step + step_offset, mv])
+        if progress is not None:
+            rec = {"restart": m.index, "stage": stage, "step": step + step_offset, "steps": steps,
+                   "matching_loss": mv, "glr": float(g_term.detach()), "lr": m.optimizer.param_groups[0]["lr"]}
+            rec.update({k: float(v.detach()) for k, v in parts.items()})
+            progress(rec)
+    m.optimizer.step()
+    if m.scheduler is not None:
+        m.scheduler.step()
+    if m.project is not None:
+        with torch.no_grad():
+            m.project()
 
 
 def _batched_step(running: list[GroupMember], step: int, steps: int, objective, batch_objective, glr, signed: bool,
@@ -215,30 +222,9 @@ def _batched_step(running: list[GroupMember], step: int, steps: int, objective, 
     grads = torch.autograd.grad(torch.stack(fulls).sum(), flat, allow_unused=True)
     k = 0
     for m, (total, match, parts), g_term in zip(running, results, g_terms):
-        for p in m.params:
-            g = grads[k]
-            k += 1
-            if g is None:
-                continue
-            if not torch.isfinite(g).all():
-                g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
-            p.grad = g.sign() if signed else g
-        mv = float(match.detach())
-        if m.initial_matching_loss is None:
-            m.initial_matching_loss = mv
-        if step % log_every == 0:
-            m.history.append([step + step_offset, mv])
-            if progress is not None:
-                rec = {"restart": m.index, "stage": stage, "step": step + step_offset, "steps": steps,
-                       "matching_loss": mv, "glr": float(g_term.detach()), "lr": m.optimizer.param_groups[0]["lr"]}
-                rec.update({k2: float(v.detach()) for k2, v in parts.items()})
-                progress(rec)
-        m.optimizer.step()
-        if m.scheduler is not None:
-            m.scheduler.step()
-        if m.project is not None:
-            with torch.no_grad():
-                m.project()
+        _member_step(m, grads[k:k + len(m.params)], match, parts, g_term, signed, step, steps, step_offset, log_every,
+                     progress, stage)
+        k += len(m.params)
     if step and step_seconds is not None:
         per_member = (time.perf_counter() - t) / len(running)
         step_seconds.extend([per_member] * len(running))

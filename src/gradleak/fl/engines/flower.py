@@ -19,6 +19,7 @@ from pydantic import Field
 from gradleak.errors import BadInput
 from gradleak.fl.engines import ENGINES, Engine
 from gradleak.fl.engines.builtin import RoundsOutcome
+from gradleak.fl.core import model_as_sent
 from gradleak.fl.engines.flower_bridge import (GradleakStrategy, RecordedRound, legacy_mod, require_flower,
                                                run_inprocess, run_simulation_engine, to_arrays, to_tensors,
                                                update_defense_mod)
@@ -183,16 +184,8 @@ def run_rounds_flower(model, clients: Sequence[Any], *, rounds: int, algorithm: 
         lr_r = float(conf["lr"])
         sent = to_tensors(msg.content["arrays"])
         reads = getattr(c, "reads_model", True)  # a canary client reads no weights (only the trainable names)
-        local = copy.deepcopy(base) if reads else base
-        params = dict(local.named_parameters())
-        unknown = sorted(set(sent) - set(params))
-        if unknown:
-            raise BadInput("arrays", f"the server sent arrays the client's model does not have ({', '.join(unknown[:3])}).",
-                           "the ClientApp and the ServerApp must build the same model.")
-        if reads:
-            with torch.no_grad():
-                for nm, v in sent.items():
-                    params[nm].copy_(v.to(device=params[nm].device, dtype=params[nm].dtype))
+        local = model_as_sent(base, sent, reads=reads, field="arrays",
+                              fix="the ClientApp and the ServerApp must build the same model.")
         own = (client_settings[pid] if client_settings is not None else None) or {}
         t0 = time.perf_counter()
         if local_update is None:

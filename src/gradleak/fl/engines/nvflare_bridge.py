@@ -34,7 +34,6 @@ The pieces:
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any, Callable, Sequence
 
@@ -42,6 +41,7 @@ import numpy as np
 import torch
 
 from gradleak.errors import BadInput
+from gradleak.fl.core import model_as_sent
 
 #: the NVFlare version the integration is written and tested against (``FLModel``, ``ModelController``, ``FedJob``)
 NVFLARE_RANGE = ((2, 9), (2, 10))
@@ -165,16 +165,7 @@ def client_step(c, base, sent: dict[str, torch.Tensor], *, round_index: int, lr:
     r = int(round_index)
     c = c.for_round(r)
     reads = getattr(c, "reads_model", True)
-    local = copy.deepcopy(base) if reads else base
-    params = dict(local.named_parameters())
-    unknown = sorted(set(sent) - set(params))
-    if unknown:
-        raise BadInput("params", f"the server sent params the client's model does not have ({', '.join(unknown[:3])}).",
-                       "the server and the clients must build the same model.")
-    if reads:
-        with torch.no_grad():
-            for nm, v in sent.items():
-                params[nm].copy_(v.to(device=params[nm].device, dtype=params[nm].dtype))
+    local = model_as_sent(base, sent, reads=reads, field="params")
     if local_update is None:
         upd = c.local_update(local, algorithm=algorithm, epochs=epochs, lr=lr, batch_size=batch_size,
                              defenses=defenses, seed=seed + r, in_place=True)
