@@ -346,3 +346,14 @@ def advice_candidates() -> list[dict[str, Any]]:
 __all__ = ["Defense", "DefenseConfig", "DefenseParams", "DefenseSection", "Stage", "TrainingDefense", "UpdateDefense",
            "UpdateInDefenseSection", "advice_candidates", "build_defense_section", "build_defenses", "defense_class",
            "is_dp_defense"]
+
+
+def median_clip(norms) -> float | None:
+    """The clipping norm fitted to observed L2 ``norms``: their median (the median quantile of adaptive clipping,
+    Andrew et al. 2021), to 3 significant digits (it is printed in the advice and set with ``--set``); None when no
+    finite positive norm was observed. The one fit of ``--advise`` and of the Flower audit's advice."""
+    import math
+    import statistics
+
+    seen = [float(v) for v in norms if isinstance(v, (int, float)) and math.isfinite(v) and v > 0]
+    return float(f"{statistics.median(seen):.3g}") if seen else None

@@ -36,7 +36,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import statistics
 from typing import Any
 
 from gradleak.errors import BadInput
@@ -225,13 +224,15 @@ def _kw(params: dict) -> str:
 
 def fitted_clip(rec, lr: float) -> tuple[float, str]:
     """The clipping norm on Δw fitted to the audited round: the median of the replies' ‖Δw‖ = lr · ‖update‖."""
+    from gradleak.defenses.base import median_clip
+
     norms = [lr * u.norm() for u in rec.updates]
-    if not norms or not all(math.isfinite(n) and n > 0 for n in norms):
+    med = median_clip(norms) if norms and all(math.isfinite(n) and n > 0 for n in norms) else None
+    if med is None:
         raise BadInput("advise", f"round {rec.server_round}'s updates have no finite non-zero norm to fit Flower's "
                        "clipping norm to.", "set fl.flower.clipping_norm (with fl.flower.dp) in the config.")
-    med = statistics.median(norms)
     what = "the aggregate's" if rec.aggregated else f"the {len(norms)} replies'"
-    return float(f"{med:.4g}"), (f"fitted: the median of {what} ‖Δw‖ in round {rec.server_round} "
+    return med, (f"fitted: the median of {what} ‖Δw‖ in round {rec.server_round} "
                                  f"({', '.join(f'{n:.3g}' for n in norms)})")
 
 

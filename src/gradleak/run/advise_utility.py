@@ -24,7 +24,6 @@ guarantees nothing.
 from __future__ import annotations
 
 import copy
-import statistics
 from typing import Any
 
 from gradleak.errors import BadInput
@@ -97,10 +96,12 @@ def fitted_clip(spec: dict, baseline: dict) -> dict:
     if fit is None:
         return spec
     param, source, words = fit
+    from gradleak.defenses.base import median_clip
+
     seen = [v for v in baseline.get(source) or [] if v == v and v > 0]
-    if not seen:
+    norm = median_clip(seen)
+    if norm is None:
         return spec
-    norm = float(f"{statistics.median(seen):.3g}")
     why = (f"clipping norm {param} = {norm:g}: {words} ({len(seen)} observed over the baseline's "
            f"{baseline.get('rounds')} utility round(s); the median quantile of adaptive clipping, Andrew et al. 2021)")
     what = spec["what"].split(",")[0] + f", clipped at the fitted norm {norm:g}"
