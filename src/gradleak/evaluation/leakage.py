@@ -147,7 +147,8 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
         notes.append(f"adjusted IIP: nearest neighbour (cosine of {BACKBONE_NAME} features) among all clients' training "
                      f"and validation images ({int(len(owner))} in the pool) must be a training image of the attacked "
                      "client; the paper's embedding network is unnamed (A4.4).")
-        if rec_feats and cfg.metrics.figures:  # t-SNE of the IIP's features: all clients' training images and the reconstructions
+        # t-SNE of the IIP's features: all clients' training images and the reconstructions
+        if rec_feats and getattr(cfg.metrics, "figures", True):
             _tsne_figure(pool_feats, offsets, len(originals), rec_feats, cfg.seed, BACKBONE_NAME,
                          out_dir / f"tsne{suffix}.png", figs, arts, notes)
     tables: list = []  # the report builds the per-client, per-round table from these metrics (gradleak.report.leakage)

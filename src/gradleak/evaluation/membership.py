@@ -53,7 +53,7 @@ def evaluate_membership(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Ev
     if m["nonmembers"] < 1000:
         notes.append(f"only {int(m['nonmembers'])} non-members: TPR at 0.1 % FPR is not resolved below 1,000.")
     tables = [{"title": "ProjRes AUC per layer", "columns": ["layer", "auc", "rank", "input_width"], "rows": per_layer}]
-    figs, arts = _roc_figure(labels, flat, out_dir, trial, m) if cfg.metrics.figures else ([], [])
+    figs, arts = _roc_figure(labels, flat, out_dir, trial, m) if getattr(cfg.metrics, "figures", True) else ([], [])
     return Evaluation(m, figures=figs, tables=tables, notes=notes, artifacts=arts)
 
 
