@@ -167,3 +167,19 @@ def test_dp_hooks_say_what_run_used_to():
     assert [set(c) for c in claims] == [{"name", "where", "clip", "covers", "delta", "claim"}]
     assert claims[0]["covers"] == ["final_model", "every_round"] and claims[0]["claim"](4, {})[0] == 4.0
     assert DEFENSES.get("dpsgd").clip_fit[0] == "max_grad_norm" and dpg.clip_fit[1] == "update_norms"
+
+
+def test_the_advice_table_prints_svts_own_delta():
+    """SVT's ε is pure DP as NVFlare counts it: the advice row carries δ = 0 and the table prints it (a DP-Gaussian row
+    keeps the advice's δ)."""
+    from gradleak.registry import DEFENSES
+    from gradleak.run.audit_report import advice_rows
+
+    row = {"defense": "nvflare_svt", "parameter": "noise_var", "strength": 1.33, "bracket": [100, 0.001],
+           "levels": {"utr": "none"}, "accuracy": 0.2, "cost": 0.5, "epsilon": 59270.0, "epsilon_delta": 0.0,
+           "status": "stopped"}
+    gauss = {**row, "defense": "dp_gaussian", "epsilon": 19.0}
+    gauss.pop("epsilon_delta")
+    cells = {r[0]: r for r in advice_rows({"rows": [row, gauss], "delta": 1e-5, "baseline": {"accuracy": 0.7}})}
+    assert "(δ = 0;" in " ".join(cells["nvflare_svt"]) and "(δ = 1e-05;" in " ".join(cells["dp_gaussian"])
+    assert DEFENSES.get("nvflare_svt").epsilon_delta == 0.0 and DEFENSES.get("dp_gaussian").epsilon_delta is None

@@ -75,6 +75,8 @@ class Defense:
     clip_fit: ClassVar[Optional[tuple[str, str, str]]] = None
     #: what a DP mechanism's advice epsilon is (its accountant, δ), added to the row's ``epsilon_note``; empty: nothing
     epsilon_words: ClassVar[str] = ""
+    #: the δ of the defense's own ε when it is not the advice's (NVFlare's SVT: pure DP, 0.0); None: the advice's δ
+    epsilon_delta: ClassVar[Optional[float]] = None
 
     @classmethod
     def describe(cls, params: dict[str, Any]) -> str:

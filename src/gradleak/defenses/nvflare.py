@@ -208,6 +208,7 @@ class NVFlareSVT(_NVFlareFilter):
 
     seeded = True
     is_dp = True
+    epsilon_delta = 0.0  # pure ε-DP: the advice prints δ = 0 beside its ε
     epsilon_words = ("pure ε-DP (δ = 0) as NVFlare's own SVTPrivacy accountant sums it: epsilon + n_upload × noise_var "
                      "per client per round, summed over the rounds (the worst client)")
     registered_name = "nvflare_svt"

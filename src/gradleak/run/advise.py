@@ -687,6 +687,8 @@ def measure_utility(base: dict, found: list[tuple[dict, dict]], advice: dict, ru
         if cls is not None:  # the defense's own accounting over the utility rounds
             r["epsilon"] = cls.advice_epsilon(r["strength"], u.get("rounds") or 1, u.get("dp_epsilon"), DELTA,
                                               gaussian_epsilon)
+            if cls.epsilon_delta is not None:  # the defense's own δ (pure DP: 0), shown beside its ε
+                r["epsilon_delta"] = cls.epsilon_delta
         if clip_fit(spec) is not None:
             r["epsilon_note"] = (f"epsilon over the {u.get('rounds')} utility round(s) (the training whose accuracy is "
                                  f"reported); epsilon_attacked over the audited {attacked_rounds} round(s)")

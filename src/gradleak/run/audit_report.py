@@ -189,7 +189,7 @@ def advice_rows(advice: dict) -> list[tuple[str, ...]]:
                     f"{fmt_value(acc)} (vs {fmt_value(base)})" if acc is not None else "–",
                     (f"{cost * 100:+.1f} pts" + (f" (± {r['cost_se'] * 100:.1f})" if r.get("cost_se") else ""))
                     if isinstance(cost, (int, float)) else "–",
-                    (f"{fmt_value(eps)} (δ = {advice.get('delta', 1e-5):g}"
+                    (f"{fmt_value(eps)} (δ = {r.get('epsilon_delta', advice.get('delta', 1e-5)):g}"
                      + ("; no meaningful guarantee: ε > 10" if eps > 10 else "")
                      + (f"; {fmt_value(r['epsilon_attacked'])} over the audited round(s)"
                         if isinstance(r.get("epsilon_attacked"), (int, float)) else "")
