@@ -1,4 +1,4 @@
-"""NVFlare's own privacy filters as gradleak update defenses (issue 40; docs/DESIGN.md §7), in the one registry.
+"""NVFlare's own privacy filters as gradleak update defenses (docs/DESIGN.md §7), in the one registry.
 
 Each defense runs the **real** NVFlare ``DXOFilter`` (nvflare 2.9, the optional extra ``nvflare``; imported inside
 functions only) on the client's upload, as an NVFlare client's task-result filter chain would:

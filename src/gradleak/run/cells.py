@@ -222,6 +222,7 @@ def pool_results(fn: Callable, jobs: list[tuple], workers: int):
     env = os.environ.copy()
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
     n = max(1, int(workers))
+    pool = None
     try:
         pool = _warm_pool(n)
         futs = {pool.submit(fn, *job): i for i, job in enumerate(jobs)}
@@ -232,7 +233,6 @@ def pool_results(fn: Callable, jobs: list[tuple], workers: int):
                 yield futs[f], err
     except BaseException:
         _POOLS.pop(n, None)
-        pool = locals().get("pool")
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
         raise

@@ -47,7 +47,8 @@ Decisions the papers leave open, recorded here:
   attack). Unmatched PE parameters get no gradient.
 * **Diverging restarts.** A restart whose objective becomes NaN/inf stops there (``info["diverged"]``, a warning);
   it scores +inf, so any finite restart wins.
-* **Restarts batched** (issue 43; GradViT's and GIAS's group loop, :meth:`InvertingGradients.matching_terms_batch`).
+* **Restarts batched** (docs/PERFORMANCE.md "Batched restarts";
+  GradViT's and GIAS's group loop, :meth:`InvertingGradients.matching_terms_batch`).
   The restarts optimised together run through *one* forward and one double backward per step, their images stacked
   along the batch. Restart r's parameter gradients are recovered exactly from that pass: every matched tensor is the
   weight or bias of an ``nn.Linear`` (adapters, LoRA factors, the head), whose per-sample gradient is Σ δᵀ x over
