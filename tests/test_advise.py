@@ -124,15 +124,16 @@ def test_bisection_finds_the_weakest_stopping_strength_and_resumes_without_rerun
     monkeypatch.setattr(mod, "probe", _fake(calls, kill_at=3))
     with pytest.raises(KeyboardInterrupt):
         mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
-    assert len(calls) == 3  # baseline, strong end, then killed in the first bisection probe
+    # strong end, first bisection step, then killed in the second (no baseline probe: the audit is the baseline)
+    assert len(calls) == 3
     calls2: list = []
     monkeypatch.setattr(mod, "probe", _fake(calls2))
     adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
-    # the killed probe, 3 more against the screen (utr, the attack that leaked), then the check against every attack
-    assert len(calls2) == 5 and adv["ran_now"][0] == "gaussian_noise:std=0.1[utr]"
+    # the killed probe, 2 more against the screen (utr, the attack that leaked), then the check against every attack
+    assert len(calls2) == 4 and adv["ran_now"][0] == "gaussian_noise:std=0.01[utr]"
     rows = [json.loads(x) for x in (tmp_path / adv["jsonl"]).read_text().splitlines()]
     ids = [r["cell"] for r in rows if not r["cell"].startswith("utility:")]
-    assert len(ids) == len(set(ids)) == 7  # baseline + strong end + 4 steps + the check, none twice
+    assert len(ids) == len(set(ids)) == 6  # strong end + 4 steps + the check, none twice
     assert [i.split("#")[0] for i in ids][-1] == "gaussian_noise:std=0.0562"  # the check: every attack
     utility_ids = [r["cell"] for r in rows if r["cell"].startswith("utility:")]
     assert len(utility_ids) == len(set(utility_ids)) == 2  # the baseline's and the found strength's, each once
@@ -181,21 +182,21 @@ def test_the_search_screens_with_the_leaking_attacks_and_checks_every_attack_at_
     monkeypatch.setattr(mod, "probe", _two_attack_probe(calls))
     adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
     (row,) = adv["rows"]
-    screen = [c for c in calls[1:] if c[1] == ("utr",)]
-    full = [c for c in calls[1:] if set(c[1]) == {"utr", "dlg"}]
-    assert len(screen) == 5 and len(full) >= 2 and len(screen) + len(full) == len(calls) - 1
+    screen = [c for c in calls if c[1] == ("utr",)]  # (no baseline probe: the audit's levels are the baseline)
+    full = [c for c in calls if set(c[1]) == {"utr", "dlg"}]
+    assert len(screen) == 5 and len(full) >= 2 and len(screen) + len(full) == len(calls)
     utr_found = min(s for s, _ in screen if s >= 0.05)
     assert full[0][0] == utr_found < 0.3  # the check at the screen's strength: dlg leaks there
     assert row["verification"]["strength"] == utr_found and row["verification"]["levels"]["dlg"] == "partial"
     assert row["status"] == "stopped" and row["strength"] >= 0.3 and row["interval"][0] >= utr_found
     assert row["levels"] == {"utr": "none", "dlg": "none"}
-    assert all(set(o) == {"utr", "dlg"} for s, o in calls[1 + len(screen):])  # after the check: every attack
+    assert all(set(o) == {"utr", "dlg"} for s, o in calls[len(screen):])  # after the check: every attack
     assert adv["recommendation"]["strength"] == row["strength"]
     # where the check passes, one extra probe: no resumed search
     calls2: list = []
     monkeypatch.setattr(mod, "probe", _two_attack_probe(calls2, dlg_leaks=(0.0, 0.0)))
     adv = mod.advise(TEXT, tmp_path / "b", LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
-    assert [set(o) for _, o in calls2[1:]] == [{"utr"}] * 5 + [{"utr", "dlg"}]
+    assert [set(o) for _, o in calls2] == [{"utr"}] * 5 + [{"utr", "dlg"}]
     assert adv["rows"][0]["strength"] == calls2[-1][0] and "verification" not in adv["rows"][0]
 
 
@@ -216,7 +217,7 @@ def test_a_strength_the_budget_left_unchecked_is_never_recommended(tmp_path, mon
                      budget_seconds=35)
     (row,) = adv["rows"]
     assert row["status"] == "unfinished" and row["unverified"] is True and "not recommended" in row["note"]
-    assert all(o == ("utr",) for _, o in calls[1:]) and adv["recommendation"] is None and adv["ranking"] == []
+    assert all(o == ("utr",) for _, o in calls) and adv["recommendation"] is None and adv["ranking"] == []
 
 
 def test_not_stopped_within_the_bracket_and_a_configured_defense_is_the_starting_point(tmp_path, monkeypatch,
@@ -230,7 +231,7 @@ def test_not_stopped_within_the_bracket_and_a_configured_defense_is_the_starting
     (row,) = adv["rows"]
     assert row["status"] == "not_stopped" and row["bracket"] == [0.01, 10.0] and row["starting_point"] == 0.01
     assert "not stopped within [0.01, 10]" in row["note"] and adv["recommendation"] is None
-    assert len(calls) == 2  # baseline, strong end: no bisection
+    assert len(calls) == 1  # the strong end: no bisection (the audit's levels are the baseline)
     # every probe stops: the weak end is measured too, and reported as the strength (weaker ones not searched)
     calls.clear()
     monkeypatch.setattr(mod, "probe", _fake(calls, threshold=0.0))
@@ -238,14 +239,15 @@ def test_not_stopped_within_the_bracket_and_a_configured_defense_is_the_starting
     (row,) = adv["rows"]
     assert [p[0] for p in row["probes"]] == [10.0, 0.1, 0.01, 1e-3, 1e-3] and row["strength"] == 1e-3
     assert row["probes"][-1][1] == "gaussian_noise:std=0.001"  # the check of the found strength against every attack
-    assert row["interval"] == [None, 1e-3] and "weak end" in row["note"] and len(calls) == 6
+    assert row["interval"] == [None, 1e-3] and "weak end" in row["note"] and len(calls) == 5
 
 
 def test_budget_marks_unfinished_defenses(tmp_path, monkeypatch, fake_utility):
-    """Each fake probe takes 10 (fake) seconds. The searches advance together, one probe of each per batch: the
-    baseline (10 s), then both strong ends (30 s), then the noise search's first bisection step (40 s; DP-Gaussian's
-    fake probe leaks at its strong end: not stopped, its search over); a 35 s budget then ends the noise search,
-    listed as unfinished in the advice and the report. A budget spent before the first batch starts no candidate.
+    """Each fake probe takes 10 (fake) seconds. The searches advance together, one probe of each per batch: the noise
+    search's strong end beside the baseline utility run (10 s; DP-Gaussian fits its clipping norm to that run, so it
+    starts after it), then the noise search's first bisection step beside DP-Gaussian's strong end (30 s; its fake
+    probe leaks there: not stopped, its search over); a 25 s budget then ends the noise search, listed as
+    unfinished in the advice and the report. A budget spent after the first batch starts no other candidate.
     (Every tested attack leaked here, so the search's probes are the full check; a screened strength left unchecked
     is never recommended: :func:`test_a_strength_the_budget_left_unchecked_is_never_recommended`.)"""
     from gradleak.run import advise as mod
@@ -256,20 +258,22 @@ def test_budget_marks_unfinished_defenses(tmp_path, monkeypatch, fake_utility):
     calls: list = []
     monkeypatch.setattr(mod, "probe", _fake(calls, clock=clock))
     adv = mod.advise(TEXT, tmp_path, {"attacks": [{"name": "utr", "level": "partial"}]},
-                     candidates=["gaussian_noise", "dp_gaussian"], steps=3, budget_seconds=35, log=lambda m: None)
-    assert adv["unfinished"] == ["gaussian_noise"] and len(calls) == 4
-    noise, dp = adv["rows"]
+                     candidates=["gaussian_noise", "dp_gaussian"], steps=3, budget_seconds=25, log=lambda m: None)
+    assert adv["unfinished"] == ["gaussian_noise"] and len(calls) == 3
+    noise, dp = adv["rows"]  # the candidates' order, though DP-Gaussian began later
     assert noise["strength"] == 0.1 and noise["interval"] == [1e-3, 0.1] and "unfinished (budget)" in noise["note"]
     assert dp["status"] == "not_stopped" and "strength" not in dp
     assert adv["recommendation"]["defense"] == "gaussian_noise"  # stops, though not the weakest: said
     page = advice_section(adv)
-    assert "Not finished within the budget of 35 s: gaussian_noise" in page
+    assert "Not finished within the budget of 25 s: gaussian_noise" in page
     clock[0] = 0.0
     calls.clear()
     adv = mod.advise(TEXT, tmp_path / "spent", {"attacks": [{"name": "utr", "level": "partial"}]},
                      candidates=["gaussian_noise", "dp_gaussian"], steps=3, budget_seconds=5, log=lambda m: None)
-    assert adv["unfinished"] == ["gaussian_noise", "dp_gaussian"] and len(calls) == 1  # the baseline only
-    assert all(r["status"] == "unfinished" and "not started" in r["note"] for r in adv["rows"])
+    assert adv["unfinished"] == ["gaussian_noise", "dp_gaussian"] and len(calls) == 1  # the first batch only
+    noise, dp = adv["rows"]
+    assert noise["strength"] == 10.0 and "unfinished (budget)" in noise["note"]
+    assert dp["status"] == "unfinished" and "not started" in dp["note"]
 
 
 def test_strength_scales_and_the_gaussian_epsilon():
@@ -504,9 +508,9 @@ def test_a_parallel_executor_gets_every_strong_end_at_once_and_picklable_jobs(tm
     adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise", "topk_pruning", "clipping"], steps=1,
                      log=lambda m: None, executor="ray", workers=3)
     parallel = [ids for ex, ids in batches if ex == "ray"]
-    assert parallel[0] == ["baseline", "utility:baseline"]
-    assert parallel[1] == ["gaussian_noise:std=10[utr]", "clipping:max_norm=0.0001[utr]",
-                           "topk_pruning:prune_fraction=0.999[utr]"]
+    # the strong ends beside the baseline utility run (no baseline probe: the audit's levels are the baseline)
+    assert parallel[0] == ["gaussian_noise:std=10[utr]", "clipping:max_norm=0.0001[utr]",
+                           "topk_pruning:prune_fraction=0.999[utr]", "utility:baseline"]
     assert batches[-1][1][0].startswith("utility:gaussian_noise") and adv["executor"] == "ray"  # the found ones
     assert len(calls) == len(set(calls))  # no probe ran twice
 
@@ -692,3 +696,42 @@ def test_a_probe_keeps_the_audits_dp_check_compact(tmp_path, monkeypatch):
     out = mod.probe(TEXT, str(tmp_path), ["utr"], None, 1, [])
     assert out["dp_check"] == {"verdict": "claim_violated", "claimed_epsilon": 2.0, "epsilon": 9.0,
                                "interval": [8.0, 10.0], "threat_model": "each_upload"}
+
+
+def test_checks_against_every_attack_wait_for_the_screens_and_run_together(tmp_path, monkeypatch, fake_utility):
+    """A check of a found strength against every tested attack (minutes on an image config) never shares a batch
+    with screen probes (seconds): it waits until no search still bisects, so the candidates' checks run as one batch
+    on the workers. The undefended baseline is the audit's own result: no probe runs without a defense."""
+    from gradleak.run import advise as mod
+    from gradleak.run import cells as cells_mod
+
+    seen: list = []
+
+    def probe(raw, out_dir, only, device, workers, utility_from):
+        ds = raw.get("defenses") or []
+        seen.append((ds, tuple(only)))
+        std = next((d["params"]["std"] for d in ds if d["name"] == "gaussian_noise"), 0.0)
+        pruned = any(d["name"] == "topk_pruning" for d in ds)  # stops at every strength: its weak end is probed too
+        lv = {"utr": "none" if std >= 0.05 or pruned else "partial", "dlg": "none"}
+        return {"verdict": "x", "attacks": {a: {"level": lv[a], "metric": "m", "value": 0.5, "null_p99": 0.5,
+                                                "null_median": 0.4} for a in only}}
+
+    monkeypatch.setattr(mod, "probe", probe)
+    real = cells_mod.run_cells
+    batches: list = []
+
+    def spy(cells, jsonl, row, **kw):
+        batches.append([c.id.split("#")[0] for c in cells if not c.id.startswith("utility:")])
+        return real(cells, jsonl, row, **{**kw, "executor": "inline"})
+
+    monkeypatch.setattr(cells_mod, "run_cells", spy)
+    adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise", "topk_pruning"], steps=4,
+                     log=lambda m: None)
+    assert all(ds for ds, _ in seen)  # every probe carries a defense
+    assert adv["baseline"]["levels"] == {"utr": "partial", "dlg": "none"} and adv["probes"]["baseline"]["from_audit"]
+    kinds = [{"[" in p for p in b} for b in batches if b]
+    assert all(len(k) == 1 for k in kinds)  # never a check beside a screen probe
+    checks = [b for b in batches if b and "[" not in b[0]]
+    assert len(checks) == 1 and sorted(p.split(":")[0] for p in checks[0]) == ["gaussian_noise", "topk_pruning"]
+    assert batches.index(checks[0]) == max(i for i, b in enumerate(batches) if any("[" in p for p in b)) + 1
+    assert all(r["status"] == "stopped" and r["levels"] == {"utr": "none", "dlg": "none"} for r in adv["rows"])

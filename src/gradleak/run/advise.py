@@ -25,10 +25,18 @@ Probes are cells of the one resumable cell loop (:func:`gradleak.run.cells.run_c
 ``OUT/advise/advise-<hash>.jsonl`` (the hash of the audited config): a rerun after a kill redoes no finished probe.
 ``budget_seconds`` bounds the search between probes; defenses whose search did not end are listed as unfinished.
 
+The undefended baseline's levels are the audit's own (:func:`audit_levels`): a probe without a defense would be the
+audit of the same config, seeds and clients once more. The checks against every tested attack (minutes each on an
+image config, where the optimisation attacks run) wait while any search still bisects against the screen and then
+run as one batch, so they share the workers instead of each holding a batch of seconds-long probes; a probe that runs
+alone in its batch runs its attacks in parallel on every worker.
+
 Utility (:mod:`gradleak.run.advise_utility`): a probe is one attacked round, after which the accuracy has not moved;
-the cost is measured by training. Before the search, the baseline (no added defense) trains ``audit.utility_rounds``
+the cost is measured by training. In the first batch, beside the first probes of the candidates that fit no clipping
+norm, the baseline (no added defense) trains ``audit.utility_rounds``
 rounds (:data:`UTILITY_ROUNDS` when unset) without an attack, on fresh samples each round, and records the uploads' and
-the samples' gradient norms, to which the DP candidates' clipping norms are fitted (their median). After the search,
+the samples' gradient norms, to which the DP candidates' clipping norms are fitted (their median); those candidates
+start once it is in. After the search,
 every candidate trains the same rounds at the strength found, same seeds. Cost = baseline accuracy - accuracy with
 the defense, on ``data.test_size`` held-out samples (:data:`TEST_SIZE` when the config has none). These runs are
 cells of the same JSONL. DP mechanisms report epsilon at :data:`DELTA` twice: ``epsilon`` over the utility rounds
@@ -216,6 +224,13 @@ def probe(raw: dict, out_dir: str, only: list[str], device: str | None, workers:
     return out
 
 
+def audit_levels(audit_result: dict) -> dict:
+    """The audit's own result in a probe row's shape (:func:`probe`): the undefended baseline of the search."""
+    return {"verdict": audit_result.get("verdict"), "from_audit": True,
+            "attacks": {e["name"]: {k: e.get(k) for k in ("level", "metric", "value", "null_median", "null_p99",
+                                                           "reason")} for e in audit_result["attacks"]}}
+
+
 #: the gate's refusal that a defense causes: the server no longer sees an individual update (secure aggregation)
 GATE_STOP = "threat.individual_updates"
 
@@ -354,12 +369,15 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         cell's id holds its config's hash: a changed config (or a changed candidate) is a new cell. A probe job may
         name the attacks it runs as a fourth element (default: every tested attack)."""
         cells, names = [], {}
+        # a probe's own attacks run in parallel on every worker when it runs alone (or inline); beside other cells
+        # under a pool executor each cell holds one worker
+        probe_workers = workers if executor == "inline" or len(jobs) == 1 else 1
         for cid, cfg_raw, is_utility, *only in jobs:
             key = f"{cid}#{config_hash(cfg_raw)[:8]}"
             d = out / cell_dir_name(cid)
             args = ((cfg_raw, utility_from or leaking, utility_rounds, device, cid == "utility:baseline")
                     if is_utility else (cfg_raw, str(d), (only[0] if only else None) or tested, device,
-                                        1 if executor != "inline" else workers, utility_from))
+                                        probe_workers, utility_from))
             cells.append(Cell(key, _utility_job if is_utility else _probe_job, args, info=(cid, d)))
             names[key] = cid
         before = done_cells(jsonl)
@@ -394,13 +412,15 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     def over_budget() -> bool:
         return budget_seconds is not None and clock() - t0 >= budget_seconds
 
-    baseline, base_utility = run_batch([("baseline", probe_base, False), ("utility:baseline", base, True)])
-    advice["baseline"] = {"accuracy": base_utility.get("accuracy"), "levels": _levels(baseline, tested),
-                          **{k: base_utility.get(k) for k in ("accuracy_start", "accuracy_curve", "error", "diverged")
-                             if k in base_utility}}
-    specs = [fitted_clip(s, base_utility) for s in CANDIDATES if (candidates is None or key(s) in candidates)
-             and (not s.get("membership_only") or "membership" in kinds)]
-    specs += [s for s in extra if candidates is None or key(s) in candidates]
+    # the baseline's levels are the audit's own: the undefended probe would be the audit of the same config, seeds
+    # and clients again (``data.test_size`` draws held-out samples beside the clients', never theirs), and for an
+    # image config it alone ran every optimisation attack once more (~15 core-minutes on vit_lora)
+    baseline = audit_levels(audit_result)
+    advice["probes"]["baseline"] = baseline
+    chosen = [s for s in CANDIDATES if (candidates is None or key(s) in candidates)
+              and (not s.get("membership_only") or "membership" in kinds)]
+    chosen += [s for s in extra if candidates is None or key(s) in candidates]
+    specs: list[dict] = []  # the candidates as searched (DP: the clipping norm fitted to the baseline utility run)
 
     def search(spec):
         """One candidate's search, as a generator: it yields each probe it needs (a :func:`run_batch` job) and is
@@ -532,24 +552,51 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         return [(f"utility:{key(spec)}:{spec['param']}={fmt(row['strength'])}",
                  defended_config(base, spec, row["strength"]), True)]
 
+    def heavy(job: tuple) -> bool:
+        """A probe beyond the screen (a check against every tested attack: the optimisation attacks' minutes)."""
+        return not set(job[3] if len(job) > 3 and job[3] else tested) <= set(screen)
+
     searches, early = [], []
-    for spec in specs:
-        g = search(spec)
-        try:
-            searches.append((g, spec, next(g)))
-        except StopIteration:
-            early += utility_of(spec)
-    while searches:  # one probe of every search still running (and the utility runs of those done), as one batch
-        results = run_batch([job for _, _, job in searches] + early)
+
+    def begin(chosen_specs: list[dict]) -> None:
+        for spec in chosen_specs:
+            specs.append(spec)
+            g = search(spec)
+            try:
+                searches.append((g, spec, next(g)))
+            except StopIteration:
+                early.extend(utility_of(spec))
+
+    # the baseline utility run goes in the first batch, beside the first probes of every candidate that does not fit
+    # its clipping norm to it; the DP candidates start once it is in
+    begin([s for s in chosen if clip_fit(s) is None])
+    base_utility = None
+    while searches or base_utility is None:
+        # one probe of every search still running (and the utility runs of those done), as one batch. The checks
+        # against every tested attack wait while any search still bisects against the screen: they then run
+        # together, one batch for every candidate's check, instead of each holding a batch of seconds-long screen
+        # probes for minutes while the other workers idle
+        light = [s for s in searches if not heavy(s[2])]
+        now = light or list(searches)
+        results = run_batch([job for _, _, job in now] + early
+                            + ([("utility:baseline", base, True)] if base_utility is None else []))
         early = []
-        nxt = []
-        for (g, spec, _), r in zip(searches, results):
+        if base_utility is None:
+            base_utility = results[-1]
+            advice["baseline"] = {"accuracy": base_utility.get("accuracy"), "levels": _levels(baseline, tested),
+                                  **{k: base_utility.get(k) for k in ("accuracy_start", "accuracy_curve", "error",
+                                                                      "diverged") if k in base_utility}}
+            begin([fitted_clip(s, base_utility) for s in chosen if clip_fit(s) is not None])
+        nxt = [s for s in searches if s not in now]
+        for (g, spec, _), r in zip(now, results):
             try:
                 nxt.append((g, spec, g.send(r)))
             except StopIteration:
                 early += utility_of(spec)
         searches = nxt
 
+    order = [key(sp) for sp in chosen]
+    advice["rows"].sort(key=lambda r: order.index(r["defense"]))  # the candidates' order, whenever each began
     by_key = {key(sp): sp for sp in specs}  # the candidates as searched (DP: the fitted clipping norm)
     measure_utility(base, [(r, by_key[r["defense"]]) for r in advice["rows"] if "strength" in r], advice, run_batch,
                     cfg0.fl.rounds)
