@@ -339,3 +339,33 @@ def test_articles_of_the_server_words():
         validate({**{k: v for k, v in TINY.items() if k != "audit"}, "attack": {"name": "dlg"},
                   "peft": {"kind": "lora", "layer_pe": True}})
     assert "an honest-but-curious server" in str(err.value) and "a honest" not in str(err.value)
+
+
+def test_april_without_a_pe_term_is_judged_on_dlgs_run_which_runs_once(tmp_path):
+    """APRIL on a client that trains no position table is DLG step for step: the audit runs DLG once and judges APRIL
+    on that run (said in its entry and warnings); the value is the one APRIL's own run gives (APRIL audited alone). A
+    different APRIL parameter, or a client that trains the PEs (peft.layer_pe), runs APRIL itself."""
+    from gradleak.run.audit import RUN_LEDGER, plan_audit, run_audit
+
+    raw = {**TINY, "audit": {"params": {"dlg": {"steps": 2}, "april": {"steps": 2}}}}
+    res = run_audit(raw, tmp_path / "both", only=["april", "dlg"], log=lambda m: None)
+    by = {a["name"]: a for a in res["attacks"]}
+    assert by["april"]["shared_run"]["attack"] == "dlg" and "shared_run" not in by["dlg"]
+    assert by["april"]["value"] == by["dlg"]["value"] and by["april"]["level"] == by["dlg"]["level"]
+    assert any("judged on DLG's run" in w for w in by["april"]["warnings"]) and by["april"]["seconds"] == 0.0
+    ledger = [json.loads(x)["job"] for x in (tmp_path / "both" / RUN_LEDGER).read_text().splitlines()]
+    assert ledger == ["dlg@0#0"]  # one run
+    alone = run_audit(raw, tmp_path / "alone", only=["april"], log=lambda m: None)["attacks"][0]
+    assert "shared_run" not in alone and alone["value"] == by["april"]["value"]  # APRIL's own run: the same value
+    other = {**TINY, "audit": {"params": {"dlg": {"steps": 2}, "april": {"steps": 3}}}}
+    res = run_audit(other, tmp_path / "other", only=["april", "dlg"], log=lambda m: None)
+    assert not any("shared_run" in a for a in res["attacks"])
+    # a client that trains the position tables: APRIL's term is there, its own run
+    lora = {**TINY, "peft": {"kind": "lora", "lora_rank": 4}}
+    pe = {**lora, "peft": {**lora["peft"], "layer_pe": True}, "threat": {"preset": "prescribes-architecture"}}
+    planned = plan_audit(pe, [], ["april"])[3]
+    (_, _, cfg, A), = planned
+    assert A.same_run_as(cfg) is None
+    for plain in (TINY, lora):
+        (_, _, cfg, A), = plan_audit(plain, [], ["april"])[3]
+        assert A.same_run_as(cfg)[0] == "dlg"

@@ -104,6 +104,14 @@ class AttackBase:
         return []
 
     @classmethod
+    def same_run_as(cls, experiment_cfg) -> tuple[str, str] | None:
+        """``(other attack, why)`` when this attack's run on ``experiment_cfg`` is, step for step, the run of
+        ``other`` with the same parameters (e.g. APRIL without a PE term to read is DLG): the audit then runs it once
+        and judges both on that run, provided the two runs' configs are equal but for the name
+        (:func:`gradleak.run.audit.shared_runs`). Default: None (its own run)."""
+        return None
+
+    @classmethod
     def measurable(cls, experiment_cfg) -> bool:
         """False when the attack can find nothing to use in this setup's uploads whatever its parameters (it then
         runs once, as configured, and reports not applicable; the audit runs no full-strength variant of it).

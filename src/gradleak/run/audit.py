@@ -188,6 +188,26 @@ def full_strength_variants(A, cand: dict, cfg, defenses: list | None = None) -> 
     return vs
 
 
+def shared_runs(planned: list, variants: dict[str, list[dict]]) -> dict[str, tuple[str, str]]:
+    """``{attack: (other, why)}`` for each planned attack whose runs are another planned attack's
+    (:meth:`~gradleak.attacks.base.AttackBase.same_run_as`), checked here rather than trusted: the run configs equal
+    but for the attack's name, the validated attack parameters equal, the same full-strength variants. The audit runs
+    ``other`` once and judges both on it."""
+    by = {e["name"]: (cand, cfg) for e, cand, cfg, _ in planned}
+    out: dict[str, tuple[str, str]] = {}
+    for e, cand, cfg, A in planned:
+        same = A.same_run_as(cfg)
+        if same is None or same[0] == e["name"] or same[0] not in by or same[0] in out:
+            continue
+        other, why = same
+        ocand, ocfg = by[other]
+        if ({**cand, "attack": {**cand["attack"], "name": other}} == ocand
+                and cfg.attack_cfg.model_dump(mode="json") == ocfg.attack_cfg.model_dump(mode="json")
+                and variants[e["name"]] == variants[other]):
+            out[e["name"]] = (other, why)
+    return out
+
+
 def _remove_stale_audit(out: Path, keep: set[str] | frozenset[str] = frozenset()) -> None:
     """A reused ``--out``: remove the previous audit's own files (audit.json, the report, and the run artifacts under
     ``attacks/<attack>/[seed<k>/][variant<k>/]``, emptied folders too), never anything else. ``keep``: the folders
@@ -466,9 +486,13 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     def vdir(name, sd, k):
         return where(name, sd) + (f"/variant{k}" if k else "")
 
+    shared = shared_runs(planned, variants)  # e.g. APRIL without a PE term to read: DLG's run, run once
+    for name, (other, why) in shared.items():
+        log(f"[audit] {name}: judged on {other}'s run (the same run: {why.split(': ', 1)[-1]})")
     jobs = [(f"{e['name']}@{sd}#{k}", {**cand, "attack": {**cand["attack"], **v}, "seed": sd},
              str(out / vdir(e["name"], sd, k)), device)
-            for e, cand, _, _ in planned for sd in seeds for k, v in enumerate(variants[e["name"]])]
+            for e, cand, _, _ in planned if e["name"] not in shared
+            for sd in seeds for k, v in enumerate(variants[e["name"]])]
     for e, _, cfg, _ in planned:
         log(f"[audit] {e['name']}: running under the {e['applicable_under']} threat ({cfg.threat_model.capability})"
             + (f", seeds {seeds}" if multi else ""))
@@ -479,8 +503,11 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     results = _run_jobs(out, jobs, workers, log)
     for entry, cand, cfg, A in planned:
         name = entry["name"]
-        runs = [(sd, k, results[f"{name}@{sd}#{k}"]) for sd in seeds for k in range(len(variants[name]))]
-        entry["seconds"] = sum(r.get("seconds", 0.0) for _, _, r in runs)
+        src = shared[name][0] if name in shared else name  # whose runs these are
+        runs = [(sd, k, results[f"{src}@{sd}#{k}"]) for sd in seeds for k in range(len(variants[name]))]
+        entry["seconds"] = 0.0 if name in shared else sum(r.get("seconds", 0.0) for _, _, r in runs)
+        if name in shared:
+            entry["shared_run"] = {"attack": src, "why": shared[name][1]}
         ok_runs = [(sd, k, r) for sd, k, r in runs if "metrics" in r]
         if record_failures(entry, [r for _, _, r in runs], A.reconstruction, log):
             continue
@@ -494,7 +521,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
                 warned[(sd, k, sum_label(client, summed, A.reconstruction))] = client_warnings(r, per, i, len(sets))
                 judged.append((sd, k, r, sum_label(client, summed, A.reconstruction), judge(A.reconstruction, mets, cfg)))
         sd, k, res, client, j = max(judged, key=lambda t: leak_rank(t[4]))  # the most leaking client/run is the evidence
-        entry["out"] = vdir(name, sd, k)
+        entry["out"] = vdir(src, sd, k)
         entry.update(j)
         entry["worst_client"] = client
         if len(variants[name]) > 1:
@@ -536,7 +563,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
         # own: another client's or another setting's caveat (e.g. "a least-squares guess") must not sit on it
         entry["run_warnings"] = [{"seed": s0, "variant": variants[name][kk] or "as configured", "client": c0,
                                   "warning": str(w)} for (s0, kk, c0), ws in warned.items() for w in ws]
-        warns = warned.get((sd, k, client)) or []
+        warns = (warned.get((sd, k, client)) or []) + ([shared[name][1]] if name in shared else [])
         if warns:
             entry["warnings"] = [str(w) for w in warns]
             entry["reason"] = "; ".join(([entry["reason"]] if entry.get("reason") else []) + entry["warnings"][:2])

@@ -957,3 +957,19 @@ class April(DLG):
     name = "april"
     Config = AprilConfig
     input_pe_term = True
+
+    #: PEFT kinds whose clients never train the input position table (only :func:`gradleak.peft.layer_pe.add_layer_pe`
+    #: makes it trainable, under ``peft.layer_pe``)
+    NO_INPUT_PE_KINDS = ("lora", "adapters", "none")
+
+    @classmethod
+    def same_run_as(cls, experiment_cfg) -> tuple[str, str] | None:
+        """DLG's run when APRIL's PE term has nothing to read: no anchor, and a client that trains no position table
+        (no ``peft.layer_pe``, a PEFT kind that freezes it). The term is then absent (the warning of :meth:`run`)
+        and the objective, parameters, seed and trajectory are DLG's, bit for bit."""
+        a, peft = experiment_cfg.attack_cfg, experiment_cfg.peft
+        if getattr(a, "anchor", False) or getattr(peft, "layer_pe", False) or peft.kind not in cls.NO_INPUT_PE_KINDS:
+            return None
+        return "dlg", (f"april: the client trains no positional embedding (peft.kind={peft.kind}, no peft.layer_pe), "
+                       "so APRIL's PE cosine term is absent and its run is DLG's (Euclidean gradient matching, the same "
+                       "parameters and seed): judged on DLG's run, not run twice")
