@@ -206,6 +206,24 @@ def test_the_likelihood_variant_needs_declared_noise_or_clipping(kind):
     assert not any("noise_model" in v for v in full_strength_variants(A, cand, cfg))
 
 
+@pytest.mark.parametrize("name", ["dlg", "april"])
+def test_a_squared_error_attack_gets_the_likelihood_variant_only_where_a_clip_is_declared(name):
+    """DLG and APRIL already match by the squared error, the declared Gaussian noise's likelihood: under noise alone
+    the variant would be the same run again, step for step, so the audit does not run it; a declared clip (which the
+    variant simulates) makes it another attack, and it runs. IG (cosine) gets it under noise alone."""
+    from gradleak.run.audit import full_strength_variants, plan_audit
+
+    def variants(name_, sets):
+        (_, cand, cfg, A), = plan_audit(load_yaml(IMAGE), sets, [name_])[3]
+        return full_strength_variants(A, cand, cfg)
+
+    noise = DEFENSE_SETS["update noise"]
+    clipped = ["defenses=[{name: clipping, params: {max_norm: 1.0}}, {name: gaussian_noise, params: {std: 1.0e-6}}]"]
+    assert variants(name, noise) == [{}]
+    assert {"noise_model": "declared"} in variants(name, clipped)
+    assert {"noise_model": "declared"} in variants("ig", noise)
+
+
 @pytest.mark.parametrize("name", ["ig", "dlg", "april"])
 def test_the_declared_noise_model_changes_what_the_attack_matches(name, monkeypatch):
     """``noise_model: declared`` reaches the matching: the squared error (the declared Gaussian noise's

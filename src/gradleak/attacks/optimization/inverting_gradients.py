@@ -281,8 +281,14 @@ class InvertingGradients(AttackBase):
         from gradleak.defenses.declared import as_declared
 
         d = as_declared(defenses)
-        if params.get("noise_model", "off") != "declared" and (
-                d.adds_noise or d.noise_unknown or d.clip_norm or d.per_sample_clip_norm):
+        clips = d.clip_norm or d.per_sample_clip_norm
+        if params.get("noise_model", "off") == "declared":
+            return []
+        if getattr(cls, "distance", None) == "l2" and not clips:
+            # the squared error is already the declared noise's likelihood and there is no clip to simulate: the
+            # variant would be this run again, step for step (DLG, APRIL)
+            return []
+        if d.adds_noise or d.noise_unknown or clips:
             return [{"noise_model": "declared"}]
         return []
 
