@@ -44,7 +44,8 @@ from gradleak.run.results import write_json_atomic  # noqa: E402
 
 CONFIG = ROOT / "configs" / "leakage" / "fmnist_resnet18.yaml"
 PAPER_CONFIG = ROOT / "configs" / "leakage" / "fmnist_resnet18_paper.yaml"
-TABLES = ("main", "null", "ablations", "gradonly", "multistep", "noise", "dpsgd", "filter", "rounds", "paper", "speed")
+TABLES = ("main", "null", "ablations", "gradonly", "multistep", "noise", "dpsgd", "filter", "rounds", "rounds30", "paper",
+          "speed")
 HIGH_RISK = 2  # the shipped config's one-image, one-step client
 SIGMA0_GLOBAL = (0, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
 SIGMA0_PER_TENSOR = (1, 2.5, 5, 10, 25, 50, 100, 250, 1000)
@@ -78,6 +79,13 @@ GRADONLY_CHOSEN = "cos_head"  # stage 2's best (the report flags it when the tun
 GRADONLY_DP_SIGMAS = (1.0,)  # the tuned arm under DP-SGD (the untuned rows above have 0.5, 1, 2)
 GRADONLY_HELDOUT = 1  # the held-out seed: other images (data.seed=1), as main/seed1
 COLLAPSE = 0.2  # accuracy at or below this (chance: 0.1) counts as collapsed
+#: the paper's long-training findings (SPEC §4.4: 100 rounds; sigma0 ~ 25 suppresses the leak, later rounds leak
+#: more) at 30 rounds, the high-risk client attacked in four of them: sigma0 of the global-percentile noise, and the
+#: tuned gradient-only arm on the GroupNorm model without / with DP-SGD (sigma 1)
+ROUNDS30 = 30
+ROUNDS30_ATTACKED = (0, 9, 19, 29)
+ROUNDS30_SIGMA0 = (0, 10, 25, 50)
+ROUNDS30_DP_SIGMA = 1.0
 
 
 def _hr(*extra: str) -> list[str]:
@@ -137,6 +145,13 @@ def cells() -> list[dict]:
                                         "defense={name: rdlv_filter, threshold: 0.0, iterations: 300, rounds: [-1], "
                                         "clients: [1, 2]}"])
     add("rounds/hr", "rounds", _hr("attack.rounds=[0,1,2]"))
+    long = (f"fl.rounds={ROUNDS30}", f"attack.rounds=[{','.join(map(str, ROUNDS30_ATTACKED))}]")
+    for s0 in ROUNDS30_SIGMA0:
+        add(f"rounds30/sigma0/{s0}", "rounds30", _hr(*long, f"defense.sigma0={s0}"))
+    add("rounds30/group/none", "rounds30", _hr(*long, "model.norm=group", *tuned, "defense={name: none}"))
+    add(f"rounds30/group/dpsgd{ROUNDS30_DP_SIGMA}", "rounds30",
+        _hr(*long, "model.norm=group", *tuned,
+            f"defense={{name: dpsgd, noise_multiplier: {ROUNDS30_DP_SIGMA}, max_grad_norm: 1.0}}"))
     add("paper/nine", "paper", ["attack.clients=[0,1,8]"], PAPER_CONFIG)
     return out
 
@@ -683,6 +698,55 @@ def report(args: argparse.Namespace) -> int:
         vals = [v for _, v in rr if v is not None]
         checks.append(_Check("Later rounds reconstruct better (the paper: round 90 of 100)",
                        "RDLV by round " + ", ".join(_f(v, "+.3f") for v in vals), _yes(vals[-1] >= vals[0] if len(vals) > 1 else None), _rv(rows, "rounds/hr")))
+
+    # ---- 30 rounds
+    r30 = [c["cell"] for c in cells() if "rounds30" in c["tables"]]
+    if any(c in rows and "error" not in rows[c] for c in r30):
+        L.append(f"### {ROUNDS30} rounds (`rounds30`, high-risk client attacked in rounds "
+                 f"{', '.join(map(str, ROUNDS30_ATTACKED))}; the paper trains 100)\n")
+        L.append("Each cell: SSIM / RDLV of the high-risk client's reconstruction in each attacked round, and the global "
+                 f"model's accuracy after round {ROUNDS30 - 1}. The GroupNorm rows run the tuned gradient-only attack "
+                 "(`gradonly`, no running statistics to read), the model DP-SGD needs. A cell not run yet reads "
+                 "`not run`, with its command: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/leakage.py --out "
+                 "benchmarks/out --only rounds30 --update-docs` (resumable; `--lane 0/2` and `--lane 1/2` as two "
+                 "processes).\n")
+        trows = []
+        for c in r30:
+            label = c.split("/", 1)[1].replace("sigma0/", "σ0 = ").replace("group/", "GroupNorm, ")
+            if c not in rows or "error" in rows[c]:
+                trows.append([label] + ["not run"] * (len(ROUNDS30_ATTACKED) + 1) + ["–"])
+                continue
+            trows.append([label] + [f"{_f(_get(rows, c, f'ssim_client{HIGH_RISK}_round{r}'))} / "
+                                    f"{_f(_get(rows, c, f'rdlv_client{HIGH_RISK}_round{r}'), '+.3f')}"
+                                    for r in ROUNDS30_ATTACKED] + [_f(_get(rows, c, "accuracy")), _rv(rows, c)])
+        L.append(_table(["cell"] + [f"round {r}: SSIM / RDLV" for r in ROUNDS30_ATTACKED] + ["accuracy", "revision"],
+                        trows))
+        L.append("")
+
+        def series(c):
+            return [_get(rows, c, f"rdlv_client{HIGH_RISK}_round{r}") for r in ROUNDS30_ATTACKED]
+
+        base = series("rounds30/sigma0/0")
+        if all(v is not None for v in base):
+            checks.append(_Check(f"Later rounds leak more over {ROUNDS30} rounds (no defense; the paper: 100 rounds)",
+                                 "RDLV by round " + ", ".join(f"{r}: {_f(v, '+.3f')}" for r, v in
+                                                              zip(ROUNDS30_ATTACKED, base)),
+                                 _yes(base[-1] >= base[0]), _rv(rows, "rounds30/sigma0/0")))
+        sup = series("rounds30/sigma0/25")
+        if all(v is not None for v in sup):
+            acc = _get(rows, "rounds30/sigma0/25", "accuracy")
+            checks.append(_Check(f"σ0 ≈ 25 suppresses the leak in every attacked round of {ROUNDS30} with a usable model",
+                                 "RDLV " + ", ".join(_f(v, "+.3f") for v in sup) + f"; accuracy {_f(acc)}",
+                                 _yes(all(v <= 0 for v in sup) and acc is not None and acc > COLLAPSE),
+                                 _rv(rows, "rounds30/sigma0/25")))
+        dp_cell = f"rounds30/group/dpsgd{ROUNDS30_DP_SIGMA}"
+        dp = series(dp_cell)
+        if all(v is not None for v in dp):
+            checks.append(_Check(f"DP-SGD (σ = {ROUNDS30_DP_SIGMA}) keeps RDLV ≤ 0 in every attacked round of {ROUNDS30}",
+                                 "RDLV " + ", ".join(_f(v, "+.3f") for v in dp)
+                                 + f"; accuracy {_f(_get(rows, dp_cell, 'accuracy'))} (GroupNorm without DP: "
+                                 f"{_f(_get(rows, 'rounds30/group/none', 'accuracy'))})",
+                                 _yes(all(v <= 0 for v in dp)), _rv(rows, dp_cell)))
 
     # ---- paper layout
     p = "paper/nine"
