@@ -720,13 +720,21 @@ def test_checks_against_every_attack_wait_for_the_screens_and_run_together(tmp_p
     real = cells_mod.run_cells
     batches: list = []
 
+    utilities: list = []
+
     def spy(cells, jsonl, row, **kw):
         batches.append([c.id.split("#")[0] for c in cells if not c.id.startswith("utility:")])
+        utilities.append([c.id.split("#")[0] for c in cells if c.id.startswith("utility:")])
         return real(cells, jsonl, row, **{**kw, "executor": "inline"})
 
     monkeypatch.setattr(cells_mod, "run_cells", spy)
     adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise", "topk_pruning"], steps=4,
                      log=lambda m: None)
+    # each candidate's utility run at the strength checked starts beside the checks, and is not run again after
+    at_checks = utilities[[i for i, b in enumerate(batches) if b and "[" not in b[0]][0]]
+    assert sorted(at_checks) == sorted(f"utility:{p.split(':')[0]}:{p.split(':')[1]}" for p in
+                                       next(b for b in batches if b and "[" not in b[0]))
+    assert len(fake_utility) == 3  # the baseline's and the two candidates', each once
     assert all(ds for ds, _ in seen)  # every probe carries a defense
     assert adv["baseline"]["levels"] == {"utr": "partial", "dlg": "none"} and adv["probes"]["baseline"]["from_audit"]
     kinds = [{"[" in p for p in b} for b in batches if b]
@@ -735,3 +743,32 @@ def test_checks_against_every_attack_wait_for_the_screens_and_run_together(tmp_p
     assert len(checks) == 1 and sorted(p.split(":")[0] for p in checks[0]) == ["gaussian_noise", "topk_pruning"]
     assert batches.index(checks[0]) == max(i for i, b in enumerate(batches) if any("[" in p for p in b)) + 1
     assert all(r["status"] == "stopped" and r["levels"] == {"utr": "none", "dlg": "none"} for r in adv["rows"])
+
+
+def test_a_budget_spent_during_the_checks_holds_back_those_not_started(tmp_path, monkeypatch, fake_utility):
+    """The budget bounds the checks too: a check the cell loop has not started when the budget is spent is held back
+    (never started), its candidate unfinished and unverified, never recommended; the check that ran counts. A rerun
+    with no budget starts the held-back check and ends with both verified."""
+    from gradleak.run import advise as mod
+
+    clock = [0.0]
+    monkeypatch.setattr(mod, "clock", lambda: clock[0])
+
+    def probe(raw, out_dir, only, device, workers, utility_from):
+        clock[0] += 10.0
+        ds = raw.get("defenses") or []
+        std = next((d["params"]["std"] for d in ds if d["name"] == "gaussian_noise"), 0.0)
+        lv = "none" if std >= 0.05 or any(d["name"] == "topk_pruning" for d in ds) else "partial"
+        return {"verdict": "x", "attacks": {a: {"level": lv if a == "utr" else "none", "metric": "m", "value": 0.5,
+                                                "null_p99": 0.5, "null_median": 0.4} for a in only}}
+
+    monkeypatch.setattr(mod, "probe", probe)
+    kw = dict(candidates=["gaussian_noise", "topk_pruning"], steps=4, log=lambda m: None)
+    adv = mod.advise(TEXT, tmp_path, LEAKS, budget_seconds=115, **kw)  # 11 screen probes: 110 s, then the checks
+    noise, topk = adv["rows"]
+    assert noise["status"] == "stopped" and "unverified" not in noise and noise["levels"]["dlg"] == "none"
+    assert topk["status"] == "unfinished" and topk["unverified"] is True and "not recommended" in topk["note"]
+    assert adv["ranking"] == ["gaussian_noise"] and clock[0] == 120.0  # the held-back check never ran
+    clock[0] = 0.0
+    adv = mod.advise(TEXT, tmp_path, LEAKS, **kw)  # resumed: only the held-back check runs
+    assert clock[0] == 10.0 and all(r["status"] == "stopped" and "unverified" not in r for r in adv["rows"])

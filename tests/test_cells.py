@@ -120,6 +120,30 @@ def test_rows_are_written_as_before_and_the_pool_executor_agrees(tmp_path):
     assert cell_dir_name("seed=1,x=\"a/b\"").startswith("seed=1_x=_a_b_-")
 
 
+@pytest.mark.parametrize("executor", ["inline", "local"])
+def test_skip_holds_back_cells_not_yet_started_which_are_not_done_and_not_retried(tmp_path, executor):
+    """``skip``: once it says so (a spent budget), every cell not yet started is held back -- its row records
+    NotStarted, it is not retried in this call, and it is not done, so the next call runs it. A started cell
+    finishes. (The local pool is handed a job only when a worker is free, so there too nothing queued has started.)"""
+    import time
+
+    jsonl = tmp_path / "r.jsonl"
+    cells = [Cell("first", time.sleep, (0.5,))] + [Cell(f"c{i}", time.sleep, (0.3,)) for i in range(3)]
+    t0 = time.perf_counter()
+
+    def skip(c):  # the budget is spent while the first cell runs
+        return c.id != "first" and time.perf_counter() - t0 > 0.2
+
+    latest = run_cells(cells, jsonl, _row, executor=executor, workers=1, log=_quiet, skip=skip)
+    assert "error" not in latest["first"]
+    held = [c for c in ("c0", "c1", "c2") if latest[c].get("error", "").startswith("NotStarted")]
+    assert held == ["c0", "c1", "c2"]
+    assert len(_rows(jsonl)) == 4  # no retry
+    assert done_cells(jsonl) == {"first"} | {c for c in ("c0", "c1", "c2") if c not in held}
+    again = run_cells(cells, jsonl, _row, executor=executor, workers=1, log=_quiet)
+    assert all("error" not in again[c] for c in ("c0", "c1", "c2"))
+
+
 def test_the_pool_stays_warm_between_calls_and_a_dead_worker_is_replaced():
     """Two calls reuse the same spawned worker (imports and per-process caches paid once: an --advise search's
     probes); a worker that dies fails its own job only, and the next call gets a fresh pool that works."""

@@ -23,13 +23,17 @@ the check at the found strength shows another attack leaking, the search resumes
 
 Probes are cells of the one resumable cell loop (:func:`gradleak.run.cells.run_cells`) in
 ``OUT/advise/advise-<hash>.jsonl`` (the hash of the audited config): a rerun after a kill redoes no finished probe.
-``budget_seconds`` bounds the search between probes; defenses whose search did not end are listed as unfinished.
+``budget_seconds`` bounds the search: no probe starts once it is spent (a probe already asked of the cell loop but not
+yet started is held back, :class:`gradleak.run.cells.NotStarted`; a running one finishes), and defenses whose search
+did not end are listed as unfinished -- a strength whose check against every tested attack did not run is
+``unverified`` and never recommended. A rerun with a larger budget (or none) resumes where it stopped.
 
 The undefended baseline's levels are the audit's own (:func:`audit_levels`): a probe without a defense would be the
 audit of the same config, seeds and clients once more. The checks against every tested attack (minutes each on an
 image config, where the optimisation attacks run) wait while any search still bisects against the screen and then
-run as one batch, so they share the workers instead of each holding a batch of seconds-long probes; a probe that runs
-alone in its batch runs its attacks in parallel on every worker.
+run as one batch, so they share the workers instead of each holding a batch of seconds-long probes; each candidate's
+utility run at the strength checked runs in that batch too (a check that moves the strength gets the new strength's
+run afterwards). A probe that runs alone in its batch runs its attacks in parallel on every worker.
 
 Utility (:mod:`gradleak.run.advise_utility`): a probe is one attacked round, after which the accuracy has not moved;
 the cost is measured by training. In the first batch, beside the first probes of the candidates that fit no clipping
@@ -224,6 +228,12 @@ def probe(raw: dict, out_dir: str, only: list[str], device: str | None, workers:
     return out
 
 
+def held_back(row: dict) -> bool:
+    """A probe the cell loop held back before it started, the budget being spent (:class:`gradleak.run.cells.NotStarted`):
+    no evidence either way; its search ends unfinished."""
+    return str(row.get("error") or "").startswith("NotStarted")
+
+
 def audit_levels(audit_result: dict) -> dict:
     """The audit's own result in a probe row's shape (:func:`probe`): the undefended baseline of the search."""
     return {"verdict": audit_result.get("verdict"), "from_audit": True,
@@ -395,7 +405,8 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                 f"{a} {lv}" for a, lv in _levels(r, ran_here).items())
 
         latest = run_cells(cells, jsonl, row, label="advise", log=quiet, describe=describe,
-                           executor=executor if len(cells) > 1 else "inline", workers=workers)
+                           executor=executor if len(cells) > 1 else "inline", workers=workers,
+                           skip=lambda c: c.fn is _probe_job and over_budget())  # utility runs always run
         rows = [latest[c.id] for c in cells]
         for c, r in zip(cells, rows):
             (advice["utility"] if names[c.id].startswith("utility:") else advice["probes"])[names[c.id]] = r
@@ -456,7 +467,9 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         def strong_end(attacks) -> dict | None:
             """The strong end's probe; None (and the row's status set) unless it stops ``attacks``."""
             r = yield from at(spec["strong"], attacks)
-            if "error" in r:
+            if held_back(r):
+                row.update({"status": "unfinished", "note": "not started: the budget was spent"})
+            elif "error" in r:
                 row.update({"status": "failed", "note": r["error"]})
             elif outcome(r, attacks) == "unmeasured":
                 row.update({"status": "not_measured", "levels": _levels(r, attacks),
@@ -479,6 +492,9 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                     status = "unfinished"
                     break
                 rm = yield from at(m, attacks)
+                if held_back(rm):  # the budget was spent before it started
+                    status = "unfinished"
+                    break
                 if stopped(rm, attacks):  # a failed or unmeasured probe is not evidence of a stop
                     good, found = m, rm
                 else:
@@ -503,8 +519,13 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                 status = "unfinished"
                 row["unverified"] = True
             else:
+                checking[key(spec)] = (spec, good)  # its utility run may start beside this check (the driver)
                 rv = yield from at(good, tested)
-                if stopped(rv, tested):
+                checking.pop(key(spec), None)
+                if held_back(rv):  # the budget was spent before the check started: never recommended
+                    status = "unfinished"
+                    row["unverified"] = True
+                elif stopped(rv, tested):
                     found = rv
                 elif "error" in rv or outcome(rv, tested) == "unmeasured":
                     row.update({"status": "failed", "levels": _levels(rv, tested), "note": (
@@ -552,6 +573,8 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         return [(f"utility:{key(spec)}:{spec['param']}={fmt(row['strength'])}",
                  defended_config(base, spec, row["strength"]), True)]
 
+    checking: dict[str, tuple[dict, Any]] = {}  # candidate -> (spec, strength) of its check now asked
+
     def heavy(job: tuple) -> bool:
         """A probe beyond the screen (a check against every tested attack: the optimisation attacks' minutes)."""
         return not set(job[3] if len(job) > 3 and job[3] else tested) <= set(screen)
@@ -578,6 +601,10 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         # probes for minutes while the other workers idle
         light = [s for s in searches if not heavy(s[2])]
         now = light or list(searches)
+        if not light:  # the checks: each candidate's utility run at the strength checked starts beside them (the
+            # check rarely moves it; if it does, measure_utility runs the new strength's after the search)
+            early += [(f"utility:{key(sp)}:{sp['param']}={fmt(v)}", defended_config(base, sp, v), True)
+                      for sp, v in checking.values()]
         results = run_batch([job for _, _, job in now] + early
                             + ([("utility:baseline", base, True)] if base_utility is None else []))
         early = []

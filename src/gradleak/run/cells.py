@@ -60,16 +60,25 @@ def done_cells(jsonl: str | Path, key: str = "cell") -> set[str]:
     return {c for c, r in latest_by_cell(jsonl, key).items() if "error" not in r}
 
 
+class NotStarted(Exception):
+    """A cell that ``skip`` held back before it started (e.g. a spent time budget): recorded like a failure, so it is
+    not done and a later run starts it."""
+
+
 def run_cells(cells: Sequence[Cell], jsonl: str | Path, row: RowFn, *, executor: str = "inline",
               workers: int | None = None, retries: int = 1, redo: bool = False, key: str = "cell",
               fatal: tuple[type[BaseException], ...] = (), label: str = "cells",
-              describe: Callable[[dict], str] | None = None, log: Callable[[str], Any] = print) -> dict[str, dict]:
+              describe: Callable[[dict], str] | None = None, log: Callable[[str], Any] = print,
+              skip: Callable[[Cell], bool] | None = None) -> dict[str, dict]:
     """Run (or resume) ``cells`` in their order, appending their rows to ``jsonl``; returns the latest row of every
     cell that has one, in the cells' order.
 
     ``key``: the row field that holds the cell id (every row ``row`` returns must carry it). ``redo``: run every
     cell, finished or not (its new row becomes the latest). ``fatal``: error types that stop the loop at once
-    (raised, no row written) instead of being recorded. ``describe(row)``: the progress line of a finished cell."""
+    (raised, no row written) instead of being recorded. ``describe(row)``: the progress line of a finished cell.
+    ``skip(cell)``: asked of each cell not yet started, before it starts and again whenever another cell finishes
+    (inline and local executors); True holds it back: its row records :class:`NotStarted` (not done) and it is not
+    retried in this call."""
     from gradleak.run.results import append_jsonl, latest_by_cell
 
     if executor not in EXECUTORS:
@@ -85,7 +94,7 @@ def run_cells(cells: Sequence[Cell], jsonl: str | Path, row: RowFn, *, executor:
         if attempt:
             log(f"[{label}] retrying {len(todo)} failed cell(s)")
         failed = []
-        for k, (cell, value, err, seconds) in enumerate(_execute(todo, executor, workers), 1):
+        for k, (cell, value, err, seconds) in enumerate(_execute(todo, executor, workers, skip), 1):
             if err is not None and isinstance(err, fatal):
                 raise err
             rows = row(cell, value, err, seconds)
@@ -95,7 +104,9 @@ def run_cells(cells: Sequence[Cell], jsonl: str | Path, row: RowFn, *, executor:
                     raise ValueError(f"a row of cell {cell.id!r} has {key}={r.get(key)!r}")
                 append_jsonl(jsonl, r)
             last = rows[-1] if rows else {"error": error_text(err) if err is not None else "no row"}
-            if "error" in last:
+            if isinstance(err, NotStarted):
+                msg = f"not started: {err}"
+            elif "error" in last:
                 failed.append(cell)
                 msg = f"FAILED {last['error']}"
             else:
@@ -116,18 +127,26 @@ def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None
         return None, err, time.perf_counter() - t0
 
 
-def _execute(todo: list[Cell], executor: str, workers: int | None) -> Iterator[tuple[Cell, Any, Any, float]]:
-    """Yield (cell, value, error, seconds) as cells finish."""
+def _execute(todo: list[Cell], executor: str, workers: int | None,
+             skip: Callable[[Cell], bool] | None = None) -> Iterator[tuple[Cell, Any, Any, float]]:
+    """Yield (cell, value, error, seconds) as cells finish (a cell ``skip`` holds back: a :class:`NotStarted`)."""
+    held = NotStarted("held back before it started (the time budget was spent)")
     if executor == "inline":
         for cell in todo:
+            if skip is not None and skip(cell):
+                yield cell, None, held, 0.0
+                continue
             yield (cell, *timed(cell.fn, *cell.args))
         return
     if executor == "ray":
         yield from _execute_ray(todo, workers)
         return
     jobs = [(cell.fn, *cell.args) for cell in todo]
-    for i, payload in pool_results(timed, jobs, workers or min(len(todo), os.cpu_count() or 1)):
-        if isinstance(payload, BaseException):  # the worker itself died (or the result did not pickle)
+    hold = None if skip is None else (lambda i: skip(todo[i]))
+    for i, payload in pool_results(timed, jobs, workers or min(len(todo), os.cpu_count() or 1), hold=hold):
+        if isinstance(payload, NotStarted):
+            yield todo[i], None, payload, 0.0
+        elif isinstance(payload, BaseException):  # the worker itself died (or the result did not pickle)
             yield todo[i], None, payload, 0.0
         else:
             yield (todo[i], *payload)
@@ -208,7 +227,7 @@ def _warm_pool(workers: int):
     return pool
 
 
-def pool_results(fn: Callable, jobs: list[tuple], workers: int):
+def pool_results(fn: Callable, jobs: list[tuple], workers: int, hold: Callable[[int], bool] | None = None):
     """Yield (job index, ``fn(*job)`` or the exception it raised) as jobs finish, from ``workers`` spawned processes
     (``OMP_NUM_THREADS=1`` for them: one torch thread each). ``fn`` must be importable at module level.
 
@@ -216,8 +235,11 @@ def pool_results(fn: Callable, jobs: list[tuple], workers: int):
     sweep's cells reuse the workers, which pay the imports (torch, transformers: seconds) and fill their per-process
     caches (image sets, nulls) once. Every job is independent of what ran before it in its worker, as in the
     ``inline`` executor, where all run in one process. An interrupt (or any error of the loop itself) shuts the pool
-    down, so no worker outlives a killed run."""
-    from concurrent.futures import as_completed
+    down, so no worker outlives a killed run. Jobs are handed to the pool as workers free up (never more than
+    ``workers`` at once), so a job not yet handed over has not started: ``hold(i)``, asked of each just before it
+    would be, True holds it back (yielded as a :class:`NotStarted`)."""
+    from collections import deque
+    from concurrent.futures import FIRST_COMPLETED, wait
 
     env = os.environ.copy()
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
@@ -225,12 +247,23 @@ def pool_results(fn: Callable, jobs: list[tuple], workers: int):
     pool = None
     try:
         pool = _warm_pool(n)
-        futs = {pool.submit(fn, *job): i for i, job in enumerate(jobs)}
-        for f in as_completed(futs):
-            try:
-                yield futs[f], f.result()
-            except Exception as err:  # noqa: BLE001 -- the caller records it
-                yield futs[f], err
+        waiting, running = deque(range(len(jobs))), {}
+        while waiting or running:
+            while waiting and len(running) < n:
+                i = waiting.popleft()
+                if hold is not None and hold(i):
+                    yield i, NotStarted("held back before it started (the time budget was spent)")
+                    continue
+                running[pool.submit(fn, *jobs[i])] = i
+            if not running:
+                break
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for f in finished:
+                i = running.pop(f)
+                try:
+                    yield i, f.result()
+                except Exception as err:  # noqa: BLE001 -- the caller records it
+                    yield i, err
     except BaseException:
         _POOLS.pop(n, None)
         if pool is not None:
