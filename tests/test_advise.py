@@ -768,6 +768,8 @@ def test_a_budget_spent_during_the_checks_holds_back_those_not_started(tmp_path,
     noise, topk = adv["rows"]
     assert noise["status"] == "stopped" and "unverified" not in noise and noise["levels"]["dlg"] == "none"
     assert topk["status"] == "unfinished" and topk["unverified"] is True and "not recommended" in topk["note"]
+    assert topk["levels"] == {"utr": "none", "dlg": "not checked: the budget was spent"}
+    assert "weak end" in topk["note"] and "[0.5, 0.5]" not in topk["note"]  # stops at its weak end
     assert adv["ranking"] == ["gaussian_noise"] and clock[0] == 120.0  # the held-back check never ran
     clock[0] = 0.0
     adv = mod.advise(TEXT, tmp_path, LEAKS, **kw)  # resumed: only the held-back check runs

@@ -98,6 +98,11 @@ def test_the_verdict_rules():
     assert dp_verdict(12.0, [m])[0] == "vacuous"
     assert dp_verdict(math.inf, [m])[0] == "vacuous"
     assert dp_verdict(50.0, [{**m, "strict_lower": 60.0}])[0] == "claim_violated"  # a vacuous claim still violated
+    # an infinite estimate means "beyond the search's cap": it violates a claim below the cap (no noise at all), not
+    # a larger one (DP-Gaussian at z = 0.001 claims 5.5e5 for one round; its canaries separate beyond the cap)
+    beyond = {**m, "epsilon": math.inf, "interval": [math.inf, math.inf], "strict_lower": math.inf}
+    assert dp_verdict(5.0, [beyond])[0] == "claim_violated"
+    assert dp_verdict(5.5e5, [beyond])[0] == "vacuous"
 
 
 # ------------------------------------------------------------------------------------ correct mechanisms: consistent

@@ -200,9 +200,13 @@ def estimate(seen: Sequence[float], unseen: Sequence[float], delta: float, *, se
 
 def dp_verdict(claimed: float | None, measured: list[dict]) -> tuple[str, str]:
     """``claim_violated`` when some measured ε (of a threat model the claim covers) has its interval's low end above
-    ``claimed``; else ``vacuous`` when ``claimed`` > :data:`VACUOUS_EPSILON` (or infinite); else ``consistent``.
+    ``claimed`` (an infinite low end -- beyond :data:`EPSILON_CAP` -- only against a claim below the cap); else ``vacuous`` when ``claimed`` > :data:`VACUOUS_EPSILON` (or infinite); else ``consistent``.
     Returns the verdict and the sentence that explains it."""
-    over = [m for m in measured if claimed is not None and m["strict_lower"] > claimed]
+    # an infinite estimate says only "beyond EPSILON_CAP" (the search's ceiling): evidence against a claim below the
+    # cap, none against a larger one (e.g. DP-Gaussian at z = 0.001 claims 5.5e5 for one round; its canaries separate
+    # beyond the cap, which such a mechanism does)
+    over = [m for m in measured if claimed is not None and m["strict_lower"] > claimed
+            and (math.isfinite(m["strict_lower"]) or claimed < EPSILON_CAP)]
     if over:
         m = max(over, key=lambda m: m["strict_lower"])
         return "claim_violated", (f"the {m['threat_model'].replace('_', ' ')} leaks more than the claim allows: measured "

@@ -547,9 +547,13 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                     "levels": _levels(found, tested), "set": set_strings(base, spec, good),
                     "config": {k: v for k, v in defended_config(base, spec, good).items()
                                if k in ("defenses", "defense", "fl", "threat")}})
+        if row.get("unverified"):  # the attacks beyond the screen never ran at this strength: said so
+            row["levels"] = {a: (lv if a in screen else "not checked: the budget was spent")
+                             for a, lv in row["levels"].items()}
         if status == "unfinished":
-            row["note"] = (f"unfinished (budget): stops at {fmt(good)}; the weakest strength lies in "
-                           f"[{fmt(bad)}, {fmt(good)}]" + (
+            row["note"] = (f"unfinished (budget): stops at {fmt(good)}; " + (
+                f"the weakest strength lies in [{fmt(bad)}, {fmt(good)}]" if bad != good else
+                "the bracket's weak end (a weaker strength may stop it too: not searched)") + (
                                f" (against {', '.join(screen)} only: not yet checked against every tested attack, "
                                "so not recommended)" if row.get("unverified") else ""))
         if (found or {}).get("dp_check"):  # measured at the strength found (gradleak.run.dp_check)
