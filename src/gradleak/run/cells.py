@@ -64,6 +64,9 @@ class NotStarted(Exception):
     """A cell that ``skip`` held back before it started (e.g. a spent time budget): recorded like a failure, so it is
     not done and a later run starts it."""
 
+    def __init__(self, msg: str = "held back before it started (the time budget was spent)"):
+        super().__init__(msg)
+
 
 def run_cells(cells: Sequence[Cell], jsonl: str | Path, row: RowFn, *, executor: str = "inline",
               workers: int | None = None, retries: int = 1, redo: bool = False, key: str = "cell",
@@ -130,11 +133,10 @@ def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None
 def _execute(todo: list[Cell], executor: str, workers: int | None,
              skip: Callable[[Cell], bool] | None = None) -> Iterator[tuple[Cell, Any, Any, float]]:
     """Yield (cell, value, error, seconds) as cells finish (a cell ``skip`` holds back: a :class:`NotStarted`)."""
-    held = NotStarted("held back before it started (the time budget was spent)")
     if executor == "inline":
         for cell in todo:
             if skip is not None and skip(cell):
-                yield cell, None, held, 0.0
+                yield cell, None, NotStarted(), 0.0
                 continue
             yield (cell, *timed(cell.fn, *cell.args))
         return
@@ -144,9 +146,7 @@ def _execute(todo: list[Cell], executor: str, workers: int | None,
     jobs = [(cell.fn, *cell.args) for cell in todo]
     hold = None if skip is None else (lambda i: skip(todo[i]))
     for i, payload in pool_results(timed, jobs, workers or min(len(todo), os.cpu_count() or 1), hold=hold):
-        if isinstance(payload, NotStarted):
-            yield todo[i], None, payload, 0.0
-        elif isinstance(payload, BaseException):  # the worker itself died (or the result did not pickle)
+        if isinstance(payload, BaseException):  # held back, or the worker itself died (or the result did not pickle)
             yield todo[i], None, payload, 0.0
         else:
             yield (todo[i], *payload)
@@ -252,7 +252,7 @@ def pool_results(fn: Callable, jobs: list[tuple], workers: int, hold: Callable[[
             while waiting and len(running) < n:
                 i = waiting.popleft()
                 if hold is not None and hold(i):
-                    yield i, NotStarted("held back before it started (the time budget was spent)")
+                    yield i, NotStarted()
                     continue
                 running[pool.submit(fn, *jobs[i])] = i
             if not running:
