@@ -85,8 +85,11 @@ def test_a_failed_sweep_cell_exits_1_and_is_retried_on_the_next_run(tmp_path, mo
     from gradleak.run import cells
     from gradleak.run import runner as runner_mod
 
-    def in_process(fn, jobs, workers):  # the pool in this process, so that the patched run_config applies
+    def in_process(fn, jobs, workers, hold=None):  # the pool in this process, so that the patched run_config applies
         for i, job in enumerate(jobs):
+            if hold is not None and hold(i):  # as pool_results does: held back before it starts
+                yield i, cells.NotStarted()
+                continue
             try:
                 yield i, fn(*job)
             except Exception as err:  # noqa: BLE001 -- as pool_results does
