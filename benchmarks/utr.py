@@ -196,9 +196,23 @@ def seed_label(seed: int) -> str:
 DAGER_OURS = "our encoder search with DAGER's span test"
 
 
-def fair_cell(cell: str, seed: int) -> str:
-    """The id of a fair-baseline cell at ``seed``: seed 0 keeps the Table 1 id, another seed gets ``/s<seed>``."""
+def fair_cell(cell: str, seed: int | str) -> str:
+    """The id of a fair-baseline cell at ``seed``: seed 0 keeps the Table 1 id, another seed gets ``/s<seed>``, the
+    held-out sentences (``HELDOUT``) ``/heldout``."""
+    if seed == HELDOUT:
+        return f"{cell}/heldout"
     return cell if seed == FAIR_SEEDS[0] else f"{cell}/s{seed}"
+
+
+#: issue 41 (held out = data no tuned cell drew): DAGER's span test at B = 1, 2, 4 (its tolerances tuned on RT seed 0)
+#: again on another corpus, the news sentences, at the tuned seed. No tuned cell draws a news sentence; the capacity
+#: cells at B = 256 (UTR, tuned on RT) read them too (tests/test_heldout_disjoint.py)
+HELDOUT = "heldout"
+HELDOUT_DATA = "news-sentences"
+HELDOUT_LABEL = f"0, {HELDOUT_DATA} (held-out data: no tuned cell drew them)"
+HELDOUT_BS = (1, 2, 4)
+#: LAMP at B = 8 (paper 002 Table 1's last LAMP row): seed 0 only, ~8 min of one core a sentence
+LAMP_BS = {FAIR_SEEDS[0]: (1, 2, 4, 8), FAIR_SEEDS[1]: (1, 2, 4)}
 
 
 def fair_baseline_grid() -> list[tuple[str, str, dict]]:
@@ -213,8 +227,11 @@ def fair_baseline_grid() -> list[tuple[str, str, dict]]:
             cells.append(("table1", fair_cell(f"t1/minilm/dager_full_L{DAGER_LAYERS}/B{B}", seed),
                           cell_config("minilm", B, attack="dager", peft="lora", seed=seed, layers=DAGER_LAYERS,
                                       lora_rank=FULL_RANK)))
+    for B in HELDOUT_BS:  # held-out data: the news sentences, DAGER's tuned seed and tolerances
+        cells.append(("table1", fair_cell(f"t1/minilm/dager_lora_L{DAGER_LAYERS}/B{B}", HELDOUT),
+                      cell_config("minilm", B, attack="dager", peft="lora", layers=DAGER_LAYERS, data=HELDOUT_DATA)))
     for seed in FAIR_SEEDS:
-        for B in (1, 2, 4):
+        for B in LAMP_BS[seed]:
             if (seed, B) != (FAIR_SEEDS[0], 1):  # the Table 1 cell (2 trials) above
                 cells.append(("table1", fair_cell(f"t1/minilm/lamp/B{B}", seed),
                               cell_config("minilm", B, attack="lamp", seed=seed)))
@@ -337,20 +354,22 @@ def fair_section(by: dict) -> str:
             nulls[key] = text_null_setting(cfg, {})
         return nulls[key]
 
+    in_grid = {cid for _, cid, _ in fair_baseline_grid()} | {"t1/minilm/lamp/B1"}  # + the 2-trial Table 1 cell
     table, missing, legacy = [], set(), False
     for meth, key, bs in ((f"{DAGER_OURS} (LoRA q+k rank 128, {DAGER_LAYERS} layers)",
                            f"dager_lora_L{DAGER_LAYERS}", (1, 2, 4, 8)),
                           (f"{DAGER_OURS}, full-rank (LoRA q+k rank {FULL_RANK} = d, {DAGER_LAYERS} layers)",
                            f"dager_full_L{DAGER_LAYERS}", (1, 2, 4, 8)),
                           ("DAGER, 2 layers (2nd check on the last layer)", "dager_lora", (1, 2, 4, 8)),
-                          ("LAMP (its schedule, SmolLM2 prior)", "lamp", (1, 2, 4))):
+                          ("LAMP (its schedule, SmolLM2 prior)", "lamp", (1, 2, 4, 8))):
         for B in bs:
-            for seed in FAIR_SEEDS:
+            for seed in (*FAIR_SEEDS, HELDOUT):
                 cell = fair_cell(f"t1/minilm/{key}/B{B}", seed)
                 row = by.get(cell)
-                if row is None and key == "dager_lora" and seed != FAIR_SEEDS[0]:
-                    continue  # the 2-layer row is the old Table 1 cell, seed 0 only (the contrast)
-                entry = {"method": meth, "B": B, "seed": f"{seed} ({seed_label(seed)})"}
+                if row is None and cell not in in_grid:
+                    continue  # not a cell of the grid (the 2-layer row: the old Table 1 cell, seed 0 only)
+                entry = {"method": meth, "B": B,
+                         "seed": HELDOUT_LABEL if seed == HELDOUT else f"{seed} ({seed_label(seed)})"}
                 if row is None:
                     missing.add(key.split("_")[0])
                     table.append({**entry, "R1/R2 recall": "not measured (note below)",
@@ -373,8 +392,8 @@ def fair_section(by: dict) -> str:
                               "verified": f"{int(round(ver * trials))}/{n_sent}" if ver is not None else "–",
                               "paper BERT RT": PAPER_T1.get((B, key.split("_")[0]), ("–",))[0],
                               "attack s": _t(row), "command": _command(cell), "revision": revision_label(row)})
-    return ("### Fair baselines (issue 28 item 1): DAGER's span test with our encoder search, LAMP at B = 1, 2, 4 "
-            "(MiniLM, RT)\n\n"
+    return ("### Fair baselines (issue 28 item 1): DAGER's span test with our encoder search, LAMP at B = 1, 2, 4, 8 "
+            "(MiniLM, RT; DAGER also on held-out news sentences)\n\n"
             + FAIR_INTRO + "\n\n" + markdown_table(table, list(table[0])) + "\n\n"
             + (f"*{LEGACY_F1_NOTE}*\n\n" if legacy else "")
             + "".join(f"*{FAIR_NOT_MEASURED[k]}*\n\n" for k in sorted(missing) if k in FAIR_NOT_MEASURED)
@@ -383,11 +402,9 @@ def fair_section(by: dict) -> str:
 
 #: why a fair-baseline cell has no stored result (what was observed when it was tried)
 FAIR_NOT_MEASURED = {
-    "lamp": "LAMP B >= 2 and its seed-4242 B = 1: not measured. LAMP's schedule took 477 s of one core for one "
-            "B = 1 batch (more at B >= 2: every sentence gets its own 200 rearrangements per discrete step); the "
-            "shared 2-core machine of issue 28's session (load 13-25) gave each job ~5-8 % of a core -- "
-            "`t1/minilm/lamp/B2` had 250 s of CPU after 53 min and was stopped unfinished to leave the cores to "
-            "the DAGER cells. Run the commands on a quiet machine (~10-30 min a cell).",
+    "lamp": "LAMP cells marked not measured have no stored row: LAMP's schedule costs ~8 min of one core a sentence "
+            "(B = 4 took 1,070-1,120 s; every sentence gets its own 200 rearrangements per discrete step), so B = 8 is "
+            "about an hour of one core. Run the row's command on a quiet machine.",
     "dager": "DAGER cells marked not measured were started but stopped unfinished when issue 28's session ended: on "
              "the shared machine a B = 4 cell took ~50 min of wall time (attack 2,800-3,000 s; the encoder search has "
              "no time budget under DAGER), so the seed-4242 B = 4 cells and full-rank B = 8 did not finish."}
@@ -402,10 +419,12 @@ FAIR_INTRO = (
     f"{DAGER_LAYERS} layers (`model.layers = {DAGER_LAYERS}`), so the second check (layer 1) is not the last layer "
     "of the [CLS] classifier; span tolerances 1e-3 (tuned on seed 0; seed 4242 is a new seed on the same sentences, "
     "not held-out data), the encoder sentence search of `gradleak.attacks.common.encoder_search` with layer 1's "
-    "query input as the probe (our search, not DAGER's). "
+    f"query input as the probe (our search, not DAGER's). The rows marked `{HELDOUT_LABEL}` run the tuned seed and "
+    f"tolerances on another corpus, the {HELDOUT_DATA} (`data.name={HELDOUT_DATA}`): held-out data, no tuned cell drew "
+    "any of them (`tests/test_heldout_disjoint.py`). "
     "Recall is the paper's metric; the F1 column is the project's batch-level ROUGE F1 (`rouge1_f1` / `rouge2_f1`, "
     "`gradleak.metrics.text.rouge_f1_scores`, the audit's headline for text) beside its null: ROUGE F1 of as many "
-    "random RT sentences no client holds, matched the "
+    "random sentences of the cell's own corpus (RT; news for the held-out rows) that no client holds, matched the "
     "same way (1000 draws, `benchmarks/nulls.py`; LAMP B = 1 seed 0 averages 2 batches, its null is the first "
     "batch's). `verified` = sentences the span check proves. LAMP grants lengths and labels (its threat model). "
     "Wall times on a shared 2-core machine (several jobs at once).")
@@ -420,7 +439,8 @@ def fair_verdict(by: dict) -> str:
     d6 = [r1(fair_cell(f"t1/minilm/dager_lora_L{DAGER_LAYERS}/B2", s)) for s in FAIR_SEEDS]
     d2 = r1("t1/minilm/dager_lora/B2")
     df = [r1(fair_cell(f"t1/minilm/dager_full_L{DAGER_LAYERS}/B2", s)) for s in FAIR_SEEDS]
-    lamp = {B: [r1(fair_cell(f"t1/minilm/lamp/B{B}", s)) for s in FAIR_SEEDS] for B in (1, 2, 4)}
+    lamp = {B: [r1(fair_cell(f"t1/minilm/lamp/B{B}", s)) for s in FAIR_SEEDS if B in LAMP_BS[s]] for B in (1, 2, 4, 8)}
+    held = [r1(fair_cell(f"t1/minilm/dager_lora_L{DAGER_LAYERS}/B{B}", HELDOUT)) for B in HELDOUT_BS]
     if any(v is None for v in d6 + df) or d2 is None:
         return "**Verdict:** not all DAGER B = 2 cells are measured; no conclusion."
     holds = all(v >= 90 for v in d6 + df)
@@ -433,7 +453,9 @@ def fair_verdict(by: dict) -> str:
             f"{FAIR_SEEDS[1]}) -- not on a 2-layer [CLS] classifier ({d2:.1f}), and it is not applicable on an "
             "adapters-only upload (no attention-layer gradient: UTR's point, a 'cannot run', not a 0). LAMP at its "
             f"schedule: ROUGE-1 {fmt(lamp[1])} at B = 1 (paper 31.4); B = 2: {fmt(lamp[2])}, B = 4: "
-            f"{fmt(lamp[4])} (paper 11.2, 6.3).")
+            f"{fmt(lamp[4])}, B = 8: {fmt(lamp[8])} (paper 11.2, 6.3, 6.8). On held-out data ({HELDOUT_DATA}, the "
+            f"tuned seed and tolerances) the same DAGER rows give ROUGE-1 {fmt(held)} at B = "
+            f"{', '.join(map(str, HELDOUT_BS))}.")
 
 
 def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None:

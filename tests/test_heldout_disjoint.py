@@ -182,6 +182,26 @@ def test_utr_seed4242_is_a_new_seed_on_the_same_sentences_and_labelled_so(utr_ce
     assert u.SEED_NOTE in doc and doc.count("4242 (new seed, same sentences: not held-out data)") >= 20
 
 
+def test_utr_heldout_dager_cells_draw_no_sentence_a_tuned_cell_draws(utr_cells):
+    """DAGER's held-out rows (``utr.HELDOUT``) run the tuned seed and span tolerances on the news sentences: no tuned
+    cell (seed 0 on RT, where the extended search and the tolerances were tuned) draws any of their sentences; the only
+    other cells that read a news sentence are the B = 256 capacity cells (UTR, tuned on RT)."""
+    u, cells = utr_cells
+    held = {cid: s for cid, (_, _, s) in cells.items() if cid.endswith(f"/{u.HELDOUT}")}
+    assert sorted(held) == [f"t1/minilm/dager_lora_L{u.DAGER_LAYERS}/B{B}/{u.HELDOUT}" for B in u.HELDOUT_BS]
+    assert {cells[cid][:2] for cid in held} == {(0, u.HELDOUT_DATA)}
+    assert all(len(s) == int(cid.split("/B")[1].split("/")[0]) for cid, s in held.items())
+    every = set().union(*held.values())
+    tuned = set().union(*(s for seed, data, s in cells.values() if seed == 0 and data == "rt-sentences"))
+    assert tuned and not every & tuned
+    others = {cid for cid, (_, _, s) in cells.items() if cid not in held and s & every}
+    assert others <= {cid for cid in cells if cid.startswith("cap/") and cid.endswith("/B256")}
+    assert all(cells[cid][1] == u.HELDOUT_DATA for cid in others)
+    # the label says held-out data only where the data is held out
+    assert "held-out data" in u.HELDOUT_LABEL and u.HELDOUT_DATA in u.HELDOUT_LABEL
+    assert u.fair_cell("t1/minilm/x/B4", u.HELDOUT) == "t1/minilm/x/B4/heldout"
+
+
 def _projres_draw(raw: dict, overrides: list[str], cfg) -> dict[str, set]:
     """A ProjRes cell's members (``client_samples``), non-member candidates (``TextData.nonmembers``), test and
     min-max reference quotes, and FISGuard's public set as ``FISGuard.apply`` draws it (``(set name, sentence)``)."""
