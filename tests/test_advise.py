@@ -771,6 +771,14 @@ def test_a_budget_spent_during_the_checks_holds_back_those_not_started(tmp_path,
     assert topk["levels"] == {"utr": "none", "dlg": "not checked: the budget was spent"}
     assert "weak end" in topk["note"] and "[0.5, 0.5]" not in topk["note"]  # stops at its weak end
     assert adv["ranking"] == ["gaussian_noise"] and clock[0] == 120.0  # the held-back check never ran
+    # nor did the held-back candidate's utility run (never recommended: its cost is not needed); the others ran
+    def pruned(raw):
+        return any(d["name"] == "topk_pruning" for d in raw.get("defenses") or [])
+
+    assert not any(pruned(raw) for raw in fake_utility) and len(fake_utility) == 2  # the baseline, gaussian_noise
+    assert "accuracy" not in topk and "budget was spent" in topk["utility_note"] and "utility_error" not in topk
+    assert noise["accuracy"] is not None
     clock[0] = 0.0
-    adv = mod.advise(TEXT, tmp_path, LEAKS, **kw)  # resumed: only the held-back check runs
+    adv = mod.advise(TEXT, tmp_path, LEAKS, **kw)  # resumed: only the held-back check runs, and topk's utility run
     assert clock[0] == 10.0 and all(r["status"] == "stopped" and "unverified" not in r for r in adv["rows"])
+    assert [pruned(raw) for raw in fake_utility[2:]] == [True] and adv["rows"][1]["accuracy"] is not None

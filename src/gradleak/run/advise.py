@@ -374,6 +374,25 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         if " cells: " not in msg:
             log(msg)
 
+    checking: dict[str, tuple[dict, Any]] = {}  # candidate -> (spec, strength) of its check now asked
+    held_checks: set[str] = set()  # candidates whose check against every tested attack the budget held back
+
+    def hold(cell) -> bool:
+        """Once the budget is spent the cell loop holds back (never starts) every probe not yet started, and the
+        utility run of a candidate whose check it held back or whose strength ended unverified: such a strength is
+        never recommended, so its cost is not needed (a rerun with a larger budget measures both). The baseline's
+        utility run and those of candidates that can be recommended always run."""
+        if not over_budget():
+            return False
+        cid = cell.info[0]
+        if cell.fn is _probe_job:
+            cand = cid.split(":", 1)[0]
+            if cand in checking:  # this candidate's probe now asked is its check
+                held_checks.add(cand)
+            return True
+        cand = cid.split(":")[1]  # utility:<candidate>:<param>=<value>
+        return cand in held_checks or any(r.get("unverified") for r in advice["rows"] if r["defense"] == cand)
+
     def run_batch(jobs: list[tuple]) -> list[dict]:
         """Probes (``utility=False``) or utility runs (``True``) as cells, in parallel under ``executor``; each
         cell's id holds its config's hash: a changed config (or a changed candidate) is a new cell. A probe job may
@@ -405,8 +424,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                 f"{a} {lv}" for a, lv in _levels(r, ran_here).items())
 
         latest = run_cells(cells, jsonl, row, label="advise", log=quiet, describe=describe,
-                           executor=executor if len(cells) > 1 else "inline", workers=workers,
-                           skip=lambda c: c.fn is _probe_job and over_budget())  # utility runs always run
+                           executor=executor if len(cells) > 1 else "inline", workers=workers, skip=hold)
         rows = [latest[c.id] for c in cells]
         for c, r in zip(cells, rows):
             (advice["utility"] if names[c.id].startswith("utility:") else advice["probes"])[names[c.id]] = r
@@ -577,8 +595,6 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         return [(f"utility:{key(spec)}:{spec['param']}={fmt(row['strength'])}",
                  defended_config(base, spec, row["strength"]), True)]
 
-    checking: dict[str, tuple[dict, Any]] = {}  # candidate -> (spec, strength) of its check now asked
-
     def heavy(job: tuple) -> bool:
         """A probe beyond the screen (a check against every tested attack: the optimisation attacks' minutes)."""
         return not set(job[3] if len(job) > 3 and job[3] else tested) <= set(screen)
@@ -746,6 +762,10 @@ def measure_utility(base: dict, found: list[tuple[dict, dict]], advice: dict, ru
                        defended_config(base, spec, r["strength"]), True) for r, spec in found]) if found else []
     b = advice["baseline"].get("accuracy")
     for (r, spec), u in zip(found, runs):
+        if held_back(u):  # the budget was spent and the strength is unverified (never recommended): not measured
+            r["utility_note"] = ("accuracy not measured: the budget was spent and this strength was not checked "
+                                 "against every tested attack")
+            continue
         if "error" in u:
             r["utility_error"] = u["error"]
             continue
