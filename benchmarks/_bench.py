@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-from gradleak.run.results import latest_by_cell  # noqa: E402
+from gradleak.run.results import history_path, latest_by_cell, supersede_rows  # noqa: E402
 
 REFERENCE_OUT = ROOT / "benchmarks" / "out"
 DOCS = ROOT / "docs" / "REPRODUCTION.md"
@@ -145,8 +145,13 @@ def run_cells(jsonl: Path, cells: Iterable[tuple[dict, Callable[..., Any], tuple
         return r
 
     jobs = [Cell(r[key], job, tuple(args), r) for r, job, args in cells]
-    return cell_loop(jobs, jsonl, row, redo=redo, key=key, label=label,
-                     describe=lambda r: messages.get(r[key], "done"), log=lambda m: print(m, flush=True))
+    try:
+        return cell_loop(jobs, jsonl, row, redo=redo, key=key, label=label,
+                         describe=lambda r: messages.get(r[key], "done"), log=lambda m: print(m, flush=True))
+    finally:  # issue 41: a rerun replaces its cell's row; the superseded rows are the history, kept beside
+        moved = supersede_rows(jsonl, key)
+        if moved:
+            print(f"{moved} superseded row(s) moved to {display(history_path(jsonl))}", flush=True)
 
 
 def start_fresh(jsonl: Path) -> None:

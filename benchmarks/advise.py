@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import json
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import (REVISION_NOTE, ROOT, add_out_args, display, fmt_num, latest_rows, resolve_out, revision_label,  # noqa: E402
                     run_cells, start_fresh, write_section)
 from gradleak.report.markdown import markdown_table  # noqa: E402
-from gradleak.run.results import write_json_atomic  # noqa: E402
+from gradleak.run.results import history_path, read_jsonl, write_json_atomic  # noqa: E402
 
 CONFIGS = {"text_adapters": ("configs/audit/text_adapters.yaml", None),
            "vit_lora": ("configs/audit/vit_lora.yaml", ["lora_span"]),
@@ -192,10 +191,10 @@ def report(out: Path, args) -> int:
 
 def before_after(jsonl: Path, rows: list[dict]) -> list[str]:
     """Per cell measured again (``--redo``): the strengths found by the earlier measurement of the same cell on the
-    same config beside the latest (the JSONL keeps every row), with each one's revision where the row carries it."""
+    same config beside the latest (the superseded rows are kept in ``advise.history.jsonl``, the latest in the JSONL:
+    :func:`gradleak.run.results.supersede_rows`), with each one's revision where the row carries it."""
     history: dict[str, list[dict]] = {}
-    for line in jsonl.read_text().splitlines():
-        r = json.loads(line)
+    for r in read_jsonl(history_path(jsonl)) + read_jsonl(jsonl):
         if "error" not in r and r.get("config_sha") == config_sha(r.get("config", "")):
             history.setdefault(r["cell"], []).append(r)
     out = []

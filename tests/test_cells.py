@@ -196,3 +196,52 @@ def test_published_jsonl_rows_have_the_loop_key(name):
     key = "arm" if name == "flower_utility" else "cell"
     rows = _rows(BENCHMARKS / "out" / f"{name}.jsonl")
     assert rows and all(key in r for r in rows) and done_cells(BENCHMARKS / "out" / f"{name}.jsonl", key)
+
+
+def test_a_rerun_replaces_its_cells_row_and_the_superseded_rows_are_kept_as_history(tmp_path):
+    """Issue 41: the JSONL keeps one row per cell, the latest, in the order the cells first appear (what the reports
+    read is unchanged); earlier runs and failed tries move to ``<name>.history.jsonl`` in their order. The benchmarks'
+    row helper does it after every run (``--rerun`` included)."""
+    from gradleak.run.results import append_jsonl, history_path, latest_by_cell, supersede_rows
+
+    j = tmp_path / "b.jsonl"
+    for r in ({"cell": "a", "v": 1}, {"cell": "b", "error": "x"}, {"cell": "a", "v": 2}, {"note": "no cell"},
+              {"cell": "c", "v": 5}, {"cell": "b", "v": 3}):
+        append_jsonl(j, r)
+    before = latest_by_cell(j)
+    assert supersede_rows(j) == 3
+    assert _rows(j) == [{"cell": "a", "v": 2}, {"cell": "b", "v": 3}, {"cell": "c", "v": 5}]
+    assert latest_by_cell(j) == before and list(latest_by_cell(j)) == list(before)
+    assert history_path(j) == tmp_path / "b.history.jsonl"
+    assert _rows(history_path(j)) == [{"cell": "a", "v": 1}, {"cell": "b", "error": "x"}, {"note": "no cell"}]
+    assert supersede_rows(j) == 0 and supersede_rows(tmp_path / "none.jsonl") == 0  # idempotent; no file, no-op
+    append_jsonl(j, {"cell": "a", "v": 9})
+    assert supersede_rows(j) == 1 and _rows(history_path(j))[-1] == {"cell": "a", "v": 2}  # appended, in order
+    assert [r["v"] for r in _rows(j)] == [9, 3, 5]
+
+    # the benchmarks' helper: a --rerun leaves one row per cell, the old one in the history
+    import sys
+    sys.path.insert(0, str(BENCHMARKS))
+    from _bench import run_cells as bench_cells
+
+    k = tmp_path / "bench.jsonl"
+    cells = [({"cell": "x"}, lambda: 1, ()), ({"cell": "y"}, lambda: 2, ())]
+    bench_cells(k, cells, lambda res, row: row.update(v=res) or "ok", label="t", wall_seconds=False)
+    bench_cells(k, cells[:1], lambda res, row: row.update(v=10 * res) or "ok", label="t", redo=True,
+                wall_seconds=False)
+    assert _rows(k) == [{"cell": "x", "v": 10}, {"cell": "y", "v": 2}]
+    assert _rows(history_path(k)) == [{"cell": "x", "v": 1}]
+
+
+def test_processes_sharing_a_jsonl_lose_no_row(tmp_path):
+    """``append_jsonl`` rewrites the file under ``jsonl_lock``: two processes appending to one JSONL at once (a lane
+    split over ``--part`` processes) keep every row."""
+    import subprocess
+    import sys
+
+    j = tmp_path / "shared.jsonl"
+    code = ("import sys\nfrom gradleak.run.results import append_jsonl\n"
+            "for i in range(400):\n    append_jsonl(sys.argv[1], {'cell': sys.argv[2] + str(i)})\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(j), tag]) for tag in ("p", "q")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert sorted(r["cell"] for r in _rows(j)) == sorted(f"{t}{i}" for t in "pq" for i in range(400))

@@ -3,11 +3,12 @@ appends to a JSONL and reads back the latest row of every cell."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def environment() -> dict[str, Any]:
@@ -59,22 +60,94 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def append_jsonl(path: str | Path, obj: Any) -> None:
-    """Append one line atomically (single write + fsync of a line shorter than the pipe buffer is not
-    guaranteed atomic, so we rewrite the file through a temp file: an interrupted write loses nothing)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    old = path.read_text() if path.exists() else ""
-    if old and not old.endswith("\n"):
-        old = old.rsplit("\n", 1)[0] + "\n" if "\n" in old else ""
+@contextlib.contextmanager
+def jsonl_lock(path: str | Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the JSONL's folder while the JSONL is read and rewritten: processes that share
+    one JSONL (a benchmark lane split over ``--part`` processes) never rewrite it over each other's rows. The folder
+    is locked, not a lock file, so no file is left beside the results. A platform without ``fcntl`` gets no lock
+    (one process per JSONL there)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover -- not POSIX
+        yield
+        return
+    folder = Path(path).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _rewrite(path: Path, text: str) -> None:
     from gradleak.report.images import new_private_file
 
     fd, tmp = new_private_file(path)  # owner-only, as write_json_atomic
     with os.fdopen(fd, "w") as f:
-        f.write(old + json.dumps(obj, default=_default) + "\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def append_jsonl(path: str | Path, obj: Any) -> None:
+    """Append one line atomically (single write + fsync of a line shorter than the pipe buffer is not
+    guaranteed atomic, so we rewrite the file through a temp file: an interrupted write loses nothing), under
+    :func:`jsonl_lock`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with jsonl_lock(path):
+        old = path.read_text() if path.exists() else ""
+        if old and not old.endswith("\n"):
+            old = old.rsplit("\n", 1)[0] + "\n" if "\n" in old else ""
+        _rewrite(path, old + json.dumps(obj, default=_default) + "\n")
+
+
+def history_path(path: str | Path) -> Path:
+    """Where :func:`supersede_rows` keeps the rows a JSONL's reruns superseded: ``<name>.history.jsonl``."""
+    path = Path(path)
+    return path.with_name(path.name[:-len(".jsonl")] + ".history.jsonl" if path.name.endswith(".jsonl")
+                          else path.name + ".history")
+
+
+def supersede_rows(path: str | Path, key: str = "cell") -> int:
+    """A rerun of a cell replaces its row: ``path`` keeps the latest row of every cell, in the order the cells first
+    appear (what :func:`latest_by_cell` reads, unchanged), and every row it superseded (an earlier run, a failed try)
+    or that names no cell moves to :func:`history_path`, appended in its order (the tuning history, kept). Returns how
+    many rows moved; a JSONL with one row per cell is left untouched."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    with jsonl_lock(path):
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        latest: dict[str, int] = {}
+        rows = []
+        for i, ln in enumerate(lines):
+            try:
+                r = json.loads(ln)
+            except json.JSONDecodeError:
+                r = None
+            rows.append(r)
+            if isinstance(r, dict) and key in r:
+                latest[str(r[key])] = i
+        first: dict[str, int] = {}
+        for i, r in enumerate(rows):
+            if isinstance(r, dict) and key in r:
+                first.setdefault(str(r[key]), i)
+        keep = [latest[c] for c in sorted(first, key=first.get)]
+        kept = set(keep)
+        moved = [ln for i, ln in enumerate(lines) if i not in kept]
+        if not moved:
+            return 0
+        hist = history_path(path)
+        old = hist.read_text() if hist.exists() else ""
+        if old and not old.endswith("\n"):
+            old += "\n"
+        _rewrite(hist, old + "".join(ln + "\n" for ln in moved))  # the history first: a kill between loses no row
+        _rewrite(path, "".join(lines[i] + "\n" for i in keep))
+        return len(moved)
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
