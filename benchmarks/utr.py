@@ -825,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="reduced grid (~15 min on 2 loaded CPU cores)")
     ap.add_argument("--only", default="", help=f"comma list of {','.join(GROUPS)}")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
-    ap.add_argument("--cells", default="", help="glob over cell ids, e.g. 't1/minilm/lamp*/*' (with --only)")
+    ap.add_argument("--cells", default="", help="comma-separated globs over cell ids, e.g. 't1/minilm/lamp*/*' (with --only)")
     ap.add_argument("--rerun", action="store_true", help="recompute the selected cells even when finished (a new "
                     "line each; the latest line of a cell is the one reported)")
     add_out_args(ap, "utr")
@@ -847,7 +847,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cells:
             from fnmatch import fnmatch
 
-            sel = [c for c in sel if fnmatch(c[1], args.cells)]
+            pats = [g for g in args.cells.split(",") if g]
+            sel = [c for c in sel if any(fnmatch(c[1], g) for g in pats)]
 
         def fill(res: dict, row: dict) -> str:
             row.update(metrics=res["metrics"], timings=res["timings"], warnings=res["details"].get("warnings", []))
