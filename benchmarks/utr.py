@@ -826,8 +826,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help=f"comma list of {','.join(GROUPS)}")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     ap.add_argument("--cells", default="", help="comma-separated globs over cell ids, e.g. 't1/minilm/lamp*/*' (with --only)")
-    ap.add_argument("--rerun", action="store_true", help="recompute the selected cells even when finished (a new "
-                    "line each; the latest line of a cell is the one reported)")
+    ap.add_argument("--rerun", action="store_true", help="recompute the selected cells even when finished (the new "
+                    "row replaces the cell's row; the old one moves to utr.history.jsonl)")
     add_out_args(ap, "utr")
     args = ap.parse_args(argv)
     args.out = resolve_out(args.out)
