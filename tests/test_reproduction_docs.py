@@ -196,3 +196,29 @@ def test_holm_adjusts_a_family_step_down_and_never_below_the_raw_p():
     assert holm({"x": 0.02}) == {"x": 0.02} and holm({}) == {}
     assert holm({"a": 0.4, "b": 0.6}) == pytest.approx({"a": 0.8, "b": 0.8})  # monotone: b never below a
     assert holm({"a": 0.6, "b": 0.7}) == {"a": 1.0, "b": 1.0}
+
+
+def test_the_best_of_k_runs_null_is_each_victims_null_maxed_and_the_trivial_bar_counts():
+    """The LoRA-ViT optimisation rows grade the best of k B = 1 runs, each seed its own victim: their null is, per
+    draw, the best over the k victims' own null draws, and the PSNR bar is also the trivial images' best over them
+    (the audit's best-image rule). k = 1 is the audit's null of that one victim."""
+    import numpy as np
+
+    from gradleak.evaluation.nulls import image_null, reference_images
+
+    n = _module("nulls")
+    cmd = ("gradleak run configs/lora_vit/cifar_b1.yaml --out D --set attack.name=ig --set attack.anchor=false "
+           "--set data.seed=0 --set seed=0")
+    one = n.best_of_runs_null(cmd, 1, {"psnr": 30.0, "ssim": 0.5})
+    x, pool, _ = n._image_pool(n.config_from_command(cmd))
+    own = image_null(x, pool, n=1, match="hungarian", draws=n.DRAWS, seed=17)
+    assert one["psnr"]["null_p99"] == pytest.approx(float(np.quantile(own["psnr_max"], 0.99)))
+    ref = reference_images(x, pool)
+    assert one["psnr"]["trivial_bar"] == pytest.approx(max(ref[f"psnr_max_{r}"] for r in ("grey", "flat", "mean_public")))
+    three = n.best_of_runs_null(cmd, 3, {"psnr": 30.0, "ssim": 0.5})
+    assert three["psnr"]["null_p99"] >= one["psnr"]["null_p99"] and three["psnr"]["trivial_bar"] >= one["psnr"]["trivial_bar"]
+    assert three["psnr"]["beyond_null"] is True  # 30 dB clears both bars
+    q = three["psnr"]
+    assert q["trivial_bar"] > q["null_p99"]  # on these CIFAR victims a flat image beats the random-image null
+    between = n.best_of_runs_null(cmd, 3, {"psnr": (q["null_p99"] + q["trivial_bar"]) / 2, "ssim": 0.0})
+    assert between["psnr"]["beyond_null"] is False  # above the null but below the trivial images: chance
