@@ -405,9 +405,11 @@ FAIR_NOT_MEASURED = {
     "lamp": "LAMP cells marked not measured have no stored row: LAMP's schedule costs ~8 min of one core a sentence "
             "(B = 4 took 1,070-1,120 s; every sentence gets its own 200 rearrangements per discrete step), so B = 8 is "
             "about an hour of one core. Run the row's command on a quiet machine.",
-    "dager": "DAGER cells marked not measured were started but stopped unfinished when issue 28's session ended: on "
-             "the shared machine a B = 4 cell took ~50 min of wall time (attack 2,800-3,000 s; the encoder search has "
-             "no time budget under DAGER), so the seed-4242 B = 4 cells and full-rank B = 8 did not finish."}
+    "dager": "DAGER cells marked not measured have no stored row. The seed-4242 B = 4 cells were started but stopped "
+             "unfinished when issue 28's session ended: on the shared machine a B = 4 cell took ~50 min of wall time "
+             "(attack 2,800-3,000 s; the encoder search has no time budget under DAGER). Full-rank B = 8 (seed 0) was "
+             "run on 2026-12-05 and killed by the kernel for memory: 22.4 GB resident on the 24 GiB machine, before "
+             "it wrote a row; it needs a machine with more memory (its command above)."}
 
 FAIR_INTRO = (
     "DAGER (Petrov et al. 2024) filters tokens by span membership of each (token, position) embedding in the first "
