@@ -181,13 +181,16 @@ def test_the_benchmarks_row_helper(tmp_path, monkeypatch):
     latest = _bench.run_cells(jsonl, cells, fill, label="t")
     assert list(latest["p"]) == ["cell", "table", "metrics", "wall_seconds"]
     assert list(latest["n"]) == ["cell", "table", "error", "wall_seconds"] and latest["n"]["error"] == "ValueError: negative"
-    rows = _rows(jsonl)
-    assert [r["cell"] for r in rows] == ["p", "n", "n"]  # n retried once in the run
+    from gradleak.run.results import history_path
+
+    # n retried once in the run: its first try is superseded (kept in the history), one row per cell stays
+    assert [r["cell"] for r in _rows(jsonl)] == ["p", "n"] and [r["cell"] for r in _rows(history_path(jsonl))] == ["n"]
     latest = _bench.run_cells(jsonl, cells, fill, label="t", wall_seconds=False,
                               error_fields={"metrics": {"rouge1": 0.0}, "timings": {}})
     assert latest["n"] == {"cell": "n", "table": "t", "error": "ValueError: negative", "metrics": {"rouge1": 0.0},
                            "timings": {}}
-    assert len(_rows(jsonl)) == 5  # p was done: not rerun
+    assert [r["cell"] for r in _rows(jsonl)] == ["p", "n"] and _rows(jsonl)[1] == latest["n"]
+    assert len(_rows(history_path(jsonl))) == 3  # p was done: not rerun; n's three earlier tries
 
 
 @pytest.mark.parametrize("name", ["leakage", "peftleak", "projres", "utr", "lora_vit", "flower_dp", "flower_utility"])

@@ -91,5 +91,8 @@ def test_dager_cells_keep_the_layers_dager_needs(monkeypatch):
     from gradleak.attacks.dager import CHECKED_LAYERS
 
     dager = [(c, raw) for _, c, raw in utr.fair_baseline_grid() if raw["attack"]["name"] == "dager"]
-    assert len(dager) == 16 and all(raw["model"]["layers"] > CHECKED_LAYERS[1] + 1 for _, raw in dager)
+    # 2 seeds x (rank 128, full rank) x B = 1, 2, 4, 8, and the held-out rows (the news sentences, tuned seed)
+    assert len(dager) == 16 + len(utr.HELDOUT_BS) and all(raw["model"]["layers"] > CHECKED_LAYERS[1] + 1
+                                                           for _, raw in dager)
     assert {raw["seed"] for _, raw in dager} == set(utr.FAIR_SEEDS) and len(utr.FAIR_SEEDS) == 2
+    assert {raw["data"]["name"] for c, raw in dager if c.endswith("/heldout")} == {utr.HELDOUT_DATA}
