@@ -403,8 +403,9 @@ def fair_section(by: dict) -> str:
 #: why a fair-baseline cell has no stored result (what was observed when it was tried)
 FAIR_NOT_MEASURED = {
     "lamp": "LAMP cells marked not measured have no stored row: LAMP's schedule costs ~8 min of one core a sentence "
-            "(B = 4 took 1,070-1,120 s; every sentence gets its own 200 rearrangements per discrete step), so B = 8 is "
-            "about an hour of one core. Run the row's command on a quiet machine.",
+            "(B = 4 took 1,070-1,120 s; every sentence gets its own 200 rearrangements per discrete step). B = 8 was "
+            "run on 2026-12-05 with 2 torch threads beside other jobs and stopped unfinished at the session's end "
+            "after 134 min (137 CPU-minutes). Run the row's command on a quiet machine (`--threads 1`).",
     "dager": "DAGER cells marked not measured have no stored row. The seed-4242 B = 4 cells were started but stopped "
              "unfinished when issue 28's session ended: on the shared machine a B = 4 cell took ~50 min of wall time "
              "(attack 2,800-3,000 s; the encoder search has no time budget under DAGER). Full-rank B = 8 (seed 0) was "
