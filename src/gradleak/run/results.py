@@ -122,21 +122,15 @@ def supersede_rows(path: str | Path, key: str = "cell") -> int:
         return 0
     with jsonl_lock(path):
         lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        latest: dict[str, int] = {}
-        rows = []
+        latest: dict[str, int] = {}  # cell -> its last line; the dict keeps the order the cells first appear
         for i, ln in enumerate(lines):
             try:
                 r = json.loads(ln)
             except json.JSONDecodeError:
-                r = None
-            rows.append(r)
+                continue
             if isinstance(r, dict) and key in r:
                 latest[str(r[key])] = i
-        first: dict[str, int] = {}
-        for i, r in enumerate(rows):
-            if isinstance(r, dict) and key in r:
-                first.setdefault(str(r[key]), i)
-        keep = [latest[c] for c in sorted(first, key=first.get)]
+        keep = list(latest.values())
         kept = set(keep)
         moved = [ln for i, ln in enumerate(lines) if i not in kept]
         if not moved:
