@@ -593,8 +593,43 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
     bn = [r for r in rows if r["cell"].startswith("bn/")]
     if bn:
         parts.append(_bottleneck_section(bn, out))
-    parts.append(NOTES)
+    parts.append(NOTES.replace("<PER_TENSOR>", per_tensor_note(out)))
     write_section(args, "utr", "\n\n".join(parts), "UTR — text reconstruction from adapter gradients (paper 002)", "utr")
+
+
+def per_tensor_note(out: Path) -> str:
+    """What per-tensor top-k pruning does to UTR, from the rows that measure it (``<out>/defended.jsonl``, written
+    by ``benchmarks/defended.py``; issue 57: the note once called it not measured)."""
+    import re
+
+    from _bench import fmt_num
+
+    path = out / "defended.jsonl"
+    rows = [r for r in latest_rows(path) if "error" not in r and r.get("part") == "text"] if path.exists() else []
+    cells = []
+    for r in rows:
+        m = re.search(r"topk([0-9.]+)-per_tensor-(aware|plain)", r["cell"])
+        if m:
+            cells.append((float(m.group(1)), m.group(2), r))
+    if not cells:
+        return "Per-tensor top-k: no row in `benchmarks/out/defended.jsonl` yet (`benchmarks/defended.py` measures it)."
+    leaks = lambda rs: sum(r.get("level") in ("partial", "strong", "exact") for r in rs)  # noqa: E731
+    aware = [r for _, v, r in cells if v == "aware"]
+    plain = [r for _, v, r in cells if v == "plain"]
+    recall = [r["metrics"].get("word_bag_recall") for r in aware if r["metrics"].get("word_bag_recall") is not None]
+    rouge = [r["metrics"].get("rouge1_f1") for _, _, r in cells if r["metrics"].get("rouge1_f1") is not None]
+    exact = sum(r["metrics"].get("sentences_exact") or 0 for _, _, r in cells)
+    models = sorted({r["cell"].split("|")[1] if r["cell"].count("|") > 3 else "minilm-L2" for _, _, r in cells})
+    fr = sorted({f for f, _, _ in cells})
+    return (f"Per-tensor top-k, which prunes each matrix on its own, is measured in the defended section (\"UTR under "
+            f"pruning and DP\", `benchmarks/defended.py`; {len(cells)} cells, top-k {fmt_num(fr[0] * 100, 'g')}-"
+            f"{fmt_num(fr[-1] * 100, 'g')} %, {', '.join(models)}): the sparsity-aware word bag reaches >= partial "
+            f"in {leaks(aware)} of {len(aware)} cells (word-bag recall up to {fmt_num(max(recall, default=None), '.1f')} "
+            f"%), the plain tests in {leaks(plain)} of {len(plain)}; ROUGE-1 F1 is at most "
+            f"{fmt_num(max(rouge, default=None), '.1f')} and {fmt_num(exact, 'g')} sentences are exact in the "
+            f"{len(cells)} cells: per-tensor pruning leaves "
+            + ("part of the word bag readable" if leaks(aware) else "no word bag readable")
+            + (" and no sentence." if not exact else f" and {fmt_num(exact, 'g')} exact sentences."))
 
 
 NOTES = """### Notes
@@ -700,7 +735,7 @@ NOTES = """### Notes
   largest coordinates, which lie outside the embedding adapter's down-projection: at 90 % it keeps 82 of that
   matrix's 73,728 entries (6.9 % of its energy; MiniLM B = 2, seed 0,
   `benchmarks/probes/utr_noise_probe.py`), far below the 35,855 degrees of freedom of its rank-71 row space, so 0/0 at 90 % is what the upload
-  allows; the paper's ~65 needs a pruning that leaves this matrix mostly intact (per-tensor, not measured).
+  allows; the paper's ~65 needs a pruning that leaves this matrix mostly intact. <PER_TENSOR>
 * **LAMP** runs its own schedule (issue 11 item 4): 2000 Adam steps on the embeddings with step decay, the
   per-tensor cosine loss averaged over tensors, an embedding-norm regulariser, the best of 100 random inits,
   200 rearrangements per sentence every 75 steps after a 10 % burn-in (swap, move token, move span, prefix to
