@@ -309,6 +309,8 @@ def conditions(summ: dict) -> dict:
                   if u in pair_differences(s)]
         c["anchored_beyond_null"], c["anchored_runs"] = sum(beyond), len(beyond)
         c["revision"] = revision_label([r for s in ss for r in s["row_revisions"]])
+        c["dirty_runs"] = sum(str(r.get("revision", "")).endswith("+dirty") for s in ss for r in s["row_revisions"])
+        c["runs"] = sum(len(s["row_revisions"]) for s in ss)
         c["per_seed"] = [condition_of(s) + f"/s{s['seed']}" for s in ss]
         out[key] = c
     family = {k: c["psnr"]["p_t"] for k, c in out.items() if c["psnr"]["p_t"] is not None}
@@ -404,6 +406,10 @@ def verdict(conds: dict, summ: dict) -> list[str]:
                    + "; ".join(f"{condition_name(c)} {'holds' if c['psnr']['mean'] > 0 and c['p_holm'] < 0.05 else 'does not hold'}"
                                f" (Δ PSNR {fmt_num(c['psnr']['mean'], '+.2f')} dB, Holm p = {fmt_num(c['p_holm'], '.2g')})"
                                for c in near) + ".")
+    dirty = [f"{condition_name(c)}: {c['dirty_runs']} of {c['runs']} runs" for c in measured.values() if c["dirty_runs"]]
+    if dirty:
+        out.append("Rows written from code in no commit (`+dirty`, issue 57 item 3: to be rerun at a commit) behind: "
+                   + "; ".join(dirty) + ".")
     partial = [f"{condition_name(c)} seed {s['seed']}: {s['pairs']} of {s['cells'] // 2} images"
                for k, c in measured.items() for s in summ.values()
                if condition_of(s) == k and s["pairs"] < s["cells"] // 2]

@@ -125,7 +125,9 @@ def test_paired_statistics_on_a_hand_computed_example(tmp_path):
             ("random", 0, 1): (10.0, 12.0), ("random", 1, 1): (10.0, None),
             ("random", 0, 2): (9.0, 12.0), ("random", 1, 2): (8.0, 11.0),
             ("dinov2", 0, 0): (10.0, 12.0), ("dinov2", 0, 1): (10.0, 14.0)}
-    (tmp_path / "anchor.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _paired_rows(a, spec)))
+    rows = _paired_rows(a, spec)
+    rows[0]["revision"] = "abc1234+dirty"  # one run from uncommitted code: the reading names it
+    (tmp_path / "anchor.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cells = a.grid("g")
     summ = a.summary(cells, tmp_path)
     conds = a.conditions(summ)
@@ -157,6 +159,8 @@ def test_paired_statistics_on_a_hand_computed_example(tmp_path):
             "exact Wilcoxon p = 0.25; 3 of 3 images improve (5 of 5 pairs, seeds 0, 1)") in reading[2]
     assert "At 3 images its smallest two-sided p is 0.25" in reading[3] and "Holm over 2 raises to 0.5" in reading[3]
     assert "IG on random (vit4p8, cpu) seed 1: 2 of 6 images" in " ".join(reading)
+    assert "(`+dirty`, issue 57 item 3: to be rerun at a commit) behind: IG on random (vit4p8, cpu): 1 of 11 runs." \
+        in " ".join(reading)
     md = a.markdown(summ, cells, tmp_path, {})
     assert "| vit4p8 | cpu | random | ig | 0, 1 | 3 (3) | 5 (5) | +2.00 | -0.48 to +4.48 | 0.074 | 0.15 | 0.25 |" in md
 
