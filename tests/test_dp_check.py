@@ -164,6 +164,34 @@ def test_a_broken_local_dp_gaussian_violates_its_claim(broken, monkeypatch):
     assert res["verdict"] == "claim_violated", res["sentence"]
 
 
+def test_noise_skipped_on_one_upload_in_ten_violates_the_claim(monkeypatch):
+    """Every tenth client upload clipped but not noised (canaries included; issue 52): each upload's statistics are a
+    mixture, whose one-spread fit *lowers* ε below the claim; the claim tests (spread, tail) call it violated."""
+    from gradleak.defenses.update import DPGaussian
+
+    real = DPGaussian.apply
+
+    def skip_one_in_ten(self, update, ctx):
+        return self.clip.apply(update, ctx) if ctx["client_id"] % 10 == 0 else real(self, update, ctx)
+
+    monkeypatch.setattr(DPGaussian, "apply", skip_one_in_ten)
+    res = _check(_cfg(defenses=[{"name": "dp_gaussian", "params": {"noise_multiplier": 1.0, "max_norm": 1e-3}}]))
+    assert res["verdict"] == "claim_violated", res["sentence"]
+    each = next(m for m in res["measured"] if m["threat_model"] == "each_upload")
+    assert each["strict_lower"] < res["claimed_epsilon"]  # the fit alone would have read it consistent
+    assert each["tests"]["tail"]["statistic"] == 10 and each["tests"]["tail"]["rejects"]
+    assert each["tests"]["spread"]["rejects"]
+    assert "uploads that escaped the noise" in res["sentence"]
+
+
+def test_the_correct_mechanism_passes_every_claim_test():
+    res = _check(_cfg(defenses=[{"name": "dp_gaussian", "params": {"noise_multiplier": 1.0, "max_norm": 1e-3}}]))
+    assert res["verdict"] == "consistent" and res["tests_alpha"] == 0.01
+    for m in res["measured"]:
+        assert set(m["tests"]) == {"shift", "spread", "tail"} and not any(t["rejects"] for t in m["tests"].values())
+        assert m["tests"]["tail"]["alpha"] == pytest.approx(0.01 / 6)  # 3 tests x 2 distinct statistics
+
+
 def test_central_noise_divided_by_the_client_count_twice_violates_the_claim(monkeypatch):
     from gradleak.defenses.update import DPGaussian, GaussianNoise
 

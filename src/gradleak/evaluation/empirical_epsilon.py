@@ -21,13 +21,24 @@ Here (:func:`estimate`):
   1 − ``alpha``, as the paper's own code reports beside the estimate: an ε that holds without the Gaussian assumption,
   weaker with few canaries (at most about log(k)).
 
+The fit averages away what real DP bugs look like: a mechanism that skips the noise on a fraction of its uploads makes
+the seen statistics a mixture (a few at cosine ≈ 1 among many near 0), whose one-spread fit *lowers* ε, and noise at
+1.5× too small a scale moves the mean by less than the 99.9 % end can see (issue 52). Beside it, :func:`claim_tests`
+(ours) tests the inserted canaries' statistics against what the claim allows -- ``shift`` (the mean against the
+claim's μ), ``spread`` (a Gaussian mechanism only shifts a canary's statistic: a larger spread is a mixture) and
+``tail`` (the count beyond the cosine the claimed (ε, δ) allows, against an exact binomial) -- using that a
+never-inserted canary's cosine has an exactly known distribution (:func:`sphere_tail`); family-wise α = 0.01 over
+every test of a check (:data:`ALPHA`, Bonferroni; :func:`judge`).
+
 :func:`dp_verdict` turns a claimed ε (an accountant's) and the measurement into ``claim_violated`` (the interval's low
-end above the claim: the implementation does not do what its accountant assumes), ``vacuous`` (claimed ε > 10: no
-meaningful guarantee, whatever the measurement) or ``consistent``.
+end above the claim, or a claim test rejecting: the implementation does not do what its accountant assumes),
+``vacuous`` (claimed ε > 10: no meaningful guarantee, whatever the measurement) or ``consistent``.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 from typing import Sequence
 
@@ -198,29 +209,263 @@ def estimate(seen: Sequence[float], unseen: Sequence[float], delta: float, *, se
             "delta": delta, "resamples": int(resamples)}
 
 
-def dp_verdict(claimed: float | None, measured: list[dict]) -> tuple[str, str]:
-    """``claim_violated`` when some measured ε (of a threat model the claim covers) has its interval's low end above
-    ``claimed`` (an infinite low end -- beyond :data:`EPSILON_CAP` -- only against a claim below the cap); else ``vacuous`` when ``claimed`` > :data:`VACUOUS_EPSILON` (or infinite); else ``consistent``.
-    Returns the verdict and the sentence that explains it."""
+# ------------------------------------------------------------------------------------------------ the claim's tests
+#: family-wise false-alarm rate of the claim tests over one check: every test of every distinct threat model, Bonferroni
+ALPHA = 0.01
+#: the tests run on each threat model's statistics (:func:`claim_tests`)
+CLAIM_TESTS = ("shift", "spread", "tail")
+
+
+@functools.lru_cache(maxsize=256)
+def claimed_mu(claimed: float | None, delta: float) -> float:
+    """The μ of the Gaussian mechanism whose exact ε at ``delta`` is ``claimed`` (the inverse of
+    :func:`gaussian_mechanism_epsilon`): the largest separation of the canary statistics, in units of their spread,
+    that the claim allows in the Gaussian-mechanism model. ``inf`` for no claim or an infinite one."""
+    if claimed is None or not math.isfinite(claimed):
+        return math.inf
+    if claimed <= 0:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while gaussian_mechanism_epsilon(hi, delta) < claimed:
+        if hi > 1e4:
+            return math.inf
+        lo, hi = hi, hi * 2
+    for _ in range(80):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if gaussian_mechanism_epsilon(mid, delta) < claimed else (lo, mid)
+        if hi - lo < 1e-9 * hi:
+            break
+    return lo  # the side the claim allows: a test against it is never stricter than the claim
+
+
+def sphere_tail(tau: float, dim: int) -> float:
+    """P(cos(v, w) > ``tau``) for v uniform on the unit sphere of R^dim and any w independent of v: (1 + cos) / 2 is
+    Beta((dim − 1)/2, (dim − 1)/2), so the tail is the regularised incomplete beta I_{(1 − τ)/2}. Exact: the null
+    distribution of a never-inserted canary's cosine (its direction is drawn independently of everything released)."""
+    from scipy.special import betainc
+
+    a = 0.5 * (dim - 1)
+    return float(betainc(a, a, min(max(0.5 * (1.0 - tau), 0.0), 1.0)))
+
+
+def sphere_threshold(log_q: float, dim: int) -> float:
+    """The τ with :func:`sphere_tail` (τ, ``dim``) = exp(``log_q``); 1.0 (no cosine exceeds it) below float range."""
+    from scipy.special import betaincinv
+
+    if log_q < -700:
+        return 1.0
+    a = 0.5 * (dim - 1)
+    return float(1.0 - 2.0 * betaincinv(a, a, math.exp(min(log_q, math.log(0.5)))))
+
+
+def claim_tests(seen: Sequence[float], unseen: Sequence[float], claimed: float | None, delta: float, *, dim: int,
+                maxima: int = 1, alpha: float = ALPHA / 3) -> dict:
+    """Three tests of the canary statistics against what the claimed (ε, δ) allows, each at level ``alpha`` (the
+    caller splits the family-wise :data:`ALPHA` over every test of every distinct threat model, Bonferroni). The
+    one-shot fit (:func:`estimate`) reads one Gaussian per side with one common spread; a mechanism that leaks on a
+    fraction of its uploads makes the seen statistics a *mixture* (a few at cosine ≈ 1 among many near 0), whose
+    common-spread fit *lowers* ε, and noise at the wrong scale moves the mean by less than the fit's 99.9 % bootstrap
+    end can see. These tests look at what the fit averages away (issue 52, item 1):
+
+    * ``shift`` (noise at the wrong scale): H0 μ ≤ μ_claim, μ_claim = :func:`claimed_mu` (the claim read as a
+      Gaussian mechanism, the model of the fit; Andrew et al. Sec. 3, Thm. 3.2). When the statistic is one cosine
+      (``maxima`` = 1) the never-inserted canaries' distribution is known exactly, mean 0 and spread 1/√dim
+      (:func:`sphere_tail`), so the seen canaries are tested alone: T = (mean(√dim · seen) − μ_claim) / (sd / √k),
+      Student's t with k − 1 degrees of freedom at the boundary (a seen spread below 1/√dim, which a correct mechanism
+      has, only makes the pair more separable, so the test stays on the claim's side). For a largest cosine over
+      several rounds the null is not known in closed form: the pooled two-sample t against the noncentral t with
+      2k − 2 degrees of freedom and noncentrality μ_claim / √(1/k_seen + 1/k_unseen).
+    * ``spread`` (a mixture): a Gaussian mechanism only shifts the canary's statistic -- the noise projected on its
+      direction, over the upload's norm, has the spread of a never-inserted canary's cosine or less (cos = (C + X) /
+      ((C + X)² + Y²)^½ with X the noise along the canary, Y across it: its derivative in X is at most 1/Y). H1: the
+      seen statistics spread more. One cosine: (k − 1) · var(√dim · seen) against χ²(k − 1); a largest cosine over
+      rounds: var(seen) / var(unseen) against F(k − 1, k − 1).
+    * ``tail`` (uploads that escape the noise, distribution-free given the exact null): (ε, δ)-DP bounds the chance
+      that a present canary's statistic exceeds any τ by e^ε · P(an absent canary's exceeds τ) + δ (the unseen
+      canaries stand for the absent ones, Andrew et al. Sec. 3), and P(an absent one exceeds τ) ≤ ``maxima`` ·
+      :func:`sphere_tail` (τ) (a union over the rounds a largest cosine is taken over). τ is fixed before looking:
+      e^ε · maxima · sphere_tail(τ) = δ, so each seen canary exceeds it with probability ≤ 2δ under the claim; the
+      count N above τ against Binomial(k, 2δ), exact binomial tail (the canaries' statistics read as independent
+      draws, as the one-shot estimate reads them; exact for each upload under local noise, whose draws are
+      independent).
+
+    Each entry: ``statistic``, ``p_value``, ``alpha``, ``rejects`` and, where one exists, ``threshold`` (the statistic
+    a rejection needs)."""
+    from scipy.special import bdtrc, chdtrc, fdtrc, nctdtr, stdtr, stdtrit
+
+    s, u = np.asarray(seen, float), np.asarray(unseen, float)
+    k, ku = len(s), len(u)
+    mu_c = claimed_mu(claimed, delta)
+    root = math.sqrt(dim)
+    out: dict[str, dict] = {}
+    var_s = float(np.var(s, ddof=1))
+    # shift
+    if not math.isfinite(mu_c):
+        out["shift"] = {"statistic": None, "p_value": 1.0, "note": "no finite claim to test against"}
+    elif maxima == 1:
+        x = s * root
+        sd = math.sqrt(var_s) * root
+        gap = float(np.mean(x)) - mu_c
+        if sd > 0:
+            t = gap / (sd / math.sqrt(k))
+            out["shift"] = {"statistic": t, "p_value": float(stdtr(k - 1, -t)),
+                            "threshold": float(stdtrit(k - 1, 1 - alpha)), "null": "exact: mean 0, spread 1/√dim",
+                            "mu_claim": mu_c, "mu_seen": float(np.mean(x))}
+        else:
+            out["shift"] = {"statistic": math.copysign(math.inf, gap), "p_value": 0.0 if gap > 0 else 1.0,
+                            "mu_claim": mu_c, "mu_seen": float(np.mean(x))}
+    else:
+        sp = math.sqrt(0.5 * (var_s + float(np.var(u, ddof=1)))) if k + ku > 2 else 0.0
+        w = math.sqrt(1.0 / k + 1.0 / ku)
+        gap = float(np.mean(s) - np.mean(u))
+        t = gap / (sp * w) if sp > 0 else math.copysign(math.inf, gap)
+        p = float(1.0 - nctdtr(k + ku - 2, mu_c / w, t)) if math.isfinite(t) else (0.0 if t > 0 else 1.0)
+        out["shift"] = {"statistic": t, "p_value": min(max(p, 0.0), 1.0), "null": "two-sample (largest cosine over "
+                        "rounds)", "mu_claim": mu_c, "mu_seen": gap / sp if sp > 0 else math.inf}
+    # spread
+    if maxima == 1:
+        q = (k - 1) * var_s * dim
+        out["spread"] = {"statistic": q / (k - 1), "p_value": float(chdtrc(k - 1, q)),
+                         "null": "exact: spread 1/√dim (variance ratio against χ²(k − 1) / (k − 1))"}
+    else:
+        var_u = float(np.var(u, ddof=1))
+        f = var_s / var_u if var_u > 0 else (math.inf if var_s > 0 else 1.0)
+        out["spread"] = {"statistic": f, "p_value": float(fdtrc(k - 1, ku - 1, f)) if math.isfinite(f) else 0.0,
+                         "null": "two-sample F (largest cosine over rounds)"}
+    # tail
+    if claimed is None or not math.isfinite(claimed):
+        out["tail"] = {"statistic": None, "p_value": 1.0, "note": "no finite claim to test against"}
+    else:
+        tau = sphere_threshold(math.log(delta) - claimed - math.log(max(maxima, 1)), dim)
+        n = int(np.sum(s > tau))
+        p_tau = min(1.0, 2 * delta)
+        out["tail"] = {"statistic": n, "threshold_cosine": tau, "p_value": float(bdtrc(n - 1, k, p_tau)) if n else 1.0,
+                       "chance_each": p_tau,
+                       "threshold": next(m for m in range(1, k + 2) if m > k or bdtrc(m - 1, k, p_tau) <= alpha)}
+    for v in out.values():
+        v["alpha"] = alpha
+        v["rejects"] = bool(v["p_value"] <= alpha)
+    return out
+
+
+TEST_WORDS = {"shift": "its mean sits further from the never-inserted canaries' than the claimed noise allows "
+                       "(noise at too small a scale)",
+              "spread": "its canaries' statistics spread more than a Gaussian mechanism's can (a mixture: some "
+                        "uploads less noised than the others)",
+              "tail": "more of its canaries' statistics lie beyond the largest value the claimed (ε, δ) allows than "
+                      "chance explains (uploads that escaped the noise)"}
+
+
+def rejected_tests(m: dict) -> list[str]:
+    """The names of the claim tests (:func:`claim_tests`, ``m["tests"]``) that reject on the measurement ``m``."""
+    return [t for t in CLAIM_TESTS if (m.get("tests") or {}).get(t, {}).get("rejects")]
+
+
+def _violates(m: dict, claimed: float | None) -> bool:
     # an infinite estimate says only "beyond EPSILON_CAP" (the search's ceiling): evidence against a claim below the
     # cap, none against a larger one (e.g. DP-Gaussian at z = 0.001 claims 5.5e5 for one round; its canaries separate
     # beyond the cap, which such a mechanism does)
-    over = [m for m in measured if claimed is not None and m["strict_lower"] > claimed
-            and (math.isfinite(m["strict_lower"]) or claimed < EPSILON_CAP)]
+    fit = (claimed is not None and m["strict_lower"] > claimed
+           and (math.isfinite(m["strict_lower"]) or claimed < EPSILON_CAP))
+    return bool(fit or rejected_tests(m))
+
+
+def dp_verdict(claimed: float | None, measured: list[dict]) -> tuple[str, str]:
+    """``claim_violated`` when some measured threat model (one the claim covers) has its fit's 99.9 % lower end above
+    ``claimed`` (an infinite low end -- beyond :data:`EPSILON_CAP` -- only against a claim below the cap) or one of
+    its claim tests (``tests``, :func:`claim_tests`) rejecting; else ``vacuous`` when ``claimed`` >
+    :data:`VACUOUS_EPSILON` (or infinite); else ``consistent``. Returns the verdict and the sentence that explains
+    it."""
+    over = [m for m in measured if _violates(m, claimed)]
     if over:
-        m = max(over, key=lambda m: m["strict_lower"])
-        return "claim_violated", (f"the {m['threat_model'].replace('_', ' ')} leaks more than the claim allows: measured "
-                                  f"ε = {fmt_epsilon(m['epsilon'])} (95 % interval {fmt_epsilon(m['interval'][0])}–"
-                                  f"{fmt_epsilon(m['interval'][1])}; 99.9 % lower end {fmt_epsilon(m['strict_lower'])}) above the "
-                                  f"claimed ε = {fmt_epsilon(claimed)}: the implementation does not do what its accountant "
-                                  "assumes")
+        m = max(over, key=lambda m: (len(rejected_tests(m)), m["strict_lower"]))
+        where = m["threat_model"].replace("_", " ")
+        fit = (f"measured ε = {fmt_epsilon(m['epsilon'])} (95 % interval {fmt_epsilon(m['interval'][0])}–"
+               f"{fmt_epsilon(m['interval'][1])}; 99.9 % lower end {fmt_epsilon(m['strict_lower'])})")
+        tests = rejected_tests(m)
+        if tests:
+            why = "; ".join(f"{TEST_WORDS[t]} (p = {m['tests'][t]['p_value']:.2g} ≤ {m['tests'][t]['alpha']:.2g})"
+                            for t in tests)
+            return "claim_violated", (f"in the {where} threat model the canaries do not behave as the claimed ε = "
+                                      f"{fmt_epsilon(claimed)} allows: "
+                                      f"{why}; the Gaussian fit reads {fit}: the implementation does not do what its "
+                                      "accountant assumes")
+        return "claim_violated", (f"the {where} leaks more than the claim allows: {fit} above the claimed ε = "
+                                  f"{fmt_epsilon(claimed)}: the implementation does not do what its accountant assumes")
     if claimed is None or not math.isfinite(claimed) or claimed > VACUOUS_EPSILON:
         return "vacuous", (f"the claimed ε = {fmt_epsilon(claimed)} is above {VACUOUS_EPSILON:g}: no meaningful guarantee "
                            "(the measurement did not exceed it)")
     worst = max(measured, key=lambda m: m["epsilon"]) if measured else None
     return "consistent", ("the measured ε stays within the claim" + (
         f" (largest: ε = {fmt_epsilon(worst['epsilon'])}, {worst['threat_model'].replace('_', ' ')}, interval "
-        f"{fmt_epsilon(worst['interval'][0])}–{fmt_epsilon(worst['interval'][1])}; claimed {fmt_epsilon(claimed)})" if worst else ""))
+        f"{fmt_epsilon(worst['interval'][0])}–{fmt_epsilon(worst['interval'][1])}; claimed {fmt_epsilon(claimed)})" if worst else "")
+        + (", and no claim test rejects" if any("tests" in m for m in measured) else ""))
+
+
+def judge(statistics: dict[str, dict], claimed: float | None, delta: float, *, dim: int, seed: int = 0,
+          alpha: float = ALPHA, resamples: int = BOOTSTRAP) -> tuple[str, str, list[dict]]:
+    """The check's verdict from each threat model's canary statistics (``statistics``: threat model -> ``seen``,
+    ``unseen``, ``maxima`` (how many cosines each statistic is the largest of), ``claimed_epsilon`` (the claim
+    covering it), optional ``claimed_by``): the fit (:func:`estimate`) and the claim tests (:func:`claim_tests`) per
+    threat model, the tests' family-wise ``alpha`` split evenly over every test of every *distinct* statistic
+    (Bonferroni; after one round every_round's statistics are final_model's, one family member), each threat model
+    judged against its own claim, then the check (:func:`dp_verdict`: the first violated threat model, else the
+    smallest claim ``claimed``). Returns (verdict, sentence, the measurements). :func:`gradleak.run.dp_check.dp_check`
+    and the simulated checks of ``benchmarks/dp_check.py`` both judge here."""
+    distinct = len({(tuple(v["seen"]), tuple(v["unseen"])) for v in statistics.values()})
+    each = alpha / (len(CLAIM_TESTS) * max(distinct, 1))
+    measured, done = [], {}
+    for t, v in statistics.items():
+        key = (tuple(v["seen"]), tuple(v["unseen"]), v["claimed_epsilon"], v.get("maxima", 1))
+        if key not in done:  # the same statistics (every_round after one round) are measured once
+            done[key] = (estimate(v["seen"], v["unseen"], delta, seed=seed, resamples=resamples),
+                         claim_tests(v["seen"], v["unseen"], v["claimed_epsilon"], delta, dim=dim,
+                                     maxima=v.get("maxima", 1), alpha=each))
+        est, tests = (copy.deepcopy(x) for x in done[key])
+        m = {"threat_model": t, **est, "claimed_epsilon": v["claimed_epsilon"], "claimed_by": v.get("claimed_by"),
+             "tests": tests, "maxima": v.get("maxima", 1)}
+        m["verdict"] = dp_verdict(m["claimed_epsilon"], [m])[0]  # each threat model against the claim covering it
+        measured.append(m)
+    violated = [m for m in measured if m["verdict"] == "claim_violated"]
+    verdict, sentence = dp_verdict(violated[0]["claimed_epsilon"] if violated else claimed, violated or measured)
+    return verdict, sentence, measured
+
+
+def simulated_statistics(rng: np.random.Generator, canaries: int, dim: int, noise_multiplier: float, *,
+                         unnoised: int = 0, noise_scale: float = 1.0, aggregate_of: int = 0,
+                         central: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Canary statistics of one round of DP-Gaussian (clip C, noise multiplier z), drawn without the vectors (for
+    the tests and ``benchmarks/dp_check.py``). Returns (seen, unseen).
+
+    * ``aggregate_of`` = 0: ``each_upload`` under local noise, exact in distribution: a seen canary's cosine with its
+      own upload C v + σ n is (μ + g) / ((μ + g)² + χ²_{dim−1})^½, μ = C / σ, g ~ N(0, 1).
+    * ``aggregate_of`` = K: the cosine with the sum of K clipped uploads (the canaries among them) and their noise --
+      one N(0, (zC)² I) on the sum when ``central``, one per noised upload otherwise (``final_model`` / ``every_round``
+      after one round). Canary j's own part C v_j is split off: cos = (1 + r c) / (1 + 2 r c + r²)^½ with c the
+      cosine of v_j with the rest and r = ‖rest‖ / C, ‖rest‖² drawn once per check as (K − 1) C² + σ² χ²_dim · (noised
+      uploads); exact but for that shared norm (the cross terms between canaries are a relative 1/√dim).
+    * A never-inserted canary's cosine with anything released is the exact sphere null, 2 · Beta((dim − 1)/2,
+      (dim − 1)/2) − 1 (:func:`sphere_tail`), and so is c above.
+
+    Breakages: the first ``unnoised`` seen uploads clipped but not noised; ``noise_scale`` > 1: noise ``noise_scale``
+    times too small on every upload (or on the sum)."""
+    sigma = noise_multiplier / noise_scale  # in units of C
+    a = 0.5 * (dim - 1)
+    unseen = 2.0 * rng.beta(a, a, canaries) - 1.0
+    if aggregate_of:
+        noises = 1 if central else max(aggregate_of - unnoised, 0)
+        r = math.sqrt(aggregate_of - 1 + sigma * sigma * rng.chisquare(dim) * noises)
+        c = 2.0 * rng.beta(a, a, canaries) - 1.0
+        return (1 + r * c) / np.sqrt(1 + 2 * r * c + r * r), unseen
+    g = rng.standard_normal(canaries)
+    chi = rng.chisquare(dim - 1, canaries)
+    if sigma > 0:
+        mu = 1.0 / sigma
+        seen = (mu + g) / np.sqrt((mu + g) ** 2 + chi)
+    else:
+        seen = np.ones(canaries)
+    seen[:unnoised] = 1.0
+    return seen, unseen
 
 
 def fmt_epsilon(x: float | None) -> str:

@@ -360,10 +360,16 @@ def dp_check_words(dp: dict) -> list[str]:
                    f"threshold bound {fmt_epsilon(m['lower_bound'])} at {m['lower_bound_confidence']:.0%}; two-spread fit "
                    f"{fmt_epsilon(m['epsilon_separate_spreads'])}) against the claimed {fmt_epsilon(m.get('claimed_epsilon'))}: "
                    f"{m.get('verdict', '').replace('_', ' ')}")
+        if m.get("tests"):
+            out.append(f"claim tests, {m['threat_model'].replace('_', ' ')} (each at α = "
+                       f"{next(iter(m['tests'].values()))['alpha']:.2g}): " + "; ".join(
+                           f"{name} p = {t['p_value']:.2g}" + (" REJECTS" if t["rejects"] else "")
+                           for name, t in m["tests"].items()))
     if "canaries" in dp:
         out.append(f"{dp['canaries']} canary clients inserted and {dp['unseen_canaries']} never inserted, "
                    f"{dp['dimension']} trainable coordinates, {dp['rounds']} round(s), engine {dp['engine']}, "
-                   f"{dp['seconds']:.1f} s. Method: {dp['method']}")
+                   f"{dp['seconds']:.1f} s. Method: {dp['method']}" + (f"; {dp['tests_method']}" if dp.get("tests_method")
+                                                                         else ""))
     return out
 
 

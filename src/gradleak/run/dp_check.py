@@ -17,8 +17,12 @@ Unseen canaries (as many as inserted, other seeds) are scored the same way on th
 is the accountant's, named: RDP of the Gaussian mechanism (Opacus ``RDPAccountant``, sampling rate 1, one step per
 round) for ``dp_gaussian`` and Flower's central wrappers; DP-SGD's own Opacus accountant for the canary example (one
 example per canary client: sampling rate 1); ``LocalDpMod``'s per-round ε as the RDP of its noise multiplier over the
-rounds. With several mechanisms declared, the smallest claim covering a threat model is the claim there. The verdict
-(:func:`gradleak.evaluation.empirical_epsilon.dp_verdict`): ``claim_violated``, ``vacuous`` or ``consistent``.
+rounds. With several mechanisms declared, the smallest claim covering a threat model is the claim there. Beside the
+fit, each threat model's statistics go through the claim tests (shift, spread, tail:
+:func:`gradleak.evaluation.empirical_epsilon.claim_tests`, family-wise α = 0.01 over the check), which see a mechanism
+that leaks on a fraction of its uploads or noises at the wrong scale. The verdict
+(:func:`gradleak.evaluation.empirical_epsilon.judge`, :func:`~gradleak.evaluation.empirical_epsilon.dp_verdict`):
+``claim_violated``, ``vacuous`` or ``consistent``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,12 @@ DELTA = 1e-5
 METHOD = ("one-shot empirical ε (Andrew et al., ICLR 2024, Sec. 3–4): canary clients uploading random isotropic "
           "directions; cosine statistics of inserted vs never-inserted canaries; two Gaussians with one common spread "
           "(ours; the paper fits two spreads, reported as epsilon_separate_spreads); 95 % bootstrap interval (ours)")
+TESTS_METHOD = ("beside the fit, three tests of the inserted canaries' statistics against what the claim allows "
+                "(gradleak.evaluation.empirical_epsilon.claim_tests): shift (noise at too small a scale: the mean "
+                "against the claim's μ), spread (a mixture: the spread against a never-inserted canary's, exact "
+                "1/√d for one cosine), tail (uploads that escaped the noise: the count beyond the cosine the claimed "
+                "(ε, δ) allows, exact binomial); family-wise α = 0.01 over every test of every distinct threat "
+                "model (Bonferroni)")
 
 
 #: memory the check's uploads may hold (float64 uploads of every client and canary of every round, plus the canaries'
@@ -143,7 +153,7 @@ def _statistics(units, k: int, finals: torch.Tensor, iterates: list[torch.Tensor
 def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = CANARIES,
              log=lambda m: None) -> dict | None:
     """The DP check of ``cfg`` (a validated experiment config), or None when it declares no DP mechanism."""
-    from gradleak.evaluation.empirical_epsilon import dp_verdict, estimate
+    from gradleak.evaluation.empirical_epsilon import ALPHA, judge
     from gradleak.fl.canaries import CANARY_SCALE, CanaryClient, direction, flat
     from gradleak.fl.engines import rounds_engine
     from gradleak.run.pipeline import clients_and_truth, federation
@@ -200,27 +210,25 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
         claims.append({"name": m["name"], **({"where": m["where"]} if "where" in m else {}), "claimed_epsilon": eps,
                        "accountant": words, "delta": m["delta"], "covers": m["covers"]})
     delta = min(m["delta"] for m in mechanisms)
-    measured = []
+    statistics = {}
     for t in ("final_model", "every_round", "each_upload"):
         if t not in covered or not seen[t]:
             continue
-        est = estimate(seen[t], unseen[t], delta, seed=seed)
         cl = [c for c in claims if t in c["covers"] and c["claimed_epsilon"] is not None]
         claim = min(cl, key=lambda c: c["claimed_epsilon"]) if cl else None
-        measured.append({"threat_model": t, **est, "claimed_epsilon": claim["claimed_epsilon"] if claim else None,
-                         "claimed_by": claim["name"] if claim else None})
+        # how many cosines each statistic is the largest of: one for the final model, the rounds otherwise
+        maxima = 1 if t == "final_model" else (len(deltas) if t == "every_round" else
+                                               max(sum(1 for u in uploads if first_id + j in u) for j in range(canaries)))
+        statistics[t] = {"seen": seen[t], "unseen": unseen[t], "maxima": maxima,
+                         "claimed_epsilon": claim["claimed_epsilon"] if claim else None,
+                         "claimed_by": claim["name"] if claim else None}
     claimed = min((c["claimed_epsilon"] for c in claims if c["claimed_epsilon"] is not None), default=None)
-    violated = []
-    for m in measured:  # each threat model against the claim that covers it
-        v, _ = dp_verdict(m["claimed_epsilon"], [m])
-        m["verdict"] = v
-        if v == "claim_violated":
-            violated.append(m)
-    verdict, sentence = dp_verdict(violated[0]["claimed_epsilon"] if violated else claimed, violated or measured)
+    verdict, sentence, measured = judge(statistics, claimed, delta, dim=dim, seed=seed)
     return {"verdict": verdict, "sentence": sentence, "claimed_epsilon": claimed, "mechanisms": claims,
             "measured": measured, "delta": delta, "canaries": canaries, "unseen_canaries": canaries,
             "dimension": dim, "rounds": rounds, "engine": cfg.fl.engine, "clients": len(real),
-            "canary_norm": CANARY_SCALE * clip, "method": METHOD, "seconds": time.perf_counter() - t0,
+            "canary_norm": CANARY_SCALE * clip, "method": METHOD, "tests_alpha": ALPHA, "tests_method": TESTS_METHOD,
+            "seconds": time.perf_counter() - t0,
             **({"canaries_asked": asked, "canaries_note": f"{asked} canaries would hold more than {MEMORY_GIB:g} GiB "
                 f"of uploads for {dim} coordinates over {cfg.fl.rounds} round(s): {canaries} inserted (a wider "
                 "interval)"} if canaries != asked else {})}
