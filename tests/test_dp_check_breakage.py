@@ -13,27 +13,17 @@ import numpy as np
 import pytest
 
 from gradleak.accounting import gaussian_rdp_epsilon
+from gradleak.evaluation import empirical_epsilon
 from gradleak.evaluation.empirical_epsilon import (ALPHA, CLAIM_TESTS, claim_tests, claimed_mu,
-                                                   gaussian_mechanism_epsilon, judge, simulated_statistics,
-                                                   sphere_tail, sphere_threshold)
+                                                   gaussian_mechanism_epsilon, simulated_statistics, sphere_tail,
+                                                   sphere_threshold)
 
 DIM, K, DELTA = 445_636, 100, 1e-5
 CLAIM = gaussian_rdp_epsilon(1.0, 1, DELTA)  # 4.73: what dp_gaussian (z = 1, one round) claims
 
 
-def simulated_check(seed: int, *, central: bool = False, z: float = 1.0, **breakage) -> tuple[str, list[dict]]:
-    """One simulated check as dp_check judges it: the threat models the mechanism covers after one round (local
-    noise: final model = every round, each upload; central: final model = every round), 100 + 1 uploads."""
-    rng = np.random.default_rng(seed)
-    claim = gaussian_rdp_epsilon(z, 1, DELTA)
-    agg, agg_u = simulated_statistics(rng, K, DIM, z, aggregate_of=K + 1, central=central, **breakage)
-    stats = {"final_model": {"seen": agg, "unseen": agg_u, "claimed_epsilon": claim}}
-    stats["every_round"] = dict(stats["final_model"])
-    if not central:
-        s, u = simulated_statistics(rng, K, DIM, z, **breakage)
-        stats["each_upload"] = {"seen": s, "unseen": u, "claimed_epsilon": claim}
-    verdict, _, measured = judge(stats, claim, DELTA, dim=DIM, seed=seed)
-    return verdict, measured
+def simulated_check(seed: int, *, central: bool = False, **breakage) -> tuple[str, list[dict]]:
+    return empirical_epsilon.simulated_check(seed, central=central, canaries=K, dim=DIM, delta=DELTA, **breakage)
 
 
 def fit_alone_violates(measured: list[dict]) -> bool:

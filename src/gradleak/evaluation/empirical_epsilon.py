@@ -468,6 +468,31 @@ def simulated_statistics(rng: np.random.Generator, canaries: int, dim: int, nois
     return seen, unseen
 
 
+
+def simulated_check(seed: int, *, noise_multiplier: float = 1.0, central: bool = False, canaries: int = 100,
+                    dim: int = 445_636, delta: float = 1e-5, unnoised: int = 0,
+                    noise_scale: float = 1.0) -> tuple[str, list[dict]]:
+    """One simulated check of one round of DP-Gaussian, judged as :func:`gradleak.run.dp_check.dp_check` judges
+    (:func:`judge`): the threat models the mechanism covers (local noise: final model = every round, and each
+    upload; central: final model = every round), ``canaries`` + 1 uploads, the claim the accountant makes (RDP, as
+    ``dp_gaussian`` claims), statistics from :func:`simulated_statistics` with the breakage asked for. Defaults: the
+    text audit's size (``configs/audit/text_adapters.yaml``: 445,636 trainable coordinates). Returns (verdict,
+    measurements)."""
+    from gradleak.accounting import gaussian_rdp_epsilon
+
+    rng = np.random.default_rng(seed)
+    claim = gaussian_rdp_epsilon(noise_multiplier, 1, delta)
+    broken = {"unnoised": unnoised, "noise_scale": noise_scale}
+    agg, agg_u = simulated_statistics(rng, canaries, dim, noise_multiplier, aggregate_of=canaries + 1, central=central,
+                                      **broken)
+    stats = {"final_model": {"seen": agg, "unseen": agg_u, "claimed_epsilon": claim}}
+    stats["every_round"] = dict(stats["final_model"])
+    if not central:
+        s, u = simulated_statistics(rng, canaries, dim, noise_multiplier, **broken)
+        stats["each_upload"] = {"seen": s, "unseen": u, "claimed_epsilon": claim}
+    verdict, _, measured = judge(stats, claim, delta, dim=dim, seed=seed)
+    return verdict, measured
+
 def fmt_epsilon(x: float | None) -> str:
     if x is None:
         return "none"
