@@ -99,6 +99,18 @@ class LoraSpanConfig(AttackConfig):
         "noise-free uploads); noise_edge = the singular values above the noise spectrum's edge sigma (sqrt(rows) + "
         "sqrt(d)) (sigma from the declared defenses, else read off the spectrum); tokens = the B (N + 1) strongest "
         "directions, the number of tokens a batch of B images has (truncated SVD: the best rank-B(N+1) denoising)")
+    solver: Literal["span", "measurements"] = Field(
+        "span", description="span = every token must lie in the recovered row space (exact; needs all B (N + 1) "
+        "directions); measurements = each recovered direction decomposed in the known token basis is a linear "
+        "measurement of the image, inverted with a Gaussian image prior (uses every direction above the cut, B = 1; "
+        "gradleak.attacks.common.token_measurements)")
+    prior: Literal["auto", "public", "stationary"] = Field(
+        "auto", description="the measurements solver's image prior: public = mean and shrunk covariance of the granted "
+        "public images; stationary = data-free Gauss-Markov prior; auto = public when granted, else stationary")
+    iterations: int = Field(4, ge=1, le=50, description="alternations of the measurements solver (coefficients / image)")
+    directions: Optional[int] = Field(None, ge=1, description="use exactly this many strongest directions (overrides "
+                                      "rank_cut; the oracle ceiling runs the noise-free upload at the k a defended "
+                                      "upload leaves above its noise edge)")
     time_fwdbwd: bool = Field(True, description="time one forward+backward of the sent model for attack_to_fwdbwd_ratio")
 
 
@@ -167,14 +179,31 @@ class LoraSpan(AttackBase):
         out = [{"rank_rtol": v} for v in ladder if params.get("rank_rtol") != v]
         if defenses:
             out += [{"rank_cut": c} for c in ("noise_edge", "tokens") if params.get("rank_cut") != c]
+            # every direction above the noise edge, each a linear measurement of the image (the information limit
+            # of a subspace attacker; gradleak.attacks.common.token_measurements)
+            # (the public prior is kept only where threat.public_data grants it: the audit drops a refused variant)
+            out += [{"rank_cut": "noise_edge", "solver": "measurements", "prior": p} for p in ("stationary", "public")]
         return out
     modality = "image"
     peft_kinds = ("lora",)
     reconstruction = "images"
     devices = ("cpu", "cuda")
 
-    def __init__(self, **params: Any):
+    def __init__(self, public_images: Optional[torch.Tensor] = None, **params: Any):
         set_config_fields(self, params)  # LoraSpanConfig: the one place the defaults live
+        self.public_images = public_images
+
+    @classmethod
+    def requires(cls, cfg=None) -> dict[str, bool]:
+        cfg = cfg if cfg is not None else cls.Config()
+        req = super().requires(cfg)
+        if cfg.solver == "measurements" and cfg.prior == "public":
+            req["public_data"] = True  # the prior's mean and covariance come from public images
+        return req
+
+    @classmethod
+    def from_config(cls, cfg, ctx):
+        return cls(public_images=ctx.public.get("public_images"), **cfg.model_dump())
 
     def prepare(self, model, threat):
         """Refuse early (before any round) a model without LoRA on block 0's attention."""
@@ -205,6 +234,10 @@ class LoraSpan(AttackBase):
         if len(fb["pos"]) != N + 1:
             raise BadInput("model.patch_size", f"the model has {len(fb['pos']) - 1} patch positions but a "
                            f"{side}-px image at patch {P} has {N}.", "use the image size the model was built for.")
+        if self.directions is not None:
+            k = min(int(self.directions), len(S))
+        if self.solver == "measurements":
+            return self._measurements(view, fb, G, S, Vh, k, noise_std, N, side, keys, t0)
         Uperp = Vh[k:].T  # d × (d − k): the complement of the row space V
         gamma, beta, eps = fb["gamma"], fb["beta"], fb["eps"]
         h_cls = layer_norm(fb["cls"] + fb["pos"][0], gamma, beta, eps)
@@ -298,6 +331,78 @@ class LoraSpan(AttackBase):
         margin = spectral_margin([G], max(batch, 1) * (N + 1), view_noise_std(view, upd, tensor=keys))
         info["leakage_margin"] = {"layer": "block0_lora_A", **margin}
         metrics.update({f"{k}_block0_lora_A": v for k, v in margin.items()})
+        return Reconstruction({"images": imgs.to(torch.float32)}, info, metrics)
+
+    def _prior(self, C: int, side: int, P: int):
+        from gradleak.attacks.common.token_measurements import GaussianImagePrior
+
+        if self.prior in ("public", "auto") and self.public_images is not None and len(self.public_images) >= 2:
+            key = (self.prior, C, side, P)
+            if getattr(self, "_prior_cache", (None, None))[0] != key:
+                self._prior_cache = (key, GaussianImagePrior.from_public(self.public_images, P))
+            return self._prior_cache[1]
+        if self.prior == "public":
+            raise BadInput("threat.public_data", "lora_span's public prior needs the granted public images.",
+                           "grant threat.public_data=true, or set attack.prior=stationary (data-free).")
+        return GaussianImagePrior.stationary(C, side, P)
+
+    def _measurements(self, view, fb, G, S, Vh, k, declared_std, N, side, keys, t0) -> Reconstruction:
+        """The measurements solver (``solver: measurements``; gradleak.attacks.common.token_measurements)."""
+        from gradleak.attacks.common.subspace import spectral_margin
+        from gradleak.attacks.common.token_measurements import (from_patch_layout, invert_token_directions,
+                                                               residual_noise_std)
+        from gradleak.defenses.declared import view_noise_std
+
+        d, P, C = fb["d"], fb["patch"], fb["channels"]
+        gamma, beta, eps = fb["gamma"], fb["beta"], fb["eps"]
+        batch = int(view.public.get("batch_size") or view.updates[0].num_samples or 1)
+        k = max(1, min(int(k), batch * (N + 1), len(S)))  # more directions than tokens hold noise only
+        K = gamma[:, None] * (fb["E"] - fb["E"].mean(0, keepdim=True))  # ΓCE
+        pos = fb["b"][None] + fb["pos"][1:]
+        Pm = gamma[:, None] * (pos - pos.mean(1, keepdim=True)).T  # ΓC(b + pos_t), d × N
+        h_cls = layer_norm(fb["cls"] + fb["pos"][0], gamma, beta, eps)
+        extra = [h_cls[:, None]]
+        if float(beta.norm()) > 1e-12 * float(gamma.norm()):
+            extra.insert(0, beta[:, None])
+        extra = torch.cat(extra, 1)
+        Y = S[:k, None] * Vh[:k]  # U_kᵀ G: rows with i.i.d. noise of the upload's per-coordinate std
+        M = torch.cat([K, Pm, extra], 1)
+        read_std = residual_noise_std(Y, M)
+        row_std = residual_noise_std(Y, M, per_row=True)  # each direction's own noise (near the edge: more)
+        floor = declared_std or read_std or 1e-12
+        prior = self._prior(C, side, P)
+        sol = invert_token_directions(Y, K, Pm, extra, prior, row_std.clamp_min(1e-3 * floor), self.iterations)
+        X = sol["X"]
+        imgs = (from_patch_layout(X[None], C, P) + 1) / 2
+        if self.clip:
+            imgs = imgs.clamp(0, 1)
+        t_attack = time.perf_counter() - t0
+        reasons = []
+        if batch > 1:
+            reasons.append(f"batch of {batch}: the measurements solver recovers one image (B = 1)")
+        if k < N + 1:
+            reasons.append(f"{k} of the {N + 1} token directions stand above the cut: the image is the posterior "
+                           f"mean of {sol['measurements']} measurements of {sol['unknowns']} pixels under the prior")
+        holds = batch <= 1 and k >= N + 1
+        t_fb = self._time_fwdbwd(view, max(batch, 1), side, C) if self.time_fwdbwd else float("nan")
+        declared = view_noise_std(view, view.updates[0], tensor=keys)
+        margin = spectral_margin([G], max(batch, 1) * (N + 1), declared or read_std)
+        info = {"solver": "measurements (each direction above the cut decomposed in the known token basis; MAP under "
+                          "a Gaussian image prior)", "prior": prior.source, "directions_used": k,
+                "token_directions": batch * (N + 1), "noise_std_read_off_residual": read_std,
+                "noise_std_declared": declared, "objective": sol["objective"],
+                "measurements": sol["measurements"], "unknowns": sol["unknowns"],
+                "rank_condition": "holds" if holds else "; ".join(reasons),
+                "rank_cut": (f"{k} directions (fixed)" if self.directions is not None else self.rank_cut),
+                "prior_alone": ("the prior's mean, i.e. what the attack returns without the upload: the mean public "
+                                "image (the evaluation's psnr_mean_public) or grey (psnr_grey) for the stationary prior"),
+                "leakage_margin": {"layer": "block0_lora_A", **margin},
+                "timings": {"attack_seconds": t_attack, "fwdbwd_seconds": t_fb,
+                            "attack_to_fwdbwd_ratio": t_attack / t_fb if t_fb == t_fb and t_fb > 0 else float("nan")}}
+        metrics = {"lora_span_rank_condition_holds": float(holds), "lora_span_row_space_rank": float(k),
+                   "lora_span_directions_used": float(k), "lora_span_noise_std_read": read_std,
+                   "attack_seconds": t_attack, "attack_to_fwdbwd_ratio": info["timings"]["attack_to_fwdbwd_ratio"]}
+        metrics.update({f"{key}_block0_lora_A": v for key, v in margin.items()})
         return Reconstruction({"images": imgs.to(torch.float32)}, info, metrics)
 
     def _rank(self, view, G: torch.Tensor, S: torch.Tensor, N: int,

@@ -144,9 +144,10 @@ class DeclaredDefenses:
         agg = 1 if individual else max(self.clients, 1)
         var = 0.0
         for d in self._all():
-            v = d.observed_noise_variance(update, aggregate_of=agg, individual=individual, tensor=tensor,
-                                          **({"local_batch_size": self.local_batch_size}
-                                             if isinstance(d, TrainingDefense) else {}))
+            extra = {"local_batch_size": self.local_batch_size} if isinstance(d, TrainingDefense) else {}
+            if getattr(d, "observed_noise_needs_lr", False):
+                extra["lr"] = self.lr
+            v = d.observed_noise_variance(update, aggregate_of=agg, individual=individual, tensor=tensor, **extra)
             var += float(v) if v is not None else 0.0  # None: a scale the server cannot know (noise_unknown)
         var += self._framework_noise(individual, agg)
         return var ** 0.5 if var > 0 else None  # an unknown part (noise_unknown) is left to the spectrum
