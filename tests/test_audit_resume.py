@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: the shipped text audit made fast: two quick attacks (dager, then utr), small batches, one process
-ARGS = ["configs/audit/text_adapters.yaml", "--workers", "1", "--only", "utr,dager",
+#: the shipped text audit made fast: two quick attacks (projres, then utr), small batches, one process (DAGER does
+#: not apply to adapters: the audit does not run it)
+ARGS = ["configs/audit/text_adapters.yaml", "--workers", "1", "--only", "utr,projres",
         "--set", "data.batch_size=2", "--set", "data.test_size=50"]
 
 
@@ -54,17 +55,17 @@ def test_a_sigkilled_audit_reruns_no_finished_run_and_ends_as_a_clean_one(tmp_pa
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     at_kill = {r["job"]: r for r in _ledger(killed)}
-    assert "dager@0#0" in at_kill and not (killed / "audit.json").exists()  # killed before the audit ended
-    first = killed / at_kill["dager@0#0"]["out"] / "results.json"
+    assert "projres@0#0" in at_kill and not (killed / "audit.json").exists()  # killed before the audit ended
+    first = killed / at_kill["projres@0#0"]["out"] / "results.json"
     mtime = first.stat().st_mtime_ns
 
     rerun = subprocess.run(_audit(killed), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     log = rerun.stdout + rerun.stderr
-    assert f"reused {len(at_kill)} finished run(s) of this config" in log and "dager@0#0" in log
+    assert f"reused {len(at_kill)} finished run(s) of this config" in log and "projres@0#0" in log
     assert f"{len(at_kill)} done before" in log
     after = {r["job"]: r for r in _ledger(killed)}
-    assert set(after) == {"dager@0#0", "utr@0#0"}
+    assert set(after) == {"projres@0#0", "utr@0#0"}
     for job, row in at_kill.items():  # not rerun: the same recorded run, its results.json untouched
         assert after[job]["run_id"] == row["run_id"]
     assert first.stat().st_mtime_ns == mtime
@@ -94,13 +95,13 @@ def test_a_changed_run_config_reruns_and_stale_runs_are_removed(tmp_path, monkey
 
     raw = yaml.safe_load((ROOT / ARGS[0]).read_text())
     quiet = lambda m: None  # noqa: E731
-    mod.run_audit(raw, tmp_path, ["data.batch_size=2"], only=["utr", "dager"], log=quiet)
-    assert sorted(calls) == [("dager", 2), ("utr", 2)]
+    mod.run_audit(raw, tmp_path, ["data.batch_size=2"], only=["utr", "projres"], log=quiet)
+    assert sorted(calls) == [("projres", 2), ("utr", 2)]
     logs: list[str] = []
     mod.run_audit(raw, tmp_path, ["data.batch_size=2"], only=["utr"], log=logs.append)
-    assert sorted(calls) == [("dager", 2), ("utr", 2)]  # utr reused
+    assert sorted(calls) == [("projres", 2), ("utr", 2)]  # utr reused
     assert any("reused 1 finished run(s)" in m and "utr@0#0" in m for m in logs)
-    assert not (tmp_path / "attacks" / "dager").exists() and [r["job"] for r in _ledger(tmp_path)] == ["utr@0#0"]
+    assert not (tmp_path / "attacks" / "projres").exists() and [r["job"] for r in _ledger(tmp_path)] == ["utr@0#0"]
     mod.run_audit(raw, tmp_path, ["data.batch_size=3"], only=["utr"], log=quiet)
     assert calls[-1] == ("utr", 3) and len(calls) == 3  # a changed config reruns
     assert [r["job"] for r in _ledger(tmp_path)] == ["utr@0#0"] and len(_ledger(tmp_path)) == 1

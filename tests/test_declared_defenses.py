@@ -184,12 +184,18 @@ def test_the_leakage_margin_is_read_per_layer_from_a_runs_metrics():
 
 def test_an_attack_that_cannot_apply_runs_no_variant():
     """DAGER reads attention-query gradients: on an adapters-only upload it is not applicable whatever its
-    tolerances, so the audit runs it once (as configured) and spends no time on full-strength variants."""
+    tolerances, decided from the model before anything runs (issue 53): not planned, the reason said; on LoRA (the
+    query trains) it runs with its full-strength variants."""
+    from gradleak.errors import BadInput
     from gradleak.run.audit import full_strength_variants, plan_audit
 
-    _, _, _, planned, _, _ = plan_audit(load_yaml(TEXT), ["defense.name=dpsgd"], ["dager"])
-    (_, cand, cfg, A), = planned
-    assert full_strength_variants(A, cand, cfg) == [{}]
+    _, _, entries, planned, _, _ = plan_audit(load_yaml(TEXT), ["defense.name=dpsgd"], ["dager", "utr"])
+    assert [p[0]["name"] for p in planned] == ["utr"]
+    dager = next(e for e in entries if e["name"] == "dager")
+    assert not dager["applicable"] and "level" not in dager and dager["not_measurable"]
+    assert "not applicable to this architecture" in dager["reason"] and "query gradients" in dager["reason"]
+    with pytest.raises(BadInput, match="frozen"):  # alone, nothing is left to run: exit 2, the reason named
+        plan_audit(load_yaml(TEXT), ["defense.name=dpsgd"], ["dager"])
     _, _, _, planned, _, _ = plan_audit(load_yaml("configs/audit/text_lora.yaml"), ["defense.name=dpsgd"], ["dager"])
     (_, cand, cfg, A), = planned
     assert len(full_strength_variants(A, cand, cfg)) > 1

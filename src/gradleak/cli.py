@@ -80,9 +80,12 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/peftl
         device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:N or auto (default: the config's)"),
         executor: str = typer.Option("local", "--executor", help="sweeps (a config with grid:): local process pool or ray"),
         workers: Optional[int] = typer.Option(None, "--workers", min=1, help="sweeps: parallel cells (default: CPU cores)"),
-        yes: bool = typer.Option(False, "--yes", help="sweeps: run a grid larger than the cell limit")):
+        yes: bool = typer.Option(False, "--yes", help="sweeps: run a grid larger than the cell limit"),
+        verbose: bool = typer.Option(False, "--verbose", "-v", help="also print every metric and timing (they are "
+                                     "all in DIR/results.json)")):
     """Run one experiment and write DIR/results.json and DIR/report.html (a config with grid: runs a resumable
-    sweep: DIR/results.jsonl, DIR/sweep.json)."""
+    sweep: DIR/results.jsonl, DIR/sweep.json). The console gives the answer -- what the attack recovered against
+    chance, and its level -- and a short table; --verbose adds every metric."""
     from gradleak.errors import BadInput
 
     try:
@@ -119,17 +122,74 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/peftl
             results = run_config(raw, out, list(set_ or []), device, track, stage)
     except BadInput as err:
         _fail_bad_input(err)
+    _print_run(results, out, verbose)
+
+
+#: the colour of the answer sentence by level (the audit's colours: leaking red, none green, undefined plain)
+LEVEL_STYLE = {"exact": "bold red", "strong": "bold red", "partial": "bold yellow", "none": "bold green",
+               "undefined": "bold"}
+
+
+def fmt_metric(key: str, v) -> str:
+    """A metric's value as the console prints it: a p-value at its null's floor as ``< 0.001``
+    (:func:`gradleak.run.answer.fmt_p`), other numbers to four significant digits."""
+    from gradleak.run.answer import fmt_p
+
+    if key.endswith("_p_value") or "_p_value_" in key:
+        return fmt_p(v, bare=True)
+    return f"{v:.4g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+
+
+def run_headline_rows(results: dict, answer: dict | None) -> list[tuple[str, str]]:
+    """The short table under the answer: the level, the headline metric beside its chance level, null median and
+    p-value, who was attacked and under which server, and the run's time (the full table: ``--verbose``)."""
+    from gradleak.run.answer import METRIC_WORDS, fmt_p, num
+
+    rows: list[tuple[str, str]] = []
+    if answer is not None:
+        unit = f" {answer['unit']}" if answer.get("unit") else ""
+        words = METRIC_WORDS.get(answer["metric"], (answer["metric"], ""))[0]
+        rows.append(("level", str(answer["level"])))
+        rows.append((words + (f" ({answer['metric']})" if words != answer["metric"] else ""),
+                     f"{num(answer['value'])}{unit}"))
+        rows.append(("chance (the bar it is tested against)", f"{num(answer['chance'])}{unit}"))
+        if answer.get("null_median") is not None:
+            rows.append(("null median", f"{num(answer['null_median'])}{unit}"))
+        rows.append(("p-value", fmt_p(answer.get("p_value"), bare=True)))
+        if answer.get("clients", 1) > 1:
+            rows.append(("clients attacked", f"{answer['clients']} (the most leaking: client {answer['client']})"))
+        if answer.get("server"):
+            rows.append(("server", answer["server"]))
+    total = (results.get("timings") or {}).get("total_seconds")
+    if isinstance(total, (int, float)):
+        rows.append(("time", f"{total:.1f} s"))
+    return rows
+
+
+def _print_run(results: dict, out: Path, verbose: bool = False) -> None:
+    """``gradleak run``'s console, answer first (:func:`gradleak.run.answer.run_answer`, the sentence the HTML
+    report opens with), then :func:`run_headline_rows`; every metric and timing with ``--verbose``."""
+    from gradleak.run.answer import run_answer
+
+    answer = run_answer(results)
+    if answer is not None:
+        out_console.print(Text(answer["text"], style=LEVEL_STYLE.get(answer["level"], "bold")), soft_wrap=True)
     table = Table(title=f"{results['name']} -> {out}/results.json")
-    table.add_column("metric")
+    table.add_column("metric" if verbose or answer is None else "measure")
     table.add_column("value", justify="right")
-    for k, v in results["metrics"].items():
-        table.add_row(k, f"{v:.4g}" if isinstance(v, (int, float)) else str(v))
-    for k, v in results["timings"].items():
-        table.add_row(f"time: {k}", f"{v:.4g}")
+    if verbose or answer is None:  # no answer (an unregistered attack): the metrics are all there is to show
+        for k, v in results["metrics"].items():
+            table.add_row(k, fmt_metric(k, v))
+        for k, v in results["timings"].items():
+            table.add_row(f"time: {k}", f"{v:.4g}")
+    else:
+        for k, v in run_headline_rows(results, answer):
+            table.add_row(k, v)
     out_console.print(table)
     for w in dict.fromkeys((results.get("details") or {}).get("warnings") or []):  # e.g. lora_span under-determined
         console.print(Text("warning: ", style="bold yellow") + Text(str(w)), soft_wrap=True, highlight=False)
-    out_console.print(f"report: {out / 'report.html'}")
+    more = "" if verbose or answer is None else f" (all {len(results['metrics'])} metrics: --verbose, or results.json)"
+    out_console.print(f"report: {out / 'report.html'}" + more, soft_wrap=True)
 
 
 @app.command()

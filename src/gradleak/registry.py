@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
-from gradleak.errors import BadInput
+from gradleak.errors import BadInput, nearest
 
 T = TypeVar("T")
 
@@ -61,8 +61,10 @@ class Registry(Generic[T]):
         self._load()
         name = self._aliases.get(name, name)
         if name not in self._entries:
+            near = nearest(name, list(self._entries) + list(self._aliases))
             raise BadInput(field or self.kind, f"unknown {self.kind} '{name}'.",
-                           f"use one of: {', '.join(sorted(self._entries)) or '(none registered)'}.")
+                           (f"did you mean '{self._aliases.get(near, near)}'? " if near else "")
+                           + f"use one of: {', '.join(sorted(self._entries)) or '(none registered)'}.")
         return self._entries[name].obj
 
     def __contains__(self, name: str) -> bool:

@@ -113,10 +113,16 @@ class AttackBase:
 
     @classmethod
     def measurable(cls, experiment_cfg) -> bool:
-        """False when the attack can find nothing to use in this setup's uploads whatever its parameters (it then
-        runs once, as configured, and reports not applicable; the audit runs no full-strength variant of it).
-        Default: True."""
+        """False when the attack can find nothing to use in this setup's uploads whatever its parameters, decided from
+        the model and its PEFT (the audit then reports it not applicable, with :meth:`not_measurable_reason`, and does
+        not run it: ``undefined`` stays for a run that should have measured and did not). Default: True."""
         return True
+
+    @classmethod
+    def not_measurable_reason(cls, experiment_cfg) -> str:
+        """Why :meth:`measurable` is False for this setup, in the user's words (what the architecture does not
+        upload, and what would change that)."""
+        return f"'{cls.name}' finds nothing it can use in this setup's uploads, whatever its parameters"
 
     @classmethod
     def from_config(cls, cfg: AttackConfig, ctx: AttackContext) -> "AttackBase":

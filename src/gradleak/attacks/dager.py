@@ -123,6 +123,15 @@ class DAGERAttack(AttackBase):
         return peft.kind not in ("adapters",)
 
     @classmethod
+    def not_measurable_reason(cls, experiment_cfg) -> str:
+        peft = experiment_cfg.peft
+        if peft.kind == "lora":
+            return (f"DAGER reads the attention query gradients, and LoRA on {peft.lora_targets} trains no query "
+                    "projection: add query to peft.lora_targets to audit it")
+        return (f"DAGER reads the attention query gradients, and with peft.kind={peft.kind} the backbone is frozen "
+                "(only the adapters train), so the upload holds none")
+
+    @classmethod
     def audit_variants(cls, params, defenses):
         """Its span checks decide on a relative-residual tolerance that noise can push a true token past: under a
         declared update defense the audit also runs both tolerances 10x looser (capped below 1)."""

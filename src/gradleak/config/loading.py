@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from gradleak.errors import BadInput
+from gradleak.errors import BadInput, unknown_key_fix
 from gradleak.validation import Checked
 
 
@@ -112,7 +112,7 @@ def apply_overrides(raw: dict, overrides: list[str], schema: type[BaseModel] | N
                 free = model.model_config.get("extra") == "allow"
                 if part not in names and not free:
                     raise BadInput(f"--set {key}", f"the config has no key '{'.'.join(parts[:i + 1])}'.",
-                                   f"valid keys here: {', '.join(sorted(model.model_fields))}.")
+                                   unknown_key_fix(part, names, ".".join(parts[:i])))
                 field = model.model_fields.get(names.get(part, part))
                 if field is not None:  # write the field's own name; the file's other spellings of it (aliases:
                     own = names.get(part, part)  # num_layers for layers) are the same key, which the --set replaces

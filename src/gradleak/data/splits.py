@@ -228,10 +228,27 @@ class TextData:
         self.nonmembers_end = self.members_end + d.nonmembers * cfg.fl.clients * cfg.trials
         need = self.nonmembers_end + d.test_size
         if need > len(self.ds):
-            field = "data.samples_per_client" if d.samples_per_client is not None else "data.batch_size"
+            n, copies = len(self.ds), cfg.fl.clients * cfg.trials
+            members = "data.samples_per_client" if d.samples_per_client is not None else "data.batch_size"
+            # the field to change: the largest part beyond the clients' own sentences
+            field = max((("data.test_size", d.test_size), ("data.nonmembers", d.nonmembers * copies),
+                         (members, self.members_end)), key=lambda t: t[1])[0]
+            fits = []
+            if self.members_end <= n:
+                nonm = min(d.nonmembers, (n - self.members_end) // copies)
+                if nonm != d.nonmembers:
+                    fits.append(f"data.nonmembers: {nonm}")
+                test = min(d.test_size, n - self.members_end - nonm * copies)
+                if test != d.test_size:
+                    fits.append(f"data.test_size: {test}")
             raise BadInput(field, f"{self.per_client} sentences × {cfg.fl.clients} client(s) × {cfg.trials} trial(s)"
                            f" + {d.nonmembers} non-members per client + {d.test_size} test sentences = {need} is more "
-                           f"than the {len(self.ds)} texts of '{d.name}'.", f"use at most {len(self.ds)} in all.")
+                           f"than the {n} texts of '{d.name}'.",
+                           f"use at most {n} in all" + (f", e.g. {' and '.join(fits)}" if fits else
+                                                         f": lower {members} or fl.clients")
+                           + " (data.test_size holds sentences out for the final model's accuracy, 0 turns it off; "
+                           "data.nonmembers are the membership attacks' non-member candidates, 0 leaves those "
+                           "attacks unmeasured).")
 
     @staticmethod
     def client_size(cfg) -> int:

@@ -205,7 +205,7 @@ def probe(raw: dict, out_dir: str, only: list[str], device: str | None, workers:
         for a in only:
             try:
                 _, _, entries, planned, _, _ = plan_audit(raw, [], [a])
-                reasons[a] = entries[0].get("reason") or "refused"
+                reasons[a] = entries[0].get("reason") or str(err)  # refused once its run started
             except BadInput as e:
                 reasons[a] = str(e)
         return {"refused": str(err), "field": err.field,

@@ -33,6 +33,36 @@ def num(v: Any) -> str:
     return f"{v:.3g}"
 
 
+def p_floor_bound(p: Any) -> float | None:
+    """The bound to print a p-value at its floor as ``p < bound``: a Monte-Carlo p-value of ``n`` null draws is at
+    least ``1 / (1 + n)`` (:mod:`gradleak.evaluation.nulls`: no draw reached the value), which says "below what the
+    draws resolve", not a measured 0.000999. The bound is that floor rounded up to one significant digit (0.000999
+    -> 0.001, 1/201 -> 0.005), used only where it is strictly above ``p``; None for any other p."""
+    if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0 < p < 1):
+        return None
+    n = 1.0 / p - 1.0
+    if round(n) < 199 or abs(n - round(n)) > 1e-6 * n:  # not 1 / (1 + draws) for a null of >= 200 draws
+        return None
+    exp = math.floor(math.log10(p))
+    bound = math.ceil(p / 10 ** exp - 1e-9) * 10 ** exp
+    bound = float(f"{bound:.1g}")
+    return bound if bound > p else None
+
+
+def fmt_p(p: Any, bare: bool = False) -> str:
+    """A p-value as the console and the reports write it: ``p < 0.001`` at the floor of its null's draws
+    (:func:`p_floor_bound`), else ``p = 0.0123`` (four significant digits); ``p = n/a`` when there is none.
+    ``bare``: for a table's p column, without the ``p = `` (``< 0.001``, ``0.0123``, ``n/a``)."""
+    bound = p_floor_bound(p)
+    if bound is not None:
+        text = f"p < {bound:g}"
+    elif not isinstance(p, (int, float)) or isinstance(p, bool) or p != p:
+        text = "p = n/a"
+    else:
+        text = f"p = {p:.4g}"
+    return text.removeprefix("p = ").removeprefix("p ") if bare else text
+
+
 def attack_title(A, name: str) -> str:
     """How the sentence names the attack: its class's name (``PEFTLeak``, ``UTR``) when that spells the registered
     name (case, underscores and an ``Attack`` suffix aside), else the registered name."""
@@ -128,7 +158,7 @@ def run_answer(results: dict) -> dict | None:
     keys = [k for k in (f"{head}{suffix_keys}", f"{head}_null_median{suffix_keys}", f"{head}_null_p99{suffix_keys}",
                         f"{head}_p_value{suffix_keys}") if k in metrics]
     aside = ([f"null median {num(j['null_median'])}{suffix}"] if ok(j["null_median"]) else []) + (
-        [f"p = {num(j['p_value'])}"] if ok(j["p_value"]) else [])
+        [fmt_p(j["p_value"])] if ok(j["p_value"]) else [])
     chance_words = (f"{num(j['chance'])}{suffix} is the bar the level rule tests the {words} against: the null's 99th "
                     "percentile (chance, scored as the attack is) or a trivial reference, whichever is higher"
                     + (f" ({', '.join(aside)})" if aside else "")) if ok(j["chance"]) else ""

@@ -372,8 +372,10 @@ def config_hash(raw: dict) -> str:
 def gate_attack(raw: dict, name: str):
     """The pipeline's gate on one attack of the audit (module docstring): ``(entry, plan, err)`` -- the audit entry
     (applicable, under which threat, or the refusal as ``reason``), ``(entry, cand, cfg, A)`` when it can run under the
-    configured threat or its smallest server upgrade (else None), and the refusal under the configured threat when no
-    upgrade applies (the setup's own error, else None). Validation only: nothing runs."""
+    configured threat or its smallest server upgrade (else None), and the gate's refusal when it cannot run (under the
+    configured threat, or under the upgrade it needs; else None). An attack the gate accepts but whose
+    :meth:`~gradleak.attacks.base.AttackBase.measurable` says this architecture uploads nothing it reads (DAGER on a
+    frozen backbone) is not applicable, with the attack's reason, and is not planned. Validation only: nothing runs."""
     from gradleak.registry import ATTACKS
     from gradleak.run.runner import validate
 
@@ -396,12 +398,55 @@ def gate_attack(raw: dict, name: str):
             entry["upgrade"] = up
         except BadInput as err2:
             entry["reason"] = str(err2)
-            return entry, None, None
+            return entry, None, err2
+    if not A.measurable(cfg):  # decided from the model and its PEFT before anything runs (DAGER, frozen backbone)
+        entry["reason"] = f"not applicable to this architecture: {A.not_measurable_reason(cfg)}"
+        entry["not_measurable"] = True
+        return entry, None, None
     entry.update({"applicable": threat_used == "configured", "applicable_under": threat_used,
                   "threat": cfg.threat_model.capability, "threat_words": server_words(cfg.threat_model)})
     if threat_used == "upgraded":
         entry["reason"] = f"needs a stronger server than configured: run as {entry['threat_words']}"
     return entry, (entry, cand, cfg, A), None
+
+
+def runtime_setup_error(planned: list, results: dict[str, dict], shared: dict, seeds: list[int],
+                        variants: dict[str, list[dict]]) -> BadInput:
+    """The error of an audit whose every planned attack was refused once its data and model were known (a split
+    larger than the data, a CSV column that is not there, LoRA targets the model does not have): the refusal they
+    share, as the run raised it; else each attack's refusal on its own line (:func:`refused_attacks`)."""
+    refusals = []
+    for e, _, _, _ in planned:
+        src = shared[e["name"]][0] if e["name"] in shared else e["name"]
+        res = next((results.get(f"{src}@{sd}#{k}") or {} for sd in seeds for k in range(len(variants[e["name"]]))
+                    if "bad_input" in (results.get(f"{src}@{sd}#{k}") or {})), {})
+        parts = res.get("bad_input_parts")
+        err = BadInput(*parts) if isinstance(parts, list) and len(parts) == 3 else None
+        refusals.append((e["name"], err, res.get("bad_input") or e.get("reason") or "refused"))
+    if len({str(err) if err is not None else why for _, err, why in refusals}) == 1:
+        name, err, why = refusals[0]
+        return err if err is not None else BadInput("audit", f"{name}: {why}")
+    return refused_attacks(refusals)
+
+
+def _discard_failed_audit(out: Path, created: bool) -> None:
+    """Nothing of an audit refused once its runs started stays in ``--out``: the ledger, the run folders (gradleak's
+    own files only, :func:`_remove_stale_audit`), the DP check's folder, and ``--out`` itself when this audit made
+    it and it is empty."""
+    from gradleak.run.runner import RUN_ARTIFACTS, remove_stale_artifacts
+
+    ledger = out / RUN_LEDGER
+    if ledger.is_file() and not ledger.is_symlink():
+        ledger.unlink()
+    _remove_stale_audit(out)
+    dp = out / "dp_check"
+    if dp.is_dir() and not dp.is_symlink():
+        remove_stale_artifacts(dp, RUN_ARTIFACTS)
+        with contextlib.suppress(OSError):
+            dp.rmdir()
+    if created:
+        with contextlib.suppress(OSError):
+            out.rmdir()
 
 
 def left_out_split(raw: dict, names: list[str]) -> dict:
@@ -425,7 +470,8 @@ def left_out_split(raw: dict, names: list[str]) -> dict:
 def plan_audit(raw: dict, overrides: list[str] | None = None, only: list[str] | None = None):
     """Validate an audit before anything runs or is written: the config (+ ``overrides``), ``--only``, each attack
     under the configured threat or its smallest upgrade, ``audit.seeds``. Returns ``(raw, names, entries, planned,
-    seeds, base_err)`` (``base_err``: the setup's first refusal); raises it when no attack can run."""
+    seeds, base_err)`` (``base_err``: None -- a plan with no attack to run raises the setup's error instead,
+    :func:`setup_error`)."""
     raw = audit_overrides(copy.deepcopy(raw), overrides or [])
     names = attack_names()
     if only:
@@ -433,22 +479,65 @@ def plan_audit(raw: dict, overrides: list[str] | None = None, only: list[str] | 
         if bad:
             raise BadInput("--only", f"unknown attack(s) {', '.join(bad)}.", f"choose from {', '.join(names)}.")
         names = [n for n in names if n in only]
-    # the setup itself must be valid: validate it with the first attack the gate accepts (or report the first error)
-    base_err = None
-    entries, planned = [], []
+    # the setup itself must be valid: each attack through the gate; with none to run, the setup's own error
+    entries, planned, errors = [], [], {}
     for name in names:
         entry, plan, err = gate_attack(raw, name)
-        base_err = base_err or err
+        if err is not None:
+            errors[name] = err
         if plan is not None:
             planned.append(plan)
         entries.append(entry)
+    base_err = setup_error(raw, entries, errors) if not planned else None
     # run the applicable attacks (x the audit's seeds): in this process (workers=1) or a spawned pool
     seeds = list(((raw.get("audit") or {}).get("seeds")) or [raw.get("seed", 0)])
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds):
         raise BadInput("audit.seeds", f"must be a list of integers, got {seeds!r}.", "write e.g. audit: {seeds: [0, 1, 2]}.")
-    if not planned and base_err is not None:  # nothing to run: refused before the output folder is made
+    if not planned:  # nothing to run: refused before the output folder is made
         raise base_err
     return raw, names, entries, planned, seeds, base_err
+
+
+def _fits(raw: dict, A) -> bool | None:
+    """Whether attack ``A`` is meant for this setup's modality and PEFT kind (read from the raw config over its
+    preset's defaults); None when the config does not say (an unknown experiment)."""
+    from gradleak.config.schema import with_defaults
+    from gradleak.peft import PeftConfig
+    from gradleak.registry import EXPERIMENTS
+
+    try:
+        full = with_defaults({k: v for k, v in raw.items() if k != "audit"})
+        modality = EXPERIMENTS.get(full["experiment"])["modality"]
+        kind = (full.get("peft") or {}).get("kind", PeftConfig.model_fields["kind"].default)
+    except (BadInput, KeyError, TypeError, AttributeError):
+        return None
+    return A.modality == modality and kind in A.peft_kinds
+
+
+def setup_error(raw: dict, entries: list[dict], errors: dict[str, BadInput]) -> BadInput:
+    """The error to report when no attack can run (docs/ARCHITECTURE.md, "gradleak audit"): the one that concerns the
+    user's setup. The attacks meant for this modality and PEFT kind are asked first: when they all give the same
+    refusal (a data, model, defense or PEFT error: it comes before anything attack-specific), that error alone;
+    otherwise each of them with its reason. Attacks for another modality or PEFT kind only explain themselves when
+    nothing else does (``--only april`` on text)."""
+    from gradleak.registry import ATTACKS
+
+    meant = [e for e in entries if _fits(raw, ATTACKS.get(e["name"]))] or entries
+    refusals = [(e["name"], errors.get(e["name"]), e.get("reason", "")) for e in meant]
+    distinct = {str(err) if err is not None else why for _, err, why in refusals}
+    if len(distinct) == 1:
+        name, err, why = refusals[0]
+        return err if err is not None else BadInput("--only" if len(entries) < len(attack_names()) else "attack",
+                                                    f"{name}: {why}", "audit a setup some attack applies to "
+                                                    "(gradleak list shows where each attack applies).")
+    return refused_attacks(refusals)
+
+
+def refused_attacks(refusals: list[tuple[str, BadInput | None, str]]) -> BadInput:
+    """One error listing each refused attack with its reason (``(attack, error, reason)``), one line each."""
+    lines = "".join(f"\n  {name}: {str(err) if err is not None else why}" for name, err, why in refusals)
+    return BadInput("audit", f"no attack can run on this setup; each was refused:{lines}",
+                    "change what each line names (or leave that attack out with --only).")
 
 
 def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None, device: str | None = None,
@@ -465,6 +554,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     raw, names, entries, planned, seeds, base_err = plan_audit(raw, overrides, only)
     multi = len(seeds) > 1
     t_all = time.perf_counter()
+    created = not Path(out_dir).exists()
     out = check_out_dir(out_dir)  # validated first, then created (stale files: removed once the runs are known)
 
     def where(name, sd):
@@ -494,7 +584,7 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
             for e, cand, _, _ in planned if e["name"] not in shared
             for sd in seeds for k, v in enumerate(variants[e["name"]])]
     for e, _, cfg, _ in planned:
-        log(f"[audit] {e['name']}: running under the {e['applicable_under']} threat ({cfg.threat_model.capability})"
+        log(f"[audit] {e['name']}: running under the {e['applicable_under']} threat ({e['threat_words']})"
             + (f", seeds {seeds}" if multi else ""))
     dp_job = dp_check_job(raw, planned, out, device)
     if dp_job is not None:  # first: the longest jobs start early in a worker pool
@@ -577,8 +667,10 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
         for w in dict.fromkeys(entry.get("warnings") or []):  # e.g. lora_span's under-determined setting: said
             log(f"[audit] {name}: WARNING: {w}")
     ran = [e for e in entries if "level" in e]
-    if not ran and base_err is not None:
-        raise base_err
+    if not ran:  # every planned run was refused once its data and model were known: the setup's error, exit 2
+        err = runtime_setup_error(planned, results, shared, seeds, variants)
+        _discard_failed_audit(out, created)
+        raise err
     # --only: the left-out attacks checked by the gate (validated, not run), so the banner and not_tested say which of
     # them could have run here and the ones that never could are grouped apart
     left_out = left_out_split(raw, names) if only else {"applicable": [], "not_applicable": []}
@@ -729,7 +821,8 @@ def _run_one(name: str, cand: dict, out_dir: str, device: str | None) -> dict:
 
             res = runner.run_config(cand, out_dir, device=device)
     except BadInput as err:
-        return {"bad_input": str(err), "seconds": time.perf_counter() - t0}
+        return {"bad_input": str(err), "bad_input_parts": [err.field, err.problem, err.fix],
+                "seconds": time.perf_counter() - t0}
     except Exception as err:  # noqa: BLE001
         return {"error": f"{type(err).__name__}: {err}", "seconds": time.perf_counter() - t0}
     return {"metrics": res.get("metrics", {}), "artifacts": res.get("artifacts", []),
@@ -774,7 +867,8 @@ def _run_jobs(out: Path, jobs: list[tuple], workers: int, log: Callable[[str], A
     todo = len(cells) - len(reused)
     latest = run_cells(cells, out / RUN_LEDGER, row, executor="inline" if workers <= 1 or todo <= 1 else "local",
                        workers=workers, retries=0, label="audit",
-                       describe=lambda r: "refused" if "bad_input" in r["result"] else "finished", log=log)
+                       describe=lambda r: (f"refused -- {r['result']['bad_input']} --" if "bad_input" in r["result"]
+                                           else "finished"), log=log)
     return {r["job"]: r["result"] for r in latest.values()}
 
 

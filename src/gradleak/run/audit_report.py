@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from gradleak.evaluation.levels import leak_rank
+from gradleak.run.answer import fmt_p
 
 #: the threat flags that are server capabilities (an upgraded server may have them); the others are facts it learns
 SERVER_CAPABILITIES = ("malicious", "prescribes_architecture", "public_data")
@@ -48,7 +49,7 @@ def evidence_words(a: dict) -> str:
     """``metric = v against a null 99th percentile of x (p = y)`` of :func:`shown_evidence`."""
     s = shown_evidence(a)
     text = (f"{s['metric']} = {fmt_value(s.get('value'))} against a null 99th percentile of "
-            f"{fmt_value(s.get('null_p99'))} (p = {fmt_value(s.get('p_value'))})")
+            f"{fmt_value(s.get('null_p99'))} ({fmt_p(s.get('p_value'))})")
     if s.get("headline"):
         text += f"; headline {s['headline']['metric']} = {fmt_value(s['headline'].get('value'))}"
     return text
@@ -404,7 +405,7 @@ def write_audit_report(result: dict, out: Path) -> Path:
              + (f"; headline {ev['headline']['metric']} = {fmt_value(ev['headline'].get('value'))}"
                 if ev.get("headline") else ""))
             if _number(val) and "level" in a else "–",
-            fmt_value(ev.get("null_p99")) if "level" in a else "–", fmt_value(ev.get("p_value")) if "level" in a else "–",
+            fmt_value(ev.get("null_p99")) if "level" in a else "–", fmt_p(ev.get("p_value"), bare=True) if "level" in a else "–",
             client_words(a["worst_client"]) if "worst_client" in a else "–",
             f"{a['n_success']} / {a['n_total']}" if a.get("n_success") is not None else "–",
             f"{a['seconds']:.0f} s" if "seconds" in a else "–",
@@ -449,7 +450,7 @@ def write_audit_report(result: dict, out: Path) -> Path:
                 cv = shown_evidence({"metric": a.get("metric"), **c})  # a client's entry: no headline name of its own
                 crow.append(f"<tr><td>{e(client_words(c['client']))}</td><td>{e(c['level'])}</td>"
                             f"<td>{e(str(cv.get('metric') or ''))} = {fmt_value(cv.get('value'))}</td>"
-                            f"<td>{fmt_value(cv.get('null_p99'))}</td><td>{fmt_value(cv.get('p_value'))}</td>"
+                            f"<td>{fmt_value(cv.get('null_p99'))}</td><td>{fmt_p(cv.get('p_value'), bare=True)}</td>"
                             f"<td>{e('; '.join(c.get('warnings') or []))}</td></tr>")
             parts.append("<table><tr><th>client</th><th>level</th><th>deciding measure</th><th>null p99</th><th>p</th>"
                          "<th>this client's warnings</th></tr>" + "".join(crow) + "</table>")

@@ -90,7 +90,7 @@ def validate(raw: dict, overrides: list[str] | None = None):
     try:
         cfg = ExperimentConfig(**full)
     except ValidationError as err:
-        raise describe_validation_error(err) from None
+        raise describe_validation_error(err, ExperimentConfig) from None
     cfg.check()
     from gradleak.run.pipeline import run_experiment
 
