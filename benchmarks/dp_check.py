@@ -190,6 +190,13 @@ def rejecting(m: dict) -> str:
     return "; ".join(out) or "none"
 
 
+def ceiling(r: dict) -> float:
+    """The largest ε the threshold bound could certify with the row's canaries (95 %, perfectly separated)."""
+    from gradleak.evaluation.empirical_epsilon import bound_ceiling
+
+    return bound_ceiling(r["canaries"], r["canaries"], r["delta"])
+
+
 def table(rows: list[dict]) -> str:
     def f(x, spec=".3g"):
         return fmt_num(x, spec)
@@ -211,15 +218,19 @@ def table(rows: list[dict]) -> str:
              f"ε. Measured on these rows (computed): of the {len(correct)} correct mechanisms' rows, the exact ε lies "
              f"inside the 95 % interval of the threat model the noise protects directly in {inside} (each upload for "
              "local noise and DP-SGD, the aggregate for central noise); the fit's 99.9 % lower end exceeds the claim "
-             f"in {fit_over} threat model(s); verdicts: "
+             f"in {fit_over} threat model(s); *threshold bound*: the distribution-free lower bound (Jagielski et al. "
+             "2020, Jeffreys intervals, 95 %), the largest over the threat models, and in brackets the most it could "
+             "read with these canaries (perfect separation): a claim above that ceiling is not testable by the bound "
+             f"at this size ({sum(r['claimed_epsilon'] > ceiling(r) for r in correct)} of the {len(correct)} rows), "
+             "and its verdict rests on the fit and the claim tests; verdicts: "
              + ", ".join(f"{v} {sum(r['verdict'] == v for r in correct)}" for v in sorted({r['verdict'] for r in correct}))
              + ". Broken DP is also called `claim_violated` by the tests `tests/test_dp_check.py` (noise added "
              "before clipping, clipping bound ignored, no noise, noise skipped on one upload in ten, central noise "
              "divided by the client count twice; DP-SGD without noise or without per-sample clipping), and a correct "
              "mechanism `consistent` (dp_gaussian client and server, DP-SGD, Flower's server-side fixed clipping).", "",
-             "| mechanism | seed | claimed (accountant) | exact | each upload | every round / final model | claim tests "
-             "rejecting | verdict | s | revision |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| mechanism | seed | claimed (accountant) | exact | each upload | every round / final model | threshold "
+             "bound (ceiling) | claim tests rejecting | verdict | s | revision |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in correct + broken:
         m = r["measured"]
 
@@ -231,7 +242,8 @@ def table(rows: list[dict]) -> str:
 
         agg = "final_model" if "final_model" in m else "every_round"
         lines.append(f"| {r['mechanism']} | {r['seed']} ({r['role']}) | {f(r['claimed_epsilon'])} | "
-                     f"{f(r.get('exact_epsilon'))} | {cell('each_upload')} | {cell(agg)} | {rejecting(m)} | "
+                     f"{f(r.get('exact_epsilon'))} | {cell('each_upload')} | {cell(agg)} | "
+                     f"{f(max(x['lower_bound'] for x in m.values()))} ({f(ceiling(r))}) | {rejecting(m)} | "
                      f"{r['verdict']} | {f(r['check_seconds'], '.1f')} | {revision_label(r)} |")
     for name in BREAKAGES:
         got = [r for r in broken if r["mechanism"] == name]

@@ -127,3 +127,22 @@ def test_without_a_finite_claim_only_the_spread_is_tested():
     s, u = simulated_statistics(rng, K, DIM, 1.0, unnoised=10)
     t = claim_tests(s, u, None, DELTA, dim=DIM)
     assert not t["shift"]["rejects"] and not t["tail"]["rejects"] and t["spread"]["rejects"]
+
+
+def test_the_threshold_bounds_ceiling_says_what_this_canary_count_cannot_test():
+    """With 100 + 100 canaries the distribution-free threshold bound reads at most 3.95 (perfect separation): the
+    RDP claim 4.73 of z = 1 lies above it, and a consistent verdict says so; more canaries raise the ceiling."""
+    from gradleak.evaluation.empirical_epsilon import bound_ceiling, threshold_lower_bound
+
+    ceiling = bound_ceiling(K, K, DELTA)
+    assert ceiling == pytest.approx(3.945, abs=1e-3) and ceiling < CLAIM < bound_ceiling(1000, 1000, DELTA)
+    rng = np.random.default_rng(5)
+    s, u = simulated_statistics(rng, K, DIM, 0.05)  # far beyond any claim: perfectly separated
+    assert threshold_lower_bound(s, u, DELTA) == pytest.approx(ceiling)
+    verdict, measured = simulated_check(11)
+    assert verdict == "consistent" and all(m["lower_bound"] <= m["lower_bound_ceiling"] == ceiling for m in measured)
+    seen, _ = simulated_statistics(np.random.default_rng(11), K, DIM, 1.0)
+    _, unseen = simulated_statistics(np.random.default_rng(12), K, DIM, 1.0)
+    verdict, sentence, _ = empirical_epsilon.judge(
+        {"each_upload": {"seen": seen, "unseen": unseen, "claimed_epsilon": CLAIM}}, CLAIM, DELTA, dim=DIM)
+    assert verdict == "consistent" and "not testable at this size" in sentence

@@ -161,6 +161,15 @@ def threshold_lower_bound(seen: Sequence[float], unseen: Sequence[float], delta:
     return float(max(0.0, np.max(b1), np.max(b2)))
 
 
+@functools.lru_cache(maxsize=64)
+def bound_ceiling(seen: int, unseen: int, delta: float, alpha: float = 0.05) -> float:
+    """The largest ε :func:`threshold_lower_bound` can certify with ``seen`` and ``unseen`` canaries at confidence
+    1 − ``alpha``: its value on perfectly separated statistics (100 + 100 canaries: 3.95 at δ = 1e-5). A claim above
+    it cannot be refuted by the distribution-free bound at this canary count ("not testable at this size"); the fit
+    and the claim tests, which use the Gaussian model and the exact null of a never-inserted canary, still can."""
+    return threshold_lower_bound(np.ones(int(seen)), np.zeros(int(unseen)), delta, alpha)
+
+
 def _pooled_mu(seen: np.ndarray, unseen: np.ndarray) -> np.ndarray:
     """(mean seen − mean unseen) / pooled spread, along the last axis (vectorised over bootstrap resamples)."""
     var = 0.5 * (np.var(seen, axis=-1, ddof=1) + np.var(unseen, axis=-1, ddof=1))
@@ -189,7 +198,8 @@ def estimate(seen: Sequence[float], unseen: Sequence[float], delta: float, *, se
       coverage).
     * ``interval``: 95 % percentile bootstrap of μ over the canaries (seen and unseen resampled; ours), mapped to ε
       (monotone); ``strict_lower``: the one-sided ``strict`` (99.9 %) bootstrap lower end, which the verdict reads.
-    * ``lower_bound``: the threshold test's bound at confidence 1 − ``alpha`` (no Gaussian assumption)."""
+    * ``lower_bound``: the threshold test's bound at confidence 1 − ``alpha`` (no Gaussian assumption);
+      ``lower_bound_ceiling``: the most it could read with these canary counts (:func:`bound_ceiling`)."""
     s, u = np.asarray(seen, float), np.asarray(unseen, float)
     if len(s) < 2 or len(u) < 2:
         raise ValueError("the estimate needs at least two seen and two unseen canaries")
@@ -205,6 +215,7 @@ def estimate(seen: Sequence[float], unseen: Sequence[float], delta: float, *, se
             "strict_lower": _eps_of_mu(strict_lo, delta), "strict_confidence": strict,
             "epsilon_separate_spreads": epsilon_two_gaussians(m0, s0, m1, s1, delta),
             "lower_bound": threshold_lower_bound(s, u, delta, alpha), "lower_bound_confidence": 1 - alpha,
+            "lower_bound_ceiling": bound_ceiling(len(s), len(u), delta, alpha),
             "seen": {"mean": m1, "std": s1, "n": len(s)}, "unseen": {"mean": m0, "std": s0, "n": len(u)},
             "delta": delta, "resamples": int(resamples)}
 
@@ -399,7 +410,12 @@ def dp_verdict(claimed: float | None, measured: list[dict]) -> tuple[str, str]:
     return "consistent", ("the measured ε stays within the claim" + (
         f" (largest: ε = {fmt_epsilon(worst['epsilon'])}, {worst['threat_model'].replace('_', ' ')}, interval "
         f"{fmt_epsilon(worst['interval'][0])}–{fmt_epsilon(worst['interval'][1])}; claimed {fmt_epsilon(claimed)})" if worst else "")
-        + (", and no claim test rejects" if any("tests" in m for m in measured) else ""))
+        + (", and no claim test rejects" if any("tests" in m for m in measured) else "")
+        + (f"; the distribution-free threshold bound could certify at most ε = {fmt_epsilon(ceiling)} with these "
+           f"canaries, so against the claimed {fmt_epsilon(claimed)} it is not testable at this size: the verdict "
+           "rests on the fit and the claim tests" if (ceiling := min((m.get("lower_bound_ceiling", math.inf)
+                                                                      for m in measured), default=math.inf)) < claimed
+           else ""))
 
 
 def judge(statistics: dict[str, dict], claimed: float | None, delta: float, *, dim: int, seed: int = 0,
