@@ -380,10 +380,10 @@ class LoraSpan(AttackBase):
         reasons = []
         if batch > 1:
             reasons.append(f"batch of {batch}: the measurements solver recovers one image (B = 1)")
-        if k < N + 1:
+        if k < N:  # N patch directions determine the image (the CLS direction, when present, adds none)
             reasons.append(f"{k} of the {N + 1} token directions stand above the cut: the image is the posterior "
                            f"mean of {sol['measurements']} measurements of {sol['unknowns']} pixels under the prior")
-        holds = batch <= 1 and k >= N + 1
+        holds = batch <= 1 and k >= N
         t_fb = self._time_fwdbwd(view, max(batch, 1), side, C) if self.time_fwdbwd else float("nan")
         declared = view_noise_std(view, view.updates[0], tensor=keys)
         margin = spectral_margin([G], max(batch, 1) * (N + 1), declared or read_std)

@@ -143,6 +143,17 @@ def spectral_margin(grads: list[torch.Tensor], rank: int, noise_std: float | Non
     * ``drowning_noise_std_all`` -- the std at which the edge reaches the largest singular value: every direction
       drowned, nothing a spectral test of this matrix can find.
 
+    With the noise std known (declared, or read off the upload), also the information limit of the spectrum:
+
+    * ``directions_above_edge`` -- how many singular values stand above the edge (1.05 x, as the attacks' noise-edge
+      cut): the signal directions any subspace attacker can separate from the noise;
+    * ``margin_strongest`` -- the largest singular value over the edge (does not saturate at the cut: ≤ 1 means no
+      direction at all stands out);
+    * ``debiased_strongest`` / ``debiased_weakest_above_edge`` -- the signal singular values behind the strongest and
+      the weakest above-edge observed ones, debiased for the noise (spiked rectangular model, Benaych-Georges &
+      Nadakuditi 2012; the inversion Gavish & Donoho 2017 use for optimal shrinkage: with x = s/(τ√n), c = M/n,
+      θ/(τ√n) = ((x² − 1 − c + ((x² − 1 − c)² − 4c)^{1/2}) / 2)^{1/2}).
+
     Singular values of the raw rows (not row-normalised), so the numbers are on the upload's own scale."""
     rows = stack_rows(grads)
     M, n = rows.shape
@@ -153,9 +164,29 @@ def spectral_margin(grads: list[torch.Tensor], rank: int, noise_std: float | Non
     k = min(int(rank), len(s))
     scale = M ** 0.5 + n ** 0.5
     edge = float(noise_std) * scale if noise_std else float("nan")
-    return {"spectral_margin": float(s[k - 1]) / edge if noise_std else float("nan"),
-            "drowning_noise_std": float(s[k - 1]) / scale, "drowning_noise_std_all": float(s[0]) / scale,
-            "signal_rank": float(k)}
+    out = {"spectral_margin": float(s[k - 1]) / edge if noise_std else float("nan"),
+           "drowning_noise_std": float(s[k - 1]) / scale, "drowning_noise_std_all": float(s[0]) / scale,
+           "signal_rank": float(k)}
+    if noise_std:
+        above = int((s > 1.05 * edge).sum())
+        out.update({"directions_above_edge": float(above), "margin_strongest": float(s[0]) / edge,
+                    "debiased_strongest": debias_singular_value(float(s[0]), float(noise_std), M, n),
+                    "debiased_weakest_above_edge": (debias_singular_value(float(s[above - 1]), float(noise_std), M, n)
+                                                    if above else 0.0)})
+    return out
+
+
+def debias_singular_value(s: float, noise_std: float, M: int, n: int) -> float:
+    """The signal singular value behind an observed one ``s`` of an M × n matrix with i.i.d. noise of std
+    ``noise_std`` (spiked model; 0 at or below the edge τ(√M + √n)): see :func:`spectral_margin`."""
+    big, small = max(M, n), min(M, n)
+    c = small / big
+    x2 = (s / (noise_std * big ** 0.5)) ** 2
+    b = x2 - 1 - c
+    disc = b * b - 4 * c
+    if b <= 0 or disc < 0:
+        return 0.0
+    return noise_std * big ** 0.5 * ((b + disc ** 0.5) / 2) ** 0.5
 
 
 def is_pruned(grads: list[torch.Tensor], min_fraction: float = 0.01) -> bool:
