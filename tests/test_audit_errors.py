@@ -245,3 +245,18 @@ def test_the_gate_passes_for_real_with_dager_not_run_on_adapters(tmp_path):
     levels = {a["name"]: a.get("level") for a in audit["attacks"]}
     assert levels == {"dager": None, "utr": "none"}
     assert not (tmp_path / "out" / "attacks" / "dager").exists()
+
+
+def test_the_framework_audits_decide_applicability_from_the_model_too(tmp_path):
+    """One decision for every audit (docs/DESIGN.md §7): a Flower / NVFlare round audit of an adapters federation
+    does not run DAGER either; asked for DAGER alone, it names why."""
+    from gradleak.errors import BadInput
+    from gradleak.run.round_audit import RoundAudit
+
+    config = {**yaml.safe_load(TEXT_ADAPTERS.read_text()), "attack": {"name": "utr"}}  # the setting the app models
+    audit = RoundAudit(config, tmp_path, attacks=["dager", "utr"], log=lambda m: None)
+    assert [name for name, _ in audit.plans] == ["utr"]
+    (dager,) = audit.not_run
+    assert dager["name"] == "dager" and "not applicable to this architecture" in dager["reason"]
+    with pytest.raises(BadInput, match="frozen"):
+        RoundAudit(config, tmp_path, attacks=["dager"], log=lambda m: None)

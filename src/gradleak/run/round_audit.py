@@ -177,6 +177,10 @@ class RoundAudit:
             except BadInput as err:
                 self.not_run.append({"name": name, "applicable": False, "reason": str(err)})
                 continue
+            if not cfg.attack_cls.measurable(cfg):  # decided from the architecture, as `gradleak audit` decides it
+                self.not_run.append({"name": name, "applicable": False, "reason": "not applicable to this "
+                                     f"architecture: {cfg.attack_cls.not_measurable_reason(cfg)}"})
+                continue
             if cfg.attack_cls.rewrites_weights:
                 self.not_run.append({"name": name, "applicable": False, "reason": "poisons the weights the server "
                                      "sends, which a recorded honest federation did not do; run it through the "
