@@ -72,3 +72,13 @@ def test_the_audit_banner_and_the_answer_write_the_floor_as_p_below():
                            "psnr_mean": 12.0}}
     answer = run_answer(results)
     assert "(null median 10 dB, p < 0.001)" in answer["chance_words"]
+
+
+def test_the_run_report_metric_table_writes_the_floor_as_below_too():
+    from gradleak.report.html import metric_groups
+
+    groups = metric_groups({"psnr_max": 30.0, "psnr_max_p_value": 1 / 1001, "ssim_max_p_value": 0.0123,
+                            "rdlv_p_value_client1": 1 / 201}, ["psnr_max", "psnr_max_p_value"])
+    rows = {k: v for g in groups for k, v in g["rows"]}
+    assert rows == {"psnr_max": "30", "psnr_max_p_value": "< 0.001", "ssim_max_p_value": "0.0123",
+                    "rdlv_p_value_client1": "< 0.005"}

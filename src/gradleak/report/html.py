@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from gradleak.report.markdown import fmt
+from gradleak.report.markdown import fmt, fmt_p, p_floor_bound
 
 MIME = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif", ".svg": "image/svg+xml",
         ".webp": "image/webp"}
@@ -250,6 +250,8 @@ THREAT_NOTE = "threat model — "
 #: (the mean public, grey and flat images; the word bag in random order): chance, not the attack
 CHANCE = re.compile(r"_(null_median|null_p99|p_value)(_|$)|_(mean_public|grey|flat|bag_order)(_client\d+)?$")
 PER_CLIENT = re.compile(r"_client\d+(_round\d+)?$")
+#: a p-value's key: at the floor of its null's draws it reads "< 0.001", not 0.000999 (:func:`fmt_p`)
+P_VALUE = re.compile(r"_p_value(_|$)")
 
 
 def metric_groups(metrics: dict, answer_keys: list[str] | tuple = ()) -> list[dict]:
@@ -264,7 +266,8 @@ def metric_groups(metrics: dict, answer_keys: list[str] | tuple = ()) -> list[di
               ("Chance: nulls and trivial references", False,
                [r for r in rows if r[0] not in head and CHANCE.search(r[0]) and not PER_CLIENT.search(r[0])]),
               ("Per client and round", False, [r for r in rows if r[0] not in head and PER_CLIENT.search(r[0])])]
-    return [{"title": t, "open": o, "rows": [(k, _text(v)) for k, v in g]} for t, o, g in groups if g]
+    return [{"title": t, "open": o, "rows": [(k, fmt_p(v, bare=True) if P_VALUE.search(k) and p_floor_bound(v)
+                                              else _text(v)) for k, v in g]} for t, o, g in groups if g]
 
 
 def render_html(results: dict, out_dir: Path, extra: dict | None = None) -> str:

@@ -16,6 +16,8 @@ import math
 from types import SimpleNamespace
 from typing import Any
 
+from gradleak.report.markdown import fmt_p, p_floor_bound  # noqa: F401 -- the console's and the reports' one spelling
+
 #: a headline metric in words, and its unit (a metric not listed is named by its key)
 METRIC_WORDS = {"psnr_max": ("best-image PSNR", " dB"), "psnr": ("mean PSNR", " dB"), "ssim_max": ("best-image SSIM", ""),
                 "rouge1_f1": ("ROUGE-1 F1", ""), "rouge2_f1": ("ROUGE-2 F1", ""), "auc": ("ROC AUC", ""),
@@ -31,36 +33,6 @@ def num(v: Any) -> str:
     if math.isinf(v):
         return "∞" if v > 0 else "−∞"
     return f"{v:.3g}"
-
-
-def p_floor_bound(p: Any) -> float | None:
-    """The bound to print a p-value at its floor as ``p < bound``: a Monte-Carlo p-value of ``n`` null draws is at
-    least ``1 / (1 + n)`` (:mod:`gradleak.evaluation.nulls`: no draw reached the value), which says "below what the
-    draws resolve", not a measured 0.000999. The bound is that floor rounded up to one significant digit (0.000999
-    -> 0.001, 1/201 -> 0.005), used only where it is strictly above ``p``; None for any other p."""
-    if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0 < p < 1):
-        return None
-    n = 1.0 / p - 1.0
-    if round(n) < 199 or abs(n - round(n)) > 1e-6 * n:  # not 1 / (1 + draws) for a null of >= 200 draws
-        return None
-    exp = math.floor(math.log10(p))
-    bound = math.ceil(p / 10 ** exp - 1e-9) * 10 ** exp
-    bound = float(f"{bound:.1g}")
-    return bound if bound > p else None
-
-
-def fmt_p(p: Any, bare: bool = False) -> str:
-    """A p-value as the console and the reports write it: ``p < 0.001`` at the floor of its null's draws
-    (:func:`p_floor_bound`), else ``p = 0.0123`` (four significant digits); ``p = n/a`` when there is none.
-    ``bare``: for a table's p column, without the ``p = `` (``< 0.001``, ``0.0123``, ``n/a``)."""
-    bound = p_floor_bound(p)
-    if bound is not None:
-        text = f"p < {bound:g}"
-    elif not isinstance(p, (int, float)) or isinstance(p, bool) or p != p:
-        text = "p = n/a"
-    else:
-        text = f"p = {p:.4g}"
-    return text.removeprefix("p = ").removeprefix("p ") if bare else text
 
 
 def attack_title(A, name: str) -> str:
