@@ -13,7 +13,12 @@ a *server capability* (``malicious``, ``prescribes_architecture``, ``public_data
 take for itself), the audit runs it again under the smallest such upgrade and records that threat -- that is
 what makes the verdict "leaks only under a malicious server" possible. Refusals for other reasons (modality,
 PEFT kind, facts of the deployment such as leaked sequence lengths or individual updates) are reported with the
-gate's own message.
+gate's own message. An attack the gate accepts but that cannot measure anything in this architecture
+(:meth:`AttackBase.measurable`: DAGER on a frozen backbone) is not applicable, with its reason, and is not run.
+When no attack can run, the audit exits 2 with the error that concerns the setup (:func:`setup_error`: the refusal
+the attacks meant for this modality and PEFT kind share, else each one's); an error found once the data and model
+load (a split larger than the data) ends the same way when every planned run was refused
+(:func:`runtime_setup_error`), and ``--out`` keeps nothing of the audit.
 
 Levels, per reconstruction kind (:mod:`gradleak.evaluation.levels`; each beyond a null computed the same way as
 the attack's score, :mod:`gradleak.evaluation.nulls`): ``exact`` / ``strong`` / ``partial`` / ``none`` /
