@@ -20,6 +20,7 @@ from gradleak.attacks.common.text import (SpanTestConfig, cap_to_batch, collect_
                                           has_lm_head, specials)
 from gradleak.attacks.common.word_bag import word_bag
 from gradleak.attacks.utr.causal import CausalPeelSearch, CausalValueTest
+from gradleak.attacks.utr.clipped import ClippedSumSearch, ClippedSumTest
 from gradleak.attacks.utr.greedy import METHOD, GreedyCausalSearch, GreedyEncoderSearch
 from gradleak.attacks.utr.values import TokenGradientTest
 from gradleak.errors import BadInput
@@ -31,6 +32,11 @@ from gradleak.validation import InfOK
 #: the automatic sentence-search budget (``time_budget: null``): BASE + PER_SENTENCE seconds per expected sentence,
 #: clamped to [MIN, MAX] (see :func:`auto_time_budget`)
 AUTO_BUDGET_BASE, AUTO_BUDGET_PER_SENTENCE, AUTO_BUDGET_MIN, AUTO_BUDGET_MAX = 30.0, 5.0, 60.0, 600.0
+#: seconds the clipped-sum search (:mod:`gradleak.attacks.utr.clipped`) may take of stage 2's budget: B + 1 sentences'
+#: worth of the automatic rule's per-sentence share, at least 20 s (the text audit stays <= 60 s on 2 cores; measured
+#: MiniLM B = 2, DP-SGD sigma 1e-6: 2-5 s where it reaches the noise floor; a chain the search cannot finish uses it
+#: all)
+CLIPPED_SUM_MIN_SECONDS = 20.0
 
 
 def auto_time_budget(sentences: Optional[int]) -> float:
@@ -85,6 +91,10 @@ class UTRConfig(SpanTestConfig):
                                  "bag on the kept support, the pruned entries as an error of the level read off the "
                                  "spectrum, members as the vocabulary's lower outliers (extended search; "
                                  "gradleak.attacks.common.subspace.pruned_membership)")
+    clipped_sum: bool = Field(True, description="a noisy one-step upload of a bidirectional classifier: move the "
+                              "chain search's sentences by the upload's residual under the clipped-sum model of "
+                              "DP-SGD (one label and one scale >= 0 per sentence, fitted) against the chi-square law "
+                              "of the declared noise (gradleak.attacks.utr.clipped; extended search)")
     soft_rank: Optional[float] = Field(0.96, gt=0, le=1, description="past the first layer's bottleneck (with the "
                                        "value test): grade chains by this fraction of the upload's strongest "
                                        "directions instead of its whole (saturated) row space; null = off")
@@ -177,6 +187,43 @@ class UTRAttack(AttackBase):
         paper = self.search == "paper"
         return word_bag(view, self, self.all_rounds and not paper, noise_std=lambda grads: self.noise_std(view, grads, adapter_param("embedding")),
                         extended=not paper)
+
+    def _clipped_sum(self, view: ServerView, bag: dict, sp: dict, sents: list[list[int]], sinfo: dict[str, Any],
+                     budget: float) -> tuple[list[list[int]], dict[str, Any]]:
+        """A noisy one-step upload of a bidirectional classifier: the chain search's sentences moved by their
+        share of the upload under the clipped-sum model (:mod:`gradleak.attacks.utr.clipped`), the noise std the
+        word bag used (the declared one, sigma C / B under DP-SGD), the per-sample clip norm from the declared
+        defenses. Labels: one label and one scale >= 0 per sentence when the client's loss is the plain
+        cross-entropy (no training-time defense, or DP-SGD); C - 1 free coefficients otherwise (label smoothing
+        reweights the logits). Skipped (``info["clipped_sum_search"]`` says why) for a multi-step upload, a top-k
+        pruned one or an upload without the embedding adapter's down-projection."""
+        from gradleak.defenses.declared import view_declared
+        from gradleak.defenses.training import DPSGD, NoDefense
+
+        upd = view.updates[0] if view.updates else None
+        if upd is None or upd.kind != "gradient" or int(getattr(upd, "local_steps", 1) or 1) != 1:
+            return sents, {**sinfo, "clipped_sum_search": "not tried (not a one-step gradient)"}
+        if bag.get("sparsity_aware"):
+            return sents, {**sinfo, "clipped_sum_search": "not tried (top-k pruned upload: not Gaussian noise)"}
+        if adapter_param("embedding") not in upd.tensors or not sents:
+            return sents, {**sinfo, "clipped_sum_search": "not tried (no embedding adapter gradient or no sentences)"}
+        declared = view_declared(view)
+        plain = declared.training is None or isinstance(declared.training, (DPSGD, NoDefense))
+        pad = sp["pad"] if sp["pad"] is not None else 0
+        test = ClippedSumTest(view.model, upd.tensors, float(bag["noise_std"]), clip=declared.per_sample_clip_norm,
+                              label_model="clipped" if plain else "free", pad=pad)
+        seps = sorted(int(q) for q in (bag.get("pairs") or {}).get(sp["sep"], ()))
+        search = ClippedSumSearch(test, bag["tokens"], sp["cls"], sp["sep"], seps,
+                                  batch_size=view.public.get("batch_size"), max_len=self.max_len,
+                                  time_budget=budget, early_stop=self.noise == "public")
+        before = [list(s) for s in sents]
+        out, cinfo = search.run(sents)
+        info = {**sinfo, **cinfo}
+        if cinfo.get("clipped_sum_consistent"):  # the batch explains the upload down to the declared noise
+            info["verified_sentences"] = len(out)
+        elif out != before[:len(out)]:
+            info["verified_sentences"] = 0
+        return out, info
 
     def _causal_peel(self, view: ServerView, bag: dict, sp: dict, cands: torch.Tensor, sents: list[list[int]],
                      sinfo: dict[str, Any], eps_sentence: float,
@@ -303,6 +350,9 @@ class UTRAttack(AttackBase):
                                         joint=la_saturated, value_test=value_test, layer_grad=grads_la[0],
                                         soft_rank=self.soft_rank)
             sents, sinfo = search.run()
+            if self.value_test and self.clipped_sum and bag["noise_std"]:
+                cap = max(CLIPPED_SUM_MIN_SECONDS, AUTO_BUDGET_PER_SENTENCE * (int(B or 1) + 1))
+                sents, sinfo = self._clipped_sum(view, bag, sp, sents, sinfo, min(left(), cap))
         t2 = time.perf_counter()
         info = {
             "method": METHOD[self.search],
