@@ -349,15 +349,17 @@ def judge(kind: str, metrics: dict, cfg) -> dict:
     return out
 
 
-MARGIN_KEYS = ("spectral_margin", "drowning_noise_std_all", "drowning_noise_std", "signal_rank")
+MARGIN_KEYS = ("spectral_margin", "drowning_noise_std_all", "drowning_noise_std", "signal_rank", "directions_above_edge",
+               "margin_strongest", "debiased_strongest", "debiased_weakest_above_edge")
 
 
 def leakage_margin(metrics: dict) -> dict[str, dict[str, float]]:
     """Per attacked layer, the leakage margin an exact attack measured on the observed upload
     (:func:`gradleak.attacks.common.subspace.spectral_margin`): ``spectral_margin`` (the weakest signal direction the
     attack used over the noise edge of the declared noise; nan without noise), ``drowning_noise_std`` (the
-    per-coordinate noise std that would drown that direction) and ``drowning_noise_std_all`` (every direction).
-    Read from the run's metrics ``<key>_<layer>``."""
+    per-coordinate noise std that would drown that direction) and ``drowning_noise_std_all`` (every direction); with a
+    known noise std, the information limit: ``directions_above_edge``, ``margin_strongest`` and the debiased singular
+    values. Read from the run's metrics ``<key>_<layer>``."""
     out: dict[str, dict[str, float]] = {}
     for k, v in metrics.items():
         for key in MARGIN_KEYS:
