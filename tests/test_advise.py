@@ -69,6 +69,14 @@ def test_advice_round_trip_recommended_strength_gives_no_leak_found(tmp_path, on
 LEAKS = {"attacks": [{"name": "utr", "level": "partial"}, {"name": "dlg", "level": "none"}]}
 
 
+@pytest.fixture(autouse=True)
+def one_batch(monkeypatch, request):
+    """The flow tests below count probes on the audited victim batch alone (``batches = 1``); the batch checks have
+    their own tests (``test_a_strength_*_victim_batch*``), which ask for ``batches`` explicitly."""
+    from gradleak.run import advise_options
+
+    monkeypatch.setattr(advise_options, "BATCHES", 1)
+
 def _fake(calls, threshold=0.05, kill_at=None, clock=None):
     """A probe: UTR stops when the per-coordinate noise std reaches ``threshold``; accuracy falls with the noise."""
 
@@ -782,3 +790,65 @@ def test_a_budget_spent_during_the_checks_holds_back_those_not_started(tmp_path,
     adv = mod.advise(TEXT, tmp_path, LEAKS, **kw)  # resumed: only the held-back check runs, and topk's utility run
     assert clock[0] == 10.0 and all(r["status"] == "stopped" and "unverified" not in r for r in adv["rows"])
     assert [pruned(raw) for raw in fake_utility[2:]] == [True] and adv["rows"][1]["accuracy"] is not None
+
+
+def _fake_by_batch(calls, thresholds):
+    """A probe whose stopping std depends on the victim batch (``data.seed``): ``thresholds[data.seed]``."""
+
+    def probe(raw, out_dir, only, device, workers, utility_from):
+        calls.append((out_dir, (raw.get("data") or {}).get("seed", 0)))
+        std = next((d["params"]["std"] for d in raw.get("defenses") or [] if d["name"] == "gaussian_noise"), 0.0)
+        level = "none" if std >= thresholds[(raw.get("data") or {}).get("seed", 0)] else "partial"
+        return {"verdict": "leaks" if level != "none" else "no_leak_found", "accuracy": 0.8 - min(std, 0.5),
+                "attacks": {a: {"level": level, "metric": "m", "value": 1 - std, "null_p99": 0.5, "null_median": 0.4}
+                            for a in only}}
+
+    return probe
+
+
+def test_a_strength_that_stops_every_victim_batch_is_checked_on_each(tmp_path, monkeypatch, fake_utility):
+    from gradleak.run import advise as mod
+    from gradleak.run.advise_options import BATCH_SEED_STEP
+
+    calls: list = []
+    step = BATCH_SEED_STEP
+    monkeypatch.setattr(mod, "probe", _fake_by_batch(calls, {0: 0.05, step: 0.05, 2 * step: 0.05}))
+    adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None, batches=3)
+    row = next(r for r in adv["rows"] if r["defense"] == "gaussian_noise")
+    assert row["status"] == "stopped"
+    assert [b["data_seed"] for b in row["batches"]] == [0, step, 2 * step]
+    assert all(b["stopped"] and b["strength"] == row["strength"] for b in row["batches"])
+    assert sorted({seed for _, seed in calls}) == [0, step, 2 * step]
+    assert sum(seed == step for _, seed in calls) == 1  # one probe per further batch, at the strength found
+
+
+def test_a_strength_one_victim_batch_survives_is_raised_until_it_stops_that_batch_too(tmp_path, monkeypatch,
+                                                                                     fake_utility):
+    """The NVFlare-SVT failure mode: a strength found on the audited batch leaves a new batch leaking; the search
+    resumes above it on that batch, and the recommendation is the stronger strength."""
+    from gradleak.run import advise as mod
+    from gradleak.run.advise_options import BATCH_SEED_STEP
+
+    calls: list = []
+    step = BATCH_SEED_STEP
+    monkeypatch.setattr(mod, "probe", _fake_by_batch(calls, {0: 0.01, step: 0.01, 2 * step: 0.2}))
+    one = mod.advise(TEXT, tmp_path / "one", LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None,
+                     batches=1)
+    three = mod.advise(TEXT, tmp_path / "three", LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None,
+                       batches=3)
+    r1 = next(r for r in one["rows"] if r["defense"] == "gaussian_noise")
+    r3 = next(r for r in three["rows"] if r["defense"] == "gaussian_noise")
+    assert r1["strength"] < 0.2 <= r3["strength"]
+    leaked = [b for b in r3["batches"] if b["stopped"] is False]
+    assert leaked and leaked[0]["data_seed"] == 2 * step and leaked[0]["strength"] == r1["strength"]
+    assert r3["batches"][-1] == {**r3["batches"][-1], "data_seed": 2 * step, "stopped": True,
+                                 "strength": r3["strength"]}
+
+
+def test_advise_section_takes_batches():
+    from gradleak.run.advise_options import advise_section
+
+    assert advise_section(True)["batches"] == 1  # this module's fixture: the default is BATCHES
+    assert advise_section({"batches": 3})["batches"] == 3
+    with pytest.raises(BadInput, match="batches"):
+        advise_section({"batches": 0})

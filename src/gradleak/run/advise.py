@@ -228,6 +228,26 @@ def probe(raw: dict, out_dir: str, only: list[str], device: str | None, workers:
     return out
 
 
+def batch_seed(raw: dict, batch: int) -> int:
+    """The ``data.seed`` of victim batch ``batch`` (0: the audited config's own)."""
+    from gradleak.run.advise_options import BATCH_SEED_STEP
+
+    return int((raw.get("data") or {}).get("seed") or 0) + BATCH_SEED_STEP * int(batch)
+
+
+def batch_config(raw: dict, batch: int) -> dict:
+    """``raw`` drawing victim batch ``batch``: ``seed`` and ``data.seed`` moved by ``BATCH_SEED_STEP`` each (the
+    samples follow ``data.seed``, the noise and initialisation ``seed``); batch 0 is ``raw`` itself."""
+    if not batch:
+        return raw
+    from gradleak.run.advise_options import BATCH_SEED_STEP
+
+    out = copy.deepcopy(raw)
+    out["seed"] = int(out.get("seed") or 0) + BATCH_SEED_STEP * int(batch)
+    out["data"] = {**(out.get("data") or {}), "seed": batch_seed(raw, batch)}
+    return out
+
+
 def held_back(row: dict) -> bool:
     """A probe the cell loop held back before it started, the budget being spent (:class:`gradleak.run.cells.NotStarted`):
     no evidence either way; its search ends unfinished."""
@@ -308,7 +328,7 @@ def _levels(row: dict, attacks: list[str]) -> dict[str, str]:
 def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | None = None, workers: int = 1,
            budget_seconds: float | None = None, candidates: list[str] | None = None, steps: int = STEPS,
            log: Callable[[str], Any] = print, extra: list[dict] = (), utility_rounds: int | None = None,
-           executor: str = "inline") -> dict:
+           executor: str = "inline", batches: int | None = None) -> dict:
     """The advice for the audit ``audit_result`` of ``raw`` (the resolved config, e.g. ``audit_result["config"]``):
     see the module docstring. Probes go to ``out_dir/advise/``; returns the ``advice`` dict.
 
@@ -316,7 +336,17 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     :data:`CANDIDATES` whose callables replace the generic steps: ``configure(raw, value)`` the probe config,
     ``set(raw, value)`` the overrides, ``start(raw)`` the configured strength, ``epsilon(value, rounds)`` a dict
     (``epsilon``, ``epsilon_note``) for the row; ``row``: fields copied into the row (``tie_break``: the rank
-    among equally cheap rows, before :data:`STANDARD`'s; ``scale``; ``is_dp``: an epsilon row)."""
+    among equally cheap rows, before :data:`STANDARD`'s; ``scale``; ``is_dp``: an epsilon row).
+
+    ``batches`` (default :data:`~gradleak.run.advise_options.BATCHES`): a strength found on the audited victim batch
+    is probed against every tested attack on ``batches - 1`` more victim batches (``seed`` and ``data.seed`` moved by
+    :data:`~gradleak.run.advise_options.BATCH_SEED_STEP` each: other samples, other noise); where one still leaks, the
+    search resumes above that strength on that batch (bisection between it and the strong end), assuming -- as every
+    bisection here does -- that a stronger setting of the same defense stops what a weaker one stopped. The row's
+    ``batches`` lists each batch's data seed, the strength probed there and its levels."""
+    from gradleak.run.advise_options import BATCHES
+
+    batches = BATCHES if batches is None else int(batches)
     from gradleak.evaluation.levels import LEAKING
     from gradleak.registry import ATTACKS
     from gradleak.run.audit import config_hash, plan_audit
@@ -474,17 +504,17 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             row.update({"status": "unfinished", "note": "not started: the budget was spent"})
             return
 
-        def at(value, attacks):
-            """The probe of ``spec`` at ``value`` against ``attacks`` (recorded in the row): asked of the driver,
-            which runs it beside the other candidates' next probes."""
-            cid = probe_id(spec, value, attacks, tested)
-            r = yield (cid, defended_config(probe_base, spec, value), False, attacks)
+        def at(value, attacks, batch: int = 0):
+            """The probe of ``spec`` at ``value`` against ``attacks`` (recorded in the row) on victim batch ``batch``
+            (0: the audited one): asked of the driver, which runs it beside the other candidates' next probes."""
+            cid = probe_id(spec, value, attacks, tested) + (f"@batch{batch}" if batch else "")
+            r = yield (cid, defended_config(batch_config(probe_base, batch), spec, value), False, attacks)
             row["probes"].append([value, cid])
             return r
 
-        def strong_end(attacks) -> dict | None:
+        def strong_end(attacks, batch: int = 0) -> dict | None:
             """The strong end's probe; None (and the row's status set) unless it stops ``attacks``."""
-            r = yield from at(spec["strong"], attacks)
+            r = yield from at(spec["strong"], attacks, batch)
             if held_back(r):
                 row.update({"status": "unfinished", "note": "not started: the budget was spent"})
             elif "error" in r:
@@ -500,7 +530,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                 return r
             return None
 
-        def bisect(bad, good, found, attacks):
+        def bisect(bad, good, found, attacks, batch: int = 0):
             status = "stopped"
             for _ in range(steps):
                 m = midpoint(spec, bad, good)
@@ -509,7 +539,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                 if over_budget():
                     status = "unfinished"
                     break
-                rm = yield from at(m, attacks)
+                rm = yield from at(m, attacks, batch)
                 if held_back(rm):  # the budget was spent before it started
                     status = "unfinished"
                     break
@@ -561,6 +591,45 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                     if r is None:
                         return
                     bad, good, found, status = yield from bisect(lo, spec["strong"], r, tested)
+        if status == "stopped" and batches > 1 and not row.get("unverified"):
+            # a recommendation holds for new victims: the strength found stops every tested attack on more batches
+            seen = [{"batch": 0, "data_seed": batch_seed(base, 0), "strength": good, "levels": _levels(found, tested),
+                     "stopped": True}]
+            for b in range(1, batches):
+                if over_budget():
+                    status = "unfinished"
+                    row["unverified"] = True
+                    row["note"] = "not checked on every victim batch: the budget was spent"
+                    break
+                rb = yield from at(good, tested, b)
+                if held_back(rb) or "error" in rb or outcome(rb, tested) == "unmeasured":
+                    status = "unfinished"
+                    row["unverified"] = True
+                    row["note"] = (f"its check on victim batch {b} did not measure: "
+                                   f"{rb.get('error') or 'an attack did not run'}")
+                    seen.append({"batch": b, "data_seed": batch_seed(base, b), "strength": good,
+                                 "levels": _levels(rb, tested), "stopped": None})
+                    break
+                ok = stopped(rb, tested)
+                seen.append({"batch": b, "data_seed": batch_seed(base, b), "strength": good,
+                             "levels": _levels(rb, tested), "stopped": ok})
+                if ok:
+                    continue
+                if good == spec["strong"]:
+                    row.update({"status": "not_stopped", "levels": _levels(rb, tested), "batches": seen,
+                                "note": f"not stopped within [{fmt(weak)}, {fmt(spec['strong'])}] on victim batch {b}"})
+                    return
+                lo = good
+                r = yield from strong_end(tested, b)
+                if r is None:
+                    row["batches"] = seen
+                    return
+                bad, good, found, status = yield from bisect(lo, spec["strong"], r, tested, b)
+                seen.append({"batch": b, "data_seed": batch_seed(base, b), "strength": good,
+                             "levels": _levels(found, tested), "stopped": True})
+                if status != "stopped":
+                    break
+            row["batches"] = seen
         row.update({"status": status, "strength": good, "interval": [bad if bad != good else None, good],
                     "levels": _levels(found, tested), "set": set_strings(base, spec, good),
                     "config": {k: v for k, v in defended_config(base, spec, good).items()
@@ -882,7 +951,8 @@ def run_audit_advised(raw: dict, out_dir: str | Path, overrides: list[str] | Non
            or "nothing (no leak)"))
     adv = advise(result["config"], out, result, device=device, workers=workers, budget_seconds=budget_seconds,
                  candidates=opts["candidates"], steps=opts["steps"], log=log,
-                 utility_rounds=check_utility_rounds(section.get("utility_rounds")), executor=executor)
+                 utility_rounds=check_utility_rounds(section.get("utility_rounds")), executor=executor,
+                 batches=opts.get("batches"))
     panels = plot_panels(adv)
     if panels:
         from gradleak.report.plots import save_privacy_utility_plot

@@ -10,6 +10,10 @@ from gradleak.errors import BadInput
 
 #: bisection steps after the strong end
 STEPS = 3
+#: victim batches a found strength must stop (docs/DESIGN.md §6: a recommendation is a claim about new victims): the
+#: searched batch and BATCHES - 1 more, each drawn with ``seed`` and ``data.seed`` moved by BATCH_SEED_STEP
+BATCHES = 3
+BATCH_SEED_STEP = 1009
 #: federated rounds of the utility runs (the accuracy cost) when ``audit.utility_rounds`` is not set
 UTILITY_ROUNDS = 20
 #: an epsilon above this guarantees nothing meaningful: such a DP row ranks after the other equally cheap defenses
@@ -60,13 +64,13 @@ def advise_section(section: Any, field: str = "audit.advise", extra_names: tuple
     if section is None or section is False:
         return None
     if section is True:
-        return {"candidates": None, "steps": STEPS}
+        return {"candidates": None, "steps": STEPS, "batches": BATCHES}
     if not isinstance(section, dict):
         raise BadInput(field, f"must be true, false or a mapping, got {section!r}.",
                        "write audit: {advise: true} (or {advise: {candidates: [gaussian_noise], steps: 2}}).")
-    bad = sorted(set(section) - {"candidates", "steps"})
+    bad = sorted(set(section) - {"candidates", "steps", "batches"})
     if bad:
-        raise BadInput(f"{field}.{bad[0]}", "this key does not exist.", f"{field} has candidates and steps.")
+        raise BadInput(f"{field}.{bad[0]}", "this key does not exist.", f"{field} has candidates, steps and batches.")
     names = [c.get("key", c["name"]) for c in candidates()] + list(extra_names)
     cands = section.get("candidates")
     if cands is not None and (not isinstance(cands, list) or not cands or any(c not in names for c in cands)):
@@ -75,7 +79,11 @@ def advise_section(section: Any, field: str = "audit.advise", extra_names: tuple
     steps = section.get("steps", STEPS)
     if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= 20:
         raise BadInput(f"{field}.steps", f"must be a whole number in [0, 20], got {steps!r}.", "write e.g. steps: 3.")
-    return {"candidates": cands, "steps": steps}
+    batches = section.get("batches", BATCHES)
+    if isinstance(batches, bool) or not isinstance(batches, int) or not 1 <= batches <= 10:
+        raise BadInput(f"{field}.batches", f"must be a whole number in [1, 10], got {batches!r}.",
+                       "write e.g. batches: 3 (the searched victim batch and two more).")
+    return {"candidates": cands, "steps": steps, "batches": batches}
 
 
 def check_budget(budget: Any, field: str = "--budget") -> float | None:
