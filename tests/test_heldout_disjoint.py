@@ -296,3 +296,18 @@ def test_projres_wordnet_cells_draw_no_quote_any_other_cell_draws(projres_cells)
         assert (len(m & public), len(m), len(n & public), len(n)) == p.WORDNET_PUBLIC
     assert p.HELDOUT_LABELS["wordnet"] == "WordNet gloss examples (held out: no quote a tuned cell drew)"
     assert p.HELDOUT_LABELS["wordnet"] in _section("projres")
+
+
+def test_info_limit_held_out_images_share_no_image_with_the_tuned_one():
+    """benchmarks/info_limit.py: the images follow ``data.seed`` (the cell sets it with ``seed``); the held-out
+    cells draw no image the tuned cell drew, and the null pool the audit scores against is not the victim."""
+    b = _bench("info_limit")
+    by_role: dict[str, set[str]] = {}
+    for c in b.cells():
+        ov = [f"seed={c['image']}", f"data.seed={c['image']}", b.defense(c["sigma0"]), "attack.name=lora_span"]
+        by_role.setdefault(c["role"], set()).update(samples(b.CONFIG, ov))
+    assert by_role["tuned"] and by_role["held out"]
+    assert not by_role["tuned"] & by_role["held out"]
+    assert b.label("none", False) == "information absent above the edge"
+    assert b.label("none", True) == "information present, missed"
+    assert b.label("partial", False) == "leaks"
