@@ -150,7 +150,7 @@ def test_attacks_refused_for_different_reasons_are_each_listed(tmp_path, own_csv
     text = str(err.value)
     assert err.value.field == "audit" and "each was refused" in text
     lines = [line.strip() for line in text.splitlines()[1:]]
-    assert len(lines) == 2 and [line.split(":")[0] for line in lines] == ["dager", "lamp"]
+    assert len(lines) == 3 and [line.split(":")[0] for line in lines] == ["dager", "lamp", "Fix"]
     assert lines[0].startswith("dager: attack.eps_bag: Input should be greater than 0")
     assert lines[1].startswith("lamp: threat.knows_lengths:") and APRIL not in text
     with pytest.raises(BadInput, match=APRIL):  # an image attack alone on text: its own refusal is the answer
@@ -260,3 +260,33 @@ def test_the_framework_audits_decide_applicability_from_the_model_too(tmp_path):
     assert dager["name"] == "dager" and "not applicable to this architecture" in dager["reason"]
     with pytest.raises(BadInput, match="frozen"):
         RoundAudit(config, tmp_path, attacks=["dager"], log=lambda m: None)
+
+
+def test_runs_refused_for_different_reasons_are_listed_and_out_is_cleaned(tmp_path, monkeypatch):
+    """Every planned run refused once its data and model were known, for different reasons: each attack on its own
+    line (a ledger row of an older audit, text only, is read back the same way), exit 2 and no leftover."""
+    from gradleak.errors import BadInput
+    from gradleak.run import audit as mod
+
+    why = {"utr": ("data.max_length", "is too short for these sentences.", "raise it."),
+           "projres": ("data.nonmembers", "8 non-members do not fit.", "lower it.")}
+
+    def fake_run_one(name, cand, out, dev):
+        field, problem, fix = why[cand["attack"]["name"]]
+        res = {"bad_input": str(BadInput(field, problem, fix)), "seconds": 0.0}
+        if name.startswith("utr"):
+            res["bad_input_parts"] = [field, problem, fix]
+        return res
+
+    monkeypatch.setattr(mod, "_run_one", fake_run_one)
+    raw = yaml.safe_load(TEXT_ADAPTERS.read_text())
+    out = tmp_path / "out"
+    with pytest.raises(BadInput) as err:
+        mod.run_audit(raw, out, ["data.test_size=50"], only=["projres", "utr"], log=lambda m: None)
+    assert err.value.field == "audit" and str(err.value).splitlines()[1:3] == [
+        "  projres: data.nonmembers: 8 non-members do not fit. Fix: lower it.",
+        "  utr: data.max_length: is too short for these sentences. Fix: raise it."]
+    assert not out.exists()
+    assert mod.refusal({"bad_input": "data.nonmembers: 8 non-members do not fit. Fix: lower it."}).field \
+        == "data.nonmembers"
+    assert mod.refusal({"metrics": {}}) is None

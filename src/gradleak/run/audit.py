@@ -427,13 +427,25 @@ def runtime_setup_error(planned: list, results: dict[str, dict], shared: dict, s
         src = shared[e["name"]][0] if e["name"] in shared else e["name"]
         res = next((results.get(f"{src}@{sd}#{k}") or {} for sd in seeds for k in range(len(variants[e["name"]]))
                     if "bad_input" in (results.get(f"{src}@{sd}#{k}") or {})), {})
-        parts = res.get("bad_input_parts")
-        err = BadInput(*parts) if isinstance(parts, list) and len(parts) == 3 else None
-        refusals.append((e["name"], err, res.get("bad_input") or e.get("reason") or "refused"))
+        refusals.append((e["name"], refusal(res), res.get("bad_input") or e.get("reason") or "refused"))
     if len({str(err) if err is not None else why for _, err, why in refusals}) == 1:
         name, err, why = refusals[0]
         return err if err is not None else BadInput("audit", f"{name}: {why}")
     return refused_attacks(refusals)
+
+
+def refusal(res: dict) -> BadInput | None:
+    """The BadInput a refused run raised, rebuilt from its result: ``bad_input_parts`` (field, problem, fix), else
+    its text ``"<field>: <problem> Fix: <fix>"`` (a ledger row of an older audit); None for a run not refused."""
+    parts = res.get("bad_input_parts")
+    if isinstance(parts, list) and len(parts) == 3:
+        return BadInput(*(str(x) for x in parts))
+    text = res.get("bad_input")
+    if not isinstance(text, str) or ": " not in text:
+        return None
+    field, rest = text.split(": ", 1)
+    problem, _, fix = rest.partition(" Fix: ")
+    return BadInput(field, problem, fix)
 
 
 def _discard_failed_audit(out: Path, created: bool) -> None:
@@ -543,7 +555,7 @@ def setup_error(raw: dict, entries: list[dict], errors: dict[str, BadInput]) -> 
 def refused_attacks(refusals: list[tuple[str, BadInput | None, str]]) -> BadInput:
     """One error listing each refused attack with its reason (``(attack, error, reason)``), one line each."""
     lines = "".join(f"\n  {name}: {str(err) if err is not None else why}" for name, err, why in refusals)
-    return BadInput("audit", f"no attack can run on this setup; each was refused:{lines}",
+    return BadInput("audit", f"no attack can run on this setup; each was refused:{lines}\n",
                     "change what each line names (or leave that attack out with --only).")
 
 
