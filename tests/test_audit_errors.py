@@ -84,7 +84,7 @@ def _mistakes(csv_path: Path) -> dict[str, tuple[dict, list[str]]]:
     raw = _fits(_copied(csv_path))
     raw["peft"]["lora_targets"] = ["q_proj", "v_proj"]
     out["LoRA targets of another model"] = (raw, ["peft.lora_targets", "no linear module is named 'q_proj'",
-                                                  "query, value"])
+                                                  "this model names them [query, value]"])
     raw = _fits(_copied(csv_path))
     raw["peft"]["lora_rnak"] = raw["peft"].pop("lora_rank")
     out["misspelt key"] = (raw, ["peft.lora_rnak", "did you mean peft.lora_rank?"])

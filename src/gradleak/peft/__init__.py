@@ -143,7 +143,12 @@ def _apply_lora(handle, spec: PeftConfig, seed: int) -> list[str]:
     linear_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
     missing = [t for t in targets if t not in linear_names]
     if missing:
-        raise BadInput("peft.lora_targets", f"no linear module is named {missing[0]!r} in {handle.name}.",
+        # the same projection under another family's name (a Llama config's q_proj on a BERT-family model)
+        same = {"q_proj": "query", "k_proj": "key", "v_proj": "value", "query": "q_proj", "key": "k_proj",
+                "value": "v_proj"}
+        meant = [same.get(t) if t in missing else t for t in targets]
+        hint = (f"; this model names them [{', '.join(meant)}]" if all(m in linear_names for m in meant) else "")
+        raise BadInput("peft.lora_targets", f"no linear module is named {missing[0]!r} in {handle.name}{hint}.",
                        f"use module names of this model: {', '.join(linear_names)}.")
     n_layers = handle.num_layers
     layers = spec.lora_layers if spec.lora_layers is not None else list(range(n_layers))
