@@ -12,11 +12,20 @@ Cells (one ``gradleak run`` each, through the one cell loop; resumable; rows car
 * **lora_span** on ``configs/audit/vit_lora.yaml`` (ViT-S/14 pretrained, LoRA r = 128 on block-0 query/value,
   Fashion-MNIST, B = 1): absolute per-coordinate Gaussian noise at {0.01, 0.1, 0.3, 1, 3, 10, 100, 1000} x the
   upload's *drowning std* (the std at which the noise edge reaches the weakest of the N + 1 token directions,
-  measured on the undefended upload of the same seed), with the rank cut of the exact solver (``gap``) and the two
-  denoising cuts (``noise_edge``, ``tokens``).
+  measured on the undefended upload of the same seed), with the rank cut of the exact solver (``gap``), the two
+  denoising cuts (``noise_edge``, ``tokens``) and the measurements solver (``solver: measurements``, every direction
+  above the noise edge a linear measurement of the image, data-free prior); per (seed, K) the **oracle ceiling**: the
+  measurements solver on the *undefended* upload of the same image restricted to its K strongest directions, K = the
+  directions a noisy upload leaves above its edge.
 
-Seeds: 0 is the tuned seed (the tolerances and the z = 6 outlier rule were chosen looking at it); 11 is held out
-(no tuned run drew its data). ``python benchmarks/defended.py --out benchmarks/out --update-docs`` (text part about
+Every cell carries its information limit (directions above the edge, the strongest margin, debiased values) and a
+**label computed from its numbers** (:func:`cell_label`): ``leaks``, ``information present, missed``, ``information
+absent`` or ``undetermined (what is missing)``; the Reading counts labels, it states no conclusion of its own.
+
+Seeds: 0 is the tuned seed (the tolerances and the z = 6 outlier rule were chosen looking at it); 11 is held out.
+Every cell sets ``seed`` and ``data.seed`` to its seed (images follow ``data.seed``, sentences ``seed``), so no held-out
+cell draws an image or sentence a tuned cell draws (``tests/test_heldout_disjoint.py``; before, the held-out lora_span
+cells set ``seed`` only and reused the tuned image). ``python benchmarks/defended.py --out benchmarks/out --update-docs`` (text part about
 10 minutes, image part about 20 minutes, PEFTLeak part about 12 minutes on 2 cores; ``--only text`` / ``--only
 models`` / ``--only image`` / ``--only peftleak``).
 
@@ -48,6 +57,7 @@ import copy
 import fnmatch
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,6 +84,7 @@ def base(path: str, attack: dict, seed: int) -> dict:
     raw.pop("audit", None)
     raw["attack"] = attack
     raw["seed"] = seed
+    raw.setdefault("data", {})["seed"] = seed  # images follow data.seed, sentences follow seed: both the cell's
     return raw
 
 
@@ -138,13 +149,30 @@ def model_cells(args):
                            [{"name": "dp_gaussian", "params": {"noise_multiplier": 0.01, "max_norm": 1.0}}])
 
 
-def image_cells(args, drowning: dict[int, float]):
+#: the lora_span solvers on each noisy upload: the exact solver's gap cut and the two denoising cuts of the span
+#: solver, and the measurements solver (every direction above the noise edge a linear measurement of the image,
+#: :mod:`gradleak.attacks.common.token_measurements`; data-free stationary prior)
+IMAGE_VARIANTS = {"gap": {"rank_cut": "gap"}, "noise_edge": {"rank_cut": "noise_edge"},
+                  "tokens": {"rank_cut": "tokens"},
+                  "measurements": {"solver": "measurements", "rank_cut": "noise_edge", "prior": "stationary"}}
+#: the tensor each part's information limit is read on (its metrics' suffix)
+TENSOR = {"image": "block0_lora_A", "text": "embedding_adapter"}
+
+
+def image_cells(args, drowning: dict[int, float], ceilings: dict[int, set[int]] | None = None):
+    """The image cells: per seed the undefended upload, then (once its drowning std is known) each noise level with
+    every solver of :data:`IMAGE_VARIANTS`, then (once the noisy uploads' directions above the edge are known:
+    ``ceilings`` = seed -> the K values) the oracle ceilings -- the measurements solver on the *undefended* upload of
+    the same image, restricted to its K strongest directions (``attack.directions=K``): the best any subspace
+    attacker does with the directions the noise leaves. One ceiling cell per (seed, K), shared by the noise levels
+    that leave the same K."""
     for seed, split in SEEDS.items():
-        def cell(cid, label, defenses=None, **attack):
+        def cell(cid, label, defenses=None, part="image", **attack):
             raw = base(IMAGE, {"name": "lora_span", **attack}, seed)
             raw["defenses"] = defenses or []
-            return ({"cell": f"image|{cid}|seed{seed}", "part": "image", "attack": "lora_span", "defense": label,
-                     "B": 1, "seed": seed, "split": split, "variant": attack or "as configured"}, raw)
+            return ({"cell": f"image|{cid}|seed{seed}", "part": part, "attack": "lora_span", "defense": label,
+                     "B": 1, "seed": seed, "data_seed": seed, "split": split, "variant": attack or "as configured"},
+                    raw)
 
         yield cell("none", "none")
         if seed not in drowning:
@@ -152,8 +180,26 @@ def image_cells(args, drowning: dict[int, float]):
         for f in DRAWN:
             std = f * drowning[seed]
             d = [{"name": "gaussian_noise", "params": {"std": std}}]
-            for cut in ("gap", "noise_edge", "tokens"):
-                yield cell(f"noise{f:g}x-{cut}", f"Gaussian std {std:.3g} ({f:g} x drowning std)", d, rank_cut=cut)
+            for cut, v in IMAGE_VARIANTS.items():
+                cid = f"noise{f:g}x-{cut}"
+                yield cell(cid, f"Gaussian std {std:.3g} ({f:g} x drowning std)", d, **v)
+        for k in sorted((ceilings or {}).get(seed, ())):
+            row, raw = cell(f"ceiling-K{k}", f"none (oracle ceiling: the undefended upload's {k} strongest directions)",
+                            part="image-ceiling", solver="measurements", prior="stationary", directions=k)
+            row["K"] = k
+            yield row, raw
+
+
+def ceiling_ks(rows: list[dict]) -> dict[int, set[int]]:
+    """seed -> the numbers of directions above the noise edge (K >= 1) the noisy image uploads leave, read off their
+    rows (``directions_above_edge_block0_lora_A``): the ceilings to run."""
+    out: dict[int, set[int]] = {}
+    for r in rows:
+        if r.get("part") == "image" and r.get("defense") != "none" and "metrics" in r:
+            k = r["metrics"].get("directions_above_edge_block0_lora_A")
+            if k is not None and k == k and k >= 1:
+                out.setdefault(r["seed"], set()).add(int(k))
+    return out
 
 
 def peftleak_cells(args):
@@ -219,10 +265,14 @@ def run_one(raw: dict, out: str) -> dict:
     return {"metrics": res["metrics"], "judge": j}
 
 
+#: the information limit of an attacked tensor (gradleak.attacks.common.subspace.spectral_margin), per tensor
+LIMIT = ("spectral_margin", "drowning_noise_std", "drowning_noise_std_all", "directions_above_edge",
+         "margin_strongest", "debiased_strongest", "debiased_weakest_above_edge")
 KEEP = ("word_bag_recall", "word_bag_recall_null_p99", "word_bag_precision", "rouge1_f1", "rouge1_f1_null_p99",
-        "sentences_exact", "psnr_max", "psnr_max_null_p99", "ssim_max", "ssim_max_null_p99",
-        "spectral_margin_embedding_adapter", "drowning_noise_std_embedding_adapter",
-        "spectral_margin_block0_lora_A", "drowning_noise_std_block0_lora_A", "lora_span_row_space_rank",
+        "sentences_exact", "psnr_max", "psnr_max_null_p99", "psnr_max_p_value", "ssim_max", "ssim_max_null_p99",
+        "psnr_max_mean_public", "psnr_max_grey", "lora_span_row_space_rank", "lora_span_directions_used",
+        "lora_span_noise_std_read",
+        *(f"{k}_{t}" for t in TENSOR.values() for k in LIMIT),
         "patch_recovery_rate", "isolated_patch_rate", "recovered_patch_psnr_median", "expected_patch_psnr_median",
         "num_returned_patches", "num_true_patches", "false_positives", "nonzero_bins", "noise_std_used",
         "auc", "auc_null_p99", "tpr_at_1pct_fpr", "tpr_at_1pct_fpr_null_p99")
@@ -241,6 +291,113 @@ def fill(result: dict, row: dict) -> str:
 
 REV = revision()
 
+#: levels at or beyond the partial bar (beyond the null)
+LEAK = ("partial", "strong", "exact")
+#: the computed labels of a cell (:func:`cell_label`); ``undetermined`` carries what is missing in brackets
+LABELS = ("leaks", "information present, missed", "information absent", "undetermined")
+#: the sub-edge word-bag test's p-value metric (UTR; issue 51 item 3) and the alpha it is read at
+SUBEDGE_P = ("subedge_p_value", "word_bag_subedge_p_value")
+SUBEDGE_ALPHA = 0.01
+
+
+def _num(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and x == x else None
+
+
+def tensor_of(row: dict) -> str | None:
+    """The attacked tensor whose information limit the row's metrics carry (:data:`TENSOR`), None for other parts."""
+    part = row.get("part") or ""
+    return TENSOR.get("image" if part.startswith("image") else part)
+
+
+def info_limit(row: dict) -> dict[str, float | None]:
+    """The row's information limit on its attacked tensor (:data:`LIMIT`; None where not measured)."""
+    t, m = tensor_of(row), row.get("metrics") or {}
+    return {k: _num(m.get(f"{k}_{t}")) for k in LIMIT} if t else {}
+
+
+def ceiling_state(row: dict) -> tuple[str | None, str]:
+    """``("beyond" | "chance" | None, why)``: the oracle ceiling of the row's upload. Its own judged level where it
+    ran (``row["ceiling"]``: the measurements solver on the undefended upload's K strongest directions, graded by the
+    same null); at chance by construction where the tensor holds nothing a subspace attacker can use -- no direction
+    above the noise edge (K = 0: the strongest singular value under the edge, ``margin_strongest`` <= 1.05) or an
+    all-zero upload (``drowning_noise_std_all`` = 0); None (not measured) otherwise. The margin at the rank cut
+    (``spectral_margin``) is never read: it sits near 1 by construction wherever the cut follows the noise edge."""
+    c = row.get("ceiling")
+    if c is not None:
+        lvl = c.get("level")
+        if lvl in LEAK:
+            return "beyond", f"ceiling {lvl} (K = {c.get('K')})"
+        if lvl == "none":
+            return "chance", f"ceiling at chance (K = {c.get('K')})"
+        return None, f"ceiling {lvl}"
+    lim = info_limit(row)
+    if lim.get("drowning_noise_std_all") == 0.0:
+        return "chance", "nothing uploaded on the attacked tensor"
+    k = lim.get("directions_above_edge")
+    if k is not None and k < 1:
+        return "chance", "K = 0 (no direction above the noise edge)"
+    return None, "no oracle ceiling"
+
+
+def subedge_state(row: dict) -> tuple[str | None, str]:
+    """``("beyond" | "chance" | None, why)``: the sub-edge test (UTR's word bag below the noise edge against its null,
+    read at :data:`SUBEDGE_ALPHA`); None where the row has none."""
+    m = row.get("metrics") or {}
+    p = next((_num(m.get(k)) for k in SUBEDGE_P if _num(m.get(k)) is not None), None)
+    if p is None:
+        return None, "no sub-edge test"
+    return ("beyond", f"sub-edge p {p:.3g}") if p < SUBEDGE_ALPHA else ("chance", f"sub-edge p {p:.3g}")
+
+
+def cell_label(row: dict) -> str:
+    """The cell's conclusion, computed from its numbers (issue 51 item 5), never typed:
+
+    * ``leaks`` -- its level >= partial (beyond the null);
+    * ``information present, missed`` -- the level is none while the oracle ceiling or the sub-edge test stands
+      beyond its null;
+    * ``information absent`` -- the level is none and both the ceiling and the sub-edge test are at chance;
+    * ``undetermined (...)`` -- otherwise, naming what is missing (the ceiling, the sub-edge test, a level)."""
+    level = row.get("level")
+    if "error" in row or level is None:
+        return "undetermined (not measured)"
+    if level in LEAK:
+        return "leaks"
+    (ceil, cwhy), (sub, swhy) = ceiling_state(row), subedge_state(row)
+    if "beyond" in (ceil, sub):
+        return "information present, missed"
+    missing = [w for st, w in ((ceil, cwhy), (sub, swhy)) if st is None]
+    if level != "none":
+        missing.insert(0, f"level {level}")
+    if not missing:
+        return "information absent"
+    return f"undetermined ({'; '.join(missing)})"
+
+
+def label_kind(label: str) -> str:
+    """The label without its bracket (one of :data:`LABELS`)."""
+    return label.split(" (")[0]
+
+
+def with_ceilings(rows: list[dict]) -> list[dict]:
+    """The rows, each noisy image row with its oracle ceiling (``ceiling``: the ceiling cell of its seed and K, its
+    level, PSNR and null) and every row with its computed ``label``. Copies; the JSONL is not changed."""
+    ok = {r["cell"]: r for r in rows if "metrics" in r}
+    out = []
+    for r in rows:
+        r = dict(r)
+        if r.get("part") == "image" and r.get("defense") != "none" and "metrics" in r:
+            k = info_limit(r).get("directions_above_edge")
+            c = ok.get(f"image|ceiling-K{int(k)}|seed{r['seed']}") if k is not None and k >= 1 else None
+            if c is not None:
+                cm = c["metrics"]
+                r["ceiling"] = {"K": int(k), "level": c["level"], "psnr_max": cm.get("psnr_max"),
+                                "psnr_max_null_p99": cm.get("psnr_max_null_p99"), "cell": c["cell"],
+                                "revision": c.get("revision")}
+        r["label"] = cell_label(r)
+        out.append(r)
+    return out
+
 
 def fmt(x, spec=".3g"):
     return "–" if x is None else (f"{x:{spec}}" if isinstance(x, (int, float)) else str(x))
@@ -251,15 +408,48 @@ def with_null(m: dict, key: str, spec: str) -> str:
     return f"{fmt(m.get(key), spec)} ({fmt(m.get(key + '_null_p99'), spec)})"
 
 
+def limit_cells(r: dict) -> str:
+    """The info-limit cells of a table row: K above the edge | margin strongest (weakest used) | its ceiling."""
+    lim, c = info_limit(r), r.get("ceiling")
+    k = lim.get("directions_above_edge")
+    if not r.get("defense") or r["defense"] == "none":
+        margin, kk = "no noise", "all"
+    else:
+        kk = fmt(k, "g") if k is not None else "–"
+        margin = (f"{fmt(lim.get('margin_strongest'), '.3g')} ({fmt(lim.get('spectral_margin'), '.3g')})"
+                  if lim.get("margin_strongest") is not None else "not measured")
+    ceil = ("–" if c is None else f"{c['level']}: {fmt(c.get('psnr_max'), '.1f')} "
+            f"({fmt(c.get('psnr_max_null_p99'), '.1f')})")
+    if c is None and ceiling_state(r)[0] == "chance":
+        ceil = "chance by construction"
+    return f"{kk} | {margin} | {ceil}"
+
+
+LIMIT_NOTE = ("**K**: signal directions of the attacked tensor above the noise edge τ(√M + √n) (1.05 ×; τ: the declared "
+              "per-coordinate std, or the one read off the upload); **margin**: the strongest singular value over the "
+              "edge (does not saturate at a cut; ≤ 1.05 means K = 0), the margin at the attack's rank cut in brackets "
+              "(near 1 by construction wherever the cut follows the edge: never read as absence); **ceiling**: the "
+              "oracle ceiling, the measurements solver on the *undefended* upload of the same image restricted to its "
+              "K strongest directions (`attack.directions=K`), its level and best-image PSNR dB (null p99) -- at "
+              "chance by construction where K = 0 or the tensor's upload is all zero; **label**: computed from these "
+              "numbers by `cell_label` (benchmarks/defended.py): `leaks` (level ≥ partial), `information present, "
+              "missed` (level none, the ceiling or the sub-edge test beyond its null), `information absent` (ceiling "
+              "and sub-edge test at chance), `undetermined` (what is missing, named).")
+
+
 def table(rows: list[dict]) -> str:
-    lines = []
+    rows = with_ceilings(rows)
+    lines = [LIMIT_NOTE, ""]
     text = [r for r in rows if r.get("part") == "text" and "metrics" in r]
     if text:
         lines += ["### UTR under pruning and DP (adapters rf = 2, fortunes-topics; MiniLM 2 layers unless the model "
                   "column says otherwise)", "",
+                  "Sentences follow `seed` (a seeded permutation of the quotes): held-out seeds draw other quotes "
+                  "(tests/test_heldout_disjoint.py).", "",
                   "| model | seed (split) | B | defense | variant | level | word-bag recall (null p99) | ROUGE-1 F1 "
-                  "(null p99) | exact sentences | spectral margin (emb. adapter) | drowning std | revision |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "(null p99) | exact sentences | K (emb. adapter) | margin strongest (at cut) | ceiling | label | "
+                  "revision |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in text:
             m = r["metrics"]
             v = r["variant"] if isinstance(r["variant"], str) else ", ".join(f"{k}={w}" for k, w in r["variant"].items()
@@ -267,24 +457,41 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {r.get('model', 'minilm-L2')} | {r['seed']} ({r['split']}) | {r['B']} | {r['defense']} | "
                          f"{v} | {r['level']} | {with_null(m, 'word_bag_recall', '.1f')} | "
                          f"{with_null(m, 'rouge1_f1', '.1f')} | "
-                         f"{fmt(m.get('sentences_exact'), 'g')} | {fmt(m.get('spectral_margin_embedding_adapter'))} | "
-                         f"{fmt(m.get('drowning_noise_std_embedding_adapter'))} | {revision_label(r)} |")
+                         f"{fmt(m.get('sentences_exact'), 'g')} | {limit_cells(r)} | {r['label']} | "
+                         f"{revision_label(r)} |")
         lines.append("")
     img = [r for r in rows if r.get("part") == "image" and "metrics" in r]
     if img:
-        lines += ["### lora_span under Gaussian upload noise, before and after denoising (ViT-S/14, LoRA r = 128, "
-                  "Fashion-MNIST, B = 1)", "",
-                  "| seed (split) | defense | rank cut | level | PSNR max dB (null p99) | SSIM (null p99) | rank used "
-                  "| spectral margin | drowning std | revision |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["### lora_span under Gaussian upload noise: the span solver's rank cuts and the measurements solver, "
+                  "each beside the oracle ceiling (ViT-S/14, LoRA r = 128, Fashion-MNIST, B = 1)", "",
+                  "Images follow `data.seed`, set with `seed`: the held-out seed draws an image no tuned cell draws "
+                  "(tests/test_heldout_disjoint.py). `measurements`: `attack.solver=measurements "
+                  "attack.rank_cut=noise_edge attack.prior=stationary` (every direction above the edge a linear "
+                  "measurement of the image, data-free prior).", "",
+                  "| seed = data.seed (split) | defense | solver / rank cut | level | PSNR max dB (null p99) | SSIM "
+                  "(null p99) | rank used | K | margin strongest (at cut) | ceiling | label | revision |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in img:
             m = r["metrics"]
-            cut = r["variant"].get("rank_cut", "gap") if isinstance(r["variant"], dict) else "gap"
-            lines.append(f"| {r['seed']} ({r['split']}) | {r['defense']} | {cut} | {r['level']} | "
+            lines.append(f"| {r['seed']} ({r['split']}) | {r['defense']} | {image_variant(r)} | {r['level']} | "
                          f"{with_null(m, 'psnr_max', '.1f')} | "
                          f"{with_null(m, 'ssim_max', '.3f')} | "
-                         f"{fmt(m.get('lora_span_row_space_rank'), 'g')} | {fmt(m.get('spectral_margin_block0_lora_A'))} | "
-                         f"{fmt(m.get('drowning_noise_std_block0_lora_A'))} | {revision_label(r)} |")
+                         f"{fmt(m.get('lora_span_row_space_rank'), 'g')} | {limit_cells(r)} | {r['label']} | "
+                         f"{revision_label(r)} |")
         lines.append("")
+        ceil = [r for r in rows if r.get("part") == "image-ceiling" and "metrics" in r]
+        if ceil:
+            lines += ["Oracle ceilings (the undefended upload, measurements solver, its K strongest directions; "
+                      "the prior alone: the mean public / grey image's PSNR):", "",
+                      "| seed (split) | K | level | PSNR max dB (null p99) | SSIM (null p99) | prior alone dB (mean "
+                      "public / grey) | revision |", "|---|---|---|---|---|---|---|"]
+            for r in sorted(ceil, key=lambda r: (r["seed"], r.get("K", 0))):
+                m = r["metrics"]
+                lines.append(f"| {r['seed']} ({r['split']}) | {r.get('K')} | {r['level']} | "
+                             f"{with_null(m, 'psnr_max', '.1f')} | {with_null(m, 'ssim_max', '.3f')} | "
+                             f"{fmt(m.get('psnr_max_mean_public'), '.1f')} / {fmt(m.get('psnr_max_grey'), '.1f')} | "
+                             f"{revision_label(r)} |")
+            lines.append("")
     pl = sorted((r for r in rows if r.get("part") == "peftleak" and "metrics" in r),
                 key=lambda r: (list(PEFTLEAK_SEEDS).index(r["seed"]) if r["seed"] in PEFTLEAK_SEEDS else 99,
                                0.0 if r["defense"] == "none" else float(r["defense"].split()[-1]),
@@ -297,8 +504,8 @@ def table(rows: list[dict]) -> str:
                   "prediction from σ/|Δb| beside it). The level and best-image PSNR/SSIM are judged against the "
                   "null (random held-out CIFAR images) and the mean public, grey and flat images.", "",
                   "| seed (split) | defense | recovery | level | patches recovered (isolated) | patch PSNR dB (predicted) "
-                  "| returned (below 30 dB) | PSNR max dB (null p99) | SSIM max (null p99) | revision |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| returned (below 30 dB) | PSNR max dB (null p99) | SSIM max (null p99) | label | revision |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in pl:
             m = r["metrics"]
             mode = r["variant"].get("noise", "public") if isinstance(r["variant"], dict) else "public"
@@ -311,7 +518,7 @@ def table(rows: list[dict]) -> str:
                          f"({fmt(m.get('expected_patch_psnr_median'), '.1f')}) | "
                          f"{fmt(m.get('num_returned_patches'), 'g')} ({fmt(m.get('false_positives'), 'g')}) | "
                          f"{with_null(m, 'psnr_max', '.1f')} | "
-                         f"{with_null(m, 'ssim_max', '.3f')} | {revision_label(r)} |")
+                         f"{with_null(m, 'ssim_max', '.3f')} | {r['label']} | {revision_label(r)} |")
         lines.append("")
     pr = [r for r in rows if r.get("part") == "projres" and "metrics" in r]
     if pr:
@@ -328,13 +535,13 @@ def table(rows: list[dict]) -> str:
                   "direction's projection energy against the χ² law of noise alone, a layer counting only when it "
                   "passes a Bonferroni χ² quantile. The level is decided by TPR at 1 % FPR and |AUC − 0.5| against "
                   "their nulls (members and non-members drawn at random); the audit keeps the strongest of the three.",
-                  "", "| seed (split) | defense | score | level | AUC (null p99) | TPR at 1 % FPR (null p99) | revision |",
-                  "|---|---|---|---|---|---|---|"]
+                  "", "| seed (split) | defense | score | level | AUC (null p99) | TPR at 1 % FPR (null p99) | label | "
+                  "revision |", "|---|---|---|---|---|---|---|---|"]
         for r in pr:
             m = r["metrics"]
             lines.append(f"| {r['seed']} ({r['split']}) | {r['defense']} | {_projres_variant(r)} | {r['level']} | "
                          f"{with_null(m, 'auc', '.3f')} | "
-                         f"{with_null(m, 'tpr_at_1pct_fpr', '.2f')} | {revision_label(r)} |")
+                         f"{with_null(m, 'tpr_at_1pct_fpr', '.2f')} | {r['label']} | {revision_label(r)} |")
         lines.append("")
     lines += reading(rows)
     failed = [r for r in rows if "error" in r]
@@ -351,9 +558,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def noise_factor(r: dict) -> float:
+    """A noisy image cell's noise std over the drowning std (its id: ``image|noise<f>x-<solver>|seed<s>``)."""
+    return float(r["cell"].split("|")[1][len("noise"):].split("x-")[0])
+
+
+def image_variant(r: dict) -> str:
+    """A lora_span row's solver: the rank cut of the span solver, or ``measurements``."""
+    v = r["variant"] if isinstance(r["variant"], dict) else {}
+    return "measurements" if v.get("solver") == "measurements" else v.get("rank_cut", "gap")
+
+
 def _projres_variant(r: dict) -> str:
     v = r["variant"] if isinstance(r["variant"], dict) else {}
     return next((k for k, pv in PROJRES_VARIANTS.items() if pv == v), "plain")
+
+
+def label_counts(rs: list[dict]) -> str:
+    """``a leaks, b information present, missed, ... of n`` over rows with a computed ``label``, the undetermined
+    ones' missing pieces counted in brackets."""
+    c = Counter(label_kind(r["label"]) for r in rs)
+    why = Counter(r["label"][len("undetermined ("):-1] for r in rs if label_kind(r["label"]) == "undetermined")
+    parts = [f"{c[k]} {k}" for k in LABELS if c[k]]
+    text = f"{', '.join(parts)} (of {len(rs)})"
+    if why:
+        text += " -- undetermined: " + "; ".join(f"{n} × {w}" for w, n in why.most_common())
+    return text
 
 
 def reading(rows: list[dict]) -> list[str]:
@@ -365,7 +595,17 @@ def reading(rows: list[dict]) -> list[str]:
         sel = [r for r in ok.values() if pred(r)]
         return sum(r["level"] in leak for r in sel), len(sel)
 
-    out = ["**Reading.**", ""]
+    out = ["**Reading** (every sentence computed from the rows).", ""]
+    labelled = [r for r in with_ceilings(list(ok.values())) if r.get("part") in ("text", "image", "projres", "peftleak")
+                and r.get("defense") != "none"]
+    groups: dict[str, list[dict]] = {}
+    for r in labelled:
+        name = {"text": "UTR" + (f" ({r['model']})" if r.get("model") else " (MiniLM 2 layers)"),
+                "image": f"lora_span `{image_variant(r)}`" if r.get("part") == "image" else "",
+                "projres": "ProjRes", "peftleak": "PEFTLeak"}[r["part"]]
+        groups.setdefault(name, []).append(r)
+    for name, rs in groups.items():
+        out.append(f"- {name}, defended cells: {label_counts(rs)}.")
     if any(r.get("part") == "text" for r in ok.values()):
         for scope in ("per_tensor", "global"):
             for r_ in PRUNE:
@@ -384,49 +624,63 @@ def reading(rows: list[dict]) -> list[str]:
                     out.append(f"- top-k {100 * r_:g} % {scope}: the sparsity-aware word bag leaks (>= partial, "
                                f"beyond its null) in {a[0]} of {a[1]} cells ({', '.join(per_model)}), the plain tests "
                                f"in {p[0]} of {p[1]}.")
-        d = count(lambda r: r.get("part") == "text" and r["defense"].startswith("DP-SGD"))
-        g = count(lambda r: r.get("part") == "text" and r["defense"].startswith("Gaussian std"))
-        out.append(f"- DP-SGD (its noise read from the declared `defense:` section): >= partial in {d[0]} of {d[1]} "
-                   f"cells; the Gaussian upload noise of the same per-coordinate std in {g[0]} of {g[1]}. Where DP-SGD "
-                   "scores lower, its per-sample clipping (C = 1) has shrunk the signal, not the noise: the spectral "
-                   "margin column shows the weakest used direction nearer the noise edge under DP-SGD than under the "
-                   "same-std Gaussian noise (information absent in the clipped upload, not missed).")
-        sm = count(lambda r: r.get("part") == "text" and r.get("model") == "smollm2" and r["defense"] != "none"
-                   and r["variant"] == {"sparsity_aware": True} and "per_tensor" in r["defense"])
-        if sm[1]:
-            out.append(f"- SmolLM2-135M (a mean-pooled classifier) under per-tensor top-k with the sparsity-aware word "
-                       f"bag: >= partial in {sm[0]} of {sm[1]} cells. Checked on `text|smollm2|topk0.9-per_tensor-"
-                       "aware|B4|seed0`: after pruning the 65 true tokens score 0.37-0.86 against the outlier cut "
-                       "0.177, median rank 16,027 of 49,152; 6 of them are among the lowest 65, and the spectral margin "
-                       "column reads 1.02-1.03 (the weakest signal direction at the edge of the pruning error's "
-                       "spectrum). Reading: at the margin's limit, so the shortfall is counted as information the "
-                       "pruned upload no longer separates from its pruning error, not a missed test; a test below "
-                       "that edge (as ProjRes' chi2 score does for membership) is not built for the word bag.")
-        pg = count(lambda r: r.get("part") == "text" and r["defense"].startswith("DP-Gaussian"))
-        out.append(f"- The paper's literal DP-Gaussian (sigma 0.01, C 1): >= partial in {pg[0]} of {pg[1]} cells: "
-                   "no direction of the embedding adapter's gradient stands above the noise edge (information "
-                   "absent at our upload's scale).")
-        out.append("- Global top-k keeps the largest coordinates of the whole upload: at 99 % and above no entry "
-                   "of the embedding adapter's gradient survives (drowning std 0: nothing to test), so the word bag "
-                   "is empty because the information is absent; per tensor it survives longer.")
+        rank = {"none": 0, "partial": 1, "strong": 2, "exact": 3}
+        pairs = []  # DP-SGD beside the Gaussian upload noise of its per-coordinate std, same model, seed, B
+        for r in ok.values():
+            if r.get("part") == "text" and r["defense"].startswith("DP-SGD"):
+                g = ok.get(r["cell"].replace("|dpsgd", "|gauss"))
+                if g is not None:
+                    pairs.append((r, g))
+        if pairs:
+            same = sum(rank.get(r["level"], -1) >= rank.get(g["level"], -1) for r, g in pairs)
+            ks = [(info_limit(r).get("directions_above_edge"), info_limit(g).get("directions_above_edge"))
+                  for r, g in pairs]
+            fewer = sum(a is not None and b is not None and a < b for a, b in ks)
+            known = sum(a is not None and b is not None for a, b in ks)
+            out.append(f"- DP-SGD (its noise read from the declared `defense:` section) beside the Gaussian upload "
+                       f"noise of its per-coordinate std σC/B (same model, seed, B): DP-SGD's level reaches the "
+                       f"Gaussian's in {same} of {len(pairs)} pairs; it leaves fewer directions above the edge in "
+                       f"{fewer} of the {known} pairs where both were measured.")
+        pg = [r for r in ok.values() if r.get("part") == "text" and r["defense"].startswith("DP-Gaussian")]
+        if pg:
+            ks = sorted({fmt(info_limit(r).get("directions_above_edge"), "g") for r in pg})
+            out.append(f"- The paper's literal DP-Gaussian (sigma 0.01, C 1): >= partial in "
+                       f"{sum(r['level'] in leak for r in pg)} of {len(pg)} cells; directions of the embedding "
+                       f"adapter above the edge: {', '.join(ks)}.")
+        zero = [r for r in ok.values() if r.get("part") == "text" and info_limit(r).get("drowning_noise_std_all") == 0.0]
+        if zero:
+            by = Counter(r["defense"] for r in zero)
+            out.append(f"- The embedding adapter's upload is all zero (nothing left on the tensor the word bag reads) in "
+                       f"{len(zero)} cells: " + ", ".join(f"{d} {n}" for d, n in sorted(by.items())) + ".")
     if any(r.get("part") == "image" for r in ok.values()):
-        for cut in ("gap", "noise_edge", "tokens"):
-            c = count(lambda r: r.get("part") == "image" and isinstance(r["variant"], dict)
-                      and r["variant"].get("rank_cut") == cut)
-            out.append(f"- lora_span with the `{cut}` rank cut: >= partial in {c[0]} of {c[1]} noisy cells.")
+        for cut in IMAGE_VARIANTS:
+            c = count(lambda r: r.get("part") == "image" and r["defense"] != "none" and image_variant(r) == cut)
+            if c[1]:
+                out.append(f"- lora_span, `{cut}`: >= partial in {c[0]} of {c[1]} noisy cells.")
         gains = []
         for r in ok.values():
-            if r.get("part") == "image" and isinstance(r["variant"], dict) and r["variant"].get("rank_cut") == "tokens":
+            if r.get("part") == "image" and isinstance(r["variant"], dict) and r["variant"] == {"rank_cut": "tokens"}:
                 g = ok.get(r["cell"].replace("-tokens|", "-gap|"))
                 if g is not None:
                     gains.append(r["metrics"].get("psnr_max", 0) - g["metrics"].get("psnr_max", 0))
         if gains:
             out.append(f"- The token-count cut (truncated SVD) against the exact solver's gap cut on the same upload: "
                        f"PSNR {min(gains):+.1f} to {max(gains):+.1f} dB (median {sorted(gains)[len(gains) // 2]:+.1f}).")
-        out.append("- The spectral margin is read off the *observed* (noisy) spectrum: a drowned direction's singular "
-                   "value sits at the noise edge, so the margin saturates near 1 rather than falling as 1 / noise; "
-                   "lora_span degrades gracefully past the drowning std of its weakest token direction, because "
-                   "the image is carried by the strong ones (strong at 100x, partial or none at 1000x).")
+        for seed in sorted({r["seed"] for r in ok.values() if r.get("part") == "image"}):
+            noisy = [r for r in ok.values() if r.get("part") == "image" and r["seed"] == seed and r["defense"] != "none"]
+            if not noisy:
+                continue
+            top = []
+            for cut in IMAGE_VARIANTS:
+                rs = [r for r in noisy if image_variant(r) == cut]
+                fs = [noise_factor(r) for r in rs if r["level"] in leak]
+                if rs:
+                    top.append(f"`{cut}` {max(fs):g}x" if fs else f"`{cut}` at no noise level")
+            ks = sorted({(noise_factor(r), info_limit(r).get("directions_above_edge")) for r in noisy
+                         if info_limit(r).get("directions_above_edge") is not None})
+            out.append(f"- Seed {seed} ({noisy[0]['split']}): the largest noise (x drowning std) still >= partial: "
+                       + ", ".join(top) + "." + (" Directions above the edge per noise level: "
+                                                 + ", ".join(f"{f:g}x {k:g}" for f, k in ks) + "." if ks else ""))
     pr = [r for r in ok.values() if r.get("part") == "projres" and r["defense"] != "none"]
     if pr:
         rank = {"none": 0, "partial": 1, "strong": 2, "exact": 3, "undefined": -1}
@@ -493,12 +747,24 @@ def main() -> None:
         if args.only in (None, "image"):
             first = selected(args, [(row, run_one, (raw, str(args.out / "defended" / row["cell"].replace("|", "_"))))
                                     for row, raw in image_cells(args, {})])
-            run_cells(jsonl, first, fill, label="defended (image, undefended)", error_fields={"revision": REV})
+            if args.check:
+                todo += first
+            else:
+                run_cells(jsonl, first, fill, label="defended (image, undefended)", redo=args.redo,
+                          error_fields={"revision": REV})
             done = {r["seed"]: r["metrics"].get("drowning_noise_std_block0_lora_A") for r in latest_rows(jsonl)
                     if r.get("part") == "image" and r.get("defense") == "none" and "metrics" in r}
+            drowning = {k: v for k, v in done.items() if v}
+            noisy = [(row, run_one, (raw, str(args.out / "defended" / row["cell"].replace("|", "_"))))
+                     for row, raw in image_cells(args, drowning) if row["defense"] != "none"]
+            if args.check:
+                todo += noisy
+            else:  # the ceilings need the noisy uploads' directions above the edge: run those first
+                run_cells(jsonl, selected(args, noisy), fill, label="defended (image, noisy)", redo=args.redo,
+                          error_fields={"revision": REV})
             todo += [(row, run_one, (raw, str(args.out / "defended" / row["cell"].replace("|", "_"))))
-                     for row, raw in image_cells(args, {k: v for k, v in done.items() if v})
-                     if row["defense"] != "none"]
+                     for row, raw in image_cells(args, drowning, ceiling_ks(latest_rows(jsonl)))
+                     if row["part"] == "image-ceiling"]
         if args.only in (None, "projres"):
             todo += [(row, run_one, (raw, str(args.out / "defended" / row["cell"].replace("|", "_"))))
                      for row, raw in projres_cells(args)]

@@ -311,3 +311,44 @@ def test_info_limit_held_out_images_share_no_image_with_the_tuned_one():
     assert b.label("none", False) == "information absent above the edge"
     assert b.label("none", True) == "information present, missed"
     assert b.label("partial", False) == "leaks"
+
+
+def _defended_draws(d) -> list[tuple[dict, set[str]]]:
+    """Every defended.py cell (``row``, its private samples), the image part's noisy cells and ceilings included
+    (a stand-in drowning std and K: the draw does not depend on them); cells that draw alike drawn once."""
+    import json
+
+    args = argparse.Namespace(cells=None)
+    gen = [*d.text_cells(args), *d.model_cells(args), *d.projres_cells(args), *d.peftleak_cells(args),
+           *d.image_cells(args, {s: 1.0 for s in d.SEEDS}, {s: {5} for s in d.SEEDS})]
+    seen: dict[str, set[str]] = {}
+    out = []
+    for row, raw in gen:
+        key = json.dumps([raw["seed"], raw["data"], raw.get("fl"), raw.get("trials"), raw["experiment"]],
+                         sort_keys=True, default=str)
+        if key not in seen:
+            seen[key] = drawn(raw)
+        out.append((row, seen[key]))
+    return out
+
+
+def test_defended_held_out_cells_draw_no_sample_a_tuned_cell_draws():
+    """benchmarks/defended.py (issue 51 item 5): images follow ``data.seed``, sentences ``seed``; every cell sets both
+    to its seed, so the held-out cells (seed 11 / PEFTLeak's 65124) draw no image or sentence any tuned cell draws --
+    before, the 25 held-out lora_span cells varied ``seed`` only and reused the tuned image."""
+    d = _bench("defended")
+    cells = _defended_draws(d)
+    assert {r["split"] for r, _ in cells} == {"tuned", "held out"}
+    tuned = set().union(*(s for r, s in cells if r["split"] == "tuned"))
+    held = [(r, s) for r, s in cells if r["split"] == "held out"]
+    assert len(held) > 100 and all(s for _, s in held)
+    for r, s in held:
+        assert not s & tuned, r["cell"]
+    # the image cells: one Fashion-MNIST image per seed, a different one for the held-out seed (the old draw: the same)
+    img = {r["seed"]: s for r, s in cells if r["part"].startswith("image")}
+    assert len(img[0]) == len(img[11]) == 1 and img[0] != img[11]
+    raw = next(raw for row, raw in d.image_cells(argparse.Namespace(cells=None), {11: 1.0}) if row["seed"] == 11)
+    assert raw["data"]["seed"] == raw["seed"] == 11
+    old = copy.deepcopy(raw)
+    old["data"]["seed"] = 0
+    assert drawn(old) == img[0]  # what the held-out rows drew before: the tuned image
