@@ -327,8 +327,9 @@ def test_bad_advise_section_in_the_api():
 
 def test_a_probe_whose_attacks_all_fail_to_fit_reports_their_reason_not_a_threat_error(tmp_path, monkeypatch):
     """A secure-aggregation probe whose K clients' data do not fit: every run is refused once the data are known;
-    the audit reports each attack's reason (it used to describe the setup with the first attack's config, which for
-    ProjRes needs a threat upgrade, and raised that instead), and the advice counts it as unmeasured, not a stop."""
+    the probe reports the setup's own error for each attack (it used to describe the setup with the first attack's
+    config, which for ProjRes needs a threat upgrade, and raised that instead; since issue 53 an audit whose every run
+    is refused is bad input, not an undefined verdict), and the advice counts it as unmeasured, not a stop."""
     from gradleak.run import audit as audit_mod
     from gradleak.run.advise import outcome, probe
 
@@ -336,7 +337,7 @@ def test_a_probe_whose_attacks_all_fail_to_fit_reports_their_reason_not_a_threat
         "bad_input": "data.batch_size: 8 clients' sentences are more than the 200 texts", "seconds": 0.0})
     raw = {**TEXT, "data": {**TEXT["data"], "nonmembers": 8}}
     row = probe(raw, str(tmp_path), ["projres", "utr"], None, 1, ["utr"])
-    assert "refused" not in row and row["verdict"] == "undefined"
+    assert row["field"] == "data.batch_size" and row["refused"].startswith("data.batch_size: 8 clients'")
     assert all(row["attacks"][a]["reason"].startswith("data.batch_size") for a in ("projres", "utr"))
     assert outcome(row, ["projres", "utr"]) == "unmeasured"
 

@@ -204,8 +204,9 @@ def probe(raw: dict, out_dir: str, only: list[str], device: str | None, workers:
         reasons = {}
         for a in only:
             try:
-                _, _, entries, planned, _, _ = plan_audit(raw, [], [a])
-                reasons[a] = entries[0].get("reason") or str(err)  # refused once its run started
+                plan_audit(raw, [], [a])  # the gate accepts it: its run was refused once the data were known
+                own = [ln.strip()[len(a) + 2:] for ln in str(err).splitlines()[1:] if ln.strip().startswith(f"{a}: ")]
+                reasons[a] = own[0] if own else str(err)  # its line of a list of refusals, else the shared error
             except BadInput as e:
                 reasons[a] = str(e)
         return {"refused": str(err), "field": err.field,
