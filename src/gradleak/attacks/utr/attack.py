@@ -12,6 +12,7 @@ from torch import nn
 
 from gradleak.attacks.base import AttackBase, Reconstruction, ThreatModel
 from gradleak.attacks.common.parameters import set_config_fields
+from gradleak.attacks.common.sub_edge import sub_edge_test, token_directions
 from gradleak.attacks.common.encoder_search import EncoderChainSearch
 from gradleak.attacks.common.prefix_search import CausalPrefixSearch
 from gradleak.attacks.common.subspace import (Subspace, estimate_noise_std, is_pruned, spectral_margin,
@@ -95,6 +96,10 @@ class UTRConfig(SpanTestConfig):
                               "chain search's sentences by the upload's residual under the clipped-sum model of "
                               "DP-SGD (one label and one scale >= 0 per sentence, fitted) against the chi-square law "
                               "of the declared noise (gradleak.attacks.utr.clipped; extended search)")
+    sub_edge: bool = Field(True, description="a noisy or top-k pruned upload: score every vocabulary token by the "
+                           "energy of its embedding-adapter direction against the chi-square law of the noise alone "
+                           "(gradleak.attacks.common.sub_edge; info sub_edge_*); when stage 1 finds no token, its "
+                           "significant tokens are the word bag (extended search)")
     soft_rank: Optional[float] = Field(0.96, gt=0, le=1, description="past the first layer's bottleneck (with the "
                                        "value test): grade chains by this fraction of the upload's strongest "
                                        "directions instead of its whole (saturated) row space; null = off")
@@ -188,6 +193,30 @@ class UTRAttack(AttackBase):
         return word_bag(view, self, self.all_rounds and not paper, noise_std=lambda grads: self.noise_std(view, grads, adapter_param("embedding")),
                         extended=not paper)
 
+    def _sub_edge(self, view: ServerView, bag: dict) -> dict[str, Any]:
+        """The sub-edge word-bag test (:mod:`gradleak.attacks.common.sub_edge`) on the embedding adapter's observed
+        gradients at the noise std stage 1 used: the declared one (Gaussian: the chi-square law is exact), or for a
+        top-k pruned upload the pruning error's level read off the spectrum (not Gaussian: the law is approximate,
+        ``sub_edge_noise`` says so). Special tokens are not scored. Returns the ``sub_edge_*`` info fields, the
+        bag under ``sub_edge_bag`` and the 512 highest-energy tokens under ``sub_edge_top`` (best first: the
+        evaluation side can count the batch's tokens among them against random public tokens)."""
+        tok = view.public.get("tokenizer")
+        special = tuple(int(v) for v in (getattr(tok, "all_special_ids", None) or []))
+        grads = collect_grads(view, adapter_param("embedding"), all_rounds=self.all_rounds)
+        D, what = token_directions(view.model)
+        r = sub_edge_test(grads, D, float(bag["noise_std"]), exclude=special)
+        top = r["scores"].clone()
+        for v in special:
+            if 0 <= v < len(top):
+                top[v] = -1.0
+        return {"sub_edge_bag": r["tokens"], "sub_edge_signal_present": r["signal_present"],
+                "sub_edge_significant_tokens": r["significant_tokens"], "sub_edge_min_log10_p": r["min_log10_p"],
+                "sub_edge_bulk_threshold": r["bulk_threshold"], "sub_edge_dof": r["dof"], "sub_edge_alpha": r["alpha"],
+                "sub_edge_directions": what,
+                "sub_edge_noise": ("top-k pruning error, estimated (chi-square law approximate)"
+                                   if bag.get("sparsity_aware") else "declared Gaussian (chi-square law exact)"),
+                "sub_edge_top": [int(v) for v in top.argsort(descending=True)[:512].tolist()]}
+
     def _clipped_sum(self, view: ServerView, bag: dict, sp: dict, sents: list[list[int]], sinfo: dict[str, Any],
                      budget: float) -> tuple[list[list[int]], dict[str, Any]]:
         """A noisy one-step upload of a bidirectional classifier: the chain search's sentences moved by their
@@ -215,11 +244,12 @@ class UTRAttack(AttackBase):
         seps = sorted(int(q) for q in (bag.get("pairs") or {}).get(sp["sep"], ()))
         search = ClippedSumSearch(test, bag["tokens"], sp["cls"], sp["sep"], seps,
                                   batch_size=view.public.get("batch_size"), max_len=self.max_len,
-                                  time_budget=budget, early_stop=self.noise == "public")
+                                  time_budget=budget)
         before = [list(s) for s in sents]
         out, cinfo = search.run(sents)
         info = {**sinfo, **cinfo}
-        if cinfo.get("clipped_sum_consistent"):  # the batch explains the upload down to the declared noise
+        if cinfo.get("clipped_sum_consistent") and self.noise == "public":  # the batch explains the upload down to
+            # the declared noise (an estimated std, biased upwards, stops the search but verifies nothing)
             info["verified_sentences"] = len(out)
         elif out != before[:len(out)]:
             info["verified_sentences"] = 0
@@ -293,6 +323,13 @@ class UTRAttack(AttackBase):
         bag = self.word_bag(view)
         sub_ea: Subspace = bag["subspace"]
         model = view.model
+        edge_info: dict[str, Any] = {}
+        if self.sub_edge and self.search == "extended" and bag["noise_std"]:
+            edge_info = self._sub_edge(view, bag)
+            if not bag["tokens"] and edge_info["sub_edge_bag"]:  # nothing above the edge: the sub-edge tokens
+                bag = {**bag, "tokens": sorted(edge_info["sub_edge_bag"]),
+                       "pairs": {int(v): set() for v in edge_info["sub_edge_bag"]}, "positions_ok": bag["causal"]}
+                edge_info["word_bag_source"] = "sub_edge"
         t1 = time.perf_counter()
         grads_la = collect_grads(view, adapter_param(self.sentence_layer), all_rounds=False)
         la_noise = bag["noise_std"]
@@ -312,7 +349,9 @@ class UTRAttack(AttackBase):
             return max(deadline - time.perf_counter(), 0.0)
 
         lm = has_lm_head(model)
-        if self.search == "paper" and bag["causal"]:
+        if edge_info.get("word_bag_source") == "sub_edge":  # a bag below the edge: no positions, no sentences
+            sents, sinfo = [], {"forward_passes": 0}
+        elif self.search == "paper" and bag["causal"]:
             cands = torch.tensor([t for t in bag["tokens"] if t not in (sp["bos"], sp["pad"])] or [sp["bos"]])
             sents, sinfo = GreedyCausalSearch(model, self.sentence_layer, sub_la, eps_sentence, sp["bos"], cands, B,
                                               max_len=self.max_len, eicw=self.eicw, time_budget=left()).run()
@@ -361,6 +400,7 @@ class UTRAttack(AttackBase):
             # coefficients per sentence (gradleak.attacks.utr.causal)
             "head": "lm" if lm else "classification",
             "word_bag": bag["tokens"],
+            **edge_info,
             "word_bag_size": len(bag["tokens"]),
             "word_bag_pairs": sum(len(p) for p in bag["pairs"].values()),
             "rank_embedding_adapter": sub_ea.rank,
@@ -386,7 +426,20 @@ class UTRAttack(AttackBase):
             "time_budget_auto": self.time_budget is None,
             **sinfo,
         }
-        if bag.get("sparsity_aware"):  # a pruned upload: a word bag read against the vocabulary's bulk, no positions
+        if edge_info.get("word_bag_source") == "sub_edge":
+            info["capacity_exhausted"] = False
+            info["warning"] = (f"no signal direction above the noise edge: word bag of the sub-edge test only "
+                               f"({len(bag['tokens'])} tokens beyond the chi-square law of the noise alone and the "
+                               f"vocabulary's bulk; strongest token p = 10^{edge_info['sub_edge_min_log10_p']:.1f}); "
+                               "no sentence search.")
+        elif edge_info and not bag["tokens"] and not edge_info["sub_edge_bag"]:
+            info["capacity_exhausted"] = False  # nothing found, not too much: computed at the two tests' power
+            info["information_absent"] = True
+            info["warning"] = (f"no signal direction above the noise edge (rank {sub_ea.rank}) and no token beyond "
+                               f"the noise alone (sub-edge test: strongest token p = "
+                               f"10^{edge_info['sub_edge_min_log10_p']:.1f} against a Bonferroni cut "
+                               f"{edge_info['sub_edge_alpha']:g} / vocabulary): no word bag, no sentences.")
+        elif bag.get("sparsity_aware"):  # a pruned upload: a word bag read against the vocabulary's bulk, no positions
             info["capacity_exhausted"] = False
             info["warning"] = (f"top-k pruned upload ({100 * bag['sparsity_kept_fraction']:.3g} % of the embedding "
                                f"adapter's coordinates kept): sparsity-aware word bag ({bag['sparsity_reading']}; "
@@ -414,4 +467,9 @@ class UTRAttack(AttackBase):
         grads_ea = collect_grads(view, adapter_param("embedding"), all_rounds=self.all_rounds and self.search != "paper")
         margin = spectral_margin(grads_ea, sub_ea.rank, bag["noise_std"])
         info["leakage_margin"] = {"layer": "embedding_adapter", **margin}
-        return Reconstruction(data=sents, info=info, metrics={f"{k}_embedding_adapter": v for k, v in margin.items()})
+        metrics = {f"{k}_embedding_adapter": v for k, v in margin.items()}
+        if edge_info:  # the sub-edge test's truth-free numbers (the bag itself is graded as the word bag)
+            metrics.update({"sub_edge_min_log10_p": edge_info["sub_edge_min_log10_p"],
+                            "sub_edge_significant_tokens": float(edge_info["sub_edge_significant_tokens"]),
+                            "sub_edge_bag_size": float(len(edge_info["sub_edge_bag"]))})
+        return Reconstruction(data=sents, info=info, metrics=metrics)

@@ -1,0 +1,167 @@
+"""The sub-edge word-bag test: every vocabulary token scored by the energy of its embedding-adapter direction in a
+noisy upload, against the chi-square law of the noise alone (issue 51 item 3; beyond the UTR paper, Sec. 4.2).
+
+Why. UTR's stage 1 (UTR paper Sec. 4.2; :mod:`gradleak.attacks.common.word_bag`) reads the word bag off the row
+space of the embedding adapter's down-projection gradient G (b x n): every row is sum_l delta_jl f_0(x_l). Under
+noise the row space is estimated from the singular directions above the noise edge sigma (sqrt(b) + sqrt(n))
+(:func:`gradleak.attacks.common.subspace.noisy_subspace`), and below the edge a spectral test of G alone cannot tell
+a direction from noise. But the server does not test G alone: it knows every candidate direction, the V token
+embeddings. For a unit direction f, ``G f`` is N(0, sigma^2 I_b) under the noise alone, so
+
+    q(f) = ||G f||^2 / sigma^2  ~  chi-square with b degrees of freedom,
+
+while a token of the batch adds ||delta||^2 (f . x_l)^2 to it. A direction of singular value s stands out once
+s^2 exceeds the chi-square's spread sigma^2 sqrt(2 b) by a few standard deviations -- s ~ 0.3 x the edge at b = 192,
+n = 384 (the edge is sigma (13.9 + 19.6); sqrt(2 b) = 19.6, so z = 4 needs s ~ 8.9 sigma) -- far below the edge the
+spectral test needs. The known dictionary is what buys this.
+
+The statistic. Token directions: the embedding row E[v] for position-free models (RoPE: the adapter's input is
+E[v]); for BERT the LayerNorm's token part a_v = (E[v] - mean E[v]) * gamma of LN(E[v] + P[p] + T[0]) = (a_v + b_p) / s
++ beta (:mod:`gradleak.attacks.common.bert_pairs`), with the directions every sentence shares -- the bias beta and the
+first ``nuisance_positions`` position terms b_p -- projected out first (they carry most of the upload's energy and
+would leak into every token's score through its overlap with them), and so is the vocabulary's mean direction
+(:func:`unit_directions`: every token shares it, so it too would carry every batch token's energy into every
+score). Each direction is normalised, so q(v) is exactly chi-square(b) under noise alone whatever the vocabulary's
+geometry.
+
+The decision (two tests, both needed):
+
+* **against the noise alone** -- token v is significant when its chi-square upper-tail p-value is below alpha / V
+  (Bonferroni over the vocabulary: valid whatever the tokens' correlations, so the false-positive rate of "some
+  token is significant" on noise alone is at most alpha = 0.2 % (:data:`ALPHA`); tested over 400 draws in
+  tests/test_sub_edge.py: <= 1 %);
+* **against the vocabulary's bulk** -- once a signal exists every token's energy moves with its overlap with the
+  batch's tokens; a member must stand above the bulk by ``z`` robust standard deviations (median + z 1.4826 MAD of
+  the V scores), as :func:`gradleak.attacks.common.subspace.pruned_membership` does for the residuals.
+
+The bag is the tokens passing both, best first, at most ``max_tokens``. It is graded by the evaluation as any word
+bag: its recall against random bags of the same size drawn from public sentences' tokens (the null: random public
+tokens through the same test; :func:`gradleak.evaluation.nulls.word_bag_null`) -- partial when beyond the null's
+99th percentile; the enrichment is the bag's precision over the chance rate (|true tokens| / V), the true tokens
+among the top k over chance. An empty bag is the computed "information absent" reading at this test's power.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+f64 = torch.float64
+
+
+def chi2_sf(x: torch.Tensor, dof: int) -> torch.Tensor:
+    """Upper-tail probability of chi-square(dof) at ``x`` (float64; scipy's regularised incomplete gamma)."""
+    from scipy.special import gammaincc
+
+    return torch.as_tensor(gammaincc(dof / 2.0, x.detach().to(f64).clamp_min(0).numpy() / 2.0), dtype=f64)
+
+
+def chi2_log_sf(x: torch.Tensor, dof: int) -> torch.Tensor:
+    """log of :func:`chi2_sf` without underflow far in the tail (scipy's ``chi2.logsf``)."""
+    from scipy.stats import chi2
+
+    return torch.as_tensor(chi2.logsf(x.detach().to(f64).clamp_min(0).numpy(), dof), dtype=f64)
+
+
+def unit_directions(A: torch.Tensor, common_modes: int = 1) -> torch.Tensor:
+    """Rows of ``A`` with the vocabulary's ``common_modes`` leading shared directions projected out (the mean
+    direction first, then the top principal directions of what is left), normalised: a direction every token shares
+    would carry the energy of every batch token into every token's score ("all-but-the-top", Mu & Viswanath 2018)."""
+    A = A.to(f64)
+    A = A / A.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    if common_modes > 0:
+        m = A.mean(0)
+        Q = (m / m.norm().clamp_min(1e-300))[:, None]
+        if common_modes > 1:
+            R = A - (A @ Q) @ Q.T
+            _, _, vh = torch.linalg.svd(R[:: max(1, len(R) // 8192)], full_matrices=False)
+            Q = torch.cat([Q, vh[:common_modes - 1].T], 1)
+        A = A - (A @ Q) @ Q.T
+    return A / A.norm(dim=1, keepdim=True).clamp_min(1e-300)
+
+
+def token_directions(model: Any, nuisance_positions: int = 16, common_modes: int = 1) -> tuple[torch.Tensor, str]:
+    """(V, n) float64 unit token directions of the embedding adapter's input and a one-line description (module
+    docstring): E[v] for position-free models; BERT's LayerNorm token part with beta and the first
+    ``nuisance_positions`` position terms projected out; then the vocabulary's common modes
+    (:func:`unit_directions`)."""
+    base = getattr(model, "base_model", model)
+    emb = getattr(base, "embeddings", None)
+    if emb is not None and hasattr(emb, "position_embeddings") and hasattr(emb, "LayerNorm"):
+        E = emb.word_embeddings.weight.detach().to(f64)
+        ln = emb.LayerNorm
+        g = ln.weight.detach().to(f64)
+        A = (E - E.mean(1, keepdim=True)) * g
+        P = emb.position_embeddings.weight.detach().to(f64)[:max(0, int(nuisance_positions))]
+        tt = getattr(emb, "token_type_embeddings", None)
+        if tt is not None and len(P):
+            P = P + tt.weight.detach().to(f64)[0]
+        Bp = (P - P.mean(1, keepdim=True)) * g if len(P) else P
+        N = torch.cat([ln.bias.detach().to(f64)[None], Bp], 0)
+        Q = torch.linalg.qr(N.T).Q  # (n, m)
+        A = A - (A @ Q) @ Q.T
+        what = f"BERT LayerNorm token part, beta and {len(P)} position terms projected out"
+    else:
+        A = model.get_input_embeddings().weight.detach().to(f64)
+        what = "token embeddings E[v]"
+    return unit_directions(A, common_modes), what + f", {common_modes} common mode(s) out"
+
+
+def energy_scores(grads: list[torch.Tensor], directions: torch.Tensor, sigma: float) -> tuple[torch.Tensor, int]:
+    """q(v) = ||G f_v||^2 / sigma^2 for every unit direction (rows of ``directions``) and the degrees of freedom of
+    its chi-square law under noise alone (the stacked rows of ``grads``: each observed round's b rows)."""
+    G = torch.cat([g.detach().to(f64).reshape(-1, g.shape[-1]) for g in grads], 0)  # (M, n)
+    proj = directions.to(f64) @ G.T  # (V, M)
+    return (proj ** 2).sum(1) / float(sigma) ** 2, int(G.shape[0])
+
+
+#: the family-wise level of "some token beyond the noise alone": 0.2 %, so that a sample of >= 200 noise-only draws
+#: shows a false-positive rate <= 1 % with high probability (P(>= 5 of 400 | 0.2 %) = 0.0014; at alpha = 1 % itself
+#: a 400-draw sample showed 1.5 %, within binomial scatter of the bound)
+ALPHA = 0.002
+
+
+def sub_edge_test(grads: list[torch.Tensor], directions: torch.Tensor, sigma: float, alpha: float = ALPHA,
+                  z: float = 6.0, max_tokens: Optional[int] = None, exclude: tuple[int, ...] = ()) -> dict[str, Any]:
+    """The test of the module docstring on the embedding adapter's observed gradients ``grads`` with per-coordinate
+    noise std ``sigma`` (the declared one, :func:`gradleak.defenses.declared.view_noise_std`). Returns
+
+    * ``tokens`` -- the significant tokens (both tests), best first, at most ``max_tokens`` (default: the rows);
+    * ``signal_present`` -- some token beyond the noise alone at alpha (Bonferroni over the V tokens);
+    * ``min_log10_p`` -- the strongest token's log10 p-value against the chi-square law (before the correction);
+    * ``bulk_threshold`` -- the vocabulary-bulk threshold on q; ``scores`` -- q for every token (V,);
+    * ``dof``, ``alpha``, ``z``, ``vocabulary``."""
+    q, dof = energy_scores(grads, directions, sigma)
+    V = q.shape[0]
+    ok = torch.ones(V, dtype=torch.bool)
+    for v in exclude:
+        if v is not None and 0 <= int(v) < V:
+            ok[int(v)] = False
+    logp = chi2_log_sf(q, dof)
+    cut = math.log(alpha / max(int(ok.sum()), 1))
+    sig = ok & (logp < cut)
+    med = q[ok].median()
+    mad = (q[ok] - med).abs().median().clamp_min(1e-12)
+    thr = float(med + z * 1.4826 * mad)
+    keep = sig & (q > thr)
+    idx = keep.nonzero().flatten()
+    idx = idx[q[idx].argsort(descending=True)]
+    cap = int(max_tokens) if max_tokens is not None else dof
+    return {"tokens": [int(v) for v in idx[:cap].tolist()], "signal_present": bool(sig.any()),
+            "significant_tokens": int(sig.sum()),
+            "min_log10_p": max(float(logp[ok].min()) / math.log(10), -300.0),  # finite in JSON
+            "bulk_threshold": thr, "scores": q, "dof": dof, "alpha": alpha, "z": z, "vocabulary": int(ok.sum())}
+
+
+def enrichment(ranked: list[int], true_tokens: set[int], vocabulary: int) -> float:
+    """True tokens among ``ranked`` (a top-k) over chance: (hits / k) / (|true| / V); nan for an empty top-k."""
+    if not ranked or not true_tokens:
+        return float("nan")
+    hits = sum(int(v) in true_tokens for v in ranked)
+    return (hits / len(ranked)) / (len(true_tokens) / float(vocabulary))
+
+
+__all__ = ["ALPHA", "chi2_log_sf", "chi2_sf", "energy_scores", "enrichment", "sub_edge_test", "token_directions",
+           "unit_directions"]
