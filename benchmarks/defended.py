@@ -8,7 +8,8 @@ Cells (one ``gradleak run`` each, through the one cell loop; resumable; rows car
   and **per tensor** (each tensor's own top-k, the paper's reading), each with the sparsity-aware word bag
   (:func:`gradleak.attacks.common.subspace.pruned_membership`) and without it (the plain tests); DP-SGD at
   sigma in {1e-6, 1e-4} (C = 1: its noise reaches the attack through the declared-defense model) beside the
-  Gaussian upload noise of the same per-coordinate std; the paper's DP-Gaussian sigma = 0.01, C = 1 literally.
+  Gaussian upload noise of the same per-coordinate std (sigma 1e-6 also at a second held-out seed, 12); the paper's
+  DP-Gaussian sigma = 0.01, C = 1 literally.
 * **lora_span** on ``configs/audit/vit_lora.yaml`` (ViT-S/14 pretrained, LoRA r = 128 on block-0 query/value,
   Fashion-MNIST, B = 1): absolute per-coordinate Gaussian noise at {0.01, 0.1, 0.3, 1, 3, 10, 100, 1000} x the
   upload's *drowning std* (the std at which the noise edge reaches the weakest of the N + 1 token directions,
@@ -88,8 +89,13 @@ def base(path: str, attack: dict, seed: int) -> dict:
     return raw
 
 
+#: a second held-out seed for UTR under DP-SGD sigma 1e-6 beside its matched Gaussian (issue 51: the tuned seed and
+#: two held-out ones); only those cells
+DP_SEEDS = {12: "held out"}
+
+
 def text_cells(args):
-    for seed, split in SEEDS.items():
+    for seed, split in {**SEEDS, **DP_SEEDS}.items():
         for B in (2, 4):
             def cell(cid, label, defenses=None, defense=None, **attack):
                 raw = base(TEXT, {"name": "utr", "time_budget": 120.0, **attack}, seed)
@@ -100,6 +106,13 @@ def text_cells(args):
                 return ({"cell": f"text|{cid}|B{B}|seed{seed}", "part": "text", "attack": "utr", "defense": label,
                          "B": B, "seed": seed, "split": split, "variant": attack or "as configured"}, raw)
 
+            if seed in DP_SEEDS:
+                yield cell("none", "none")
+                yield cell("dpsgd1e-06", "DP-SGD sigma 1e-06, C 1",
+                           defense={"name": "dpsgd", "noise_multiplier": 1e-6, "max_grad_norm": 1.0})
+                yield cell("gauss1e-06", f"Gaussian std {1e-6 / B:g} (DP-SGD's sigma C / B)",
+                           [{"name": "gaussian_noise", "params": {"std": 1e-6 / B}}])
+                continue
             yield cell("none", "none")
             for r in PRUNE:
                 for scope in ("global", "per_tensor"):
@@ -558,6 +571,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def split_of(seed: int) -> str:
+    return {**SEEDS, **DP_SEEDS}.get(seed, "?")
+
+
 def noise_factor(r: dict) -> float:
     """A noisy image cell's noise std over the drowning std (its id: ``image|noise<f>x-<solver>|seed<s>``)."""
     return float(r["cell"].split("|")[1][len("noise"):].split("x-")[0])
@@ -641,6 +658,12 @@ def reading(rows: list[dict]) -> list[str]:
                        f"noise of its per-coordinate std σC/B (same model, seed, B): DP-SGD's level reaches the "
                        f"Gaussian's in {same} of {len(pairs)} pairs; it leaves fewer directions above the edge in "
                        f"{fewer} of the {known} pairs where both were measured.")
+            tiny = sorted(((r.get("model", ""), r["seed"], r["B"], r["level"], g["level"]) for r, g in pairs
+                           if "dpsgd1e-06" in r["cell"]), key=str)
+            if tiny:
+                out.append("- DP-SGD sigma 1e-6 / its matched Gaussian, per (seed, B): " + ", ".join(
+                    f"{(m + ' ') if m else ''}seed {sd} ({split_of(sd)}) B {b}: {a} / {g}" for m, sd, b, a, g in tiny)
+                    + ".")
         pg = [r for r in ok.values() if r.get("part") == "text" and r["defense"].startswith("DP-Gaussian")]
         if pg:
             ks = sorted({fmt(info_limit(r).get("directions_above_edge"), "g") for r in pg})
