@@ -212,6 +212,7 @@ class UTRAttack(AttackBase):
         return {"sub_edge_bag": r["tokens"], "sub_edge_signal_present": r["signal_present"],
                 "sub_edge_significant_tokens": r["significant_tokens"], "sub_edge_min_log10_p": r["min_log10_p"],
                 "sub_edge_bulk_threshold": r["bulk_threshold"], "sub_edge_dof": r["dof"], "sub_edge_alpha": r["alpha"],
+                "sub_edge_vocabulary": r["vocabulary"],
                 "sub_edge_directions": what,
                 "sub_edge_noise": ("top-k pruning error, estimated (chi-square law approximate)"
                                    if bag.get("sparsity_aware") else "declared Gaussian (chi-square law exact)"),
@@ -469,6 +470,12 @@ class UTRAttack(AttackBase):
         info["leakage_margin"] = {"layer": "embedding_adapter", **margin}
         metrics = {f"{k}_embedding_adapter": v for k, v in margin.items()}
         if edge_info:  # the sub-edge test's truth-free numbers (the bag itself is graded as the word bag)
+            # subedge_p_value: "some token beyond the noise alone", Bonferroni over the vocabulary (valid whatever
+            # the tokens' correlations; under noise alone P(p < a) <= a) -- what benchmarks read at alpha 0.01
+            # -- only under declared Gaussian noise: a top-k pruning error is not Gaussian, its law is no null
+            if not bag.get("sparsity_aware"):
+                metrics["subedge_p_value"] = min(1.0, edge_info["sub_edge_vocabulary"]
+                                                 * 10.0 ** edge_info["sub_edge_min_log10_p"])
             metrics.update({"sub_edge_min_log10_p": edge_info["sub_edge_min_log10_p"],
                             "sub_edge_significant_tokens": float(edge_info["sub_edge_significant_tokens"]),
                             "sub_edge_bag_size": float(len(edge_info["sub_edge_bag"]))})
