@@ -288,7 +288,8 @@ KEEP = ("word_bag_recall", "word_bag_recall_null_p99", "word_bag_precision", "ro
         *(f"{k}_{t}" for t in TENSOR.values() for k in LIMIT),
         "patch_recovery_rate", "isolated_patch_rate", "recovered_patch_psnr_median", "expected_patch_psnr_median",
         "num_returned_patches", "num_true_patches", "false_positives", "nonzero_bins", "noise_std_used",
-        "auc", "auc_null_p99", "tpr_at_1pct_fpr", "tpr_at_1pct_fpr_null_p99")
+        "auc", "auc_null_p99", "tpr_at_1pct_fpr", "tpr_at_1pct_fpr_null_p99",
+        "subedge_p_value", "sub_edge_min_log10_p", "sub_edge_significant_tokens", "sub_edge_bag_size")
 
 
 def fill(result: dict, row: dict) -> str:
@@ -308,8 +309,10 @@ REV = revision()
 LEAK = ("partial", "strong", "exact")
 #: the computed labels of a cell (:func:`cell_label`); ``undetermined`` carries what is missing in brackets
 LABELS = ("leaks", "information present, missed", "information absent", "undetermined")
-#: the sub-edge word-bag test's p-value metric (UTR; issue 51 item 3) and the alpha it is read at
-SUBEDGE_P = ("subedge_p_value", "word_bag_subedge_p_value")
+#: the sub-edge word-bag test's p-value metric (UTR's ``subedge_p_value``: some vocabulary token beyond the noise
+#: alone, Bonferroni over the vocabulary; declared Gaussian noise only, no p-value under a sparsity-aware pruned
+#: reading) and the alpha it is read at
+SUBEDGE_P = ("subedge_p_value",)
 SUBEDGE_ALPHA = 0.01
 
 
@@ -421,6 +424,14 @@ def with_null(m: dict, key: str, spec: str) -> str:
     return f"{fmt(m.get(key), spec)} ({fmt(m.get(key + '_null_p99'), spec)})"
 
 
+def subedge_cell(m: dict) -> str:
+    """The sub-edge test's p-value (the tokens past its Bonferroni cut); ``not run`` where the row has none."""
+    p, n = _num(m.get("subedge_p_value")), _num(m.get("sub_edge_significant_tokens"))
+    if p is None:
+        return "not run" if n is None else f"no p-value ({n:g})"
+    return f"{'< 0.001' if p < 1e-3 else fmt(p, '.3g')} ({fmt(n, 'g')})"
+
+
 def limit_cells(r: dict) -> str:
     """The info-limit cells of a table row: K above the edge | margin strongest (weakest used) | its ceiling."""
     lim, c = info_limit(r), r.get("ceiling")
@@ -444,10 +455,13 @@ LIMIT_NOTE = ("**K**: signal directions of the attacked tensor above the noise e
               "(near 1 by construction wherever the cut follows the edge: never read as absence); **ceiling**: the "
               "oracle ceiling, the measurements solver on the *undefended* upload of the same image restricted to its "
               "K strongest directions (`attack.directions=K`), its level and best-image PSNR dB (null p99) -- at "
-              "chance by construction where K = 0 or the tensor's upload is all zero; **label**: computed from these "
-              "numbers by `cell_label` (benchmarks/defended.py): `leaks` (level ≥ partial), `information present, "
-              "missed` (level none, the ceiling or the sub-edge test beyond its null), `information absent` (ceiling "
-              "and sub-edge test at chance), `undetermined` (what is missing, named).")
+              "chance by construction where K = 0 or the tensor's upload is all zero; **sub-edge p**: UTR's sub-edge "
+              "word-bag test (some vocabulary token's embedding-adapter energy beyond the χ² law of the declared "
+              "noise, Bonferroni over the vocabulary), read at α = 0.01, the tokens past its cut in brackets (`no "
+              "p-value`: a pruned upload read sparsity-aware, whose error is not Gaussian); **label**: computed from "
+              "these numbers by `cell_label` (benchmarks/defended.py): `leaks` (level ≥ partial), `information "
+              "present, missed` (level none, the ceiling or the sub-edge test beyond its null), `information absent` "
+              "(ceiling and sub-edge test at chance), `undetermined` (what is missing, named).")
 
 
 def table(rows: list[dict]) -> str:
@@ -460,9 +474,9 @@ def table(rows: list[dict]) -> str:
                   "Sentences follow `seed` (a seeded permutation of the quotes): held-out seeds draw other quotes "
                   "(tests/test_heldout_disjoint.py).", "",
                   "| model | seed (split) | B | defense | variant | level | word-bag recall (null p99) | ROUGE-1 F1 "
-                  "(null p99) | exact sentences | K (emb. adapter) | margin strongest (at cut) | ceiling | label | "
-                  "revision |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "(null p99) | exact sentences | K (emb. adapter) | margin strongest (at cut) | ceiling | sub-edge p "
+                  "(tokens past the cut) | label | revision |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in text:
             m = r["metrics"]
             v = r["variant"] if isinstance(r["variant"], str) else ", ".join(f"{k}={w}" for k, w in r["variant"].items()
@@ -470,8 +484,8 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {r.get('model', 'minilm-L2')} | {r['seed']} ({r['split']}) | {r['B']} | {r['defense']} | "
                          f"{v} | {r['level']} | {with_null(m, 'word_bag_recall', '.1f')} | "
                          f"{with_null(m, 'rouge1_f1', '.1f')} | "
-                         f"{fmt(m.get('sentences_exact'), 'g')} | {limit_cells(r)} | {r['label']} | "
-                         f"{revision_label(r)} |")
+                         f"{fmt(m.get('sentences_exact'), 'g')} | {limit_cells(r)} | "
+                         f"{subedge_cell(m)} | {r['label']} | {revision_label(r)} |")
         lines.append("")
     img = [r for r in rows if r.get("part") == "image" and "metrics" in r]
     if img:
