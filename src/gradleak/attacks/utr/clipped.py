@@ -416,7 +416,7 @@ class ClippedSumSearch:
     #: candidates per move kind a screened round evaluates exactly (the screen's linear term ranks moves of one
     #: kind well -- measured Spearman 0.90 against the exact gains of every point move, MiniLM B = 2 seed 0 -- but
     #: not across kinds: rearrangements omit the quadratic term)
-    QUOTA = {"point": 16, "swap": 6, "relocate": 6, "delete": 4, "insert": 8}
+    QUOTA = {"point": 8, "swap": 3, "relocate": 3, "delete": 2, "insert": 4}
 
     def _step(self, i: int, deep: bool = False) -> bool:
         """One screened round on chain i: the best proposals of each kind (:attr:`QUOTA`) evaluated exactly, then
