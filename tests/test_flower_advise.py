@@ -323,4 +323,4 @@ def test_flower_advise_bad_input_is_named():
     with pytest.raises(BadInput, match="advise.steps"):
         fa.advise_options({"steps": -1}, None)
     assert fa.advise_options({"candidates": ["LocalDpMod", "clipping"]}, 30) == {
-        "candidates": ["LocalDpMod", "clipping"], "steps": 3, "budget": 30.0}
+        "candidates": ["LocalDpMod", "clipping"], "steps": 3, "batches": 3, "budget": 30.0}

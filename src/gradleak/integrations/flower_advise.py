@@ -53,7 +53,7 @@ LOCAL_WEAK_RELATIVE, LOCAL_STRONG_EPSILON = 1e-3, 1.0
 
 def advise_options(advise: Any, budget: Any) -> dict | None:
     """The validated ``advise=`` / ``budget=`` of :class:`~gradleak.integrations.flower.FlowerAudit`: None (off) or
-    ``{"candidates", "steps", "budget"}``; ``advise`` is ``True`` or a mapping like ``audit.advise`` whose
+    ``{"candidates", "steps", "batches", "budget"}``; ``advise`` is ``True`` or a mapping like ``audit.advise`` whose
     ``candidates`` may name Flower's classes (:data:`FLOWER_CANDIDATES`)."""
     from gradleak.run.advise_options import advise_section, check_budget
 
@@ -274,7 +274,8 @@ def round_advice(audit, rec, result: dict, rdir) -> dict | None:
     audit.log(f"[flower audit] round {rec.server_round}: searching the weakest defense that stops "
               + (", ".join(leaking) or "nothing (no leak)"))
     adv = advise(base, audit.out, source, device=str(audit.device), workers=opts["workers"], budget_seconds=opts["budget"],
-                 candidates=opts["candidates"], steps=opts["steps"], log=audit.log, extra=extra)
+                 candidates=opts["candidates"], steps=opts["steps"], log=audit.log, extra=extra,
+                 batches=opts.get("batches"))
     adv["basis"] = basis
     adv["server_round"] = rec.server_round
     if clip is not None:
