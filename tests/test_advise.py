@@ -77,6 +77,7 @@ def one_batch(monkeypatch, request):
 
     monkeypatch.setattr(advise_options, "BATCHES", 1)
 
+
 def _fake(calls, threshold=0.05, kill_at=None, clock=None):
     """A probe: UTR stops when the per-coordinate noise std reaches ``threshold``; accuracy falls with the noise."""
 
