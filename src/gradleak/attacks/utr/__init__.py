@@ -58,10 +58,17 @@ attack still returns what it found (never fails silently).
 Open decisions recorded (open points A3.2/A3.3): S from raw gradient rows (not row/bias ratios: same span, better
 conditioned); relative residuals; rank cut-off relative to the largest singular value.
 
+Noisy uploads (beyond the paper; issue 51 item 3): :mod:`.clipped` moves the chain search's sentences by their
+exact share of the upload under DP-SGD's clipped-sum model -- each sentence at its own scale c_i / B >= 0 and label,
+c_i = min(1, C / ||g_i||) -- against the chi-square law of the declared noise (sigma C / B); the causal value test
+fits one scale per sentence under a declared per-sample clip norm; and
+:mod:`gradleak.attacks.common.sub_edge` scores every vocabulary token below the noise edge (``info["sub_edge_*"]``,
+``metrics["subedge_p_value"]``; its tokens are the word bag when no direction stands above the edge).
+
 Where the code lives: :mod:`.attack` (the registered attack and its config), :mod:`.greedy` (the published greedy
 search, ``search: paper``), :mod:`.causal` and :mod:`.values` (the value tests past the first layer's bottleneck, UTR's
-own); the parts DAGER and LAMP share with UTR are in
-:mod:`gradleak.attacks.common` (``subspace``, ``text``, ``bert_pairs``, ``pair_signals``, ``word_bag``,
+own), :mod:`.clipped` (the clipped-sum search on noisy uploads); the parts DAGER and LAMP share with UTR are in
+:mod:`gradleak.attacks.common` (``subspace``, ``text``, ``bert_pairs``, ``pair_signals``, ``word_bag``, ``sub_edge``,
 ``prefix_search``, ``encoder_search`` with ``bert_layer`` and ``chain_lengths``).
 """
 
