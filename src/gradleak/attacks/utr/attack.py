@@ -437,7 +437,8 @@ class UTRAttack(AttackBase):
         }
         if edge_info.get("word_bag_source") == "sub_edge":
             info["capacity_exhausted"] = False
-            info["warning"] = (f"no signal direction above the noise edge: word bag of the sub-edge test only "
+            info["warning"] = (f"stage 1 found no token ({sub_ea.rank} direction(s) above the noise edge): word bag of "
+                               f"the sub-edge test only "
                                f"({len(bag['tokens'])} tokens beyond the chi-square law of the noise alone and the "
                                f"vocabulary's bulk; strongest token p = 10^{edge_info['sub_edge_min_log10_p']:.1f}); "
                                "no sentence search.")
