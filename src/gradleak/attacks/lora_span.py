@@ -344,7 +344,9 @@ class LoraSpan(AttackBase):
         if self.prior == "public":
             raise BadInput("threat.public_data", "lora_span's public prior needs the granted public images.",
                            "grant threat.public_data=true, or set attack.prior=stationary (data-free).")
-        return GaussianImagePrior.stationary(C, side, P)
+        # a grid of data-free priors; the solver keeps the one the upload supports best (its evidence)
+        return [GaussianImagePrior.stationary(C, side, P, rho=r, std=sd) for r in (0.9, 0.95, 0.98)
+                for sd in (0.35, 0.5, 0.7)]
 
     def _measurements(self, view, fb, G, S, Vh, k, declared_std, N, side, keys, t0) -> Reconstruction:
         """The measurements solver (``solver: measurements``; gradleak.attacks.common.token_measurements)."""
@@ -388,7 +390,8 @@ class LoraSpan(AttackBase):
         declared = view_noise_std(view, view.updates[0], tensor=keys)
         margin = spectral_margin([G], max(batch, 1) * (N + 1), declared or read_std)
         info = {"solver": "measurements (each direction above the cut decomposed in the known token basis; MAP under "
-                          "a Gaussian image prior)", "prior": prior.source, "directions_used": k,
+                          "a Gaussian image prior)", "prior": sol["prior"].source, "directions_used": k,
+                "prior_evidence": sol["prior_evidence"],
                 "token_directions": batch * (N + 1), "noise_std_read_off_residual": read_std,
                 "noise_std_declared": declared, "objective": sol["objective"],
                 "measurements": sol["measurements"], "unknowns": sol["unknowns"],

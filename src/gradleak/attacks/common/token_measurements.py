@@ -121,7 +121,7 @@ class GaussianImagePrior:
         perm = to_patch_layout(torch.arange(n, dtype=F64).reshape(1, channels, side, side), patch).reshape(-1).long()
         cov = cov[perm][:, perm]
         return cls(torch.zeros(n, dtype=F64), cov,
-                   f"data-free Gauss-Markov prior (rho {rho:g} per pixel, channel correlation {channel_corr:g})")
+                   f"data-free Gauss-Markov prior (rho {rho:g} per pixel, std {std:g}, channel correlation {channel_corr:g})")
 
 
 def residual_noise_std(Y: torch.Tensor, M: torch.Tensor, per_row: bool = False):
@@ -151,11 +151,15 @@ def _cholesky(C: torch.Tensor) -> torch.Tensor:
 
 
 def invert_token_directions(Y: torch.Tensor, K: torch.Tensor, P: torch.Tensor, extra: torch.Tensor,
-                            prior: GaussianImagePrior, noise_std, iterations: int = 4) -> dict:
+                            prior, noise_std, iterations: int = 4) -> dict:
     """MAP image from measurement rows ``Y`` (k × d; module docstring).
 
     ``K`` = ΓCE (d × n), ``P`` = ΓC(b + posₜ) stacked as columns (d × N), ``extra`` = the other known token
-    directions (d × e: β, the CLS token). Returns ``{"X": N × n, "W": k × N, "objective": [...], ...}``."""
+    directions (d × e: β, the CLS token). ``prior``: a :class:`GaussianImagePrior`, or several, of which the one with
+    the largest evidence p(y | W, prior) = N(F μ, F Σ Fᵀ + τ²) at the first step is kept (empirical Bayes: chosen from
+    the upload, never from the truth; ``prior_evidence`` lists them). Returns ``{"X": N × n, "W": k × N,
+    "objective": [...], "prior": the kept prior, ...}``."""
+    priors = list(prior) if isinstance(prior, (list, tuple)) else [prior]
     Y, K, P, extra = (t.to(F64) for t in (Y, K, P, extra))
     k, d = Y.shape
     n, N = K.shape[1], P.shape[1]
@@ -166,9 +170,7 @@ def invert_token_directions(Y: torch.Tensor, K: torch.Tensor, P: torch.Tensor, e
     coef = torch.linalg.lstsq(M, Y.T).solution  # (n + N + e) × k
     W = coef[n:n + N].T.clone()  # k × N
     Qk, Rk = torch.linalg.qr(K)  # K = Qk Rk, Qk d × n
-    mu, Sig = prior.mean, prior.cov
-    objective = []
-    X = mu.reshape(N, n).clone()
+    objective, evidence = [], []
 
     def fit_w(X):
         Z = (X @ K.T + P.T)  # N × d: the rows ΓC(E x_t + b + pos_t) (K, P already include ΓC)
@@ -182,12 +184,26 @@ def invert_token_directions(Y: torch.Tensor, K: torch.Tensor, P: torch.Tensor, e
         R = Y - W @ P.T - A @ extra.T
         y = (R @ Qk).reshape(-1)  # k n, noise i.i.d. τ (Qk orthonormal)
         F = torch.kron(W.contiguous(), Rk.contiguous())  # (k n) × (N n): vec_r(W X Rkᵀ) = (W ⊗ Rk) vec_r(X)
-        FS = F @ Sig
-        Cy = FS @ F.T
-        Cy.diagonal().add_(tau2_rows.repeat_interleave(n))
-        L = _cholesky(Cy)
-        innov = y - F @ mu
-        X = (mu + FS.T @ torch.cholesky_solve(innov[:, None], L)[:, 0]).reshape(N, n).contiguous()
+
+        def posterior(pr):
+            FS = F @ pr.cov
+            Cy = FS @ F.T
+            Cy.diagonal().add_(tau2_rows.repeat_interleave(n))
+            L = _cholesky(Cy)
+            innov = y - F @ pr.mean
+            a = torch.cholesky_solve(innov[:, None], L)[:, 0]
+            log_ev = -float(2 * torch.log(L.diagonal()).sum() + innov @ a) / 2
+            return pr.mean + FS.T @ a, log_ev
+
+        if it == 0 and len(priors) > 1:
+            fits = [posterior(pr) for pr in priors]
+            evidence = [ev for _, ev in fits]
+            best = max(range(len(priors)), key=lambda i: evidence[i])
+            priors = [priors[best]]
+            x = fits[best][0]
+        else:
+            x, _ = posterior(priors[0])
+        X = x.reshape(N, n).contiguous()
         # (i) W, A given X
         W, A = fit_w(X)
         res = Y - (W @ (X @ K.T + P.T) + A @ extra.T)
@@ -195,7 +211,7 @@ def invert_token_directions(Y: torch.Tensor, K: torch.Tensor, P: torch.Tensor, e
         if it + 1 < iterations and len(objective) > 1 and abs(objective[-2] - objective[-1]) <= 1e-9 * objective[-1]:
             break
     return {"X": X, "W": W, "objective": objective, "noise_std": tau2 ** 0.5, "measurements": k * n,
-            "unknowns": N * n}
+            "unknowns": N * n, "prior": priors[0], "prior_evidence": evidence}
 
 
 __all__ = ["GaussianImagePrior", "from_patch_layout", "invert_token_directions", "residual_noise_std",
