@@ -94,3 +94,23 @@ def test_no_hand_written_conclusion_about_a_cell_is_left(d):
     # every label the tables print is one of the four computed ones
     assert re.findall(r'return "(leaks|information [a-z, ]+)"', src) == ["leaks", "information present, missed",
                                                                         "information absent"]
+
+
+def test_an_attack_that_used_no_direction_still_reports_the_tensors_information_limit():
+    """UTR under the paper's DP-Gaussian cuts its rank at 0; the tensor's limit (directions above the edge, strongest
+    margin, the std that drowns every direction) is still read off its spectrum -- before, the rank-0 case returned a
+    sentinel (drowning_noise_std_all = 0) that read like an all-zero upload. An all-zero tensor still reads 0."""
+    import torch
+
+    from gradleak.attacks.common.subspace import spectral_margin
+
+    g = torch.Generator().manual_seed(0)
+    G = torch.randn(40, 3, generator=g, dtype=torch.float64) @ torch.randn(3, 60, generator=g, dtype=torch.float64)
+    std = 1e-3
+    noisy = G + std * torch.randn(40, 60, generator=g, dtype=torch.float64)
+    m0 = spectral_margin([noisy], 0, std)
+    assert m0["signal_rank"] == 0 and m0["directions_above_edge"] == 3 and m0["drowning_noise_std_all"] > 0
+    assert m0["margin_strongest"] == spectral_margin([noisy], 3, std)["margin_strongest"] > 1.05
+    assert m0["spectral_margin"] != m0["spectral_margin"] and m0["drowning_noise_std"] == 0.0  # no direction used
+    z = spectral_margin([torch.zeros(40, 60, dtype=torch.float64)], 0, std)
+    assert z["drowning_noise_std_all"] == 0.0 and z["directions_above_edge"] == 0

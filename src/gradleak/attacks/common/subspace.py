@@ -157,16 +157,17 @@ def spectral_margin(grads: list[torch.Tensor], rank: int, noise_std: float | Non
     Singular values of the raw rows (not row-normalised), so the numbers are on the upload's own scale."""
     rows = stack_rows(grads)
     M, n = rows.shape
-    if rows.numel() == 0 or rank < 1:
+    if rows.numel() == 0:
         return {"spectral_margin": float("nan"), "drowning_noise_std": 0.0, "drowning_noise_std_all": 0.0,
                 "signal_rank": 0.0}
     s = torch.linalg.svdvals(rows)
     k = min(int(rank), len(s))
     scale = M ** 0.5 + n ** 0.5
     edge = float(noise_std) * scale if noise_std else float("nan")
-    out = {"spectral_margin": float(s[k - 1]) / edge if noise_std else float("nan"),
-           "drowning_noise_std": float(s[k - 1]) / scale, "drowning_noise_std_all": float(s[0]) / scale,
-           "signal_rank": float(k)}
+    # an attack that used no direction (rank 0) has no weakest-used margin, but the spectrum's limit is still read
+    out = {"spectral_margin": float(s[k - 1]) / edge if noise_std and k >= 1 else float("nan"),
+           "drowning_noise_std": float(s[k - 1]) / scale if k >= 1 else 0.0,
+           "drowning_noise_std_all": float(s[0]) / scale, "signal_rank": float(max(k, 0))}
     if noise_std:
         above = int((s > 1.05 * edge).sum())
         out.update({"directions_above_edge": float(above), "margin_strongest": float(s[0]) / edge,
