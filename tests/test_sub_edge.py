@@ -96,7 +96,7 @@ def test_real_minilm_directions_planted_sentence_below_the_edge():
     from gradleak.models.text import load_text_model
 
     tm = load_text_model("minilm", 2)
-    D, what = token_directions(tm.model)
+    D, what, extra = token_directions(tm.model)
     assert "BERT" in what and D.shape[0] == tm.tokenizer.vocab_size
     ids = tm.tokenizer("the quick brown fox jumps over the lazy dog near the river bank")["input_ids"]
     emb = tm.model.base_model.embeddings
@@ -112,9 +112,32 @@ def test_real_minilm_directions_planted_sentence_below_the_edge():
         S += torch.outer(u / u.norm(), x[t] / x[t].norm())
     S *= 0.8 * edge / float(torch.linalg.svdvals(S)[0])  # the strongest direction at 0.8 x the edge
     special = tuple(tm.tokenizer.all_special_ids)
-    r = sub_edge_test([S + sigma * torch.randn(b, n, generator=gen, dtype=torch.float64)], D, sigma, exclude=special)
+    r = sub_edge_test([S + sigma * torch.randn(b, n, generator=gen, dtype=torch.float64)], D, sigma, exclude=special,
+                      extra=extra)
     true = set(ids) - set(special)
     assert r["tokens"] and enrichment(r["tokens"], true, r["vocabulary"]) > 100
     assert len(set(r["tokens"]) & true) >= 3
-    noise = sub_edge_test([sigma * torch.randn(b, n, generator=gen, dtype=torch.float64)], D, sigma, exclude=special)
+    noise = sub_edge_test([sigma * torch.randn(b, n, generator=gen, dtype=torch.float64)], D, sigma, exclude=special,
+                          extra=extra)
     assert not noise["signal_present"] and not noise["tokens"]
+
+
+def test_the_pursuit_takes_the_planted_tokens_not_their_near_duplicates():
+    """A strong plant whose every member has a near-duplicate in the vocabulary (cosine 0.9): each duplicate's own
+    energy passes the cut (0.81 of its twin's), yet once the twin is taken only its orthogonal part is left, which
+    the upload does not hold -- the bag is the members, every one, and no duplicate."""
+    gen = torch.Generator().manual_seed(5)
+    b, n, V, sigma, k = 32, 64, 500, 1e-3, 6
+    D = torch.randn(V, n, generator=gen, dtype=torch.float64)
+    D = D / D.norm(dim=1, keepdim=True)
+    members = list(range(k))
+    for j, v in enumerate(members):  # token V - 1 - j is a near-duplicate of member v
+        w = torch.randn(n, generator=gen, dtype=torch.float64)
+        w = w - (w @ D[v]) * D[v]
+        D[V - 1 - j] = 0.9 * D[v] + (1 - 0.81) ** 0.5 * w / w.norm()
+    G, _ = _planted(gen, D, members, b, n, sigma, 3.0)
+    r = sub_edge_test([G], D, sigma)
+    twins = {V - 1 - j for j in range(k)}
+    assert set(r["tokens"]) == set(members)
+    q = r["scores"]
+    assert min(float(q[t]) for t in twins) > 5 * b  # the duplicates alone would have passed

@@ -198,13 +198,14 @@ class UTRAttack(AttackBase):
         gradients at the noise std stage 1 used: the declared one (Gaussian: the chi-square law is exact), or for a
         top-k pruned upload the pruning error's level read off the spectrum (not Gaussian: the law is approximate,
         ``sub_edge_noise`` says so). Special tokens are not scored. Returns the ``sub_edge_*`` info fields, the
-        bag under ``sub_edge_bag`` and the 512 highest-energy tokens under ``sub_edge_top`` (best first: the
-        evaluation side can count the batch's tokens among them against random public tokens)."""
+        bag under ``sub_edge_bag`` and a ranking of 512 tokens under ``sub_edge_top`` (the bag in the order the
+        pursuit took it, then the highest-energy others: the evaluation side can count the batch's tokens among
+        the top k against random public tokens through the same ranking)."""
         tok = view.public.get("tokenizer")
         special = tuple(int(v) for v in (getattr(tok, "all_special_ids", None) or []))
         grads = collect_grads(view, adapter_param("embedding"), all_rounds=self.all_rounds)
-        D, what = token_directions(view.model)
-        r = sub_edge_test(grads, D, float(bag["noise_std"]), exclude=special)
+        D, what, extra = token_directions(view.model)
+        r = sub_edge_test(grads, D, float(bag["noise_std"]), exclude=special, extra=extra)
         top = r["scores"].clone()
         for v in special:
             if 0 <= v < len(top):
@@ -216,17 +217,20 @@ class UTRAttack(AttackBase):
                 "sub_edge_directions": what,
                 "sub_edge_noise": ("top-k pruning error, estimated (chi-square law approximate)"
                                    if bag.get("sparsity_aware") else "declared Gaussian (chi-square law exact)"),
-                "sub_edge_top": [int(v) for v in top.argsort(descending=True)[:512].tolist()]}
+                # the ranking: the pursuit's tokens in the order taken, then the rest by their own energy
+                "sub_edge_top": (r["tokens"] + [int(v) for v in top.argsort(descending=True)[:512 + len(r["tokens"])]
+                                                .tolist() if int(v) not in set(r["tokens"])])[:512]}
 
     def _clipped_sum(self, view: ServerView, bag: dict, sp: dict, sents: list[list[int]], sinfo: dict[str, Any],
-                     budget: float) -> tuple[list[list[int]], dict[str, Any]]:
+                     budget: float, extra=()) -> tuple[list[list[int]], dict[str, Any]]:
         """A noisy one-step upload of a bidirectional classifier: the chain search's sentences moved by their
         share of the upload under the clipped-sum model (:mod:`gradleak.attacks.utr.clipped`), the noise std the
         word bag used (the declared one, sigma C / B under DP-SGD), the per-sample clip norm from the declared
         defenses. Labels: one label and one scale >= 0 per sentence when the client's loss is the plain
         cross-entropy (no training-time defense, or DP-SGD); C - 1 free coefficients otherwise (label smoothing
         reweights the logits). Skipped (``info["clipped_sum_search"]`` says why) for a multi-step upload, a top-k
-        pruned one or an upload without the embedding adapter's down-projection."""
+        pruned one or an upload without the embedding adapter's down-projection. ``extra``: tokens the sub-edge
+        test found beside stage 1's (candidates of the moves)."""
         from gradleak.defenses.declared import view_declared, view_noise_std
         from gradleak.defenses.training import DPSGD, NoDefense
 
@@ -247,7 +251,8 @@ class UTRAttack(AttackBase):
         test = ClippedSumTest(view.model, upd.tensors, float(bag["noise_std"]), clip=declared.per_sample_clip_norm,
                               label_model="clipped" if plain else "free", pad=pad)
         seps = sorted(int(q) for q in (bag.get("pairs") or {}).get(sp["sep"], ()))
-        search = ClippedSumSearch(test, bag["tokens"], sp["cls"], sp["sep"], seps,
+        cands = sorted(set(bag["tokens"]) | {int(v) for v in extra})  # the sub-edge test's tokens too
+        search = ClippedSumSearch(test, cands, sp["cls"], sp["sep"], seps,
                                   batch_size=view.public.get("batch_size"), max_len=self.max_len,
                                   time_budget=budget)
         before = [list(s) for s in sents]
@@ -339,6 +344,11 @@ class UTRAttack(AttackBase):
                 bag = {**bag, "tokens": sorted(edge_info["sub_edge_bag"]),
                        "pairs": {int(v): set() for v in edge_info["sub_edge_bag"]}, "positions_ok": bag["causal"]}
                 edge_info["word_bag_source"] = "sub_edge"
+            elif set(edge_info["sub_edge_bag"]) - set(bag["tokens"]):
+                # tokens stage 1 missed (its row space is cut at the noise edge; the dictionary test reaches below
+                # it -- measured, MiniLM B = 2 DP-SGD sigma 1e-4: stage 1 found 2 tokens, the pursuit all 39, no
+                # false one): they join the word bag and the clipped-sum search's candidates, not stage 1's pairs
+                edge_info["word_bag_source"] = "stage 1 + sub_edge"
         t1 = time.perf_counter()
         grads_la = collect_grads(view, adapter_param(self.sentence_layer), all_rounds=False)
         la_noise = bag["noise_std"]
@@ -400,7 +410,8 @@ class UTRAttack(AttackBase):
             sents, sinfo = search.run()
             if self.value_test and self.clipped_sum and bag["noise_std"]:
                 cap = max(CLIPPED_SUM_MIN_SECONDS, AUTO_BUDGET_PER_SENTENCE * (int(B or 1) + 1))
-                sents, sinfo = self._clipped_sum(view, bag, sp, sents, sinfo, min(left(), cap))
+                sents, sinfo = self._clipped_sum(view, bag, sp, sents, sinfo, min(left(), cap),
+                                                 extra=edge_info.get("sub_edge_bag", ()))
         t2 = time.perf_counter()
         info = {
             "method": METHOD[self.search],
@@ -408,7 +419,8 @@ class UTRAttack(AttackBase):
             # every position (the final EOS included) receives a gradient, and the value test fits the head's
             # coefficients per sentence (gradleak.attacks.utr.causal)
             "head": "lm" if lm else "classification",
-            "word_bag": bag["tokens"],
+            "word_bag": (sorted(set(bag["tokens"]) | set(edge_info["sub_edge_bag"]))
+                         if edge_info.get("word_bag_source") == "stage 1 + sub_edge" else bag["tokens"]),
             **edge_info,
             "word_bag_size": len(bag["tokens"]),
             "word_bag_pairs": sum(len(p) for p in bag["pairs"].values()),
