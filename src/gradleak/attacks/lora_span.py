@@ -60,6 +60,18 @@ Decisions left open (no paper describes this attack), each recorded:
   forward + backward of the model the server sent on a batch of the client's size (the same run, so machine
   noise cancels); in ``info["timings"]`` and the attack-side metrics.
 
+**Under noise: the measurements solver** (``solver: measurements``; the audit runs it as a full-strength variant under
+any declared defense). Noise hides the weaker of the N + 1 token directions, and the span solver above needs all of
+them (it asks every token to lie in V). Each direction that does stand above the noise edge still lies in the known
+token basis [ΓCE | ΓC(b + posₜ) | β | h₀], so its coordinates there are linear measurements of the image:
+:mod:`gradleak.attacks.common.token_measurements` inverts them under a Gaussian image prior (the granted public
+images', or a data-free Gauss-Markov prior chosen per upload by its evidence), each direction weighted by the noise read
+off its own residual outside that basis. Noise-free with every direction it is the exact attack (80.8 dB on the
+vit_lora audit's image); ``directions: K`` fixes the count (the oracle ceiling of ``benchmarks/info_limit.py``).
+Measured there (percentile noise σ0 = 0.01 / 0.003, vit_lora, B = 1): beyond the null on the tuned image and on one of
+the two held-out images at both σ0; on the other held-out image the noise-free ceiling at the same K is beyond its null
+while the noisy upload is not (docs/REPRODUCTION.md, "Information limit").
+
 Measured (``benchmarks/lora_vit.py``, pretrained ViT-S/14, float32 uploads, 1 thread): B = 1, r = 128, patch 4,
 query + value: median 95 dB (min 74.7) over 12 distinct real CIFAR images, 0.02 s per image (0.19 × one
 forward + backward); r = 64 on query + value (128 rows): 89–96 dB; r = 64 on query only (64 rows < 65 tokens,
