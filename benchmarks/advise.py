@@ -42,6 +42,11 @@ LEFT_OUT = {"vit_lora": "the optimisation attacks april, dlg, gias, gradvit and 
 SEEDS = (0, 1)
 
 
+#: the round trip's second victim batch: ``seed`` = ``data.seed`` = the cell's seed + this, drawn by no probe of the
+#: search (the advice's own extra batches move both by multiples of gradleak.run.advise_options.BATCH_SEED_STEP, 1009)
+UNSEARCHED_STEP = 4999
+
+
 def cells(only: set[str] | None = None) -> list[tuple[str, str, int]]:
     return [(f"{name}-s{s}", name, s) for name in CONFIGS for s in SEEDS if not only or name in only]
 
@@ -78,6 +83,12 @@ def advised_cell(name: str, seed: int, out_dir: Path) -> dict:
         t = run_audit(raw, out_dir / "roundtrip", [f"seed={seed}"] + list(rec["set"]), only=None,
                       log=lambda m: None, workers=1)
         trip = {"verdict": t["verdict"], "levels": {a["name"]: a.get("level") for a in t["attacks"] if a.get("level")}}
+        # and at a victim batch the search never drew (neither the audited one nor the advice's extra batches)
+        new = seed + UNSEARCHED_STEP
+        t = run_audit(raw, out_dir / "roundtrip_unsearched", [f"seed={new}", f"data.seed={new}"] + list(rec["set"]),
+                      only=None, log=lambda m: None, workers=1)
+        trip["unsearched"] = {"seed": new, "verdict": t["verdict"],
+                              "levels": {a["name"]: a.get("level") for a in t["attacks"] if a.get("level")}}
     return {"verdict": res["verdict"], "advice": adv, "roundtrip": trip}
 
 
@@ -85,7 +96,7 @@ def fill(res: dict, row: dict) -> str:
     adv = res["advice"]
     keep = ("defense", "parameter", "strength", "bracket", "interval", "levels", "accuracy", "accuracy_curve", "cost",
             "epsilon", "epsilon_attacked", "epsilon_note", "clip_norm", "clip_note", "utility_note", "utility_error",
-            "diverged", "cost_se", "status", "note", "set", "what")
+            "diverged", "cost_se", "status", "note", "set", "what", "batches")
     row.update({"verdict": res["verdict"], "attacks": adv.get("attacks"), "baseline": adv.get("baseline"),
                 "rows": [{k: r.get(k) for k in keep if k in r} for r in adv.get("rows", [])],
                 "recommendation": adv.get("recommendation"), "sentence": adv.get("sentence"),
@@ -182,7 +193,18 @@ def report(out: Path, args) -> int:
         md += [f"{r.get('sentence') or ''}" + (f" {r['cost_note'][0].upper()}{r['cost_note'][1:]}." if r.get("cost_note") else ""),
                "", ("Round trip (the recommendation set in the config, a plain audit): **" + trip["verdict"] + "** ("
                     + ", ".join(f"{a} {lv}" for a, lv in trip["levels"].items()) + ")." if trip else
-                    "No recommendation, so no round trip."), ""]
+                    "No recommendation, so no round trip.")
+               + (f" At a victim batch no probe drew (seed = data.seed = {trip['unsearched']['seed']}): **"
+                  + trip["unsearched"]["verdict"] + "** (" + ", ".join(f"{a} {lv}" for a, lv in
+                                                                         trip["unsearched"]["levels"].items()) + ")."
+                  if trip and trip.get("unsearched") else ""), ""]
+        checked = [x for x in r.get("rows") or [] if x.get("batches")]
+        if checked:
+            md += ["Each strength found, probed on the victim batches (data seed: strength, stopped):", ""]
+            md += [f"* {x['defense']}: " + "; ".join(
+                f"{b['data_seed']}: {_fmt(b['strength'])}, {'yes' if b['stopped'] else ('no' if b['stopped'] is False else 'not measured')}"
+                for b in x["batches"]) for x in checked]
+            md += [""]
     md += before_after(out / "advise.jsonl", rows)
     md += summary([r for r in rows if r.get("config_sha") == config_sha(r["config"])])
     write_section(args, "advise", "\n".join(md), "What stops each attack: `gradleak audit --advise` (issue 30)", "advise")
