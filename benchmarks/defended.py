@@ -487,7 +487,10 @@ def table(rows: list[dict]) -> str:
                          f"{fmt(m.get('sentences_exact'), 'g')} | {limit_cells(r)} | "
                          f"{subedge_cell(m)} | {r['label']} | {revision_label(r)} |")
         lines.append("")
-    img = [r for r in rows if r.get("part") == "image" and "metrics" in r]
+    img = sorted((r for r in rows if r.get("part") == "image" and "metrics" in r),
+                 key=lambda r: (list(SEEDS).index(r["seed"]) if r["seed"] in SEEDS else 99,
+                                -1.0 if r["defense"] == "none" else noise_factor(r),
+                                list(IMAGE_VARIANTS).index(image_variant(r)) if r["defense"] != "none" else -1))
     if img:
         lines += ["### lora_span under Gaussian upload noise: the span solver's rank cuts and the measurements solver, "
                   "each beside the oracle ceiling (ViT-S/14, LoRA r = 128, Fashion-MNIST, B = 1)", "",
