@@ -3,7 +3,8 @@
 Exit codes (docs/DESIGN.md §4): 0 success, 2 bad input (a message naming the field and the fix), 1 internal error.
 ``gradleak audit --fail-on LEVEL`` adds 3: the CI gate tripped (:func:`fail_on_decision`).
 ``gradleak list``, ``--version`` and config validation import neither transformers nor any model: only the
-registries (torch for the attack modules) — a bad ``--set`` is answered in about two seconds.
+registries (torch for the attack modules) — a bad ``--set`` is answered in about two seconds; ``gradleak list`` reads
+the registries from a catalog cached per source digest (:func:`load_catalog`), so a warm call imports no torch.
 """
 
 from __future__ import annotations
@@ -369,32 +370,98 @@ def _print_advice(advice: dict) -> None:
         out_console.print(Text(f"not finished within the budget: {', '.join(advice['unfinished'])}"), soft_wrap=True)
 
 
-def _field_lines(cls) -> list[str]:
-    """``name = default — description`` per field: a default_factory's value, ``(required)`` without a default."""
-    lines = []
-    for name, f in getattr(cls, "model_fields", {}).items():
-        if f.is_required():
-            default = "(required)"
-        else:
-            v = f.get_default(call_default_factory=True)
-            default = "null" if v is None else v
-        desc = f" — {f.description}" if f.description else ""
-        lines.append(f"{name} = {default}{desc}")
-    return lines
+#: ``gradleak list WHAT``: the catalog sections each word selects
+LIST_SECTIONS = {
+    "experiments": ["experiments"],
+    "models": ["models"],
+    "peft": ["peft"],
+    "attacks": ["attacks"],
+    "defenses": ["update_defenses", "training_defenses"],
+    "data": ["datasets"],
+    "evaluators": ["evaluators"],
+    "metrics": ["metrics"],
+}
+
+
+def source_digest() -> str:
+    """sha256 of the package's ``.py`` files (relative path + bytes) and the interpreter's prefix: the key of
+    ``gradleak list``'s cached catalog (:mod:`gradleak.run.catalog`), so an edited registry entry is never stale."""
+    import hashlib
+
+    pkg = Path(__file__).resolve().parent
+    h = hashlib.sha256(sys.prefix.encode())
+    for p in sorted(pkg.rglob("*.py")):
+        h.update(str(p.relative_to(pkg)).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:20]
+
+
+def _cached(kind: str, build):
+    """``$GRADLEAK_CACHE/<kind>-<source digest>.json`` (default ``~/.cache/gradleak``), built and written atomically
+    on a miss; a cache that cannot be written is skipped."""
+    import os
+
+    base = Path(os.environ.get("GRADLEAK_CACHE") or Path.home() / ".cache" / "gradleak").expanduser()
+    path = base / f"{kind}-{source_digest()}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    value = build()
+    try:
+        from gradleak.atomic import write_text_atomic
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps(value))
+    except OSError:
+        pass
+    return value
+
+
+def load_catalog() -> dict:
+    """The registries as data (:func:`gradleak.run.catalog.build_catalog`), cached per source digest: a cache hit
+    imports no torch (about 0.3 s)."""
+    def build():
+        from gradleak.run.catalog import build_catalog
+
+        return build_catalog()
+
+    return _cached("catalog", build)
+
+
+def model_lora_targets(name: str) -> dict:
+    """A model's linear module names and default LoRA targets (:func:`gradleak.run.catalog.lora_targets`); a
+    registered model's are cached like the catalog, a local directory's are read each time."""
+    def build():
+        from gradleak.run.catalog import lora_targets
+
+        return lora_targets(name)
+
+    if "/" in name or Path(name).expanduser().exists():
+        return build()
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+    return _cached(f"lora-{safe}", build)
 
 
 @app.command("list")
-def list_():
+def list_(what: Optional[str] = typer.Argument(None, metavar="[attacks|defenses|data|models|experiments|peft|evaluators|metrics]",
+                                               help="print only this registry"),
+          modality: Optional[str] = typer.Option(None, "--modality", help="only entries for image or text data"),
+          model: Optional[str] = typer.Option(None, "--model", help="print this model's LoRA target names (the linear "
+                                              "modules peft.lora_targets may name), read without its weights")):
     """Print every experiment preset, model, PEFT kind, attack (parameters, threat requirements), defense,
-    dataset, evaluator and metric."""
-    from rich.text import Text
+    dataset, evaluator and metric; or one registry (``gradleak list attacks --modality text``), or a model's LoRA
+    targets (``gradleak list --model minilm``)."""
+    from gradleak.errors import BadInput
 
-    from gradleak.registry import ATTACKS, DATASETS, DEFENSES, EXPERIMENTS, METRICS, load_all
+    if what is not None and what not in LIST_SECTIONS:
+        import difflib
 
-    load_all()
-    from gradleak.evaluation import EVALUATORS
-    from gradleak.models import MODELS
-    from gradleak.peft import KIND_FIELDS, PEFT_KINDS
+        near = difflib.get_close_matches(what, list(LIST_SECTIONS), n=1)
+        _fail_bad_input(BadInput("WHAT", f"'{what}' is not a registry.", (f"did you mean '{near[0]}'? " if near else "")
+                                 + f"use one of: {', '.join(LIST_SECTIONS)}."))
+    if modality is not None and modality not in ("image", "text"):
+        _fail_bad_input(BadInput("--modality", f"unknown modality '{modality}'.", "use image or text."))
 
     def head(title: str) -> None:
         out_console.print(Text(f"\n{title}", style="bold underline"))
@@ -402,41 +469,30 @@ def list_():
     def line(text: str, indent: int = 2, style: str | None = None) -> None:
         out_console.print(Text(" " * indent + text, style=style or ""), soft_wrap=True)
 
-    def simple(reg, extra=None):
-        head(f"{reg.kind}s")
-        for e in reg:
-            line(f"{e.name} — {e.summary}" + (f" [{extra(e)}]" if extra else ""))
-
-    simple(EXPERIMENTS)
-    simple(MODELS, lambda e: getattr(e.obj, "modality", ""))
-    line("(text experiments also take a local HF model directory as model.name)")
-    head("peft kinds (peft.kind)")
-    for e in PEFT_KINDS:
-        line(f"{e.name} — {e.summary}")
-        line("parameters: " + ", ".join(f"peft.{f}" for f in sorted(KIND_FIELDS[e.name])), 6)
-    head("attacks (attack.name)")
-    for e in ATTACKS:
-        c = e.obj
-        req = [k for k, v in c.requires().items() if v] or ["nothing beyond honest-but-curious"]
-        line(f"{e.name} — {e.summary}", style="bold")
-        line(f"applies to: {c.modality} data, peft.kind {' | '.join(c.peft_kinds)}; returns {c.reconstruction}; "
-             f"devices {', '.join(c.devices)}", 6)
-        line(f"threat requires: {', '.join(req)}", 6)
-        for fl in _field_lines(c.Config):
-            line(f"attack.{fl}", 6)
-    for stage, title, prefix in (("update", "update defenses (defenses: [{name, params}])", "params."),
-                                 ("training", "training defenses (defense: {name, <parameters>})", "defense.")):
-        head(title)
-        for e in DEFENSES:
-            if e.obj.stage != stage:
-                continue
-            aliases = DEFENSES.aliases(e.name)
-            line(f"{e.name} — {e.summary}" + (f" (also: {', '.join(aliases)})" if aliases else ""))
-            for fl in _field_lines(e.obj.Config):
-                line(f"{prefix}{fl}", 6)
-    simple(DATASETS)
-    simple(EVALUATORS)
-    simple(METRICS)
+    if model is not None:
+        try:
+            info = model_lora_targets(model)
+        except BadInput as err:
+            _fail_bad_input(err)
+        head(f"{model}: LoRA targets (peft.lora_targets)")
+        line("linear modules: " + ", ".join(info["linear"]))
+        line("default: " + (", ".join(info["default"]) if info["default"]
+                            else "none of this model's modules: set peft.lora_targets"))
+        if what is None:
+            return
+    wanted = LIST_SECTIONS[what] if what else None
+    for sec in load_catalog()["sections"]:
+        if wanted is not None and sec["key"] not in wanted:
+            continue
+        entries = [e for e in sec["entries"] if modality is None or e["modality"] in (None, modality)]
+        head(sec["title"])
+        for e in entries:
+            line(f"{e['name']} — {e['summary']}" + (f" [{e['tag']}]" if e["tag"] else ""),
+                 style="bold" if e["bold"] else None)
+            for d in e["details"]:
+                line(d, 6)
+        if sec["note"]:
+            line(sec["note"])
 
 
 @app.command()

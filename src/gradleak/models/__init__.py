@@ -137,6 +137,37 @@ def model_modality(name: str) -> str:
                    f"use one of: {', '.join(MODELS.names())}, or a local HF model directory (text).")
 
 
+#: the modules LoRA gets when ``peft.lora_targets`` is not set, by the model's kind (``ModelHandle.kind``)
+DEFAULT_LORA_TARGETS = {"image": ["query", "value"], "causal": ["q_proj", "k_proj"], "bidirectional": ["query", "key"]}
+
+
+def linear_module_names(name: str) -> tuple[list[str], list[str]]:
+    """(leaf names of the model's ``nn.Linear`` modules -- what ``peft.lora_targets`` may name --, the default
+    targets) for a registered model or a local HF text model directory. The architecture is built on the meta
+    device, so no weights are read (the pretrained ViT-S/14, whose builder loads its file, is built once with
+    one block); ``gradleak list --model NAME`` prints them."""
+    import torch
+    from torch import nn
+
+    if model_modality(name) == "text":
+        from gradleak.models.text import text_linear_names
+
+        names = text_linear_names(name)
+        return names, DEFAULT_LORA_TARGETS["causal" if "q_proj" in names else "bidirectional"]
+    from types import SimpleNamespace
+
+    mcfg = SimpleNamespace(name=name, layers=1, num_classes=2, patch_size=None, hidden_size=None, heads=None,
+                           pooling=None, init_weights=False, pretrain=None, num_channels=None, norm="batch")
+    build_fn = MODELS.get(name, field="model.name")
+    try:
+        with torch.device("meta"):
+            handle = build_fn(mcfg, image_size=224, seed=0, dtype="float32")
+    except RuntimeError:  # a builder that copies a weights file into the model (ViT-S/14): one block on the CPU
+        handle = build_fn(mcfg, image_size=224, seed=0, dtype="float32")
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in handle.model.named_modules() if isinstance(m, nn.Linear)})
+    return names, DEFAULT_LORA_TARGETS["image"]
+
+
 def build(mcfg, modality: str, **ctx: Any) -> ModelHandle:
     kind = model_modality(mcfg.name)
     if kind != modality:

@@ -394,3 +394,22 @@ def hf_weight_files(d: Path) -> list[Path]:
             except (OSError, ValueError, KeyError, AttributeError):
                 return [d / index]
     return sorted(d.glob("*.safetensors"))
+
+
+def text_linear_names(name: str) -> list[str]:
+    """Leaf names of the ``nn.Linear`` modules of the text model ``name`` (built-in or a local HF directory): what
+    ``peft.lora_targets`` may name. Built from the model's config on the meta device: no weights are read."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    path, _ = resolve_model(name, 2)
+    local_only = os.environ.get("GRADLEAK_ALLOW_DOWNLOAD", "") != "1"
+    try:
+        cfg = AutoConfig.from_pretrained(str(path), local_files_only=local_only)
+    except OSError as err:
+        raise BadInput("model.name", f"cannot load a model config from '{name}': {err}.",
+                       "point to a directory with config.json.") from None
+    causal = is_decoder_config(cfg)
+    cfg = _truncate_config(cfg, 1)  # every layer has the same modules
+    with torch.device("meta"):
+        model = (AutoModelForCausalLM if causal else AutoModelForSequenceClassification).from_config(cfg)
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})

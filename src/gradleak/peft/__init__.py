@@ -138,7 +138,9 @@ def _apply_lora(handle, spec: PeftConfig, seed: int) -> list[str]:
     except ModuleNotFoundError:
         raise BadInput("peft.kind", "LoRA needs the `peft` package.", "pip install 'gradleak[peft]'.") from None
     model = handle.model
-    default = {"image": ["query", "value"], "causal": ["q_proj", "k_proj"]}.get(handle.kind, ["query", "key"])
+    from gradleak.models import DEFAULT_LORA_TARGETS
+
+    default = DEFAULT_LORA_TARGETS.get(handle.kind, DEFAULT_LORA_TARGETS["bidirectional"])
     targets = spec.lora_targets or default
     linear_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
     missing = [t for t in targets if t not in linear_names]
