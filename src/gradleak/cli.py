@@ -495,6 +495,15 @@ def list_(what: Optional[str] = typer.Argument(None, metavar="[attacks|defenses|
             line(sec["note"])
 
 
+@app.command("config-reference")
+def config_reference():
+    """Print every config key with its type, default and description, as Markdown, from the schema (docs/CONFIG.md is
+    this output: ``gradleak config-reference > docs/CONFIG.md``)."""
+    from gradleak.config.reference import config_reference as reference
+
+    sys.stdout.write(reference())
+
+
 @app.command()
 def report(directory: Path = typer.Argument(..., help="a run directory (results.json) or an audit directory (audit.json)")):
     """(Re)build DIR/report.html from DIR/results.json (a run) or DIR/audit.json (an audit)."""

@@ -53,25 +53,32 @@ MIN_SENTENCE_TOKENS = 3
 
 
 class DataConfig(Strict):
-    name: str = "cifar-samples"
+    name: str = Field("cifar-samples", description="dataset (`gradleak list data`): a built-in one, or your own: "
+                      "csv / tsv (text), image-folder / npz (images) with data.path")
     batch_size: int = Field(8, ge=1, le=100_000, description="samples per client")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="images: which samples form the batch")
-    path: Optional[str] = None
+    path: Optional[str] = Field(None, description="your own data: the CSV/TSV file, the image folder "
+                                "(class = sub-folder) or the .npz file")
     # images
-    image_size: int = Field(32, ge=4, le=1024)
-    public: Optional[str] = None  # default natural-crops (public-natural when the private set shares its photos)
-    public_size: int = Field(2000, ge=1, le=1_000_000)
+    image_size: int = Field(32, ge=4, le=1024, description="images: side in pixels (your own images: their size, or "
+                            "the size data.resize resizes them to)")
+    public: Optional[str] = Field(None, description="images: the public dataset a server granted threat.public_data "
+                                  "holds (default natural-crops; public-natural when the private set shares its photos)")
+    public_size: int = Field(2000, ge=1, le=1_000_000, description="images: public samples drawn from data.public (the "
+                             "server's statistics and the null's random samples)")
     resize: bool = Field(False, description="images: resize a user's folder/npz to image_size (else sizes must match)")
     validation_size: int = Field(0, ge=0, le=100_000, description="images: validation images per client (the "
                                  "identifiability pool of the leakage evaluation; the paper's clients hold 200)")
     prior_size: int = Field(256, ge=1, le=100_000, description="images: held-out images of the private dataset whose "
                             "mean image is the attack's domain prior (granted under threat.public_data)")
     # text
-    text_column: Optional[str] = None
-    label_column: Optional[str] = None
-    split: str = "train"
-    subset: Optional[str] = None
-    limit: Optional[int] = Field(None, ge=1)
+    text_column: Optional[str] = Field(None, description="text: the CSV/TSV column (header name or 0-based index) of "
+                                       "the sentences (default: a column named text/sentence/..., else the longest)")
+    label_column: Optional[str] = Field(None, description="text: the column of the integer labels (default: a "
+                                        "column named label/..., else every label 0)")
+    split: str = Field("train", description="a dataset's split (fashion-mnist, hf)")
+    subset: Optional[str] = Field(None, description="hf: the dataset's configuration")
+    limit: Optional[int] = Field(None, ge=1, description="text: read at most this many sentences of the file")
     max_length: Optional[int] = Field(None, ge=1, description=f"text: most tokens of a client's sentence, its special "
                                       f"tokens included (at least {MIN_SENTENCE_TOKENS}); default the model's context")
     nonmembers: int = Field(0, ge=0, le=1_000_000, description="membership attacks: non-member candidates per client")
@@ -96,10 +103,12 @@ class PretrainConfig(Strict):
 
 
 class ModelConfig(Strict):
-    name: str = "vit-b16"
-    layers: Optional[int] = Field(None, ge=1, le=256, validation_alias=AliasChoices("layers", "num_layers"))
+    name: str = Field("vit-b16", description="model (`gradleak list models`), or a local HF text model directory; "
+                      "`gradleak list --model NAME` names its LoRA targets")
+    layers: Optional[int] = Field(None, ge=1, le=256, validation_alias=AliasChoices("layers", "num_layers"),
+                                  description="keep the first N blocks (text default 2; ViT: the preset's)")
     dtype: Optional[Literal["float32", "float64"]] = None  # default: float64 if the attack needs it, else float32
-    num_classes: int = Field(10, ge=2, le=100_000)
+    num_classes: int = Field(10, ge=2, le=100_000, description="classes of the task head")
     # images (ViT)
     patch_size: Optional[int] = Field(None, ge=1)
     hidden_size: Optional[int] = Field(None, ge=1, le=16_384)
@@ -200,12 +209,13 @@ class AttackSection(Checked):
 
 
 class ExperimentConfig(Strict):
-    experiment: str = "image"
-    name: Optional[str] = None
-    seed: int = Field(0, ge=0, le=2**31 - 1)
-    device: str = "cpu"
+    experiment: str = Field("image", description="preset (`gradleak list experiments`): image, text or a paper's preset")
+    name: Optional[str] = Field(None, description="the run's name in its results and report")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seeds the model, the clients' data draw and the attack")
+    device: str = Field("cpu", description="cpu, cuda or cuda:N")
     threads: Optional[int] = Field(None, ge=1, le=1024, description="torch CPU threads (results must not depend on it)")
-    trials: int = Field(1, ge=1, le=10_000)
+    trials: int = Field(1, ge=1, le=10_000, description="independent repetitions of the attack, each on its "
+                        "own disjoint draw of the clients' data")
     scale: Optional[Literal["cpu", "paper"]] = Field(None, description="iteration budget of the optimisation attacks: "
                                                      "paper (the paper's steps/restarts) or cpu (CPU-scale defaults), "
                                                      "filling the attack parameters the config does not set")
@@ -214,9 +224,12 @@ class ExperimentConfig(Strict):
     peft: PeftConfig = Field(default_factory=PeftConfig)
     fl: FLConfig = Field(default_factory=FLConfig)
     threat: ThreatConfig = Field(default_factory=ThreatConfig)
-    attack: AttackSection = Field(default_factory=AttackSection)
-    defenses: list[DefenseConfig] = Field(default_factory=list)
-    defense: DefenseSection = Field(default_factory=DefenseSection)
+    attack: AttackSection = Field(default_factory=AttackSection, description="{name, <parameters>}: the attack of "
+                                  "`gradleak run` and its parameters (`gradleak list attacks`); `gradleak audit` runs every applicable one")
+    defenses: list[DefenseConfig] = Field(default_factory=list, description="update defenses, applied to each upload in "
+                                          "order (`gradleak list defenses`)")
+    defense: DefenseSection = Field(default_factory=DefenseSection, description="{name, <parameters>}: the training-time "
+                                    "defense (DP-SGD, FISGuard, ...; `gradleak list defenses`)")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     # resolved by check()
