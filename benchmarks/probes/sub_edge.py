@@ -4,14 +4,16 @@ below the noise edge, each cell graded against its null.
 Cells: ``configs/audit/text_adapters.yaml`` (MiniLM, 2 layers, adapters rf = 2, fortunes-topics, B = 2), UTR as
 configured (extended search, sparsity-aware word bag, the sub-edge test on), ``seed`` and ``data.seed`` set together
 (0: tuned, 11: held out -- no tuned run draws its sentences): top-k pruning r in {90, 95, 99} %, global and per
-tensor; DP-SGD sigma in {1e-3, 3e-3, 1e-2} (C = 1: per-coordinate noise sigma C / B on the upload).
+tensor; DP-SGD sigma in {1e-4 (a reference: its spectrum has directions above the edge), 1e-3, 3e-3, 1e-2} (C = 1:
+per-coordinate noise sigma C / B on the upload).
 
 Per cell, beside the run's own level (the evaluation's: word-bag recall against random public bags of the same
 size, ROUGE against random public sentences):
 
 * the test's truth-free numbers (``sub_edge_*`` metrics: the strongest token's log10 p-value against the chi-square
   law of the noise alone, how many tokens pass the Bonferroni cut, the bag's size);
-* the **enrichment**: the batch's distinct tokens T among the attack's top-|T| tokens by energy, over chance
+* the **enrichment**: the batch's distinct tokens T among the attack's top-|T| tokens (``sub_edge_top``: the
+  pursuit's tokens in the order taken, then the others by energy), over chance
   (hits / |T|) / (|T| / V), and its **null**: the same count for the tokens of B random public sentences (sentences
   no client holds: the evaluation's null pool) through the same ranking, 1000 draws; p-value and 99th percentile;
 * a computed label: ``leaks`` (the run's level >= partial), ``information present, missed`` (enrichment beyond the
@@ -43,7 +45,7 @@ sys.path.insert(0, str(ROOT / "src"))
 TEXT = ROOT / "configs/audit/text_adapters.yaml"
 SEEDS = {0: "tuned", 11: "held out"}
 PRUNE = (0.9, 0.95, 0.99)
-SIGMAS = (1e-3, 3e-3, 1e-2)
+SIGMAS = (1e-4, 1e-3, 3e-3, 1e-2)
 DRAWS = 1000
 
 
