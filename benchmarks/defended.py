@@ -632,14 +632,16 @@ def reading(rows: list[dict]) -> list[str]:
     out = ["**Reading** (every sentence computed from the rows).", ""]
     labelled = [r for r in with_ceilings(list(ok.values())) if r.get("part") in ("text", "image", "projres", "peftleak")
                 and r.get("defense") != "none"]
-    groups: dict[str, list[dict]] = {}
+    groups: dict[tuple, list[dict]] = {}
     for r in labelled:
-        name = {"text": "UTR" + (f" ({r['model']})" if r.get("model") else " (MiniLM 2 layers)"),
-                "image": f"lora_span `{image_variant(r)}`" if r.get("part") == "image" else "",
-                "projres": "ProjRes", "peftleak": "PEFTLeak"}[r["part"]]
-        groups.setdefault(name, []).append(r)
-    for name, rs in groups.items():
-        out.append(f"- {name}, defended cells: {label_counts(rs)}.")
+        key = {"text": (0, "UTR" + (f" ({r['model']})" if r.get("model") else " (MiniLM 2 layers)")),
+               "image": (1, f"lora_span `{image_variant(r)}`" if r.get("part") == "image" else ""),
+               "projres": (2, "ProjRes"), "peftleak": (3, "PEFTLeak")}[r["part"]]
+        if r["part"] == "image":
+            key = (1, list(IMAGE_VARIANTS).index(image_variant(r)), key[1])
+        groups.setdefault(key, []).append(r)
+    for key in sorted(groups, key=str):
+        out.append(f"- {key[-1]}, defended cells: {label_counts(groups[key])}.")
     if any(r.get("part") == "text" for r in ok.values()):
         for scope in ("per_tensor", "global"):
             for r_ in PRUNE:
@@ -706,6 +708,12 @@ def reading(rows: list[dict]) -> list[str]:
         if gains:
             out.append(f"- The token-count cut (truncated SVD) against the exact solver's gap cut on the same upload: "
                        f"PSNR {min(gains):+.1f} to {max(gains):+.1f} dB (median {sorted(gains)[len(gains) // 2]:+.1f}).")
+        ceil = [r for r in ok.values() if r.get("part") == "image-ceiling"]
+        if ceil:
+            ks = sorted(r.get("K", 0) for r in ceil)
+            out.append(f"- Oracle ceilings (the undefended upload's K strongest directions, K {ks[0]}-{ks[-1]}): "
+                       f">= partial in {sum(r['level'] in leak for r in ceil)} of {len(ceil)}; the weakest "
+                       f"{min(r['metrics'].get('psnr_max', float('inf')) for r in ceil):.1f} dB.")
         for seed in sorted({r["seed"] for r in ok.values() if r.get("part") == "image"}):
             noisy = [r for r in ok.values() if r.get("part") == "image" and r["seed"] == seed and r["defense"] != "none"]
             if not noisy:
