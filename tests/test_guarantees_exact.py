@@ -355,7 +355,12 @@ def test_observed_noise_variance_of_each_defense_exactly():
     assert central.observed_noise_variance(u) == 0.0
     assert central.observed_noise_variance(u, aggregate_of=4, individual=False) == pytest.approx(1 / 16)
     assert central.observed_noise_variance(u, individual=False) == pytest.approx(1.0)
-    assert GaussianPercentileNoise(sigma0=0.1).observed_noise_variance(u) is None
+    # percentile noise: read off the observed upload, sigma0 p95(|u|) / (1 + (1.96 sigma0)^2)^(1/2) (its docstring)
+    v = torch.cat([t.abs().reshape(-1) for t in u.tensors.values()])
+    p95 = float(torch.quantile(v[v > 0], 0.95))
+    z = float(torch.special.ndtri(torch.tensor(0.975, dtype=torch.float64)))
+    assert GaussianPercentileNoise(sigma0=0.1).observed_noise_variance(u) == pytest.approx(
+        (0.1 * p95) ** 2 / (1 + (z * 0.1) ** 2), rel=1e-9)
     assert GaussianPercentileNoise(sigma0=0.1).observed_noise_variance(u, aggregate_of=3, individual=False) is None
     assert StochasticQuantization(bits=4).observed_noise_variance(u) is None
     assert StochasticQuantization(bits=4).observed_noise_variance(u, aggregate_of=3, individual=False) is None
