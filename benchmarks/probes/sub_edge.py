@@ -41,6 +41,10 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _bench import revision  # noqa: E402
+
+REV = revision()  # the code revision every row records (benchmarks/_bench.revision: +dirty when src/ differs)
 
 TEXT = ROOT / "configs/audit/text_adapters.yaml"
 SEEDS = {0: "tuned", 11: "held out"}
@@ -129,7 +133,7 @@ def main() -> None:
                "sub_edge_signal_present": info.get("sub_edge_signal_present"),
                "sub_edge_noise": info.get("sub_edge_noise"), "word_bag_source": info.get("word_bag_source"),
                "information_absent_flag": info.get("information_absent", False),
-               "wall_seconds": round(wall, 1)}
+               "wall_seconds": round(wall, 1), "revision": REV}
         top = info.get("sub_edge_top") or []
         if top:
             row.update(enrichment_null(top, true, pool_sets, cfg.data.batch_size, tok.vocab_size, seed + 23))
