@@ -149,6 +149,19 @@ def _smollm2_truncated(num_layers: int) -> Path:
     return out
 
 
+def _hf_config(name: str, path) -> tuple[Any, bool]:
+    """The HF config of the model at ``path`` (offline unless GRADLEAK_ALLOW_DOWNLOAD=1) and whether it was read
+    offline only; a missing or unreadable config is bad input naming ``model.name``."""
+    from transformers import AutoConfig
+
+    local_only = os.environ.get("GRADLEAK_ALLOW_DOWNLOAD", "") != "1"
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=local_only), local_only
+    except OSError as err:
+        raise BadInput("model.name", f"cannot load a model config from '{name}': {err}.",
+                       "point to a directory with config.json, or set GRADLEAK_ALLOW_DOWNLOAD=1 to use the hub.") from None
+
+
 def resolve_model(name: str, num_layers: int) -> tuple[Path | str, str]:
     """Return (path or hub id, display name) for a model name."""
     if name == "minilm":
@@ -191,16 +204,11 @@ def load_text_model(name: str, num_layers: int = 2, num_labels: int = 2, seed: i
     ``"classification"`` also gives a causal model a sequence-classification head (last non-pad token;
     paper 004 classifies with GPT-2); ``"lm"`` is refused for encoders.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     t0 = time.perf_counter()
     path, display = resolve_model(name, num_layers)
-    local_only = os.environ.get("GRADLEAK_ALLOW_DOWNLOAD", "") != "1"
-    try:
-        cfg = AutoConfig.from_pretrained(str(path), local_files_only=local_only)
-    except OSError as err:
-        raise BadInput("model.name", f"cannot load a model config from '{name}': {err}.",
-                       "point to a directory with config.json, or set GRADLEAK_ALLOW_DOWNLOAD=1 to use the hub.") from None
+    cfg, local_only = _hf_config(name, path)
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=local_only)
     except (OSError, ValueError, TypeError) as err:
@@ -399,15 +407,10 @@ def hf_weight_files(d: Path) -> list[Path]:
 def text_linear_names(name: str) -> list[str]:
     """Leaf names of the ``nn.Linear`` modules of the text model ``name`` (built-in or a local HF directory): what
     ``peft.lora_targets`` may name. Built from the model's config on the meta device: no weights are read."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     path, _ = resolve_model(name, 2)
-    local_only = os.environ.get("GRADLEAK_ALLOW_DOWNLOAD", "") != "1"
-    try:
-        cfg = AutoConfig.from_pretrained(str(path), local_files_only=local_only)
-    except OSError as err:
-        raise BadInput("model.name", f"cannot load a model config from '{name}': {err}.",
-                       "point to a directory with config.json.") from None
+    cfg, _ = _hf_config(name, path)
     causal = is_decoder_config(cfg)
     cfg = _truncate_config(cfg, 1)  # every layer has the same modules
     with torch.device("meta"):
