@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from gradleak.attacks.common.subspace import debias_singular_value, spectral_margin
-from gradleak.attacks.common.token_measurements import (GaussianImagePrior, from_patch_layout, residual_noise_std,
-                                                       to_patch_layout)
+from gradleak.attacks.common.token_measurements import GaussianImagePrior, residual_noise_std
 from gradleak.attacks.lora_span import LoraSpan
 from gradleak.defenses.update import PercentileNoise as GaussianPercentileNoise
 from gradleak.fl.core import Update
 from gradleak.metrics import psnr
+from gradleak.metrics.patches import image_to_patches, patches_to_image
 from test_lora_span import _images, _tiny, _view
 
 F64 = torch.float64
@@ -25,7 +25,8 @@ def _smooth_images(n=1, seed=0, side=8):
     g = torch.Generator().manual_seed(seed)
     L = torch.linalg.cholesky(pr.cov + 1e-9 * torch.eye(len(pr.cov), dtype=F64))
     x = (L @ torch.randn(len(pr.cov), n, generator=g, dtype=F64)).T + pr.mean
-    return ((from_patch_layout(x.reshape(n, (side // 2) ** 2, -1), 3, 2) + 1) / 2).clamp(0, 1)
+    imgs = torch.stack([patches_to_image(p, 3, side, 2) for p in x.reshape(n, (side // 2) ** 2, -1)])
+    return ((imgs + 1) / 2).clamp(0, 1)
 
 
 def _attack(**kw):
@@ -34,9 +35,9 @@ def _attack(**kw):
 
 def test_patch_layout_round_trips_and_matches_the_conv_kernel_order():
     x = torch.rand(2, 3, 8, 8, dtype=F64)
-    X = to_patch_layout(x, 2)
+    X = image_to_patches(x, 2)
     assert X.shape == (2, 16, 12)
-    assert torch.equal(from_patch_layout(X, 3, 2), x)
+    assert torch.equal(torch.stack([patches_to_image(p, 3, 8, 2) for p in X]), x)
     # patch (row 0, col 1), channel 1, pixel (1, 0) of the patch: the conv's flattened (c, py, px) order
     assert X[0, 1, 1 * 4 + 1 * 2 + 0] == x[0, 1, 1, 2]
 
@@ -154,18 +155,12 @@ def test_the_prior_is_chosen_by_its_evidence_on_the_upload_not_by_the_truth():
     assert len(ev) == 9 and max(ev) == pytest.approx(ev[max(range(9), key=lambda i: ev[i])])
     assert "Gauss-Markov" in rec.info["prior"]
     wrong = GaussianImagePrior.stationary(3, 8, 2, rho=0.0, channel_corr=0.0, std=5.0)
-    assert isinstance(wrong.cov, torch.Tensor)
     upd = view.updates[0]
     G = torch.cat([upd.tensors[k].double() for k in sorted(upd.tensors) if "lora_A" in k and "layer.0." in k])
     _, S, Vh = torch.linalg.svd(G, full_matrices=False)
-    from gradleak.attacks.lora_span import first_block, layer_norm
+    from gradleak.attacks.lora_span import first_block, token_basis
 
-    fb = first_block(view.model)
-    gamma = fb["gamma"]
-    K = gamma[:, None] * (fb["E"] - fb["E"].mean(0, keepdim=True))
-    pos = fb["b"][None] + fb["pos"][1:]
-    Pm = gamma[:, None] * (pos - pos.mean(1, keepdim=True)).T
-    extra = torch.stack([fb["beta"], layer_norm(fb["cls"] + fb["pos"][0], gamma, fb["beta"], fb["eps"])], 1)
+    K, Pm, extra = token_basis(first_block(view.model))
     Y = S[:6, None] * Vh[:6]
     good = invert_token_directions(Y, K, Pm, extra, [wrong, GaussianImagePrior.stationary(3, 8, 2, rho=0.9,
                                                                                          channel_corr=0.5, std=0.3)],

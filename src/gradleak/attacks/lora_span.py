@@ -363,22 +363,14 @@ class LoraSpan(AttackBase):
     def _measurements(self, view, fb, G, S, Vh, k, declared_std, N, side, keys, t0) -> Reconstruction:
         """The measurements solver (``solver: measurements``; gradleak.attacks.common.token_measurements)."""
         from gradleak.attacks.common.subspace import spectral_margin
-        from gradleak.attacks.common.token_measurements import (from_patch_layout, invert_token_directions,
-                                                               residual_noise_std)
+        from gradleak.attacks.common.token_measurements import invert_token_directions, residual_noise_std
         from gradleak.defenses.declared import view_noise_std
+        from gradleak.metrics.patches import patches_to_image
 
-        d, P, C = fb["d"], fb["patch"], fb["channels"]
-        gamma, beta, eps = fb["gamma"], fb["beta"], fb["eps"]
+        P, C = fb["patch"], fb["channels"]
         batch = int(view.public.get("batch_size") or view.updates[0].num_samples or 1)
         k = max(1, min(int(k), batch * (N + 1), len(S)))  # more directions than tokens hold noise only
-        K = gamma[:, None] * (fb["E"] - fb["E"].mean(0, keepdim=True))  # ΓCE
-        pos = fb["b"][None] + fb["pos"][1:]
-        Pm = gamma[:, None] * (pos - pos.mean(1, keepdim=True)).T  # ΓC(b + pos_t), d × N
-        h_cls = layer_norm(fb["cls"] + fb["pos"][0], gamma, beta, eps)
-        extra = [h_cls[:, None]]
-        if float(beta.norm()) > 1e-12 * float(gamma.norm()):
-            extra.insert(0, beta[:, None])
-        extra = torch.cat(extra, 1)
+        K, Pm, extra = token_basis(fb)
         Y = S[:k, None] * Vh[:k]  # U_kᵀ G: rows with i.i.d. noise of the upload's per-coordinate std
         M = torch.cat([K, Pm, extra], 1)
         read_std = residual_noise_std(Y, M)
@@ -387,7 +379,7 @@ class LoraSpan(AttackBase):
         prior = self._prior(C, side, P)
         sol = invert_token_directions(Y, K, Pm, extra, prior, row_std.clamp_min(1e-3 * floor), self.iterations)
         X = sol["X"]
-        imgs = (from_patch_layout(X[None], C, P) + 1) / 2
+        imgs = (patches_to_image(X, C, side, P)[None] + 1) / 2
         if self.clip:
             imgs = imgs.clamp(0, 1)
         t_attack = time.perf_counter() - t0
@@ -468,6 +460,19 @@ class LoraSpan(AttackBase):
             torch.autograd.grad(torch.nn.functional.cross_entropy(logits, y), params, allow_unused=True)
             best = min(best, time.perf_counter() - t)
         return best
+
+
+def token_basis(fb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The known basis every block-0 token lies in (``first_block``'s pieces): ΓCE (d × n), ΓC(b + posₜ) (d × N), and
+    the other known directions (d × e): β (when not zero) and the CLS token h₀."""
+    gamma, beta = fb["gamma"], fb["beta"]
+    K = gamma[:, None] * (fb["E"] - fb["E"].mean(0, keepdim=True))
+    pos = fb["b"][None] + fb["pos"][1:]
+    Pm = gamma[:, None] * (pos - pos.mean(1, keepdim=True)).T
+    extra = [layer_norm(fb["cls"] + fb["pos"][0], gamma, beta, fb["eps"])[:, None]]
+    if float(beta.norm()) > 1e-12 * float(gamma.norm()):
+        extra.insert(0, beta[:, None])
+    return K, Pm, torch.cat(extra, 1)
 
 
 def _rel_residual(h: torch.Tensor, Uperp: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,9 @@ images: their mean and Ledoit-Wolf-shrunk covariance in the patch layout; withou
 stationary prior -- neighbouring pixels correlated ρ per pixel along rows and columns, channels correlated
 ``channel_corr``, the classic Gauss-Markov model of natural images), float64 throughout.
 
-**The prior alone** (the posterior mean with no measurement, i.e. μ) is returned beside the reconstruction so the
-evaluation can show what the prior scores by itself (a null-side reference: it knows nothing of the client).
+**The prior alone** (the posterior mean with no measurement, i.e. μ) is the mean public image (or mid-grey for the
+data-free prior): the images evaluation already scores both (``psnr_mean_public``, ``psnr_grey``) beside the null, a
+null-side reference that knows nothing of the client.
 """
 
 from __future__ import annotations
@@ -40,27 +41,15 @@ from typing import Optional
 
 import torch
 
+from gradleak.metrics.patches import image_to_patches
+
 F64 = torch.float64
-
-
-def to_patch_layout(images: torch.Tensor, patch: int) -> torch.Tensor:
-    """[B, C, S, S] -> [B, N, C p p] (row-major patch grid, channels then rows then columns within a patch: the order
-    of a conv patch embedding's flattened kernel)."""
-    B, C, S, _ = images.shape
-    g = S // patch
-    return images.reshape(B, C, g, patch, g, patch).permute(0, 2, 4, 1, 3, 5).reshape(B, g * g, C * patch * patch)
-
-
-def from_patch_layout(X: torch.Tensor, channels: int, patch: int) -> torch.Tensor:
-    """[B, N, C p p] -> [B, C, S, S] (inverse of :func:`to_patch_layout`)."""
-    B, N, _ = X.shape
-    g = int(round(N ** 0.5))
-    return X.reshape(B, g, g, channels, patch, patch).permute(0, 3, 1, 4, 2, 5).reshape(B, channels, g * patch, g * patch)
 
 
 @dataclass
 class GaussianImagePrior:
-    """N(mean, cov) over an image in the model's pixel range (u = 2x − 1), vectorised in the patch layout."""
+    """N(mean, cov) over an image in the model's pixel range (u = 2x − 1), vectorised in the patch layout of
+    :func:`gradleak.metrics.patches.image_to_patches` (the conv patch embedding's flatten order)."""
 
     mean: torch.Tensor  # (N n,)
     cov: torch.Tensor  # (N n, N n)
@@ -88,7 +77,7 @@ class GaussianImagePrior:
                 return cls(d["mean"], d["cov"], d["source"])
             except Exception:  # noqa: BLE001 -- a damaged cache entry is recomputed
                 pass
-        x = to_patch_layout(imgs.to(F64) * 2 - 1, patch).reshape(len(imgs), -1)
+        x = image_to_patches(imgs.to(F64) * 2 - 1, patch).reshape(len(imgs), -1)
         n, p = x.shape
         mean = x.mean(0)
         xc = x - mean
@@ -118,7 +107,7 @@ class GaussianImagePrior:
         Cc.fill_diagonal_(1.0)
         cov = std ** 2 * torch.kron(Cc, torch.kron(R, R))  # (C S S)² in image order
         n = channels * side * side
-        perm = to_patch_layout(torch.arange(n, dtype=F64).reshape(1, channels, side, side), patch).reshape(-1).long()
+        perm = image_to_patches(torch.arange(n, dtype=F64).reshape(1, channels, side, side), patch).reshape(-1).long()
         cov = cov[perm][:, perm]
         return cls(torch.zeros(n, dtype=F64), cov,
                    f"data-free Gauss-Markov prior (rho {rho:g} per pixel, std {std:g}, channel correlation {channel_corr:g})")
@@ -214,5 +203,4 @@ def invert_token_directions(Y: torch.Tensor, K: torch.Tensor, P: torch.Tensor, e
             "unknowns": N * n, "prior": priors[0], "prior_evidence": evidence}
 
 
-__all__ = ["GaussianImagePrior", "from_patch_layout", "invert_token_directions", "residual_noise_std",
-           "to_patch_layout"]
+__all__ = ["GaussianImagePrior", "invert_token_directions", "residual_noise_std"]
