@@ -594,8 +594,11 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                     bad, good, found, status = yield from bisect(lo, spec["strong"], r, tested)
         if status == "stopped" and batches > 1 and not row.get("unverified"):
             # a recommendation holds for new victims: the strength found stops every tested attack on more batches
-            seen = [{"batch": 0, "data_seed": batch_seed(base, 0), "strength": good, "levels": _levels(found, tested),
-                     "stopped": True}]
+            def entry(b: int, r: dict, ok: bool | None) -> dict:
+                return {"batch": b, "data_seed": batch_seed(base, b), "strength": good, "levels": _levels(r, tested),
+                        "stopped": ok}
+
+            seen = [entry(0, found, True)]
             for b in range(1, batches):
                 if over_budget():
                     status = "unfinished"
@@ -608,12 +611,10 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                     row["unverified"] = True
                     row["note"] = (f"its check on victim batch {b} did not measure: "
                                    f"{rb.get('error') or 'an attack did not run'}")
-                    seen.append({"batch": b, "data_seed": batch_seed(base, b), "strength": good,
-                                 "levels": _levels(rb, tested), "stopped": None})
+                    seen.append(entry(b, rb, None))
                     break
                 ok = stopped(rb, tested)
-                seen.append({"batch": b, "data_seed": batch_seed(base, b), "strength": good,
-                             "levels": _levels(rb, tested), "stopped": ok})
+                seen.append(entry(b, rb, ok))
                 if ok:
                     continue
                 if good == spec["strong"]:
@@ -626,8 +627,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
                     row["batches"] = seen
                     return
                 bad, good, found, status = yield from bisect(lo, spec["strong"], r, tested, b)
-                seen.append({"batch": b, "data_seed": batch_seed(base, b), "strength": good,
-                             "levels": _levels(found, tested), "stopped": True})
+                seen.append(entry(b, found, True))
                 if status != "stopped":
                     break
             row["batches"] = seen
