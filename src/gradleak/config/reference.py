@@ -1,4 +1,4 @@
-"""The config reference, generated from the schema (issue 53 item 5): every key of
+"""The config reference, generated from the schema (docs/CONFIG.md is its output): every key of
 :class:`gradleak.config.schema.ExperimentConfig` with its type, default and description, as Markdown.
 
 ``gradleak config-reference`` prints it and ``docs/CONFIG.md`` is its output (``tests/test_config_reference.py`` checks

@@ -23,7 +23,7 @@ Here (:func:`estimate`):
 
 The fit averages away what real DP bugs look like: a mechanism that skips the noise on a fraction of its uploads makes
 the seen statistics a mixture (a few at cosine ≈ 1 among many near 0), whose one-spread fit *lowers* ε, and noise at
-1.5× too small a scale moves the mean by less than the 99.9 % end can see (issue 52). Beside it, :func:`claim_tests`
+1.5× too small a scale moves the mean by less than the 99.9 % end can see. Beside it, :func:`claim_tests`
 (ours) tests the inserted canaries' statistics against what the claim allows -- ``shift`` (the mean against the
 claim's μ), ``spread`` (a Gaussian mechanism only shifts a canary's statistic: a larger spread is a mixture) and
 ``tail`` (the count beyond the cosine the claimed (ε, δ) allows, against an exact binomial) -- using that a
@@ -276,7 +276,7 @@ def claim_tests(seen: Sequence[float], unseen: Sequence[float], claimed: float |
     one-shot fit (:func:`estimate`) reads one Gaussian per side with one common spread; a mechanism that leaks on a
     fraction of its uploads makes the seen statistics a *mixture* (a few at cosine ≈ 1 among many near 0), whose
     common-spread fit *lowers* ε, and noise at the wrong scale moves the mean by less than the fit's 99.9 % bootstrap
-    end can see. These tests look at what the fit averages away (issue 52, item 1):
+    end can see. These tests look at what the fit averages away (docs/DESIGN.md §6):
 
     * ``shift`` (noise at the wrong scale): H0 μ ≤ μ_claim, μ_claim = :func:`claimed_mu` (the claim read as a
       Gaussian mechanism, the model of the fit; Andrew et al. Sec. 3, Thm. 3.2). When the statistic is one cosine

@@ -1,5 +1,5 @@
 """The sub-edge word-bag test: every vocabulary token scored by the energy of its embedding-adapter direction in a
-noisy upload, against the chi-square law of the noise alone (issue 51 item 3; beyond the UTR paper, Sec. 4.2).
+noisy upload, against the chi-square law of the noise alone (beyond the UTR paper, Sec. 4.2; docs/DESIGN.md §6).
 
 Why. UTR's stage 1 (UTR paper Sec. 4.2; :mod:`gradleak.attacks.common.word_bag`) reads the word bag off the row
 space of the embedding adapter's down-projection gradient G (b x n): every row is sum_l delta_jl f_0(x_l). Under

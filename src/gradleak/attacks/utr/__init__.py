@@ -58,7 +58,7 @@ attack still returns what it found (never fails silently).
 Open decisions recorded (open points A3.2/A3.3): S from raw gradient rows (not row/bias ratios: same span, better
 conditioned); relative residuals; rank cut-off relative to the largest singular value.
 
-Noisy uploads (beyond the paper; issue 51 item 3): :mod:`.clipped` moves the chain search's sentences by their
+Noisy uploads (beyond the paper; docs/DESIGN.md §6): :mod:`.clipped` moves the chain search's sentences by their
 exact share of the upload under DP-SGD's clipped-sum model -- each sentence at its own scale c_i / B >= 0 and label,
 c_i = min(1, C / ||g_i||) -- against the chi-square law of the declared noise (sigma C / B); the causal value test
 fits one scale per sentence under a declared per-sample clip norm; and

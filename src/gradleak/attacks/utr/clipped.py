@@ -1,5 +1,5 @@
 """UTR stage 2 on a noisy one-step upload: whole sentences scored by their exact share of the upload under the
-clipped-sum model of DP-SGD, against the chi-square law of the declared noise (beyond the paper; issue 51 item 3).
+clipped-sum model of DP-SGD, against the chi-square law of the declared noise (beyond the paper; docs/DESIGN.md §6).
 
 Why. Under a noise defense the first layer adapter's subspace test (UTR paper Sec. 4.3) loses its weakest
 directions first: the Wedin tolerance edge / s_r of :func:`gradleak.attacks.common.subspace.noisy_subspace` grows,
