@@ -51,9 +51,32 @@ def cells(only: set[str] | None = None) -> list[tuple[str, str, int]]:
     return [(f"{name}-s{s}", name, s) for name in CONFIGS for s in SEEDS if not only or name in only]
 
 
+def cell_overrides(seed: int) -> list[str]:
+    """The ``--set`` strings of a cell: ``seed`` and ``data.seed`` both (images follow ``data.seed``, sentences
+    ``seed``: gradleak.data.splits), so seed 1's victim is other data than seed 0's on every config."""
+    return [f"seed={seed}", f"data.seed={seed}"]
+
+
+def unsearched_overrides(seed: int) -> list[str]:
+    """The victim batch of the second round trip (:data:`UNSEARCHED_STEP`)."""
+    return cell_overrides(seed + UNSEARCHED_STEP)
+
+
+def drew_other_data(row: dict) -> bool:
+    """Whether a stored row's victim differs from what :func:`cell_overrides` draws now: its command left
+    ``data.seed`` at the config's 0 at a seed other than 0 on an image config (images follow ``data.seed``), i.e. it
+    attacked seed 0's image."""
+    from gradleak.config.loading import load_yaml as load_config
+
+    seed, cmd = int(row.get("seed") or 0), row.get("command") or ""
+    image = load_config(ROOT / CONFIGS[row["config"]][0]).get("experiment") == "image"
+    return bool(image and seed and f"--set data.seed={seed}" not in cmd)
+
+
 def command(name: str, seed: int, out: str = "D") -> str:
     path, only = CONFIGS[name]
-    return (f"gradleak audit {path} --advise --workers 1 --out {out} --set seed={seed}"
+    return (f"gradleak audit {path} --advise --workers 1 --out {out} "
+            + " ".join(f"--set {o}" for o in cell_overrides(seed))
             + (f" --only {','.join(only)}" if only else "")
             + (f" --budget {BUDGETS[name]}" if name in BUDGETS else ""))
 
@@ -73,19 +96,19 @@ def advised_cell(name: str, seed: int, out_dir: Path) -> dict:
 
     path, only = CONFIGS[name]
     raw = load_config(ROOT / path)
-    res = run_audit_advised(raw, out_dir, [f"seed={seed}"], only=only, command=command(name, seed, str(out_dir)),
+    res = run_audit_advised(raw, out_dir, cell_overrides(seed), only=only, command=command(name, seed, str(out_dir)),
                             log=lambda m: None, workers=1, advise_on=True, budget_seconds=BUDGETS.get(name))
     adv = res.get("advice") or {}
     rec = adv.get("recommendation")
     trip = None
     if rec:
         # the round trip is a plain audit of every applicable attack (not only those the advice searched against)
-        t = run_audit(raw, out_dir / "roundtrip", [f"seed={seed}"] + list(rec["set"]), only=None,
+        t = run_audit(raw, out_dir / "roundtrip", cell_overrides(seed) + list(rec["set"]), only=None,
                       log=lambda m: None, workers=1)
         trip = {"verdict": t["verdict"], "levels": {a["name"]: a.get("level") for a in t["attacks"] if a.get("level")}}
         # and at a victim batch the search never drew (neither the audited one nor the advice's extra batches)
         new = seed + UNSEARCHED_STEP
-        t = run_audit(raw, out_dir / "roundtrip_unsearched", [f"seed={new}", f"data.seed={new}"] + list(rec["set"]),
+        t = run_audit(raw, out_dir / "roundtrip_unsearched", unsearched_overrides(seed) + list(rec["set"]),
                       only=None, log=lambda m: None, workers=1)
         trip["unsearched"] = {"seed": new, "verdict": t["verdict"],
                               "levels": {a["name"]: a.get("level") for a in t["attacks"] if a.get("level")}}
@@ -160,12 +183,16 @@ def report(out: Path, args) -> int:
                    "(or `python benchmarks/advise.py --out benchmarks/out --only " + r["config"] + "`) to measure "
                    "it.*", ""]
             continue
+        # the command the row measured (its own: a row from before cell_overrides set data.seed shows it unset)
+        md += [f"### {r['cell']}: `{r.get('command') or command(r['config'], r['seed'])}`", ""]
+        if drew_other_data(r):
+            md += [f"*Stale: measured before the cell set `data.seed` (the images follow it): this row attacked seed 0's "
+                   f"image, not held-out data, and the Reading below leaves it out. The cell now runs "
+                   f"`{command(r['config'], r['seed'])}`; rerun it (`python benchmarks/advise.py --out benchmarks/out "
+                   f"--only {r['config']} --seeds {r['seed']} --redo`).*", ""]
         if r.get("utility_rounds") is None:  # a row from before the utility runs (issue 30 items 1-2)
-            md += [f"### {r['cell']}: `{command(r['config'], r['seed'])}`", "",
-                   "*Predates the utility runs and the fitted clipping norms: accuracy after the single attacked round "
+            md += ["*Predates the utility runs and the fitted clipping norms: accuracy after the single attacked round "
                    "(it does not move, every cost 0), DP clipping norm fixed at 1.0. Rerun to refresh.*", ""]
-        else:
-            md += [f"### {r['cell']}: `{command(r['config'], r['seed'])}`", ""]
         curve = b.get("accuracy_curve")
         md += [f"Audit: **{r['verdict']}**; leaking: {', '.join(r.get('attacks') or []) or 'none'}; baseline accuracy "
                f"{_fmt(b.get('accuracy'))}" + (f" after {r['utility_rounds']} rounds (before, halfway, end: "
@@ -206,7 +233,7 @@ def report(out: Path, args) -> int:
                 for b in x["batches"]) for x in checked]
             md += [""]
     md += before_after(out / "advise.jsonl", rows)
-    md += summary([r for r in rows if r.get("config_sha") == config_sha(r["config"])])
+    md += summary([r for r in rows if r.get("config_sha") == config_sha(r["config"]) and not drew_other_data(r)])
     write_section(args, "advise", "\n".join(md), "What stops each attack: `gradleak audit --advise` (issue 30)", "advise")
     return 0
 
@@ -302,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         from gradleak.run.audit import plan_audit
 
         for _, name, s in sel:
-            plan_audit(load_config(ROOT / CONFIGS[name][0]), [f"seed={s}"], CONFIGS[name][1])
+            plan_audit(load_config(ROOT / CONFIGS[name][0]), cell_overrides(s), CONFIGS[name][1])
         print(f"checked {len(sel)} cell configs", flush=True)
         return 0
     if args.report_only:

@@ -7,8 +7,13 @@ adapters, 445,636 trainable coordinates, 1 client, FedSGD, 1 round), and the wal
     .venv/bin/python benchmarks/dp_check.py --report-only                  # rebuild the JSON + the docs section
 
 Cells ``<mechanism>|seed<S>``: the check as ``gradleak audit`` runs it (:func:`gradleak.run.dp_check.dp_check` on the
-audited config with the mechanism's ``--set``), 100 canaries inserted and 100 never inserted. Seed 0 is the shipped
-seed; seed 1 is held out (other client data, other canary and noise draws). Nothing here was tuned on these cells: the
+audited config with the mechanism's ``--set``, :func:`cell_config`), 100 canaries inserted and 100 never inserted. Seed 0
+is the shipped seed; seed 1 is held out (other client data: the sentences follow ``seed``; other canary and noise
+draws). DP-SGD runs at its own seeds (:data:`OWN_SEEDS`): a canary under DP-SGD is one example clipped at C and noised
+with std z·C from the noise stream the client-side ``dp_gaussian`` draws from at the same seed, so at a seed that
+``dp_gaussian client z=1`` also runs its each-upload statistics are that cell's draw again (the rows at 7b5978d: the
+same ε, interval and test statistics at seeds 0 and 1, to 1e-14) -- one measurement under two names, counted twice in
+the section's summary. Nothing here was tuned on these cells: the
 estimator's choices (one common spread, the 99.9 % lower end for a violation) were made on simulated Gaussian canaries
 (gradleak.evaluation.empirical_epsilon, :func:`estimate`'s docstring), the canary count for the wall time.
 For one round of a Gaussian mechanism with noise multiplier z the exact ε is that of μ = 1/z (``exact``): the
@@ -66,6 +71,9 @@ BREAKAGES = {"dp_gaussian client z=1, noise skipped on 1 upload in 10": ("dp_gau
 BREAKAGE_SEEDS = {0: "shipped", 1: "held out", 2: "held out"}
 #: seeds beyond SEEDS for a correct mechanism beside the breakages
 EXTRA_SEEDS = {"dp_gaussian client z=1": {2: "held out"}}
+#: a mechanism's seeds instead of SEEDS: DP-SGD's canaries are dp_gaussian client's Gaussian mechanism with its noise
+#: draws (module docstring), so it runs where no ``dp_gaussian client z=1`` cell runs
+OWN_SEEDS = {"dpsgd z=1": {3: "held out", 4: "held out"}}
 #: simulated checks per breakage, and per correct mechanism (false alarms)
 SIM_DRAWS, SIM_NULL_DRAWS = 200, 1000
 #: simulated cases: name -> (mechanism: noise multiplier and where, breakage keywords of simulated_check)
@@ -101,17 +109,28 @@ def audit_command(sets: list[str], seed: int) -> str:
     return shlex.join(args)
 
 
+def seeds_of(mechanism: str) -> dict[int, str]:
+    """The seeds (and their roles) a correct mechanism's cells run at."""
+    return OWN_SEEDS.get(mechanism) or {**SEEDS, **EXTRA_SEEDS.get(mechanism, {})}
+
+
+def cell_config(sets: list[str], seed: int) -> dict:
+    """The config one check cell validates: the audit's (``sets`` and ``seed`` as ``--set`` strings), as the audit
+    hands it to its attacks (:func:`gradleak.run.audit.candidate`, UTR's: the check runs no attack)."""
+    from gradleak.config.loading import load_yaml
+    from gradleak.run.audit import audit_overrides, candidate
+
+    return candidate(audit_overrides(load_yaml(CONFIG), sets + [f"seed={seed}"]), "utr")
+
+
 def check(sets: list[str], seed: int, breakage: str | None = None) -> dict:
     import torch
 
-    from gradleak.config.loading import load_yaml
-    from gradleak.run.audit import audit_overrides, candidate
     from gradleak.run.dp_check import dp_check
     from gradleak.run.runner import validate
 
     torch.set_num_threads(1)
-    raw = audit_overrides(load_yaml(CONFIG), sets + [f"seed={seed}"])
-    _, cfg = validate(candidate(raw, "utr"))
+    _, cfg = validate(cell_config(sets, seed))
     if breakage is None:
         return dp_check(cfg, "cpu", canaries=CANARIES)
     owner, attr, broken = globals()[breakage]()
@@ -197,10 +216,18 @@ def ceiling(r: dict) -> float:
     return bound_ceiling(r["canaries"], r["canaries"], r["delta"])
 
 
+def in_grid(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    """The rows of cells :func:`cells` builds, and the ids of the stored cells it no longer builds (kept in the JSONL,
+    never shown: e.g. DP-SGD's rows at dp_gaussian client's seeds, a duplicate measurement)."""
+    grid = set(cell_ids())
+    return [r for r in rows if r["cell"] in grid], [r["cell"] for r in rows if r["cell"] not in grid]
+
+
 def table(rows: list[dict]) -> str:
     def f(x, spec=".3g"):
         return fmt_num(x, spec)
 
+    rows, gone = in_grid(rows)
     real = [r for r in rows if not r["cell"].startswith(("timing", "sim|")) and "measured" in r]
     correct = [r for r in real if not r.get("broken")]
     broken = [r for r in real if r.get("broken")]
@@ -299,8 +326,38 @@ def table(rows: list[dict]) -> str:
                           f"{', '.join(f(x, '.1f') for x in on)} s (mean {mon:.1f}), with `--set audit.dp_check=false` "
                           f"{', '.join(f(x, '.1f') for x in off)} s (mean {moff:.1f}): the check adds "
                           f"{(mon / moff - 1) * 100:.0f} % (revision: {revision_label(timing)})."]
+    if gone:
+        lines += ["", f"Stored rows of cells no longer measured, not shown (computed): {', '.join(gone)}."]
     lines += ["", f"Code revision(s) of these rows: {revision_label(rows)}. {REVISION_NOTE}"]
     return "\n".join(lines) + "\n"
+
+
+def cells(rev: str, out: Path, timing: bool = False) -> list[tuple[dict, object, tuple]]:
+    """Every cell as the cell loop takes it: ``(row, job, args)`` -- the checks of the correct mechanisms, of the
+    breakages, the simulated cases and (``timing``) the timed audits."""
+    todo = [({"cell": f"{name}|seed{s}", "mechanism": name, "seed": s, "role": role, "revision": rev,
+              "command": audit_command(sets, s)}, check, (sets, s))
+            for name, (sets, _) in MECHANISMS.items() for s, role in seeds_of(name).items()]
+    todo += [({"cell": f"{name}|seed{s}", "mechanism": name, "broken": base, "breakage": how, "seed": s,
+               "role": role, "revision": rev,
+               "command": audit_command(MECHANISMS[base][0], s) + f"  # with DPGaussian.apply replaced by {how}() "
+               "of benchmarks/dp_check.py"}, check, (MECHANISMS[base][0], s, how))
+             for name, (base, how) in BREAKAGES.items() for s, role in BREAKAGE_SEEDS.items()]
+    todo += [({"cell": f"sim|{m}|{b or 'correct'}", "simulated": True, "mechanism": m, "breakage": b or "correct",
+               "revision": rev}, simulate, (m, b)) for m, b in SIM_CASES]
+    if timing:
+        sets = MECHANISMS["dp_gaussian client z=1"][0]
+        for i in range(3):
+            for arm, extra in (("check", []), ("off", ["audit.dp_check=false"])):
+                todo.append(({"cell": f"timing|{arm}|{i}", "arm": arm, "revision": rev,
+                              "command": audit_command(sets + extra, 0)}, timed_audit,
+                             (sets + extra, str(out / NAME / f"timing_{arm}_{i}"))))
+    return todo
+
+
+def cell_ids() -> list[str]:
+    """The ids of every cell :func:`cells` builds (timing cells included)."""
+    return [row["cell"] for row, _, _ in cells("", Path("."), timing=True)]
 
 
 def main() -> None:
@@ -320,24 +377,7 @@ def main() -> None:
     if args.check:
         raise SystemExit(0)
     if not args.report_only:
-        todo = [({"cell": f"{name}|seed{s}", "mechanism": name, "seed": s, "role": role, "revision": rev,
-                  "command": audit_command(sets, s)}, check, (sets, s))
-                for name, (sets, _) in MECHANISMS.items() for s, role in {**SEEDS, **EXTRA_SEEDS.get(name, {})}.items()]
-        todo += [({"cell": f"{name}|seed{s}", "mechanism": name, "broken": base, "breakage": how, "seed": s,
-                   "role": role, "revision": rev,
-                   "command": audit_command(MECHANISMS[base][0], s) + f"  # with DPGaussian.apply replaced by {how}() "
-                   "of benchmarks/dp_check.py"}, check, (MECHANISMS[base][0], s, how))
-                 for name, (base, how) in BREAKAGES.items() for s, role in BREAKAGE_SEEDS.items()]
-        todo += [({"cell": f"sim|{m}|{b or 'correct'}", "simulated": True, "mechanism": m, "breakage": b or "correct",
-                   "revision": rev}, simulate, (m, b)) for m, b in SIM_CASES]
-        if args.timing:
-            sets = MECHANISMS["dp_gaussian client z=1"][0]
-            scratch = args.out / NAME
-            for i in range(3):
-                for arm, extra in (("check", []), ("off", ["audit.dp_check=false"])):
-                    todo.append(({"cell": f"timing|{arm}|{i}", "arm": arm, "revision": rev,
-                                  "command": audit_command(sets + extra, 0)}, timed_audit,
-                                 (sets + extra, str(scratch / f"timing_{arm}_{i}"))))
+        todo = cells(rev, args.out, timing=args.timing)
         if args.cells:
             import fnmatch
 
@@ -346,7 +386,7 @@ def main() -> None:
                   else fill(res, row),
                   label=NAME, redo=args.redo, error_fields={"revision": rev})
     rows = latest_rows(jsonl)
-    (args.out / f"{NAME}.json").write_text(json.dumps(rows, indent=1, default=str))
+    (args.out / f"{NAME}.json").write_text(json.dumps(in_grid(rows)[0], indent=1, default=str))
     write_section(args, NAME, table(rows), "The DP check: measured ε beside the accountant's", NAME)
     print(f"{len(rows)} rows in {display(jsonl)}")
 

@@ -72,10 +72,26 @@ def label(level: str, ceiling_beyond: bool | None) -> str:
     return "information present, missed" if ceiling_beyond else "information absent above the edge"
 
 
+def data_overrides(cell: dict) -> list[str]:
+    """The cell's victim: ``seed`` = ``data.seed`` = U (the image follows ``data.seed``; gradleak.data.splits)."""
+    return [f"seed={cell['image']}", f"data.seed={cell['image']}"]
+
+
+def audit_overrides(cell: dict) -> list[str]:
+    """The ``--set`` strings of the cell's audit (``--only lora_span``): its victim under its percentile noise."""
+    return data_overrides(cell) + [defense(cell["sigma0"])]
+
+
+def ceiling_overrides(cell: dict, k: int) -> list[str]:
+    """The ``--set`` strings of the cell's oracle ceiling: the undefended upload of the same victim, the measurements
+    solver on its ``k`` strongest directions."""
+    return data_overrides(cell) + ["attack.name=lora_span", "attack.solver=measurements", "attack.prior=stationary",
+                                   f"attack.directions={k}"]
+
+
 def job(cell: dict, out: Path) -> dict:
     run_dir = out / NAME / cell["cell"].replace("|", "_")
-    base = [f"seed={cell['image']}", f"data.seed={cell['image']}"]
-    audit_ov = base + [defense(cell["sigma0"])]
+    audit_ov = audit_overrides(cell)
     p = gradleak(["audit", str(CONFIG), "--only", "lora_span", "--out", str(run_dir / "audit"),
                   *sum((["--set", o] for o in audit_ov), [])])
     aj = run_dir / "audit" / "audit.json"
@@ -88,8 +104,7 @@ def job(cell: dict, out: Path) -> dict:
            "p_value": entry.get("p_value"), "decided_by_variant": entry.get("worst_variant"),
            "margin": margin, "audit_command": command("audit", audit_ov, "DIR")}
     if k >= 1:
-        ceil_ov = base + ["attack.name=lora_span", "attack.solver=measurements", "attack.prior=stationary",
-                          f"attack.directions={k}"]
+        ceil_ov = ceiling_overrides(cell, k)
         p = gradleak(["run", str(CONFIG), "--out", str(run_dir / "ceiling"), *sum((["--set", o] for o in ceil_ov), [])])
         rj = run_dir / "ceiling" / "results.json"
         if not rj.exists():

@@ -298,19 +298,159 @@ def test_projres_wordnet_cells_draw_no_quote_any_other_cell_draws(projres_cells)
     assert p.HELDOUT_LABELS["wordnet"] in _section("projres")
 
 
+_DRAWN: dict[str, frozenset] = {}
+
+
+def draw(raw: dict, overrides=()) -> tuple[tuple, frozenset]:
+    """A cell's data draw: what its samples follow -- ``(modality, data.name, data.seed)`` for images,
+    ``(modality, data.name, seed)`` for sentences (gradleak.data.splits: ``ImageData`` draws with ``data.seed``,
+    ``TextData`` permutes with ``seed``) -- and the private samples that resolves to (``client_samples``; cells
+    whose data, seed the draw follows, FL plan and trials agree are drawn once)."""
+    import json
+
+    from gradleak.run import validate
+
+    _, cfg = validate(copy.deepcopy(raw), list(overrides))
+    follows = int(cfg.data.seed if cfg.modality == "image" else cfg.seed)
+    key = json.dumps([cfg.modality, cfg.data.model_dump(), follows, cfg.fl.model_dump(), cfg.trials], sort_keys=True,
+                     default=str)
+    if key not in _DRAWN:
+        _DRAWN[key] = frozenset(drawn(raw, overrides))
+    return (cfg.modality, cfg.data.name, follows), _DRAWN[key]
+
+
+def assert_held_out_disjoint(cells: dict[str, tuple[str, tuple, frozenset]], tuned=("tuned",),
+                             held=("held out",)) -> None:
+    """``cells``: id -> (role, what the data follow, samples) as :func:`draw` gives them. A held-out cell's data
+    follow another seed than every tuned cell's, and it draws no sample any tuned cell draws."""
+    ref = {c: v for c, v in cells.items() if v[0] in tuned}
+    out = {c: v for c, v in cells.items() if v[0] in held}
+    assert ref and out, f"roles {sorted({v[0] for v in cells.values()})}: expected {tuned} and {held}"
+    keys = {k for _, k, _ in ref.values()}
+    seen = frozenset().union(*(s for _, _, s in ref.values()))
+    for cid, (_, key, s) in out.items():
+        assert s, f"{cid}: draws no sample"
+        assert key not in keys, f"{cid} is held out, but its data follow {key} as a tuned cell's do"
+        assert not s & seen, f"{cid} is held out, but draws {sorted(s & seen)[:3]} that a tuned cell draws"
+
+
+def test_assert_held_out_disjoint_fails_on_a_shared_seed_or_sample():
+    a, b = ("image", "x", 0), ("image", "x", 1)
+    assert_held_out_disjoint({"t": ("tuned", a, frozenset({"i0"})), "h": ("held out", b, frozenset({"i1"}))})
+    for held in [("held out", a, frozenset({"i1"})), ("held out", b, frozenset({"i0", "i1"})),
+                 ("held out", b, frozenset())]:
+        with pytest.raises(AssertionError):
+            assert_held_out_disjoint({"t": ("tuned", a, frozenset({"i0"})), "h": held})
+    with pytest.raises(AssertionError):  # no held-out cell at all
+        assert_held_out_disjoint({"t": ("tuned", a, frozenset({"i0"}))})
+
+
+def audited(raw: dict, attack: str) -> dict:
+    """The config an audit of ``raw`` (its ``--set`` strings applied) hands ``attack``: the audit's gate
+    (``gradleak.run.audit.gate_attack``: the configured threat or its smallest upgrade)."""
+    from gradleak.run.audit import gate_attack
+
+    _, plan, err = gate_attack(raw, attack)
+    assert plan is not None, err
+    return plan[1]
+
+
 def test_info_limit_held_out_images_share_no_image_with_the_tuned_one():
     """benchmarks/info_limit.py: the images follow ``data.seed`` (the cell sets it with ``seed``); the held-out
-    cells draw no image the tuned cell drew, and the null pool the audit scores against is not the victim."""
+    cells' audits and oracle ceilings draw no image the tuned cell's draw (the overrides its job runs:
+    ``audit_overrides`` / ``ceiling_overrides``; K does not change the draw)."""
+    from gradleak.run.audit import audit_overrides
+
     b = _bench("info_limit")
-    by_role: dict[str, set[str]] = {}
-    for c in b.cells():
-        ov = [f"seed={c['image']}", f"data.seed={c['image']}", b.defense(c["sigma0"]), "attack.name=lora_span"]
-        by_role.setdefault(c["role"], set()).update(samples(b.CONFIG, ov))
-    assert by_role["tuned"] and by_role["held out"]
-    assert not by_role["tuned"] & by_role["held out"]
+    raw = _raw(str(b.CONFIG))
+    got = {}
+    for c in b.cells():  # the audit runs --only lora_span: the config it hands lora_span
+        audit = audited(audit_overrides(copy.deepcopy(raw), b.audit_overrides(c)), "lora_span")
+        got[c["cell"] + "/audit"] = (c["role"], *draw(audit))
+        got[c["cell"] + "/ceiling"] = (c["role"], *draw(raw, b.ceiling_overrides(c, 1)))
+        assert got[c["cell"] + "/audit"][1:] == got[c["cell"] + "/ceiling"][1:]  # the ceiling attacks the same image
+    assert {v[0] for v in got.values()} == set(b.IMAGES.values()) == {"tuned", "held out"}
+    assert_held_out_disjoint(got)
     assert b.label("none", False) == "information absent above the edge"
     assert b.label("none", True) == "information present, missed"
     assert b.label("partial", False) == "leaks"
+
+
+def test_optnoise_held_out_image_is_no_image_a_tuned_cell_or_an_anchor_run_drew():
+    """benchmarks/optnoise.py: every cell (scale and attack) at ``data.seed`` = U; the held-out image is no image the
+    tuned cells draw, and -- as its docstring says -- no anchor.py run drew it, while the tuned one is an anchor run's
+    (it was chosen there)."""
+    o = _bench("optnoise")
+    raw = _raw(str(o.CONFIG))
+    cells = o.cells(Path("unused")) + o.scale_cells()
+    got = {c["cell"]: (c["role"], *draw(raw, c["overrides"])) for c in cells}
+    assert {v[0] for v in got.values()} == set(o.IMAGES.values()) == {"tuned", "held out"}
+    assert_held_out_disjoint(got)
+    a = _bench("anchor")
+    anchor = frozenset().union(*(draw(_raw(str(a.CONFIG)), c["overrides"])[1] for c in a.grid("gen.safetensors")))
+    held = frozenset().union(*(s for role, _, s in got.values() if role == "held out"))
+    tuned = frozenset().union(*(s for role, _, s in got.values() if role == "tuned"))
+    assert tuned <= anchor and not held & anchor
+
+
+def _dp_check_cells(d) -> list[tuple[dict, tuple]]:
+    """benchmarks/dp_check.py's check cells (correct mechanisms and breakages): ``(row, job args)``."""
+    return [(row, args) for row, job, args in d.cells("", Path("unused"), timing=True) if job is d.check]
+
+
+def test_dp_check_held_out_seeds_draw_no_sentence_the_shipped_seed_draws():
+    """benchmarks/dp_check.py: the client's sentences follow ``seed``; every held-out cell (correct mechanisms,
+    DP-SGD's own seeds, the breakages) draws none the shipped seed's cells draw, in the config the check validates
+    (``cell_config``)."""
+    d = _bench("dp_check")
+    got = {row["cell"]: (row["role"], *draw(d.cell_config(*args[:2]))) for row, args in _dp_check_cells(d)}
+    assert {v[0] for v in got.values()} == {"shipped", "held out"}
+    assert_held_out_disjoint(got, tuned=("shipped",))
+
+
+def _advise_draws() -> dict[str, dict[str, tuple]]:
+    """benchmarks/advise.py, per config: every victim batch its cells attack -- the audited batch (``cell_overrides``;
+    the round trip at the searched seed is this batch), the advice's extra batches (``batch_config``: ``seed`` and
+    ``data.seed`` moved by ``BATCH_SEED_STEP``) and the round trip at the unsearched batch (``unsearched_overrides``)
+    -- as ``{id: (seed, kind, what the data follow, samples)}``, each through the config the audit hands an attack
+    (:func:`audited`: the attack does not change the draw)."""
+    from gradleak.run.advise import batch_config
+    from gradleak.run.advise_options import BATCHES
+    from gradleak.run.audit import audit_overrides
+
+    a = _bench("advise")
+    out: dict[str, dict[str, tuple]] = {}
+    for cid, name, seed in a.cells():
+        path, only = a.CONFIGS[name]
+        raw = _raw(str(BENCH.parent / path))
+        attack = (only or ["utr" if raw["experiment"] == "text" else "lora_span"])[0]
+        resolved = audit_overrides(copy.deepcopy(raw), a.cell_overrides(seed))
+        got = out.setdefault(name, {})
+        for b in range(BATCHES):
+            got[f"{cid}/batch{b}"] = (seed, "searched", *draw(audited(batch_config(resolved, b), attack)))
+        unsearched = audit_overrides(copy.deepcopy(raw), a.unsearched_overrides(seed))
+        got[f"{cid}/unsearched"] = (seed, "unsearched", *draw(audited(unsearched, attack)))
+    return out
+
+
+def test_advise_seed1_extra_batches_and_unsearched_round_trips_draw_no_seed0_victim():
+    """benchmarks/advise.py: seed 1 is the held-out repetition, so none of its victim batches (audited and extra) is
+    a victim of seed 0's search; each round trip's unsearched batch is no victim of any search of its config; and
+    a cell's extra batches are new victims. Before the cell set ``data.seed``, vit_lora's seed 1 searched seed 0's
+    three images (``data.seed`` 0, 1009, 2018)."""
+    a = _bench("advise")
+    draws = _advise_draws()
+    assert set(draws) == set(a.CONFIGS) and set(a.SEEDS) == {0, 1}
+    for name, got in draws.items():
+        role = {cid: ("tuned" if seed == 0 and kind == "searched" else "held out")
+                for cid, (seed, kind, _, _) in got.items()}
+        assert_held_out_disjoint({cid: (role[cid], key, s) for cid, (_, _, key, s) in got.items()})
+        searched = {cid: (kind, key, s) for cid, (_, kind, key, s) in got.items() if kind == "searched"}
+        assert_held_out_disjoint({cid: ("tuned" if kind == "searched" else "held out", key, s)
+                                  for cid, (_, kind, key, s) in got.items()})  # unsearched vs every searched batch
+        for cid, (_, key, s) in searched.items():  # every searched batch is its own victims
+            others = [(k, x) for c, (_, k, x) in searched.items() if c != cid]
+            assert all(key != k and not s & x for k, x in others), cid
 
 
 def _defended_draws(d) -> list[tuple[dict, set[str]]]:
