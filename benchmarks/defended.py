@@ -162,6 +162,43 @@ def model_cells(args):
                            [{"name": "dp_gaussian", "params": {"noise_multiplier": 0.01, "max_norm": 1.0}}])
 
 
+def text_ceiling_ks(rows: list[dict]) -> dict[tuple, set[int]]:
+    """(model tag or None, B, seed) -> the K values (directions of the embedding adapter above the edge, K >= 1) the
+    noisy text rows at level none leave (``directions_above_edge_embedding_adapter``): the text ceilings to run (a
+    row >= partial is labelled ``leaks`` whatever its ceiling)."""
+    out: dict[tuple, set[int]] = {}
+    for r in rows:
+        if r.get("part") == "text" and r.get("defense") != "none" and "metrics" in r and r.get("level") not in LEAK:
+            k = r["metrics"].get("directions_above_edge_embedding_adapter")
+            if k is not None and k == k and k >= 1:
+                out.setdefault((r.get("model"), r["B"], r["seed"]), set()).add(int(k))
+    return out
+
+
+def text_ceiling_id(model: str | None, B: int, seed: int, k: int) -> str:
+    return f"text|{model + '|' if model else ''}ceiling-K{k}|B{B}|seed{seed}"
+
+
+def text_ceiling_cells(args, ks: dict[tuple, set[int]]):
+    """The text oracle ceilings: UTR on the *undefended* upload of the same batch (model, B, seed) read through its K
+    strongest directions (``attack.directions=K``: the embedding adapter's word bag from its K strongest directions,
+    the sentence layer capped at K; :class:`gradleak.attacks.utr.attack.UTRConfig`) -- the best a subspace attacker
+    does with the directions the defense leaves above its edge. One cell per (model, B, seed, K)."""
+    for (tag, B, seed), kset in sorted(ks.items(), key=str):
+        for k in sorted(kset):
+            raw = base(TEXT, {"name": "utr", "time_budget": 120.0, "directions": k}, seed)
+            raw["data"]["batch_size"] = B
+            if tag:
+                raw["model"] = {**raw["model"], **MODELS[tag]}
+            raw["defenses"] = []
+            row = {"cell": text_ceiling_id(tag, B, seed, k), "part": "text-ceiling", "attack": "utr",
+                   "defense": f"none (oracle ceiling: the undefended upload's {k} strongest directions)", "B": B,
+                   "seed": seed, "split": split_of(seed), "variant": {"directions": k}, "K": k}
+            if tag:
+                row["model"] = tag
+            yield row, raw
+
+
 #: the lora_span solvers on each noisy upload: the exact solver's gap cut and the two denoising cuts of the span
 #: solver, and the measurements solver (every direction above the noise edge a linear measurement of the image,
 #: :mod:`gradleak.attacks.common.token_measurements`; data-free stationary prior)
@@ -281,7 +318,7 @@ def run_one(raw: dict, out: str) -> dict:
 #: the information limit of an attacked tensor (gradleak.attacks.common.subspace.spectral_margin), per tensor
 LIMIT = ("spectral_margin", "drowning_noise_std", "drowning_noise_std_all", "directions_above_edge",
          "margin_strongest", "debiased_strongest", "debiased_weakest_above_edge")
-KEEP = ("word_bag_recall", "word_bag_recall_null_p99", "word_bag_precision", "rouge1_f1", "rouge1_f1_null_p99",
+KEEP = ("word_bag_recall", "word_bag_recall_null_p99", "word_bag_precision", "word_bag_size", "rouge1_f1", "rouge1_f1_null_p99",
         "sentences_exact", "psnr_max", "psnr_max_null_p99", "psnr_max_p_value", "ssim_max", "ssim_max_null_p99",
         "psnr_max_mean_public", "psnr_max_grey", "lora_span_row_space_rank", "lora_span_directions_used",
         "lora_span_noise_std_read",
@@ -289,7 +326,9 @@ KEEP = ("word_bag_recall", "word_bag_recall_null_p99", "word_bag_precision", "ro
         "patch_recovery_rate", "isolated_patch_rate", "recovered_patch_psnr_median", "expected_patch_psnr_median",
         "num_returned_patches", "num_true_patches", "false_positives", "nonzero_bins", "noise_std_used",
         "auc", "auc_null_p99", "tpr_at_1pct_fpr", "tpr_at_1pct_fpr_null_p99",
-        "subedge_p_value", "sub_edge_min_log10_p", "sub_edge_significant_tokens", "sub_edge_bag_size")
+        "subedge_p_value", "sub_edge_min_log10_p", "sub_edge_significant_tokens", "sub_edge_bag_size",
+        "sub_edge_enrichment", "sub_edge_enrichment_null_median", "sub_edge_enrichment_null_p99",
+        "sub_edge_enrichment_p_value")
 
 
 def fill(result: dict, row: dict) -> str:
@@ -309,10 +348,12 @@ REV = revision()
 LEAK = ("partial", "strong", "exact")
 #: the computed labels of a cell (:func:`cell_label`); ``undetermined`` carries what is missing in brackets
 LABELS = ("leaks", "information present, missed", "information absent", "undetermined")
-#: the sub-edge word-bag test's p-value metric (UTR's ``subedge_p_value``: some vocabulary token beyond the noise
-#: alone, Bonferroni over the vocabulary; declared Gaussian noise only, no p-value under a sparsity-aware pruned
-#: reading) and the alpha it is read at
-SUBEDGE_P = ("subedge_p_value",)
+#: the sub-edge word-bag test's p-values, the first present read (UTR's ``subedge_p_value``: some vocabulary token
+#: beyond the noise alone, Bonferroni over the vocabulary, under declared Gaussian noise; else -- a top-k pruned
+#: upload, either reading, whose error is not Gaussian -- the empirical p-value of its ranking's enrichment against
+#: random public tokens through the same ranking, ``sub_edge_enrichment_p_value`` = (1 + #null >= obs) / (1 + draws))
+#: and the alpha they are read at
+SUBEDGE_P = ("subedge_p_value", "sub_edge_enrichment_p_value")
 SUBEDGE_ALPHA = 0.01
 
 
@@ -360,10 +401,14 @@ def subedge_state(row: dict) -> tuple[str | None, str]:
     """``("beyond" | "chance" | None, why)``: the sub-edge test (UTR's word bag below the noise edge against its null,
     read at :data:`SUBEDGE_ALPHA`); None where the row has none."""
     m = row.get("metrics") or {}
-    p = next((_num(m.get(k)) for k in SUBEDGE_P if _num(m.get(k)) is not None), None)
-    if p is None:
+    key = next((k for k in SUBEDGE_P if _num(m.get(k)) is not None), None)
+    if key is None:
+        if row.get("part") == "text" and info_limit(row).get("drowning_noise_std_all") == 0.0:
+            return "chance", "sub-edge: nothing uploaded on the embedding adapter (every token's energy 0)"
         return None, "no sub-edge test"
-    return ("beyond", f"sub-edge p {p:.3g}") if p < SUBEDGE_ALPHA else ("chance", f"sub-edge p {p:.3g}")
+    p = _num(m[key])
+    what = "sub-edge p" if key == "subedge_p_value" else "sub-edge enrichment p"
+    return ("beyond", f"{what} {p:.3g}") if p < SUBEDGE_ALPHA else ("chance", f"{what} {p:.3g}")
 
 
 def cell_label(row: dict) -> str:
@@ -410,6 +455,15 @@ def with_ceilings(rows: list[dict]) -> list[dict]:
                 r["ceiling"] = {"K": int(k), "level": c["level"], "psnr_max": cm.get("psnr_max"),
                                 "psnr_max_null_p99": cm.get("psnr_max_null_p99"), "cell": c["cell"],
                                 "revision": c.get("revision")}
+        if r.get("part") == "text" and r.get("defense") != "none" and "metrics" in r:
+            k = info_limit(r).get("directions_above_edge")
+            c = ok.get(text_ceiling_id(r.get("model"), r["B"], r["seed"], int(k))) if k is not None and k >= 1 \
+                else None
+            if c is not None:
+                cm = c["metrics"]
+                r["ceiling"] = {"K": int(k), "level": c["level"], "word_bag_recall": cm.get("word_bag_recall"),
+                                "word_bag_recall_null_p99": cm.get("word_bag_recall_null_p99"), "cell": c["cell"],
+                                "revision": c.get("revision")}
         r["label"] = cell_label(r)
         out.append(r)
     return out
@@ -425,11 +479,16 @@ def with_null(m: dict, key: str, spec: str) -> str:
 
 
 def subedge_cell(m: dict) -> str:
-    """The sub-edge test's p-value (the tokens past its Bonferroni cut); ``not run`` where the row has none."""
+    """The sub-edge test's p-value (the tokens past its Bonferroni cut) and, where the ranking was graded against its
+    null, the empirical p-value of its enrichment (the enrichment, its null p99 in brackets: a pruned upload's only
+    p-value); ``not run`` where the row has neither."""
     p, n = _num(m.get("subedge_p_value")), _num(m.get("sub_edge_significant_tokens"))
+    e, ep = _num(m.get("sub_edge_enrichment")), _num(m.get("sub_edge_enrichment_p_value"))
+    enr = (f"enrichment p {fmt(ep, '.3g')}: {fmt(e, '.0f')} ({fmt(_num(m.get('sub_edge_enrichment_null_p99')), '.0f')})"
+           if ep is not None else "")
     if p is None:
-        return "not run" if n is None else f"no p-value ({n:g})"
-    return f"{'< 0.001' if p < 1e-3 else fmt(p, '.3g')} ({fmt(n, 'g')})"
+        return enr or ("not run" if n is None else f"no p-value ({n:g})")
+    return f"{'< 0.001' if p < 1e-3 else fmt(p, '.3g')} ({fmt(n, 'g')})" + (f"; {enr}" if enr else "")
 
 
 def limit_cells(r: dict) -> str:
@@ -442,23 +501,31 @@ def limit_cells(r: dict) -> str:
         kk = fmt(k, "g") if k is not None else "–"
         margin = (f"{fmt(lim.get('margin_strongest'), '.3g')} ({fmt(lim.get('spectral_margin'), '.3g')})"
                   if lim.get("margin_strongest") is not None else "not measured")
-    ceil = ("–" if c is None else f"{c['level']}: {fmt(c.get('psnr_max'), '.1f')} "
-            f"({fmt(c.get('psnr_max_null_p99'), '.1f')})")
+    key = "word_bag_recall" if r.get("part") == "text" else "psnr_max"  # the text ceiling's word bag
+    ceil = ("–" if c is None else f"{c['level']}: {fmt(c.get(key), '.1f')} "
+            f"({fmt(c.get(key + '_null_p99'), '.1f')})")
     if c is None and ceiling_state(r)[0] == "chance":
         ceil = "chance by construction"
     return f"{kk} | {margin} | {ceil}"
 
 
 LIMIT_NOTE = ("**K**: signal directions of the attacked tensor above the noise edge τ(√M + √n) (1.05 ×; τ: the declared "
-              "per-coordinate std, or the one read off the upload); **margin**: the strongest singular value over the "
+              "per-coordinate std, or the one read off the upload; under top-k pruning, either reading, the declared "
+              "noise and the pruning error's scale t together, t the smallest kept magnitude: every dropped "
+              "coordinate is at most t, docs/DESIGN.md's information limit); **margin**: the strongest singular value over the "
               "edge (does not saturate at a cut; ≤ 1.05 means K = 0), the margin at the attack's rank cut in brackets "
               "(near 1 by construction wherever the cut follows the edge: never read as absence); **ceiling**: the "
               "oracle ceiling, the measurements solver on the *undefended* upload of the same image restricted to its "
-              "K strongest directions (`attack.directions=K`), its level and best-image PSNR dB (null p99) -- at "
+              "K strongest directions (`attack.directions=K`), its level and best-image PSNR dB (null p99); for UTR "
+              "the attack on the undefended upload of the same batch read through its K strongest directions "
+              "(`attack.directions=K`), its level and word-bag recall (null p99) -- at "
               "chance by construction where K = 0 or the tensor's upload is all zero; **sub-edge p**: UTR's sub-edge "
               "word-bag test (some vocabulary token's embedding-adapter energy beyond the χ² law of the declared "
-              "noise, Bonferroni over the vocabulary), read at α = 0.01, the tokens past its cut in brackets (`no "
-              "p-value`: a pruned upload read sparsity-aware, whose error is not Gaussian); **label**: computed from "
+              "noise, Bonferroni over the vocabulary), read at α = 0.01, the tokens past its cut in brackets; "
+              "`enrichment p`: its ranking graded against its null (the batch's tokens among its top |T| over chance "
+              "against the tokens of B random public sentences through the same ranking, empirical p = (1 + #null ≥ "
+              "obs) / (1 + draws); enrichment (null p99)), the p-value read where there is no χ² one (a top-k pruned "
+              "upload, whose error is not Gaussian); **label**: computed from "
               "these numbers by `cell_label` (benchmarks/defended.py): `leaks` (level ≥ partial), `information "
               "present, missed` (level none, the ceiling or the sub-edge test beyond its null), `information absent` "
               "(ceiling and sub-edge test at chance), `undetermined` (what is missing, named).")
@@ -487,6 +554,19 @@ def table(rows: list[dict]) -> str:
                          f"{fmt(m.get('sentences_exact'), 'g')} | {limit_cells(r)} | "
                          f"{subedge_cell(m)} | {r['label']} | {revision_label(r)} |")
         lines.append("")
+        tc = [r for r in rows if r.get("part") == "text-ceiling" and "metrics" in r]
+        if tc:
+            lines += ["Text oracle ceilings (UTR on the undefended upload of the same batch read through its K strongest "
+                      "directions, `attack.directions=K`; the text rows' ceiling column is the word-bag recall (null "
+                      "p99)):", "",
+                      "| model | seed (split) | B | K | level | word-bag recall (null p99) | word bag size | revision |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for r in sorted(tc, key=lambda r: (r.get("model") or "", r["seed"], r["B"], r.get("K", 0))):
+                m = r["metrics"]
+                lines.append(f"| {r.get('model', 'minilm-L2')} | {r['seed']} ({r['split']}) | {r['B']} | {r.get('K')} | "
+                             f"{r['level']} | {with_null(m, 'word_bag_recall', '.1f')} | "
+                             f"{fmt(m.get('word_bag_size'), 'g')} | {revision_label(r)} |")
+            lines.append("")
     img = sorted((r for r in rows if r.get("part") == "image" and "metrics" in r),
                  key=lambda r: (list(SEEDS).index(r["seed"]) if r["seed"] in SEEDS else 99,
                                 -1.0 if r["defense"] == "none" else noise_factor(r),
@@ -772,7 +852,9 @@ def selected(args, todo: list) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_out_args(ap, "defended")
-    ap.add_argument("--only", choices=("text", "models", "image", "peftleak", "projres"), default=None)
+    ap.add_argument("--only", choices=("text", "models", "text-ceilings", "image", "peftleak", "projres"),
+                    default=None, help="one part; 'text' and 'models' run their oracle ceilings after their cells, "
+                    "'text-ceilings' only the ceilings the JSONL's text rows need")
     ap.add_argument("--cells", nargs="+", metavar="PATTERN", default=None,
                     help="run only the cells whose id matches one of these shell-style patterns (e.g. "
                          "'text|smollm2|none|B4|*'); the tables still read every row of the JSONL")
@@ -824,6 +906,16 @@ def main() -> None:
             print(f"{len(todo)} cells")
             return
         run_cells(jsonl, todo, fill, label="defended", redo=args.redo, error_fields={"revision": REV})
+        if args.only in (None, "text", "models", "text-ceilings"):  # the ceilings need the noisy rows' K: after them
+            want = {None: None, "text": False, "models": True, "text-ceilings": None}[args.only]
+            ks = {key: v for key, v in text_ceiling_ks(latest_rows(jsonl)).items()
+                  if want is None or bool(key[0]) == want}
+            ceil = [(row, run_one, (raw, str(args.out / "defended" / row["cell"].replace("|", "_"))))
+                    for row, raw in text_ceiling_cells(args, ks)]
+            if args.only == "text-ceilings":  # --cells / --redo select among the ceilings themselves
+                ceil = selected(args, ceil)
+            run_cells(jsonl, ceil, fill, label="defended (text ceilings)",
+                      redo=args.redo and args.only == "text-ceilings", error_fields={"revision": REV})
     rows = latest_rows(jsonl)
     (args.out / "defended.json").write_text(json.dumps(rows, indent=1, default=str))
     write_section(args, "defended", table(rows), "The exact attacks under defenses (UTR Table 3, lora_span)",

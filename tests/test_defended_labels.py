@@ -53,9 +53,12 @@ def test_absent_only_where_ceiling_and_sub_edge_test_are_both_at_chance(d):
     # an all-zero tensor (global top-k 99 %): the ceiling is at chance by construction
     zero = row(part="text", drowning_noise_std_all=0.0, drowning_noise_std=0.0)
     assert d.cell_label({**zero, "metrics": {**zero["metrics"], "subedge_p_value": 0.5}}) == "information absent"
-    # a run ceiling at chance, and no sub-edge test for images: undetermined, not absent
+    # a run ceiling at chance: for an image cell that is the whole evidence (the sub-edge test is UTR's word bag)
     r = {**row(directions_above_edge=15.0, margin_strongest=4.0), "ceiling": {"K": 15, "level": "none"}}
-    assert d.cell_label(r) == "undetermined (no sub-edge test)"
+    assert d.cell_label(r) == "information absent"
+    # ... while a text cell with the same ceiling still needs its sub-edge test
+    t = {**row(part="text", directions_above_edge=15.0, margin_strongest=4.0), "ceiling": {"K": 15, "level": "none"}}
+    assert d.cell_label(t) == "undetermined (no sub-edge test)"
 
 
 def test_present_but_missed_when_the_ceiling_or_the_sub_edge_test_is_beyond_its_null(d):
@@ -64,7 +67,9 @@ def test_present_but_missed_when_the_ceiling_or_the_sub_edge_test_is_beyond_its_
     assert d.cell_label(row(part="text", subedge_p_value=0.001)) == "information present, missed"
     assert d.cell_label(row(part="text", subedge_p_value=0.001, directions_above_edge=0.0)) == \
         "information present, missed"
-    assert d.cell_label(row(level="undefined")) == "undetermined (level undefined; no oracle ceiling; no sub-edge test)"
+    assert d.cell_label(row(level="undefined")) == "undetermined (level undefined; no oracle ceiling)"
+    assert d.cell_label(row(part="text", level="undefined")) == \
+        "undetermined (level undefined; no oracle ceiling; no sub-edge test)"
     assert d.cell_label({**row(), "error": "boom"}) == "undetermined (not measured)"
 
 
@@ -78,12 +83,59 @@ def test_with_ceilings_joins_each_noisy_image_row_to_its_seed_and_k(d):
     assert out["image|noise10x-gap|seed0"]["ceiling"]["psnr_max"] == 30.0
     assert out["image|noise10x-gap|seed0"]["label"] == "information present, missed"
     assert "ceiling" not in out["image|noise10x-gap|seed11"]  # seed 11's image has no ceiling run: not borrowed
-    assert out["image|noise10x-gap|seed11"]["label"] == "undetermined (no oracle ceiling; no sub-edge test)"
+    assert out["image|noise10x-gap|seed11"]["label"] == "undetermined (no oracle ceiling)"
     assert d.ceiling_ks([noisy, other, ceil, row(directions_above_edge=0.0)]) == {0: {15}, 11: {15}}
     # the Reading counts the labels, and the table shows K, the strongest margin and the ceiling
     text = d.table([noisy, other, ceil])
     assert "1 information present, missed, 1 undetermined (of 2)" in text
     assert "| 15 | 4 (–) | strong: 30.0 (13.0) | information present, missed |" in text
+
+
+def test_the_sub_edge_test_is_asked_only_of_the_text_parts(d):
+    """The sub-edge test is UTR's word bag below the edge: a text cell at level none needs it beside a ceiling at
+    chance; for image, PEFTLeak and ProjRes cells a ceiling at chance is enough for 'information absent', a ceiling
+    beyond its null still reads 'information present, missed', and no ceiling stays undetermined."""
+    chance, beyond = {"K": 3, "level": "none"}, {"K": 3, "level": "strong"}
+    for part in ("image", "peftleak", "projres"):
+        assert not d.needs_subedge({"part": part})
+        assert d.cell_label({**row(part=part), "ceiling": chance}) == "information absent", part
+        assert d.cell_label({**row(part=part), "ceiling": beyond}) == "information present, missed", part
+        assert d.cell_label(row(part=part)) == "undetermined (no oracle ceiling)", part
+    assert d.needs_subedge({"part": "text"})
+    assert d.cell_label({**row(part="text"), "ceiling": chance}) == "undetermined (no sub-edge test)"
+    assert d.cell_label({**row(part="text", subedge_p_value=0.4), "ceiling": chance}) == "information absent"
+    # PEFTLeak: no bin above the edge is a ceiling at chance by construction
+    pl = {**row(part="peftleak"), "metrics": {"directions_above_edge_adapter_bins": 0.0,
+                                              "margin_strongest_adapter_bins": 0.97}}
+    assert d.ceiling_state(pl) == ("chance", "K = 0 (no bin above the noise edge)")
+    assert d.cell_label(pl) == "information absent"
+
+
+def test_peftleak_rows_are_joined_to_their_ceiling_and_show_the_signal_scale(d):
+    def pl(cell, defense, level, seed=0, **m):
+        return {"cell": cell, "part": "peftleak", "attack": "peftleak", "seed": seed, "split": "tuned", "B": 16,
+                "defense": defense, "level": level, "variant": {"noise": "none"} if defense != "none" else "as configured",
+                "metrics": {f"{k}_adapter_bins": v for k, v in m.items()}}
+
+    undefended = pl("peftleak|none|B16|seed0", "none", "exact", drowning_noise_std_all=2.5e-14,
+                    drowning_noise_std_median=3.1e-15)
+    noisy = pl("peftleak|noise1e-14-none|B16|seed0", "Gaussian std 1e-14", "none", directions_above_edge=40.0,
+               margin_strongest=2.5, spectral_margin=1.01)
+    drowned = pl("peftleak|noise1e-13-none|B16|seed0", "Gaussian std 1e-13", "none", directions_above_edge=0.0,
+                 margin_strongest=0.96)
+    ceil = {"cell": "peftleak|ceiling-K40|B16|seed0", "part": "peftleak-ceiling", "seed": 0, "split": "tuned",
+            "B": 16, "K": 40, "defense": "none (oracle)", "level": "partial", "variant": {"keep_bins": 40},
+            "metrics": {"psnr_max": 21.0, "psnr_max_null_p99": 14.7, "patch_recovery_rate": 0.25, "bins_kept": 40}}
+    assert d.peftleak_ceiling_ks([undefended, noisy, drowned, ceil]) == {0: {40}}
+    out = {r["cell"]: r for r in d.with_ceilings([undefended, noisy, drowned, ceil])}
+    assert out[noisy["cell"]]["ceiling"]["patch_recovery_rate"] == 0.25
+    assert out[noisy["cell"]]["label"] == "information present, missed"
+    assert out[drowned["cell"]]["label"] == "information absent"
+    text = d.table([undefended, noisy, drowned, ceil])
+    assert "| 40 | 2.5 (1.01) | partial: 21.0 (14.7), patches 0.250 | information present, missed |" in text
+    assert "| Gaussian std 1e-13 | 2.5e-14 / 3.1e-15 |" in text  # the signal scale beside the std
+    assert "| 0 | 0.96 (–) | chance by construction | information absent |" in text
+    assert "1 information present, missed, 1 information absent (of 2)" in text
 
 
 def test_no_hand_written_conclusion_about_a_cell_is_left(d):

@@ -284,6 +284,11 @@ def test_server_and_recovery_are_separate():
     assert (d["patch_size"], d["channels"], d["num_positions"], d["image_size"], d["reduce"]) == (8, 3, 4, 16, 1)
     assert d["attacked_positions"] == [1, 2, 3, 4]
     assert rec.metrics.pop("nonzero_bins") >= 4 * 4  # 4 images' patches in usable bins at each of the 4 positions
+    # the bins' information limit (gradleak.attacks.peftleak.limit): with no noise declared, the signal scale only
+    limit = {k: rec.metrics.pop(k) for k in list(rec.metrics) if k.endswith("_adapter_bins")}
+    assert set(limit) == {f"{k}_adapter_bins" for k in ("drowning_noise_std_all", "drowning_noise_std_median",
+                                                         "drowning_noise_std", "bins_tested")}
+    assert limit["drowning_noise_std_all_adapter_bins"] >= limit["drowning_noise_std_adapter_bins"] > 0
     assert rec.metrics == {"attacked_positions": 4, "rounds_used": atk.num_rounds, "adapters_per_position": atk.K,
                            "hash_directions_per_position": atk.K if atk.multi_direction else 1,
                            "positions_per_round": atk.ppr, "rounds_needed_all_positions": atk.num_rounds}

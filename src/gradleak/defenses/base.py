@@ -179,6 +179,15 @@ class UpdateDefense(Defense):
         same on every tensor ignores it."""
         return 0.0
 
+    def observed_error_variance(self, update: "Update", aggregate_of: int = 1, individual: bool = True,
+                                tensor: Optional[str] = None) -> Optional[float]:
+        """Per-coordinate variance of the *bounded, non-Gaussian* error this defense leaves on an observed upload
+        (top-k pruning's dropped coordinates, :meth:`gradleak.defenses.update.TopKPruning.observed_error_variance`),
+        read off the upload as the server sees it; 0 for none, None for an error of a scale the server cannot read.
+        Not noise: the attacks' Gaussian tests never read it; it sets the error edge of the information limit
+        (:func:`gradleak.attacks.common.subspace.spectral_margin`; docs/DESIGN.md, the information limit)."""
+        return 0.0
+
 
 class TrainingDefense(Defense):
     """A change to how clients train (``defense:``)."""

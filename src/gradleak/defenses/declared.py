@@ -18,6 +18,9 @@ object every attack's full-strength settings derive from:
   the retained support (the upload's nonzero coordinates), which the sparsity-aware tests use;
 * ``quant_bits`` -- stochastic quantisation's levels per tensor (the step is (max - min) / (2^bits - 1), read off
   the observed tensor's own range; its rounding noise, step² / 6 per coordinate, is ``noise_std(..., tensor)``);
+* ``error_std(update, individual, tensor)`` -- the noise and the bounded, non-Gaussian errors together (top-k
+  pruning: each dropped coordinate <= the kept threshold t, scale t, read off the upload): the edge of the
+  information limit, never a Gaussian test's noise;
 * ``summed`` -- how many clients' uploads the server sees only as their sum (1: individual uploads).
 
 Each defense contributes through two hooks of :class:`~gradleak.defenses.base.Defense`: ``server_knowledge()``
@@ -152,6 +155,26 @@ class DeclaredDefenses:
         var += self._framework_noise(individual, agg)
         return var ** 0.5 if var > 0 else None  # an unknown part (noise_unknown) is left to the spectrum
 
+    def error_std(self, update: Any, individual: Optional[bool] = None,
+                  tensor: Optional[str] = None) -> Optional[float]:
+        """Per-coordinate scale of everything the declared defenses put on the observed ``tensor``: the Gaussian noise
+        (:meth:`noise_std`) and the bounded errors (top-k pruning's dropped coordinates, each <= the kept threshold:
+        :meth:`~gradleak.defenses.base.UpdateDefense.observed_error_variance`), added in variance. The scale of the
+        information limit's edge (:func:`gradleak.attacks.common.subspace.spectral_margin`); never the noise of a
+        Gaussian test. None when neither is declared or readable."""
+        if individual is None:
+            individual = not self.secure_aggregation
+        agg = 1 if individual else max(self.clients, 1)
+        noise = self.noise_std(update, individual, tensor)
+        var = (noise or 0.0) ** 2
+        for d in self._all():
+            f = getattr(d, "observed_error_variance", None)
+            if f is None and hasattr(d, "transform"):  # an update defense named in the defense: section
+                f = getattr(d.transform, "observed_error_variance", None)
+            v = f(update, aggregate_of=agg, individual=individual, tensor=tensor) if f is not None else 0.0
+            var += float(v) if v is not None else 0.0
+        return var ** 0.5 if var > 0 else None
+
     def __bool__(self) -> bool:
         """True when a declared defense changes what the server observes (the audit then runs full-strength
         variants)."""
@@ -199,6 +222,15 @@ def view_noise_std(view: Any, update: Any = None, tensor: Optional[str | Sequenc
     return view_declared(view).noise_std(update, individual=not view.secure_aggregation, tensor=tensor)
 
 
+def view_error_std(view: Any, update: Any = None, tensor: Optional[str] = None) -> Optional[float]:
+    """:meth:`DeclaredDefenses.error_std` of ``update`` (default: the view's first) as the server observes it: the
+    declared noise and the bounded errors (top-k pruning) together, the scale of the information limit's edge."""
+    update = update if update is not None else (view.updates[0] if view.updates else None)
+    if update is None:
+        return None
+    return view_declared(view).error_std(update, individual=not view.secure_aggregation, tensor=tensor)
+
+
 def declared_defenses(cfg: Any, seed: Optional[int] = None) -> DeclaredDefenses:
     """Resolve every defense a validated experiment config declares (module docstring)."""
     seed = cfg.seed if seed is None else seed
@@ -228,4 +260,5 @@ def declared_defenses(cfg: Any, seed: Optional[int] = None) -> DeclaredDefenses:
                             framework_dp=framework, lr=float(fl.lr), names=names)
 
 
-__all__ = ["DeclaredDefenses", "as_declared", "declared_defenses", "view_declared", "view_noise_std"]
+__all__ = ["DeclaredDefenses", "as_declared", "declared_defenses", "view_declared", "view_error_std",
+           "view_noise_std"]

@@ -78,7 +78,7 @@ def evaluate_tokens(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalua
         rows.append({"trial": trial, "reference": "(none: extra output)", "reconstruction": r, "verified": "-", "exact": "no"})
     notes = []
     if cfg.metrics.null and truth.null_pool:
-        _null_text(truth, refs, recs, true_tokens, bag, out, cfg, notes)
+        _null_text(truth, refs, recs, true_tokens, bag, out, cfg, notes, rec.info.get("sub_edge_top"))
     if n_verified < len(refs):
         notes.append(f"trial {trial}: {n_verified} of {len(refs)} sentences verified by the attack — "
                      "unverified text is a best guess, not a proven reconstruction.")
@@ -86,9 +86,10 @@ def evaluate_tokens(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalua
 
 
 def _null_text(truth: Truth, refs: list[str], recs: list[str], true_tokens: set, bag: set, out: dict, cfg,
-               notes: list) -> None:
+               notes: list, ranking=None) -> None:
     """The text nulls: N random public sentences (ROUGE F1, the same matching), a random word bag of the attack's
-    size from the public sentences' tokens (word-bag recall), and the attack's own bag in random order (ROUGE)."""
+    size from the public sentences' tokens (word-bag recall), the attack's own bag in random order (ROUGE), and a
+    sub-edge ranking (``ranking``) against random public tokens through it (:func:`_sub_edge_enrichment`)."""
     from gradleak.evaluation.nulls import bag_order_null, text_null, word_bag_null
 
     tok, pool = truth.tokenizer, list(truth.null_pool)
@@ -114,7 +115,38 @@ def _null_text(truth: Truth, refs: list[str], recs: list[str], true_tokens: set,
             out[f"{k}_bag_order"] = float(np.quantile(vals, 0.99)) if len(vals) else float("nan")
         what += (f"; word bag: {draws} random bags of {len(bag)} tokens from the pool's tokens (weighted by how many "
                  "sentences hold each); *_bag_order: the 99th percentile of the attack's own bag in random order")
+    if ranking:
+        _sub_edge_enrichment(list(ranking), true_tokens - special, pool, tok, special, max(len(refs), 1), out, draws,
+                             seed, int(getattr(tok, "vocab_size", 0) or len(tok)))
+        what += ("; sub-edge ranking: the batch's tokens among its top |T| over chance against the tokens of "
+                 f"{max(len(refs), 1)} random pool sentences through the same ranking, {draws} draws")
     notes.append("null: " + what + ".")
+
+
+def _sub_edge_enrichment(top: list[int], true: set[int], pool: list[str], tok, special: set, B: int, out: dict,
+                         draws: int, seed: int, vocabulary: int) -> None:
+    """The sub-edge test's ranking (UTR's ``sub_edge_top``: the pursuit's tokens in the order taken, then the rest
+    by energy; :mod:`gradleak.attacks.common.sub_edge`) graded against its null, whatever the noise law (the one
+    grade a top-k pruned upload's ranking has: its error is not Gaussian): ``sub_edge_enrichment`` = the batch's
+    distinct tokens T among the top |T| over chance, (hits / |T|) / (|T| / V); the null = the same number for the
+    tokens of B random pool sentences (sentences no client holds) through the same ranking, ``draws`` draws;
+    ``sub_edge_enrichment_p_value`` = (1 + #null >= value) / (1 + draws) (:func:`attach_null`)."""
+    def enrichment(ranked: list[int], tokens: set[int], V: int) -> float:  # as gradleak.attacks.common.sub_edge's
+        hits = sum(int(v) in tokens for v in ranked)
+        return (hits / len(ranked)) / (len(tokens) / float(V)) if ranked and tokens else float("nan")
+
+    sets = [set(tok(sent)["input_ids"]) - special for sent in pool]
+    sets = [x for x in sets if x]
+    if not true or not sets:
+        return
+    out["sub_edge_enrichment"] = enrichment(list(top[:len(true)]), true, vocabulary)
+    rng = np.random.default_rng(seed)
+    null = np.full(draws, np.nan)
+    for d in range(draws):
+        pick = rng.choice(len(sets), size=min(B, len(sets)), replace=False)
+        t = set().union(*(sets[i] for i in pick))
+        null[d] = enrichment(list(top[:len(t)]), t, vocabulary)
+    attach_null(out, "sub_edge_enrichment", null)
 
 
 def _partial_routes(m: Mapping[str, Any]) -> tuple[bool, bool | None, bool]:

@@ -203,7 +203,7 @@ ALPHA = 0.002
 
 def sub_edge_test(grads: list[torch.Tensor], directions: torch.Tensor, sigma: float, alpha: float = ALPHA,
                   z: float = 6.0, max_tokens: Optional[int] = None, exclude: tuple[int, ...] = (),
-                  extra: Optional[torch.Tensor] = None) -> dict[str, Any]:
+                  extra: Optional[torch.Tensor] = None, rank_only: bool = False) -> dict[str, Any]:
     """The test of the module docstring on the embedding adapter's observed gradients ``grads`` with per-coordinate
     noise std ``sigma`` (the declared one, :func:`gradleak.defenses.declared.view_noise_std`). Returns
 
@@ -214,7 +214,14 @@ def sub_edge_test(grads: list[torch.Tensor], directions: torch.Tensor, sigma: fl
     * ``min_log10_p`` -- the strongest token's log10 p-value against the chi-square law (before the correction);
     * ``bulk_threshold`` -- the vocabulary-bulk threshold on q (a diagnostic: how far the strongest tokens stand
       out of the vocabulary's bulk); ``scores`` -- q for every token (V,);
-    * ``dof``, ``alpha``, ``z``, ``vocabulary``."""
+    * ``dof``, ``alpha``, ``z``, ``vocabulary``.
+
+    ``rank_only``: an error that is not Gaussian (top-k pruning: bounded by the kept threshold, ``sigma`` its scale
+    t; :meth:`gradleak.defenses.update.TopKPruning.observed_error_variance`), whose chi-square law is no null: the
+    pursuit ranks ``max_tokens`` tokens with no stopping cut (its order does not depend on ``sigma``), ``tokens`` is
+    that ranking and is never a word bag; it is graded against its null -- random public tokens through the same
+    ranking (the evaluation's ``sub_edge_enrichment``, :mod:`gradleak.evaluation.text`; docs/DESIGN.md, the
+    information limit) -- not by ``signal_present``."""
     G = _stack(grads)
     F = directions.to(f64)
     proj = F @ G.T
@@ -233,8 +240,8 @@ def sub_edge_test(grads: list[torch.Tensor], directions: torch.Tensor, sigma: fl
     thr = float(med + z * 1.4826 * mad)
     cap = int(max_tokens) if max_tokens is not None else dof
     # every token may explain energy (the special ones too), only the others are reported
-    tokens = pursuit(G, F, sigma, torch.ones(V, dtype=torch.bool), cut, cap, proj=proj, extra=extra,
-                     report=ok) if bool(sig.any()) else []
+    tokens = pursuit(G, F, sigma, torch.ones(V, dtype=torch.bool), math.inf if rank_only else cut, cap, proj=proj,
+                     extra=extra, report=ok) if (rank_only or bool(sig.any())) else []
     return {"tokens": tokens, "signal_present": bool(sig.any()),
             "significant_tokens": int(sig.sum()),
             "min_log10_p": max(float(logp[ok].min()) / math.log(10), -300.0),  # finite in JSON

@@ -201,7 +201,7 @@ def is_pruned(grads: list[torch.Tensor], min_fraction: float = 0.01) -> bool:
 
 
 def pruned_membership(grads: list[torch.Tensor], residuals, exclude: list[int] | None = None,
-                      z: float = 6.0) -> tuple[list[int], Subspace, dict]:
+                      z: float = 6.0, rank: int | None = None) -> tuple[list[int], Subspace, dict]:
     """Sparsity-aware membership for a top-k pruned upload (the server knows the support: the nonzeros).
 
     Pruning keeps the largest entries, so the zero-filled upload is the true gradient plus an error whose entries are
@@ -213,6 +213,10 @@ def pruned_membership(grads: list[torch.Tensor], residuals, exclude: list[int] |
     members are the lower outliers of that distribution -- below its median by more than ``z`` robust standard
     deviations (1.4826 x MAD) -- at most ``rank`` of them (one signal direction per member). The vocabulary is the
     null: a threshold that chance would cross once in ~10^9 draws of the bulk.
+
+    ``rank``: use exactly the ``rank`` strongest directions of the (raw) rows instead of the cut at the estimated
+    error's edge -- the oracle ceiling's reading of an upload through its K strongest directions (UTR's
+    ``directions``), the same outlier test on them; ``sparsity_noise_std`` is then None.
 
     Returns ``(tokens, subspace, info)``; info holds the kept fraction, the noise estimate, the threshold and the
     residuals (for the diagnostics)."""
@@ -226,8 +230,13 @@ def pruned_membership(grads: list[torch.Tensor], residuals, exclude: list[int] |
                      "sparsity_reading": "information absent: the pruning removed this matrix (fewer than 2 kept rows)"})
         return [], Subspace(torch.zeros(n, 0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64), 0,
                             rows.shape[0], n), info
-    sigma = estimate_noise_std([rows])
-    sub = noisy_subspace([rows], sigma)
+    if rank is not None:
+        _, s, vh = torch.linalg.svd(rows, full_matrices=False)
+        k = max(0, min(int(rank), int((s > 0).sum())))
+        sigma, sub = None, Subspace(vh[:k].T.contiguous(), s, k, rows.shape[0], n)
+    else:
+        sigma = estimate_noise_std([rows])
+        sub = noisy_subspace([rows], sigma)
     info["sparsity_noise_std"] = sigma
     if sub.rank == 0:
         info.update({"sparsity_threshold": 0.0, "residuals": None,

@@ -69,14 +69,17 @@ def exact_pairs(view: ServerView, pairs: dict[int, set[int]], tokens: list[int],
 
 def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
              noise_std: Callable[[list[torch.Tensor]], float | None] | None = None,
-             extended: bool = True) -> dict[str, Any]:
+             extended: bool = True, directions: int | None = None) -> dict[str, Any]:
     """UTR's stage 1 (module docstring) on the attacked update: the word bag, its (token, position) pairs on
     absolute-position models, the embedding adapter's subspace and diagnostics. ``cfg``: the span-test parameters
     ``eps_bag``, ``rank_rtol``, ``max_positions``, ``screen_tol`` as attributes (a :class:`SpanTestConfig`, or the
     attack that holds them); ``all_rounds``: stack every observed round's gradients; ``noise_std``: grads -> the
     per-coordinate noise std on them (None, or returning None: exact tests). ``extended=False``: the span test as
     published only (UTR paper Sec. 4.2; on BERT per (token, position), open point A3.4) -- no augmented bag past the bottleneck, no
-    pair decomposition, no pair signals (UTR's ``search: paper``)."""
+    pair decomposition, no pair signals (UTR's ``search: paper``). ``directions`` (K): read the upload through its K
+    strongest directions only (the oracle ceiling, UTR's ``directions``): below the upload's exact rank the word bag
+    is the vocabulary's lower outliers of the residual to those K directions (:func:`_pruned_word_bag` with
+    ``rank`` K, at most K tokens, no positions); at or above it nothing is cut (the plain stage 1)."""
     model = view.model
     if not hasattr(model, PREFIX) or "embedding" not in getattr(model, PREFIX):
         raise BadInput("peft", "the model the server sent has no embedding adapter.",
@@ -87,6 +90,10 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
     # top-k pruning: the server sees the kept support (the nonzeros); the pruned entries are an error bounded by the
     # smallest kept magnitude, so the upload is read as the signal plus noise of that kind, the token test calibrated
     # against the vocabulary's own bulk (gradleak.attacks.common.subspace.pruned_membership)
+    if directions is not None and int(directions) < subspace_from_gradients(grads, cfg.rank_rtol).rank:
+        out = _pruned_word_bag(model, grads, cfg, None, t0, rank=int(directions))
+        out.update({"sparsity_aware": False, "directions": int(directions)})
+        return out
     if extended and getattr(cfg, "sparsity_aware", True) and is_pruned(grads):
         return _pruned_word_bag(model, grads, cfg, sigma, t0)
 
@@ -177,7 +184,8 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
             "eps_bag": eps_bag, "signals": signals, "support_pairs": support, **exact_info}
 
 
-def _pruned_word_bag(model, grads: list[torch.Tensor], cfg, sigma: float | None, t0: float) -> dict[str, Any]:
+def _pruned_word_bag(model, grads: list[torch.Tensor], cfg, sigma: float | None, t0: float,
+                     rank: int | None = None) -> dict[str, Any]:
     """The word bag of a top-k pruned upload (:func:`~gradleak.attacks.common.subspace.pruned_membership`): every
     vocabulary token's residual to the pruned matrix's signal subspace (BERT: with the known position and LayerNorm
     directions added, as :func:`bert_augmented_bag`), the tokens that stand out of the vocabulary's bulk kept. No
@@ -194,7 +202,7 @@ def _pruned_word_bag(model, grads: list[torch.Tensor], cfg, sigma: float | None,
         return bert_pair_residuals(emb, sub, npos, stop_after=None, screen=2.0).min(1).values.double()
 
     pad = None if causal else model.config.pad_token_id
-    tokens, sub, info = pruned_membership(grads, residuals, exclude=[pad] if pad is not None else [])
+    tokens, sub, info = pruned_membership(grads, residuals, exclude=[pad] if pad is not None else [], rank=rank)
     return {"tokens": tokens, "pairs": {int(v): set() for v in tokens}, "subspace": sub,
             "seconds": time.perf_counter() - t0, "min_residual": info.pop("residuals"), "causal": causal,
             "positions_ok": causal, "augmented": False, "noise_std": info["sparsity_noise_std"],

@@ -75,6 +75,9 @@ Modules of this package:
 * :mod:`.recovery` — :class:`~.recovery.PEFTLeakRecovery`: recovery from the server view, grouping;
 * :mod:`.denoise` — the noise mode (``attack.noise``): σ declared or read off the upload, calibrated bin tests,
   patch estimates with their errors, combination of one patch's bins (beyond the paper, which reads exact gradients);
+* :mod:`.limit` — the information limit of the attacked bins under the declared noise (bins above the noise edge,
+  the strongest margin, the signal scale as a noise std) and the oracle restriction to the K strongest bins
+  (``attack.keep_bins``: the ceiling of benchmarks/defended.py);
 * :mod:`.attack` — :class:`~.attack.PEFTLeak`, registered as ``peftleak``.
 
 The patch geometry of the ViT grid (``image_to_patches`` and its inverses) is in :mod:`gradleak.metrics.patches`.

@@ -49,7 +49,8 @@ class PEFTLeak(AttackBase):
         fedavg_aware = ((fl or {}).get("algorithm") == "fedavg") if cfg.fedavg_aware is None else cfg.fedavg_aware
         self.server = PEFTLeakServer(cfg, public_images=public_images, fedavg_aware=fedavg_aware,
                                      expected_batch_size=expected_batch_size, seed=seed)
-        self.recovery = PEFTLeakRecovery(self.server, noise=cfg.noise, noise_false_alarm=cfg.noise_false_alarm)
+        self.recovery = PEFTLeakRecovery(self.server, noise=cfg.noise, noise_false_alarm=cfg.noise_false_alarm,
+                                          keep_bins=cfg.keep_bins)
         self.max_rounds = cfg.max_rounds
 
     @classmethod

@@ -40,6 +40,11 @@ class PEFTLeakConfig(AttackConfig):
         0.01, gt=0, lt=1, description="noise mode: chance that pure noise yields any occupied bin (Bonferroni over "
         "every bin); every noise tolerance uses the same level")
 
+    keep_bins: Optional[int] = Field(
+        None, ge=1, description="oracle restriction (the ceiling of benchmarks/defended.py): keep only the K bins of "
+        "the upload with the most energy per unit noise variance, zero every other bin, then recover "
+        "(gradleak.attacks.peftleak.limit); default: every bin")
+
     @field_validator("noise")
     @classmethod
     def _positive_noise(cls, v):

@@ -14,6 +14,7 @@ from gradleak.attacks.base import Reconstruction
 from gradleak.attacks.peftleak.denoise import (NoiseTests, PatchPrior, agreement, estimate_patches, group_noisy,
                                                merge_estimates, resolve_noise_std)
 from gradleak.attacks.peftleak.geometry import F64, PatchGeometry, slot_scales
+from gradleak.attacks.peftleak.limit import apply_mask, bin_limit, strongest_bins
 from gradleak.attacks.peftleak.server import PEFTLeakServer, RoundPlan
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
@@ -35,12 +36,16 @@ class PEFTLeakRecovery:
 
     ``noise`` / ``noise_false_alarm``: the noise mode of :mod:`.denoise` (``attack.noise``); when it resolves to no
     noise (``none``, or ``public`` with nothing declared) the exact recovery below runs unchanged.
+    ``keep_bins``: the oracle restriction of :mod:`.limit` (only the K strongest bins kept; None: every bin).
     """
 
-    def __init__(self, server: PEFTLeakServer, noise: Any = "none", noise_false_alarm: float = 0.01):
+    def __init__(self, server: PEFTLeakServer, noise: Any = "none", noise_false_alarm: float = 0.01,
+                 keep_bins: int | None = None):
         self.server = server
         self.noise = noise
         self.noise_false_alarm = float(noise_false_alarm)
+        self.keep_bins = keep_bins
+        self._masks: dict | None = None
         self._prior: PatchPrior | None = None
         # per reconstruction: tolerance on g agreement, and each slot's bin differences Δb of the round
         self._match_tol = 1e-6
@@ -89,18 +94,50 @@ class PEFTLeakRecovery:
         ``data``: ``patches`` (n × P²C/reduce², in [-1, 1]), their ``positions`` (1..N), image ``groups``,
         image coefficients ``g``, and the geometry the evaluation needs to place them (``reduce``,
         ``patch_size``, ``channels``, ``num_positions``, ``image_size``, ``attacked_positions``: the
-        positions attacked in the rounds the view holds). ``metrics``: the plan's numbers (no ground truth).
+        positions attacked in the rounds the view holds). ``metrics``: the plan's numbers (no ground truth) and the
+        information limit of the observed bins (:func:`.limit.bin_limit`, ``*_adapter_bins``) at the noise std the
+        noise mode resolves (``noise: none``: the declared one), whichever recovery runs. With ``keep_bins`` set, only
+        the upload's ``keep_bins`` strongest bins are read (:func:`.limit.strongest_bins`).
         """
         srv = self.server
         if view.secure_aggregation or not view.rounds:
             raise BadInput("fl.secure_aggregation", "PEFTLeak needs the victim's individual per-round updates.",
                            "turn secure aggregation off for this attack (it then sees only the aggregate).")
         n_rounds = min(len(view.rounds), len(srv.plans))
-        if self.noise != "none":
-            sigmas = [resolve_noise_std(self.noise, view, view.rounds[k][0], srv.plans[k], srv.D)
-                      for k in range(n_rounds)]
-            if any(s is not None and s > 0 for s in sigmas):
-                return self._reconstruct_noisy(view, n_rounds, sigmas)
+        mode = "public" if self.noise == "none" else self.noise
+        sigmas = [resolve_noise_std(mode, view, view.rounds[k][0], srv.plans[k], srv.D) for k in range(n_rounds)]
+        known = [s for s in sigmas if s is not None and s > 0]
+        limit = bin_limit(view, srv, n_rounds, sum(known) / len(known) if known else None, self.noise_false_alarm)
+        self._masks = (strongest_bins(view, srv, n_rounds, self.keep_bins) if self.keep_bins is not None else None)
+        kept = None if self._masks is None else float(sum(int(m.sum()) for m in self._masks.values()))
+        try:
+            if self.noise != "none" and known:
+                rec = self._reconstruct_noisy(view, n_rounds, sigmas)
+            else:
+                rec = self._reconstruct_exact(view, n_rounds)
+        finally:
+            self._masks = None
+        rec.metrics.update(limit)
+        if kept is not None:
+            rec.metrics["bins_kept"] = kept
+        return rec
+
+    def _bins(self, k: int, upd, sp) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`bin_differences` of slot ``sp`` in round k, restricted to the kept bins under ``keep_bins``."""
+        GW, Gb, dGW, dGb = bin_differences(upd, sp.slot.prefix)
+        dGW, dGb = apply_mask(dGW, dGb, None if self._masks is None else self._masks[(k, sp.index)])
+        return GW, Gb, dGW, dGb
+
+    def _unknown(self, k: int, sp) -> torch.Tensor:
+        """The bins of slot ``sp`` in round k that ``keep_bins`` zeroed: not read, so neither evidence that a bin is
+        empty (the consistency filter lets a candidate fall there) nor of what it holds (no trust from them)."""
+        if self._masks is None:
+            return torch.zeros(self.server.r, dtype=torch.bool)
+        return ~self._masks[(k, sp.index)]
+
+    def _reconstruct_exact(self, view: ServerView, n_rounds: int) -> Reconstruction:
+        """The exact recovery (PEFTLeak Sec. 4.3) of :meth:`reconstruct`."""
+        srv = self.server
         # how closely the image coefficient g of two patches of one image agree: to float64 rounding
         # after one gradient step; to ~1e-4 after several FedAvg steps (the adapters move a little)
         multi_step = any(u.kind == "pseudo_gradient" and u.local_steps > 1 for r in view.rounds for u in r)
@@ -134,14 +171,13 @@ class PEFTLeakRecovery:
         nonempty: dict[int, torch.Tensor] = {}
         bins: list[dict[str, Any]] = []  # every nonempty bin of this round
         for sp in plan.slots:
-            pre = sp.slot.prefix
-            GW, Gb, dGW, dGb = bin_differences(upd, pre)
+            GW, Gb, dGW, dGb = self._bins(k, upd, sp)
             scale = float(Gb.abs().max()) + 1e-300
             ok = torch.zeros(self.server.r, dtype=torch.bool)
             ok[sp.usable_bins] = True
             tol = (1e-6 if upd.kind == "pseudo_gradient" else 1e-9) * scale  # FedAvg: update is a weight difference
             ok &= dGb.abs() > tol
-            nonempty[sp.index] = dGb.abs() > tol
+            nonempty[sp.index] = (dGb.abs() > tol) | self._unknown(k, sp)
             self._dgb[sp.index] = dGb
             for j in torch.nonzero(ok)[:, 0].tolist():
                 bins.append({"plan": sp, "bin": j, "db": float(dGb[j]), "dw": dGW[j]})
@@ -376,14 +412,13 @@ class PEFTLeakRecovery:
         occupied: dict[int, torch.Tensor] = {}
         bins: list[dict[str, Any]] = []
         for sp in plan.slots:
-            pre = sp.slot.prefix
-            GW, Gb, dGW, dGb = bin_differences(upd, pre)
+            GW, Gb, dGW, dGb = self._bins(k, upd, sp)
             nv = torch.full((srv.r,), 2 * sigma * sigma, dtype=F64)
             nv[-1] = sigma * sigma  # the top bin is one neuron, not a difference
             occ = ((dGW * dGW).sum(1) + dGb * dGb) / nv > tests.occupancy
             usable = torch.zeros(srv.r, dtype=torch.bool)
             usable[sp.usable_bins] = True
-            occupied[sp.index] = occ
+            occupied[sp.index] = occ | self._unknown(k, sp)
             self._dgb[sp.index], self._nvb[sp.index] = dGb, nv
             for j in torch.nonzero(usable & occ)[:, 0].tolist():
                 bins.append({"plan": sp, "bin": j, "db": float(dGb[j]), "dw": dGW[j], "nv": float(nv[j])})

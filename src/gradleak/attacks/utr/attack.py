@@ -103,6 +103,12 @@ class UTRConfig(SpanTestConfig):
     soft_rank: Optional[float] = Field(0.96, gt=0, le=1, description="past the first layer's bottleneck (with the "
                                        "value test): grade chains by this fraction of the upload's strongest "
                                        "directions instead of its whole (saturated) row space; null = off")
+    directions: Optional[int] = Field(None, ge=1, description="the oracle ceiling: read the upload through its K "
+                                      "strongest directions only -- the embedding adapter's word bag from its K "
+                                      "strongest singular directions (the vocabulary's lower outliers, at most K "
+                                      "tokens, no positions), the sentence layer's subspace capped at K, no test on "
+                                      "the full gradient values; at or above the upload's exact rank nothing is cut "
+                                      "(benchmarks/defended.py's text ceilings on the undefended upload)")
     threads: Optional[int] = Field(1, ge=1, le=1024, description="torch threads during the attack (the run's "
                                    "`threads` for the client steps is untouched); default 1: the search is many "
                                    "small float64 products that gain nothing from threads and slow down 3-4x when "
@@ -191,26 +197,42 @@ class UTRAttack(AttackBase):
         model."""
         paper = self.search == "paper"
         return word_bag(view, self, self.all_rounds and not paper, noise_std=lambda grads: self.noise_std(view, grads, adapter_param("embedding")),
-                        extended=not paper)
+                        extended=not paper, directions=self.directions)
 
-    def _sub_edge(self, view: ServerView, bag: dict) -> dict[str, Any]:
+    def limit_std(self, view: ServerView, bag: dict) -> float | None:
+        """The per-coordinate scale of the embedding adapter's information limit (its edge, K and
+        ``margin_strongest``, :func:`~gradleak.attacks.common.subspace.spectral_margin`): under a declared top-k
+        pruning the declared noise and the pruning's bounded error together (scale t, the kept threshold read off the
+        upload: :meth:`gradleak.defenses.update.TopKPruning.observed_error_variance`), in both readings -- not the
+        spectrum's Gavish-Donoho estimate, which a matrix with most rows pruned away drives towards 0 (margins of
+        1e+64 before); otherwise the noise std stage 1 used."""
+        from gradleak.defenses.declared import view_declared, view_error_std
+
+        if view_declared(view).sparsity and self.noise == "public":
+            std = view_error_std(view, tensor=adapter_param("embedding"))
+            if std:
+                return std
+        return bag["noise_std"]
+
+    def _sub_edge(self, view: ServerView, bag: dict, sigma: float, pruned: bool) -> dict[str, Any]:
         """The sub-edge word-bag test (:mod:`gradleak.attacks.common.sub_edge`) on the embedding adapter's observed
         gradients at the noise std stage 1 used: the declared one (Gaussian: the chi-square law is exact), or for a
         top-k pruned upload the pruning error's level read off the spectrum (not Gaussian: the law is approximate,
         ``sub_edge_noise`` says so). Special tokens are not scored. Returns the ``sub_edge_*`` info fields, the
         bag under ``sub_edge_bag`` and a ranking of 512 tokens under ``sub_edge_top`` (the bag in the order the
         pursuit took it, then the highest-energy others: the evaluation side can count the batch's tokens among
-        the top k against random public tokens through the same ranking)."""
+        the top k against random public tokens through the same ranking). ``pruned``: a top-k pruned upload (either
+        reading): the ranking only (``rank_only``: no chi-square cut; ``sigma`` the pruning error's scale), graded by
+        the evaluation against its null (``sub_edge_enrichment``)."""
         tok = view.public.get("tokenizer")
         special = tuple(int(v) for v in (getattr(tok, "all_special_ids", None) or []))
         grads = collect_grads(view, adapter_param("embedding"), all_rounds=self.all_rounds)
         D, what, extra = token_directions(view.model)
-        pruned = bool(bag.get("sparsity_aware"))
-        # a top-k pruning error is not Gaussian: the pursuit's stopping cut does not hold there (measured: it runs to
-        # its cap on every pruned upload), so its ranking is kept as a diagnostic, 96 tokens at most (time), and its
-        # tokens are never the word bag
-        r = sub_edge_test(grads, D, float(bag["noise_std"]), exclude=special, extra=extra,
-                          max_tokens=96 if pruned else None)
+        # a top-k pruning error is not Gaussian: the pursuit's stopping cut does not hold there (measured: it ran to
+        # its cap on every pruned upload), so it ranks 96 tokens (time) with no cut, the ranking is graded against
+        # its null by the evaluation, and its tokens are never the word bag
+        r = sub_edge_test(grads, D, float(sigma), exclude=special, extra=extra,
+                          max_tokens=96 if pruned else None, rank_only=pruned)
         top = r["scores"].clone()
         for v in special:
             if 0 <= v < len(top):
@@ -220,8 +242,10 @@ class UTRAttack(AttackBase):
                 "sub_edge_bulk_threshold": r["bulk_threshold"], "sub_edge_dof": r["dof"], "sub_edge_alpha": r["alpha"],
                 "sub_edge_vocabulary": r["vocabulary"],
                 "sub_edge_directions": what,
-                "sub_edge_noise": ("top-k pruning error, estimated (chi-square law approximate)"
-                                   if bag.get("sparsity_aware") else "declared Gaussian (chi-square law exact)"),
+                "sub_edge_noise": ("top-k pruning error, scale t the kept threshold (not Gaussian: a ranking "
+                                   "graded against its null)" if pruned else
+                                   "declared Gaussian (chi-square law exact)"),
+                "sub_edge_pruned": pruned, "sub_edge_sigma": float(sigma),
                 # the ranking: the pursuit's tokens in the order taken, then the rest by their own energy
                 "sub_edge_top": (r["tokens"] + [int(v) for v in top.argsort(descending=True)[:512 + len(r["tokens"])]
                                                 .tolist() if int(v) not in set(r["tokens"])])[:512]}
@@ -343,10 +367,14 @@ class UTRAttack(AttackBase):
         sub_ea: Subspace = bag["subspace"]
         model = view.model
         edge_info: dict[str, Any] = {}
-        if self.sub_edge and self.search == "extended" and bag["noise_std"]:
-            edge_info = self._sub_edge(view, bag)
-            if bag.get("sparsity_aware"):
-                pass  # the ranking is a diagnostic only under pruning (_sub_edge)
+        grads_ea = collect_grads(view, adapter_param("embedding"), all_rounds=self.all_rounds and self.search != "paper")
+        limit_std = self.limit_std(view, bag)
+        pruned = bool(bag.get("sparsity_aware")) or is_pruned(grads_ea)
+        if self.sub_edge and self.search == "extended" and bag.get("directions") is None and (
+                (pruned and limit_std) or bag["noise_std"]):
+            edge_info = self._sub_edge(view, bag, limit_std if pruned and limit_std else bag["noise_std"], pruned)
+            if pruned:
+                pass  # under pruning the ranking is graded against its null only, never the word bag (_sub_edge)
             elif not bag["tokens"] and edge_info["sub_edge_bag"]:  # nothing above the edge: the sub-edge tokens
                 bag = {**bag, "tokens": sorted(edge_info["sub_edge_bag"]),
                        "pairs": {int(v): set() for v in edge_info["sub_edge_bag"]}, "positions_ok": bag["causal"]}
@@ -363,7 +391,8 @@ class UTRAttack(AttackBase):
             la_noise = self.noise_std(view, grads_la, adapter_param(self.sentence_layer))
         if bag.get("sparsity_aware") and is_pruned(grads_la):  # pruned: the error's level, read off
             la_noise = estimate_noise_std(grads_la)
-        sub_la = subspace_from_gradients(grads_la, self.rank_rtol, noise_std=la_noise)
+        ceiling = bag.get("directions")  # the oracle ceiling: every subspace capped at the K strongest directions
+        sub_la = subspace_from_gradients(grads_la, self.rank_rtol, noise_std=la_noise, max_rank=ceiling)
         eps_sentence = max(self.eps_sentence, sub_la.tol)
         sp = specials(tok, bag["causal"])
         la_saturated = sub_la.rank >= 0.9 * min(sub_la.rows, sub_la.dim)
@@ -396,7 +425,7 @@ class UTRAttack(AttackBase):
                                         eicw=self.eicw, lm_prior=self.lm_prior)
             sents, sinfo = search.run()
             sents = strip_eos(sents, sp["eos"], lm)
-            if self.value_test and not bag["noise_std"]:
+            if self.value_test and not bag["noise_std"] and ceiling is None:
                 sents, sinfo = self._causal_peel(view, bag, sp, cands, sents, sinfo, eps_sentence, deadline)
         elif not bag["positions_ok"]:
             # bidirectional model past its positional capacity: every bag token passes at every position, a
@@ -404,7 +433,7 @@ class UTRAttack(AttackBase):
             sents, sinfo = [], {"forward_passes": 0, "positions_lost": True}
         else:
             value_test = None
-            if self.value_test and not bag["noise_std"]:
+            if self.value_test and not bag["noise_std"] and ceiling is None:
                 value_test = TokenGradientTest(model, collect_grads(view, adapter_param("embedding"))[0],
                                                bag["pairs"], signals=bag["signals"])
             search = EncoderChainSearch(model, self.sentence_layer, sub_la, eps_sentence, sp["cls"], sp["sep"],
@@ -468,6 +497,12 @@ class UTRAttack(AttackBase):
                                f"the noise alone (sub-edge test: strongest token p = "
                                f"10^{edge_info['sub_edge_min_log10_p']:.1f} against a Bonferroni cut "
                                f"{edge_info['sub_edge_alpha']:g} / vocabulary): no word bag, no sentences.")
+        elif ceiling is not None:  # the oracle ceiling below the exact rank: outliers of K directions, no positions
+            info["capacity_exhausted"] = False
+            info["directions_used"] = ceiling
+            info["warning"] = (f"oracle ceiling: the upload read through its {ceiling} strongest directions only "
+                               f"(embedding adapter: {len(bag['tokens'])} tokens below the vocabulary's bulk, "
+                               f"threshold {bag['sparsity_threshold']:.3g}; sentence layer capped at {ceiling}).")
         elif bag.get("sparsity_aware"):  # a pruned upload: a word bag read against the vocabulary's bulk, no positions
             info["capacity_exhausted"] = False
             info["warning"] = (f"top-k pruned upload ({100 * bag['sparsity_kept_fraction']:.3g} % of the embedding "
@@ -493,15 +528,14 @@ class UTRAttack(AttackBase):
                                "exactly.").strip()
         # the leakage margin of the embedding adapter's upload: how far the weakest direction the word bag used stands
         # above the noise edge, and the noise that would drown it (gradleak.attacks.common.subspace.spectral_margin)
-        grads_ea = collect_grads(view, adapter_param("embedding"), all_rounds=self.all_rounds and self.search != "paper")
-        margin = spectral_margin(grads_ea, sub_ea.rank, bag["noise_std"])
-        info["leakage_margin"] = {"layer": "embedding_adapter", **margin}
+        margin = spectral_margin(grads_ea, sub_ea.rank, limit_std)
+        info["leakage_margin"] = {"layer": "embedding_adapter", "scale": limit_std, **margin}
         metrics = {f"{k}_embedding_adapter": v for k, v in margin.items()}
         if edge_info:  # the sub-edge test's truth-free numbers (the bag itself is graded as the word bag)
             # subedge_p_value: "some token beyond the noise alone", Bonferroni over the vocabulary (valid whatever
             # the tokens' correlations; under noise alone P(p < a) <= a) -- what benchmarks read at alpha 0.01
             # -- only under declared Gaussian noise: a top-k pruning error is not Gaussian, its law is no null
-            if not bag.get("sparsity_aware"):
+            if not edge_info.get("sub_edge_pruned"):
                 metrics["subedge_p_value"] = min(1.0, edge_info["sub_edge_vocabulary"]
                                                  * 10.0 ** edge_info["sub_edge_min_log10_p"])
             metrics.update({"sub_edge_min_log10_p": edge_info["sub_edge_min_log10_p"],
