@@ -38,7 +38,11 @@ models`` / ``--only image`` / ``--only peftleak``).
   0-15, held-out 65124 draws images 16-18, 23, 24, 26-28, 30-34, 37-39 (disjoint; found by scanning the seeded
   permutation, checked through the pipeline's own loader); the noise mode was designed on the tiny test ViT
   (images 0-7, tests/test_peftleak_noise.py) and its std ladder chosen on seed 0. B = 16, not the config's 32: two
-  disjoint draws of 32 from the 40 shipped images do not exist.
+  disjoint draws of 32 from the 40 shipped images do not exist. The attacked tensor is the adapters' bins
+  (:mod:`gradleak.attacks.peftleak.limit`): every cell carries the bins above the noise edge (K), the strongest bin's
+  margin over the edge and the signal scale as a noise std (the std at which the edge reaches the strongest / median
+  bin of the undefended upload); per (seed, K) the **oracle ceiling** is the exact recovery on the *undefended* upload
+  restricted to its K strongest bins (``attack.keep_bins=K``, the rest zeroed and read as unknown).
 
 * **Other models** (``--only models``): MiniLM with all 6 layers and SmolLM2-135M (causal, as a mean-pooled
   classifier), B = 4 and 8, a subset of the defenses (none; top-k 90 % per tensor with and without the sparsity-aware
@@ -206,7 +210,7 @@ IMAGE_VARIANTS = {"gap": {"rank_cut": "gap"}, "noise_edge": {"rank_cut": "noise_
                   "tokens": {"rank_cut": "tokens"},
                   "measurements": {"solver": "measurements", "rank_cut": "noise_edge", "prior": "stationary"}}
 #: the tensor each part's information limit is read on (its metrics' suffix)
-TENSOR = {"image": "block0_lora_A", "text": "embedding_adapter"}
+TENSOR = {"image": "block0_lora_A", "text": "embedding_adapter", "peftleak": "adapter_bins"}
 
 
 def image_cells(args, drowning: dict[int, float], ceilings: dict[int, set[int]] | None = None):
@@ -252,18 +256,22 @@ def ceiling_ks(rows: list[dict]) -> dict[int, set[int]]:
     return out
 
 
-def peftleak_cells(args):
+def peftleak_cells(args, ceilings: dict[int, set[int]] | None = None):
+    """The PEFTLeak cells: per seed the undefended upload and every std of :data:`PEFTLEAK_STDS` with the exact
+    recovery and the noise mode; then (``ceilings`` = seed -> the K values the noisy uploads leave above the edge) the
+    oracle ceilings -- the exact recovery on the *undefended* upload restricted to its K strongest bins
+    (``attack.keep_bins=K``; :mod:`gradleak.attacks.peftleak.limit`), one per (seed, K)."""
     from gradleak.config.loading import load_yaml
 
     for seed, split in PEFTLEAK_SEEDS.items():
-        def cell(cid, label, defenses=None, **attack):
+        def cell(cid, label, defenses=None, part="peftleak", **attack):
             raw = load_yaml(ROOT / PEFTLEAK)
             raw["seed"] = seed
             raw["data"]["seed"] = seed
             raw["data"]["batch_size"] = PEFTLEAK_B
             raw["attack"] = {**raw["attack"], **attack}
             raw["defenses"] = defenses or []
-            return ({"cell": f"peftleak|{cid}|B{PEFTLEAK_B}|seed{seed}", "part": "peftleak", "attack": "peftleak",
+            return ({"cell": f"peftleak|{cid}|B{PEFTLEAK_B}|seed{seed}", "part": part, "attack": "peftleak",
                      "defense": label, "B": PEFTLEAK_B, "seed": seed, "split": split,
                      "variant": attack or "as configured"}, raw)
 
@@ -272,6 +280,23 @@ def peftleak_cells(args):
             d = [{"name": "gaussian_noise", "params": {"std": std}}]
             for mode in ("none", "public"):
                 yield cell(f"noise{std:g}-{mode}", f"Gaussian std {std:g}", d, noise=mode)
+        for k in sorted((ceilings or {}).get(seed, ())):
+            row, raw = cell(f"ceiling-K{k}", f"none (oracle ceiling: the undefended upload's {k} strongest bins)",
+                            part="peftleak-ceiling", noise="none", keep_bins=k)
+            row["K"] = k
+            yield row, raw
+
+
+def peftleak_ceiling_ks(rows: list[dict]) -> dict[int, set[int]]:
+    """seed -> the numbers of bins above the noise edge (K >= 1) the noisy PEFTLeak uploads leave, read off their rows
+    (``directions_above_edge_adapter_bins``): the ceilings to run."""
+    out: dict[int, set[int]] = {}
+    for r in rows:
+        if r.get("part") == "peftleak" and r.get("defense") != "none" and "metrics" in r:
+            k = _num(r["metrics"].get(f"directions_above_edge_{TENSOR['peftleak']}"))
+            if k is not None and k >= 1:
+                out.setdefault(r["seed"], set()).add(int(k))
+    return out
 
 
 #: ProjRes (paper 004's membership inference) on the text audit's upload under Gaussian upload noise (absolute std,
@@ -325,6 +350,7 @@ KEEP = ("word_bag_recall", "word_bag_recall_null_p99", "word_bag_precision", "wo
         *(f"{k}_{t}" for t in TENSOR.values() for k in LIMIT),
         "patch_recovery_rate", "isolated_patch_rate", "recovered_patch_psnr_median", "expected_patch_psnr_median",
         "num_returned_patches", "num_true_patches", "false_positives", "nonzero_bins", "noise_std_used",
+        "occupied_bins", "bins_kept", "drowning_noise_std_median_adapter_bins", "bins_tested_adapter_bins",
         "auc", "auc_null_p99", "tpr_at_1pct_fpr", "tpr_at_1pct_fpr_null_p99",
         "subedge_p_value", "sub_edge_min_log10_p", "sub_edge_significant_tokens", "sub_edge_bag_size",
         "sub_edge_enrichment", "sub_edge_enrichment_null_median", "sub_edge_enrichment_null_p99",
@@ -375,11 +401,13 @@ def info_limit(row: dict) -> dict[str, float | None]:
 
 def ceiling_state(row: dict) -> tuple[str | None, str]:
     """``("beyond" | "chance" | None, why)``: the oracle ceiling of the row's upload. Its own judged level where it
-    ran (``row["ceiling"]``: the measurements solver on the undefended upload's K strongest directions, graded by the
-    same null); at chance by construction where the tensor holds nothing a subspace attacker can use -- no direction
-    above the noise edge (K = 0: the strongest singular value under the edge, ``margin_strongest`` <= 1.05) or an
-    all-zero upload (``drowning_noise_std_all`` = 0); None (not measured) otherwise. The margin at the rank cut
-    (``spectral_margin``) is never read: it sits near 1 by construction wherever the cut follows the noise edge."""
+    ran (``row["ceiling"]``: the attack on the undefended upload restricted to what stands above the edge -- for
+    lora_span the measurements solver on its K strongest directions, for PEFTLeak the exact recovery on its K
+    strongest bins -- graded by the same null); at chance by construction where the tensor holds nothing an attacker
+    can tell from the noise -- nothing above the noise edge (K = 0: the strongest singular value, or PEFTLeak's
+    strongest bin, under the edge; ``margin_strongest`` <= 1.05, resp. <= 1) or an all-zero upload
+    (``drowning_noise_std_all`` = 0); None (not measured) otherwise. The margin at the rank cut (``spectral_margin``)
+    is never read: it sits near 1 by construction wherever the cut follows the noise edge."""
     c = row.get("ceiling")
     if c is not None:
         lvl = c.get("level")
@@ -393,7 +421,7 @@ def ceiling_state(row: dict) -> tuple[str | None, str]:
         return "chance", "nothing uploaded on the attacked tensor"
     k = lim.get("directions_above_edge")
     if k is not None and k < 1:
-        return "chance", "K = 0 (no direction above the noise edge)"
+        return "chance", f"K = 0 (no {'bin' if row.get('part') == 'peftleak' else 'direction'} above the noise edge)"
     return None, "no oracle ceiling"
 
 
@@ -411,13 +439,22 @@ def subedge_state(row: dict) -> tuple[str | None, str]:
     return ("beyond", f"{what} {p:.3g}") if p < SUBEDGE_ALPHA else ("chance", f"{what} {p:.3g}")
 
 
+def needs_subedge(row: dict) -> bool:
+    """Whether the row's label needs the sub-edge test: UTR's word bag below the noise edge exists for the text parts
+    only (:data:`SUBEDGE_P`); for lora_span, PEFTLeak and ProjRes the oracle ceiling is the whole of the evidence."""
+    return (row.get("part") or "").startswith("text")
+
+
 def cell_label(row: dict) -> str:
-    """The cell's conclusion, computed from its numbers (issue 51 item 5), never typed:
+    """The cell's conclusion, computed from its numbers (docs/DESIGN.md: a conclusion is computed from rows, never
+    typed):
 
     * ``leaks`` -- its level >= partial (beyond the null);
     * ``information present, missed`` -- the level is none while the oracle ceiling or the sub-edge test stands
       beyond its null;
-    * ``information absent`` -- the level is none and both the ceiling and the sub-edge test are at chance;
+    * ``information absent`` -- the level is none and the ceiling is at chance, and so is the sub-edge test where it
+      applies (:func:`needs_subedge`: UTR's text parts; for image, PEFTLeak and ProjRes parts a ceiling at chance
+      is enough);
     * ``undetermined (...)`` -- otherwise, naming what is missing (the ceiling, the sub-edge test, a level)."""
     level = row.get("level")
     if "error" in row or level is None:
@@ -427,7 +464,7 @@ def cell_label(row: dict) -> str:
     (ceil, cwhy), (sub, swhy) = ceiling_state(row), subedge_state(row)
     if "beyond" in (ceil, sub):
         return "information present, missed"
-    missing = [w for st, w in ((ceil, cwhy), (sub, swhy)) if st is None]
+    missing = [w for st, w, needed in ((ceil, cwhy, True), (sub, swhy, needs_subedge(row))) if st is None and needed]
     if level != "none":
         missing.insert(0, f"level {level}")
     if not missing:
@@ -441,8 +478,9 @@ def label_kind(label: str) -> str:
 
 
 def with_ceilings(rows: list[dict]) -> list[dict]:
-    """The rows, each noisy image row with its oracle ceiling (``ceiling``: the ceiling cell of its seed and K, its
-    level, PSNR and null) and every row with its computed ``label``. Copies; the JSONL is not changed."""
+    """The rows, each noisy image and PEFTLeak row with its oracle ceiling (``ceiling``: the ceiling cell of its seed
+    and K, its level, PSNR and null; PEFTLeak's also its patches recovered) and every row with its computed
+    ``label``. Copies; the JSONL is not changed."""
     ok = {r["cell"]: r for r in rows if "metrics" in r}
     out = []
     for r in rows:
@@ -454,6 +492,15 @@ def with_ceilings(rows: list[dict]) -> list[dict]:
                 cm = c["metrics"]
                 r["ceiling"] = {"K": int(k), "level": c["level"], "psnr_max": cm.get("psnr_max"),
                                 "psnr_max_null_p99": cm.get("psnr_max_null_p99"), "cell": c["cell"],
+                                "revision": c.get("revision")}
+        if r.get("part") == "peftleak" and r.get("defense") != "none" and "metrics" in r:
+            k = info_limit(r).get("directions_above_edge")
+            c = ok.get(f"peftleak|ceiling-K{int(k)}|B{r['B']}|seed{r['seed']}") if k is not None and k >= 1 else None
+            if c is not None:
+                cm = c["metrics"]
+                r["ceiling"] = {"K": int(k), "level": c["level"], "psnr_max": cm.get("psnr_max"),
+                                "psnr_max_null_p99": cm.get("psnr_max_null_p99"),
+                                "patch_recovery_rate": cm.get("patch_recovery_rate"), "cell": c["cell"],
                                 "revision": c.get("revision")}
         if r.get("part") == "text" and r.get("defense") != "none" and "metrics" in r:
             k = info_limit(r).get("directions_above_edge")
@@ -504,6 +551,8 @@ def limit_cells(r: dict) -> str:
     key = "word_bag_recall" if r.get("part") == "text" else "psnr_max"  # the text ceiling's word bag
     ceil = ("–" if c is None else f"{c['level']}: {fmt(c.get(key), '.1f')} "
             f"({fmt(c.get(key + '_null_p99'), '.1f')})")
+    if c is not None and c.get("patch_recovery_rate") is not None:  # PEFTLeak's ceiling: its patches recovered too
+        ceil += f", patches {fmt(c['patch_recovery_rate'], '.3f')}"
     if c is None and ceiling_state(r)[0] == "chance":
         ceil = "chance by construction"
     return f"{kk} | {margin} | {ceil}"
@@ -528,7 +577,15 @@ LIMIT_NOTE = ("**K**: signal directions of the attacked tensor above the noise e
               "upload, whose error is not Gaussian); **label**: computed from "
               "these numbers by `cell_label` (benchmarks/defended.py): `leaks` (level ≥ partial), `information "
               "present, missed` (level none, the ceiling or the sub-edge test beyond its null), `information absent` "
-              "(ceiling and sub-edge test at chance), `undetermined` (what is missing, named).")
+              "(the ceiling at chance, and the sub-edge test too where it applies -- UTR's text cells; for lora_span, "
+              "PEFTLeak and ProjRes the ceiling alone), `undetermined` (what is missing, named). **PEFTLeak**: its "
+              "attacked tensor is the adapters' bins (`gradleak.attacks.peftleak.limit`): K = bins whose energy over "
+              "their noise variance passes the χ²_{D+1} edge at 0.01 / bins (the noise mode's own occupancy test), "
+              "margin = √(strongest bin's energy / edge) (≤ 1: no bin stands out), the weakest above-edge bin's in "
+              "brackets; ceiling = the exact recovery on the *undefended* upload restricted to its K strongest bins "
+              "(`attack.keep_bins=K`, the rest zeroed and read as unknown), its level, best-image PSNR dB (null p99) "
+              "and patches recovered; **signal scale** = the noise std at which the edge reaches the strongest / "
+              "median bin of the seed's undefended upload.")
 
 
 def table(rows: list[dict]) -> str:
@@ -612,24 +669,49 @@ def table(rows: list[dict]) -> str:
                   "A patch counts as recovered at PSNR >= 30 dB in its image's group (isolated: anywhere at its "
                   "position). Patch PSNR: median over the returned patches that reach 30 dB (the noise mode's own "
                   "prediction from σ/|Δb| beside it). The level and best-image PSNR/SSIM are judged against the "
-                  "null (random held-out CIFAR images) and the mean public, grey and flat images.", "",
-                  "| seed (split) | defense | recovery | level | patches recovered (isolated) | patch PSNR dB (predicted) "
-                  "| returned (below 30 dB) | PSNR max dB (null p99) | SSIM max (null p99) | label | revision |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "null (random held-out CIFAR images) and the mean public, grey and flat images. **Signal scale**: "
+                  "the noise std at which the edge reaches the strongest / median bin of the seed's undefended "
+                  "upload (a std above the first leaves no bin above the edge); K, margin and ceiling as in the note "
+                  "above (the attacked tensor: the adapters' bins).", "",
+                  "| seed (split) | defense | signal scale (strongest / median bin) | recovery | level | patches "
+                  "recovered (isolated) | patch PSNR dB (predicted) | returned (below 30 dB) | PSNR max dB (null p99) "
+                  "| SSIM max (null p99) | K (bins) | margin strongest (weakest above edge) | ceiling | label | "
+                  "revision |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        undefended = {r["seed"]: r["metrics"] for r in pl if r["defense"] == "none"}
         for r in pl:
             m = r["metrics"]
             mode = r["variant"].get("noise", "public") if isinstance(r["variant"], dict) else "public"
             mode = {"none": "exact (none)", "public": "noise mode (public)"}.get(mode, mode)
             if r["defense"] == "none":
                 mode = "exact (nothing declared)"
-            lines.append(f"| {r['seed']} ({r['split']}) | {r['defense']} | {mode} | {r['level']} | "
+            u = undefended.get(r["seed"], {})
+            scale = (f"{fmt(_num(u.get('drowning_noise_std_all_adapter_bins')), '.2g')} / "
+                     f"{fmt(_num(u.get('drowning_noise_std_median_adapter_bins')), '.2g')}")
+            lines.append(f"| {r['seed']} ({r['split']}) | {r['defense']} | {scale} | {mode} | {r['level']} | "
                          f"{fmt(m.get('patch_recovery_rate'), '.3f')} ({fmt(m.get('isolated_patch_rate'), '.3f')}) | "
                          f"{fmt(m.get('recovered_patch_psnr_median'), '.1f')} "
                          f"({fmt(m.get('expected_patch_psnr_median'), '.1f')}) | "
                          f"{fmt(m.get('num_returned_patches'), 'g')} ({fmt(m.get('false_positives'), 'g')}) | "
                          f"{with_null(m, 'psnr_max', '.1f')} | "
-                         f"{with_null(m, 'ssim_max', '.3f')} | {r['label']} | {revision_label(r)} |")
+                         f"{with_null(m, 'ssim_max', '.3f')} | {limit_cells(r)} | {r['label']} | "
+                         f"{revision_label(r)} |")
         lines.append("")
+        pc = [r for r in rows if r.get("part") == "peftleak-ceiling" and "metrics" in r]
+        if pc:
+            lines += ["PEFTLeak oracle ceilings (the exact recovery on the undefended upload restricted to its K "
+                      "strongest bins, `attack.keep_bins=K`; the rest zeroed and read as unknown):", "",
+                      "| seed (split) | K (bins kept) | level | patches recovered (isolated) | returned (below 30 dB) | "
+                      "PSNR max dB (null p99) | SSIM max (null p99) | revision |", "|---|---|---|---|---|---|---|---|"]
+            for r in sorted(pc, key=lambda r: (r["seed"], r.get("K", 0))):
+                m = r["metrics"]
+                lines.append(f"| {r['seed']} ({r['split']}) | {r.get('K')} ({fmt(m.get('bins_kept'), 'g')}) | "
+                             f"{r['level']} | {fmt(m.get('patch_recovery_rate'), '.3f')} "
+                             f"({fmt(m.get('isolated_patch_rate'), '.3f')}) | "
+                             f"{fmt(m.get('num_returned_patches'), 'g')} ({fmt(m.get('false_positives'), 'g')}) | "
+                             f"{with_null(m, 'psnr_max', '.1f')} | {with_null(m, 'ssim_max', '.3f')} | "
+                             f"{revision_label(r)} |")
+            lines.append("")
     pr = [r for r in rows if r.get("part") == "projres" and "metrics" in r]
     if pr:
         order = {"none": -1.0}
@@ -838,6 +920,19 @@ def reading(rows: list[dict]) -> list[str]:
                            f"more recovered up to std {max(last):g}." if last else
                            f"- {split}, {'exact recovery' if mode == 'none' else 'noise mode'}: under half the "
                            "patches recovered at every std.")
+        pc = [r for r in ok.values() if r.get("part") == "peftleak-ceiling"]
+        if pc:
+            ks = sorted(r.get("K", 0) for r in pc)
+            out.append(f"- PEFTLeak oracle ceilings (the undefended upload's K strongest bins, K {ks[0]}-{ks[-1]}): "
+                       f">= partial in {sum(r['level'] in leak for r in pc)} of {len(pc)}; patches recovered "
+                       f"{min(r['metrics'].get('patch_recovery_rate') or 0 for r in pc):.3f}-"
+                       f"{max(r['metrics'].get('patch_recovery_rate') or 0 for r in pc):.3f}.")
+            for seed in sorted({r["seed"] for r in pl}):
+                noisy = [r for r in pl if r["seed"] == seed and info_limit(r).get("directions_above_edge") is not None]
+                ks = sorted({(float(r["defense"].split()[-1]), info_limit(r)["directions_above_edge"]) for r in noisy})
+                if ks:
+                    out.append(f"- PEFTLeak seed {seed} ({noisy[0]['split']}): bins above the edge per std: "
+                               + ", ".join(f"{s:g} {k:g}" for s, k in ks) + ".")
     out.append("")
     return out
 
@@ -906,6 +1001,12 @@ def main() -> None:
             print(f"{len(todo)} cells")
             return
         run_cells(jsonl, todo, fill, label="defended", redo=args.redo, error_fields={"revision": REV})
+        if args.only in (None, "peftleak"):  # PEFTLeak's ceilings need the noisy uploads' K: after them
+            ceil = [(row, run_one, (raw, str(args.out / "defended" / row["cell"].replace("|", "_"))))
+                    for row, raw in peftleak_cells(args, peftleak_ceiling_ks(latest_rows(jsonl)))
+                    if row["part"] == "peftleak-ceiling"]
+            run_cells(jsonl, selected(args, ceil), fill, label="defended (PEFTLeak ceilings)", redo=args.redo,
+                      error_fields={"revision": REV})
         if args.only in (None, "text", "models", "text-ceilings"):  # the ceilings need the noisy rows' K: after them
             want = {None: None, "text": False, "models": True, "text-ceilings": None}[args.only]
             ks = {key: v for key, v in text_ceiling_ks(latest_rows(jsonl)).items()
