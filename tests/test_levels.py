@@ -68,9 +68,12 @@ def test_text_levels(m, level):
     assert grade("token_sequences", m)["level"] == level
 
 
-def _mem(auc, tpr, d99=0.08, t99=0.05):
-    return {"auc": auc, "auc_distance": abs(auc - 0.5) if auc == auc else NAN, "auc_distance_null_p99": d99,
-            "tpr_at_1pct_fpr": tpr, "tpr_at_1pct_fpr_null_p99": t99}
+def _mem(auc, tpr, d99=0.08, t99=0.05, nonmembers=200.0):
+    m = {"auc": auc, "auc_distance": abs(auc - 0.5) if auc == auc else NAN, "auc_distance_null_p99": d99,
+         "tpr_at_1pct_fpr": tpr, "tpr_at_1pct_fpr_null_p99": t99, "members": 16.0}
+    if nonmembers is not None:
+        m["nonmembers"] = nonmembers
+    return m
 
 
 @pytest.mark.parametrize("m, level", [
@@ -83,9 +86,29 @@ def _mem(auc, tpr, d99=0.08, t99=0.05):
     (_mem(0.30, 0.0), "partial"),                    # an inverted signal leaks too
     (_mem(0.45, 0.0), "none"),
     (_mem(NAN, NAN), "undefined"),                   # no non-members: nothing measured
+    # a 1 % FPR needs 100 non-members: fewer, and the TPR is not graded; the AUC beyond its null still leaks
+    (_mem(1.0, 1.0, nonmembers=100.0), "strong"),
+    (_mem(1.0, 1.0, nonmembers=99.0), "partial"),
+    (_mem(1.0, 1.0, nonmembers=16.0), "partial"),
+    (_mem(1.0, 1.0, nonmembers=None), "partial"),    # no count recorded: nothing shows the FPR is resolved
+    (_mem(0.55, 1.0, nonmembers=16.0), "partial"),   # the TPR at FPR 0 beyond its null: a leak, never green
+    (_mem(0.55, 0.09, nonmembers=16.0), "none"),     # ... below 0.1, as the strong bar
+    (_mem(0.55, 1.0, t99=1.0, nonmembers=16.0), "none"),  # ... at its null's 99th percentile
 ])
 def test_membership_levels(m, level):
     assert grade("membership", m)["level"] == level
+
+
+@pytest.mark.parametrize("nonmembers, graded", [(16.0, False), (48.0, False), (99.0, False), (100.0, True),
+                                                (200.0, True)])
+def test_membership_tpr_is_graded_only_where_the_non_members_resolve_one_percent(nonmembers, graded):
+    """The new user's case: 16 non-members cannot show a 1 % FPR (it is the TPR at FPR 0): no strong, the reason
+    with the count in the rule and the evidence; 200 do: strong."""
+    g = grade("membership", _mem(1.0, 1.0, nonmembers=nonmembers))
+    assert g["evidence"]["tpr_at_1pct_fpr_graded"] is graded
+    assert g["level"] == ("strong" if graded else "partial")
+    why = f"needs >= 100 non-members, has {int(nonmembers)}"
+    assert (why in g["rule"]) is not graded and (why in g["evidence"].get("tpr_at_1pct_fpr_not_graded", "")) is not graded
 
 
 @pytest.mark.parametrize("m, level", [
@@ -235,13 +258,21 @@ def test_text_judgement_in_full(m, want):
     assert _same(got, want), got
 
 
-def _mem_full(auc, tpr, d99=0.08, t99=0.05, low=NAN, high=NAN, members=16.0, nonmembers=48.0):
+def _mem_full(auc, tpr, d99=0.08, t99=0.05, low=NAN, high=NAN, members=16.0, nonmembers=120.0):
     return {**_mem(auc, tpr, d99, t99), "auc_low": low, "auc_high": high, "members": members, "nonmembers": nonmembers}
 
 
-def _mem_ev(auc, tpr, low=NAN, high=NAN, t_bar=0.05, d_bar=0.08, members=16.0, nonmembers=48.0):
-    return {"auc": auc, "auc_interval": [low, high], "tpr_at_1pct_fpr": tpr, "tpr_at_1pct_fpr_bar": t_bar,
-            "auc_distance_bar": d_bar, "members": members, "nonmembers": nonmembers}
+def _mem_ev(auc, tpr, low=NAN, high=NAN, t_bar=0.05, d_bar=0.08, members=16.0, nonmembers=120.0):
+    ev = {"auc": auc, "auc_interval": [low, high], "tpr_at_1pct_fpr": tpr, "tpr_at_1pct_fpr_bar": t_bar,
+          "auc_distance_bar": d_bar, "members": members, "nonmembers": nonmembers,
+          "tpr_at_1pct_fpr_graded": nonmembers >= 100}
+    if nonmembers < 100:
+        ev["tpr_at_1pct_fpr_not_graded"] = UNRESOLVED.format(int(nonmembers))
+    return ev
+
+
+UNRESOLVED = ("TPR at 1 % FPR not graded: needs >= 100 non-members, has {} (a 1 % FPR is 1 of 100; raise "
+              "data.nonmembers, the candidates per client)")
 
 
 @pytest.mark.parametrize("m, want", [
@@ -257,6 +288,15 @@ def _mem_ev(auc, tpr, low=NAN, high=NAN, t_bar=0.05, d_bar=0.08, members=16.0, n
       "evidence": _mem_ev(0.3, 0.0)}),
     (_mem_full(0.55, 0.0, members=8.0, nonmembers=100.0),
      {"level": "none", "rule": "|AUC - 0.5| not beyond the null", "evidence": _mem_ev(0.55, 0.0, members=8.0, nonmembers=100.0)}),
+    (_mem_full(1.0, 1.0, nonmembers=16.0),       # the TPR at FPR 0 of 16 non-members: not graded, the AUC decides
+     {"level": "partial", "rule": "AUC above 0.5 beyond the null's 99th percentile of |AUC - 0.5|; "
+                                  + UNRESOLVED.format(16), "evidence": _mem_ev(1.0, 1.0, nonmembers=16.0)}),
+    (_mem_full(0.55, 1.0, nonmembers=48.0),      # the AUC at chance, the TPR at FPR 0 beyond its null: partial
+     {"level": "partial", "rule": "TPR at FPR 0 (members above every non-member) >= 0.1 and beyond the null; "
+                                  + UNRESOLVED.format(48), "evidence": _mem_ev(0.55, 1.0, nonmembers=48.0)}),
+    (_mem_full(0.55, 0.0, nonmembers=48.0),
+     {"level": "none", "rule": "|AUC - 0.5| not beyond the null; " + UNRESOLVED.format(48),
+      "evidence": _mem_ev(0.55, 0.0, nonmembers=48.0)}),
     ({**_mem_full(0.9, 0.5), "auc": NAN},        # a distance but no AUC: nothing measured
      {"level": "undefined", "rule": "AUC undefined (needs members and non-members among the candidates)",
       "evidence": _mem_ev(NAN, 0.5)}),

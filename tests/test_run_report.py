@@ -39,7 +39,7 @@ TEXT = {"sentences_total": 2.0, "sentences_exact": 2.0, "rouge1_f1": 100.0, "rou
         "word_bag_recall": 1.0, "word_bag_recall_null_p99": 0.3, "word_bag_recall_p_value": 0.000999}
 MEMBERSHIP = {"auc": 0.95, "auc_null_median": 0.5, "auc_null_p99": 0.62, "auc_p_value": 0.000999,
               "auc_distance": 0.45, "auc_distance_null_p99": 0.12, "tpr_at_1pct_fpr": 0.4,
-              "tpr_at_1pct_fpr_null_p99": 0.05, "members": 8.0, "nonmembers": 48.0}
+              "tpr_at_1pct_fpr_null_p99": 0.05, "members": 8.0, "nonmembers": 120.0}
 LEAKAGE = {"rdlv_client0": 0.05, "rdlv_null_p99_client0": 0.1, "rdlv_null_median_client0": 0.0, "ssim_client0": 0.1,
            "ssim_null_p99_client0": 0.3, "psnr_max_client0": 12.0, "rdlv_excess_client0": -0.05,
            "rdlv_client1": 0.6, "rdlv_null_p99_client1": 0.1, "rdlv_null_median_client1": 0.0,
@@ -57,7 +57,7 @@ CASES = {  # kind: (attack, results, the answer)
     "token_sequences": ("utr", _results("utr", TEXT), "UTR recovered 2 of 2 sentences exactly: ROUGE-1 F1 100 "
                                                       "against chance at 25 (level exact)."),
     "membership": ("projres", _results("projres", MEMBERSHIP),
-                   "ProjRes: ROC AUC 0.95 against chance at 0.62 (level strong)."),
+                   "ProjRes: ROC AUC 0.95 against chance at 0.62 on 8 members vs 120 non-members (level strong)."),
     "leakage": ("bn_inversion", _results("bn_inversion", LEAKAGE, []),
                 "BNInversion (client 1, the most leaking of 2 attacked): RDLV 0.6 against chance at 0.1 "
                 "(level partial)."),
@@ -85,10 +85,14 @@ def test_the_answer_is_computed_from_the_metrics_not_written():
     assert run_answer(_results("peftleak", m))["text"] == (
         "PEFTLeak recovered 100 of 128 image patches exactly: best-image PSNR 102 dB against chance at 21 dB "
         "(level exact).")
+    few = {**MEMBERSHIP, "nonmembers": 48.0}  # 48 non-members cannot resolve a 1 % FPR: the AUC decides
+    assert run_answer(_results("projres", few))["text"] == (
+        "ProjRes: ROC AUC 0.95 against chance at 0.62 on 8 members vs 48 non-members (level partial).")
     none = {k: v for k, v in MEMBERSHIP.items() if "null" not in k and "p_value" not in k}
     a = run_answer(_results("projres", none))
     assert a["level"] == "undefined"
-    assert a["text"].startswith("ProjRes: ROC AUC 0.95 with no null to compare against (level undefined: ")
+    assert a["text"].startswith("ProjRes: ROC AUC 0.95 with no null to compare against on 8 members vs 120 "
+                                "non-members (level undefined: ")
     assert run_answer({"name": "x", "metrics": {"psnr": 1.0}}) is None  # no attack named: no sentence
     assert run_answer(_results("not_an_attack", PATCHES)) is None
 

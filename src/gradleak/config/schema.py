@@ -81,7 +81,7 @@ class DataConfig(Strict):
     limit: Optional[int] = Field(None, ge=1, description="text: read at most this many sentences of the file")
     max_length: Optional[int] = Field(None, ge=1, description=f"text: most tokens of a client's sentence, its special "
                                       f"tokens included (at least {MIN_SENTENCE_TOKENS}); default the model's context")
-    nonmembers: int = Field(0, ge=0, le=1_000_000, description="membership attacks: non-member candidates per client")
+    nonmembers: int = Field(0, ge=0, le=1_000_000, description="membership attacks: non-member candidates per client (>= 100 for the TPR at 1 % FPR to be graded; fewer: the level is partial at most)")
     samples_per_client: Optional[int] = Field(None, ge=1, le=1_000_000, description="membership attacks: each client "
                                               "holds a dataset of this size (the members) and trains each round on a "
                                               "batch of data.batch_size drawn from it (default: the batch is the "

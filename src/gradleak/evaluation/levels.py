@@ -15,7 +15,9 @@ patches            a patch recovered at PSNR >= threshold  as images            
 token_sequences    a private sentence word for word        ROUGE-2 F1 beyond the bar and >= 50        word-bag recall beyond its null (an attack
                                                                                                       without a bag: ROUGE-1 F1 beyond its null)
 membership         (none: nothing is reconstructed)        TPR at 1 % FPR >= 0.1 and beyond its null  |AUC - 0.5| beyond its null (either side:
-                                                                                                      an inverted signal leaks too)
+                                                           with >= 100 non-members (fewer cannot      an inverted signal leaks too); with fewer
+                                                           resolve a 1 % FPR: never strong)           non-members, or: TPR at FPR 0 >= 0.1 and
+                                                                                                      beyond its null
 leakage            a best-matched reconstruction at        its SSIM beyond the null and >= 0.5        RDLV beyond its null (rdlv_excess > 0)
                    PSNR >= threshold
 =================  ======================================  =========================================  ===========================================

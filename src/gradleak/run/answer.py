@@ -106,7 +106,7 @@ def run_answer(results: dict) -> dict | None:
         judged.append({"client": client, "level": g["level"], "rule": g["rule"], "value": mets.get(head),
                        "chance": chance, "null_median": mets.get(f"{head}_null_median"),
                        "p_value": mets.get(f"{head}_p_value"), "n_success": fields.get("n_success"),
-                       "n_total": fields.get("n_total"), "unit": fields.get("unit")})
+                       "n_total": fields.get("n_total"), "unit": fields.get("unit"), "sample": fields.get("sample")})
     if not judged:
         return None
     j = max(judged, key=leak_rank)
@@ -121,7 +121,8 @@ def run_answer(results: dict) -> dict | None:
     value = f"{num(j['value'])}{suffix}" if ok(j["value"]) else "not measured"
     against = f"against chance at {num(j['chance'])}{suffix}" if ok(j["chance"]) else "with no null to compare against"
     level = j["level"] + (f": {j['rule']}" if j["level"] == "undefined" else "")
-    text = f"{lead}: {words} {value} {against} (level {level})."
+    on = f" on {j['sample']}" if j.get("sample") else ""  # the counts it rests on (membership: members vs non-members)
+    text = f"{lead}: {words} {value} {against}{on} (level {level})."
     threat = details.get("threat")
     server = (server_words(SimpleNamespace(**{k: threat.get(k) for k in ("malicious", "prescribes_architecture",
                                                                           "public_data")}))

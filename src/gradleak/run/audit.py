@@ -320,6 +320,8 @@ def client_row(client: Any, judgement: dict, warnings: list | None = None) -> di
     :data:`ROW_KEYS`), with the attack's warnings for that client."""
     row = {"client": client}
     row.update({k: judgement.get(k) for k in ROW_KEYS})
+    if judgement.get("sample"):  # the counts the client's measurement rests on (membership: members vs non-members)
+        row["sample"] = judgement["sample"]
     row["warnings"] = list(warnings or [])
     return row
 
@@ -926,7 +928,9 @@ LEVEL_RULES = {
     "patches": "exact: patches recovered at PSNR >= the threshold / strong, partial: as images",
     "token_sequences": "exact: a sentence word for word / strong: ROUGE-2 F1 beyond the null (and the word bag in "
                        "random order) and >= 50 / partial: word-bag recall (or ROUGE-1 F1) beyond the null",
-    "membership": "strong: TPR at 1 % FPR >= 0.1 and beyond the null / partial: |AUC - 0.5| beyond the null",
+    "membership": "strong: TPR at 1 % FPR >= 0.1 and beyond the null, graded only with >= 100 non-members (fewer "
+                  "cannot resolve a 1 % FPR) / partial: |AUC - 0.5| beyond the null, or with fewer non-members the "
+                  "TPR at FPR 0 >= 0.1 and beyond the null",
     "leakage": "exact: a reconstruction at PSNR >= the threshold / strong: SSIM beyond the null and >= 0.5 / "
                "partial: RDLV beyond the null (rdlv_excess > 0)",
 }

@@ -52,6 +52,8 @@ def evidence_words(a: dict) -> str:
             f"{fmt_value(s.get('null_p99'))} ({fmt_p(s.get('p_value'))})")
     if s.get("headline"):
         text += f"; headline {s['headline']['metric']} = {fmt_value(s['headline'].get('value'))}"
+    if a.get("sample"):  # the counts the measurement rests on (membership: members vs non-members)
+        text += f"; on {a['sample']}"
     return text
 
 
@@ -136,7 +138,8 @@ def console_rows(result: dict) -> list[tuple[str, ...]]:
         val, p99 = ev.get("value"), ev.get("null_p99")
         rows.append((a["name"], "yes" if a.get("applicable") else ("upgrade" if a.get("applicable_under") else "no"),
                      a.get("level", "not run"),
-                     (f"{ev['metric']} = {val:.4g}" + (f" ({p99:.4g})" if _number(p99) else ""))
+                     (f"{ev['metric']} = {val:.4g}" + (f" ({p99:.4g})" if _number(p99) else "")
+                      + (f"; {a['sample']}" if a.get("sample") else ""))
                      if _number(val) and "level" in a else "–",
                      client_words(a["worst_client"]) if "worst_client" in a else "–",
                      a.get("reason") or ""))
@@ -403,7 +406,8 @@ def write_audit_report(result: dict, out: Path) -> Path:
              + (f" (worst of {len(a['per_seed'])} seeds; median {fmt_value(a.get('median'))})"
                 if a.get("per_seed") and "median" in a and not ev.get("headline") else "")
              + (f"; headline {ev['headline']['metric']} = {fmt_value(ev['headline'].get('value'))}"
-                if ev.get("headline") else ""))
+                if ev.get("headline") else "")
+             + (f"; on {a['sample']}" if a.get("sample") else ""))
             if _number(val) and "level" in a else "–",
             fmt_value(ev.get("null_p99")) if "level" in a else "–", fmt_p(ev.get("p_value"), bare=True) if "level" in a else "–",
             client_words(a["worst_client"]) if "worst_client" in a else "–",
@@ -449,7 +453,8 @@ def write_audit_report(result: dict, out: Path) -> Path:
             for c in a["per_client"]:
                 cv = shown_evidence({"metric": a.get("metric"), **c})  # a client's entry: no headline name of its own
                 crow.append(f"<tr><td>{e(client_words(c['client']))}</td><td>{e(c['level'])}</td>"
-                            f"<td>{e(str(cv.get('metric') or ''))} = {fmt_value(cv.get('value'))}</td>"
+                            f"<td>{e(str(cv.get('metric') or ''))} = {fmt_value(cv.get('value'))}"
+                            f"{e('; on ' + c['sample']) if c.get('sample') else ''}</td>"
                             f"<td>{fmt_value(cv.get('null_p99'))}</td><td>{fmt_p(cv.get('p_value'), bare=True)}</td>"
                             f"<td>{e('; '.join(c.get('warnings') or []))}</td></tr>")
             parts.append("<table><tr><th>client</th><th>level</th><th>deciding measure</th><th>null p99</th><th>p</th>"
