@@ -210,7 +210,7 @@ IMAGE_VARIANTS = {"gap": {"rank_cut": "gap"}, "noise_edge": {"rank_cut": "noise_
                   "tokens": {"rank_cut": "tokens"},
                   "measurements": {"solver": "measurements", "rank_cut": "noise_edge", "prior": "stationary"}}
 #: the tensor each part's information limit is read on (its metrics' suffix)
-TENSOR = {"image": "block0_lora_A", "text": "embedding_adapter", "peftleak": "adapter_bins"}
+TENSOR = {"image": "block0_lora_A", "text": "embedding_adapter", "peftleak": "adapter_bins", "projres": "projres"}
 
 
 def image_cells(args, drowning: dict[int, float], ceilings: dict[int, set[int]] | None = None):
@@ -307,18 +307,65 @@ PROJRES_VARIANTS = {"plain": {"noise": "none"}, "residual": {"noise": "public", 
                     "chi2": {"noise": "public", "noise_score": "chi2"}}
 
 
-def projres_cells(args):
+#: per-layer limit metrics kept for the ProjRes ceilings (``directions_above_edge_projres_layer{i}``, i: the layer's
+#: index in the attack's ``info["layers"]``; 7 on the text audit's MiniLM adapters)
+PROJRES_LAYERS = 16
+
+
+def projres_layer_ks(row: dict) -> tuple[int, ...] | None:
+    """The directions above the noise edge per scored layer of a ProjRes row (:data:`PROJRES_LAYERS`), None where the
+    row does not carry them."""
+    m = row.get("metrics") or {}
+    ks = []
+    for i in range(PROJRES_LAYERS):
+        k = _num(m.get(f"directions_above_edge_projres_layer{i}"))
+        if k is None:
+            break
+        ks.append(int(k))
+    return tuple(ks) or None
+
+
+def projres_ceiling_id(seed: int, ks: tuple[int, ...]) -> str:
+    """``projres|ceiling-K{sum}|layers{k0-k1-...}|seed{seed}``: the total and the per-layer K, so two uploads with the
+    same total over different layers never share a ceiling."""
+    return f"projres|ceiling-K{sum(ks)}|layers{'-'.join(str(k) for k in ks)}|seed{seed}"
+
+
+def projres_ceiling_ks(rows: list[dict]) -> dict[int, set[tuple[int, ...]]]:
+    """seed -> the per-layer K vectors (at least one direction above an edge) the noisy ProjRes uploads leave: the
+    ceilings to run."""
+    out: dict[int, set[tuple[int, ...]]] = {}
+    for r in rows:
+        if r.get("part") == "projres" and r.get("defense") != "none" and "metrics" in r:
+            ks = projres_layer_ks(r)
+            if ks and sum(ks) >= 1:
+                out.setdefault(r["seed"], set()).add(ks)
+    return out
+
+
+def projres_cells(args, ceilings: dict[int, set[tuple[int, ...]]] | None = None):
+    """The ProjRes cells: per seed the undefended upload, each noise of :data:`PROJRES_STDS` and DP-SGD with every
+    score of :data:`PROJRES_VARIANTS`; then (``ceilings`` = seed -> the per-layer K vectors the noisy uploads leave)
+    the oracle ceilings -- the paper's residual on the *undefended* upload with each layer's row space cut to its K
+    strongest directions (``attack.directions``; :mod:`gradleak.attacks.projres`), graded by the same null."""
     for seed, split in SEEDS.items():
-        def cell(cid, label, defenses=None, defense=None, **attack):
+        def cell(cid, label, defenses=None, defense=None, part="projres", **attack):
             raw = base(TEXT, {"name": "projres", **attack}, seed)
             raw["threat"] = {**(raw.get("threat") or {}), "public_data": True}  # the candidates (as the audit grants)
             raw["defenses"] = defenses or []
             if defense:
                 raw["defense"] = defense
-            return ({"cell": f"projres|{cid}|seed{seed}", "part": "projres", "attack": "projres", "defense": label,
+            return ({"cell": f"projres|{cid}|seed{seed}", "part": part, "attack": "projres", "defense": label,
                      "B": raw["data"]["batch_size"], "seed": seed, "split": split,
                      "variant": attack or "as configured"}, raw)
 
+        for ks in sorted((ceilings or {}).get(seed, ())):
+            row, raw = cell("ceiling", f"none (oracle ceiling: each layer's {'/'.join(map(str, ks))} strongest "
+                            "directions)", part="projres-ceiling", noise="none", directions=list(ks))
+            row.update({"cell": projres_ceiling_id(seed, ks), "K": sum(ks), "K_layers": list(ks)})
+            yield row, raw
+        if ceilings is not None:
+            continue
         yield cell("none", "none")
         for std in PROJRES_STDS:
             for name, v in PROJRES_VARIANTS.items():
@@ -351,7 +398,8 @@ KEEP = ("word_bag_recall", "word_bag_recall_null_p99", "word_bag_precision", "wo
         "patch_recovery_rate", "isolated_patch_rate", "recovered_patch_psnr_median", "expected_patch_psnr_median",
         "num_returned_patches", "num_true_patches", "false_positives", "nonzero_bins", "noise_std_used",
         "occupied_bins", "bins_kept", "drowning_noise_std_median_adapter_bins", "bins_tested_adapter_bins",
-        "auc", "auc_null_p99", "tpr_at_1pct_fpr", "tpr_at_1pct_fpr_null_p99",
+        "auc", "auc_null_p99", "tpr_at_1pct_fpr", "tpr_at_1pct_fpr_null_p99", "members", "nonmembers",
+        *(f"directions_above_edge_projres_layer{i}" for i in range(PROJRES_LAYERS)),
         "subedge_p_value", "sub_edge_min_log10_p", "sub_edge_significant_tokens", "sub_edge_bag_size",
         "sub_edge_enrichment", "sub_edge_enrichment_null_median", "sub_edge_enrichment_null_p99",
         "sub_edge_enrichment_p_value")
@@ -427,7 +475,10 @@ def ceiling_state(row: dict) -> tuple[str | None, str]:
 
 def subedge_state(row: dict) -> tuple[str | None, str]:
     """``("beyond" | "chance" | None, why)``: the sub-edge test (UTR's word bag below the noise edge against its null,
-    read at :data:`SUBEDGE_ALPHA`); None where the row has none."""
+    read at :data:`SUBEDGE_ALPHA`; for ProjRes the scores on the same upload, attached by :func:`with_ceilings` as
+    ``row["subedge"]``); None where the row has none."""
+    if row.get("subedge") is not None:
+        return row["subedge"]["state"], row["subedge"]["why"]
     m = row.get("metrics") or {}
     key = next((k for k in SUBEDGE_P if _num(m.get(k)) is not None), None)
     if key is None:
@@ -440,9 +491,12 @@ def subedge_state(row: dict) -> tuple[str | None, str]:
 
 
 def needs_subedge(row: dict) -> bool:
-    """Whether the row's label needs the sub-edge test: UTR's word bag below the noise edge exists for the text parts
-    only (:data:`SUBEDGE_P`); for lora_span, PEFTLeak and ProjRes the oracle ceiling is the whole of the evidence."""
-    return (row.get("part") or "").startswith("text")
+    """Whether the row's label needs the sub-edge test: UTR's word bag below the noise edge (:data:`SUBEDGE_P`) for
+    the text parts; for ProjRes its scores on the same upload (:func:`projres_subedge`: the χ² matched filter reads a
+    candidate's known direction below the edge, so K = 0 is no bound on it -- measured: the plain residual reaches
+    partial at std 0.3 with K = 0 on every layer); for lora_span and PEFTLeak the oracle ceiling is the whole of the
+    evidence."""
+    return (row.get("part") or "").startswith("text") or row.get("part") == "projres"
 
 
 def cell_label(row: dict) -> str:
@@ -511,9 +565,33 @@ def with_ceilings(rows: list[dict]) -> list[dict]:
                 r["ceiling"] = {"K": int(k), "level": c["level"], "word_bag_recall": cm.get("word_bag_recall"),
                                 "word_bag_recall_null_p99": cm.get("word_bag_recall_null_p99"), "cell": c["cell"],
                                 "revision": c.get("revision")}
+        if r.get("part") == "projres" and r.get("defense") != "none" and "metrics" in r:
+            ks = projres_layer_ks(r)
+            c = ok.get(projres_ceiling_id(r["seed"], ks)) if ks and sum(ks) >= 1 else None
+            if c is not None:
+                cm = c["metrics"]
+                r["ceiling"] = {"K": sum(ks), "level": c["level"], "auc": cm.get("auc"),
+                                "auc_null_p99": cm.get("auc_null_p99"), "cell": c["cell"],
+                                "revision": c.get("revision")}
+            r["subedge"] = dict(zip(("state", "why"), projres_subedge(r, ok)))
         r["label"] = cell_label(r)
         out.append(r)
     return out
+
+
+def projres_subedge(row: dict, ok: dict[str, dict]) -> tuple[str | None, str]:
+    """ProjRes's reading below the noise edge: its three scores (:data:`PROJRES_VARIANTS`) on the same upload (same
+    seed and defense: the noise is drawn from the seed, the score is the attack's). Beyond where one of them reaches
+    partial (the information is in the upload), at chance where all three were measured at none (the χ² matched
+    filter included), None where one is missing."""
+    sib = {v: ok.get(f"projres|{row['cell'].split('|')[1].rsplit('-', 1)[0]}-{v}|seed{row['seed']}")
+           for v in PROJRES_VARIANTS}
+    leak = [f"{v} {s['level']}" for v, s in sib.items() if s is not None and s.get("level") in LEAK]
+    if leak:
+        return "beyond", "same upload: " + ", ".join(leak)
+    if all(s is not None and s.get("level") == "none" for s in sib.values()):
+        return "chance", "same upload: " + ", ".join(f"{v} none" for v in sib)
+    return None, "same upload: a score not measured"
 
 
 def fmt(x, spec=".3g"):
@@ -548,7 +626,7 @@ def limit_cells(r: dict) -> str:
         kk = fmt(k, "g") if k is not None else "–"
         margin = (f"{fmt(lim.get('margin_strongest'), '.3g')} ({fmt(lim.get('spectral_margin'), '.3g')})"
                   if lim.get("margin_strongest") is not None else "not measured")
-    key = "word_bag_recall" if r.get("part") == "text" else "psnr_max"  # the text ceiling's word bag
+    key = {"text": "word_bag_recall", "projres": "auc"}.get(r.get("part"), "psnr_max")  # the ceiling's headline
     ceil = ("–" if c is None else f"{c['level']}: {fmt(c.get(key), '.1f')} "
             f"({fmt(c.get(key + '_null_p99'), '.1f')})")
     if c is not None and c.get("patch_recovery_rate") is not None:  # PEFTLeak's ceiling: its patches recovered too
@@ -585,7 +663,13 @@ LIMIT_NOTE = ("**K**: signal directions of the attacked tensor above the noise e
               "brackets; ceiling = the exact recovery on the *undefended* upload restricted to its K strongest bins "
               "(`attack.keep_bins=K`, the rest zeroed and read as unknown), its level, best-image PSNR dB (null p99) "
               "and patches recovered; **signal scale** = the noise std at which the edge reaches the strongest / "
-              "median bin of the seed's undefended upload.")
+              "median bin of the seed's undefended upload. **ProjRes**: its attacked tensors are every scored layer's weight "
+              "gradient (7 on MiniLM's adapters and task head): K = the directions above each layer's edge summed, "
+              "margin = the largest layer's strongest singular value over its edge; ceiling = the paper's residual on "
+              "the *undefended* upload with each layer's row space cut to its K strongest directions "
+              "(`attack.directions`), its level and AUC (null p99); its sub-edge reading = the three scores on the same "
+              "upload (the χ² matched filter tests a candidate's known direction below the edge, so K = 0 does not "
+              "bound it): one >= partial is information present.")
 
 
 def table(rows: list[dict]) -> str:
@@ -726,15 +810,35 @@ def table(rows: list[dict]) -> str:
                   "residual on the directions above the noise edge σ(√m + √n) (σ declared); `chi2`: each candidate "
                   "direction's projection energy against the χ² law of noise alone, a layer counting only when it "
                   "passes a Bonferroni χ² quantile. The level is decided by TPR at 1 % FPR and |AUC − 0.5| against "
-                  "their nulls (members and non-members drawn at random); the audit keeps the strongest of the three.",
-                  "", "| seed (split) | defense | score | level | AUC (null p99) | TPR at 1 % FPR (null p99) | label | "
-                  "revision |", "|---|---|---|---|---|---|---|---|"]
+                  "their nulls (members and non-members drawn at random); the TPR at 1 % FPR is graded only with "
+                  ">= 100 non-members (fewer cannot resolve a 1 % FPR: it is the TPR at FPR 0, graded partial at most; "
+                  "gradleak.evaluation.membership); the audit keeps the strongest of the three.",
+                  "", "| seed (split) | defense | score | level | AUC (null p99) | TPR at 1 % FPR (null p99) | members "
+                  "/ non-members | K (all layers) | margin strongest (at cut) | ceiling | same upload | label | "
+                  "revision |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in pr:
             m = r["metrics"]
+            n0 = _num(m.get("nonmembers"))
+            tpr = with_null(m, 'tpr_at_1pct_fpr', '.2f') + (" (at FPR 0: not graded)" if n0 is not None and n0 < 100
+                                                            else "")
+            counts = f"{fmt(m.get('members'), 'g')} / {fmt(m.get('nonmembers'), 'g')}"
+            same = r.get("subedge", {}).get("why", "–") if r["defense"] != "none" else "–"
             lines.append(f"| {r['seed']} ({r['split']}) | {r['defense']} | {_projres_variant(r)} | {r['level']} | "
-                         f"{with_null(m, 'auc', '.3f')} | "
-                         f"{with_null(m, 'tpr_at_1pct_fpr', '.2f')} | {r['label']} | {revision_label(r)} |")
+                         f"{with_null(m, 'auc', '.3f')} | {tpr} | {counts} | {limit_cells(r)} | {same} | "
+                         f"{r['label']} | {revision_label(r)} |")
         lines.append("")
+        ceil = [r for r in rows if r.get("part") == "projres-ceiling" and "metrics" in r]
+        if ceil:
+            lines += ["ProjRes oracle ceilings (the undefended upload, the paper's residual, each layer's row space cut "
+                      "to its K strongest directions):", "",
+                      "| seed (split) | K per layer | level | AUC (null p99) | members / non-members | revision |",
+                      "|---|---|---|---|---|---|"]
+            for r in sorted(ceil, key=lambda r: (r["seed"], r.get("K", 0), r.get("K_layers", []))):
+                m = r["metrics"]
+                lines.append(f"| {r['seed']} ({r['split']}) | {'/'.join(map(str, r.get('K_layers', [])))} | "
+                             f"{r['level']} | {with_null(m, 'auc', '.3f')} | {fmt(m.get('members'), 'g')} / "
+                             f"{fmt(m.get('nonmembers'), 'g')} | {revision_label(r)} |")
+            lines.append("")
     lines += reading(rows)
     failed = [r for r in rows if "error" in r]
     if failed:
@@ -1006,6 +1110,11 @@ def main() -> None:
                     for row, raw in peftleak_cells(args, peftleak_ceiling_ks(latest_rows(jsonl)))
                     if row["part"] == "peftleak-ceiling"]
             run_cells(jsonl, selected(args, ceil), fill, label="defended (PEFTLeak ceilings)", redo=args.redo,
+                      error_fields={"revision": REV})
+        if args.only in (None, "projres"):  # ProjRes's ceilings need the noisy uploads' per-layer K: after them
+            ceil = [(row, run_one, (raw, str(args.out / "defended" / row["cell"].replace("|", "_"))))
+                    for row, raw in projres_cells(args, projres_ceiling_ks(latest_rows(jsonl)))]
+            run_cells(jsonl, selected(args, ceil), fill, label="defended (ProjRes ceilings)", redo=args.redo,
                       error_fields={"revision": REV})
         if args.only in (None, "text", "models", "text-ceilings"):  # the ceilings need the noisy rows' K: after them
             want = {None: None, "text": False, "models": True, "text-ceilings": None}[args.only]

@@ -93,10 +93,11 @@ def test_with_ceilings_joins_each_noisy_image_row_to_its_seed_and_k(d):
 
 def test_the_sub_edge_test_is_asked_only_of_the_text_parts(d):
     """The sub-edge test is UTR's word bag below the edge: a text cell at level none needs it beside a ceiling at
-    chance; for image, PEFTLeak and ProjRes cells a ceiling at chance is enough for 'information absent', a ceiling
-    beyond its null still reads 'information present, missed', and no ceiling stays undetermined."""
+    chance; for image and PEFTLeak cells a ceiling at chance is enough for 'information absent', a ceiling beyond its
+    null still reads 'information present, missed', and no ceiling stays undetermined (ProjRes needs its scores on the
+    same upload: tests/test_defended_projres.py)."""
     chance, beyond = {"K": 3, "level": "none"}, {"K": 3, "level": "strong"}
-    for part in ("image", "peftleak", "projres"):
+    for part in ("image", "peftleak"):
         assert not d.needs_subedge({"part": part})
         assert d.cell_label({**row(part=part), "ceiling": chance}) == "information absent", part
         assert d.cell_label({**row(part=part), "ceiling": beyond}) == "information present, missed", part

@@ -51,7 +51,22 @@ what the noise leaves testable, with one of two scores (``noise_score``):
   probability ``noise_alpha``); otherwise every candidate gets z = 0 and the layer drops out.
 
 ``info`` then holds the σ used and the signal rank per layer (``rank_per_layer``) and, for ``chi2``, the layers that
-passed the noise gate. The adaptive attack (``projres_adaptive``) has no row-space step: its NNLS fit of G̃ over the
+passed the noise gate.
+
+Information limit (docs/DESIGN.md §6, "where the information stops"). Under declared noise every scored layer's upload
+carries its limit (:func:`gradleak.attacks.common.subspace.spectral_margin` at the declared per-coordinate std,
+whatever the score): ``info["leakage_margin_per_layer"]`` and the metrics ``{key}_projres_layer{i}`` (``i``: the
+layer's index in ``info["layers"]``), summarised over the layers as ``{key}_projres``: ``directions_above_edge``
+summed (the directions any subspace attacker of these layers can tell from the noise), ``margin_strongest``,
+``drowning_noise_std_all`` and the rest the largest (the most exposed layer; ``margin_strongest`` <= 1.05 exactly when
+no layer has a direction above its edge). The ``chi2`` score is not bounded by it: a known direction is testable
+below the edge (above).
+
+Oracle ceiling (``directions``; an upper bound for the benchmark, not an attack a server runs on a noisy upload):
+each layer's exact row space cut to its K strongest right singular directions (``directions``: one K for every layer
+or one per layer in ``info["layers"]`` order; K = 0: no direction, every residual 1, the layer drops out of ``min_z``),
+scored as above. On the noise-free upload with the K the noise leaves above each layer's edge, it is the best the
+Sec. III score does with those directions; with K >= each layer's rank it is the exact score itself. The adaptive attack (``projres_adaptive``) has no row-space step: its NNLS fit of G̃ over the
 candidates' gradients is already the maximum-likelihood fit under i.i.d. Gaussian noise.
 """
 
@@ -91,6 +106,9 @@ class ProjResConfig(AttackConfig):
         "matched-filter energy of the candidate's direction over what noise alone gives")
     noise_alpha: float = Field(0.01, gt=0, lt=1, description="chi2: a layer counts when a test exceeds the chi-square "
                                "quantile 1 - alpha / #tests (noise alone passes with probability alpha)")
+    directions: Optional[Union[int, list[int]]] = Field(
+        None, description="oracle ceiling (benchmarks): each layer's exact row space cut to its K strongest directions "
+        "(one K for every layer, or one per scored layer in the order of info['layers']); with noise 'none' only")
 
     @field_validator("noise")
     @classmethod
@@ -99,14 +117,24 @@ class ProjResConfig(AttackConfig):
             raise ValueError("a noise std must be > 0 (use 'none' for the exact row space)")
         return v
 
+    @field_validator("directions")
+    @classmethod
+    def _directions_non_negative(cls, v):
+        if v is not None and any(k < 0 for k in ([v] if isinstance(v, int) else v)):
+            raise ValueError("directions must be >= 0 (K strongest directions per layer)")
+        return v
 
-def row_space(G: torch.Tensor, rtol: float) -> torch.Tensor:
-    """Orthonormal basis (in × k) of the row space of G (out × in)."""
+
+def row_space(G: torch.Tensor, rtol: float, max_directions: Optional[int] = None) -> torch.Tensor:
+    """Orthonormal basis (in × k) of the row space of G (out × in), strongest direction first; ``max_directions``:
+    at most that many (the oracle ceiling's K strongest)."""
     G = G.detach().to(torch.float64)
     if G.abs().max() == 0:
         return G.new_zeros(G.shape[1], 0)
     _, S, Vh = torch.linalg.svd(G, full_matrices=False)
     k = int((S > rtol * S[0]).sum())
+    if max_directions is not None:
+        k = min(k, int(max_directions))
     return Vh[:k].T
 
 
@@ -277,6 +305,7 @@ class ProjRes(AttackBase):
         if not targets:
             raise BadInput("attack.layers", f"no trainable linear layer of the update matches {self.layers!r}.",
                            "use layers: all, or substrings of the update's parameter names.")
+        caps = self._directions(list(targets))
         rounds = view.rounds if self.round_aggregation != "last" else view.rounds[-1:]
         states = view.round_states if self.round_aggregation != "last" else view.round_states[-1:]
         per_round: list[dict[int, dict[str, torch.Tensor]]] = []
@@ -284,6 +313,7 @@ class ProjRes(AttackBase):
         client_rank: dict[int, dict[str, int]] = {}
         sigmas: dict[str, list[float]] = {n: [] for n in targets}
         gates: dict[str, list[bool]] = {n: [] for n in targets}
+        limits: dict[int, dict[str, dict[str, float]]] = {}
         for ups, state in zip(rounds, states):
             with torch.no_grad():
                 params = dict(model.named_parameters())
@@ -293,7 +323,7 @@ class ProjRes(AttackBase):
             for ci, texts in cands.items():
                 upd = ups[ci]
                 if self.noise == "none":
-                    bases = {n: row_space(upd.tensors[n + ".weight"], self.rank_rtol) for n in targets}
+                    bases = {n: row_space(upd.tensors[n + ".weight"], self.rank_rtol, caps.get(n)) for n in targets}
                 else:
                     bases = {n: self._row_space(view, upd, upd.tensors[n + ".weight"], n + ".weight")
                              for n in targets}
@@ -302,6 +332,8 @@ class ProjRes(AttackBase):
                     if isinstance(V, NoisyRowSpace):
                         sigmas[n].append(V.sigma)
                 client_rank[ci] = {n: _rank(V) for n, V in bases.items()}
+                if ci not in limits:  # the first observed round's upload: its information limit per layer
+                    limits[ci] = self._limits(view, upd, targets, client_rank[ci])
                 res[ci] = self._score(model, tok, targets, bases, texts, view.public.get("model_kind"), gates)
             per_round.append(res)
         batch = int(view.public.get("batch_size") or 0)
@@ -331,13 +363,57 @@ class ProjRes(AttackBase):
         info = {"layers": list(targets), "rank_per_layer": {n: max(r) if r else 0 for n, r in ranks.items()},
                 "input_width_per_layer": {n: m.in_features for n, m in targets.items()},
                 "rounds_scored": len(per_round), "layer_scores": layer_scores}
+        metrics: dict[str, float] = {}
+        first = limits.get(next(iter(cands)))
+        if first:  # the first scored client's upload (the benchmark's one client): per layer and summarised
+            names = list(targets)
+            info["leakage_margin_per_layer"] = first
+            for i, n in enumerate(names):
+                metrics.update({f"{k}_projres_layer{i}": v for k, v in first[n].items()})
+            metrics.update({f"{k}_projres": v for k, v in summarise_limits(list(first.values())).items()})
+            info["leakage_margin"] = {"layer": "projres", **{k: metrics[f"{k}_projres"] for k in
+                                                             summarise_limits(list(first.values()))}}
+        if caps:
+            info["directions"] = {n: caps.get(n) for n in targets}
         if self.noise != "none":
             info["noise"] = self.noise
             info["noise_score"] = self.noise_score
             info["noise_std_per_layer"] = {n: (max(v) if v else None) for n, v in sigmas.items()}
             if self.noise_score == "chi2":
                 info["layers_above_noise"] = [n for n, v in gates.items() if any(v)]
-        return Reconstruction({"scores": scores}, info)
+        return Reconstruction({"scores": scores}, info, metrics)
+
+    def _directions(self, names: list[str]) -> dict[str, int]:
+        """Layer -> K of ``directions`` (the oracle ceiling; module docstring); {} without it."""
+        if self.directions is None:
+            return {}
+        if self.noise != "none":
+            raise BadInput("attack.directions", "the oracle ceiling cuts the exact row space (noise 'none').",
+                           "set attack.noise=none with attack.directions, or drop attack.directions.")
+        if isinstance(self.directions, int):
+            return {n: int(self.directions) for n in names}
+        if len(self.directions) != len(names):
+            raise BadInput("attack.directions", f"{len(self.directions)} values for {len(names)} scored layers "
+                           f"({', '.join(names)}).", "give one K per scored layer, in that order, or one K for all.")
+        return {n: int(k) for n, k in zip(names, self.directions)}
+
+    @staticmethod
+    def _limits(view, upd, targets, ranks: dict[str, int]) -> dict[str, dict[str, float]]:
+        """Per layer, the information limit of this upload's weight gradient at the declared per-coordinate std
+        (noise and bounded errors, and a weight reply's rounding; :func:`spectral_margin`); without declared noise
+        only the drowning stds."""
+        from gradleak.attacks.common.subspace import spectral_margin
+        from gradleak.defenses.declared import view_error_std
+
+        out = {}
+        for n in targets:
+            key = n + ".weight"
+            std = view_error_std(view, upd, tensor=key) or 0.0
+            rounding = float(view.public.get("upload_rounding_std") or 0.0)
+            sigma = (std ** 2 + rounding ** 2) ** 0.5
+            out[n] = spectral_margin([upd.tensors[key].detach().to(torch.float64).cpu()], ranks.get(n, 0),
+                                     sigma if sigma > 0 and math.isfinite(sigma) else None)
+        return out
 
     def _score(self, model, tok, targets, bases, texts, kind, gates=None) -> dict[str, torch.Tensor]:
         """Residual per candidate and layer (aggregated over the candidate's non-special tokens). A ``chi2`` layer
@@ -385,6 +461,19 @@ class ProjRes(AttackBase):
             if not passed:  # nothing above what noise alone gives: every candidate ties, the layer drops out
                 scores[n] = torch.zeros_like(scores[n])
         return scores
+
+
+def summarise_limits(per_layer: list[dict[str, float]]) -> dict[str, float]:
+    """The information limit over the layers ProjRes reads (module docstring): directions above the edge summed,
+    every other key the largest over the layers (nan where no layer has it)."""
+    out: dict[str, float] = {}
+    for k in sorted({k for d in per_layer for k in d}):
+        vals = [float(d[k]) for d in per_layer if k in d and d[k] == d[k]]
+        if k in ("directions_above_edge", "signal_rank"):
+            out[k] = float(sum(vals)) if vals else float("nan")
+        else:
+            out[k] = max(vals) if vals else float("nan")
+    return out
 
 
 def _rank(base) -> int:
