@@ -1007,6 +1007,23 @@ def reading(rows: list[dict]) -> list[str]:
                    f"{len(raised)} of {len(pairs)} (seed, defense) cells, and the audit's kept level (the strongest "
                    f"of the three) is never below the plain one ({len(lowered)} cells where every noise-aware score "
                    "is weaker than the plain one are covered by running the plain one too).")
+        zero = [r for r in pr if info_limit(r).get("directions_above_edge") == 0.0]
+        if zero:
+            out.append(f"- ProjRes cells whose upload has no direction above any layer's edge (K = 0): {len(zero)}, "
+                       f">= partial in {sum(r['level'] in leak for r in zero)} of them (the scores test a candidate's "
+                       "known direction, below the edge too).")
+        small = [r for r in pr if (_num(r["metrics"].get("nonmembers")) or 1e9) < 100]
+        if small:
+            n0 = sorted({int(r["metrics"]["nonmembers"]) for r in small})
+            out.append(f"- ProjRes's TPR at 1 % FPR is not graded in {len(small)} of {len(pr)} defended cells "
+                       f"({', '.join(map(str, n0))} non-members: a 1 % FPR needs 100); their level rests on the AUC "
+                       "or the TPR at FPR 0.")
+    pc = [r for r in ok.values() if r.get("part") == "projres-ceiling"]
+    if pc:
+        ks = sorted(r.get("K", 0) for r in pc)
+        out.append(f"- ProjRes oracle ceilings (the undefended upload, each layer's K strongest directions, K {ks[0]}-"
+                   f"{ks[-1]} over the layers): >= partial in {sum(r['level'] in leak for r in pc)} of {len(pc)}; the "
+                   f"weakest AUC {min(r['metrics'].get('auc', float('nan')) for r in pc):.3f}.")
     pl = [r for r in ok.values() if r.get("part") == "peftleak" and isinstance(r["variant"], dict)]
     if pl:
         for mode, words in (("none", "the exact recovery"), ("public", "the noise mode")):
