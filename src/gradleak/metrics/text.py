@@ -17,9 +17,13 @@ from gradleak.registry import METRICS
 
 
 def _scorer(kinds=("rouge1", "rouge2", "rougeL")):
-    from rouge_score import rouge_scorer
+    """rouge-score's scorer with its default tokenizer passed in (the same one it builds itself): built without a
+    tokenizer it logs through absl, whose first log call configures the *root* logger (``logging.basicConfig``) of
+    the process scoring -- a Flower server, say, whose own logger then prints every line twice."""
+    from rouge_score import rouge_scorer, tokenizers
 
-    return rouge_scorer.RougeScorer(list(kinds), use_stemmer=False)
+    return rouge_scorer.RougeScorer(list(kinds), use_stemmer=False,
+                                    tokenizer=tokenizers.DefaultTokenizer(use_stemmer=False))
 
 
 def normalize(s: str) -> str:
