@@ -24,8 +24,12 @@ first audited round, the weakest defense that stops every leaking attack (Flower
 wrappers among the candidates; ``OUT/round_<r>/advice.html``), ``--budget S`` bounds that search.
 
 The ground truth handed to ``FlowerAudit`` (``truth=``) is what a *simulation* knows: the clients' partitions are
-rebuilt from the config. A real deployment leaves it out; the audit then saves what the attacks reconstructed and
-reports the clients' own scores.
+rebuilt from the config. A real deployment leaves it out; the audit then saves what the attacks reconstructed (each
+attack's level ``undefined``: nothing on the server scores it) and reports the clients' own scores.
+
+Each audited round writes ``OUT/round_<r>/audit.json`` and ``OUT/round_<r>/report.html`` (``gradleak audit``'s page;
+``gradleak report OUT/round_<r>/audit.json`` rebuilds it) and prints the round as ``gradleak audit`` words it: the
+verdict's sentence with its null first, then the audit's short table.
 """
 
 from __future__ import annotations
@@ -247,7 +251,7 @@ def cli(argv=None) -> int:
                                                              if r["client_scores"] else ""))
         if r.get("advice"):
             print(f"  advice: {r['advice']['sentence']} (round_{r['server_round']}/advice.html)")
-    print(f"{res['seconds']:.1f} s; per-round audits in {a.out}/round_<r>/audit.json")
+    print(f"{res['seconds']:.1f} s; per-round audits in {a.out}/round_<r>/audit.json and report.html")
     return 0
 
 

@@ -122,7 +122,7 @@ def cli(argv=None) -> int:
     for r in res["rounds"]:
         print(f"round {r['server_round']}: {r['headline']}"
               + (f"  blocked: {[b['site'] for b in r['blocked']]}" if r.get("blocked") else ""))
-    print(f"{res['seconds']:.1f} s; per-round audits in {a.out}/round_<r>/audit.json")
+    print(f"{res['seconds']:.1f} s; per-round audits in {a.out}/round_<r>/audit.json and report.html")
     return 0
 
 

@@ -330,17 +330,11 @@ def fail_on_decision(result: dict, threshold: str) -> tuple[int, str]:
 
 
 def _print_audit_table(result: dict, out: Path) -> None:
-    """The audit's table: attacks for another modality on one row (:func:`gradleak.run.audit.console_rows`), every
-    note whole (wrapped at words, never cut)."""
-    from gradleak.run.audit_report import console_rows
+    """The audit's table (:func:`gradleak.run.audit_report.console_table`, the framework round audits' too): attacks
+    for another modality on one row, every note whole (wrapped at words, never cut)."""
+    from gradleak.run.audit_report import console_table
 
-    table = Table(title=f"audit -> {out}/audit.json")
-    for col in ("attack", "applicable", "level", "headline (null p99)", "worst client"):
-        table.add_column(col, overflow="fold")
-    table.add_column("note", overflow="fold")
-    for row in console_rows(result):
-        table.add_row(*(Text(x) for x in row))
-    out_console.print(table)
+    out_console.print(console_table(result, f"audit -> {out}/audit.json"))
     if result.get("dp_check"):
         from gradleak.run.audit_report import dp_check_words
 
@@ -505,10 +499,21 @@ def config_reference():
 
 
 @app.command()
-def report(directory: Path = typer.Argument(..., help="a run directory (results.json) or an audit directory (audit.json)")):
-    """(Re)build DIR/report.html from DIR/results.json (a run) or DIR/audit.json (an audit)."""
+def report(directory: Path = typer.Argument(..., help="a run directory (results.json), an audit directory (audit.json: "
+                                             "gradleak audit's, or a Flower / NVFlare round's OUT/round_<r>), or "
+                                             "either file itself")):
+    """(Re)build DIR/report.html from DIR/results.json (a run) or DIR/audit.json (an audit: ``gradleak audit``'s or a
+    framework round audit's, OUT/round_<r>/audit.json); the file itself may be named."""
     from gradleak.errors import BadInput
 
+    if directory.is_file():  # results.json / audit.json named: the report goes beside it
+        if directory.name not in ("results.json", "audit.json"):
+            _fail_bad_input(BadInput("DIR", f"'{directory}' is neither a directory nor a results.json / audit.json.",
+                                     "pass the directory gradleak wrote, or its results.json or audit.json."))
+        if directory.name == "audit.json":
+            _rebuild_audit_report(directory.parent, directory)
+            return
+        directory = directory.parent
     path, audit_path = directory / "results.json", directory / "audit.json"
     if not path.is_file() and audit_path.is_file():
         _rebuild_audit_report(directory, audit_path)
@@ -555,14 +560,19 @@ def _rebuild_audit_report(directory: Path, audit_path: Path) -> None:
 
     keys = ("verdict", "headline", "attacks", "levels", "setup", "threat", "command", "config_hash", "seed",
             "environment")
+    result = None
     try:
         result = json.loads(audit_path.read_text(encoding="utf-8"))
         missing = [k for k in keys if not isinstance(result, dict) or k not in result]
         if missing:
             raise ValueError(f"missing {', '.join(missing)}")
     except (ValueError, UnicodeDecodeError) as err:
-        _fail_bad_input(BadInput("DIR", f"'{audit_path}' is not a gradleak audit file ({err}).",
-                                 "rerun `gradleak audit CONFIG --out DIR` to write it again."))
+        live = isinstance(result, dict) and "server_round" in result  # a Flower / NVFlare round's audit.json
+        _fail_bad_input(BadInput("DIR", f"'{audit_path}' is not a gradleak audit file ({err})"
+                                 + (": a framework round audit written before round audits carried the report's "
+                                    "fields." if live else "."),
+                                 "rerun the federation with the audit (FlowerAudit / NVFlareAudit) to write it again."
+                                 if live else "rerun `gradleak audit CONFIG --out DIR` to write it again."))
     from gradleak.run.audit_report import write_audit_report
 
     try:

@@ -102,8 +102,11 @@ class FlowerAudit(RoundAudit):
     ``server_hook`` / ``fl.engine: flower``). ``truth(server_round) -> [(inputs, labels), ...]`` (per client, the
     pipeline's form: images in [0, 1], or texts) is what a *simulation* knows; with it every attack is scored and
     judged as ``gradleak audit`` judges it. Without it (a real deployment) the reconstructions are saved for
-    inspection and the clients' own scalars (:func:`scoring_mod`) are reported. Writes ``OUT/round_<r>/audit.json``
-    and ``OUT/flower_audit.json`` (every audited round, rewritten atomically).
+    inspection (each attack ``undefined``: nothing on the server scores it) and the clients' own scalars
+    (:func:`scoring_mod`) are reported. Writes ``OUT/round_<r>/audit.json``, ``OUT/round_<r>/report.html``
+    (``gradleak audit``'s page; ``gradleak report OUT/round_<r>/audit.json`` rebuilds it) and ``OUT/flower_audit.json``
+    (every audited round, rewritten atomically), and prints each round answer first as ``gradleak audit`` words it
+    (:func:`gradleak.run.round_audit.round_console`). ``command``: how to reproduce the audit, for the report.
 
     ``advise=True`` (or a mapping like ``audit.advise``: ``{"candidates": [...], "steps": n}``; ``budget=`` seconds
     bounds it) is ``gradleak audit --advise`` for this federation: on the first audited round (again when a later
@@ -120,14 +123,14 @@ class FlowerAudit(RoundAudit):
 
     def __init__(self, config, out_dir, *, attacks: Sequence[str] | None = None,
                  truth: Callable[[int], list] | None = None, device: str = "cpu", log: Callable[[str], Any] = print,
-                 advise: bool | dict = False, budget: float | None = None, workers: int = 1):
+                 advise: bool | dict = False, budget: float | None = None, workers: int = 1, command: str = ""):
         from gradleak.integrations.flower_advise import advise_options
 
         self.advise_opts = advise_options(advise, budget)
         if self.advise_opts is not None:
             self.advise_opts["workers"] = int(workers)
         self.advice_covered: set[str] | None = None  # the attacks an advice searched for (None: none given yet)
-        super().__init__(config, out_dir, attacks=attacks, truth=truth, device=device, log=log)
+        super().__init__(config, out_dir, attacks=attacks, truth=truth, device=device, log=log, command=command)
 
     def __call__(self, rec: RecordedRound) -> dict:
         t_round = time.perf_counter()

@@ -13,9 +13,13 @@ functions only (:class:`NVFlareAudit` is built on first access). The pieces:
   aggregates it: a result whose audit reaches ``partial`` | ``strong`` | ``exact`` raises NVFlare's
   ``ContentBlockedException`` (the server runner then drops it: ``TASK_RESULT_FILTER_ERROR``). After each result
   ``OUT/round_<r>/audit.json`` holds the round so far (the one entry shape: each attack's ``per_client`` rows, the
-  worst client's judgement, the verdict) and ``OUT/nvflare_audit.json`` every audited round. On the **task-data**
-  chain (``FilterType.TASK_DATA``) the same filter records the model the server sends each round, which the audit
-  needs (the attack reads the sent weights; a FULL reply's update is ``(sent − new) / lr``): add it to both chains.
+  worst client's judgement, the verdict, ``gradleak audit``'s report fields), ``OUT/round_<r>/report.html`` is
+  ``gradleak audit``'s page of it (:func:`gradleak.run.round_audit.write_round`), and ``OUT/nvflare_audit.json`` every
+  audited round. The console gives the client's level, then the round so far answer first
+  (:func:`gradleak.run.round_audit.round_console`: the verdict's sentence with its null, the audit's short table).
+  On the **task-data** chain (``FilterType.TASK_DATA``) the same filter records the model the server sends each
+  round, which the audit needs (the attack reads the sent weights; a FULL reply's update is ``(sent − new) / lr``):
+  add it to both chains.
   Rounds are numbered from 1 in the files (NVFlare's ``current_round`` + 1, as the Flower audit numbers them).
 * :func:`executor_for` / :func:`controller_for` -- the job's client and server components
   (:class:`~gradleak.fl.engines.nvflare_bridge.GradleakExecutor`, ``GradleakController``) built from a gradleak
@@ -126,6 +130,8 @@ def _rows_of(cid: Any, entry: dict) -> dict:
     of that client's own audit."""
     from gradleak.run.round_audit import ENTRY_KEYS
 
+    if entry.get("failed") and not entry.get("per_client"):  # crashed on this client: named, never counted
+        return {"client": cid, "failed": entry["failed"]}
     if "success" in entry:
         row = {k: entry[k] for k in ENTRY_KEYS if k in entry}
         own = (entry.get("per_client") or [{}])[0]
@@ -136,10 +142,12 @@ def _rows_of(cid: Any, entry: dict) -> dict:
     return {"client": cid, "failed": entry.get("failed") or entry.get("reason", "")}
 
 
-def merge_client_audits(results: dict[Any, dict], threat, not_run: Sequence[dict], server_round: int) -> dict:
+def merge_client_audits(results: dict[Any, dict], threat, not_run: Sequence[dict], server_round: int, *,
+                        left_out: Sequence[str] = (), by: str = "--only") -> dict:
     """A round's ``audit.json`` from its clients' own audits ``{client: RoundAudit result}``: per attack, every
     client's row folded as the round audit folds them (the worst client's judgement on the entry), the verdict the
-    worst level. The one entry shape of ``audit.json``."""
+    worst level (``left_out``: applicable attacks ``by`` left out, named in the banner). The one entry shape of
+    ``audit.json``."""
     from gradleak.run.audit import verdict_and_headline
     from gradleak.run.round_audit import fold_clients
 
@@ -160,9 +168,7 @@ def merge_client_audits(results: dict[Any, dict], threat, not_run: Sequence[dict
                  "threat": first.get("threat"), "seconds": sum(float(e.get("seconds", 0.0)) for _, e in per[name])}
         fold_clients(entry, [_rows_of(cid, e) for cid, e in per[name]], threat)
         entries.append(entry)
-    judged = [e for e in entries if e.get("success") is not None and "level" in e]
-    verdict, headline = verdict_and_headline(judged) if judged else (
-        "not_scored", "no ground truth on the server: the reconstructions are saved for inspection")
+    verdict, headline = verdict_and_headline(entries, list(left_out), by)  # as the round audit and the CLI judge it
     return {"server_round": server_round, "verdict": verdict, "headline": headline, "aggregated": False, "note": "",
             "clients": sorted(results, key=str), "attacks": entries + list(not_run),
             "client_scores": {}, "seconds": sum(float(r.get("seconds", 0.0)) for r in results.values())}
@@ -253,6 +259,7 @@ def _make_audit_class():
 
         def _audit_result(self, dxo, shareable, fl_ctx, r) -> None:
             from gradleak.run.results import write_json_atomic
+            from gradleak.run.round_audit import round_console, write_round
 
             sent_by_round = self.sent()
             if r is None:
@@ -286,7 +293,8 @@ def _make_audit_class():
             mine["seconds"] = time.perf_counter() - t0
             got = self._results.setdefault(server_round, {})
             got[cid] = mine
-            merged = merge_client_audits(got, cfg.threat_model, audit.not_run, server_round)
+            merged = merge_client_audits(got, cfg.threat_model, audit.not_run, server_round,
+                                         left_out=audit.left_out_names(), by=audit.only_by or "--only")
             level = client_level(mine)
             from gradleak.evaluation.levels import level_rank
 
@@ -295,16 +303,17 @@ def _make_audit_class():
                 self.blocked.append({"server_round": server_round, "client": cid, "site": site, "level": level})
             merged["blocked"] = [b for b in self.blocked if b["server_round"] == server_round]
             merged["block_at"] = self.block_at or None
+            merged.update(audit.report_fields(merged["attacks"]))  # gradleak audit's report fields
             rdir = Path(self.out_dir) / f"round_{server_round}"
-            rdir.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(rdir / "audit.json", merged)
+            report = write_round(rdir, merged)  # audit.json and report.html (gradleak audit's page), atomically
             self.summary[server_round] = {k: merged[k] for k in ("server_round", "verdict", "headline", "clients",
                                                                  "blocked", "seconds")}
             write_json_atomic(Path(self.out_dir) / "nvflare_audit.json",
                               {"rounds": [self.summary[k] for k in sorted(self.summary)], "config": audit.raw})
-            if not self.quiet:
+            if not self.quiet:  # this client's level, then the round so far answer first, as gradleak audit words it
                 print(f"[nvflare audit] round {server_round} client {cid} ({site}): level {level}"
                       + (f" -- BLOCKED (block_at {self.block_at})" if block else ""))
+                print(round_console(merged, rdir / "audit.json", report, "[nvflare audit]"))
             if block:
                 raise ContentBlockedException(f"gradleak: the upload of client {cid} ({site}) in round {server_round} "
                                               f"leaks at level {level} (block_at {self.block_at}); see "

@@ -566,7 +566,6 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
               workers: int = 1) -> dict:
     """Run the audit of ``raw`` (+ ``overrides``) into ``out_dir``: ``audit.json`` + ``report.html``.
     ``workers`` > 1 runs the applicable attacks in a spawned process pool (one torch thread each)."""
-    from gradleak.run.results import environment
     from gradleak.run.runner import check_out_dir, protect_private_artifacts, validate
 
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -678,13 +677,9 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
         if warns:
             entry["warnings"] = [str(w) for w in warns]
             entry["reason"] = "; ".join(([entry["reason"]] if entry.get("reason") else []) + entry["warnings"][:2])
-        from gradleak.run.audit_report import client_words, shown_evidence
+        from gradleak.run.audit_report import attack_line
 
-        ev = shown_evidence(entry)
-        v = ev.get("value")
-        log(f"[audit] {name}: {entry['level'].upper()} ({ev['metric']} = {v if not isinstance(v, float) else round(v, 4)}"
-            f", null p99 {ev.get('null_p99')}, worst: {client_words(client)}"
-            + (f", worst of seeds {seeds}, median {entry.get('median')}" if multi else "") + f", {entry['seconds']:.0f} s)")
+        log(f"[audit] {attack_line(entry, seeds if multi else None)}")
         for w in dict.fromkeys(entry.get("warnings") or []):  # e.g. lora_span's under-determined setting: said
             log(f"[audit] {name}: WARNING: {w}")
     ran = [e for e in entries if "level" in e]
@@ -698,23 +693,16 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     verdict, headline = verdict_and_headline(entries, [x["name"] for x in left_out["applicable"]])
     shown_cand = next((c for e, c, _, _ in planned if e in ran), planned[0][1] if planned else None)
     _, shown = validate(shown_cand if shown_cand is not None else candidate(raw, names[0]))
-    result = {"verdict": verdict, "headline": headline, "attacks": entries,
-              "levels": {"psnr_db": shown.metrics.psnr_threshold_db, "rules": LEVEL_RULES,
-                         "null": f"{shown.metrics.null_draws} seeded draws of public samples of the data's own source, "
-                                 "matched as the reconstruction; beyond the null = above its 99th percentile"},
-              "setup": describe_setup(shown), "threat": shown.threat_model.describe(),
-              "config": raw, "config_hash": config_hash(raw), "command": command,
-              "seed": shown.seed, "environment": environment(), "seconds": time.perf_counter() - t_all,
+    result = {"verdict": verdict, "headline": headline, "attacks": entries, **report_context(raw, shown, command),
+              "seconds": time.perf_counter() - t_all,
               "not_tested": [f"{x['name']}: applicable (under {x['threat_words']}), not run: left out by --only"
                              for x in left_out["applicable"]],
               "not_applicable": [f"{e['name']}: {e['reason']}" for e in entries if "level" not in e]
                                 + [f"{x['name']}: {x['reason']}" for x in left_out["not_applicable"]],
               "undefined": [f"{e['name']}: {e['reason']}" for e in entries if e.get("level") == "undefined"],
-              "modality": shown.modality,
               "only": list(only) if only else None,
               "left_out_by_only": [n for n in attack_names() if n not in names] if only else [],
-              "left_out": left_out,
-              "defenses_available": applicable_defenses(shown)}
+              "left_out": left_out}
     from gradleak.run.evidence import evidence_record  # config, weights, split seeds and source hashes (never raises)
 
     result["evidence_record"] = evidence_record(raw, shown, [c for _, _, c, _ in planned], seeds, command)
@@ -728,6 +716,22 @@ def run_audit(raw: dict, out_dir: str | Path, overrides: list[str] | None = None
     write_audit_report(result, out)
     protect_private_artifacts(out)
     return result
+
+
+def report_context(raw: dict, cfg, command: str) -> dict:
+    """What ``audit.json`` holds beside its attacks for the report (:func:`gradleak.run.audit_report.write_audit_report`)
+    and ``gradleak report``: the levels' rules and null, the setup and the configured threat in words, the config and
+    its hash, the command, the seed, the versions, the modality and the defenses the setup accepts. ``cfg``: one
+    validated config of the audit (the setup). One home for ``gradleak audit`` and the framework round audits
+    (:mod:`gradleak.run.round_audit`, docs/DESIGN.md §7)."""
+    from gradleak.run.results import environment
+
+    return {"levels": {"psnr_db": cfg.metrics.psnr_threshold_db, "rules": LEVEL_RULES,
+                       "null": f"{cfg.metrics.null_draws} seeded draws of public samples of the data's own source, "
+                               "matched as the reconstruction; beyond the null = above its 99th percentile"},
+            "setup": describe_setup(cfg), "threat": cfg.threat_model.describe(), "config": raw,
+            "config_hash": config_hash(raw), "command": command, "seed": cfg.seed, "environment": environment(),
+            "modality": cfg.modality, "defenses_available": applicable_defenses(cfg)}
 
 
 #: the job id of the DP check in the audit's cell loop (beside the attack runs; gradleak.run.dp_check)
@@ -960,11 +964,13 @@ def record_failures(entry: dict, runs: list[dict], reconstruction: str, log: Cal
     return False
 
 
-def verdict_and_headline(entries: list[dict], not_run: list[str] | None = None) -> tuple[str, str]:
+def verdict_and_headline(entries: list[dict], not_run: list[str] | None = None,
+                         by: str = "--only") -> tuple[str, str]:
     """The verdict and the banner: the worst level, the attack, the client and the evidence -- the metric that decided
     the level, beside its own null and p-value (:func:`gradleak.run.audit_report.shown_evidence`) -- never green
     while an attack is at ``partial`` or more. ``not_run``: applicable attacks ``--only`` left out, named in the
-    banner (an audit of some attacks must not read as an audit of all)."""
+    banner (an audit of some attacks must not read as an audit of all); ``by``: what left them out (a framework
+    round audit: its ``attacks=[...]``)."""
     from gradleak.evaluation.levels import LEAKING, verdict_of
     from gradleak.run.audit_report import client_words, evidence_words
 
@@ -979,7 +985,7 @@ def verdict_and_headline(entries: list[dict], not_run: list[str] | None = None) 
         return (f"{e['level'].upper()} leakage by {e['name']}{client} under {e.get('threat_words', e.get('threat'))}: "
                 f"{e['rule']} -- {evidence_words(e)}{n}")
 
-    left = (f"; {len(not_run)} applicable attack(s) not run (--only): {', '.join(not_run)}" if not_run else "")
+    left = (f"; {len(not_run)} applicable attack(s) not run ({by}): {', '.join(not_run)}" if not_run else "")
     if verdict == "leaks":
         return verdict, "LEAKS: " + words(conf[0]) + left
     if verdict == "leaks_stronger_server":

@@ -73,7 +73,7 @@ def not_run_groups(result: dict) -> dict:
     because ``--only`` left them out), ``left_out_not_applicable`` (left out, and the gate refuses them here anyway:
     ``[{name, reason}]``), ``left_out_known`` (False for an audit.json written before the left-out attacks were
     checked: ``left_out`` then holds every left-out name), ``other`` (the remaining refused entries, each with the
-    gate's reason)."""
+    gate's reason), ``by`` (what restricted the attacks: ``--only``, or a framework round audit's ``only_by``)."""
     mod = result.get("modality")
     other_mod: dict[str, list[str]] = {}
     other = []
@@ -101,14 +101,21 @@ def not_run_groups(result: dict) -> dict:
     else:
         left = list(result.get("left_out_by_only") or [])
     return {"modality": mod, "other_modality": other_mod, "left_out": left, "left_out_not_applicable": left_na,
-            "left_out_known": isinstance(split, dict), "other": other}
+            "left_out_known": isinstance(split, dict), "other": other, "by": only_by(result)}
+
+
+def only_by(result: dict) -> str:
+    """What restricted the audit's attacks, as the reader wrote it: ``--only`` (``gradleak audit``), or the
+    framework round audit's ``only_by`` (``attacks=[...]`` of ``FlowerAudit`` / ``NVFlareAudit``)."""
+    return str(result.get("only_by") or "--only")
 
 
 def left_out_words(g: dict) -> str:
-    """The applicable attacks ``--only`` left out, in words."""
+    """The applicable attacks ``--only`` (``g["by"]``) left out, in words."""
+    by = g.get("by", "--only")
     if not g["left_out_known"]:
-        return f"left out by --only: {', '.join(g['left_out'])}"
-    return f"applicable to this setup, not run (left out by --only): {', '.join(g['left_out'])}"
+        return f"left out by {by}: {', '.join(g['left_out'])}"
+    return f"applicable to this setup, not run (left out by {by}): {', '.join(g['left_out'])}"
 
 
 def not_tested_lines(result: dict) -> list[str]:
@@ -119,7 +126,7 @@ def not_tested_lines(result: dict) -> list[str]:
     lines += [f"{len(v)} {am} attack(s), not applicable to {g['modality']} data: {', '.join(v)}"
               for am, v in g["other_modality"].items()]
     if g["left_out_not_applicable"]:
-        lines.append("not applicable to this setup (and left out by --only): " + "; ".join(
+        lines.append(f"not applicable to this setup (and left out by {g['by']}): " + "; ".join(
             f"{x['name']}: {short_reason(x.get('reason', ''))}" for x in g["left_out_not_applicable"]))
     lines += [f"{a['name']}: {a.get('reason', '')}" for a in g["other"]]
     return lines
@@ -151,9 +158,48 @@ def console_rows(result: dict) -> list[tuple[str, ...]]:
                      f"not applicable: this setup's data are {g['modality']} ({', '.join(names)})"))
     if g["left_out_not_applicable"]:
         rows.append((f"{len(g['left_out_not_applicable'])} not applicable", "no", "not run", "–", "–",
-                     "not applicable to this setup (and left out by --only): " + "; ".join(
+                     f"not applicable to this setup (and left out by {g['by']}): " + "; ".join(
                          f"{x['name']}: {short_reason(x.get('reason', ''))}" for x in g["left_out_not_applicable"])))
     return rows
+
+
+def attack_line(entry: dict, seeds: list | None = None) -> str:
+    """One attack's console line as an audit judges it (``gradleak audit`` and the framework round audits,
+    :mod:`gradleak.run.round_audit`): its level in upper case (``EXACT``, ``NONE``, ``UNDEFINED``, ...), the measurement
+    that decided it beside its null's 99th percentile (:func:`shown_evidence`; an undefined level without a number: its
+    rule), the worst client, the seeds (``seeds``: more than one ran) and the time."""
+    ev = shown_evidence(entry)
+    v = ev.get("value")
+    if entry.get("level") == "undefined" and not _number(v):
+        inside = [str(entry.get("rule") or entry.get("reason") or "nothing was measured")]
+    else:
+        inside = [f"{ev['metric']} = {v if not isinstance(v, float) else round(v, 4)}",
+                  f"null p99 {fmt_value(ev.get('null_p99'))}"]
+    if entry.get("worst_client") is not None:
+        inside.append(f"worst: {client_words(entry['worst_client'])}")
+    if seeds:
+        inside.append(f"worst of seeds {seeds}, median {entry.get('median')}")
+    if _number(entry.get("seconds")):
+        inside.append(f"{entry['seconds']:.0f} s")
+    return f"{entry['name']}: {str(entry.get('level', 'not run')).upper()} ({', '.join(inside)})"
+
+
+#: the console table's columns (:func:`console_rows`' order); the note is wrapped at words, never cut
+CONSOLE_COLUMNS = ("attack", "applicable", "level", "headline (null p99)", "worst client", "note")
+
+
+def console_table(result: dict, title: str):
+    """The audit's console table (a ``rich`` Table of :func:`console_rows`): ``gradleak audit`` prints it, and so do
+    the framework round audits (:func:`gradleak.run.round_audit.round_console`)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=title)
+    for col in CONSOLE_COLUMNS:
+        table.add_column(col, overflow="fold")
+    for row in console_rows(result):
+        table.add_row(*(Text(x) for x in row))
+    return table
 
 
 def next_steps(result: dict) -> dict:
@@ -426,7 +472,7 @@ def write_audit_report(result: dict, out: Path) -> Path:
     if groups["left_out_not_applicable"]:
         rows.append(f'<tr class="grouped"><td>{len(groups["left_out_not_applicable"])} not applicable</td><td>no</td>'
                     "<td>–</td><td>not run</td>" + "<td>–</td>" * 6
-                    + "<td>not applicable to this setup (and left out by --only): " + e("; ".join(
+                    + f"<td>not applicable to this setup (and left out by {e(groups['by'])}): " + e("; ".join(
                         f"{x['name']}: {short_reason(x.get('reason', ''))}" for x in groups["left_out_not_applicable"]))
                     + "</td></tr>")
     evidence = []
@@ -519,6 +565,11 @@ def write_audit_report(result: dict, out: Path) -> Path:
     dp = result.get("dp_check")
     dp_html = ("<h2 id=\"dp_check\">Does the DP claim hold? (measured ε beside the accountant's)</h2><ul>"
                + "".join(f"<li>{e(x)}</li>" for x in dp_check_words(dp)) + "</ul>") if dp else ""
+    coverage = ("Every client of the audited round was attacked; each attack also ran the full-strength settings it "
+                "derives from the declared defenses (listed under its evidence); the worst client and setting are the "
+                "evidence." if any("variants" in a for a in result["attacks"]) else
+                "Every client of the audited round was attacked on its own upload, each attack once as configured (a "
+                "framework round audit runs no full-strength variants); the worst client is the evidence.")
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>gradleak audit</title>
 <style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}.banner{{color:#fff;background:{colour};padding:1em;font-size:1.2em}}
@@ -532,8 +583,7 @@ tr.grouped td{{color:#666}}code{{word-break:break-all}}</style>
 <h2 id="next">What to do next</h2><ul>{''.join(todo)}</ul>{advice_html}
 <p>Levels (each beyond its null: {e(lv['null'])}; exact-image threshold {lv['psnr_db']:g} dB):</p>
 <ul>{''.join(f'<li>{e(k)}: {e(v)}</li>' for k, v in lv['rules'].items())}</ul>
-<p>Every client of the audited round was attacked; each attack also ran the full-strength settings it derives from
-the declared defenses (listed under its evidence); the worst client and setting are the evidence.</p>
+<p>{e(coverage)}</p>
 {dp_html}<h2>Configuration</h2><ul>{''.join(f'<li>{e(x)}</li>' for x in result['setup'])}</ul>
 <h2>Threat model (configured)</h2><ul>{''.join(f'<li>{e(x)}</li>' for x in result['threat'])}</ul>
 <h2>Attacks</h2><table id="attacks"><tr><th>attack</th><th>applicable</th><th>server</th><th>level</th><th>deciding measure</th>

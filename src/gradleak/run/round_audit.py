@@ -8,9 +8,15 @@ step the CLI audit uses (:func:`gradleak.run.audit.judge`), with the one entry s
   one ``failed`` — never ``none``.
 * :class:`RoundAudit` — an ``on_round`` callback over :class:`~gradleak.fl.recorded.RecordedRound`: every client of
   the round attacked on its own upload (the view's first update is the attacked one); under secure aggregation the
-  one sum, against every client's data. Writes ``OUT/round_<r>/audit.json``. The Flower audit
+  one sum, against every client's data. Writes ``OUT/round_<r>/audit.json`` with the report's fields
+  (:func:`gradleak.run.audit.report_context`) and ``OUT/round_<r>/report.html`` beside it, by the report code of
+  ``gradleak audit`` (:func:`write_round`; ``gradleak report OUT/round_<r>/audit.json`` rebuilds it). The Flower audit
   (:class:`gradleak.integrations.flower.FlowerAudit`) adds ``--advise`` to it; the NVFlare result filter
   (:mod:`gradleak.integrations.nvflare`) calls it per round.
+* The console speaks as ``gradleak audit``: each attack's line in its level's words
+  (:func:`gradleak.run.audit_report.attack_line`), and each written round answer first (:func:`round_console`): the
+  banner's sentence -- the worst level, the attack, the client, the measurement beside its null -- then the audit's
+  short table (:func:`gradleak.run.audit_report.console_table`).
 """
 
 from __future__ import annotations
@@ -116,13 +122,16 @@ def fold_clients(entry: dict, rows: list[dict], threat) -> None:
     if not ran:
         first = rows[0]
         entry.update({"applicable": "refused" not in first, "reason": first.get("refused") or first.get("failed", "")})
-        if "failed" in first:
-            entry["failed"] = first["failed"]
+        if "failed" in first:  # a crash measured nothing: undefined, never none (as gradleak audit records it)
+            entry.update({"failed": first["failed"], "level": "undefined", "success": False, "undefined": True,
+                          "value": None, "rule": "the run failed: nothing was measured",
+                          "reason": f"the run failed: {first['failed']}"})
         return
-    if all(o["success"] is None for o in ran):
-        entry.update({"success": None, "reason": "no ground truth on the server: the reconstructions are saved for "
-                      "inspection; see the clients' own scores",
-                      "per_client": [{"client": o["client"], "level": None, "success": None} for o in ran]})
+    if all(o["success"] is None for o in ran):  # ran, but nothing on the server can score it: undefined
+        why = "no ground truth on the server: the reconstructions are saved for inspection; see the clients' own scores"
+        entry.update({"success": None, "level": "undefined", "undefined": True, "value": None, "rule": why,
+                      "reason": why,
+                      "per_client": [{"client": o["client"], "level": "undefined", "success": None} for o in ran]})
         return
     worst = max(ran, key=leak_rank)
     entry.update({k: worst[k] for k in ENTRY_KEYS if k in worst})
@@ -155,14 +164,19 @@ class RoundAudit:
     log_prefix = "[round audit]"
 
     def __init__(self, config, out_dir, *, attacks: Sequence[str] | None = None,
-                 truth: Callable[[int], list] | None = None, device: str = "cpu", log: Callable[[str], Any] = print):
+                 truth: Callable[[int], list] | None = None, device: str = "cpu", log: Callable[[str], Any] = print,
+                 command: str = ""):
         from gradleak.registry import ATTACKS
-        from gradleak.run.audit import attack_names, candidate
+        from gradleak.run.audit import attack_names, candidate, left_out_split
         from gradleak.run.pipeline import build_handle
         from gradleak.run.runner import validate
 
         self.raw = raw_config(config)
         self.cfg = validated_config(self.raw, self.who)
+        self.config_path = str(config) if isinstance(config, (str, Path)) else None
+        self.command = command or (f"{type(self).__name__}({self.config_path or 'a config mapping'}, {out_dir}) on a "
+                                   "live federation: rerun the federation with it to reproduce")
+        self._context: dict | None = None  # the report's fields of every round (report_fields)
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.truth, self.log, self.device = truth, log, torch.device(device)
@@ -187,6 +201,10 @@ class RoundAudit:
                                      "engine's server hook (gradleak run with fl.engine set)"})
                 continue
             self.plans.append((name, cfg))
+        # attacks=[...] left the others out: each checked by the gate (validated, none run), so the banner and the
+        # report say which of them could have run here (an audit of some attacks must not read as an audit of all)
+        self.only_by = f"the audit's attacks={names}" if attacks else None
+        self.left_out = left_out_split(self.raw, names) if attacks else {"applicable": [], "not_applicable": []}
         if not self.plans:
             raise BadInput("attacks", "no attack applies to this federation's config: "
                            + "; ".join(f"{e['name']}: {e['reason']}" for e in self.not_run[:4]),
@@ -238,6 +256,7 @@ class RoundAudit:
     def audit(self, rec: RecordedRound) -> dict:
         """The round's result (not written): every plan on every target, judged, with the verdict."""
         from gradleak.run.audit import verdict_and_headline
+        from gradleak.run.audit_report import attack_line
 
         t_round = time.perf_counter()
         threat = self.cfg.threat_model
@@ -254,27 +273,44 @@ class RoundAudit:
             entry["seconds"] = time.perf_counter() - t0
             fold_clients(entry, rows, threat)
             entries.append(entry)
-            n_ran = len(entry.get("per_client") or [])
-            self.log(f"{self.log_prefix} round {rec.server_round} {name}: "
-                     + ("SUCCESS" if entry.get("success") else "no success" if entry.get("success") is False else
-                        entry.get("failed") or entry.get("reason", "")[:80])
-                     + (f" ({entry['metric']} = {entry['value']:.4g}, worst of {n_ran} update(s))"
-                        if isinstance(entry.get("value"), (int, float)) else ""))
-        judged = [e for e in entries if e.get("success") is not None and "level" in e]
-        verdict, headline = verdict_and_headline(judged) if judged else (
-            "not_scored", "no ground truth on the server: see the clients' own scores")
+            self.log(f"{self.log_prefix} round {rec.server_round} {attack_line(entry)}")
+        # the CLI's verdict over every attack that ran (an unscored one -- no ground truth -- is undefined)
+        verdict, headline = verdict_and_headline(entries, self.left_out_names(), self.only_by or "--only")
         return {"server_round": rec.server_round, "verdict": verdict, "headline": headline,
                 "aggregated": rec.aggregated, "note": rec.note, "attacks": entries + self.not_run,
                 "client_scores": {str(k): v for k, v in rec.client_metrics.items() if v},
-                "seconds": time.perf_counter() - t_round}
+                "seconds": time.perf_counter() - t_round, **self.report_fields(entries)}
+
+    def left_out_names(self) -> list[str]:
+        """The attacks ``attacks=[...]`` left out that would run here (named in the banner)."""
+        return [x["name"] for x in self.left_out["applicable"]]
+
+    def report_fields(self, entries: list[dict]) -> dict:
+        """What a round's ``audit.json`` holds for the report beside its attacks (``gradleak audit``'s fields,
+        :func:`gradleak.run.audit.report_context`, computed once), with the attacks not run and the undefined ones."""
+        if self._context is None:
+            from gradleak.run.audit import report_context
+            from gradleak.run.evidence import evidence_record  # never raises
+
+            self._context = report_context(self.raw, self.cfg, self.command)
+            self._context["evidence_record"] = evidence_record(self.raw, self.cfg, [c for _, c in self.plans],
+                                                               [self.cfg.seed], self.command, self.config_path)
+        return {**self._context, "only_by": self.only_by, "left_out": self.left_out,
+                "not_tested": [f"{x['name']}: applicable (under {x['threat_words']}), not run: left out by "
+                               f"{self.only_by}" for x in self.left_out["applicable"]],
+                "not_applicable": [f"{e['name']}: {e['reason']}" for e in self.not_run]
+                                  + [f"{x['name']}: {x['reason']}" for x in self.left_out["not_applicable"]],
+                "undefined": [f"{e['name']}: {e.get('reason') or e.get('rule', '')}" for e in entries
+                              if e.get("level") == "undefined"]}
 
     def write(self, result: dict, summary_name: str = "round_audit.json") -> None:
-        """``OUT/round_<r>/audit.json`` and the summary of every audited round (``OUT/<summary_name>``), atomically."""
+        """``OUT/round_<r>/audit.json`` and ``report.html`` (:func:`write_round`), the summary of every audited round
+        (``OUT/<summary_name>``), atomically; then the round's console (:func:`round_console`)."""
         from gradleak.run.results import write_json_atomic
 
         rdir = self.out / f"round_{result['server_round']}"
-        rdir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(rdir / "audit.json", result)
+        report = write_round(rdir, result)
+        self.log(round_console(result, rdir / "audit.json", report, self.log_prefix))
         self.summary.append({k: result[k] for k in ("server_round", "verdict", "headline", "aggregated", "seconds")}
                             | {"values": {e["name"]: e.get("value") for e in result["attacks"] if e not in self.not_run},
                                "client_scores": result["client_scores"]}
@@ -286,3 +322,37 @@ class RoundAudit:
         result = self.audit(rec)
         self.write(result)
         return result
+
+
+def write_round(rdir: Path, result: dict) -> Path:
+    """A round's ``audit.json`` and its ``report.html`` in ``rdir``, both atomically; the page is ``gradleak audit``'s
+    own (:func:`gradleak.run.audit_report.write_audit_report`, one renderer). Returns the report's path."""
+    from gradleak.run.audit_report import write_audit_report
+    from gradleak.run.results import write_json_atomic
+
+    rdir = Path(rdir)
+    rdir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(rdir / "audit.json", result)
+    return write_audit_report(result, rdir)
+
+
+def round_console(result: dict, audit_path: Path, report: Path, prefix: str = "[round audit]",
+                  width: int | None = None) -> str:
+    """A written round's console, answer first: the banner's sentence (the verdict, the worst level, the attack and
+    client, the measurement that decided it beside its null's 99th percentile and p-value), then the short table
+    ``gradleak audit`` prints (:func:`gradleak.run.audit_report.console_table`: each attack's level in the CLI's
+    words), then where the report is. Plain text (no colour), ``width`` columns (default: the terminal's)."""
+    import io
+    import shutil
+
+    from rich.console import Console
+
+    from gradleak.run.audit_report import console_table
+
+    buf = io.StringIO()
+    con = Console(file=buf, width=width or shutil.get_terminal_size((120, 24)).columns, color_system=None,
+                  highlight=False, markup=False, emoji=False)
+    con.print(f"{prefix} round {result['server_round']}: {result['headline']}", soft_wrap=True)
+    con.print(console_table(result, f"round {result['server_round']} -> {audit_path}"))
+    con.print(f"report: {report}", soft_wrap=True)
+    return buf.getvalue().rstrip("\n")
