@@ -3,7 +3,11 @@ drew, checked through the pipeline's own draw (``benchmarks/_bench.client_sample
 held-out cells are disjoint from every other cell; the anchor study's seed 1 and the leakage study's null seed 4242
 are new seeds on the same images, and their labels say so; the leakage study's seed 1 draws other images. Text: a
 cell's seed permutes the same sentences, so UTR's seed 4242 and ProjRes's seeds 1 and 2 are new seeds on the same
-sentences (labelled so, with the counts measured here); ProjRes's WordNet cells draw no quote any tuned cell drew."""
+sentences (labelled so, with the counts measured here); ProjRes's WordNet cells draw no quote any tuned cell drew.
+optnoise, dp_check, advise (its seed 1, the advice's extra victim batches and the unsearched round trip) and info_limit:
+each cell's draw comes from the benchmark's own cell builder (the overrides / config it runs), and a held-out cell's
+data follow another seed than every tuned cell's and resolve to no sample a tuned cell draws
+(:func:`assert_held_out_disjoint`)."""
 
 from __future__ import annotations
 
