@@ -627,8 +627,9 @@ def limit_cells(r: dict) -> str:
         margin = (f"{fmt(lim.get('margin_strongest'), '.3g')} ({fmt(lim.get('spectral_margin'), '.3g')})"
                   if lim.get("margin_strongest") is not None else "not measured")
     key = {"text": "word_bag_recall", "projres": "auc"}.get(r.get("part"), "psnr_max")  # the ceiling's headline
-    ceil = ("–" if c is None else f"{c['level']}: {fmt(c.get(key), '.1f')} "
-            f"({fmt(c.get(key + '_null_p99'), '.1f')})")
+    spec = ".3f" if key == "auc" else ".1f"
+    ceil = ("–" if c is None else f"{c['level']}: {fmt(c.get(key), spec)} "
+            f"({fmt(c.get(key + '_null_p99'), spec)})")
     if c is not None and c.get("patch_recovery_rate") is not None:  # PEFTLeak's ceiling: its patches recovered too
         ceil += f", patches {fmt(c['patch_recovery_rate'], '.3f')}"
     if c is None and ceiling_state(r)[0] == "chance":

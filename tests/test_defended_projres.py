@@ -59,7 +59,7 @@ def test_the_ceiling_is_joined_by_seed_and_per_layer_k(d):
     r = got[0]
     assert r["ceiling"]["K"] == 4 and r["ceiling"]["level"] == "partial"
     assert r["label"] == "information present, missed"
-    assert d.limit_cells(r) == "4 | 4 (–) | partial: 1.0 (0.9)"
+    assert d.limit_cells(r) == "4 | 4 (–) | partial: 1.000 (0.940)"
     # another per-layer split with the same total is another ceiling
     other = d.with_ceilings([pr(noise="noise0.1", score=s, ks=(1, 3, 0), margin=4.0) for s in ("plain", "residual",
                                                                                               "chi2")] + [ceil])
