@@ -25,13 +25,18 @@ top bin), ``E_j = u_j / σ²``: the order of the bins by u does not depend on σ
 
 and, whether or not a noise std is known, the **signal scale** as a per-coordinate std:
 
-* ``drowning_noise_std_all`` -- √(u_max / edge): the upload noise std at which the edge reaches the strongest bin;
+* ``drowning_noise_std_all`` -- √(s_max / (edge − (D + 1))), s = the bin's signal part of u (u itself noise-free;
+  under noise u − σ²(D + 1), the noise's mean removed): the upload noise std at which the strongest bin's expected
+  energy, signal s/σ² plus the noise's mean D + 1, reaches the edge;
 * ``drowning_noise_std_median`` / ``drowning_noise_std`` -- the same for the median / the weakest bin carrying
   signal (noise-free: every bin above float64 rounding, ‖d_j‖ > 1e-9 of the strongest; under noise: the bins
   above the edge).
 
-On the undefended upload these read the signal exactly: a noise std above ``drowning_noise_std_all`` leaves no bin
-above the edge (K = 0), one below ``drowning_noise_std`` leaves every one.
+On the undefended upload these read the signal exactly: a noise std well above ``drowning_noise_std_all`` leaves no
+bin above the edge (K = 0), one well below ``drowning_noise_std`` leaves every one, and at a std between them about
+the bins whose drowning std exceeds it stand above (the energy's spread, √(2(D + 1)) at noise alone, blurs the
+crossing). Counting the noise's mean matters: with D = 768 and 1536 bins the edge is 952, so a bin crosses at a std
+√(952 / 183) = 2.3 x the one at which its signal energy alone reaches the edge.
 
 **Oracle restriction** (:func:`strongest_bins`, ``attack.keep_bins = K``): keep the K bins of largest u, zero every
 other bin's difference, then recover as usual: what the attack does with the K bins a noisy upload leaves above its
@@ -94,10 +99,12 @@ def bin_limit(view, server, n_rounds: int, sigma: Optional[float], alpha: float)
     u = torch.tensor([b[3] for b in bins], dtype=F64)
     w = torch.tensor([1.0 if b[2] == server.r - 1 else 0.5 for b in bins], dtype=F64)
     out: dict[str, float] = {}
+    signal = u  # the signal part of u (noise-free: all of it)
     if sigma is not None and sigma > 0:
         E = u / sigma ** 2
         above = E > thr
-        carrying = u[above]
+        signal = (u - sigma ** 2 * (D + 1)).clamp(min=0)
+        carrying = signal[above]
         i = int(torch.argmax(E))
         signal2 = (u - sigma ** 2 * (D + 1)) / w  # ‖d‖² less the noise's mean energy v (D + 1)
         out["directions_above_edge"] = float(above.sum())
@@ -112,10 +119,11 @@ def bin_limit(view, server, n_rounds: int, sigma: Optional[float], alpha: float)
             out["debiased_weakest_above_edge"] = 0.0
     else:
         carrying = u[u > (ROUNDING ** 2) * float(u.max())] if float(u.max()) > 0 else u[:0]
-    out["drowning_noise_std_all"] = math.sqrt(float(u.max()) / thr)
+    room = thr - (D + 1)  # the edge less the noise's mean energy: what a bin's signal must supply
+    out["drowning_noise_std_all"] = math.sqrt(float(signal.max()) / room)
     if len(carrying):
-        out["drowning_noise_std_median"] = math.sqrt(float(carrying.median()) / thr)
-        out["drowning_noise_std"] = math.sqrt(float(carrying.min()) / thr)
+        out["drowning_noise_std_median"] = math.sqrt(float(carrying.median()) / room)
+        out["drowning_noise_std"] = math.sqrt(float(carrying.min()) / room)
     else:
         out["drowning_noise_std_median"] = out["drowning_noise_std"] = 0.0
     out["bins_tested"] = float(len(bins))
