@@ -40,8 +40,8 @@ models`` / ``--only image`` / ``--only peftleak``).
   (images 0-7, tests/test_peftleak_noise.py) and its std ladder chosen on seed 0. B = 16, not the config's 32: two
   disjoint draws of 32 from the 40 shipped images do not exist. The attacked tensor is the adapters' bins
   (:mod:`gradleak.attacks.peftleak.limit`): every cell carries the bins above the noise edge (K), the strongest bin's
-  margin over the edge and the signal scale as a noise std (the std at which the edge reaches the strongest / median
-  bin of the undefended upload); per (seed, K) the **oracle ceiling** is the exact recovery on the *undefended* upload
+  margin over the edge and the signal scale as a noise std (the std at which the expected energy of the strongest /
+  median bin of the undefended upload reaches the edge); per (seed, K) the **oracle ceiling** is the exact recovery on the *undefended* upload
   restricted to its K strongest bins (``attack.keep_bins=K``, the rest zeroed and read as unknown).
 
 * **Other models** (``--only models``): MiniLM with all 6 layers and SmolLM2-135M (causal, as a mean-pooled
@@ -663,8 +663,8 @@ LIMIT_NOTE = ("**K**: signal directions of the attacked tensor above the noise e
               "margin = √(strongest bin's energy / edge) (≤ 1: no bin stands out), the weakest above-edge bin's in "
               "brackets; ceiling = the exact recovery on the *undefended* upload restricted to its K strongest bins "
               "(`attack.keep_bins=K`, the rest zeroed and read as unknown), its level, best-image PSNR dB (null p99) "
-              "and patches recovered; **signal scale** = the noise std at which the edge reaches the strongest / "
-              "median bin of the seed's undefended upload. **ProjRes**: its attacked tensors are every scored layer's weight "
+              "and patches recovered; **signal scale** = the noise std at which the expected energy (signal plus the "
+              "noise's mean) of the strongest / median bin of the seed's undefended upload reaches the edge. **ProjRes**: its attacked tensors are every scored layer's weight "
               "gradient (7 on MiniLM's adapters and task head): K = the directions above each layer's edge summed, "
               "margin = the largest layer's strongest singular value over its edge; ceiling = the paper's residual on "
               "the *undefended* upload with each layer's row space cut to its K strongest directions "
@@ -755,8 +755,9 @@ def table(rows: list[dict]) -> str:
                   "position). Patch PSNR: median over the returned patches that reach 30 dB (the noise mode's own "
                   "prediction from σ/|Δb| beside it). The level and best-image PSNR/SSIM are judged against the "
                   "null (random held-out CIFAR images) and the mean public, grey and flat images. **Signal scale**: "
-                  "the noise std at which the edge reaches the strongest / median bin of the seed's undefended "
-                  "upload (a std above the first leaves no bin above the edge); K, margin and ceiling as in the note "
+                  "the noise std at which the expected energy of the strongest / median bin of the seed's "
+                  "undefended upload reaches the edge (well above the first no bin stands above it, at the second "
+                  "about half); K, margin and ceiling as in the note "
                   "above (the attacked tensor: the adapters' bins).", "",
                   "| seed (split) | defense | signal scale (strongest / median bin) | recovery | level | patches "
                   "recovered (isolated) | patch PSNR dB (predicted) | returned (below 30 dB) | PSNR max dB (null p99) "
