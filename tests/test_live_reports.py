@@ -55,6 +55,8 @@ def _check_round_report(rdir: Path) -> dict:
 
 
 def _browser_check(report: Path) -> None:
+    """The page in headless Chromium (scripts/check_report_in_browser.py): every image decoded, the banner, the
+    attacks table and "What to do next" shown."""
     if not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")):
         pytest.skip("no Chromium here (apt-get install chromium): the report was checked as text only")
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -141,6 +143,35 @@ def test_flower_without_ground_truth_says_undefined_in_the_cli_words(tmp_path, m
     assert console.index("[flower audit] round 1: UNDEFINED") < console.index("┃ attack")
     saved = list((out / "round_1" / "utr").glob("client_*/reconstruction.json"))
     assert len(saved) == 3  # the reconstructions, for a person to inspect
+
+
+@pytest.mark.timeout(600)
+def test_an_image_round_report_shows_each_client_original_beside_its_reconstruction(tmp_path):
+    """The ViT + LoRA Flower example (3 clients, one private image each), in process: the round's report has one row
+    per attacked client, labelled with that client's level, holding that client's own original and reconstruction
+    (the PNGs under round_1/lora_span/client_<c>/), and every image decodes in a browser."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "examples" / "flower"))
+    try:
+        example = importlib.import_module("app")
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "vit"
+    example.run(str(ROOT / "examples" / "flower" / "vit_lora.yaml"), str(out), rounds=1, attacks=["lora_span"])
+    res = _check_round_report(out / "round_1")
+    entry = next(a for a in res["attacks"] if a["name"] == "lora_span")
+    page = (out / "round_1" / "report.html").read_text()
+    for c in entry["per_client"]:
+        row = re.search(rf'<div class="client-row" data-client="{c["client"]}" data-level="{c["level"]}">(.*?)'
+                        r'</div></div>', page, flags=re.S)
+        assert row is not None, c
+        srcs = dict((role, src) for src, role in re.findall(r'<img src="([^"]+)"[^>]*data-role="(\w+)"', row.group(1)))
+        assert srcs == {"original": f"lora_span/client_{c['client']}/ground_truth.png",
+                        "reconstruction": f"lora_span/client_{c['client']}/reconstruction.png"}
+        assert all((out / "round_1" / src).is_file() for src in srcs.values())
+    assert "full report of this attack" not in page  # a round audit's attack has no page of its own
+    _browser_check(out / "round_1" / "report.html")
 
 
 @pytest.mark.timeout(600)

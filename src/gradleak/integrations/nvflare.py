@@ -259,7 +259,7 @@ def _make_audit_class():
 
         def _audit_result(self, dxo, shareable, fl_ctx, r) -> None:
             from gradleak.run.results import write_json_atomic
-            from gradleak.run.round_audit import round_console, write_round
+            from gradleak.run.round_audit import attach_artifacts, round_console, write_round
 
             sent_by_round = self.sent()
             if r is None:
@@ -305,6 +305,9 @@ def _make_audit_class():
             merged["block_at"] = self.block_at or None
             merged.update(audit.report_fields(merged["attacks"]))  # gradleak audit's report fields
             rdir = Path(self.out_dir) / f"round_{server_round}"
+            for entry in merged["attacks"]:
+                if "per_client" in entry:  # every client's PNGs so far, for the report's rows
+                    attach_artifacts(entry, rdir)
             report = write_round(rdir, merged)  # audit.json and report.html (gradleak audit's page), atomically
             self.summary[server_round] = {k: merged[k] for k in ("server_round", "verdict", "headline", "clients",
                                                                  "blocked", "seconds")}

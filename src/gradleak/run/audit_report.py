@@ -320,14 +320,20 @@ def _figure_pair(a: dict, out: Path, pngs: list[str], client=None) -> str:
         return ""
     who = f' data-client="{e(str(client))}"' if client is not None else ""
     summed = str(client).startswith("the sum of")
-    order = lambda n: (0 if n.startswith("ground_truth") else 1 if n.startswith("reconstruction") else 2, n)  # noqa: E731
+
+    def base(n: str) -> str:  # the file's own name: a round audit's PNGs sit in client_<c>/ folders
+        return Path(n).name
+
+    def order(n: str) -> tuple:
+        return (0 if base(n).startswith("ground_truth") else 1 if base(n).startswith("reconstruction") else 2, n)
+
     figs = []
     for img in sorted(pngs, key=order):
         size = _png_size(out / str(a.get("out", "")) / img)
         k = max(1, min(4, PAIR_TARGET_PX // size[0])) if size and size[0] else 1
         width = f' width="{size[0] * k}"' if size else ""
-        role = ("original" if img.startswith("ground_truth") else
-                "reconstruction" if img.startswith("reconstruction") else "other")
+        role = ("original" if base(img).startswith("ground_truth") else
+                "reconstruction" if base(img).startswith("reconstruction") else "other")
         label = {"original": "originals (every summed client's private data)" if summed else
                              "original (the client's private data)",
                  "reconstruction": "reconstruction (the attack's output)"}.get(role, Path(img).stem)
@@ -370,7 +376,9 @@ def _image_evidence(a: dict, out: Path) -> str:
     """An attack's image evidence (docs/DESIGN.md §4), one row per attacked client: its originals beside its own
     reconstructions (the PNGs :func:`gradleak.evaluation.images.grid_owner` names for it), the worst (most leaking)
     client first (``worst_client``, then :func:`leak_rank`), each row labelled by :func:`_client_label`; any other
-    PNG (t-SNE, ROC, the leakage kind's grids) in one row after them."""
+    PNG (t-SNE, ROC, the leakage kind's grids, a deployment's unscored reconstructions) in one row after them. A
+    framework round audit keeps each client's PNGs in its own folder (``client_<c>/``, :mod:`gradleak.run.round_audit`):
+    the folder names the client."""
     from gradleak.evaluation.images import grid_owner
 
     e = html.escape
@@ -378,6 +386,9 @@ def _image_evidence(a: dict, out: Path) -> str:
     rest = []
     for n in (str(x) for x in a.get("artifacts", [])):
         o = grid_owner(n)
+        folder = re.match(r"client_(\d+)/", n)
+        if o and folder:
+            o = (o[0], o[1], int(folder.group(1)))
         (owned.setdefault(o[1:], []) if o else rest).append(n)
     clients = list(a.get("per_client") or []) or [{**a, "client": a.get("worst_client", 0)}]  # a one-client entry
     worst = a.get("worst_client")
@@ -519,7 +530,7 @@ def write_audit_report(result: dict, out: Path) -> Path:
                 tr.append(f"<tr{style}><td>{e(r['reference'])}</td><td>{e(str(r['reconstruction']))}</td>"
                           f"<td>{'exact' if exact else ''}</td></tr>")
             parts.append("<table><tr><th>private</th><th>reconstruction</th><th></th></tr>" + "".join(tr) + "</table>")
-        if a.get("out"):
+        if a.get("out") and (out / str(a["out"]) / "report.html").is_file():  # a round audit's attack has none
             parts.append(f'<p><a href="{e(a["out"])}/report.html">full report of this attack</a></p>')
         evidence.append("\n".join(parts))
     lv = result["levels"]

@@ -272,6 +272,7 @@ class RoundAudit:
                     for cid, view, truth in targets]
             entry["seconds"] = time.perf_counter() - t0
             fold_clients(entry, rows, threat)
+            attach_artifacts(entry, rdir)
             entries.append(entry)
             self.log(f"{self.log_prefix} round {rec.server_round} {attack_line(entry)}")
         # the CLI's verdict over every attack that ran (an unscored one -- no ground truth -- is undefined)
@@ -322,6 +323,19 @@ class RoundAudit:
         result = self.audit(rec)
         self.write(result)
         return result
+
+
+def attach_artifacts(entry: dict, rdir: Path) -> None:
+    """The PNGs an attack wrote for the clients on ``entry`` (``rdir/<attack>/client_<c>/``: each client's originals
+    beside its reconstruction where the truth is known, the saved reconstruction where it is not), as ``gradleak
+    audit``'s entries list them: ``out`` (the attack's folder, relative to the round's) and ``artifacts`` (relative to
+    ``out``), so the report shows each client's row. Clients not on the entry are not listed."""
+    clients = {str(c.get("client")) for c in entry.get("per_client") or []}
+    folder = Path(rdir) / entry["name"]
+    pngs = sorted(p.relative_to(folder).as_posix() for p in folder.glob("client_*/*.png")
+                  if p.parent.name.removeprefix("client_") in clients)
+    if pngs:
+        entry["out"], entry["artifacts"] = entry["name"], pngs
 
 
 def write_round(rdir: Path, result: dict) -> Path:
