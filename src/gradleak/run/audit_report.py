@@ -562,13 +562,19 @@ def write_audit_report(result: dict, out: Path) -> Path:
                 todo.append(f"<li>Defenses this setup accepts ({where}): " + ", ".join(
                     f'<b title="{e(d["summary"])}">{e(d["name"])}</b>' for d in names)
                     + " (<code>gradleak list</code> describes each and its parameters).</li>")
-    if nxt["leaking"] and ds:
+    live = "server_round" in result  # a framework round audit (run/round_audit.py): each attack once, as configured
+    if nxt["leaking"] and ds and live:
+        todo.append("<li>To measure one, add it to the federation (the app and its gradleak config) and rerun it with "
+                    "the audit, or run <code>gradleak audit CONFIG</code> on the defended config: that audit attacks "
+                    "a defended setup at full strength.</li>")
+    elif nxt["leaking"] and ds:
         todo.append("<li>To measure one, add it to the config and rerun this audit (the command under "
                     "Reproducibility); the audit attacks a defended setup at full strength.</li>")
     advice = result.get("advice")
     if advice is None:
         todo.append("<li>This report does not rank or recommend defenses: <code>gradleak audit CONFIG --advise</code> "
-                    "searches the weakest strength of each that stops every leaking attack, and what it costs.</li>")
+                    + ("(in a Flower app: <code>FlowerAudit(..., advise=True)</code>) " if live else "")
+                    + "searches the weakest strength of each that stops every leaking attack, and what it costs.</li>")
     advice_html = advice_section(advice) if advice is not None else ""
     not_tested = not_tested_lines(result)
     rec = result.get("evidence_record")  # gradleak.run.evidence; an older audit.json has none
@@ -578,7 +584,7 @@ def write_audit_report(result: dict, out: Path) -> Path:
                + "".join(f"<li>{e(x)}</li>" for x in dp_check_words(dp)) + "</ul>") if dp else ""
     coverage = ("Every client of the audited round was attacked; each attack also ran the full-strength settings it "
                 "derives from the declared defenses (listed under its evidence); the worst client and setting are the "
-                "evidence." if any("variants" in a for a in result["attacks"]) else
+                "evidence." if not live else
                 "Every client of the audited round was attacked on its own upload, each attack once as configured (a "
                 "framework round audit runs no full-strength variants); the worst client is the evidence.")
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>gradleak audit</title>
