@@ -167,3 +167,29 @@ def test_the_prior_is_chosen_by_its_evidence_on_the_upload_not_by_the_truth():
                                    1e-9, 2)
     assert good["prior"].source.startswith("data-free") and "rho 0.9" in good["prior"].source
     assert good["prior_evidence"][1] > good["prior_evidence"][0]
+
+
+def test_measurement_covariance_is_the_law_of_the_coefficients_noise():
+    """u − Xᵀŵ from a noisy row's coordinates in M = [K | P | extra] has covariance τ² C(X) (the errors-in-variables
+    likelihood the solver uses): checked by Monte Carlo at a known image and coefficients."""
+    from gradleak.attacks.common.token_measurements import measurement_covariance
+
+    g = torch.Generator().manual_seed(3)
+    d, n, N, e = 40, 6, 5, 2
+    K, P, extra = (torch.randn(d, m, generator=g, dtype=F64) for m in (n, N, e))
+    M = torch.cat([K, P, extra], 1)
+    X = torch.randn(N, n, generator=g, dtype=F64)
+    w, a = torch.randn(N, generator=g, dtype=F64), torch.randn(e, generator=g, dtype=F64)
+    y0 = K @ (X.T @ w) + P @ w + extra @ a  # a noise-free row: tokens (X K^T + P^T) weighted by w, plus extra
+    tau, draws = 0.1, 20000
+    Y = y0 + tau * torch.randn(draws, d, generator=g, dtype=F64)
+    Gi = torch.linalg.inv(M.T @ M)
+    coef = Y @ M @ Gi  # draws × (n + N + e)
+    r = coef[:, :n] - coef[:, n:n + N] @ X  # u − Xᵀŵ per draw
+    assert torch.allclose(r.mean(0), torch.zeros(n, dtype=F64), atol=5 * tau * Gi.diagonal().max().sqrt() / draws ** 0.5 * 10)
+    emp = torch.cov(r.T)
+    C = tau ** 2 * measurement_covariance(Gi, n, N, X)
+    assert torch.allclose(emp, C, rtol=0.08, atol=0.08 * float(C.diagonal().mean()))
+    # treating ŵ as exact (the covariance at X = 0) misses the image-dependent part
+    assert not torch.allclose(emp, tau ** 2 * measurement_covariance(Gi, n, N, torch.zeros_like(X)), rtol=0.08,
+                              atol=0.08 * float(C.diagonal().mean()))

@@ -119,7 +119,7 @@ class LoraSpanConfig(AttackConfig):
     prior: Literal["auto", "public", "stationary"] = Field(
         "auto", description="the measurements solver's image prior: public = mean and shrunk covariance of the granted "
         "public images; stationary = data-free Gauss-Markov prior; auto = public when granted, else stationary")
-    iterations: int = Field(4, ge=1, le=50, description="alternations of the measurements solver (coefficients / image)")
+    iterations: int = Field(4, ge=1, le=50, description="iterations of the measurements solver (the coefficients' noise covariance at the current image, then the image)")
     directions: Optional[int] = Field(None, ge=1, description="use exactly this many strongest directions (overrides "
                                       "rank_cut; the oracle ceiling runs the noise-free upload at the k a defended "
                                       "upload leaves above its noise edge)")

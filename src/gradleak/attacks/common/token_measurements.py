@@ -19,11 +19,12 @@ more than their own size, as in the optimal-shrinkage view of a spiked matrix: t
 the same τ). τ is read off the residual of Y outside M's column space (d − rank M coordinates per row that hold noise
 alone: ``residual_noise_std``), or given by the declared defenses.
 
-**The solver** (maximum a posteriori under a Gaussian image prior N(μ, Σ)): the objective
-‖Y − W Z(X) − s βᵀ − a h₀ᵀ‖² / τ² + (x − μ)ᵀ Σ⁻¹ (x − μ), Z(X) the rows ΓC(E xₜ + b + posₜ), is bilinear in (W, X):
-alternate (i) W, s, a given X -- k independent least-squares fits on N + 2 known columns -- and (ii) X given W --
-a linear Gaussian posterior, computed in measurement space (k n × k n) through the QR of ΓCE, so Σ⁻¹ is never
-formed. Start: W from the decomposition of Y in M. Every step lowers the objective (each is an exact minimiser).
+**The solver** (maximum a posteriori under a Gaussian image prior N(μ, Σ), errors in variables): each row's
+coordinates in M are (u, ŵ) = (Xᵀw, w) + noise of covariance τ² (MᵀM)⁻¹, so with w unknown the residual u − Xᵀŵ is
+Gaussian with a covariance τ² C(X) that depends on the image (the position coefficients' noise enters through X:
+:func:`invert_token_directions`). Iterated: C at the current image (the prior mean first), then the linear Gaussian
+posterior of X given ŵ, computed in measurement space (k n × k n), so Σ⁻¹ is never formed. (Treating ŵ as exact,
+the joint fit of W and X alternately, overweights the noisy directions: measured 1 dB lower on a held-out image.)
 Decisions recorded: ``iterations`` (default 4; the objective is reported per step in ``info``), the prior (public
 images: their mean and Ledoit-Wolf-shrunk covariance in the patch layout; without public data a data-free
 stationary prior -- neighbouring pixels correlated ρ per pixel along rows and columns, channels correlated
@@ -139,68 +140,77 @@ def _cholesky(C: torch.Tensor) -> torch.Tensor:
     return L
 
 
+def measurement_covariance(Gi: torch.Tensor, n: int, N: int, X: torch.Tensor) -> torch.Tensor:
+    """C(X): the covariance, per unit τ², of u − Xᵀŵ, where (u, ŵ) are a noisy row's coordinates in the basis
+    M = [K | P | extra] (``Gi`` = (MᵀM)⁻¹, n patch-kernel and N position columns first) and X (N × n) the image:
+    G⁻¹_uu − G⁻¹_uw X − Xᵀ G⁻¹_wu + Xᵀ G⁻¹_ww X."""
+    Guu, Guw, Gww = Gi[:n, :n], Gi[:n, n:n + N], Gi[n:n + N, n:n + N]
+    C = Guu - Guw @ X - X.T @ Guw.T + X.T @ Gww @ X
+    return (C + C.T) / 2
+
+
 def invert_token_directions(Y: torch.Tensor, K: torch.Tensor, P: torch.Tensor, extra: torch.Tensor,
                             prior, noise_std, iterations: int = 4) -> dict:
-    """MAP image from measurement rows ``Y`` (k × d; module docstring).
+    """MAP image from measurement rows ``Y`` (k × d; module docstring), the coefficients' noise carried into the
+    image's likelihood (errors in variables).
 
     ``K`` = ΓCE (d × n), ``P`` = ΓC(b + posₜ) stacked as columns (d × N), ``extra`` = the other known token
-    directions (d × e: β, the CLS token). ``prior``: a :class:`GaussianImagePrior`, or several, of which the one with
-    the largest evidence p(y | W, prior) = N(F μ, F Σ Fᵀ + τ²) at the first step is kept (empirical Bayes: chosen from
-    the upload, never from the truth; ``prior_evidence`` lists them). Returns ``{"X": N × n, "W": k × N,
-    "objective": [...], "prior": the kept prior, ...}``."""
+    directions (d × e: β, the CLS token). Each row's coordinates in M = [K | P | extra] are c = (M^T M)^{-1} M^T y:
+    u = Xᵀw + ε_u (the patch-kernel part, n), ŵ = w + ε_w (the position part, N), the extra part free; (ε_u, ε_w)
+    ~ N(0, τⱼ² G⁻¹) (G = M^T M). With w unknown (flat), u − Xᵀŵ = ε_u − Xᵀε_w ~ N(0, τⱼ² C(X)),
+    C(X) = G⁻¹_uu − G⁻¹_uw X − Xᵀ G⁻¹_wu + Xᵀ G⁻¹_ww X: the noise of the estimated coefficients enters the
+    measurement through the image itself (treating ŵ as exact -- the plain alternating fit -- overweights a noisy
+    direction's measurements; measured on a held-out vit_lora image under percentile noise σ0 = 0.003, K = 23:
+    15.4 → 16.4 dB, and synthetic i.i.d. noise on the noise-free directions: +0.9 dB at 1×, +2.2 dB at 0.3×).
+    Iterated: C at the current image, then the Gaussian posterior of X with that block noise (k blocks τⱼ² C), ``iterations``
+    times (C at the prior mean first). ``prior``: a :class:`GaussianImagePrior`, or several, of which the one with
+    the largest evidence p(u | ŵ, prior) at the first step is kept (empirical Bayes: chosen from the upload, never from
+    the truth; ``prior_evidence`` lists them). Returns ``{"X": N × n, "W": ŵ (k × N), "objective": [the noise-weighted
+    residual Σⱼ rⱼᵀ (τⱼ² C)⁻¹ rⱼ per step], "prior": the kept prior, ...}``."""
     priors = list(prior) if isinstance(prior, (list, tuple)) else [prior]
     Y, K, P, extra = (t.to(F64) for t in (Y, K, P, extra))
     k, d = Y.shape
     n, N = K.shape[1], P.shape[1]
     tau = torch.as_tensor(noise_std, dtype=F64).reshape(-1).expand(k).clamp_min(1e-300)
     tau2_rows = tau ** 2  # one noise variance per measurement row (per direction)
-    tau2 = float(tau2_rows.mean())
     M = torch.cat([K, P, extra], 1)
-    coef = torch.linalg.lstsq(M, Y.T).solution  # (n + N + e) × k
-    W = coef[n:n + N].T.clone()  # k × N
-    Qk, Rk = torch.linalg.qr(K)  # K = Qk Rk, Qk d × n
+    Gi = torch.linalg.pinv(M.T @ M, hermitian=True)
+    coef = Gi @ (M.T @ Y.T)  # (n + N + e) × k
+    U, W = coef[:n].T.contiguous(), coef[n:n + N].T.contiguous()  # k × n, k × N
+    F = torch.kron(W, torch.eye(n, dtype=F64))  # (k n) × (N n): vec_r(Xᵀwⱼ) stacked = (W ⊗ I) vec_r(X)
+    y = U.reshape(-1)
     objective, evidence = [], []
+    X = priors[0].mean.reshape(N, n)
 
-    def fit_w(X):
-        Z = (X @ K.T + P.T)  # N × d: the rows ΓC(E x_t + b + pos_t) (K, P already include ΓC)
-        B = torch.cat([Z.T, extra], 1)  # d × (N + e)
-        c = torch.linalg.lstsq(B, Y.T).solution  # (N + e) × k
-        return c[:N].T, c[N:].T  # W (k × N), A (k × e)
+    def cov_c(X):
+        return measurement_covariance(Gi, n, N, X)
 
-    A = coef[n + N:].T
+    def posterior(pr, C):
+        FS = F @ pr.cov
+        Cy = FS @ F.T + torch.block_diag(*(t2 * C for t2 in tau2_rows))
+        L = _cholesky(Cy)
+        innov = y - F @ pr.mean
+        a = torch.cholesky_solve(innov[:, None], L)[:, 0]
+        log_ev = -float(2 * torch.log(L.diagonal()).sum() + innov @ a) / 2
+        return pr.mean + FS.T @ a, log_ev
+
     for it in range(max(1, iterations)):
-        # (ii) X given W, A: R = Y − W Pᵀ − A extraᵀ = W X Kᵀ + noise; in K's coordinates R Qk = W X Rkᵀ + noise'
-        R = Y - W @ P.T - A @ extra.T
-        y = (R @ Qk).reshape(-1)  # k n, noise i.i.d. τ (Qk orthonormal)
-        F = torch.kron(W.contiguous(), Rk.contiguous())  # (k n) × (N n): vec_r(W X Rkᵀ) = (W ⊗ Rk) vec_r(X)
-
-        def posterior(pr):
-            FS = F @ pr.cov
-            Cy = FS @ F.T
-            Cy.diagonal().add_(tau2_rows.repeat_interleave(n))
-            L = _cholesky(Cy)
-            innov = y - F @ pr.mean
-            a = torch.cholesky_solve(innov[:, None], L)[:, 0]
-            log_ev = -float(2 * torch.log(L.diagonal()).sum() + innov @ a) / 2
-            return pr.mean + FS.T @ a, log_ev
-
         if it == 0 and len(priors) > 1:
-            fits = [posterior(pr) for pr in priors]
+            fits = [posterior(pr, cov_c(pr.mean.reshape(N, n))) for pr in priors]
             evidence = [ev for _, ev in fits]
             best = max(range(len(priors)), key=lambda i: evidence[i])
             priors = [priors[best]]
             x = fits[best][0]
         else:
-            x, _ = posterior(priors[0])
+            x, _ = posterior(priors[0], cov_c(X))
         X = x.reshape(N, n).contiguous()
-        # (i) W, A given X
-        W, A = fit_w(X)
-        res = Y - (W @ (X @ K.T + P.T) + A @ extra.T)
-        objective.append(float((res.pow(2).sum(1) / tau2_rows).sum()))
+        R = U - W @ X  # k × n: uⱼ − Xᵀŵⱼ
+        Ci = torch.linalg.pinv(cov_c(X), hermitian=True)
+        objective.append(float(((R @ Ci) * R).sum(1).div(tau2_rows).sum()))
         if it + 1 < iterations and len(objective) > 1 and abs(objective[-2] - objective[-1]) <= 1e-9 * objective[-1]:
             break
-    return {"X": X, "W": W, "objective": objective, "noise_std": tau2 ** 0.5, "measurements": k * n,
-            "unknowns": N * n, "prior": priors[0], "prior_evidence": evidence}
+    return {"X": X, "W": W, "objective": objective, "noise_std": float(tau2_rows.mean()) ** 0.5,
+            "measurements": k * n, "unknowns": N * n, "prior": priors[0], "prior_evidence": evidence}
 
 
-__all__ = ["GaussianImagePrior", "invert_token_directions", "residual_noise_std"]
+__all__ = ["GaussianImagePrior", "invert_token_directions", "measurement_covariance", "residual_noise_std"]
