@@ -33,8 +33,12 @@ Breakages that look like real bugs (issue 52), two ways:
 * simulated (cells ``sim|<mechanism>|<breakage>``): the canary statistics of one round drawn exactly in distribution
   at the text audit's size (:func:`gradleak.evaluation.empirical_epsilon.simulated_check`, judged by the check's own
   :func:`~gradleak.evaluation.empirical_epsilon.judge`), :data:`SIM_DRAWS` seeded checks per breakage -- k of n
-  uploads un-noised (2 %, 5 %, 10 %), noise 1.5× and 2× too small -- and :data:`SIM_NULL_DRAWS` per correct mechanism
-  (the false-alarm table). The tests' thresholds are derived (family-wise α = 0.01, Bonferroni), not tuned here.
+  uploads un-noised (2 %, 5 %, 10 %), noise 1.5× and 2× too small; breakages of the mechanism's code: one tensor
+  (the largest of :data:`TEXT_TENSORS`) left un-noised, clipping per tensor where the claim is per update, clipping
+  on Δw while the noise is calibrated to the upload Δw / lr (lr 0.05, the audit's, and 0.5) -- and
+  :data:`SIM_NULL_DRAWS` per correct mechanism (the false-alarm table: dp_gaussian, DP-SGD, Flower's central wrappers
+  and LocalDpMod as :data:`SIM_MECHANISMS` models them). The tests' thresholds are derived (family-wise α = 0.01,
+  Bonferroni), not tuned here.
 """
 
 from __future__ import annotations
@@ -76,16 +80,64 @@ EXTRA_SEEDS = {"dp_gaussian client z=1": {2: "held out"}}
 OWN_SEEDS = {"dpsgd z=1": {3: "held out", 4: "held out"}}
 #: simulated checks per breakage, and per correct mechanism (false alarms)
 SIM_DRAWS, SIM_NULL_DRAWS = 200, 1000
-#: simulated cases: name -> (mechanism: noise multiplier and where, breakage keywords of simulated_check)
-SIM_MECHANISMS = {"dp_gaussian client z=1": (1.0, False), "dp_gaussian client z=0.5": (0.5, False),
-                  "dp_gaussian client z=2": (2.0, False), "dp_gaussian server z=1": (1.0, True)}
+#: the text audit's trainable tensors (``configs/audit/text_adapters.yaml``: MiniLM's classifier weight and bias, then
+#: the bottleneck adapters of the embedding and layers 0, 1: down weight, down bias, up weight, up bias), in order
+TEXT_TENSORS = (1536, 4) + (73728, 192, 73728, 384) * 3
+#: the largest of them (``text_adapters.layer_1.up.weight`` and its five equals: 16.5 % of the coordinates)
+LARGEST_TENSOR = max(TEXT_TENSORS)
+#: the text audit's learning rate (``fl.lr``): an upload is Δw / lr (FedSGD: the gradient)
+TEXT_LR = 0.05
+
+
+def _opacus_one_step(z: float, delta: float) -> float:
+    """DP-SGD's claim for a canary client's one example: Opacus' RDPAccountant, one step at sampling rate 1 (as
+    ``defense: dpsgd`` accounts it, gradleak.defenses.training)."""
+    from opacus.accountants import RDPAccountant
+
+    acc = RDPAccountant()
+    acc.step(noise_multiplier=z, sample_rate=1.0)
+    return float(acc.get_epsilon(delta))
+
+
+def _localdp_claim(epsilon: float, delta: float) -> tuple[float, float]:
+    """``LocalDpMod`` (sensitivity = clipping norm)'s noise multiplier (the classic Gaussian bound of its ε, δ) and
+    its claim over one round, as the Flower engine declares it (gradleak.fl.engines.flower: RDP of that z)."""
+    from gradleak.accounting import classic_gaussian_z, gaussian_rdp_epsilon
+
+    z = classic_gaussian_z(epsilon, delta)
+    return z, gaussian_rdp_epsilon(z, 1, delta)
+
+
+#: simulated cases: name -> (noise multiplier, central noise, the claim: None for the RDP of the Gaussian mechanism
+#: (dp_gaussian, Flower's central wrappers), else a function () -> ε (DP-SGD's Opacus accountant, LocalDpMod's)).
+#: As the project models them (gradleak.run.dp_check): DP-SGD's canary is one example clipped at C and noised with
+#: std z·C (a local Gaussian mechanism); Flower's server-fixed and client-fixed wrappers clip each upload (Δw / lr) and
+#: add N(0, (zC)²) to the sum (central); LocalDpMod clips and noises each upload (local)
+SIM_MECHANISMS = {"dp_gaussian client z=1": (1.0, False, None), "dp_gaussian client z=0.5": (0.5, False, None),
+                  "dp_gaussian client z=2": (2.0, False, None), "dp_gaussian server z=1": (1.0, True, None),
+                  "dpsgd z=1": (1.0, False, lambda: _opacus_one_step(1.0, 1e-5)),
+                  "flower server-fixed z=1": (1.0, True, None), "flower client-fixed z=1": (1.0, True, None),
+                  "flower LocalDpMod ε=1": (_localdp_claim(1.0, 1e-5)[0], False, lambda: _localdp_claim(1.0, 1e-5)[1])}
 SIM_BREAKAGES = {"2 % of uploads un-noised": {"unnoised": 2}, "5 % of uploads un-noised": {"unnoised": 5},
                  "10 % of uploads un-noised": {"unnoised": 10}, "noise 1.5x too small": {"noise_scale": 1.5},
-                 "noise 2x too small": {"noise_scale": 2.0}}
+                 "noise 2x too small": {"noise_scale": 2.0},
+                 # breakages of the mechanism's code (simulated_statistics' unnoised_tensor, tensor_sizes, clip_scale)
+                 f"one tensor un-noised (the largest: {LARGEST_TENSOR:,} of {sum(TEXT_TENSORS):,} coordinates)":
+                     {"unnoised_tensor": LARGEST_TENSOR},
+                 f"clipped per tensor ({len(TEXT_TENSORS)} tensors), claim per update":
+                     {"tensor_sizes": TEXT_TENSORS},
+                 f"clip on Δw, noise calibrated to Δw / lr (lr {TEXT_LR:g})": {"clip_scale": 1.0 / TEXT_LR},
+                 "clip on Δw, noise calibrated to Δw / lr (lr 0.5)": {"clip_scale": 2.0}}
+#: the breakages of the mechanism's code (above), also simulated on the central mechanism
+CODE_BREAKAGES = [b for b, kw in SIM_BREAKAGES.items() if set(kw) & {"unnoised_tensor", "tensor_sizes", "clip_scale"}]
 #: (mechanism, breakage) simulated; breakage None: the correct mechanism (false alarms)
 SIM_CASES = ([(m, None) for m in SIM_MECHANISMS]
              + [("dp_gaussian client z=1", b) for b in SIM_BREAKAGES]
-             + [("dp_gaussian server z=1", b) for b in ("noise 1.5x too small", "noise 2x too small")])
+             + [("dp_gaussian server z=1", b) for b in ("noise 1.5x too small", "noise 2x too small")]
+             + [("dp_gaussian server z=1", b) for b in CODE_BREAKAGES])
+#: each correct mechanism's false-alarm draws start here (other seeds than the breakages' and than each other's: the
+#: first four's at 100,000 as measured before, the others' each 10,000 further)
+NULL_FIRST_SEED = {m: 100_000 if i < 4 else 100_000 + 10_000 * (i - 2) for i, m in enumerate(SIM_MECHANISMS)}
 
 
 def skip_one_in_ten():
@@ -147,19 +199,21 @@ def simulate(mechanism: str, breakage: str | None) -> dict:
     alone (its 99.9 % lower end above the claim: the verdict before the claim tests)."""
     from gradleak.evaluation.empirical_epsilon import CLAIM_TESTS, simulated_check
 
-    z, central = SIM_MECHANISMS[mechanism]
+    z, central, claim_of = SIM_MECHANISMS[mechanism]
+    claim = claim_of() if claim_of else None
     draws = SIM_DRAWS if breakage else SIM_NULL_DRAWS
-    first = 0 if breakage else 100_000  # the false-alarm draws are other seeds than the breakages'
+    first = 0 if breakage else NULL_FIRST_SEED[mechanism]  # the false-alarm draws are other seeds than the breakages'
     flagged, by_fit, by_test = 0, 0, {t: 0 for t in CLAIM_TESTS}
     for seed in range(first, first + draws):
-        verdict, measured = simulated_check(seed, noise_multiplier=z, central=central,
+        verdict, measured = simulated_check(seed, noise_multiplier=z, central=central, claim=claim,
                                             **(SIM_BREAKAGES[breakage] if breakage else {}))
         flagged += verdict == "claim_violated"
         by_fit += any(m["strict_lower"] > m["claimed_epsilon"] for m in measured)
         for t in CLAIM_TESTS:
             by_test[t] += any(m["tests"][t]["rejects"] for m in measured)
     return {"draws": draws, "claim_violated": flagged, "rate": flagged / draws, "by_fit_alone": by_fit,
-            "by_test": by_test, "first_seed": first, "noise_multiplier": z, "central": central}
+            "by_test": by_test, "first_seed": first, "noise_multiplier": z, "central": central,
+            "claimed_epsilon": measured[0]["claimed_epsilon"]}
 
 
 def fill(res: dict, row: dict) -> str:
@@ -301,16 +355,40 @@ def table(rows: list[dict]) -> str:
                   "RDP claim), the canary statistics drawn exactly in distribution "
                   "(`gradleak.evaluation.empirical_epsilon.simulated_check`) and judged by the check's own `judge`; "
                   "seeded draws. *By the fit alone*: the checks the verdict before the claim tests (the fit's 99.9 % "
-                  "lower end above the claim) would have flagged.", ""] + head + [simrow(r) for r in det]
+                  "lower end above the claim) would have flagged. Breakages of the mechanism's code, each a broken "
+                  "mechanism drawn exactly (`simulated_statistics`' `unnoised_tensor`, `tensor_sizes`, `clip_scale`; "
+                  f"the text audit's {len(TEXT_TENSORS)} trainable tensors): *one tensor un-noised* -- the noise "
+                  "misses one tensor on every upload; *clipped per tensor* -- each tensor clipped to C where the "
+                  "claim clips the whole update to C (the update's norm up to C·√T); *clip on Δw, noise calibrated "
+                  "to Δw / lr* -- the clipping bounds the weight change at C while the noise std z·C is added to "
+                  "the upload Δw / lr, so the upload's sensitivity is C / lr.", ""] + head + [simrow(r) for r in det]
         if det:
             worst = min(det, key=lambda r: r["rate"])
+            missed = [r for r in det if r["rate"] < 0.5]
+            share = LARGEST_TENSOR / sum(TEXT_TENSORS)
             lines += ["", "Detection (computed): " + "; ".join(
                 f"{r['mechanism']}, {r['breakage']}: {r['claim_violated']} of {r['draws']} (the fit alone "
                 f"{r['by_fit_alone']})" for r in det) + f". Lowest rate: {100 * worst['rate']:.1f} % "
                 f"({worst['breakage']}, {worst['mechanism']})."]
+            if missed:
+                lines += ["", "**Missed** (computed: detected in under half the checks): " + "; ".join(
+                    f"{r['mechanism']}, {r['breakage']} ({r['claim_violated']} of {r['draws']})" for r in missed)
+                    + ". In the other checks it reads `consistent` on a broken mechanism."
+                    + (f" For a tensor the noise misses, an isotropic canary puts only that tensor's share of its "
+                       f"norm there ({100 * share:.1f} % of the coordinates), so its cosine's mean grows by only "
+                       f"{100 * (1 / (1 - share) ** 0.5 - 1):.0f} % (1/√(1 − share)), within what the claim allows, while "
+                       "a real client's update on that tensor is exposed in full (ε = ∞ for it)"
+                       if any("unnoised_tensor" in SIM_BREAKAGES.get(r["breakage"], {}) for r in missed) else "")
+                    + "."]
         if null:
             top = max(null, key=lambda r: r["rate"])
-            lines += ["", "**False alarms** on correct mechanisms, simulated (other seeds than the breakages'):", ""] \
+            lines += ["", "**False alarms** on correct mechanisms, simulated (other seeds than the breakages'), as the "
+                      "project models them (`gradleak.run.dp_check`): DP-SGD's canary is one example clipped at C "
+                      "and noised with std z·C, claimed by Opacus' RDPAccountant (one step, sampling rate 1); Flower's "
+                      "DifferentialPrivacyServerSideFixedClipping and ...ClientSideFixedClipping (+ fixedclipping_mod) "
+                      "clip each upload and add N(0, (zC)²) to the sum, claimed by the RDP of z (Flower keeps no "
+                      "accountant); LocalDpMod (ε = 1, δ = 1e-5, sensitivity = clipping norm) clips and noises each "
+                      "upload with z = √(2 ln(1.25/δ)) / ε, claimed by the RDP of that z over one round:", ""] \
                 + head + [simrow(r) for r in null] + [
                 "", f"Largest false-alarm rate (computed): {100 * top['rate']:.2f} % ({top['mechanism']}, "
                     f"{top['claim_violated']} of {top['draws']}): "

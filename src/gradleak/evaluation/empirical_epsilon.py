@@ -449,7 +449,8 @@ def judge(statistics: dict[str, dict], claimed: float | None, delta: float, *, d
 
 def simulated_statistics(rng: np.random.Generator, canaries: int, dim: int, noise_multiplier: float, *,
                          unnoised: int = 0, noise_scale: float = 1.0, aggregate_of: int = 0,
-                         central: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                         central: bool = False, unnoised_tensor: int = 0, tensor_sizes: Sequence[int] = (),
+                         clip_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Canary statistics of one round of DP-Gaussian (clip C, noise multiplier z), drawn without the vectors (for
     the tests and ``benchmarks/dp_check.py``). Returns (seen, unseen).
 
@@ -464,7 +465,15 @@ def simulated_statistics(rng: np.random.Generator, canaries: int, dim: int, nois
       (dim − 1)/2) − 1 (:func:`sphere_tail`), and so is c above.
 
     Breakages: the first ``unnoised`` seen uploads clipped but not noised; ``noise_scale`` > 1: noise ``noise_scale``
-    times too small on every upload (or on the sum)."""
+    times too small on every upload (or on the sum). Breakages of the mechanism's code (:func:`_broken_statistics`,
+    one at a time): ``unnoised_tensor`` = m, one tensor of m coordinates left un-noised on every upload (the noise
+    loop misses it); ``tensor_sizes``: each of these tensors clipped to C separately where the claim clips the whole
+    update (the upload's norm up to C·√T); ``clip_scale`` = s: the clipped upload has norm s·C where the noise is
+    calibrated to C (clipping Δw at C while the noise is calibrated to the upload Δw / lr: s = 1 / lr)."""
+    if unnoised_tensor or len(tensor_sizes) or clip_scale != 1.0:
+        return _broken_statistics(rng, canaries, dim, noise_multiplier / noise_scale, aggregate_of=aggregate_of,
+                                  central=central, unnoised_tensor=unnoised_tensor, tensor_sizes=tensor_sizes,
+                                  clip_scale=clip_scale)
     sigma = noise_multiplier / noise_scale  # in units of C
     a = 0.5 * (dim - 1)
     unseen = 2.0 * rng.beta(a, a, canaries) - 1.0
@@ -485,20 +494,76 @@ def simulated_statistics(rng: np.random.Generator, canaries: int, dim: int, nois
 
 
 
+def _broken_statistics(rng: np.random.Generator, canaries: int, dim: int, sigma: float, *, aggregate_of: int,
+                       central: bool, unnoised_tensor: int, tensor_sizes: Sequence[int],
+                       clip_scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`simulated_statistics` of a mechanism whose code is broken (noise std ``sigma`` in units of C). A seen
+    canary v (unit, isotropic; its upload scaled far beyond C, so every part is clipped) uploads its clipped part w
+    plus noise n: cos(v, w + n) with w = a v + β e (e ⟂ v, ‖w‖² = a² + β²) and n on the d' noised coordinates, of
+    which a share 1 − b lies along v's noised part. Drawn exactly: v's mass on a tensor of m coordinates is
+    Beta(m/2, (dim − m)/2) (b, un-noised tensor), on each of several tensors a normalised χ² draw (per-tensor clipping:
+    each part clipped to C, a = Σ_t ‖v_t‖, ‖w‖² = T), and n's parts along v and e are N(0, σ²) draws with the rest
+    σ² χ²_{d' − 2}. Correct clipping at C is a = 1, β = 0; ``clip_scale`` s: a = s.
+
+    ``aggregate_of`` = K: the cosine with the sum of K such uploads (the others' clipped parts, norm² (K − 1) ‖w‖²,
+    and the noise: one draw on the sum when ``central``, one per upload otherwise, on the d' noised coordinates), as
+    :func:`simulated_statistics` draws it: exact but for the shared norm of the rest and the cross terms between
+    canaries (a relative 1/√dim); the rest's cosine with v is a sphere draw on the noised coordinates times √(1 − b)."""
+    if sum((bool(unnoised_tensor), bool(len(tensor_sizes)), clip_scale != 1.0)) > 1:
+        raise ValueError("one breakage of the mechanism's code at a time: unnoised_tensor, tensor_sizes or clip_scale")
+    if not 0 <= unnoised_tensor <= dim - 3:
+        raise ValueError(f"unnoised_tensor must be in [0, dim - 3] ({dim - 3}), got {unnoised_tensor}")
+    a_ = 0.5 * (dim - 1)
+    unseen = 2.0 * rng.beta(a_, a_, canaries) - 1.0
+    noised = dim - int(unnoised_tensor)
+    if unnoised_tensor:
+        b = rng.beta(0.5 * unnoised_tensor, 0.5 * noised, canaries)
+    else:
+        b = np.zeros(canaries)
+    if len(tensor_sizes):
+        sizes = np.asarray(tensor_sizes, dtype=float)
+        if int(sizes.sum()) != dim:
+            raise ValueError(f"tensor_sizes must sum to dim ({dim}), got {int(sizes.sum())}")
+        parts = rng.chisquare(sizes[None, :], (canaries, len(sizes)))
+        a = np.sqrt(parts / parts.sum(axis=1, keepdims=True)).sum(axis=1)
+        norm2 = np.full(canaries, float(len(sizes)))
+    else:
+        a = np.full(canaries, float(clip_scale))
+        norm2 = a * a
+    beta = np.sqrt(np.maximum(norm2 - a * a, 0.0))
+    if aggregate_of:
+        noises = 1 if central else aggregate_of
+        r = np.sqrt((aggregate_of - 1) * norm2 + sigma * sigma * rng.chisquare(noised) * noises)
+        an = 0.5 * (noised - 1)
+        c = np.sqrt(1.0 - b) * (2.0 * rng.beta(an, an, canaries) - 1.0)
+        c2 = 2.0 * rng.beta(a_, a_, canaries) - 1.0  # the rest along e
+        return (a + r * c) / np.sqrt(norm2 + 2 * r * (a * c + beta * c2) + r * r), unseen
+    g1, g2 = rng.standard_normal(canaries), rng.standard_normal(canaries)
+    rest = rng.chisquare(noised - 2, canaries)
+    along = a + sigma * np.sqrt(1.0 - b) * g1
+    # n's part along v is σ √(1 − b) g1; its noised-coordinate remainder (σ² b' g1² + rest) is drawn as σ² (g1² (b)
+    # + χ²_{d' − 2}) -- v's un-noised share carries no noise
+    across = (beta + sigma * g2) ** 2 + sigma * sigma * (b * g1 * g1 + rest)
+    return along / np.sqrt(along * along + across), unseen
+
+
 def simulated_check(seed: int, *, noise_multiplier: float = 1.0, central: bool = False, canaries: int = 100,
                     dim: int = 445_636, delta: float = 1e-5, unnoised: int = 0,
-                    noise_scale: float = 1.0) -> tuple[str, list[dict]]:
+                    noise_scale: float = 1.0, claim: float | None = None, **broken_code) -> tuple[str, list[dict]]:
     """One simulated check of one round of DP-Gaussian, judged as :func:`gradleak.run.dp_check.dp_check` judges
     (:func:`judge`): the threat models the mechanism covers (local noise: final model = every round, and each
     upload; central: final model = every round), ``canaries`` + 1 uploads, the claim the accountant makes (RDP, as
     ``dp_gaussian`` claims), statistics from :func:`simulated_statistics` with the breakage asked for. Defaults: the
-    text audit's size (``configs/audit/text_adapters.yaml``: 445,636 trainable coordinates). Returns (verdict,
-    measurements)."""
+    text audit's size (``configs/audit/text_adapters.yaml``: 445,636 trainable coordinates). ``claim``: another
+    accountant's claimed ε for the same mechanism (DP-SGD's Opacus accountant, ``LocalDpMod``'s); ``broken_code``:
+    :func:`simulated_statistics`' breakages of the mechanism's code (``unnoised_tensor``, ``tensor_sizes``,
+    ``clip_scale``). Returns (verdict, measurements)."""
     from gradleak.accounting import gaussian_rdp_epsilon
 
     rng = np.random.default_rng(seed)
-    claim = gaussian_rdp_epsilon(noise_multiplier, 1, delta)
-    broken = {"unnoised": unnoised, "noise_scale": noise_scale}
+    if claim is None:
+        claim = gaussian_rdp_epsilon(noise_multiplier, 1, delta)
+    broken = {"unnoised": unnoised, "noise_scale": noise_scale, **broken_code}
     agg, agg_u = simulated_statistics(rng, canaries, dim, noise_multiplier, aggregate_of=canaries + 1, central=central,
                                       **broken)
     stats = {"final_model": {"seen": agg, "unseen": agg_u, "claimed_epsilon": claim}}
