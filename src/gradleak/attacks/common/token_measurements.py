@@ -177,7 +177,6 @@ def invert_token_directions(Y: torch.Tensor, K: torch.Tensor, P: torch.Tensor, e
     Gi = torch.linalg.pinv(M.T @ M, hermitian=True)
     coef = Gi @ (M.T @ Y.T)  # (n + N + e) × k
     U, W = coef[:n].T.contiguous(), coef[n:n + N].T.contiguous()  # k × n, k × N
-    F = torch.kron(W, torch.eye(n, dtype=F64))  # (k n) × (N n): vec_r(Xᵀwⱼ) stacked = (W ⊗ I) vec_r(X)
     y = U.reshape(-1)
     objective, evidence = [], []
     X = priors[0].mean.reshape(N, n)
@@ -186,10 +185,13 @@ def invert_token_directions(Y: torch.Tensor, K: torch.Tensor, P: torch.Tensor, e
         return measurement_covariance(Gi, n, N, X)
 
     def posterior(pr, C):
-        FS = F @ pr.cov
-        Cy = FS @ F.T + torch.block_diag(*(t2 * C for t2 in tau2_rows))
+        # the measurement operator is F = W ⊗ I_n (vec_r(Xᵀwⱼ) stacked); F Σ and F Σ Fᵀ through that structure, never
+        # forming F: k n N (N n) + (k n)² N multiply-adds instead of (k n)(N n)² + (k n)²(N n)
+        FS = torch.einsum("jt,tapb->japb", W, pr.cov.view(N, n, N, n)).reshape(k * n, N * n)
+        Cy = torch.einsum("jatb,it->jaib", FS.view(k, n, N, n), W).reshape(k * n, k * n)
+        Cy = Cy + torch.block_diag(*(t2 * C for t2 in tau2_rows))
         L = _cholesky(Cy)
-        innov = y - F @ pr.mean
+        innov = y - (W @ pr.mean.view(N, n)).reshape(-1)
         a = torch.cholesky_solve(innov[:, None], L)[:, 0]
         log_ev = -float(2 * torch.log(L.diagonal()).sum() + innov @ a) / 2
         return pr.mean + FS.T @ a, log_ev
