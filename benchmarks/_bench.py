@@ -86,7 +86,7 @@ REVISION_NOTE = ("Revision (last column): the code revision that wrote the row (
 
 
 def revision_label(rows: dict | Iterable[dict | None] | None) -> str:
-    """The code revision(s) behind a table row, compact (issue 41): the short hash the row recorded when it was
+    """The code revision(s) behind a table row, compact (every row names it): the short hash the row recorded when it was
     written; ``committed with <hash>`` for a row written before rows recorded it, whose revision was recovered from
     git as the commit that added the row (``revision_committed_with``, by ``scripts/revisions_from_blame.py``: the
     code that produced it is that commit or an earlier one); ``not recorded`` where neither is known; ``–`` for no
@@ -148,7 +148,7 @@ def run_cells(jsonl: Path, cells: Iterable[tuple[dict, Callable[..., Any], tuple
     try:
         return cell_loop(jobs, jsonl, row, redo=redo, key=key, label=label,
                          describe=lambda r: messages.get(r[key], "done"), log=lambda m: print(m, flush=True))
-    finally:  # issue 41: a rerun replaces its cell's row; the superseded rows are the history, kept beside
+    finally:  # a rerun replaces its cell's row (the latest row per cell); the superseded rows are the history, kept beside
         moved = supersede_rows(jsonl, key)
         if moved:
             print(f"{moved} superseded row(s) moved to {display(history_path(jsonl))}", flush=True)
@@ -214,8 +214,8 @@ def check_configs(items: Iterable[tuple[str, dict, list[str]]]) -> int:
 
 def client_samples(raw: dict, overrides: Iterable[str] = ()) -> dict[tuple[int, int], tuple[str, ...]]:
     """The private samples each client of a cell holds, per ``(trial, client)``: ``raw`` (a config as
-    :func:`gradleak.config.loading.load_yaml` reads it) validated with ``overrides`` as the benchmarks run it (issue
-    41: held out = data no tuned cell drew). Loads data only, never a model.
+    :func:`gradleak.config.loading.load_yaml` reads it) validated with ``overrides`` as the benchmarks run it (held
+    out = data no tuned cell drew; tests/test_heldout_disjoint.py). Loads data only, never a model.
 
     Drawn by the pipeline's own code (``ImageData.clients`` / ``TextData.clients`` for every trial): for an image set
     each image's labels are replaced by its position in the set, which the seeded draw (``data.seed + 7919·trial``)

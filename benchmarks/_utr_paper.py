@@ -1,4 +1,4 @@
-"""UTR as published beside our extended UTR (issue 28 item 7): the cells and the table ``benchmarks/utr.py`` adds to
+"""UTR as published beside our extended UTR (docs/DESIGN.md §6): the cells and the table ``benchmarks/utr.py`` adds to
 its Table 1 (``--only table1``; the cells land in the same ``utr.jsonl``).
 
 Every row is one method on one offline model at one batch size, run on seed 0 (the seed the extended search was tuned
@@ -17,7 +17,7 @@ from gradleak.report.markdown import markdown_table
 from _bench import revision_label
 
 SEEDS = (0, 4242)  #: seed 0 tuned on (the extended search's development seed), 4242 a new seed (same sentences)
-#: what the tables say beside a seed (issue 41: held out = data no tuned cell drew). A text cell's seed permutes the
+#: what the tables say beside a seed (held out = data no tuned cell drew). A text cell's seed permutes the
 #: same 200 RT sentences, so seed 4242's batches are mostly sentences the seed-0 cells draw (``utr.SEED_OVERLAP``,
 #: measured by tests/test_heldout_disjoint.py): another seed, not held-out data
 SEED_LABELS = {0: "tuned on", 4242: "new seed, same sentences: not held-out data"}
@@ -101,7 +101,7 @@ def paper_table(by: dict[str, dict], paper_t1: dict) -> str | None:
                              "paper (RT)": paper,
                              "command (both seeds)": f"`python benchmarks/utr.py --only table1 --cells "
                                                      f"'t1/{m}/{key}/B{B}/s*'`", "revision": revision_label(cells)})
-    body = ("### Table 1, UTR as published vs ours (issue 28 item 7)\n\n"
+    body = ("### Table 1, UTR as published vs ours\n\n"
             f"Reduction factor 2, first two layers, FedSGD (one step, lr 0.5), ε = 1e-3 for both stages, {TRIALS} "
             "batches per cell (means); `verified` = sentences per batch the attack proves (every state in S_LA, or the value "
             "test). `UTR (paper)` runs `attack.params.search: paper` (`gradleak.attacks.utr.greedy`: the span test "

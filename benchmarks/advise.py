@@ -1,4 +1,4 @@
-"""What stops each attack (issue 30): ``gradleak audit --advise`` on the shipped audit configs, two seeds each, and the
+"""What stops each attack: ``gradleak audit --advise`` on the shipped audit configs, two seeds each, and the
 round trip (the recommended strength set in the config, a plain audit, its verdict).
 
 Every cell is one advised audit through :func:`gradleak.run.advise.run_audit_advised` (the code path of
@@ -190,7 +190,7 @@ def report(out: Path, args) -> int:
                    f"image, not held-out data, and the Reading below leaves it out. The cell now runs "
                    f"`{command(r['config'], r['seed'])}`; rerun it (`python benchmarks/advise.py --out benchmarks/out "
                    f"--only {r['config']} --seeds {r['seed']} --redo`).*", ""]
-        if r.get("utility_rounds") is None:  # a row from before the utility runs (issue 30 items 1-2)
+        if r.get("utility_rounds") is None:  # a row from before the advice measured utility
             md += ["*Predates the utility runs and the fitted clipping norms: accuracy after the single attacked round "
                    "(it does not move, every cost 0), DP clipping norm fixed at 1.0. Rerun to refresh.*", ""]
         curve = b.get("accuracy_curve")
@@ -234,7 +234,7 @@ def report(out: Path, args) -> int:
             md += [""]
     md += before_after(out / "advise.jsonl", rows)
     md += summary([r for r in rows if r.get("config_sha") == config_sha(r["config"]) and not drew_other_data(r)])
-    write_section(args, "advise", "\n".join(md), "What stops each attack: `gradleak audit --advise` (issue 30)", "advise")
+    write_section(args, "advise", "\n".join(md), "What stops each attack: `gradleak audit --advise`", "advise")
     return 0
 
 

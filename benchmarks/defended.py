@@ -93,7 +93,7 @@ def base(path: str, attack: dict, seed: int) -> dict:
     return raw
 
 
-#: a second held-out seed for UTR under DP-SGD sigma 1e-6 beside its matched Gaussian (issue 51: the tuned seed and
+#: a second held-out seed for UTR under DP-SGD sigma 1e-6 beside its matched Gaussian (so it has the tuned seed and
 #: two held-out ones); only those cells
 DP_SEEDS = {12: "held out"}
 

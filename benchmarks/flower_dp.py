@@ -1,5 +1,5 @@
 """What a Flower server sees under Flower's own DP mechanisms, and what a Flower app's reply convention costs an
-attacker (issue 13 item 3). Every cell is a real Flower federation (in-process nodes, or Flower's simulation engine).
+attacker. Every cell is a real Flower federation (in-process nodes, or Flower's simulation engine).
 
 * ``dp``: ``gradleak audit CONFIG --only ATTACK --set fl.engine=flower --set fl.flower.dp=DP`` with 2 clients for
   DP ∈ {none, server-fixed (DifferentialPrivacyServerSideFixedClipping), client-fixed
@@ -141,7 +141,7 @@ def report(args, jsonl: Path) -> None:
     lines = ["Every cell is a real Flower federation; the command of each is in `benchmarks/out/flower_dp.jsonl`. "
              + REVISION_NOTE, "",
              "### What the server sees under Flower's DP mechanisms (2 clients; the audit attacks every client)", "",
-             "Verdict and level as `gradleak audit` grades them (issue 26): the worst client's headline against "
+             "Verdict and level as `gradleak audit` grades them (DESIGN §6): the worst client's headline against "
              "chance matched the same way (null p99: the 99th percentile of 1000 seeded draws of random held-out "
              "images / public sentences; for images the level's bar is the larger of that and the PSNR of the mean public and the grey image, so a value just above the null p99 can still read `none`).", "",
              "| setup (attack) | Flower DP | the server sees | verdict | level | worst client: result | null p99 | "
@@ -195,7 +195,7 @@ def report(args, jsonl: Path) -> None:
         if r and "error" not in r:
             lines.append(f"| {rt} | {r.get('flower_seconds') or float('nan'):.1f} | {r['wall_seconds']:.1f} | {r['verdict']} | "
                          f"{revision_label(r)} |")
-    write_section(args, "flower_dp", "\n".join(lines), "Flower: DP wrappers, reply precision, runtimes (issue 13)",
+    write_section(args, "flower_dp", "\n".join(lines), "Flower: DP wrappers, reply precision, runtimes",
                   "flower_dp")
 
 

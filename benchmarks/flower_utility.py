@@ -1,10 +1,10 @@
-"""Privacy–utility over training through a Flower federation (issue 13 item 4; the LoRA-ViT paper's §6, Fig. 12).
+"""Privacy–utility over training through a Flower federation (the LoRA-ViT paper's §6, Fig. 12).
 
 Full FedAvg on a Dirichlet(α = 0.1) non-IID split, through ``fl.engine: flower`` (Flower's ``FedAvg`` in a
 ``ServerApp``, one ``ClientApp`` node per client, in-process), for Gaussian noise σ ∈ {0, 0.01, 0.1} on every upload
 (the paper's "DP σ", added to the update as in its Table 4). Every ``--every`` rounds: the global model's test accuracy
-and the attack's success on *every* client's update of that round (``lora_span``, the exact analytic attack of
-issue 14; each client's reconstruction scored against its own images), plus the paper's kind of attack
+and the attack's success on *every* client's update of that round (``lora_span``, the exact analytic attack
+beyond paper 001; each client's reconstruction scored against its own images), plus the paper's kind of attack
 (``--second-attack``, default ``ig`` at cpu scale) on the one-image client. One client is the high-risk client of the
 leakage study (one private image, so its FedAvg update is one gradient step); the others hold their Dirichlet share.
 
@@ -222,7 +222,7 @@ def report(args, jsonl: Path) -> None:
                   "without noise (" + _span(rows) + "); PEFTLeak through Flower (one reconstruction "
                   "round, then the clients train the poisoned weights) is in the section below."]
     lines += ["", f"![privacy–utility over training]({link})"]
-    write_section(args, "flower_utility", "\n".join(lines), "Flower: privacy–utility over training (issue 13)",
+    write_section(args, "flower_utility", "\n".join(lines), "Flower: privacy–utility over training",
                   "flower_utility")
 
 

@@ -1,4 +1,4 @@
-"""Leakage-quantification benchmark (paper 003, Hatamizadeh et al. 2022; issue 9): the paper's findings as checks.
+"""Leakage-quantification benchmark (paper 003, Hatamizadeh et al. 2022): the paper's findings as checks.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/leakage.py                  # every table (≈ 2 h on 2 CPU cores
                                                                               # as two processes, see --lane)
@@ -55,9 +55,9 @@ MULTISTEP_B = (4, 2, 1)  # 8 images: K = 2, 4, 8 local steps
 MULTISTEP_ITERS = 150
 ABLATIONS = ("gradient_only", "bn_only", "stale_checkpoint", "fixed_bn")
 NULL_SEEDS = (0, 4242)  # 0: the tuning seed; 4242: a new seed on the same images (data.seed stays 0): not held out
-#: the null table's seed labels (issue 41 item 2: held out = images no tuned cell drew; tests/test_heldout_disjoint.py)
+#: the null table's seed labels (held out = images no tuned cell drew; tests/test_heldout_disjoint.py)
 NULL_SEED_LABELS = {0: "tuning", 4242: "new seed, same images: not held-out data"}
-#: the gradient-only arm's own tuning (issue 28 item 2), seed 0's high-risk client: a coordinate search, each setting
+#: the gradient-only arm's own tuning (not the combined objective's), seed 0's high-risk client: a coordinate search, each setting
 #: a cell. Stage 1 the objective (matching form and weight, label source, energy noise) from the shipped weights
 #: (which were tuned for the combined objective: ``hr/gradient_only``); stage 2 one knob at a time (TV weight, lr,
 #: initialisation, iterations) from ``cos_head``, chosen before stage 1 had finished (the report says whether it was
@@ -73,7 +73,7 @@ GRADONLY_STAGE2 = (  # from cos_head, fixed before stage 1 ended (the label read
     ("cos_head_tv1e-2", (*_HEAD, "attack.tv_weight=0.01")),
     ("cos_head_lr0.01", (*_HEAD, "attack.lr=0.01")),
     ("cos_head_gray", (*_HEAD, "attack.prior=gray")),
-)  # iterations stay at 300: a 600-iteration cell did not fit the shared machine's time (issue 28 item 2 report)
+)  # iterations stay at 300: a 600-iteration cell did not fit the shared machine's time
 GRADONLY_TUNE = GRADONLY_STAGE1 + GRADONLY_STAGE2
 GRADONLY_CHOSEN = "cos_head"  # stage 2's best (the report flags it when the tuning's best differs)
 GRADONLY_DP_SIGMAS = (1.0,)  # the tuned arm under DP-SGD (the untuned rows above have 0.5, 1, 2)
@@ -104,9 +104,9 @@ def cells() -> list[dict]:
 
     for s in (0, 1):
         add(f"main/seed{s}", "main", [f"seed={s}", f"data.seed={s}"])
-    for s in NULL_SEEDS:  # the same runs graded against chance (issue 26): RDLV's null, per client
+    for s in NULL_SEEDS:  # the same runs graded against chance (docs/DESIGN.md §6): RDLV's null, per client
         add(f"null/seed{s}", "null", [f"seed={s}"])
-    # the public code's attack in effect: its matching term has no gradient path (issue 9), so only BN + priors act
+    # the public code's attack in effect: its matching term has no gradient path (detached state_dicts), so only BN + priors act
     add("main/seed0/bn_only", "main", ["seed=0", "data.seed=0", "attack.ablation=bn_only"])
     add("hr/none", "ablations", _hr())
     for a in ABLATIONS:
@@ -190,7 +190,7 @@ def run_cells(sel: list[dict], out: Path) -> None:
 
 
 def measure_speed(out: Path) -> dict:
-    """One inversion iteration vs one training forward+backward, per simulated step (issue 9: ≤ 4×), on the shipped
+    """One inversion iteration vs one training forward+backward, per simulated step (target ≤ 4×), on the shipped
     config's ResNet-18 (40 px grey), in this process, interleaved (``measure_iteration_cost``)."""
     import torch
 
@@ -232,7 +232,7 @@ class _Check(list):
 
 
 def _rv(rows: dict, *cells: str) -> str:
-    """The revision column of a table row read off ``cells`` (issue 41)."""
+    """The revision column of a table row read off ``cells`` (every row records the revision that wrote it)."""
     return revision_label([rows.get(c) for c in cells])
 
 
@@ -262,7 +262,7 @@ SETUP = {0: "8 / B 4 / 2", 1: "8 / B 8 / 1", 2: "1 / B 1 / 1"}
 
 
 def _null_section(rows: dict, checks: list[list[str]]) -> list[str]:
-    """The ``null`` cells graded as the audit grades them (issue 26): per client, RDLV beside the RDLV of N random
+    """The ``null`` cells graded as the audit grades them (DESIGN §6): per client, RDLV beside the RDLV of N random
     held-out images matched best-of-N (its median, 99th percentile, p), the excess over the 99th percentile, SSIM
     beside its null, and the level (:func:`gradleak.evaluation.grade` on the client's metrics)."""
     from gradleak.evaluation import grade
@@ -284,7 +284,7 @@ def _null_section(rows: dict, checks: list[list[str]]) -> list[str]:
                           f"{_f(m.get('ssim'))} ({_f(m.get('ssim_null_p99'))})", lvl, revision_label(r)])
     if not trows:
         return []
-    L = ["", "#### Against the null: who leaks, restated (issue 26)\n",
+    L = ["", "#### Against the null: who leaks, restated\n",
          "RDLV > 0 is not evidence by itself: each original takes its best match of N, so N *random* held-out images "
          "also score RDLV > 0. The evaluation draws that null — 1000 seeded draws of N random held-out Fashion-MNIST "
          "images (the chunk after every client, validation, prior and test image) as the client's N reconstructions, "
@@ -338,7 +338,7 @@ def _gated(ok, gate) -> str:
 
 
 def _gradonly_section(rows: dict, checks: list[list[str]]) -> tuple[list[str], dict]:
-    """The gradient-only arm tuned on its own (issue 28 item 2): the tuning table (every setting tried, seed 0), the
+    """The gradient-only arm tuned on its own: the tuning table (every setting tried, seed 0), the
     chosen setting on the held-out seed beside the BN-aware attack, the prior and the SSIM null, the gate (the arm
     must at least match the prior before a conclusion uses it) and 'the attack fails without BN accounting' restated
     as: the BN-aware attack beats the tuned arm by more than the SSIM null's spread (p99 − median) on both seeds."""
@@ -353,7 +353,7 @@ def _gradonly_section(rows: dict, checks: list[list[str]]) -> tuple[list[str], d
             measured.append((m["ssim"], name, stage))
     best = max(measured)[1] if measured else None
     best1 = max((m for m in measured if m[2] == "1"), default=(None, None))[1]
-    L = ["### The gradient-only arm, tuned on its own (`gradonly`, high-risk client; issue 28)\n",
+    L = ["### The gradient-only arm, tuned on its own (`gradonly`, high-risk client)\n",
          "The `gradient_only` ablation above keeps the weights tuned for the combined objective (matching 1e-3 on "
          "‖Δŵ − Δw‖₂, TV 1e-3, energy 0.1, random soft labels) and ends below the prior, so it cannot show that the "
          "attack *needs* the BN statistics. Here the arm (no BN term: `attack.ablation=gradient_only`, objective = "
@@ -391,7 +391,7 @@ def _gradonly_section(rows: dict, checks: list[list[str]]) -> tuple[list[str], d
                      "command", "revision"], hrows))
     L.append("")
     g = None if None in gate else all(gate)
-    checks.append(_Check("Gate (issue 28): the tuned gradient-only arm at least matches the prior (SSIM ≥ SSIM(prior, x)) on "
+    checks.append(_Check("Gate: the tuned gradient-only arm at least matches the prior (SSIM ≥ SSIM(prior, x)) on "
                    "the tuning and the held-out seed, before any conclusion uses it",
                    "; ".join(f"seed {lab.split()[0]}: {'passes' if ok else 'fails'}" for (lab, _, _), ok in zip(pairs, gate)
                              if ok is not None) or "not measured",
@@ -409,7 +409,7 @@ def _gradonly_section(rows: dict, checks: list[list[str]]) -> tuple[list[str], d
 
 
 def _dpsgd_tuned(rows: dict, checks: list[list[str]], gsum: dict) -> list[str]:
-    """The DP-SGD rows again with the gradient-only arm tuned on its own (issue 28), each beside the prior and the SSIM
+    """The DP-SGD rows again with the gradient-only arm tuned on its own (`gradonly`), each beside the prior and the SSIM
     null, and 'DP-SGD protects through the GroupNorm it forces' restated: on the GroupNorm model *without* DP noise
     the tuned arm is not beyond its null and the BN-aware attack on the BatchNorm model beats it by more than the
     null's spread (gated on the arm matching the prior)."""
@@ -421,7 +421,7 @@ def _dpsgd_tuned(rows: dict, checks: list[list[str]], gsum: dict) -> list[str]:
         m = got[cell] = _client_metrics(rows, cell)
         trows.append([label, _f(_get(rows, cell, f"dp_epsilon_client{HIGH_RISK}"), ".1f"), *_null_cols(m),
                       _f(_get(rows, cell, "accuracy")), _cmd(rows, cell), _rv(rows, cell)])
-    L = [f"The same with the gradient-only arm tuned on its own (`{chosen}`, the `gradonly` table's choice; issue 28), "
+    L = [f"The same with the gradient-only arm tuned on its own (`{chosen}`, the `gradonly` table's choice), "
          "each beside the prior and the SSIM null:\n",
          _table(["model / defense", "ε (client 2)", "SSIM", "SSIM prior", "null median", "null p99", "level", "accuracy",
                  "command", "revision"], trows), ""]
@@ -443,7 +443,7 @@ def _dpsgd_tuned(rows: dict, checks: list[list[str]], gsum: dict) -> list[str]:
 
 
 def _gradonly_reading(gsum: dict, acc_bn, acc_gn) -> tuple[str, str]:
-    """The two conclusions that rest on the gradient-only arm, in words, from the gated checks (issue 28)."""
+    """The two conclusions that rest on the gradient-only arm, in words, from the gated checks (the gate above)."""
     ms, gate, c1 = gsum.get("margins") or [], gsum.get("gate"), gsum.get("fails_without_bn")
     seen = "; ".join(f"seed {lab.split()[0]}: BN-aware − gradient-only SSIM {d:+.3f}, null spread {sp:.3f}, gradient-only "
                      f"level {lg}" for lab, d, sp, lg, _ in ms)
@@ -768,7 +768,7 @@ def report(args: argparse.Namespace) -> int:
         L.append(_table(["B", "K", "fwd+bwd ms", "iteration ms", "ratio (fastest)", "ratio (median)", "revision"], srows))
         L.append("")
         worst = max(r["ratio_per_step"] for r in speed["rows"])
-        checks.append(_Check("One inversion iteration ≤ 4× a forward+backward per simulated local step (issue 9)",
+        checks.append(_Check("One inversion iteration ≤ 4× a forward+backward per simulated local step (our target)",
                        f"worst {worst:.2f}× over the B/K cells", _yes(worst <= 4), revision_label(speed)))
 
     g = lambda cell, k: _get(rows, cell, k)  # noqa: E731
@@ -799,7 +799,7 @@ def report(args: argparse.Namespace) -> int:
         "* **The RDLV filter** stops exactly the leaking updates, at no accuracy cost in 3 rounds, but costs each "
         "auditing client one inversion per audited round.\n")
     L.append("### The paper's findings as checks\n")
-    L.append(_table(["finding (paper / issue 9)", "our measurement", "verdict", "revision (the cells it reads)"],
+    L.append(_table(["finding (paper / our target)", "our measurement", "verdict", "revision (the cells it reads)"],
                     [[*c, getattr(c, "revision", "–")] for c in checks]))
     L.append("")
     missing = [c for c in cfgs if c not in rows or "error" in rows[c]]

@@ -26,7 +26,7 @@ Data (all real, offline): the 40 CIFAR-10/100 test images (foolbox) for B ≤ 40
 paper's "CIFAR-10 B=32" cell is run at B=20 per dataset plus B=32 on the 40 mixed; natural-image
 crops of the 20 ImageNet sample photos for B > 40, for the 64×64 TinyImageNet-like cells and the 224²
 cells; the server's public data is disjoint (ImageNet crops for CIFAR cells, scikit-image/sklearn
-photos otherwise). The held-out cells (``--only heldout``, issue 41) draw 32 Fashion-MNIST train images, which no
+photos otherwise). The held-out cells (``--only heldout``: data no tuned cell drew) draw 32 Fashion-MNIST train images, which no
 other cell draws (see ``HELDOUT``: every CIFAR image and ImageNet photo is drawn by a tuned cell).
 """
 
@@ -59,7 +59,7 @@ PAPER = {
 
 TABLES = ("table1", "fig6a", "fig6b", "fig6c", "table2", "table3", "table4", "ablation", "fedavg", "counts", "heldout")
 
-#: issue 28 item 6: the paper design at B = 128 counted both ways, with other- and same-distribution public statistics
+#: the paper design at B = 128 counted both ways (strict and the authors'), with other- and same-distribution public statistics
 #: (private: crops of ImageNet sample photos 0-9; public: scikit-image/-learn photos, or crops of photos 10-19) and
 #: with the paper's 5 adapters per position (ours: 6 = 24 slots / 4 positions)
 COUNT_ARMS = (
@@ -75,7 +75,7 @@ COUNT_ARMS = (
 )
 
 CIFAR = ["--set", "data.public=natural-crops"]
-#: issue 41 item 2: held out = data no tuned cell drew, not another seed of the same images. Seed 0 is the seed the
+#: held out = data no tuned cell drew, not another seed of the same images. Seed 0 is the seed the
 #: designs were developed on: every cell at data.seed 0 counts as tuned (:func:`split_of`). Those cells hold all 40
 #: CIFAR images (Table 1's per-dataset B = 20 cells) and crops of all 20 ImageNet photos, so no data seed of either
 #: set is held out (32 of the 40 share at least 24 images with seed 0's 32; seed 4 shares 26). The held-out cells run
@@ -108,7 +108,7 @@ def cells(quick: bool, max_b224: int = 64) -> list[tuple[str, str, dict, list[st
                 out.append(("fig6a", f"f6a-B{B}-{d}-s{s}", {"design": d, "B": B, "seed": s}, ov))
     if quick:
         return out
-    for title, arm, ov in COUNT_ARMS:  # issue 28 item 6: strict count vs the authors' count
+    for title, arm, ov in COUNT_ARMS:  # strict count vs the authors' count (paper design, B = 128)
         for s_ in (0, 1, 2):
             out.append(("counts", f"cnt-B128-{arm}-s{s_}", {"design": "paper", "arm": title, "B": 128, "seed": s_},
                         ov + ["--set", "data.batch_size=128", "--set", "attack.design=paper",
@@ -167,7 +167,7 @@ def cells(quick: bool, max_b224: int = 64) -> list[tuple[str, str, dict, list[st
                         data + ["--set", "data.public=public-natural", "--set", "data.image_size=224",
                                 "--set", "data.public_size=48", "--set", f"data.batch_size={B}",
                                 "--set", f"attack.design={d}"] + plan))
-    # issue 41 item 2: Table 1's B = 32 on held-out data (HELDOUT: images no other cell draws)
+    # Table 1's B = 32 on held-out data (HELDOUT: images no other cell draws)
     for d in designs:
         out.append(("heldout", f"ho-fmnist-B32-{d}-s{HELDOUT_SEED}",
                     {"design": d, "dataset": "fmnist-B32", "seed": HELDOUT_SEED},
@@ -229,7 +229,7 @@ def _mean(xs):
 
 
 DATA_COLUMN = "private / public statistics"
-#: the two methods every table sets side by side, and the substitutes that decide every row (issue 28 item 7)
+#: the two methods every table sets side by side, and the substitutes that decide every row (docs/DESIGN.md §6)
 METHODS_NOTE = (
     "**Methods.** *paper design* = PEFTLeak's Algorithm 1 as published (one binning direction per position, bins "
     "from the public statistics' quantiles, recovery from bias-gradient differences of adjacent bins); *improved* = "
@@ -244,7 +244,7 @@ METHODS_NOTE = (
 
 
 def data_of(rows: list) -> str:
-    """The private data and the server's public statistics that decide a row (issue 28 item 7), read from the cells'
+    """The private data and the server's public statistics that decide a row (DESIGN §6), read from the cells'
     commands: ``private / public`` dataset names (the config's defaults where the command does not set them)."""
     seen = []
     for r in rows:
@@ -348,7 +348,7 @@ def report(out: Path, args: argparse.Namespace) -> int:
          "revision"])
     summary["table1"] = lines
     ho = by.get("heldout", [])
-    if ho:  # issue 41 item 2: the held-out cells beside Table 1's B = 32 batches of the CIFAR images
+    if ho:  # the held-out cells (images no tuned cell drew) beside Table 1's B = 32 batches of the CIFAR images
         shown = {"tuned": f"tuned (data seed {TUNED_DATA_SEED})", "held out": "held out (images no other cell draws)",
                  "other seed": "new seed, same 40 images: not held-out data"}
         b32 = sorted((r for r in by.get("table1", []) if r["meta"].get("dataset") == "cifar-B32"),
@@ -361,7 +361,7 @@ def report(out: Path, args: argparse.Namespace) -> int:
                    "revision": revision_label(r)}
                   for r in b32 + sorted(ho, key=lambda r: r["meta"]["design"])]
         summary["heldout"] = rows_h
-        md += ["### Held out (issue 41): Table 1's B = 32 on images no tuned cell drew", "",
+        md += ["### Held out: Table 1's B = 32 on images no tuned cell drew", "",
                "Held out means data no tuned cell drew, not another seed: seed 0 is the seed the designs were "
                "developed on, and the cells at data seed 0 hold all 40 CIFAR images (Table 1's per-dataset B = 20 "
                "cells) and crops of all 20 ImageNet photos, so no other draw of them is held out (seeds 1-4 draw 32 of "
@@ -488,7 +488,7 @@ def report(out: Path, args: argparse.Namespace) -> int:
                            "K": _mean([r["metrics"].get("adapters_per_position") for r in rs]),
                            "seeds": ", ".join(str(r["meta"]["seed"]) for r in rs), "revision": revision_label(rs)})
         summary["counts"] = rows_c
-        md += ["### PEFTLeak's count vs ours (paper design, B = 128; issue 28 item 6)", "",
+        md += ["### PEFTLeak's count vs ours (paper design, B = 128)", "",
                "Two counts of the same runs: **strict** = a true patch counts when a returned patch at its image and "
                "position reaches 30 dB (ours, `metrics.patch_recovery_rate`); **authors' count** = every usable bin "
                "whose bias-gradient difference is non-zero counts as one recovered patch, collisions included and "

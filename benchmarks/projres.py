@@ -23,8 +23,8 @@ LoRA: none, FISGuard r ∈ {8, 16, 64} and r 16 with the head protected, DP-SGD 
 dropout p ∈ {0.1, 0.3}, label smoothing ε ∈ {0.1, 0.3}, min-max λ ∈ {1, 3}, each against ProjRes and the adaptive
 attack on 10 clients); ``heldout`` (undefended and FISGuard-16 MiniLM/Adapter again with seed 1 -- a new seed on the
 same quotes, not held-out data: ``SEED_OVERLAP`` -- and on the WordNet gloss examples, held-out data); ``fisguard``
-(issue 28 item 4: FISGuard as the paper deploys it -- head protected, one r -- and with each layer's r capped at the
-rank its gradient reaches, per layer, seeds 0 and 1); ``dataset`` (issue 28 item 3: the
+(FISGuard as the paper deploys it -- head protected, one r -- and with each layer's r capped at the
+rank its gradient reaches, per layer, seeds 0 and 1); ``dataset`` (the
 paper's setting, each client holds 285 quotes and trains on a batch of 16 a round, members = its dataset; one observed
 round and the first epoch's rounds; undefended and the key defenses, seeds 0 and 1); ``overhead`` (training time of each defense relative to none, measured in one process,
 interleaved: ``measure_overhead``). Outputs in ``--out``: ``projres.jsonl``, ``projres.json``,
@@ -54,10 +54,10 @@ CONFIG = ROOT / "configs" / "projres" / "minilm_adapter.yaml"
 TABLES = ("main", "defenses", "heldout", "overhead", "dataset", "fisguard")
 #: defenses defined for adapters only (their layer_ranks name adapter layers)
 ADAPTER_ONLY = {"fisguard-r16-capped"}
-#: the dataset setting's rows (issue 28 item 3): main (adapter, LoRA) and the defense table's key rows
+#: the dataset setting's rows (each client holds a dataset): main (adapter, LoRA) and the defense table's key rows
 DATASET_DEFENSES = ("none", "fisguard-r16", "fisguard-r16-paper", "fisguard-r16-capped", "dpsgd-1", "l2-0.1",
                     "dropout-0.3", "label_smoothing-0.3", "minmax-1")
-#: the FISGuard deployments of issue 28 item 4 (batch-level reading, per-layer evidence)
+#: the FISGuard deployments: as the paper deploys it and capped per layer (batch-level reading, per-layer evidence)
 FISGUARD_ROWS = ("fisguard-r16", "fisguard-r16-head", "fisguard-r16-paper", "fisguard-r16-capped")
 #: the default FedSGD schedule (rounds, lr) per model; the attack scores the last round. MiniLM needs ~40 rounds at
 #: lr 0.5 to move off the majority class (20 rounds: accuracy 0.31 = majority; 40: 0.64).
@@ -71,7 +71,7 @@ ATTACKS = {  # set as a whole section: the shipped config's projres keys must no
     # (the first 3 clients: 17 rounds × their 1,005 candidates of forward passes)
     "projres-epoch": "{name: projres, aggregation: sentence, round_aggregation: min, max_clients: 3}",
 }
-#: the paper's setting (issue 28 item 3): each client holds a dataset of 285 quotes (paper 004: CoLA's 8,551 over 30
+#: the paper's setting: each client holds a dataset of 285 quotes (paper 004: CoLA's 8,551 over 30
 #: clients) and trains each round on a batch of 16 drawn from it; members = the client's dataset. 6 clients (not 30):
 #: fortunes-topics has 2,441 quotes, 6 × 285 members + 6 × 50 non-members + 300 test quotes + min-max's 6 × 16
 #: reference quotes fit; the attack's cost grows with candidates × observed rounds.
@@ -81,7 +81,7 @@ EPOCH_ROUNDS = DATASET["samples_per_client"] // 16  # 17 rounds: one data-loader
 SETTINGS = {"batch": [], "dataset": [f"fl.clients={DATASET['clients']}",
                                      f"data.samples_per_client={DATASET['samples_per_client']}",
                                      f"data.nonmembers={DATASET['nonmembers']}", f"data.test_size={DATASET['test_size']}"],
-            # the FISGuard deployments' cells of issue 28 item 4 beyond the stored ones: 10 clients (a third of the
+            # the FISGuard deployments' cells beyond the stored ones: 10 clients (a third of the
             # client steps; the rank of each upload's G_U does not depend on how many clients there are)
             "batch10": ["fl.clients=10"]}
 ATTACK_THREAT = {"projres-epoch": [f"threat.rounds_observed={EPOCH_ROUNDS}"]}
@@ -117,7 +117,7 @@ OVERHEAD_DEFENSES = ("none", "fisguard-r16", "fisguard-r64", "fisguard-r16-head"
 OVERHEAD_SETUP = ["fl.clients=10", "fl.rounds=3", "data.nonmembers=5", "data.test_size=10"]
 OVERHEAD_REPEATS = 2
 HELDOUT = {"seed1": {"seed": 1}, "wordnet": {"data": "wordnet-examples"}}  # variant -> what changes
-#: issue 41 (held out = data no tuned cell drew): what the table of these variants says. A cell's seed permutes the same
+#: held out = data no tuned cell drew: what the table of these variants says. A cell's seed permutes the same
 #: quotes, so seed 1 reuses quotes the seed-0 cells drew (``SEED_OVERLAP``); the WordNet cells draw no quote at all
 HELDOUT_LABELS = {"seed1": "seed 1 (new seed, same quotes: not held-out data)",
                   "wordnet": "WordNet gloss examples (held out: no quote a tuned cell drew)"}
@@ -138,7 +138,7 @@ SEEDS_TITLE = "Seed 1 (same quotes: not held-out data) and WordNet gloss example
 
 
 def seed_overlap_note() -> str:
-    """Issue 41: why seeds 1 and 2 are not held-out data and the WordNet cells are, with the measured counts."""
+    """Why seeds 1 and 2 are not held-out data (a tuned cell drew them) and the WordNet cells are, with the measured counts."""
     o, w = SEED_OVERLAP, WORDNET_PUBLIC
     per = "; ".join(f"{SETTING_NAMES[st]} seed {sd}: {a:,} of {n:,} members and {b:,} of {m:,} non-members"
                     for (st, sd), (a, n, b, m) in ((k, v) for k, v in o.items() if isinstance(k, tuple)))
@@ -217,11 +217,11 @@ def table_params(quick: bool) -> list[tuple[str, dict]]:
     if not quick:
         out += [("heldout", p(attack=a, defense=d, **change)) for change in HELDOUT.values()
                 for a in ("projres", "adaptive") for d in ("none", "fisguard-r16")]
-    # issue 28 item 4: FISGuard as the paper deploys it and capped, per layer (batch-level reading), seed 1 beside
+    # FISGuard as the paper deploys it and capped, per layer (batch-level reading), seed 1 beside
     out += [("fisguard", p(peft=k, defense=d, seed=s, setting=st)) for st in ("batch", "batch10") for s in (0, 1)
             for k in ("adapter", "lora") for d in FISGUARD_ROWS if not (k != "adapter" and d in ADAPTER_ONLY)]
     out += [("fisguard", p(defense="none", setting="batch10"))]  # the 10-client cells' accuracy baseline
-    # issue 28 item 3: the paper's setting (each client holds a dataset), one observed round and the first epoch
+    # the paper's setting (each client holds a dataset), one observed round and the first epoch
     ds = [p(peft=k, defense="none", setting="dataset", seed=s) for s in (0, 1) for k in ("adapter", "lora")]
     ds += [p(setting="dataset", seed=DATASET_SEED2)]  # seed 1 diverged there (NaN at lr 0.5): a second new seed
     ds += [p(attack="projres-epoch", setting="dataset", seed=s) for s in (0, 1)]
@@ -507,7 +507,7 @@ def _ci(row: dict | None) -> str:
     return f", 95 % CI {_m(row, 'auc_low')}–{_m(row, 'auc_high')}" if row and row["metrics"].get("auc_low") is not None else ""
 
 
-#: the substitutes that decide every ProjRes number, named in the rows (issue 28 item 7): the backbone each model
+#: the substitutes that decide every ProjRes number, named in the rows (docs/DESIGN.md §6): the backbone each model
 #: stands in for (paper 004: BERT-Base, GPT-2 Large), its pooling, and the data (paper 004: CoLA, SST-5, IMDb)
 STANDS_IN = {"minilm": "BERT-Base (MiniLM-L6, 2 layers, masked mean pooling)",
              "smollm2": "GPT-2 Large (SmolLM2-135M, 2 layers, masked mean pooling)"}
@@ -515,7 +515,7 @@ DATA_LABEL = "fortunes quotes, 4 topics (for CoLA / SST-5 / IMDb)"
 
 
 def _dataset_section(get, failed: list[dict]) -> list[str]:
-    """Issue 28 item 3: the paper's setting (each client holds a dataset; members = the dataset), one observed round
+    """The paper's setting (each client holds a dataset; members = the dataset), one observed round
     and the first epoch, beside the batch-level reading of the same defense."""
     items = []
     for k, defs in (("adapter", DATASET_DEFENSES), ("lora", ("none", "fisguard-r16-head"))):
@@ -539,7 +539,7 @@ def _dataset_section(get, failed: list[dict]) -> list[str]:
           "revision": revision_label(r)}
          for reading, k, d, sd, r in items]
     n, B = DATASET["samples_per_client"], 16
-    text = (f"### Paper's setting: each client holds a dataset (issue 28 item 3)\n\n"
+    text = (f"### Paper's setting: each client holds a dataset\n\n"
             f"Paper 004's clients hold their share of the training set (CoLA: 8,551 / 30 ≈ 285) and train each round "
             f"on a batch of 16 of it; members are the client's dataset. Here (`data.samples_per_client`): "
             f"{DATASET['clients']} clients × {n} quotes (not 30: fortunes-topics has 2,441 quotes), each round a batch of "
@@ -597,7 +597,7 @@ def _outside(row: dict | None) -> str:
 
 
 def _fisguard_section(get) -> list[str]:
-    """Issue 28 item 4: FISGuard as the paper deploys it and capped, per layer (batch-level reading)."""
+    """FISGuard as the paper deploys it and capped, per layer (batch-level reading)."""
     items = [(k, d, sd, st, get(peft=k, defense=d, seed=sd, setting=st)) for st in ("batch", "batch10")
              for k in ("adapter", "lora") for d in ("none", *FISGUARD_ROWS) for sd in (0, 1)
              if not (k != "adapter" and d in ADAPTER_ONLY) and not (d == "none" and st == "batch")]
@@ -612,7 +612,7 @@ def _fisguard_section(get) -> list[str]:
           "AUC max, guarantee fails": _m(r, "auc_max_guarantee_fails"), "AUC max, unprotected": _m(r, "auc_max_unprotected"),
           "ProjRes AUC per layer (rank of G / its input width: r for U)": _layers(r, ranks=True),
           "cell `--set`s beyond the base": _sets(r, base), "revision": revision_label(r)} for k, d, sd, st, r in items]
-    text = ("### FISGuard per layer: where the residual AUC comes from (issue 28 item 4)\n\n"
+    text = ("### FISGuard per layer: where the residual AUC comes from\n\n"
             "Batch-level reading (each client holds 16 quotes, 40 FedSGD rounds, the last scored; 30 clients as the "
             "tables above, the cells added for this table 10 clients for CPU time -- the rank of each upload's G_U does "
             "not depend on the client count), MiniLM, 4 classes. "

@@ -19,7 +19,7 @@ only with ``--update-docs`` or ``--report-only``. ``--out`` defaults to ``runs/b
 
 Our offline models are narrower than the paper's (MiniLM d=384 for BERT-Base, SmolLM2-135M d=576 for
 GPT2-L/Qwen), so bottlenecks are 192/288 at reduction factor 2, and capacity runs out at smaller batches:
-cells past it carry ``capacity_exhausted=1``. DAGER's fair cells (issue 28) keep all 6 MiniLM layers
+cells past it carry ``capacity_exhausted=1``. DAGER's fair cells (a baseline at its own best) keep all 6 MiniLM layers
 (``DAGER_LAYERS``) so its second span check is not on the last layer. LAMP cells grant ``threat.knows_lengths`` and
 ``threat.knows_labels`` explicitly (LAMP's threat model; the pipeline refuses LAMP without them).
 """
@@ -159,21 +159,21 @@ def grid(quick: bool, only: set[str] | None) -> list[tuple[str, str, dict]]:
                 cells.append(("fig4b", f"f4b/{m}/eps{eps}/B{B}", cell_config(m, B, rf=1, eps=eps)))
     cells += noise_grid()
     cells += bottleneck_grid()
-    cells += paper_grid(cell_config)  # issue 28 item 7: UTR as published beside ours, seeds 0 and 4242
+    cells += paper_grid(cell_config)  # UTR as published beside ours (docs/DESIGN.md §6), seeds 0 and 4242
     return [c for c in cells if not only or c[0] in only]
 
 
-#: issue 28 item 1: DAGER as published checks the first two attention layers of a deeper model (MiniLM-L6's 6
+#: a fair baseline: DAGER as published checks the first two attention layers of a deeper model (MiniLM-L6's 6
 #: layers: its second check is on layer 1, not on a 2-layer [CLS] classifier's last layer, whose key/query gradient
 #: sees only what the [CLS] query attends to); LoRA (rank 128) on query + key of every layer
 DAGER_LAYERS = 6
 #: LoRA rank = MiniLM's hidden size: B is square (and invertible), so the A gradient's rows span exactly what the full
 #: query/key gradient's rows span -- the paper's full-fine-tuning setting as far as DAGER's span checks go
 FULL_RANK = 384
-#: seed 0 tuned on (the span tolerances); 4242 is a new seed on the same RT sentences, not held-out data (issue 41:
-#: ``SEED_LABELS``, ``SEED_OVERLAP``)
+#: seed 0 tuned on (the span tolerances); 4242 is a new seed on the same RT sentences, not held-out data
+#: (held out = data no tuned cell drew: ``SEED_LABELS``, ``SEED_OVERLAP``)
 FAIR_SEEDS = (0, 4242)
-#: issue 41 (held out = data no tuned cell drew): a text cell's seed permutes the same RT sentences, so another seed is
+#: held out = data no tuned cell drew: a text cell's seed permutes the same RT sentences, so another seed is
 #: not another data set. Measured over the grid with ``_bench.client_samples`` (tests/test_heldout_disjoint.py checks
 #: every number): the RT sentences, those the seed-0 cells draw, those the seed-4242 cells draw, the ones both draw,
 #: and the smallest share (%) of one seed-4242 cell's sentences that seed-0 cells draw
@@ -204,7 +204,7 @@ def fair_cell(cell: str, seed: int | str) -> str:
     return cell if seed == FAIR_SEEDS[0] else f"{cell}/s{seed}"
 
 
-#: issue 41 (held out = data no tuned cell drew): DAGER's span test at B = 1, 2, 4 (its tolerances tuned on RT seed 0)
+#: held out = data no tuned cell drew: DAGER's span test at B = 1, 2, 4 (its tolerances tuned on RT seed 0)
 #: again on another corpus, the news sentences, at the tuned seed. No tuned cell draws a news sentence; the capacity
 #: cells at B = 256 (UTR, tuned on RT) read them too (tests/test_heldout_disjoint.py)
 HELDOUT = "heldout"
@@ -216,7 +216,7 @@ LAMP_BS = {FAIR_SEEDS[0]: (1, 2, 4, 8), FAIR_SEEDS[1]: (1, 2, 4)}
 
 
 def fair_baseline_grid() -> list[tuple[str, str, dict]]:
-    """Issue 28 item 1: DAGER's span test with our encoder search (6 layers, LoRA on query + key) at B = 1, 2, 4, 8
+    """Fair baselines: DAGER's span test with our encoder search (6 layers, LoRA on query + key) at B = 1, 2, 4, 8
     and LAMP at B = 1, 2, 4 on MiniLM, the tuned seed and a new one (LAMP B = 1 seed 0 is the 2-trial Table 1
     cell)."""
     cells = []
@@ -238,7 +238,7 @@ def fair_baseline_grid() -> list[tuple[str, str, dict]]:
     return cells
 
 
-#: issue 11: how far past the bottleneck (layer states / bottleneck rows) ROUGE stays >= 90; seed 0 tuned on,
+#: past the bottleneck: how far past it (layer states / bottleneck rows) ROUGE stays >= 90; seed 0 tuned on,
 #: 4242 a new seed (same sentences). MiniLM rf = 1 B >= 24 loses the positions (bag + positions + 1 > hidden size), so it stops at 22.
 BOTTLENECK_SWEEP = {("minilm", 1): (12, 14, 16, 18, 20, 22), ("minilm", 2): (6, 7, 8, 9, 10, 12),
                     ("smollm2", 1): (16, 20, 24, 28, 32), ("smollm2", 2): (6, 8, 10, 12)}
@@ -264,7 +264,7 @@ NSR = (1e-5, 1e-4, 1e-3, 1e-2)
 
 
 def noise_grid() -> list[tuple[str, str, dict]]:
-    """Issue 11 item 3: ROUGE against the per-coordinate noise-to-signal ratio (B = 2, rf = 2; seed 0 tuned on,
+    """Noise-aware membership: ROUGE against the per-coordinate noise-to-signal ratio (B = 2, rf = 2; seed 0 tuned on,
     4242 a new seed on the same sentences), the exact tests beside the noise-aware ones, and server-side DP on the aggregate."""
     cells = []
     for m in ("minilm", "smollm2"):
@@ -319,8 +319,8 @@ NOT_RUN = {("smollm2", f"dager_lora_L{DAGER_LAYERS}"): _CAUSAL, ("smollm2", f"da
 
 def _seed_note(rows: list[dict | None]) -> str:
     """The seeds the stored cells of a row ran on, read from their configs: the seed the extended UTR search (and
-    DAGER's span tolerances) were tuned on, or another seed on the same sentences (not held-out data, issue 41) --
-    said beside the paper's numbers (issue 28 item 7)."""
+    DAGER's span tolerances) were tuned on, or another seed on the same sentences (not held-out data) --
+    said beside the paper's numbers (docs/DESIGN.md §6)."""
     seeds = sorted({r["config"]["seed"] for r in rows if r})
     tuned, held = [s for s in seeds if s == FAIR_SEEDS[0]], [s for s in seeds if s != FAIR_SEEDS[0]]
     said = ([f"tuned on seed {tuned[0]}"] if tuned else []) + (
@@ -340,7 +340,7 @@ def _command(cell: str) -> str:
 
 
 def fair_section(by: dict) -> str:
-    """Issue 28 item 1: DAGER's span test (with our encoder search) and LAMP at B = 1, 2, 4 on MiniLM, each seed
+    """Fair baselines: DAGER's span test (with our encoder search) and LAMP at B = 1, 2, 4 on MiniLM, each seed
     beside the new one (same sentences), ROUGE F1 beside its null (``benchmarks/nulls.py``'s text null of the cell's own batch),
     the command per cell."""
     from nulls import LEGACY_F1_MARK, LEGACY_F1_NOTE, config_from_dict, text_null_setting
@@ -392,7 +392,7 @@ def fair_section(by: dict) -> str:
                               "verified": f"{int(round(ver * trials))}/{n_sent}" if ver is not None else "–",
                               "paper BERT RT": PAPER_T1.get((B, key.split("_")[0]), ("–",))[0],
                               "attack s": _t(row), "command": _command(cell), "revision": revision_label(row)})
-    return ("### Fair baselines (issue 28 item 1): DAGER's span test with our encoder search, LAMP at B = 1, 2, 4, 8 "
+    return ("### Fair baselines: DAGER's span test with our encoder search, LAMP at B = 1, 2, 4, 8 "
             "(MiniLM, RT; DAGER also on held-out news sentences)\n\n"
             + FAIR_INTRO + "\n\n" + markdown_table(table, list(table[0])) + "\n\n"
             + (f"*{LEGACY_F1_NOTE}*\n\n" if legacy else "")
@@ -407,7 +407,7 @@ FAIR_NOT_MEASURED = {
             "run on 2026-12-05 with 2 torch threads beside other jobs and stopped unfinished at the session's end "
             "after 134 min (137 CPU-minutes). Run the row's command on a quiet machine (`--threads 1`).",
     "dager": "DAGER cells marked not measured have no stored row. The seed-4242 B = 4 cells were started but stopped "
-             "unfinished when issue 28's session ended: on the shared machine a B = 4 cell took ~50 min of wall time "
+             "unfinished when their session ended: on the shared machine a B = 4 cell took ~50 min of wall time "
              "(attack 2,800-3,000 s; the encoder search has no time budget under DAGER). Full-rank B = 8 (seed 0) was "
              "run on 2026-12-05 and killed by the kernel for memory: 22.4 GB resident on the 24 GiB machine, before "
              "it wrote a row; it needs a machine with more memory (its command above)."}
@@ -472,7 +472,7 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
              "(tokens; BERT: bag tokens + positions + 1) <= bottleneck, stage 2 needs distinct first-layer states "
              "(BERT: every token; causal: every distinct prefix) <= bottleneck; `layer states` is reported per cell. "
              "Times in these tables were taken while other jobs shared the 2 cores (up to 2-5x slower than idle); "
-             "idle timings are in the closing notes of issue 3 with their commands.\n\n"
+             "for an idle timing, rerun a row's command (`--threads 1`) on a quiet machine.\n\n"
              "How stage 2 works here (beyond the paper's greedy search): causal models -- breadth-first over the trie "
              "of prefixes, one batched forward per level (KV cache of the prefixes, every bag token as extension); "
              "BERT -- stage 1 gives exact (token, position) pairs and [SEP] positions, so stage 2 assigns each "
@@ -508,7 +508,7 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
                  + f"; seed {FAIR_SEEDS[1]} ({seed_label(FAIR_SEEDS[1])}) is in the next two tables, the noise table "
                    f"and under 'Past the bottleneck'. {SEED_NOTE}\n\n"
                  + markdown_table(t1, list(t1[0])))
-    parts += [t for t in (paper_table(by, PAPER_T1),) if t]  # UTR (paper) vs UTR (ours), issue 28 item 7
+    parts += [t for t in (paper_table(by, PAPER_T1),) if t]  # UTR (paper) vs UTR (ours), docs/DESIGN.md §6
     parts.append(fair_section(by))
     t2 = []
     for B in (16, 32, 64, 128):
@@ -551,7 +551,7 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
                 nz.append({"model": m, "upload noise": name, "seed 0 (tuned on)": r12(by[key]),
                            f"seed 4242 ({seed_label(4242)})": "–", "paper": paper, "revision": revision_label(by[key])})
     if nz:
-        parts.append("### Noise-aware membership (issue 11 item 3; B = 2, rf = 2)\n\n"
+        parts.append("### Noise-aware membership (B = 2, rf = 2)\n\n"
                      "Per-coordinate noise-to-signal ratio NSR: `gaussian_noise` with `per_coordinate: true`, std = "
                      "NSR·‖update‖/√P. UTR's default `noise: public` takes the std the published defense implies, "
                      "ranks from the noise spectrum's edge and tolerances from the noise floor; no sentence is "
@@ -599,7 +599,7 @@ def write_outputs(rows: list[dict], out: Path, args: argparse.Namespace) -> None
 
 def per_tensor_note(out: Path) -> str:
     """What per-tensor top-k pruning does to UTR, from the rows that measure it (``<out>/defended.jsonl``, written
-    by ``benchmarks/defended.py``; issue 57: the note once called it not measured)."""
+    by ``benchmarks/defended.py``; the note once called it not measured)."""
     import re
 
     from _bench import fmt_num
@@ -644,7 +644,7 @@ NOTES = """### Notes
   exact again; the whole batch is finally checked jointly. Lengths the [SEP] positions leave open are tried as
   hypotheses. This alone took `t1/minilm/utr/B8` (225 states in 192 rows) from 77.1/67.8 to 96.7/96.2; it
   needs more than N - b right states at once, which the local search does not always reach.
-* **Value test (issue 11 item 1, beyond the paper).** The embedding adapter's gradient *values* test one sentence
+* **Value test (beyond the paper).** The embedding adapter's gradient *values* test one sentence
   at a time: stage 1's coefficient row of a token that occurs once in the batch is that state's exact bottleneck
   signal (times its known LayerNorm scale), and the server computes a candidate sentence's signals with one
   forward/backward of the model it sent; a 2-class head leaves one scalar per sentence (the label picks it). True
@@ -670,8 +670,8 @@ NOTES = """### Notes
   the whole space and the per-position membership test is blind: MiniLM rf = 1 B = 16 (484 states, 278 unique
   tokens), true states' residual median 0.004 vs 0.005 for sentences with a wrong token
   (`pytest tests/test_utr.py -k blind -s`). The authors' code, which checks the true order, fails wherever the
-  batch's tokens overflow the bottleneck (as the issue measured it).
-* **Exact pairs and a soft basis past the bottleneck (issue 11, beyond the paper).** Two more reads of the upload
+  batch's tokens overflow the bottleneck (a measurement of the authors' code, not stored here).
+* **Exact pairs and a soft basis past the bottleneck (beyond the paper).** Two more reads of the upload
   take MiniLM past that limit:
   - *Stage 1, exact.* The support test cannot place a token most sentences hold: on `t2/minilm/utr/B16` it read
     22 [SEP] positions for 14 true lengths (61 false pairs). The embedding adapter's up-projection gradient
@@ -700,7 +700,7 @@ NOTES = """### Notes
     changes seed 0 gave 39.0/13.7 (2 verified). Further past: B = 20 at rf = 1 (559 states, 146 %) gives
     46.2/28.2 with none verified, and B = 24 loses the positions (366 unique tokens + positions + 1 exceed the
     hidden size).
-* **Causal models past the bottleneck (issue 11, beyond the paper; `gradleak.attacks.utr_causal`).** Under RoPE the
+* **Causal models past the bottleneck (beyond the paper; `gradleak.attacks.utr_causal`).** Under RoPE the
   embedding adapter's input is the token embedding alone, so its up-projection gradient gives every bag token's
   exact summed output gradient (least squares, relative fit ~4e-8). For a complete candidate sentence (BOS ... EOS)
   the server computes every position's gradient with one forward/backward; the LM loss is a mean over the batch's
@@ -714,7 +714,7 @@ NOTES = """### Notes
   table below (`bn/smollm2/*`): rf = 2 B = 12 (101-102 %) 0.9/0.0 and 0.0/0.0 before, 100/100 with 12 of 12 verified
   now; rf = 1 B = 24 seed 4242 (93 %) 80.3/76.1 with none verified before, 100/100 with 24 of 24 now; seed 0 (106 %)
   0.5/0.0 before, 69.3/66.5 with 15 of 24 verified when the 600 s budget ran out; B = 28 seed 0 (120 %) 7.6/7.1, 2
-  verified. **Not reached: SmolLM2 rf = 1 B = 32 (133 %)**, the issue's target -- 600 s verify no sentence on seeds
+  verified. **Not reached: SmolLM2 rf = 1 B = 32 (133 %)**, the target set for it -- 600 s verify no sentence on seeds
   0 and 4242 (nor did 1800 s on seed 0). `benchmarks/probes/utr_causal_probe.py` measures why: the soft grading (layer_0)
   ranks the true next token first for 80 % of prefixes at 106 %, 48 % at 120 % and 15 % at 133 % (a 25-token
   sentence needs every step right before the value test can see it); the value test itself needs the whole sentence
@@ -722,7 +722,7 @@ NOTES = """### Notes
   adapter, whose gradient is a sum of terms each fixed by one (prefix, next token) transition, cannot test a
   transition while the later ones are unknown (the true transition's least-squares coefficient on what is left has
   medians 32-204 by level, not 1, as the false ones' 31-220: the ~700 unknown terms correlate with it).
-* **Defenses (Table 3) and noise (issue 11 item 3).** Noise: UTR takes the per-coordinate std the published
+* **Defenses (Table 3) and noise.** Noise: UTR takes the per-coordinate std the published
   defense implies (`attack.params.noise: public`; the server knows its DP parameters), ranks the gradient
   matrices from the noise spectrum's edge σ(√m + √n) and sets its tolerances from the noise floor; nothing is
   then reported verified. `benchmarks/probes/utr_noise_probe.py` shows why σ = 0.01 with clip 1.0 gives 0/0 here
@@ -736,7 +736,7 @@ NOTES = """### Notes
   matrix's 73,728 entries (6.9 % of its energy; MiniLM B = 2, seed 0,
   `benchmarks/probes/utr_noise_probe.py`), far below the 35,855 degrees of freedom of its rank-71 row space, so 0/0 at 90 % is what the upload
   allows; the paper's ~65 needs a pruning that leaves this matrix mostly intact. <PER_TENSOR>
-* **LAMP** runs its own schedule (issue 11 item 4): 2000 Adam steps on the embeddings with step decay, the
+* **LAMP** runs its own schedule: 2000 Adam steps on the embeddings with step decay, the
   per-tensor cosine loss averaged over tensors, an embedding-norm regulariser, the best of 100 random inits,
   200 rearrangements per sentence every 75 steps after a 10 % burn-in (swap, move token, move span, prefix to
   the end) scored by the cosine loss + 0.2 x the auxiliary LM's NLL, the best iterate returned. LAMP's BERT prior
@@ -764,7 +764,7 @@ def _ratio(row: dict) -> float:
 
 
 def _bottleneck_section(bn: list[dict], out: Path) -> str:
-    """Issue 11: ROUGE against layer states / bottleneck rows, the reach (largest ratio up to which every batch
+    """Past the bottleneck: ROUGE vs layer states / bottleneck rows, the reach (largest ratio up to which every batch
     gives ROUGE-1 >= 90) per model and reduction factor, and ``<out>/utr_bottleneck.png``."""
     series: dict[tuple[str, int], list[dict]] = {}
     for r in bn:
@@ -790,7 +790,7 @@ def _bottleneck_section(bn: list[dict], out: Path) -> str:
                           "R1/R2": r12(r), "verified": f"{int(mt.get('sentences_verified', 0))}/"
                                                        f"{r['config']['data']['batch_size']}",
                           "attack s": _t(r), "revision": revision_label(r)})
-    body = ("### Past the bottleneck (issue 11): ROUGE against layer states / bottleneck rows\n\n"
+    body = ("### Past the bottleneck: ROUGE against layer states / bottleneck rows\n\n"
             "Each cell is one batch (RT sentences, seed 0 tuned on, 4242 a new seed on the same sentences: not "
             "held-out data; FedSGD, 2 layers, one torch "
             "thread; sentence-search budget 120 s MiniLM, 600 s SmolLM2). `verified` = sentences the attack proves "

@@ -1,5 +1,5 @@
-"""benchmarks/anchor.py (issue 28 item 5): the lanes partition the grid, every arm pair is complete, the cells are
-the shipped config plus overrides, and the reading names what the numbers show (no run here: fake rows). Issue 57:
+"""benchmarks/anchor.py: the lanes partition the grid, every arm pair is complete, the cells are
+the shipped config plus overrides, and the reading names what the numbers show (no run here: fake rows). And
 the paired analysis (per-image differences pooled over seeds, paired t, Holm over the conditions) on a hand-computed
 example, and the reading follows the numbers."""
 
@@ -159,7 +159,7 @@ def test_paired_statistics_on_a_hand_computed_example(tmp_path):
             "exact Wilcoxon p = 0.25; 3 of 3 images improve (5 of 5 pairs, seeds 0, 1)") in reading[2]
     assert "At 3 images its smallest two-sided p is 0.25" in reading[3] and "Holm over 2 raises to 0.5" in reading[3]
     assert "IG on random (vit4p8, cpu) seed 1: 2 of 6 images" in " ".join(reading)
-    assert "(`+dirty`, issue 57 item 3: to be rerun at a commit) behind: IG on random (vit4p8, cpu): 1 of 11 runs." \
+    assert "(`+dirty`: to be rerun at a commit) behind: IG on random (vit4p8, cpu): 1 of 11 runs." \
         in " ".join(reading)
     md = a.markdown(summ, cells, tmp_path, {})
     assert "| vit4p8 | cpu | random | ig | 0, 1 | 3 (3) | 5 (5) | +2.00 | -0.48 to +4.48 | 0.074 | 0.15 | 0.25 |" in md

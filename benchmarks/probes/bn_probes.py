@@ -1,4 +1,4 @@
-"""Probes of the issue-9 foundations (not the leakage benchmark itself; that is ``benchmarks/leakage.py``).
+"""Probes of the leakage study's foundations (paper 003; not the leakage benchmark itself; that is ``benchmarks/leakage.py``).
 
     OMP_NUM_THREADS=1 python benchmarks/probes/bn_probes.py speed B K [l2|cosine]   # iteration cost / forward+backward
     OMP_NUM_THREADS=1 python benchmarks/probes/bn_probes.py bnstats                 # K-step BN inference on ResNet-18

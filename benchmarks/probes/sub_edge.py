@@ -1,4 +1,4 @@
-"""Probe (issue 51 item 3): UTR's sub-edge word-bag test on the text audit's upload under top-k pruning and DP-SGD
+"""Probe (DESIGN §6): UTR's sub-edge word-bag test on the text audit's upload under top-k pruning and DP-SGD
 below the noise edge, each cell graded against its null.
 
 Cells: ``configs/audit/text_adapters.yaml`` (MiniLM, 2 layers, adapters rf = 2, fortunes-topics, B = 2), UTR as

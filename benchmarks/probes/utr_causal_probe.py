@@ -1,4 +1,4 @@
-"""Issue 11, a probe (not a benchmark table): why a causal LM past its first-layer bottleneck stays out of reach.
+"""A probe (not a benchmark table): why a causal LM past its first-layer bottleneck stays out of reach.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/probes/utr_causal_probe.py [--batch 32] [--rf 1] [--seed 0]
 

@@ -1,4 +1,4 @@
-"""Where the UTR signal stands against update noise (issue 11 item 3's first question, not a benchmark table).
+"""Where the UTR signal stands against update noise (a probe, not a benchmark table).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/probes/utr_noise_probe.py [--batch 2] [--seed 0] [--rf 2]
 

@@ -1,4 +1,4 @@
-"""Issue 11, a probe (not a benchmark table): exact per-pair signals from the embedding adapter's up AND down gradients.
+"""A probe (not a benchmark table): exact per-pair signals from the embedding adapter's up AND down gradients.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/probes/utr_pair_probe.py [--batch 16] [--rf 1] [--seed 0]
 

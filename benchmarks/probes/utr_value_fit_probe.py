@@ -1,4 +1,4 @@
-"""Issue 11 item 1, a probe (not a benchmark table): how the gradient *values* grade a candidate batch.
+"""UTR's value test, a probe (not a benchmark table): how the gradient *values* grade a candidate batch.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/probes/utr_value_fit_probe.py [--batch 4] [--seed 0]
 

@@ -1,4 +1,4 @@
-"""Issue 11 item 1, a probe (not a benchmark table): can the value test grade *incomplete* sentences?
+"""UTR's value test, a probe (not a benchmark table): can the value test grade *incomplete* sentences?
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/probes/utr_value_prefix_probe.py [--batch 16] [--rf 1] [--seed 0]
 
