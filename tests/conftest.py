@@ -46,3 +46,16 @@ def _private_pretrain_cache(tmp_path_factory):
         os.environ.pop("GRADLEAK_PRETRAIN_CACHE", None)
     else:
         os.environ["GRADLEAK_PRETRAIN_CACHE"] = old
+
+
+def bench_module(name: str):
+    """A benchmark script of ``benchmarks/`` imported as a module (its directory put on the path once), for tests
+    that read a benchmark's cell builders, labels or tables without running it."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module(name)

@@ -4,21 +4,17 @@ the script."""
 
 from __future__ import annotations
 
-import importlib
 import re
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import bench_module
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
-
 @pytest.fixture(scope="module")
 def d():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    return importlib.import_module("defended")
+    return bench_module("defended")
 
 
 def row(part="image", level="none", defense="Gaussian std 1e-3", **metrics):

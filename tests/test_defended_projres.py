@@ -4,20 +4,13 @@ the chi2 matched filter reads below the edge), and the label computed from them.
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
+from conftest import bench_module
 
 @pytest.fixture(scope="module")
 def d():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    return importlib.import_module("defended")
+    return bench_module("defended")
 
 
 def pr(noise="noise0.7", score="plain", level="none", ks=(0, 0, 0), margin=0.98, seed=0):

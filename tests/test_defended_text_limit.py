@@ -4,20 +4,13 @@ noisy text row joined to its oracle ceiling by (model, B, seed, K)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
+from conftest import bench_module
 
 @pytest.fixture(scope="module")
 def d():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    return importlib.import_module("defended")
+    return bench_module("defended")
 
 
 def text_row(model=None, B=2, seed=0, level="none", **metrics):

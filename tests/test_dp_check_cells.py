@@ -5,21 +5,17 @@ module docstring), and its table shows each (mechanism, seed) once. Reads the co
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import bench_module
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
-
 @pytest.fixture(scope="module")
 def d():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    return importlib.import_module("dp_check")
+    return bench_module("dp_check")
 
 
 def _checks(d) -> list[tuple[dict, tuple]]:
