@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compare the metrics of ``gradleak run`` / ``gradleak audit`` under two source trees (issue 27: a refactor must
+"""Compare the metrics of ``gradleak run`` / ``gradleak audit`` under two source trees (a refactor must
 leave behaviour as it is: the shipped configs give the same metrics before and after the change).
 
 Each cell runs once under each tree, one process at a time, as

@@ -1,4 +1,4 @@
-"""One-off (issue 41): the commit that added each benchmark row written before rows recorded their code revision.
+"""One-off: the commit that added each benchmark row written before rows recorded their code revision.
 
 Rows written now record ``revision`` (``benchmarks/_bench.revision``: ``git rev-parse --short HEAD``, ``+dirty`` when
 src/ differed) when they are written, in every benchmark's cell-writing path. Older rows in ``benchmarks/out/*.jsonl`` (and

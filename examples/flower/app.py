@@ -1,4 +1,4 @@
-"""A Flower app (Message API) that fine-tunes a PEFT model and audits every round with gradleak (issue 13).
+"""A Flower app (Message API) that fine-tunes a PEFT model and audits every round with gradleak.
 
 What an FL engineer adds to the Flower app they already run is three lines on the server::
 

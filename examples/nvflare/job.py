@@ -1,4 +1,4 @@
-"""An NVFlare job (FedJob) that fine-tunes a PEFT model and audits every client's upload with gradleak (issue 40).
+"""An NVFlare job (FedJob) that fine-tunes a PEFT model and audits every client's upload with gradleak.
 
 What an FL engineer adds to the NVFlare job they already run is the audit filter on the server, on both of the
 server's chains (task data: it records the model sent; task result: it audits each client's result as it arrives)::
