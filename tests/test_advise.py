@@ -1,4 +1,4 @@
-"""gradleak audit --advise (issue 30): the weakest defense strength that stops every leaking attack, its cost;
+"""gradleak audit --advise: the weakest defense strength that stops every leaking attack, its cost;
 the search resumes without rerunning a probe, the budget bounds it, bad input exits 2."""
 
 from __future__ import annotations
@@ -329,7 +329,7 @@ def test_bad_advise_section_in_the_api():
 def test_a_probe_whose_attacks_all_fail_to_fit_reports_their_reason_not_a_threat_error(tmp_path, monkeypatch):
     """A secure-aggregation probe whose K clients' data do not fit: every run is refused once the data are known;
     the probe reports the setup's own error for each attack (it used to describe the setup with the first attack's
-    config, which for ProjRes needs a threat upgrade, and raised that instead; since issue 53 an audit whose every run
+    config, which for ProjRes needs a threat upgrade, and raised that instead; now an audit whose every run
     is refused is bad input, not an undefined verdict), and the advice counts it as unmeasured, not a stop."""
     from gradleak.run import audit as audit_mod
     from gradleak.run.advise import outcome, probe

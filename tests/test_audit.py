@@ -1,4 +1,4 @@
-"""gradleak audit (issue 12): every registered attack appears, the gate decides applicability, the verdict rule,
+"""gradleak audit: every registered attack appears, the gate decides applicability, the verdict rule,
 audit.json / report.html, bad input."""
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def test_audit_grid_validates_every_cell_before_making_the_folder(tmp_path):
     assert not out.exists() and logs == []
 
 
-# ----------------------------------------------------------------------------------------- the report (issue 29)
+# ----------------------------------------------------------------------------------------- the report
 
 from html.parser import HTMLParser  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -244,7 +244,7 @@ def test_audit_report_next_steps_grouped_modality_quoted_command_and_warnings(tm
     nxt = page.sections["What to do next"]
     assert "utr" in nxt and "Leaking here" in nxt
     assert "threat.knows_lengths" in nxt  # lamp was kept out by a withheld deployment fact
-    assert "--advise" in nxt and "does not rank or recommend" in nxt  # advice only when asked for (issue 30)
+    assert "--advise" in nxt and "does not rank or recommend" in nxt  # advice only when asked for
     names = [d["name"] for d in res["defenses_available"]]
     assert "gaussian_noise" in names and "dpsgd" in names and "rdlv_filter" not in names  # image-only: not for text
     assert set(names) <= set(DEFENSES.names()) and all(n in nxt for n in names)

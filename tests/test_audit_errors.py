@@ -1,4 +1,4 @@
-"""Issue 53: a user's own federation, first time. ``gradleak audit`` on a 50-sentence CSV with the shipped
+"""A user's own federation, first time. ``gradleak audit`` on a 50-sentence CSV with the shipped
 ``configs/audit/text_lora.yaml`` copied, and the realistic mistakes: each gives its own message on the console and
 exit 2, nothing is left in ``--out``, and ``--only`` never turns a config error into exit 0 (before, every one of
 them ended on APRIL's "attacks image data, but this experiment's data are text"). Unknown keys name the key meant

@@ -1,4 +1,4 @@
-"""Bad input from a new user's trial (issue 29): every case exits 2 naming the field with its fix, before any model
+"""Bad input from a new user's trial: every case exits 2 naming the field with its fix, before any model
 loads, or works as documented. Config-level cases load no model (validation only); the few end-to-end ones use the
 tiny ViT."""
 

@@ -1,4 +1,4 @@
-"""Restarts batched through one double backward (issue 43): ``matching_terms_batch`` gives every restart the matching
+"""Restarts batched through one double backward: ``matching_terms_batch`` gives every restart the matching
 terms and image gradients ``matching_terms`` gives it alone; the group loop (GradViT, GIAS) takes the same steps
 batched as one after another; the ViT feature prior of stacked restarts equals each restart's own."""
 

@@ -1,4 +1,4 @@
-"""The one resumable cell loop (issue 27): one "done" rule (the latest row has no "error"), failed cells retried in the
+"""The one resumable cell loop: one "done" rule (the latest row has no "error"), failed cells retried in the
 run and on the next one, rows appended in the parent as they finish, the benchmarks' row helper."""
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def test_published_jsonl_rows_have_the_loop_key(name):
 
 
 def test_a_rerun_replaces_its_cells_row_and_the_superseded_rows_are_kept_as_history(tmp_path):
-    """Issue 41: the JSONL keeps one row per cell, the latest, in the order the cells first appear (what the reports
+    """The JSONL keeps one row per cell, the latest, in the order the cells first appear (what the reports
     read is unchanged); earlier runs and failed tries move to ``<name>.history.jsonl`` in their order. The benchmarks'
     row helper does it after every run (``--rerun`` included)."""
     from gradleak.run.results import append_jsonl, history_path, latest_by_cell, supersede_rows

@@ -122,7 +122,7 @@ def test_scientific_notation_without_a_dot_is_a_number_everywhere():
     assert yaml_value("a: 3E5\nb: 1.5\nc: 7\nd: abc\ne: .5")== {"a": 3e5, "b": 1.5, "c": 7, "d": "abc", "e": 0.5}
 
 
-# ------------------------------------------------------------------------------ console and report (issue 29)
+# ------------------------------------------------------------------------------ console and report
 
 def _audit_result(reason="needs a stronger server than configured: run as an honest-but-curious server holding "
                          "public data, and this note is long enough to be cut at eighty columns"):

@@ -1,4 +1,4 @@
-"""docs/CONFIG.md is ``gradleak config-reference``'s output (issue 53 item 5): every config key with its type, default
+"""docs/CONFIG.md is ``gradleak config-reference``'s output: every config key with its type, default
 and description, generated from the schema. After a schema change: ``gradleak config-reference > docs/CONFIG.md``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DAGER's layers (issue 28 item 1): its second span check needs a layer that is not a [CLS] classifier's last.
+"""DAGER's layers: its second span check needs a layer that is not a [CLS] classifier's last.
 
 Real offline MiniLM-L6 with LoRA (rank 64) on query + key, two real Rotten Tomatoes sentences (32 first-layer
 states): on 3 layers the check on layer 1 verifies both sentences exactly; on 2 layers layer 1 is the last, its

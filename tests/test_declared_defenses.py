@@ -184,7 +184,7 @@ def test_the_leakage_margin_is_read_per_layer_from_a_runs_metrics():
 
 def test_an_attack_that_cannot_apply_runs_no_variant():
     """DAGER reads attention-query gradients: on an adapters-only upload it is not applicable whatever its
-    tolerances, decided from the model before anything runs (issue 53): not planned, the reason said; on LoRA (the
+    tolerances, decided from the model before anything runs: not planned, the reason said; on LoRA (the
     query trains) it runs with its full-strength variants."""
     from gradleak.errors import BadInput
     from gradleak.run.audit import full_strength_variants, plan_audit

@@ -1,4 +1,4 @@
-"""The defended tables' labels are computed from each row's numbers (issue 51 item 5): ``benchmarks/defended.py``
+"""The defended tables' labels are computed from each row's numbers: ``benchmarks/defended.py``
 ``cell_label`` on hand-made rows, the ceiling joined by seed and K, and no hand-written conclusion about a cell left in
 the script."""
 

@@ -165,7 +165,7 @@ def test_a_broken_local_dp_gaussian_violates_its_claim(broken, monkeypatch):
 
 
 def test_noise_skipped_on_one_upload_in_ten_violates_the_claim(monkeypatch):
-    """Every tenth client upload clipped but not noised (canaries included; issue 52): each upload's statistics are a
+    """Every tenth client upload clipped but not noised (canaries included): each upload's statistics are a
     mixture, whose one-spread fit *lowers* ε below the claim; the claim tests (spread, tail) call it violated."""
     from gradleak.defenses.update import DPGaussian
 

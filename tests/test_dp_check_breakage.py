@@ -1,4 +1,4 @@
-"""The DP check's claim tests (issue 52, item 1): DP bugs that look like real ones -- a fraction of the uploads left
+"""The DP check's claim tests: DP bugs that look like real ones -- a fraction of the uploads left
 un-noised, noise at too small a scale -- are ``claim_violated`` on simulated canary statistics, and a correct
 mechanism is called violated in at most 1 % of simulated checks. The statistics are drawn exactly in distribution
 (:func:`gradleak.evaluation.empirical_epsilon.simulated_statistics`) at the text audit's size: 445,636 trainable

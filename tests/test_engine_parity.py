@@ -1,5 +1,5 @@
 """One config through every registered round engine (builtin, Flower, NVFlare): the same uploads and the same audit
-verdict (issue 40, "Parity"). The engines come from the registry (``ENGINES``), so an engine added later is checked
+verdict (parity of the engines). The engines come from the registry (``ENGINES``), so an engine added later is checked
 here without editing this file."""
 
 import copy

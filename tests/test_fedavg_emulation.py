@@ -1,4 +1,4 @@
-"""FedAvg clients for the image optimisation attacks (issue 14 items 1, 7; paper 001 Supp. M): the server matching the
+"""FedAvg clients for the image optimisation attacks (paper 001 Supp. M): the server matching the
 pseudo-gradient as one gradient (``emulate: single_step``) or simulating the client's K local SGD steps
 (``local_steps``); the experiment's ``scale`` key (cpu / paper iteration budgets)."""
 

@@ -1,4 +1,4 @@
-"""Flower integration (issue 13): the record equals what the clients computed, the engine equals the builtin
+"""Flower integration: the record equals what the clients computed, the engine equals the builtin
 protocol, Flower's DP wrappers show what the server sees, and bad input gets clear errors. ``pytest -k flower``."""
 
 import copy

@@ -1,4 +1,4 @@
-"""FlowerAudit(..., advise=True) (issue 30 item 4): the advice search for the federation a Flower server watches,
+"""FlowerAudit(..., advise=True): the advice search for the federation a Flower server watches,
 with Flower's DP mechanisms as candidates in their real semantics; the recommended Flower setting, applied in the
 Flower app, gives no leak in a plain FlowerAudit. ``pytest -k flower_advise``."""
 

@@ -1,4 +1,4 @@
-"""DCGAN generative priors (issue 14 item 1): architecture, safetensors round trip, training, the offline face
+"""DCGAN generative priors: architecture, safetensors round trip, training, the offline face
 DCGAN, and `gradleak train-generator`."""
 
 import pytest
@@ -134,7 +134,7 @@ def test_cli_train_generator_bad_input_exits_2(tmp_path, args, option):
 
 
 def test_cli_train_generator_on_a_split_records_it(one_thread, tmp_path):
-    """issue 28 item 5: the in-distribution prior is trained on Fashion-MNIST *test*; the victims are train images."""
+    """The in-distribution prior is trained on Fashion-MNIST *test*; the victims are train images."""
     small = ["--n", "16", "--epochs", "1", "--batch-size", "8", "--latent-dim", "8"]
     ok = tmp_path / "fm.safetensors"
     codes = {split: runner.invoke(app, ["train-generator", "--data", data, "--split", split, *small, "--out",

@@ -1,5 +1,5 @@
 """GIAS (gradleak.attacks.optimization.gias): the two stages on a generator whose range holds the target, the generator checks
-(BadInput naming attack.generator), the anchor gate, diverging restarts and the pipeline (issue 14 item 3)."""
+(BadInput naming attack.generator), the anchor gate, diverging restarts and the pipeline."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """GradViT (gradleak.attacks.optimization.gradvit) and group lazy regularisation (gradleak.attacks.optimization.glr): the GLR consensus, the
 ViT-S/14 feature prior (the substitute for GradViT's CNN BN prior), recovery on a tiny ViT, the anchor gate, diverging
-restarts and the pipeline on paper 001's config (issue 14 item 3)."""
+restarts and the pipeline on paper 001's config."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 31: the sweep and the audit through the CLI -- exit 0 / 1 / 2 (DESIGN §4), a failed sweep cell retried on the
+"""The sweep and the audit through the CLI -- exit 0 / 1 / 2 (DESIGN §4), a failed sweep cell retried on the
 next run, ``--only`` restricting the audit. Tiny models (a 1-block ViT-Tiny on 16×16 CIFAR images) keep them fast.
 """
 

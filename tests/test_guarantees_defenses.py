@@ -1,4 +1,4 @@
-"""Issue 31: every update defense does what it says, measured on seeded draws (gradleak.defenses.update).
+"""Every update defense does what it says, measured on seeded draws (gradleak.defenses.update).
 
 Clipping holds its bound and leaves smaller updates untouched; Gaussian noise has the configured std (absolute,
 relative to the norm, per coordinate, percentile-scaled); ``dp_gaussian`` adds N(0, (σC)²) on the client (local DP is

@@ -1,4 +1,4 @@
-"""Issue 31 (mutation check, docs/MUTATION.md): the exact contracts of the update transforms, the view and the
+"""The mutation check (docs/MUTATION.md): the exact contracts of the update transforms, the view and the
 aggregation, pinned where the statistical tests of test_guarantees_defenses cannot see a change:
 
 * every transform keeps an upload's metadata (sample count, client, kind, local steps, BN buffers) and dtype;

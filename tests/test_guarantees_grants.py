@@ -1,4 +1,4 @@
-"""Issue 31: what an attack receives under each withheld grant (labels, lengths, batch size, public data, individual
+"""What an attack receives under each withheld grant (labels, lengths, batch size, public data, individual
 updates), from both sides: withheld -> absent from the view (and from the attack's construction context), granted ->
 present and equal to the fact. On :func:`gradleak.fl.threat.build_view` flag by flag, then through the pipeline (the
 ``AttackContext`` an attack is built from and the ``ServerView`` its ``reconstruct`` gets).

@@ -1,4 +1,4 @@
-"""Issue 31: secure aggregation exposes only the sum, everywhere the ServerView carries updates.
+"""Secure aggregation exposes only the sum, everywhere the ServerView carries updates.
 
 Pinned from both sides: with individual updates granted the view holds every client's upload (round by round); under
 secure aggregation ``view.updates`` *and every round of* ``view.rounds`` hold exactly one update, the secure sum, and

@@ -1,4 +1,4 @@
-"""Held out means disjoint data (issue 41 item 2): a cell labelled held out draws no private sample that a tuned cell
+"""Held out means disjoint data: a cell labelled held out draws no private sample that a tuned cell
 drew, checked through the pipeline's own draw (``benchmarks/_bench.client_samples``: data only, no model). PEFTLeak's
 held-out cells are disjoint from every other cell; the anchor study's seed 1 and the leakage study's null seed 4242
 are new seeds on the same images, and their labels say so; the leakage study's seed 1 draws other images. Text: a
@@ -477,7 +477,7 @@ def _defended_draws(d) -> list[tuple[dict, set[str]]]:
 
 
 def test_defended_held_out_cells_draw_no_sample_a_tuned_cell_draws():
-    """benchmarks/defended.py (issue 51 item 5): images follow ``data.seed``, sentences ``seed``; every cell sets both
+    """benchmarks/defended.py: images follow ``data.seed``, sentences ``seed``; every cell sets both
     to its seed, so the held-out cells (seed 11 / PEFTLeak's 65124) draw no image or sentence any tuned cell draws --
     before, the 25 held-out lora_span cells varied ``seed`` only and reused the tuned image."""
     d = _bench("defended")

@@ -1,4 +1,4 @@
-"""Gradient intrinsic dimension (paper 001 Supp. A, Fig. 2; issue 14 item 6): MLE / TwoNN on known manifolds,
+"""Gradient intrinsic dimension (paper 001 Supp. A, Fig. 2): MLE / TwoNN on known manifolds,
 effective and energy ranks, the Achlioptas projection, and the per-sample-gradient analysis on a tiny LoRA ViT."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 9 foundations: ResNet-18 builder, BN batch-statistics inference, the differentiable local-training
+"""Leakage study (paper 003) foundations: ResNet-18 builder, BN batch-statistics inference, the differentiable local-training
 simulation and the leakage measures (SSIM vs prior, RDLV with bootstrap interval, adjusted IIP)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 9: the RDLV-threshold filter defense (``defense: {name: rdlv_filter}``): each client inverts its own update
+"""The RDLV-threshold filter defense (``defense: {name: rdlv_filter}``): each client inverts its own update
 with the BN-aware attack and withholds it when the RDLV lower 95 % bound exceeds the threshold."""
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def test_c_bad_inputs_name_the_field(setup, one_thread):
     model, batches, prior = setup
     from pydantic import ValidationError
 
-    for bad in (float("nan"), float("inf"), -float("inf")):  # refused by the parameters' model itself (issue 29)
+    for bad in (float("nan"), float("inf"), -float("inf")):  # refused by the parameters' model itself
         with pytest.raises(ValidationError, match="finite"):
             RDLVFilter(RDLVFilterParams(threshold=bad))
     raw = load_yaml(LEAKAGE)

@@ -1,4 +1,4 @@
-"""benchmarks/leakage.py's gradient-only gate (issue 28 item 2): a conclusion uses the gradient-only arm only when the
+"""benchmarks/leakage.py's gradient-only gate: a conclusion uses the gradient-only arm only when the
 tuned arm at least matches the prior, and 'the attack fails without BN accounting' / 'DP-SGD protects through the
 GroupNorm it forces' hold only when the BN-aware attack beats the arm by more than the SSIM null's spread. The checks
 are read from synthetic cell rows (no model is run)."""

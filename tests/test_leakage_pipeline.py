@@ -1,4 +1,4 @@
-"""Issue 9 on the one pipeline: BN statistics in the round protocol, per-client settings, the percentile-noise
+"""Paper 003 on the one pipeline: BN statistics in the round protocol, per-client settings, the percentile-noise
 defense, the registered ``bn_inversion`` attack and the per-client leakage evaluation (RDLV, IIP)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The leakage experiment's report (issue 9 §4–5): t-SNE embedding, the per-client per-round table and its
+"""The leakage experiment's report (paper 003): t-SNE embedding, the per-client per-round table and its
 verdicts from a results dict alone, the PNG writers, and the report.html section. No model is loaded."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The graded level rules of every reconstruction kind (issue 26), table-driven on plain dicts: both sides of every
-threshold, NaN, the verdict and its banner (issue 31: the verdict units' guards; fast, so `make mutation` runs them
+"""The graded level rules of every reconstruction kind, table-driven on plain dicts: both sides of every
+threshold, NaN, the verdict and its banner (the verdict units' guards; fast, so `make mutation` runs them
 per mutant of gradleak.evaluation.levels)."""
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def test_secure_aggregation_over_one_client_exposes_its_update():
 
 
 # ------------------------------------------------------------------ the whole judgement: level, rule and evidence
-# (issue 31, mutation check of the evaluation units: the banner prints the rule and the evidence, so both are part of
+# (mutation check of the evaluation units, docs/MUTATION.md: the banner prints the rule and the evidence, so both are part of
 # the contract; each expected dict below is worked out by hand from the unit's rule table)
 
 def _same(a, b) -> bool:

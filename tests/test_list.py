@@ -1,4 +1,4 @@
-"""``gradleak list`` (issue 53 item 7): one registry at a time, by modality, a model's LoRA targets, and fast.
+"""``gradleak list``: one registry at a time, by modality, a model's LoRA targets, and fast.
 
 The registries are read from a catalog cached per source digest (``gradleak.cli.load_catalog``): a warm call imports
 no torch and prints in well under a second.

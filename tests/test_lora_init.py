@@ -1,4 +1,4 @@
-"""LoRA initialisations (issue 14 item 4; paper 001 Table 11): standard (peft's, B = 0), uniform (A, B ~ U(±1/√d_in))."""
+"""LoRA initialisations (paper 001 Table 11): standard (peft's, B = 0), uniform (A, B ~ U(±1/√d_in))."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""lora_span (issue 14 item 5): exact recovery from the block-0 LoRA-A row space, the regime it reports, bad input,
+"""lora_span: exact recovery from the block-0 LoRA-A row space, the regime it reports, bad input,
 and the pretrained ViT-S/14 builder through the pipeline."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Layer-wise trainable positional embeddings (paper 001 eq. 6) and the PE-gradient anchor (eq. 7) on the gradient-
-matching attacks ig / dlg / april; label recovery from the head gradient; the config gates (issue 14 items 1, 3)."""
+matching attacks ig / dlg / april; label recovery from the head gradient; the config gates."""
 
 from __future__ import annotations
 

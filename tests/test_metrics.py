@@ -120,7 +120,7 @@ def test_feature_distance_identical_zero_different_positive():
 @pytest.mark.timeout(300)
 def test_feature_backbone_matches_onnx_graph(vit_s14_available):
     """The converted Dinov2Model reproduces the ONNX backbone output (onnx reference evaluator, ~15-25 s on 2 cores:
-    in the default suite since issue 31; the graph's input is fixed at 224×224, so the input is one image)."""
+    in the default suite; the graph's input is fixed at 224×224, so the input is one image)."""
     from gradleak.models.features import verify_against_onnx
 
     assert verify_against_onnx() < 1e-3

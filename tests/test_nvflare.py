@@ -1,4 +1,4 @@
-"""NVFlare integration (issue 40): fl.engine=nvflare runs the builtin round protocol through NVFlare's executor and
+"""NVFlare integration: fl.engine=nvflare runs the builtin round protocol through NVFlare's executor and
 messages (in process and in NVFlare's simulator) with the same uploads; the server's audit filter audits every
 client of a round on its own upload, writes round_<r>/audit.json and blocks a leaking upload; the example job runs
 in the simulator. ``pytest -k nvflare``."""

@@ -1,4 +1,4 @@
-"""NVFlare's own privacy filters as registered defenses (issue 40), and run/ naming no defense (DESIGN §7)."""
+"""NVFlare's own privacy filters as registered defenses, and run/ naming no defense (DESIGN §7)."""
 
 from __future__ import annotations
 

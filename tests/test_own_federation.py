@@ -1,4 +1,4 @@
-"""The README's "Your own federation" section, followed literally (issue 53 item 5): a CSV of sentences and a folder
+"""The README's "Your own federation" section, followed literally: a CSV of sentences and a folder
 of images written from the offline assets into a fresh folder, then the section's two commands on the shipped
 configs/own/ configs (the sizes as shipped, the commands as printed), each exiting 0 with an audit.json."""
 

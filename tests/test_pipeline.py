@@ -235,7 +235,7 @@ BAD_UTR = [("data.limit=-1", "data.limit"), ("data.max_length=0", "data.max_leng
            ("attack.name=lamp", "threat.knows_lengths"), ("model.patch_size=8", "model.patch_size"), ("peft.bottleneck=8", "peft.bottleneck"),
            ("fl.rounds=0", "fl.rounds"), ("trials=0", "trials"), ("model.name=vit-b16", "model.name"),
            ("data.name=cifar-samples", "data.name"),
-           # issue 29: non-finite, boolean and fractional numbers, empty/out-of-range lists, sentence minimum
+           # bad input: non-finite, boolean and fractional numbers, empty/out-of-range lists, sentence minimum
            ("attack.noise=.nan", "attack.noise"), ("fl.lr=.nan", "fl.lr"), ("peft.init_std=.inf", "peft.init_std"),
            ("data.batch_size=true", "data.batch_size"), ("metrics.high_risk_client=5", "metrics.high_risk_client"),
            ("peft.layer_adapters=[99]", "peft.layer_adapters"), ("data.max_length=2", "data.max_length"),
@@ -254,7 +254,7 @@ def test_bad_input_exits_2_naming_the_field(tmp_path, config, override, field):
 
 def test_secure_aggregation_refuses_peftleak_only_when_it_hides_individual_updates(tmp_path):
     """Secure aggregation over two clients withholds individual updates (PEFTLeak refused, exit 2 naming
-    threat.individual_updates); over one client the sum is the update, so the gate lets it through (issue 26)."""
+    threat.individual_updates); over one client the sum is the update, so the gate lets it through."""
     from gradleak.errors import BadInput
     from gradleak.config.loading import apply_overrides, load_yaml
     from gradleak.run.runner import validate

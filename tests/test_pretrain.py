@@ -1,4 +1,4 @@
-"""The backbone pretrained by us on a split the clients never see (gradleak.models.pretrain, issue 9 §1)."""
+"""The backbone pretrained by us on a split the clients never see (gradleak.models.pretrain; paper 003's study)."""
 
 import pytest
 import torch
@@ -67,7 +67,7 @@ def test_pretraining_that_would_share_the_clients_images_or_another_model_is_ref
     assert e.value.field.startswith(field)
 
 
-# --- the ViT presets (issue 28 item 5: the in-domain backbone of benchmarks/anchor.py) ------------------------------
+# --- the ViT presets (the in-domain backbone of benchmarks/anchor.py) ------------------------------
 
 ANCHOR = Path(__file__).resolve().parents[1] / "configs" / "anchor" / "fmnist_b1.yaml"
 TINY_VIT = ["model.name=vit-tiny", "model.layers=1", "model.patch_size=8", "model.pretrain.images=16",

@@ -1,4 +1,4 @@
-"""README's result sentences that issue 57 found without a source row, recomputed from the stored rows
+"""README's result sentences that were once found without a source row, recomputed from the stored rows
 (benchmarks/out/*.jsonl): the test fails when one of these README numbers is edited by hand or the rows change
 under it. Also the UTR note on per-tensor pruning, generated from the defended rows."""
 

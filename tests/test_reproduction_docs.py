@@ -1,4 +1,4 @@
-"""docs/REPRODUCTION.md is what the benchmarks' ``--report-only`` makes of the committed rows (issue 41): every
+"""docs/REPRODUCTION.md is what the benchmarks' ``--report-only`` makes of the committed rows: every
 section regenerates byte-identically from ``benchmarks/out``, every table row names the code revision behind it, and
 every stored row carries its revision (recorded when written, or recovered from git by
 ``scripts/revisions_from_blame.py``).

@@ -1,4 +1,4 @@
-"""Issue 53, item 3: ``gradleak run`` answers first. The console opens with the sentence the HTML report opens with
+"""``gradleak run`` answers first. The console opens with the sentence the HTML report opens with
 (:func:`gradleak.run.answer.run_answer`) and a short headline table; the full metric table is behind ``--verbose``;
 a p-value at the floor of its null's draws (1 / (1 + draws): 0.000999 for 1,000) reads ``p < 0.001``."""
 

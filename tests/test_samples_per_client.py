@@ -1,4 +1,4 @@
-"""data.samples_per_client (issue 28 item 3): each text client holds a dataset (the members) and trains each round
+"""data.samples_per_client: each text client holds a dataset (the members) and trains each round
 on a batch of data.batch_size drawn from it."""
 
 from __future__ import annotations

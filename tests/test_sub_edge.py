@@ -1,4 +1,4 @@
-"""The sub-edge word-bag test (gradleak.attacks.common.sub_edge; issue 51 item 3): its false-positive rate on noise
+"""The sub-edge word-bag test (gradleak.attacks.common.sub_edge): its false-positive rate on noise
 alone, its power on a planted signal below the noise edge, and the real geometry of MiniLM's token directions."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _planted(gen, D, members, b, n, sigma, margin):
 
 
 def test_planted_signal_below_the_edge_at_margin_0_8_is_found_well_above_chance():
-    """Every planted direction's singular value at 0.8 x the noise edge (issue 51's margin 0.8): the known
+    """Every planted direction's singular value at 0.8 x the noise edge (a margin of 0.8): the known
     dictionary finds the members -- enrichment over chance >= 20 in every draw, recall >= 70 % on average, where a
     random bag of the same size would hit 10 / 2000 of the time."""
     gen = torch.Generator().manual_seed(2)

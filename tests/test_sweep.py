@@ -1,4 +1,4 @@
-"""Sweeps (issue 12 item 2): grid expansion and its errors, a killed sweep resumes without a duplicated or lost
+"""Sweeps: grid expansion and its errors, a killed sweep resumes without a duplicated or lost
 cell, seeded cells give the same metrics whichever executor ran them."""
 
 from __future__ import annotations

@@ -445,7 +445,7 @@ def test_a_false_sep_pair_and_a_shared_length_are_tried_as_hypotheses(minilm):
 
 
 def test_noise_edge_rank_recovers_a_planted_rank_and_its_tolerance_shrinks_with_the_noise():
-    """Issue 11 item 3: under i.i.d. noise the rank is the number of singular values above the noise spectrum's
+    """Under i.i.d. noise the rank is the number of singular values above the noise spectrum's
     edge sigma (sqrt(m) + sqrt(n)); the tolerance is edge / (weakest kept value) and falls with the noise."""
     from gradleak.attacks.common.subspace import estimate_noise_std, subspace_from_gradients
 
@@ -534,7 +534,7 @@ def test_noise_aware_prefix_search_recovers_causal_sentences(smollm2):
 
 
 def test_lamp_end_to_end_on_a_real_sentence(minilm):
-    """LAMP (issue 11 item 4) on MiniLM, B = 1: the cosine loss falls from the best random init, the discrete
+    """LAMP on MiniLM, B = 1: the cosine loss falls from the best random init, the discrete
     steps run, the result has the true length, and with ``bag_only`` every token comes from UTR's word bag."""
     from gradleak.attacks.lamp import LAMPAttack
     from gradleak.attacks.utr import UTRAttack
@@ -567,7 +567,7 @@ def test_utr_and_dager_attack_the_victims_update_not_every_clients(tmp_path):
 
 
 def test_value_test_checks_each_sentence_past_the_bottleneck_and_repairs_moves():
-    """Issue 11 item 1: on a saturated first layer (MiniLM rf = 4, B = 4: 121 states in 96 rows, where no single
+    """On a saturated first layer (MiniLM rf = 4, B = 4: 121 states in 96 rows, where no single
     sentence can be tested on the subspace), the embedding adapter's gradient values test each sentence alone:
     every true sentence passes at the float floor, a sentence with one token exchanged (a stage-1-consistent error)
     fails, and so does the partner it came from; the value-graded moves put the token back, and a chain cut to a
@@ -619,7 +619,7 @@ def test_value_test_checks_each_sentence_past_the_bottleneck_and_repairs_moves()
 
 
 def test_exact_pair_signals_drop_false_pairs_and_refuse_what_does_not_fit():
-    """Issue 11: the embedding adapter's up- and down-projection equations give every candidate pair's exact
+    """The embedding adapter's up- and down-projection equations give every candidate pair's exact
     bottleneck signal. On a real saturated batch (MiniLM rf = 4, B = 4) stage 1 returns exactly the batch's pairs
     (a planted false pair is dropped), the signals agree with the value test's coefficient route for once-placed
     tokens, a missing true pair or a several-step upload makes the equations refuse (None), not guess."""
@@ -699,7 +699,7 @@ def smollm2_past_bottleneck():
 
 
 def test_causal_value_test_verifies_whole_sentences_and_peels_them(smollm2_past_bottleneck):
-    """Issue 11 item 1 (causal): each complete sentence is tested on the embedding adapter's gradient values at one
+    """The value test (causal): each complete sentence is tested on the embedding adapter's gradient values at one
     global scale (1 / targets); one token exchanged, or the last word dropped, fails by orders of magnitude (a
     position's gradient sums every later loss); peeling every true sentence explains the whole upload."""
     from gradleak.attacks.utr.causal import CausalValueTest

@@ -1,4 +1,4 @@
-"""UTR's clipped-sum model of DP-SGD (gradleak.attacks.utr.clipped; issue 51 item 3): a DP-SGD upload of real MiniLM
+"""UTR's clipped-sum model of DP-SGD (gradleak.attacks.utr.clipped): a DP-SGD upload of real MiniLM
 sentences -- each per-sample gradient clipped to C, summed, Gaussian noise sigma C added, divided by B, exactly as
 gradleak.defenses.training.DPSGD.privatise -- is explained by the true sentences down to the noise (chi-square z
 within N(0, 1)'s range), the fitted per-sentence scales are the clip factors min(1, C / ||g_i||), and one wrong token

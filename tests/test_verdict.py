@@ -1,4 +1,4 @@
-"""The verdict (issue 26) and its guards (issue 31): graded level rules per reconstruction kind, both sides of
+"""The verdict and its guards: graded level rules per reconstruction kind, both sides of
 every threshold and NaN (plain dicts); the verdict and banner; chance fed to every evaluator as if it were an
 attack's output stays below its null; the threat gate's arithmetic; the audit's false-safe cases."""
 
