@@ -303,6 +303,8 @@ def _make_audit_class():
                 self.blocked.append({"server_round": server_round, "client": cid, "site": site, "level": level})
             merged["blocked"] = [b for b in self.blocked if b["server_round"] == server_round]
             merged["block_at"] = self.block_at or None
+            if "dp_check" in mine:  # the declared DP mechanism replayed with canaries (RoundAudit.round_dp_check)
+                merged["dp_check"] = mine["dp_check"]
             merged.update(audit.report_fields(merged["attacks"]))  # gradleak audit's report fields
             rdir = Path(self.out_dir) / f"round_{server_round}"
             for entry in merged["attacks"]:

@@ -151,8 +151,11 @@ def _statistics(units, k: int, finals: torch.Tensor, iterates: list[torch.Tensor
 
 
 def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = CANARIES,
-             log=lambda m: None) -> dict | None:
-    """The DP check of ``cfg`` (a validated experiment config), or None when it declares no DP mechanism."""
+             log=lambda m: None, sent: dict[str, torch.Tensor] | None = None) -> dict | None:
+    """The DP check of ``cfg`` (a validated experiment config), or None when it declares no DP mechanism.
+    ``sent``: the weights a recorded round started from (a live framework audit's replay,
+    :meth:`gradleak.run.round_audit.RoundAudit.round_dp_check`): the federation with its canaries starts there instead
+    of at the model's initial weights."""
     from gradleak.evaluation.empirical_epsilon import ALPHA, judge
     from gradleak.fl.canaries import CANARY_SCALE, CanaryClient, direction, flat
     from gradleak.fl.engines import rounds_engine
@@ -165,6 +168,12 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
     mechanisms = declared_mechanisms(cfg, defenses)
     if not mechanisms:
         return None
+    if sent:
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for k, v in sent.items():
+                if k in params:
+                    params[k].copy_(v.to(device=params[k].device, dtype=params[k].dtype))
     shapes = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
     names = {n for n, _ in shapes}
     dim = sum(int(s.numel()) for _, s in shapes)
@@ -227,6 +236,7 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
     return {"verdict": verdict, "sentence": sentence, "claimed_epsilon": claimed, "mechanisms": claims,
             "measured": measured, "delta": delta, "canaries": canaries, "unseen_canaries": canaries,
             "dimension": dim, "rounds": rounds, "engine": cfg.fl.engine, "clients": len(real),
+            "started_from": "the recorded round's sent weights" if sent else "the model's initial weights",
             "canary_norm": CANARY_SCALE * clip, "method": METHOD, "tests_alpha": ALPHA, "tests_method": TESTS_METHOD,
             "seconds": time.perf_counter() - t0,
             **({"canaries_asked": asked, "canaries_note": f"{asked} canaries would hold more than {MEMORY_GIB:g} GiB "

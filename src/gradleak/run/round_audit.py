@@ -13,6 +13,10 @@ step the CLI audit uses (:func:`gradleak.run.audit.judge`), with the one entry s
   ``gradleak audit`` (:func:`write_round`; ``gradleak report OUT/round_<r>/audit.json`` rebuilds it). The Flower audit
   (:class:`gradleak.integrations.flower.FlowerAudit`) adds ``--advise`` to it; the NVFlare result filter
   (:mod:`gradleak.integrations.nvflare`) calls it per round.
+* When the config declares a DP mechanism (and ``audit.dp_check`` is not false), the first audited round also replays
+  the declared mechanism with canaries (:meth:`RoundAudit.round_dp_check`: :func:`gradleak.run.dp_check.dp_check`,
+  the check ``gradleak audit`` runs, for one round from the round's sent weights): ``dp_check`` in every round's
+  ``audit.json`` and ``OUT/round_<r>/dp_check.json`` (docs/DESIGN.md §6, the DP check).
 * The console speaks as ``gradleak audit``: each attack's line in its level's words
   (:func:`gradleak.run.audit_report.attack_line`), and each written round answer first (:func:`round_console`): the
   banner's sentence -- the worst level, the attack, the client, the measurement beside its null -- then the audit's
@@ -177,6 +181,7 @@ class RoundAudit:
         self.command = command or (f"{type(self).__name__}({self.config_path or 'a config mapping'}, {out_dir}) on a "
                                    "live federation: rerun the federation with it to reproduce")
         self._context: dict | None = None  # the report's fields of every round (report_fields)
+        self._dp: dict | None | bool = False  # the DP check's replay (round_dp_check; False: not run yet)
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.truth, self.log, self.device = truth, log, torch.device(device)
@@ -277,10 +282,49 @@ class RoundAudit:
             self.log(f"{self.log_prefix} round {rec.server_round} {attack_line(entry)}")
         # the CLI's verdict over every attack that ran (an unscored one -- no ground truth -- is undefined)
         verdict, headline = verdict_and_headline(entries, self.left_out_names(), self.only_by or "--only")
+        dp = self.round_dp_check(rec)
         return {"server_round": rec.server_round, "verdict": verdict, "headline": headline,
                 "aggregated": rec.aggregated, "note": rec.note, "attacks": entries + self.not_run,
                 "client_scores": {str(k): v for k, v in rec.client_metrics.items() if v},
+                **({"dp_check": dp} if dp is not None else {}),
                 "seconds": time.perf_counter() - t_round, **self.report_fields(entries)}
+
+    def round_dp_check(self, rec: RecordedRound) -> dict | None:
+        """The DP check of the declared mechanism, replayed once (on the first audited round; later rounds carry the
+        same result): :func:`gradleak.run.dp_check.dp_check` -- the code ``gradleak audit`` runs, no second
+        implementation -- on the audited config (its first planned attack's, as :func:`gradleak.run.audit.dp_check_job`
+        takes it) for one round from ``rec``'s sent weights, with ``audit.dp_check``'s canaries. None when the config
+        declares no DP mechanism or sets ``audit.dp_check: false``; a crashed check is ``undefined`` with its error
+        (:func:`gradleak.run.audit.dp_check_entry`), never a pass. Also written to ``OUT/round_<r>/dp_check.json``."""
+        from gradleak.run.audit import dp_check_entry
+        from gradleak.run.dp_check import declares_dp, dp_check, dp_section
+        from gradleak.run.results import write_json_atomic
+        from gradleak.run.runner import validate
+
+        if self._dp is False:
+            self._dp = None
+            opts = dp_section((self.raw.get("audit") or {}).get("dp_check"))
+            name, cfg = self.plans[0]
+            if opts is not None and declares_dp(cfg):
+                t0 = time.perf_counter()
+                try:
+                    from gradleak.run.audit import candidate
+
+                    raw = copy.deepcopy(self.raw)
+                    raw.setdefault("fl", {})["rounds"] = 1  # the recorded round, replayed
+                    _, one = validate(candidate(raw, name))
+                    res = {"dp_check": dp_check(one, self.device, canaries=opts["canaries"], sent=rec.sent)}
+                except Exception as err:  # noqa: BLE001 -- a crashed check (or a BadInput) is undefined, never a pass
+                    res = {"error": f"{type(err).__name__}: {err}"}
+                res["seconds"] = time.perf_counter() - t0
+                self._dp = {**dp_check_entry(res), "replayed_round": rec.server_round}
+                self.log(f"{self.log_prefix} dp_check (round {rec.server_round} replayed with canaries): "
+                         f"{self._dp['verdict'].upper()} -- {self._dp['sentence']}")
+        if self._dp is not None:
+            rdir = self.out / f"round_{rec.server_round}"
+            rdir.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(rdir / "dp_check.json", {"dp_check": self._dp})
+        return self._dp
 
     def left_out_names(self) -> list[str]:
         """The attacks ``attacks=[...]`` left out that would run here (named in the banner)."""
