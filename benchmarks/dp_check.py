@@ -240,12 +240,16 @@ def timed_audit(sets: list[str], out: str) -> dict:
     cmd = [str(ROOT / ".venv" / "bin" / "gradleak"), "audit", str(CONFIG), "--out", out]
     for s in sets:
         cmd += ["--set", s]
+    import os
+
+    load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**__import__("os").environ,
-                                                                           "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if p.returncode != 0:
         raise RuntimeError(p.stderr[-2000:])
-    return {"audit_seconds": time.perf_counter() - t0}
+    # the machine's 1-minute load average before and after the run (other processes share the cores)
+    return {"audit_seconds": time.perf_counter() - t0, "load": [load0, os.getloadavg()[0]],
+            "cpus": os.cpu_count()}
 
 
 def decisive(m: dict) -> str:
@@ -399,8 +403,11 @@ def table(rows: list[dict]) -> str:
         off = [r["audit_seconds"] for r in timing if r["arm"] == "off"]
         if on and off:
             mon, moff = sum(on) / len(on), sum(off) / len(off)
+            loads = [x for r in timing for x in r.get("load") or ()]
+            where = (f"on a shared {timing[0].get('cpus')}-core machine (1-minute load average {min(loads):.1f}–"
+                     f"{max(loads):.1f} around the runs)" if loads else "on one idle 2-core machine")
             lines += ["", f"Wall time of `gradleak audit configs/audit/text_adapters.yaml` with the local dp_gaussian "
-                          f"(z = 1) declared, alternating runs on one idle 2-core machine (`--timing`): with the check "
+                          f"(z = 1) declared, alternating runs {where} (`--timing`): with the check "
                           f"{', '.join(f(x, '.1f') for x in on)} s (mean {mon:.1f}), with `--set audit.dp_check=false` "
                           f"{', '.join(f(x, '.1f') for x in off)} s (mean {moff:.1f}): the check adds "
                           f"{(mon / moff - 1) * 100:.0f} % (revision: {revision_label(timing)})."]
