@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the user-facing paths: the package, the benchmarks and their generated sections, the docs, configs, examples
-CHECKED = ("src", "benchmarks", "docs", "README.md", "configs", "examples", "scripts", "tests")
+CHECKED = ("src", "benchmarks", "docs", "README.md", "configs", "examples", "scripts", "tests", "pyproject.toml")
 #: "issue 28", "Issue 11 item 1", "issues 26", "issue #41", "issue-9"
 ISSUE_REF = re.compile(r"\bissues?[\s#-]*\d+", re.I)
 #: pending: another change is editing these files now; their references are rewritten when it lands (then this
