@@ -272,7 +272,8 @@ def build(out: Path = OUT) -> tuple[str, list[dict]]:
     for r in rows:
         h = r["headline"]
         ours = _num(r["ours"], h.unit)
-        lines.append(f"| {h.paper} | {h.number} ({h.cite}) | {h.paper_text} | {ours} ({h.ours_setting}) | "
+        paper = h.paper_text + (f" (tolerance {h.tol:g})" if h.claim == "value" else "")
+        lines.append(f"| {h.paper} | {h.number} ({h.cite}) | {paper} | {ours} ({h.ours_setting}) | "
                      f"{_num(r['null_p99'], h.unit)} | **{r['status']}**: {r['why']} | {r['where']} | "
                      f"{revision_label(r['row']) if r['row'] is not None else '–'} |")
     lines += ["", "Status counts: " + ", ".join(f"{s} {n}" for s, n in counts.items()) + f" (of {len(rows)})."]
