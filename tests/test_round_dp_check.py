@@ -66,8 +66,10 @@ def test_the_nvflare_example_writes_the_dp_check_of_its_declared_mechanism(tmp_p
     assert capsys.readouterr().out.count("dp_check (round 1 replayed with canaries)") == 1
 
 
-def test_no_declared_mechanism_no_dp_check(tmp_path):
-    """The NVFlare example as shipped declares no DP mechanism: no dp_check file, none in audit.json."""
+@pytest.mark.parametrize("case", ["shipped", "dp_check_off"])
+def test_no_declared_mechanism_no_dp_check(tmp_path, case):
+    """The NVFlare example as shipped declares no DP mechanism, and one that declares it with ``audit.dp_check:
+    false`` asks for no check: no dp_check file, none in audit.json."""
     sys.path.insert(0, str(ROOT / "examples" / "nvflare"))
     try:
         import importlib
@@ -75,7 +77,11 @@ def test_no_declared_mechanism_no_dp_check(tmp_path):
         job = importlib.import_module("job")
     finally:
         sys.path.pop(0)
-    job.run(str(ROOT / "examples" / "nvflare" / "text_adapters.yaml"), str(tmp_path / "nv"), rounds=1,
-            attacks=["utr"], runtime="inprocess")
+    cfg = ROOT / "examples" / "nvflare" / "text_adapters.yaml"
+    if case == "dp_check_off":
+        raw = yaml.safe_load(cfg.read_text())
+        cfg = tmp_path / "text_adapters_dp_off.yaml"
+        cfg.write_text(yaml.safe_dump({**raw, "defenses": DP, "audit": {**(raw.get("audit") or {}), "dp_check": False}}))
+    job.run(str(cfg), str(tmp_path / "nv"), rounds=1, attacks=["utr"], runtime="inprocess")
     assert not (tmp_path / "nv" / "round_1" / "dp_check.json").exists()
     assert "dp_check" not in json.loads((tmp_path / "nv" / "round_1" / "audit.json").read_text())
