@@ -264,13 +264,20 @@ def timed_audit(sets: list[str], out: str) -> dict:
         cmd += ["--set", s]
     import os
 
+    import resource
+
+    def cpu() -> float:
+        u = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return u.ru_utime + u.ru_stime
+
     load0 = os.getloadavg()[0]
-    t0 = time.perf_counter()
+    c0, t0 = cpu(), time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if p.returncode != 0:
         raise RuntimeError(p.stderr[-2000:])
-    # the machine's 1-minute load average before and after the run (other processes share the cores)
-    return {"audit_seconds": time.perf_counter() - t0, "load": [load0, os.getloadavg()[0]],
+    # the machine's 1-minute load average before and after the run (other processes share the cores), and the CPU
+    # seconds (user + system) of the audit process and the children it waited for: less sensitive to that load
+    return {"audit_seconds": time.perf_counter() - t0, "cpu_seconds": cpu() - c0, "load": [load0, os.getloadavg()[0]],
             "cpus": os.cpu_count()}
 
 
@@ -428,6 +435,8 @@ def table(rows: list[dict]) -> str:
         off = [r["audit_seconds"] for r in timing if r["arm"] == "off"]
         if on and off:
             mon, moff = sum(on) / len(on), sum(off) / len(off)
+            con = [r["cpu_seconds"] for r in timing if r["arm"] == "check" and "cpu_seconds" in r]
+            coff = [r["cpu_seconds"] for r in timing if r["arm"] == "off" and "cpu_seconds" in r]
             loads = [x for r in timing for x in r.get("load") or ()]
             where = (f"on a shared {timing[0].get('cpus')}-core machine (1-minute load average {min(loads):.1f}–"
                      f"{max(loads):.1f} around the runs)" if loads else "on one idle 2-core machine")
@@ -435,7 +444,14 @@ def table(rows: list[dict]) -> str:
                           f"(z = 1) declared, alternating runs {where} (`--timing`): with the check "
                           f"{', '.join(f(x, '.1f') for x in on)} s (mean {mon:.1f}), with `--set audit.dp_check=false` "
                           f"{', '.join(f(x, '.1f') for x in off)} s (mean {moff:.1f}): the check adds "
-                          f"{(mon / moff - 1) * 100:.0f} % (revision: {revision_label(timing)})."]
+                          f"{(mon / moff - 1) * 100:.0f} %"
+                          + (f"; CPU seconds (user + system of the audit and its children, less sensitive to the "
+                             f"machine's load) with the check {', '.join(f(x, '.1f') for x in con)} (mean "
+                             f"{sum(con) / len(con):.1f}), without {', '.join(f(x, '.1f') for x in coff)} (mean "
+                             f"{sum(coff) / len(coff):.1f}): the check adds "
+                             f"{(sum(con) / len(con) / (sum(coff) / len(coff)) - 1) * 100:.0f} % of CPU"
+                             if con and coff else "")
+                          + f" (revision: {revision_label(timing)})."]
     if gone:
         lines += ["", f"Stored rows of cells no longer measured, not shown (computed): {', '.join(gone)}."]
     lines += ["", f"Code revision(s) of these rows: {revision_label(rows)}. {REVISION_NOTE}"]
