@@ -78,7 +78,8 @@ def evaluate_tokens(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalua
         rows.append({"trial": trial, "reference": "(none: extra output)", "reconstruction": r, "verified": "-", "exact": "no"})
     notes = []
     if cfg.metrics.null and truth.null_pool:
-        _null_text(truth, refs, recs, true_tokens, bag, out, cfg, notes, rec.info.get("sub_edge_top"))
+        _null_text(truth, refs, recs, true_tokens, bag, out, cfg, notes, rec.info.get("sub_edge_top"),
+                   rec.info.get("null_word_bags"))
     if n_verified < len(refs):
         notes.append(f"trial {trial}: {n_verified} of {len(refs)} sentences verified by the attack — "
                      "unverified text is a best guess, not a proven reconstruction.")
@@ -86,10 +87,15 @@ def evaluate_tokens(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalua
 
 
 def _null_text(truth: Truth, refs: list[str], recs: list[str], true_tokens: set, bag: set, out: dict, cfg,
-               notes: list, ranking=None) -> None:
+               notes: list, ranking=None, null_bags=None) -> None:
     """The text nulls: N random public sentences (ROUGE F1, the same matching), a random word bag of the attack's
     size from the public sentences' tokens (word-bag recall), the attack's own bag in random order (ROUGE), and a
-    sub-edge ranking (``ranking``) against random public tokens through it (:func:`_sub_edge_enrichment`)."""
+    sub-edge ranking (``ranking``) against random public tokens through it (:func:`_sub_edge_enrichment`).
+
+    ``null_bags``: the bags a learned decoder (:mod:`gradleak.attacks.learned_wordbag`) gives random public batches
+    through the same simulation and defenses; then the word-bag null is, draw for draw, the larger of the random
+    bag's recall and a decoder bag's recall (``word_bag_recall_random_bag_null_p99`` and
+    ``word_bag_recall_decoder_null_p99`` each alone), so a decoder that learned only the public prior is at chance."""
     from gradleak.evaluation.nulls import bag_order_null, text_null, word_bag_null
 
     tok, pool = truth.tokenizer, list(truth.null_pool)
@@ -101,7 +107,15 @@ def _null_text(truth: Truth, refs: list[str], recs: list[str], true_tokens: set,
     token_pool = [t for sent in pool for t in set(tok(sent, add_special_tokens=False)["input_ids"]) if t not in special]
     what = f"{draws} draws of {len(recs) or len(refs)} random sentences of {truth.null_source} ({len(pool)} in the pool)"
     if "word_bag_recall" in out:
-        attach_null(out, "word_bag_recall", word_bag_null(true_tokens, len(bag), token_pool, draws=draws, seed=seed))
+        wb_null = word_bag_null(true_tokens, len(bag), token_pool, draws=draws, seed=seed)
+        if null_bags:
+            dec = np.array([100.0 * len(true_tokens & set(b)) / len(true_tokens) if true_tokens else float("nan")
+                            for b in null_bags])
+            out["word_bag_recall_random_bag_null_p99"] = float(np.nanquantile(wb_null, 0.99))
+            out["word_bag_recall_decoder_null_p99"] = float(np.nanquantile(dec, 0.99))
+            pick = np.random.default_rng(seed + 1).choice(len(dec), size=len(wb_null), replace=len(dec) < len(wb_null))
+            wb_null = np.fmax(wb_null, dec[pick])
+        attach_null(out, "word_bag_recall", wb_null)
         words = []
         for t in sorted(bag):
             w = tok.convert_ids_to_tokens(int(t))
@@ -115,6 +129,9 @@ def _null_text(truth: Truth, refs: list[str], recs: list[str], true_tokens: set,
             out[f"{k}_bag_order"] = float(np.quantile(vals, 0.99)) if len(vals) else float("nan")
         what += (f"; word bag: {draws} random bags of {len(bag)} tokens from the pool's tokens (weighted by how many "
                  "sentences hold each); *_bag_order: the 99th percentile of the attack's own bag in random order")
+        if null_bags:
+            what += (f"; each word-bag draw the larger of that and the recall of one of {len(null_bags)} bags the same "
+                     "decoder gives random public batches")
     if ranking:
         _sub_edge_enrichment(list(ranking), true_tokens - special, pool, tok, special, max(len(refs), 1), out, draws,
                              seed, int(getattr(tok, "vocab_size", 0) or len(tok)))

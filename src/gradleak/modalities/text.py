@@ -30,6 +30,14 @@ class TextModality(Modality):
 
         return TextData(cfg)
 
+    def attack_public(self, cfg, data, threat) -> dict[str, Any]:
+        """Under ``threat.public_data``: sentences of the same dataset that no client holds in any trial, in the
+        null pool's seeded order (``public_texts``; the learned word-bag decoder's training and null data)."""
+        if not threat.public_data:
+            return {}
+        texts, _ = data.null_pool(0, k=1 << 30)
+        return {"public_texts": texts}
+
     def encode(self, handle, x, cfg, dev):
         enc = handle.text_model.encode(x, cfg.data.max_length)
         return (torch.stack([enc["input_ids"], enc["attention_mask"]], 1).to(dev), enc,
