@@ -1,6 +1,6 @@
 """Learned inversion of a defended text upload into its word bag (Wu, Chen, Liu, Gu, "Learning to Invert", UAI 2023,
-Sec. 3: a decoder trained on (defended gradient -> input) pairs the server makes from public data; paper list:
-docs/PAPERS.md). The text slice: a multi-label word-bag classifier.
+Sec. 3: a decoder trained on (defended gradient -> input) pairs the server makes from public data; not one of the five
+papers of docs/PAPERS.md). The text slice: a multi-label word-bag classifier.
 
 The server knows the model it sent, the PEFT and the declared update defenses (Kerckhoffs: they are in its own
 configuration; ``view.public["update_defenses"]``, docs/ARCHITECTURE.md "The threat model"). From public sentences
