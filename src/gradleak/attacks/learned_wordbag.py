@@ -218,7 +218,9 @@ class LearnedWordBag(AttackBase):
             g = torch.Generator().manual_seed(self.seed * 7919 + index)
             y = torch.randint(classes, (len(texts),), generator=g)  # the victims' labels are private: random ones
             dseed = self.seed + DEFENSE_SEED_OFFSET + index
-            defenses = build_defenses(entries, seed=dseed)
+            # a seed the deployment pinned (params.seed) is the victims' noise: replaced, never shared
+            defenses = build_defenses([{**e, "params": {**(e.get("params") or {}), "seed": dseed}}
+                                       if "seed" in (e.get("params") or {}) else e for e in entries], seed=dseed)
             client = Client(index, x, y, loss_fn=loss_fn)
             upd = client.local_update(model, algorithm=algorithm, epochs=int(fl.get("local_epochs") or 1), lr=lr,
                                       batch_size=fl.get("local_batch_size"), defenses=defenses, seed=dseed)
