@@ -24,7 +24,7 @@ noise) should sit near it, the accountant's (RDP) claim above it.
 check and with ``--set audit.dp_check=false``, alternating, three times each (cells ``timing|check|<i>`` and
 ``timing|off|<i>``; wall seconds of the whole command).
 
-Breakages that look like real bugs (issue 52), two ways:
+Breakages that look like real bugs (docs/DESIGN.md §6, the DP check), two ways:
 
 * on the text audit (cells ``<breakage>|seed<S>``, the same check with the mechanism broken in-process as
   ``tests/test_dp_check.py`` breaks it, by replacing ``DPGaussian.apply``): every tenth client upload clipped but not
