@@ -60,11 +60,13 @@ def test_decoder_learns_an_undefended_leak_and_reuses_its_cache(tmp_path, cache,
 def test_decoder_stays_at_chance_when_the_filter_removes_everything(tmp_path, cache, minilm_available, one_thread):
     """Absolute noise of std 1e3 on every coordinate (the gradient's entries are < 1): nothing of the batch is left,
     the decoder learns the public prior only; its bags on random public batches are then as good as on the victim's,
-    so it is at chance -- while the random public bag alone would not always say so (checked explicitly)."""
+    so it is at chance -- while the random public bag alone would have called the prior a leak (checked explicitly:
+    measured recall 34.1 against the random bag's p99 24.4 and the decoder null's p99 36.6)."""
     res, j = _run(tmp_path / "n", ["defenses=[{name: gaussian_noise, params: {std: 1000.0}}]"])
     m = res["metrics"]
     assert j["level"] == "none", m
     assert m["word_bag_recall"] <= m["word_bag_recall_decoder_null_p99"]
+    assert m["word_bag_recall"] > m["word_bag_recall_random_bag_null_p99"]  # the prior beats a random bag
     # the null the grade used is at least each of its two parts
     assert m["word_bag_recall_null_p99"] >= max(m["word_bag_recall_decoder_null_p99"],
                                                 m["word_bag_recall_random_bag_null_p99"]) - 1e-9
