@@ -55,6 +55,7 @@ from typing import Any, Optional
 import torch
 
 from gradleak.attacks.peftleak.geometry import F64
+from gradleak.errors import BadInput
 
 #: the metrics' suffix: the tensor PEFTLeak's limit is read on
 SUFFIX = "adapter_bins"
@@ -62,11 +63,20 @@ SUFFIX = "adapter_bins"
 ROUNDING = 1e-9
 
 
+def bin_differences(upd, pre: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The down-projection gradients of adapter ``pre`` in ``upd`` (float64, CPU) and their bin differences: bin j =
+    neuron j minus neuron j + 1, the top bin alone (PEFTLeak eqs. 24-25): ``(GW, Gb, dGW, dGb)``."""
+    if f"{pre}.down.weight" not in upd.tensors:
+        raise BadInput("update", f"the observed update lacks '{pre}.down.weight'.",
+                       "the client must upload the adapter gradients (adapters trainable).")
+    GW = upd.tensors[f"{pre}.down.weight"].to("cpu", F64)
+    Gb = upd.tensors[f"{pre}.down.bias"].to("cpu", F64)
+    return GW, Gb, torch.cat([GW[:-1] - GW[1:], GW[-1:]]), torch.cat([Gb[:-1] - Gb[1:], Gb[-1:]])
+
+
 def bin_energies(view, server, n_rounds: int) -> list[tuple[int, int, int, float]]:
     """``(round, slot index, bin, u)`` for every usable bin of the first ``n_rounds`` observed rounds, u = w‖d‖²
     (module docstring)."""
-    from gradleak.attacks.peftleak.recovery import bin_differences
-
     out = []
     for k in range(n_rounds):
         upd = view.rounds[k][0]

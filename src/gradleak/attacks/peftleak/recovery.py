@@ -14,7 +14,7 @@ from gradleak.attacks.base import Reconstruction
 from gradleak.attacks.peftleak.denoise import (NoiseTests, PatchPrior, agreement, estimate_patches, group_noisy,
                                                merge_estimates, resolve_noise_std)
 from gradleak.attacks.peftleak.geometry import F64, PatchGeometry, slot_scales
-from gradleak.attacks.peftleak.limit import apply_mask, bin_limit, strongest_bins
+from gradleak.attacks.peftleak.limit import apply_mask, bin_differences, bin_limit, strongest_bins
 from gradleak.attacks.peftleak.server import PEFTLeakServer, RoundPlan
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
@@ -638,17 +638,6 @@ class PEFTLeakRecovery:
         pos = torch.tensor([c["position"] for c in uniq], dtype=torch.long)
         g = torch.tensor([c.get("g", float("nan")) for c in uniq], dtype=F64)
         return X, pos, g
-
-
-def bin_differences(upd, pre: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The down-projection gradients of adapter ``pre`` in ``upd`` (float64, CPU) and their bin differences: bin j =
-    neuron j minus neuron j + 1, the top bin alone (PEFTLeak eqs. 24-25): ``(GW, Gb, dGW, dGb)``."""
-    if f"{pre}.down.weight" not in upd.tensors:
-        raise BadInput("update", f"the observed update lacks '{pre}.down.weight'.",
-                       "the client must upload the adapter gradients (adapters trainable).")
-    GW = upd.tensors[f"{pre}.down.weight"].to("cpu", F64)
-    Gb = upd.tensors[f"{pre}.down.bias"].to("cpu", F64)
-    return GW, Gb, torch.cat([GW[:-1] - GW[1:], GW[-1:]]), torch.cat([Gb[:-1] - Gb[1:], Gb[-1:]])
 
 
 def group_by_coefficient(g: torch.Tensor, positions: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
