@@ -1,30 +1,31 @@
-"""No new row from uncommitted code in benchmarks/out (issue 57 item 3).
+"""No live benchmark row from uncommitted code in benchmarks/out.
 
-A row whose ``revision`` ends in ``+dirty`` was written while src/ differed from the commit it names: no commit
-holds the code behind it. The rows already stored that way are listed here, per file and revision, as counted when
-this test was written (issue 57: to be rerun at a commit or removed with the reason; the list only shrinks). Any
-other ``+dirty`` row, or more of them than listed, fails: commit the code, then write the rows."""
+A row whose ``revision`` ends in ``+dirty`` was written while src/ differed from the commit it names
+(``benchmarks/_bench.revision``): no commit holds the code behind it, so no reader may take it. Every live JSONL
+(``benchmarks/out/*.jsonl`` but the ``*.history.jsonl`` files) must hold none: commit src/ first, then write the rows
+from a clean worktree of that commit. A dirty row leaves a live file only with a reason,
+through ``scripts/retire_dirty_rows.py``: superseded by a later row of the same cell from committed code, or retired
+with what its rerun costs; either way it is kept in ``<name>.history.jsonl`` with ``superseded_reason``."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-OUT = Path(__file__).resolve().parents[1] / "benchmarks" / "out"
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "out"
+LIVE = sorted(p for p in OUT.glob("*.jsonl") if not p.name.endswith(".history.jsonl"))
 
-#: (file, revision) -> rows stored from uncommitted code when issue 57 was worked (current and history files)
-KNOWN_DIRTY = {
-    ("anchor.jsonl", "4cbd44b+dirty"): 12,
-    ("defended.jsonl", "62a2a6b+dirty"): 50,
-    ("defended.jsonl", "2deeaca+dirty"): 20,
-    ("defended.jsonl", "9dacbeb+dirty"): 4,
-    ("defended.history.jsonl", "62a2a6b+dirty"): 16,
-    ("defended.history.jsonl", "9dacbeb+dirty"): 4,
-    ("optnoise.jsonl", "2deeaca+dirty"): 16,
-}
+
+def _retire_module():
+    spec = importlib.util.spec_from_file_location("retire_dirty_rows", ROOT / "scripts" / "retire_dirty_rows.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def dirty_rows(path: Path) -> Counter:
@@ -38,12 +39,16 @@ def dirty_rows(path: Path) -> Counter:
     return found
 
 
-@pytest.mark.parametrize("path", sorted(OUT.glob("*.jsonl")), ids=lambda p: p.name)
-def test_no_new_dirty_row(path):
-    for rev, n in dirty_rows(path).items():
-        known = KNOWN_DIRTY.get((path.name, rev), 0)
-        assert n <= known, (f"{path.name}: {n} row(s) at {rev} (known before issue 57: {known}): written from "
-                            "uncommitted code -- commit src/ first, then write the rows")
+def test_live_files_are_listed():
+    assert LIVE and all(not p.name.endswith(".history.jsonl") for p in LIVE)
+
+
+@pytest.mark.parametrize("path", LIVE, ids=lambda p: p.name)
+def test_no_dirty_row(path):
+    found = dirty_rows(path)
+    assert not found, (f"{path.name}: {dict(found)} row(s) written from uncommitted code -- commit src/ first, then "
+                       "write the rows from a clean worktree; a stored one leaves only through "
+                       "scripts/retire_dirty_rows.py (superseded, or retired with its rerun's cost)")
 
 
 def test_the_check_catches_a_dirty_row(tmp_path):
@@ -53,4 +58,34 @@ def test_the_check_catches_a_dirty_row(tmp_path):
                  + json.dumps({"cell": "c", "revision_committed_with": "abc1234"}) + "\n")
     assert dirty_rows(p) == {"abc1234+dirty": 1}
     with pytest.raises(AssertionError, match="written from uncommitted code"):
-        test_no_new_dirty_row(p)
+        test_no_dirty_row(p)
+
+
+def test_retire_moves_superseded_dirty_rows_with_a_reason_and_keeps_the_order(tmp_path):
+    mod = _retire_module()
+    p = tmp_path / "b.jsonl"
+    rows = [{"cell": "a", "v": 1, "revision": "1111111+dirty"},   # superseded by the later clean a
+            {"cell": "b", "v": 1, "revision": "1111111"},
+            {"cell": "c", "v": 1, "revision": "2222222+dirty"},   # no committed row replaces it
+            {"cell": "d", "v": 2, "revision": "3333333"},
+            {"cell": "d", "v": 1, "revision": "4444444+dirty"},   # latest of its cell: a clean row before is no rerun
+            {"cell": "a", "v": 2, "revision": "5555555"}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = p.read_text()
+    assert len(mod.retire(p)) == 1 and p.read_text() == before  # report only: nothing moves
+    moved = mod.retire(p, apply=True)
+    assert [r["cell"] for r, _ in moved] == ["a"]
+    live = [json.loads(ln) for ln in p.read_text().splitlines()]
+    assert [(r["cell"], r["v"]) for r in live] == [("a", 2), ("b", 1), ("c", 1), ("d", 2), ("d", 1)]
+    hist = [json.loads(ln) for ln in (tmp_path / "b.history.jsonl").read_text().splitlines()]
+    assert hist == [dict(rows[0], superseded_reason="written from uncommitted code (1111111+dirty); superseded by "
+                                                    "this cell's row from committed code (5555555)")]
+    with pytest.raises(SystemExit, match="--why"):
+        mod.retire(p, retire=["c"], apply=True)
+    mod.retire(p, retire=["c", "d"], why="2 cells, 10 min of one core", apply=True)
+    assert [r["cell"] for r in (json.loads(ln) for ln in p.read_text().splitlines())] == ["a", "b", "d"]
+    hist = [json.loads(ln) for ln in (tmp_path / "b.history.jsonl").read_text().splitlines()]
+    assert [(r["cell"], r["superseded_reason"]) for r in hist[1:]] == [
+        ("c", "written from uncommitted code (2222222+dirty); not rerun: 2 cells, 10 min of one core"),
+        ("d", "written from uncommitted code (4444444+dirty); not rerun: 2 cells, 10 min of one core")]
+    assert dirty_rows(p) == {}
