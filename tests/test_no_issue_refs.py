@@ -18,25 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CHECKED = ("src", "benchmarks", "docs", "README.md", "configs", "examples", "scripts", "tests", "pyproject.toml")
 #: "issue 28", "Issue 11 item 1", "issues 26", "issue #41", "issue-9"
 ISSUE_REF = re.compile(r"\bissues?[\s#-]*\d+", re.I)
-#: pending: another change is editing these files now; their references are rewritten when it lands (then this
-#: set is emptied). Nothing else may be added here.
-PENDING = {
-    "benchmarks/dp_check.py",
-    "benchmarks/papers.py",
-    "docs/PAPERS.md",
-    "tests/test_no_new_dirty_rows.py",
-}
-PENDING_PREFIXES = ("src/gradleak/integrations/",)
 #: config files whose bytes key stored rows (``benchmarks/advise.py`` ``config_sha``): a comment edited here marks
 #: the advise rows as measured on another version of the file, so their header comment is rewritten when those rows
 #: are next rerun, not before
 HASHED = {"configs/audit/text_adapters.yaml", "configs/audit/text_lora.yaml", "configs/audit/vit_lora.yaml"}
-PENDING_NAME = re.compile(r"^src/gradleak/.*dp_check")
 SELF = "tests/test_no_issue_refs.py"
-
-
-def _pending(path: str) -> bool:
-    return path in PENDING or path in HASHED or path.startswith(PENDING_PREFIXES) or bool(PENDING_NAME.match(path))
 
 
 def _tracked() -> list[str]:
@@ -71,7 +57,7 @@ def test_no_issue_numbers():
     assert any(p.startswith("benchmarks/") for p in files) and "docs/REPRODUCTION.md" in files  # the listing works
     bad = []
     for path in files:
-        if path == SELF or _pending(path):
+        if path == SELF or path in HASHED:
             continue
         p = ROOT / path
         if not p.is_file():  # deleted in the work tree, not yet committed
