@@ -135,7 +135,8 @@ def test_a_reused_out_keeps_no_leftover_and_the_refusals_say_why(tmp_path, own_c
     assert res.exit_code == 2
     assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
     refused = [line for line in res.output.splitlines() if ": refused -- " in line]
-    assert len(refused) == 3 and all("450 is more than the 50 texts" in line for line in refused)
+    # utr, projres, projres_adaptive and learned_wordbag: each refused run says why
+    assert len(refused) == 4 and all("450 is more than the 50 texts" in line for line in refused)
 
 
 def test_attacks_refused_for_different_reasons_are_each_listed(tmp_path, own_csv):
@@ -217,7 +218,7 @@ def test_the_gate_passes_a_defended_adapters_config_whose_measured_attacks_are_n
     res = runner.invoke(app, ["audit", str(TEXT_ADAPTERS), "--out", str(out), "--workers", "1", *DEFENDED,
                               "--fail-on", "partial"])
     assert res.exit_code == 0, res.output
-    assert "dager" not in ran and sorted(set(ran)) == ["projres", "projres_adaptive", "utr"]
+    assert "dager" not in ran and sorted(set(ran)) == ["learned_wordbag", "projres", "projres_adaptive", "utr"]
     audit = json.loads((out / "audit.json").read_text())
     dager = next(a for a in audit["attacks"] if a["name"] == "dager")
     assert "level" not in dager and not dager["applicable"]
