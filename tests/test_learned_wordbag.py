@@ -80,3 +80,46 @@ def test_list_shows_the_attack_and_its_requirement(cache):
     out = CliRunner().invoke(app, ["list", "attacks", "--modality", "text"]).output
     block = out[out.index("learned_wordbag —"):].split("\n  ")[0:3]
     assert "learned_wordbag —" in out and "public_data" in "\n".join(block), block
+
+
+def test_an_update_transform_in_the_defense_section_is_simulated():
+    """``--advise`` places NVFlare's SVT filter in ``defense:`` (so its ε is reported): the pipeline applies it to every
+    upload after the ``defenses:`` list, and the decoder's simulated uploads go through it too (after the list, with
+    its own parameters); a training-time defense (DP-SGD) stays not applicable, with its reason."""
+    from types import SimpleNamespace
+
+    from gradleak.attacks.learned_wordbag import LearnedWordBag, simulated_defenses
+    from gradleak.config.loading import load_yaml
+    from gradleak.defenses.declared import declared_defenses
+    from gradleak.run.runner import validate
+
+    raw = load_yaml(ROOT / "configs/audit/text_adapters.yaml")
+    raw.pop("audit", None)
+    base = QUICK + ["defenses=[{name: topk_pruning, params: {prune_fraction: 0.5}}]"]
+    _, cfg = validate(raw, base + ['defense={"name": "nvflare_svt", "noise_var": 0.316}'])
+    assert LearnedWordBag.measurable(cfg)
+    view = SimpleNamespace(public={"update_defenses": [d.model_dump() for d in cfg.defenses],
+                                   "declared_defenses": declared_defenses(cfg)})
+    entries = simulated_defenses(view)
+    assert [e["name"] for e in entries] == ["topk_pruning", "nvflare_svt"]
+    assert entries[1]["params"]["noise_var"] == 0.316 and entries[1]["params"]["fraction"] == 0.1
+    _, plain = validate(raw, base)
+    assert [e["name"] for e in simulated_defenses(SimpleNamespace(public={
+        "update_defenses": [d.model_dump() for d in plain.defenses],
+        "declared_defenses": declared_defenses(plain)}))] == ["topk_pruning"]
+    _, dp = validate(raw, base + ['defense={"name": "dpsgd", "noise_multiplier": 0.3, "max_grad_norm": 1.0}'])
+    assert not LearnedWordBag.measurable(dp)
+    assert "'dpsgd'" in LearnedWordBag.not_measurable_reason(dp)
+
+
+def test_decoder_trains_through_svt_named_in_the_defense_section(tmp_path, cache, minilm_available, one_thread):
+    """The real run: under ``defense: nvflare_svt`` the attack runs (it was refused as training-time before), its
+    decoder is another one than the undefended setup's (the cache key holds the simulated defenses), and it is graded
+    against its null."""
+    res, j = _run(tmp_path / "svt", ['defense={"name": "nvflare_svt", "noise_var": 0.316}'])
+    m = res["metrics"]
+    assert m["decoder_cache_hit"] == 0.0 and m["word_bag_recall_null_p99"] == m["word_bag_recall_null_p99"]
+    assert j["level"] in ("none", "partial", "strong", "exact")
+    res0, _ = _run(tmp_path / "plain")
+    assert res0["metrics"]["decoder_cache_hit"] == 0.0  # not the SVT decoder's cache file
+    assert len(list(cache.glob("learned_wordbag/*.pt"))) == 2

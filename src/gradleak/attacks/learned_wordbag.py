@@ -3,7 +3,8 @@ Sec. 3: a decoder trained on (defended gradient -> input) pairs the server makes
 papers of docs/PAPERS.md). The text slice: a multi-label word-bag classifier.
 
 The server knows the model it sent, the PEFT and the declared update defenses (Kerckhoffs: they are in its own
-configuration; ``view.public["update_defenses"]``, docs/ARCHITECTURE.md "The threat model"). From public sentences
+configuration; ``view.public["update_defenses"]``, and an update transform named in ``defense:`` from
+``view.public["declared_defenses"]``, docs/ARCHITECTURE.md "The threat model"). From public sentences
 of the same kind (``threat.public_data``) it simulates the clients' upload exactly as a client makes it
 (:meth:`gradleak.fl.core.Client.local_update`: the same algorithm, local epochs, batch size and lr of the public
 protocol, the batch size of the clients, the client's loss) and passes it through the *same defense objects*
@@ -41,7 +42,9 @@ Decisions the paper leaves open (each a parameter):
   parameter of this attack (the projection seed included).
 
 Limits of this slice: training-time defenses (DP-SGD, FISGuard's re-parameterisation is in the sent model already)
-are not simulated -- under one the attack is not applicable (``measurable``); the sequence decoder and
+are not simulated -- under one the attack is not applicable (``measurable``; an update transform named in
+``defense:``, as ``--advise`` places NVFlare's SVT filter, is simulated after the ``defenses:`` list, as the pipeline
+applies it); the sequence decoder and
 the image decoder of the same paper are not built.
 """
 
@@ -123,6 +126,34 @@ class WordBagDecoder(torch.nn.Module):
         return self.a + (self.beta + self.b) * z + self.U(s)
 
 
+def _update_stage(name: str) -> bool:
+    from gradleak.registry import DEFENSES
+
+    return name in DEFENSES and DEFENSES.get(name).stage == "update"
+
+
+def defense_section_entry(view) -> dict | None:
+    """The ``defense:`` section as a ``defenses:`` entry when it is an update transform (the pipeline applies it to
+    every upload after the ``defenses:`` list, :func:`gradleak.run.pipeline`'s ``build_defenses`` + the section's
+    ``update_transforms``), read from what the server is told (``view.public["declared_defenses"]``); else None."""
+    declared = view.public.get("declared_defenses")
+    transform = getattr(getattr(declared, "training", None), "transform", None)
+    if transform is None:
+        return None
+    from gradleak.registry import DEFENSES
+
+    name = next(e.name for e in DEFENSES if e.obj is type(transform))
+    return {"name": name, "params": transform.cfg.model_dump()}
+
+
+def simulated_defenses(view) -> list[dict]:
+    """The update defenses a simulated upload goes through, in the pipeline's order: the ``defenses:`` list, then an
+    update transform named in ``defense:`` (:func:`defense_section_entry`)."""
+    entries = list(view.public.get("update_defenses") or [])
+    extra = defense_section_entry(view)
+    return entries + ([extra] if extra is not None else [])
+
+
 def bag_from_probs(p: torch.Tensor, vocab: list[int], k: int) -> list[int]:
     """The ``k`` most probable tokens (at least one)."""
     k = max(1, min(len(vocab), int(k)))
@@ -167,15 +198,17 @@ class LearnedWordBag(AttackBase):
     @classmethod
     def measurable(cls, experiment_cfg) -> bool:
         """False under a training-time ``defense:`` (DP-SGD, dropout, ...): this slice simulates the update defenses
-        only, and a decoder trained without the clients' training-time defense would be graded on a mismatch."""
+        only, and a decoder trained without the clients' training-time defense would be graded on a mismatch. An
+        *update* transform named in ``defense:`` (e.g. ``nvflare_svt``, which ``--advise`` places there so its ε is
+        reported; :class:`gradleak.defenses.base.UpdateInDefenseSection`) is simulated like the ``defenses:`` list
+        (:func:`defense_section_entry`), so it is measurable."""
         d = getattr(experiment_cfg, "defense", None)
-        return getattr(d, "name", "none") in (None, "none")
+        return getattr(d, "name", "none") in (None, "none") or _update_stage(d.name)
 
     @classmethod
     def not_measurable_reason(cls, experiment_cfg) -> str:
-        return ("the learned word-bag decoder simulates the declared update defenses (defenses:) only, not the "
-                f"training-time defense '{experiment_cfg.defense.name}'; declare it under defenses: if it is an update "
-                "transform")
+        return ("the learned word-bag decoder simulates the declared update defenses (defenses:, or an update "
+                f"transform named in defense:) only, not the training-time defense '{experiment_cfg.defense.name}'")
 
     @classmethod
     def from_config(cls, cfg, ctx) -> "LearnedWordBag":
@@ -210,7 +243,7 @@ class LearnedWordBag(AttackBase):
         with torch.no_grad():
             probe = encode_batch(tok, kind, ["a"], None)
             classes = int(model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits.shape[-1])
-        entries = list(view.public.get("update_defenses") or [])
+        entries = simulated_defenses(view)
 
         def simulate(texts: list[str], index: int):
             enc = encode_batch(tok, kind, texts, None)
@@ -245,7 +278,7 @@ class LearnedWordBag(AttackBase):
             h.update(p.detach().cpu().contiguous().numpy().tobytes())
         names = sorted(view.updates[0].tensors)
         params = {k: getattr(self, k) for k in LearnedWordBagConfig.model_fields if k != "cache"}
-        h.update(json.dumps({"v": CACHE_VERSION, "trainable": names, "defenses": view.public.get("update_defenses"),
+        h.update(json.dumps({"v": CACHE_VERSION, "trainable": names, "defenses": simulated_defenses(view),
                              "fl": self.fl, "params": params, "seed": self.seed,
                              "batch": view.public.get("batch_size")}, sort_keys=True, default=str).encode())
         h.update("\n".join(train).encode())
