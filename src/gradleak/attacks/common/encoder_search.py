@@ -16,7 +16,9 @@ solve it with the first layer adapter's subspace S_LA = span{h_1 of the batch}:
    over all B x B splices); additive terms that depend on one side only cancel in a perfect matching, so the
    matching follows the cross-cut interaction, which is what tells the sentences apart;
 4. acceptance: a chain is a recovered sentence only when *every* position's state lies in S_LA (relative
-   residual < ``eps``), checked with the real model.
+   residual < ``eps``), checked with the real model. A chain with no token ([CLS] [SEP]) is never accepted while
+   stage 1's bag holds tokens no chain places (:meth:`EncoderChainSearch._vacuous`): its two states say nothing
+   about the batch, and at a noise tolerance (up to 0.5) they pass; the bag says some sentence holds those tokens.
 
 Saturated S_LA (beyond the paper): with more layer states N than bottleneck rows b, no single state lies in S_LA,
 but S_LA lies inside span{all states}. A set of chains whose m states are all right meets S_LA in
@@ -100,6 +102,21 @@ class EncoderChainSearch(ChainLengths):
         self.evals = 0
         self.forwards = 0
 
+
+    # ------------------------------------------------------------------ acceptance guard
+    def unplaced(self, chains: list[list[int]]) -> list[int]:
+        """Stage 1's bag tokens that no chain holds."""
+        held = {int(v) for c in chains for v in c}
+        return [v for v in self.bag if v not in held]
+
+    def _vacuous(self, chain: list[int], chains: list[list[int]]) -> bool:
+        """True for a chain with no token ([CLS] [SEP], a length-1 chain) while the bag holds tokens no chain places.
+        Such a chain passes the per-position test vacuously -- its two states lie near every sentence's ends, and
+        at a noise tolerance (the sentence layer's cap 0.5) nothing separates them -- so it must never count as a
+        recovered sentence: the bag's unplaced tokens belong to some sentence of the batch (measured, MiniLM
+        B = 4 DP-SGD sigma 1e-6 seed 12: stage 1 read [SEP] only at position 1, four empty chains were accepted
+        as "verified 4" and ROUGE-1 was 0 at a word bag of 100 %)."""
+        return len(chain) <= 2 and bool(self.unplaced(chains))
 
     # ------------------------------------------------------------------ scoring
     def _res(self, h: torch.Tensor) -> torch.Tensor:
@@ -523,14 +540,16 @@ class EncoderChainSearch(ChainLengths):
         todo = [i for i in range(len(chains)) if i not in accepted]
         if not todo:
             return set()
+        void = {i for i in todo if self._vacuous(chains[i], chains)}  # never accepted (their states still count)
         if self.value_test is not None:  # exact per chain at any saturation (gradleak.attacks.utr.values)
-            ok = {i for i, good in zip(todo, self.value_test.passing(chains, self.eps, todo)) if good}
+            ok = {i for i, good in zip(todo, self.value_test.passing(chains, self.eps, todo))
+                  if good and i not in void}
             if ok:
                 self.value_accepted += len(ok)
                 return ok
         if self._exact:
             res = self._full_residuals([chains[i] for i in todo])
-            return {i for i, r in zip(todo, res) if float(r.max()) < self.eps}
+            return {i for i, r in zip(todo, res) if float(r.max()) < self.eps and i not in void}
         if sum(len(c) for c in chains) >= self.sub.dim:  # more states than the hidden size: no subspace test
             return set()
         st = self._states_full([chains[i] for i in todo])
@@ -549,9 +568,9 @@ class EncoderChainSearch(ChainLengths):
                 self.subset_tests += 1
                 if float(sin2[:k].mean()) < self.eps ** 2:
                     ok |= {todo[x] for x in S}
-            if ok:
+            if ok - void:
                 break
-        return ok
+        return ok - void
 
     def _run_peel(self, chains: list[list[int]], info: dict[str, Any], t0: float,
                   stale_limit: int = 6) -> tuple[list[list[int]], dict]:
@@ -586,7 +605,8 @@ class EncoderChainSearch(ChainLengths):
         info.update({"forward_passes": self.forwards, "layer_evaluations": self.evals, "sweeps": sweeps,
                      "joint_residual": joint, "subset_tests": self.subset_tests,
                      "value_accepted": self.value_accepted, "value_moves": self.value_moves,
-                     "verified_sentences": verified, "unverified_sentences": len(chains) - verified})
+                     "verified_sentences": verified, "unverified_sentences": len(chains) - verified,
+                     "unplaced_bag_tokens": len(self.unplaced(chains))})
         return [chains[i][1:-1] for i in order], info
 
     def _run_hypotheses(self, info: dict[str, Any], t0: float) -> tuple[list[list[int]], dict[str, Any]]:
@@ -663,7 +683,9 @@ class EncoderChainSearch(ChainLengths):
 
     def _accept_exact(self, chains: list[list[int]], accepted: set[int]) -> None:
         """Add to ``accepted`` the other chains whose every position passes the per-position test."""
-        todo = [i for i in range(len(chains)) if i not in accepted]
+        todo = [i for i in range(len(chains)) if i not in accepted and not self._vacuous(chains[i], chains)]
+        if not todo:
+            return
         for i, r in zip(todo, self._full_residuals([chains[i] for i in todo])):
             if float(r.max()) < self.eps:
                 accepted.add(i)
@@ -695,5 +717,5 @@ class EncoderChainSearch(ChainLengths):
         rest = [chains[i][1:-1] for i in range(len(chains)) if i not in accepted]
         info.update({"forward_passes": self.forwards, "layer_evaluations": self.evals, "sweeps": sweeps,
                      "verified_sentences": len(out), "unverified_sentences": len(rest),
-                     "value_moves": self.value_moves})
+                     "value_moves": self.value_moves, "unplaced_bag_tokens": len(self.unplaced(chains))})
         return out + rest, info
