@@ -496,3 +496,23 @@ def test_defended_held_out_cells_draw_no_sample_a_tuned_cell_draws():
     old = copy.deepcopy(raw)
     old["data"]["seed"] = 0
     assert drawn(old) == img[0]  # what the held-out rows drew before: the tuned image
+
+
+def test_learned_held_out_cells_draw_no_sample_a_tuned_cell_draws():
+    """benchmarks/learned.py: every cell sets ``seed`` and ``data.seed`` to its split's seed (sentences follow
+    ``seed``, images ``data.seed``); its defenses do not change the draw. The held-out cells (seed 11) draw no sentence
+    any tuned cell (seed 0) draws, in the overrides each cell's audit runs."""
+    lr = _bench("learned")
+    cells = lr.cells(Path("unused"))
+    assert {c["split"] for c in cells} == {"tuned", "held out"} and lr.SPLITS[0] == "tuned"
+    assert all(f"seed={c['seed']}" in c["overrides"] and f"data.seed={c['seed']}" in c["overrides"] for c in cells)
+    from gradleak.run.audit import audit_overrides, gate_attack
+
+    got = {}
+    for c in cells:  # the configs the audit hands the learned attack (its threat upgrade) and UTR (configured)
+        raw = audit_overrides(copy.deepcopy(_raw(str(BENCH.parent / lr.CONFIGS[c["config"]][0]))), c["overrides"])
+        for attack in (c["learned"], "utr"):
+            if gate_attack(raw, attack)[1] is not None:  # the learned one is not applicable under DP-SGD
+                got[f"{c['cell']}/{attack}"] = (c["split"], *draw(audited(raw, attack)))
+    assert sum(k.endswith("/utr") for k in got) == len(cells) and sum(k.endswith("/learned_wordbag") for k in got) > 20
+    assert_held_out_disjoint(got)
