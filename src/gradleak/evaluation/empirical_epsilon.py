@@ -20,6 +20,11 @@ Here (:func:`estimate`):
 * ``lower_bound`` is the classic threshold bound (Jagielski et al. 2020) with Jeffreys intervals at confidence
   1 − ``alpha``, as the paper's own code reports beside the estimate: an ε that holds without the Gaussian assumption,
   weaker with few canaries (at most about log(k)).
+* ``one_run_bound`` is the rigorous one-run bound of Steinke, Nasr & Jagielski ("Privacy Auditing with One (1)
+  Training Run", NeurIPS 2023, Thm. 3.1 / 5.2; :func:`one_run_bound`): guesses of which canaries were inserted,
+  counted against the Binomial an (ε, δ)-DP mechanism allows, on the check's inserted / never-inserted canaries
+  (the conditioning on the inserted count, and the paired design of each upload, in its docstring); with its
+  ``one_run_ceiling`` (every guess right). Its 99.9 % version (``one_run_strict``) above the claim refutes it.
 
 The fit averages away what real DP bugs look like: a mechanism that skips the noise on a fraction of its uploads makes
 the seen statistics a mixture (a few at cosine ≈ 1 among many near 0), whose one-spread fit *lowers* ε, and noise at
@@ -170,6 +175,156 @@ def bound_ceiling(seen: int, unseen: int, delta: float, alpha: float = 0.05) -> 
     return threshold_lower_bound(np.ones(int(seen)), np.zeros(int(unseen)), delta, alpha)
 
 
+# ------------------------------------------------------------------------------------- the one-run bound (rigorous)
+#: the guess counts the one-run bound tries, as fractions of the canaries (or pairs) it may guess on; each is a
+#: separate test of the same null, so the level is split evenly over them (Bonferroni): fixed before looking
+ONE_RUN_GUESSES = (0.1, 0.3, 1.0)
+
+
+def _log_binom_pmf(k: np.ndarray, n: int, log_q: float, log_1mq: float) -> np.ndarray:
+    from scipy.special import gammaln
+
+    k = np.asarray(k, float)
+    with np.errstate(invalid="ignore"):
+        out = gammaln(n + 1) - gammaln(k + 1) - gammaln(n - k + 1) + np.where(k > 0, k * log_q, 0.0) \
+            + np.where(n - k > 0, (n - k) * log_1mq, 0.0)
+    return out
+
+
+def one_run_p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
+    """The p-value of ``v`` correct guesses out of ``r`` (the rest abstentions) on ``m`` canaries, each included
+    independently with probability ½, under the null "the mechanism is (``eps``, ``delta``)-DP" (Steinke, Nasr &
+    Jagielski, "Privacy Auditing with One (1) Training Run", NeurIPS 2023, Thm. 3.1 for δ = 0, Thm. 5.2 for δ > 0):
+    the correct guesses are then dominated by Binomial(r, q), q = e^ε / (1 + e^ε) (ε-DP randomized response's
+    accuracy), up to δ's share, so p = P[Binomial(r, q) ≥ v] + 2mδ · max_{1 ≤ i ≤ v} P[v − i ≤ Binomial(r, q) < v] / i
+    (capped at 1)."""
+    from scipy.special import bdtrc, log_expit
+
+    m, r, v = int(m), int(r), int(v)
+    if not 0 <= v <= r <= m:
+        raise ValueError(f"one_run_p_value needs 0 <= v <= r <= m, got v={v}, r={r}, m={m}")
+    if not (eps >= 0 and 0 <= delta <= 1):
+        raise ValueError(f"one_run_p_value needs eps >= 0 and delta in [0, 1], got eps={eps}, delta={delta}")
+    if v == 0:
+        return 1.0
+    log_q, log_1mq = float(log_expit(eps)), float(log_expit(-eps))
+    tail = float(bdtrc(v - 1, r, math.exp(log_q)))  # P[Binomial(r, q) >= v]
+    if delta == 0:
+        return min(tail, 1.0)
+    i = np.arange(1, v + 1)
+    below = np.cumsum(np.exp(_log_binom_pmf(v - i, r, log_q, log_1mq)))  # P[v - i <= Binomial(r, q) < v]
+    return min(tail + 2.0 * m * delta * float(np.max(below / i)), 1.0)
+
+
+def one_run_epsilon(m: int, r: int, v: int, delta: float, level: float, *, pairs: bool = False) -> float:
+    """The largest ε whose null :func:`one_run_p_value` rejects at ``level`` (the lower bound at confidence
+    1 − ``level``; 0 when even ε = 0 is not rejected). ``pairs``: the guesses are on pairs whose members are swapped
+    (:func:`one_run_bound`'s paired design): swapping is two add/remove steps, so the null for the add/remove ε is
+    (2ε, (1 + e^ε) δ)-DP of the swap (group privacy, k = 2)."""
+
+    def p(e):
+        return one_run_p_value(m, r, v, 2 * e, min(1.0, (1 + math.exp(e)) * delta)) if pairs else \
+            one_run_p_value(m, r, v, e, delta)
+
+    if p(0.0) > level:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while p(hi) <= level:
+        if hi >= EPSILON_CAP:
+            return math.inf
+        lo, hi = hi, min(4 * hi, EPSILON_CAP)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if p(mid) <= level else (lo, mid)
+        if hi - lo < 1e-6 * max(hi, 1.0):
+            break
+    return lo  # the side the test rejects: never above what the guesses prove
+
+
+def _balanced_share(n_seen: int, n_unseen: int) -> float:
+    """P[Binomial(n_seen + n_unseen, ½) = n_seen]: the chance that independent fair inclusion puts exactly the
+    inserted count in."""
+    from scipy.special import gammaln
+
+    m = n_seen + n_unseen
+    return math.exp(gammaln(m + 1) - gammaln(n_seen + 1) - gammaln(n_unseen + 1) - m * math.log(2.0))
+
+
+def one_run_bound(seen: Sequence[float], unseen: Sequence[float], delta: float, alpha: float = 0.05, *,
+                  paired: bool = False) -> dict:
+    """A rigorous ε lower bound at confidence 1 − ``alpha`` from one run (Steinke, Nasr & Jagielski, NeurIPS 2023,
+    Alg. 1 with Thm. 3.1 / 5.2: :func:`one_run_p_value`), on the check's existing in / out structure: the ``seen``
+    canaries were inserted, the ``unseen`` never, and every canary's direction is an independent draw of the same
+    law (:func:`gradleak.fl.canaries.direction`), so which of them are inserted is, in law, a random choice the
+    guesser does not see. Two designs (both read every canary's statistic only through the released output):
+
+    * ``paired`` = False (a statistic every canary reads off the same release: ``final_model``, ``every_round``):
+      the guesser ranks all n_s + n_u statistics, guesses "inserted" for the top r·n_s/(n_s + n_u) and "not
+      inserted" for the bottom rest of r, abstains otherwise (ties broken against the guesser). The paper's theorem
+      wants each canary included independently with probability ½; here exactly n_s of the m = n_s + n_u are, which
+      is independent inclusion *conditioned* on that count, so P[≥ v correct] ≤ p / P[Binomial(m, ½) = n_s]
+      (:func:`_balanced_share`; 0.056 at 100 + 100): the test runs at level ``alpha`` × that share.
+    * ``paired`` = True (``each_upload``: canary j's statistic reads upload j, inserted canary j's or, for
+      never-inserted canary j, the same upload): slot j holds two independent directions of which one was inserted,
+      in law by a fair coin per slot, independent across slots -- the paper's independent inclusion, on pairs. The
+      guess per slot: the member with the larger statistic was inserted (a tie counts as wrong), on the r slots with
+      the largest difference. Swapping a slot's member is two add/remove steps, so the bound is on ε of the
+      add/remove claim through group privacy (:func:`one_run_epsilon`).
+
+    Guess counts r: :data:`ONE_RUN_GUESSES` of the canaries (pairs), fixed before looking, ``alpha`` split over them
+    (Bonferroni); the largest bound is reported. ``ceiling``: the most the bound can read with these counts (every
+    guess right at the largest r): a claim above it is not testable by this bound at this size. Returns ``epsilon``,
+    ``ceiling``, ``guesses`` and ``correct`` (of the r that gave it), ``confidence``, ``design``."""
+    s, u = np.asarray(seen, float), np.asarray(unseen, float)
+    ns, nu = len(s), len(u)
+    if ns < 1 or nu < 1:
+        raise ValueError("the one-run bound needs at least one seen and one unseen canary")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    if paired:
+        if ns != nu:
+            raise ValueError(f"the paired one-run bound needs as many seen as unseen canaries, got {ns} and {nu}")
+        m = ns
+        level = alpha / len(ONE_RUN_GUESSES)
+        diff = s - u
+        order = np.argsort(-np.abs(diff), kind="stable")
+        right = diff[order] > 0  # a tie guesses neither member right
+    else:
+        m = ns + nu
+        level = alpha * _balanced_share(ns, nu) / len(ONE_RUN_GUESSES)
+        x = np.concatenate([s, u])
+        is_seen = np.concatenate([np.ones(ns, bool), np.zeros(nu, bool)])
+        # ascending by statistic; among ties a seen canary sorts below an unseen one (against the guesser both ways)
+        order = np.lexsort((is_seen.astype(int) * -1, x))
+        ranked = is_seen[order]
+    best = {"epsilon": 0.0, "guesses": 0, "correct": 0}
+    for frac in ONE_RUN_GUESSES:
+        r = max(1, min(m, int(round(frac * m))))
+        if paired:
+            v = int(np.sum(right[:r]))
+        else:
+            top = int(round(r * ns / m))
+            top = min(max(top, 0), r)
+            bottom = r - top
+            v = int(np.sum(ranked[m - top:])) + int(np.sum(~ranked[:bottom]))
+        e = one_run_epsilon(m, r, v, delta, level, pairs=paired)
+        if e > best["epsilon"] or best["guesses"] == 0:
+            best = {"epsilon": e, "guesses": r, "correct": v}
+    return {**best, "ceiling": one_run_ceiling(ns, nu, delta, alpha, paired), "confidence": 1 - alpha,
+            "design": "pairs (each slot: the inserted canary and a never-inserted one)" if paired else
+            "inserted vs never-inserted, ranked together (fixed count: level × P[Binomial(m, ½) = inserted])",
+            "canaries": m}
+
+
+@functools.lru_cache(maxsize=64)
+def one_run_ceiling(seen: int, unseen: int, delta: float, alpha: float = 0.05, paired: bool = False) -> float:
+    """The largest ε :func:`one_run_bound` can certify with ``seen`` and ``unseen`` canaries: its value when every
+    guess is right (perfectly separated statistics)."""
+    m = int(seen) if paired else int(seen) + int(unseen)
+    level = alpha / len(ONE_RUN_GUESSES) * (1.0 if paired else _balanced_share(int(seen), int(unseen)))
+    return one_run_epsilon(m, m, m, delta, level, pairs=paired)
+
+
 def _pooled_mu(seen: np.ndarray, unseen: np.ndarray) -> np.ndarray:
     """(mean seen − mean unseen) / pooled spread, along the last axis (vectorised over bootstrap resamples)."""
     var = 0.5 * (np.var(seen, axis=-1, ddof=1) + np.var(unseen, axis=-1, ddof=1))
@@ -185,7 +340,7 @@ def _eps_of_mu(mu: float, delta: float) -> float:
 
 
 def estimate(seen: Sequence[float], unseen: Sequence[float], delta: float, *, seed: int = 0,
-             resamples: int = BOOTSTRAP, alpha: float = 0.05, strict: float = STRICT) -> dict:
+             resamples: int = BOOTSTRAP, alpha: float = 0.05, strict: float = STRICT, paired: bool = False) -> dict:
     """The one-shot estimate from the statistics of ``seen`` (inserted) and ``unseen`` canaries at ``delta``.
 
     * ``epsilon``: the two Gaussians fitted with one common spread (the Gaussian mechanism's shape: as the dimension
@@ -199,7 +354,12 @@ def estimate(seen: Sequence[float], unseen: Sequence[float], delta: float, *, se
     * ``interval``: 95 % percentile bootstrap of μ over the canaries (seen and unseen resampled; ours), mapped to ε
       (monotone); ``strict_lower``: the one-sided ``strict`` (99.9 %) bootstrap lower end, which the verdict reads.
     * ``lower_bound``: the threshold test's bound at confidence 1 − ``alpha`` (no Gaussian assumption);
-      ``lower_bound_ceiling``: the most it could read with these canary counts (:func:`bound_ceiling`)."""
+      ``lower_bound_ceiling``: the most it could read with these canary counts (:func:`bound_ceiling`).
+    * ``one_run_bound``: the one-run bound at confidence 1 − ``alpha`` (Steinke et al., NeurIPS 2023;
+      :func:`one_run_bound`, its details in ``one_run``; ``paired``: the paired design, for statistics that read
+      canary j's own upload), ``one_run_ceiling`` the most it could read here, and ``one_run_strict`` the same bound at
+      confidence ``strict``, which the verdict reads (:func:`dp_verdict`): a rigorous lower bound above the claim
+      refutes it without the Gaussian model."""
     s, u = np.asarray(seen, float), np.asarray(unseen, float)
     if len(s) < 2 or len(u) < 2:
         raise ValueError("the estimate needs at least two seen and two unseen canaries")
@@ -216,8 +376,18 @@ def estimate(seen: Sequence[float], unseen: Sequence[float], delta: float, *, se
             "epsilon_separate_spreads": epsilon_two_gaussians(m0, s0, m1, s1, delta),
             "lower_bound": threshold_lower_bound(s, u, delta, alpha), "lower_bound_confidence": 1 - alpha,
             "lower_bound_ceiling": bound_ceiling(len(s), len(u), delta, alpha),
+            **_one_run_fields(s, u, delta, alpha, strict, paired),
             "seen": {"mean": m1, "std": s1, "n": len(s)}, "unseen": {"mean": m0, "std": s0, "n": len(u)},
             "delta": delta, "resamples": int(resamples)}
+
+
+def _one_run_fields(s: np.ndarray, u: np.ndarray, delta: float, alpha: float, strict: float, paired: bool) -> dict:
+    """:func:`estimate`'s one-run fields (:func:`one_run_bound` at 1 − ``alpha`` and at ``strict``)."""
+    if paired and len(s) != len(u):  # a statistic without its pair (a canary missing an upload): the pooled design
+        paired = False
+    b = one_run_bound(s, u, delta, alpha, paired=paired)
+    return {"one_run_bound": b["epsilon"], "one_run_ceiling": b["ceiling"], "one_run": b,
+            "one_run_strict": one_run_bound(s, u, delta, 1 - strict, paired=paired)["epsilon"]}
 
 
 # ------------------------------------------------------------------------------------------------ the claim's tests
@@ -378,13 +548,20 @@ def _violates(m: dict, claimed: float | None) -> bool:
     # beyond the cap, which such a mechanism does)
     fit = (claimed is not None and m["strict_lower"] > claimed
            and (math.isfinite(m["strict_lower"]) or claimed < EPSILON_CAP))
-    return bool(fit or rejected_tests(m))
+    return bool(fit or rejected_tests(m) or _one_run_refutes(m, claimed))
+
+
+def _one_run_refutes(m: dict, claimed: float | None) -> bool:
+    """The rigorous one-run bound at the strict confidence (``one_run_strict``, :func:`one_run_bound`) above the
+    claim: the claim is refuted without the Gaussian model."""
+    return claimed is not None and m.get("one_run_strict", 0.0) > claimed
 
 
 def dp_verdict(claimed: float | None, measured: list[dict]) -> tuple[str, str]:
     """``claim_violated`` when some measured threat model (one the claim covers) has its fit's 99.9 % lower end above
     ``claimed`` (an infinite low end -- beyond :data:`EPSILON_CAP` -- only against a claim below the cap) or one of
-    its claim tests (``tests``, :func:`claim_tests`) rejecting; else ``vacuous`` when ``claimed`` >
+    its claim tests (``tests``, :func:`claim_tests`) rejecting or its rigorous one-run bound at the strict confidence
+    (``one_run_strict``, :func:`one_run_bound`) above ``claimed``; else ``vacuous`` when ``claimed`` >
     :data:`VACUOUS_EPSILON` (or infinite); else ``consistent``. Returns the verdict and the sentence that explains
     it."""
     over = [m for m in measured if _violates(m, claimed)]
@@ -401,6 +578,12 @@ def dp_verdict(claimed: float | None, measured: list[dict]) -> tuple[str, str]:
                                       f"{fmt_epsilon(claimed)} allows: "
                                       f"{why}; the Gaussian fit reads {fit}: the implementation does not do what its "
                                       "accountant assumes")
+        if not (m["strict_lower"] > claimed):  # the one-run bound alone refutes the claim
+            return "claim_violated", (
+                f"the {where} leaks more than the claim allows: the one-run bound (Steinke et al. 2023, "
+                f"distribution-free) proves ε ≥ {fmt_epsilon(m['one_run_strict'])} at {STRICT:.1%} confidence, above "
+                f"the claimed ε = {fmt_epsilon(claimed)} (the Gaussian fit reads {fit}): the implementation does not "
+                "do what its accountant assumes")
         return "claim_violated", (f"the {where} leaks more than the claim allows: {fit} above the claimed ε = "
                                   f"{fmt_epsilon(claimed)}: the implementation does not do what its accountant assumes")
     if claimed is None or not math.isfinite(claimed) or claimed > VACUOUS_EPSILON:
@@ -411,10 +594,16 @@ def dp_verdict(claimed: float | None, measured: list[dict]) -> tuple[str, str]:
         f" (largest: ε = {fmt_epsilon(worst['epsilon'])}, {worst['threat_model'].replace('_', ' ')}, interval "
         f"{fmt_epsilon(worst['interval'][0])}–{fmt_epsilon(worst['interval'][1])}; claimed {fmt_epsilon(claimed)})" if worst else "")
         + (", and no claim test rejects" if any("tests" in m for m in measured) else "")
-        + (f"; the distribution-free threshold bound could certify at most ε = {fmt_epsilon(ceiling)} with these "
-           f"canaries, so against the claimed {fmt_epsilon(claimed)} it is not testable at this size: the verdict "
-           "rests on the fit and the claim tests" if (ceiling := min((m.get("lower_bound_ceiling", math.inf)
-                                                                      for m in measured), default=math.inf)) < claimed
+        + (f"; the one-run bound (Steinke et al. 2023, {100 * best['one_run']['confidence']:g} %) proves ε ≥ "
+           f"{fmt_epsilon(best['one_run_bound'])} ({best['threat_model'].replace('_', ' ')}), at most "
+           f"{fmt_epsilon(best['one_run_ceiling'])} with these canaries"
+           if (best := max((m for m in measured if "one_run" in m), key=lambda m: m["one_run_bound"], default=None))
+           else "")
+        + (f"; the distribution-free bounds could certify at most ε = {fmt_epsilon(ceiling)} with these "
+           f"canaries (threshold bound{' and one-run bound' if best else ''}), so against the claimed "
+           f"{fmt_epsilon(claimed)} they are not testable at this size: the verdict rests on the fit and the claim tests"
+           if (ceiling := min((max(m.get("lower_bound_ceiling", math.inf), m.get("one_run_ceiling", -math.inf))
+                               for m in measured), default=math.inf)) < claimed
            else "")
         + f"; {BLIND_SPOT}")
 
@@ -438,9 +627,10 @@ def judge(statistics: dict[str, dict], claimed: float | None, delta: float, *, d
     each = alpha / (len(CLAIM_TESTS) * max(distinct, 1))
     measured, done = [], {}
     for t, v in statistics.items():
-        key = (tuple(v["seen"]), tuple(v["unseen"]), v["claimed_epsilon"], v.get("maxima", 1))
+        key = (tuple(v["seen"]), tuple(v["unseen"]), v["claimed_epsilon"], v.get("maxima", 1), t == "each_upload")
         if key not in done:  # the same statistics (every_round after one round) are measured once
-            done[key] = (estimate(v["seen"], v["unseen"], delta, seed=seed, resamples=resamples),
+            done[key] = (estimate(v["seen"], v["unseen"], delta, seed=seed, resamples=resamples,
+                                  paired=t == "each_upload"),
                          claim_tests(v["seen"], v["unseen"], v["claimed_epsilon"], delta, dim=dim,
                                      maxima=v.get("maxima", 1), alpha=each))
         est, tests = (copy.deepcopy(x) for x in done[key])

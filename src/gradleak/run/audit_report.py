@@ -419,7 +419,12 @@ def dp_check_words(dp: dict) -> list[str]:
         out.append(f"measured, {m['threat_model'].replace('_', ' ')}: ε = {fmt_epsilon(m['epsilon'])} (95 % interval "
                    f"{fmt_epsilon(m['interval'][0])}–{fmt_epsilon(m['interval'][1])}, 99.9 % lower end {fmt_epsilon(m['strict_lower'])}; "
                    f"threshold bound {fmt_epsilon(m['lower_bound'])} at {m['lower_bound_confidence']:.0%}; two-spread fit "
-                   f"{fmt_epsilon(m['epsilon_separate_spreads'])}) against the claimed {fmt_epsilon(m.get('claimed_epsilon'))}: "
+                   f"{fmt_epsilon(m['epsilon_separate_spreads'])}"
+                   + (f"; one-run bound (Steinke et al. 2023) {fmt_epsilon(m['one_run_bound'])} at "
+                      f"{100 * m['one_run']['confidence']:g} %, {m['one_run']['correct']} of {m['one_run']['guesses']} "
+                      f"guesses right, at most {fmt_epsilon(m['one_run_ceiling'])} with these canaries"
+                      if "one_run" in m else "")
+                   + f") against the claimed {fmt_epsilon(m.get('claimed_epsilon'))}: "
                    f"{m.get('verdict', '').replace('_', ' ')}")
         if m.get("tests"):
             out.append(f"claim tests, {m['threat_model'].replace('_', ' ')} (each at α = "
