@@ -56,6 +56,9 @@ from _bench import (REFERENCE_OUT, REVISION_NOTE, ROOT, add_out_args, display, f
                     revision, revision_label, run_cells, start_fresh, write_section)
 
 NAME = "dp_check"
+#: NVFlare SVTPrivacy's noise_var the stored advice recommends on the text audit's seed 0, and its cell name
+SVT_NOISE_VAR = 0.541
+SVT = f"nvflare_svt noise_var={SVT_NOISE_VAR:g}"
 CONFIG = ROOT / "configs" / "audit" / "text_adapters.yaml"
 SEEDS = {0: "shipped", 1: "held out"}
 #: mechanism -> (the audit's --set strings, noise multiplier of the Gaussian mechanism for the exact ε or None)
@@ -68,10 +71,15 @@ MECHANISMS = {
     "dpsgd z=1": (["defense={name: dpsgd, noise_multiplier: 1.0, max_grad_norm: 1.0}"], 1.0),
     "flower server-fixed z=1": (["fl.engine=flower", "fl.flower.dp=server-fixed", "fl.flower.noise_multiplier=1.0",
                                  "fl.flower.clipping_norm=1.0e-4"], 1.0),
+    # NVFlare's SVTPrivacy at the strength the stored advice recommends on the text audit's seed 0 (benchmarks/advise.py,
+    # 4c4f312: noise_var = 0.541, named in defense: as --advise places it), checked with per-coordinate canaries
+    # against NVFlare's own accountant (gradleak.run.svt_check)
+    SVT: ([f"defense={{name: nvflare_svt, noise_var: {SVT_NOISE_VAR}}}"], None),
 }
 CANARIES = 100
 #: breakages of a declared mechanism on the text audit: name -> (the mechanism broken, its breakage, seeds)
 BREAKAGES = {"dp_gaussian client z=1, noise skipped on 1 upload in 10": ("dp_gaussian client z=1", "skip_one_in_ten"),
+             f"{SVT}, release noise removed": (SVT, "svt_release_unnoised"),
              "dp_gaussian client z=1, noise skipped on one tensor (text_adapters.layer_1.up.weight)":
                  ("dp_gaussian client z=1", "one_tensor_unnoised")}
 #: the tensor :func:`one_tensor_unnoised` leaves un-noised (73,728 of the text audit's 445,636 coordinates)
@@ -156,6 +164,22 @@ def skip_one_in_ten():
 
     return DPGaussian, "apply", apply
 
+
+
+def svt_release_unnoised():
+    """``NVFlareSVT.apply`` whose released entries carry no release noise: the real filter runs (its selection, its
+    accountant), then each entry it released is replaced by the clipped input it was computed from (a release loop
+    that forgets the Laplace noise); the claim stays NVFlare's. Returns (class, attribute, replacement)."""
+    from gradleak.defenses.nvflare import NVFlareSVT
+
+    real = NVFlareSVT.apply
+
+    def apply(self, update, ctx):
+        out = real(self, update, ctx)
+        bound = self.cfg.gamma * max(int(update.local_steps or 1), 1) / float(ctx.get("lr", 1.0))  # γ in upload units
+        return out.map(lambda k, v: v.where(v == 0, update.tensors[k].clamp(-bound, bound).to(v)))
+
+    return NVFlareSVT, "apply", apply
 
 
 def one_tensor_unnoised():
@@ -250,7 +274,10 @@ def fill(res: dict, row: dict) -> str:
                delta=res["delta"], check_seconds=res["seconds"], canaries=res["canaries"], dimension=res["dimension"],
                measured={m["threat_model"]: {**{k: m[k] for k in ("epsilon", "interval", "strict_lower", "lower_bound",
                                                                   "epsilon_separate_spreads", "verdict", "one_run_bound",
-                                                                  "one_run_ceiling", "one_run_strict") if k in m},
+                                                                  "one_run_ceiling", "one_run_strict", "kind",
+                                                                  "ceiling", "null_epsilon", "agreement",
+                                                                  "null_agreement", "support", "evidence", "testable",
+                                                                  "confidence") if k in m},
                                               **({"one_run_guesses": m["one_run"]["guesses"],
                                                   "one_run_correct": m["one_run"]["correct"]} if "one_run" in m else {}),
                                               "tests": {t: {k: v.get(k) for k in ("statistic", "p_value", "alpha",
@@ -338,6 +365,8 @@ def table(rows: list[dict]) -> str:
 
     rows, gone = in_grid(rows)
     real = [r for r in rows if not r["cell"].startswith(("timing", "sim|")) and "measured" in r]
+    svt = [r for r in real if any(x.get("kind") == "per_coordinate" for x in r["measured"].values())]
+    real = [r for r in real if r not in svt]
     correct = [r for r in real if not r.get("broken")]
     broken = [r for r in real if r.get("broken")]
     inside = sum(1 for r in correct if r.get("exact_epsilon") is not None and "interval" in r["measured"][decisive(r["measured"])]
@@ -407,6 +436,8 @@ def table(rows: list[dict]) -> str:
                       + (" (the mixture lowers the one-spread fit)" if BREAKAGES[name][1] == "skip_one_in_ten" else "")
                       + "; the claim tests that reject: "
                       + "; ".join(f"seed {r['seed']}: {rejecting(r['measured'])}" for r in got) + "."]
+    if svt:
+        lines += ["", svt_section(svt, f)]
     sims = [r for r in rows if r["cell"].startswith("sim|") and "draws" in r]
     if sims:
         from gradleak.evaluation.empirical_epsilon import CLAIM_TESTS
@@ -492,6 +523,43 @@ def table(rows: list[dict]) -> str:
         lines += ["", f"Stored rows of cells no longer measured, not shown (computed): {', '.join(gone)}."]
     lines += ["", f"Code revision(s) of these rows: {revision_label(rows)}. {REVISION_NOTE}"]
     return "\n".join(lines) + "\n"
+
+
+def svt_section(rows: list[dict], f) -> str:
+    """The SVT paragraph and table: NVFlare's SVTPrivacy checked with per-coordinate canaries against its own
+    accountant (gradleak.run.svt_check), the correct filter and the breakage; the reading computed from the rows."""
+    correct = [r for r in rows if not r.get("broken")]
+    broken = [r for r in rows if r.get("broken")]
+    out = [f"**NVFlare's SVTPrivacy** (`{SVT}`, `defense:` as the stored advice places it on the text audit; "
+           "`gradleak.run.svt_check`): SVT bounds each coordinate, not the L2 norm, so its check uses per-coordinate "
+           "canaries -- independent random signs scaled beyond γ on every coordinate, each through the real NVFlare "
+           "filter with its own accountant -- and reads each canary's sign agreement on the released coordinates "
+           "against the exact Binomial(n, ½) of a never-inserted canary (`gradleak.evaluation.sign_canaries`): "
+           "ε ≥ max_j L_j − log(k / α), L_j = −log P[Binomial(n_j, ½) ≥ agreement_j], a pure-DP lower bound at "
+           "99 % without a Gaussian model; *its ceiling*: every released sign agreeing; *null*: the same bound "
+           "on the never-inserted canaries (same uploads). The claim is NVFlare's: ε_threshold + ε_query + "
+           "ε_release of one call (δ = 0). The breakage keeps the filter and its accountant but releases the clipped "
+           "entries without their Laplace noise.", "",
+           "| mechanism | seed | claimed (NVFlare's accountant, one call) | bound (99 %) | its ceiling | null | "
+           "signs agreeing (never inserted) | released coordinates | verdict | s | revision |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in correct + broken:
+        x = next(v for v in r["measured"].values() if v.get("kind") == "per_coordinate")
+        out.append(f"| {r['mechanism']} | {r['seed']} ({r['role']}) | {f(r['claimed_epsilon'])} | {f(x['epsilon'])} | "
+                   f"{f(x['ceiling'])} | {f(x['null_epsilon'])} | {100 * x['agreement']:.1f} % "
+                   f"({100 * x['null_agreement']:.1f} %) | {x['support'][0]:,}–{x['support'][1]:,} | {r['verdict']} | "
+                   f"{f(r['check_seconds'], '.1f')} | {revision_label(r)} |")
+
+    def pc(r):
+        return next(v for v in r["measured"].values() if v.get("kind") == "per_coordinate")
+
+    out += ["", "Reading (computed from the rows): the correct filter reads "
+            + ", ".join(f"`{r['verdict']}` at seed {r['seed']}" for r in correct)
+            + (f"; its claim is {'below' if all(pc(r)['testable'] for r in correct) else 'not always below'} the "
+               "ceiling, so the check could have refuted it at this size" if correct else "")
+            + "; the breakage reads " + ", ".join(f"`{r['verdict']}` at seed {r['seed']}" for r in broken)
+            + f"; the never-inserted canaries' bound is {'0 in every row' if all(pc(r)['null_epsilon'] == 0 for r in rows) else 'NOT 0 in some row'}."]
+    return "\n".join(out)
 
 
 def cells(rev: str, out: Path, timing: bool = False) -> list[tuple[dict, object, tuple]]:

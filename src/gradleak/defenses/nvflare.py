@@ -28,9 +28,9 @@ Registered:
   SVTPrivacy's own accountant (``get_privacy_spent``, a pure-DP sum, δ = 0) adds ε_threshold + ε_query +
   ε_release = ``epsilon`` + ε_release per call, i.e. per client per round; gradleak keeps one filter per client (an
   NVFlare client has its own), and ``report`` gives ``dp_epsilon``: the largest client's sum (per round ×
-  rounds), ``nvflare_svt_epsilon_client{c}`` and ``nvflare_svt_epsilon_per_round``. The DP check
-  (:mod:`gradleak.run.dp_check`) does not measure it (its canaries are scaled to an L2 bound; SVT's is per
-  coordinate).
+  rounds), ``nvflare_svt_epsilon_client{c}`` and ``nvflare_svt_epsilon_per_round``. The DP check measures it
+  with per-coordinate canaries against that accountant (:mod:`gradleak.run.svt_check`: the isotropic canaries of
+  :mod:`gradleak.run.dp_check` are scaled to an L2 bound; SVT's is per coordinate).
 * ``nvflare_exclude`` -- ``ExcludeVars(exclude_vars)``: the named tensors (a list of names, or a regular expression
   searched in each name) leave the upload. In gradleak they arrive as zeros: every client runs the same filter,
   so the aggregate of that tensor is zero, as in NVFlare where no client sends it and the global tensor stays

@@ -416,6 +416,11 @@ def dp_check_words(dp: dict) -> list[str]:
                    + f": ε = {fmt_epsilon(c['claimed_epsilon'])} at δ = {c['delta']:g} ({c['accountant']}); covers "
                    + ", ".join(t.replace("_", " ") for t in c["covers"]))
     for m in dp.get("measured") or []:
+        if m.get("kind") == "per_coordinate":  # NVFlare's SVTPrivacy (gradleak.run.svt_check)
+            from gradleak.run.svt_check import check_words
+
+            out.append(check_words(m))
+            continue
         out.append(f"measured, {m['threat_model'].replace('_', ' ')}: ε = {fmt_epsilon(m['epsilon'])} (95 % interval "
                    f"{fmt_epsilon(m['interval'][0])}–{fmt_epsilon(m['interval'][1])}, 99.9 % lower end {fmt_epsilon(m['strict_lower'])}; "
                    f"threshold bound {fmt_epsilon(m['lower_bound'])} at {m['lower_bound_confidence']:.0%}; two-spread fit "

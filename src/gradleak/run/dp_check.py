@@ -97,8 +97,12 @@ def round_defenses(cfg) -> list:
 
 
 def declares_dp(cfg) -> bool:
-    """Whether ``cfg`` declares a DP mechanism the check measures (cheap: no model is built)."""
-    return bool(declared_mechanisms(cfg, round_defenses(cfg)))
+    """Whether ``cfg`` declares a DP mechanism the check measures (cheap: no model is built); NVFlare's SVTPrivacy
+    filter counts (:mod:`gradleak.run.svt_check`)."""
+    from gradleak.run.svt_check import svt_filters
+
+    defenses = round_defenses(cfg)
+    return bool(declared_mechanisms(cfg, defenses)) or bool(svt_filters(defenses))
 
 
 def declared_mechanisms(cfg, defenses: list) -> list[dict]:
@@ -166,8 +170,14 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
     data, handle, mcfg, defense, defenses, loss_fn = federation(cfg, dev)
     model = handle.model
     mechanisms = declared_mechanisms(cfg, defenses)
-    if not mechanisms:
-        return None
+    if not mechanisms:  # NVFlare's SVTPrivacy alone: per-coordinate canaries against its own accountant
+        from gradleak.run.svt_check import svt_dp_check, svt_filters
+
+        svt = svt_filters(defenses)
+        if not svt:
+            return None
+        return svt_dp_check(cfg, model, svt[0], canaries=canaries, first_id=int(cfg.fl.clients), log=log,
+                            shapes=[(n, p.shape) for n, p in model.named_parameters() if p.requires_grad])
     if sent:
         with torch.no_grad():
             params = dict(model.named_parameters())
