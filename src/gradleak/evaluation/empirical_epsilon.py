@@ -393,8 +393,9 @@ def _one_run_fields(s: np.ndarray, u: np.ndarray, delta: float, alpha: float, st
 # ------------------------------------------------------------------------------------------------ the claim's tests
 #: family-wise false-alarm rate of the claim tests over one check: every test of every distinct threat model, Bonferroni
 ALPHA = 0.01
-#: the tests run on each threat model's statistics (:func:`claim_tests`)
-CLAIM_TESTS = ("shift", "spread", "tail")
+#: the tests run on each threat model's statistics: :func:`claim_tests` (the canary statistic) and
+#: :func:`tensor_tests` (each tensor's noise, where the statistics carry a ``tensors`` summary)
+CLAIM_TESTS = ("shift", "spread", "tail", "tensor_variance", "tensor_tail")
 
 
 @functools.lru_cache(maxsize=256)
@@ -529,12 +530,97 @@ def claim_tests(seen: Sequence[float], unseen: Sequence[float], claimed: float |
     return out
 
 
+def tensor_ratios(energy: np.ndarray, df: np.ndarray, bound: float | np.ndarray = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Each tensor's noise energy per degree of freedom over the rest's, for one released vector or many (``energy``:
+    (..., T) the energy each tensor holds beyond the canary signal, ``df`` (T,) its degrees of freedom). The claimed
+    mechanism adds N(0, σ²) to every coordinate of every trainable tensor (Gaussian mechanism; the same σ on every
+    tensor), so with nothing else in the vector the ratio of tensor t is F(df_t, Σ df − df_t) whatever σ is: the test
+    needs no unit of the upload. ``bound``: an upper bound on the norm of the signal left in the vector (the real
+    clients' clipped updates in an aggregate), taken off the rest's norm, ``(√rest − bound)₊²`` -- a lower bound of the
+    rest's noise energy, so a signal can only raise the ratio (a conservative test); a signal inside tensor t raises
+    it too (a noncentral χ² is stochastically larger). Returns (ratio, the rest's energy after the bound) with the
+    shape of ``energy``; a ratio with no rest energy reads ∞ (1 when tensor t holds none either: nothing to compare)."""
+    e = np.asarray(energy, float)
+    df = np.asarray(df, float)
+    rest = np.maximum(e.sum(axis=-1, keepdims=True) - e, 0.0)
+    b = np.asarray(bound, float)
+    if b.ndim:
+        b = b[..., None]
+    rest = np.maximum(np.sqrt(rest) - b, 0.0) ** 2
+    rest_df = df.sum() - df
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = (e / np.where(df > 0, df, 1.0)) / (rest / np.where(rest_df > 0, rest_df, 1.0))
+    ratio = np.where(rest > 0, ratio, np.where(e > 0, np.inf, 1.0))
+    return ratio, rest
+
+
+def tensor_test_names(tensors: dict | None) -> list[str]:
+    """The per-tensor tests :func:`tensor_tests` runs on the summary ``tensors``: none without one or with fewer than
+    two testable tensors; ``tensor_tail`` only over several vectors (over one it is ``tensor_variance``)."""
+    if not tensors:
+        return []
+    df = np.asarray(tensors["df"], float)
+    if int(np.sum((df > 0) & (df.sum() - df > 0))) < 2:
+        return []
+    return ["tensor_variance"] + (["tensor_tail"] if int(tensors["vectors"]) > 1 else [])
+
+
+def tensor_tests(tensors: dict | None, *, alpha: float) -> dict:
+    """Each tensor's noise against the claim (docs/DESIGN.md §6): the claimed Gaussian mechanism noises every
+    coordinate of every trainable tensor with one σ, so each tensor's noise energy per degree of freedom over the
+    rest's (:func:`tensor_ratios`) is F-distributed whatever σ is. An isotropic canary puts only a tensor's share of
+    its norm in that tensor, so its cosine barely moves when one tensor is left un-noised; the tensor's own energy
+    does (to the float rounding of the clipped upload). ``tensors``: the summary over ``vectors`` independent released
+    vectors (:class:`gradleak.run.canary_statistics.CanaryStatistics`, or drawn by :func:`simulated_tensor_statistics`) --
+    ``names``, ``df`` (each tensor's degrees of freedom in one vector), ``pooled_ratio`` (each tensor's summed energy
+    per degree of freedom over the rest's, over every vector: F(N df_t, N (Σ df − df_t)) under the claim) and
+    ``min_ratio`` (its smallest ratio in one vector). H1 for both: the tensor holds less noise than the claim says.
+
+    * ``tensor_variance``: P(F ≤ pooled ratio), the smallest over the tensors, times their number (Bonferroni);
+    * ``tensor_tail`` (some vectors with a tensor un-noised, e.g. one upload in ten): P(the smallest of N independent
+      F(df_t, Σ df − df_t) ≤ min ratio) = 1 − (1 − F_cdf)^N, the smallest over the tensors times their number.
+
+    Each entry: ``statistic`` (the worst tensor's ratio), ``tensor`` (its name), ``p_value`` (Bonferroni over the
+    tensors), ``alpha``, ``rejects``, ``tensors_tested``, ``null``."""
+    from scipy.special import fdtr
+
+    names = tensor_test_names(tensors)
+    if not names:
+        return {}
+    df = np.asarray(tensors["df"], float)
+    rest_df = df.sum() - df
+    ok = (df > 0) & (rest_df > 0)
+    n = int(tensors["vectors"])
+    tested = int(ok.sum())
+    out = {}
+    for name in names:
+        if name == "tensor_variance":
+            x = np.asarray(tensors["pooled_ratio"], float)
+            p = np.where(ok, fdtr(np.maximum(n * df, 1), np.maximum(n * rest_df, 1), np.minimum(x, 1e300)), 1.0)
+            null = f"F(N·df_t, N·(Σdf − df_t)) of each tensor's pooled noise energy, N = {n} vectors"
+        else:
+            x = np.asarray(tensors["min_ratio"], float)
+            c = fdtr(np.maximum(df, 1), np.maximum(rest_df, 1), np.minimum(x, 1e300))
+            with np.errstate(divide="ignore"):  # F_cdf = 1: the tail's p-value is 1
+                p = np.where(ok, -np.expm1(n * np.log1p(-np.minimum(c, 1.0))), 1.0)
+            null = f"the smallest of N = {n} independent F(df_t, Σdf − df_t)"
+        worst = int(np.argmin(np.where(ok, p, np.inf)))
+        pv = float(min(1.0, tested * float(p[worst])))
+        out[name] = {"statistic": float(x[worst]), "tensor": tensors["names"][worst], "p_value": pv,
+                     "tensors_tested": tested, "null": null, "alpha": alpha, "rejects": bool(pv <= alpha)}
+    return out
+
+
 TEST_WORDS = {"shift": "its mean sits further from the never-inserted canaries' than the claimed noise allows "
                        "(noise at too small a scale)",
               "spread": "its canaries' statistics spread more than a Gaussian mechanism's can (a mixture: some "
                         "uploads less noised than the others)",
               "tail": "more of its canaries' statistics lie beyond the largest value the claimed (ε, δ) allows than "
-                      "chance explains (uploads that escaped the noise)"}
+                      "chance explains (uploads that escaped the noise)",
+              "tensor_variance": "a tensor holds less noise than the claimed mechanism adds to every coordinate (a "
+                                 "tensor the noise misses)",
+              "tensor_tail": "some uploads hold less noise on a tensor than the claimed mechanism allows (a tensor "
+                             "the noise misses on some uploads)"}
 
 
 def rejected_tests(m: dict) -> list[str]:
@@ -605,26 +691,23 @@ def dp_verdict(claimed: float | None, measured: list[dict]) -> tuple[str, str]:
            if (ceiling := min((max(m.get("lower_bound_ceiling", math.inf), m.get("one_run_ceiling", -math.inf))
                                for m in measured), default=math.inf)) < claimed
            else "")
-        + f"; {BLIND_SPOT}")
-
-
-#: what a ``consistent`` check does not clear (measured: benchmarks/dp_check.py, docs/DESIGN.md §6)
-BLIND_SPOT = ("isotropic canaries do not see a breakage confined to a few coordinates (one tensor left un-noised was "
-              "read consistent in the measurements), so this does not clear such a bug")
+        )
 
 
 def judge(statistics: dict[str, dict], claimed: float | None, delta: float, *, dim: int, seed: int = 0,
           alpha: float = ALPHA, resamples: int = BOOTSTRAP) -> tuple[str, str, list[dict]]:
     """The check's verdict from each threat model's canary statistics (``statistics``: threat model -> ``seen``,
     ``unseen``, ``maxima`` (how many cosines each statistic is the largest of), ``claimed_epsilon`` (the claim
-    covering it), optional ``claimed_by``): the fit (:func:`estimate`) and the claim tests (:func:`claim_tests`) per
+    covering it), optional ``claimed_by`` and ``tensors`` (each tensor's noise summary, :func:`tensor_tests`)): the fit (:func:`estimate`) and the claim tests (:func:`claim_tests`) per
     threat model, the tests' family-wise ``alpha`` split evenly over every test of every *distinct* statistic
     (Bonferroni; after one round every_round's statistics are final_model's, one family member), each threat model
     judged against its own claim, then the check (:func:`dp_verdict`: the first violated threat model, else the
     smallest claim ``claimed``). Returns (verdict, sentence, the measurements). :func:`gradleak.run.dp_check.dp_check`
-    and the simulated checks of ``benchmarks/dp_check.py`` both judge here."""
-    distinct = len({(tuple(v["seen"]), tuple(v["unseen"])) for v in statistics.values()})
-    each = alpha / (len(CLAIM_TESTS) * max(distinct, 1))
+    and the simulated checks of ``benchmarks/dp_check.py`` both judge here. The family: the three tests of
+    :func:`claim_tests` and the per-tensor tests that apply (:func:`tensor_test_names`) of each distinct statistic."""
+    distinct = {(tuple(v["seen"]), tuple(v["unseen"])): 3 + len(tensor_test_names(v.get("tensors")))
+                for v in statistics.values()}
+    each = alpha / max(sum(distinct.values()), 1)
     measured, done = [], {}
     for t, v in statistics.items():
         key = (tuple(v["seen"]), tuple(v["unseen"]), v["claimed_epsilon"], v.get("maxima", 1), t == "each_upload")
@@ -634,6 +717,7 @@ def judge(statistics: dict[str, dict], claimed: float | None, delta: float, *, d
                          claim_tests(v["seen"], v["unseen"], v["claimed_epsilon"], delta, dim=dim,
                                      maxima=v.get("maxima", 1), alpha=each))
         est, tests = (copy.deepcopy(x) for x in done[key])
+        tests.update(tensor_tests(v.get("tensors"), alpha=each))
         m = {"threat_model": t, **est, "claimed_epsilon": v["claimed_epsilon"], "claimed_by": v.get("claimed_by"),
              "tests": tests, "maxima": v.get("maxima", 1)}
         m["verdict"] = dp_verdict(m["claimed_epsilon"], [m])[0]  # each threat model against the claim covering it
@@ -743,9 +827,67 @@ def _broken_statistics(rng: np.random.Generator, canaries: int, dim: int, sigma:
     return along / np.sqrt(along * along + across), unseen
 
 
+#: the text audit's trainable tensors (``configs/audit/text_adapters.yaml``: MiniLM's classifier weight and bias, then
+#: the bottleneck adapters of the embedding and layers 0, 1: down weight, down bias, up weight, up bias), in order
+TEXT_AUDIT_TENSORS = (1536, 4) + (73728, 192, 73728, 384) * 3
+
+
+def simulated_tensor_statistics(rng: np.random.Generator, sizes: Sequence[int], sigma: float, *, canaries: int = 0,
+                                aggregate_of: int = 0, central: bool = False, unnoised: int = 0,
+                                unnoised_tensor: int = 0, clip: float = 1.0) -> dict:
+    """The per-tensor noise summary (:func:`tensor_tests`) of one simulated round of DP-Gaussian (noise std ``sigma``
+    in units of the clip C), drawn exactly in distribution without the vectors, as
+    :class:`gradleak.run.canary_statistics.CanaryStatistics` computes it from real ones.
+
+    * ``canaries`` = k (each upload): canary j's upload is its clipped part (along its direction v, in every tensor)
+      plus the noise; each tensor's energy across v's part is σ² χ²(m_t − 1) for k independent uploads; a tensor the
+      noise misses (``unnoised_tensor`` = m: the first tensor of m coordinates) holds none; the first ``unnoised``
+      uploads are not noised at all (their energies are the float rounding of the clipped upload: drawn as an
+      isotropic 1e-16·C, so their ratios are the null's).
+    * ``aggregate_of`` = K (the aggregate of K uploads, one real client among them): the canaries' part is taken off
+      (their common coefficient, fitted), the rest is the noise -- N(0, σ²) per coordinate on the sum when
+      ``central``, K − ``unnoised`` noised uploads' otherwise, none on the un-noised tensor -- plus the real client's
+      clipped update (norm ``clip``·C, an isotropic direction), whose norm bounds the signal left
+      (:func:`tensor_ratios`' ``bound``). Exact but for the one degree of freedom the fitted coefficient takes."""
+    m = np.asarray(sizes, dtype=float)
+    t_un = next((i for i, s in enumerate(sizes) if int(s) == int(unnoised_tensor)), None) if unnoised_tensor else None
+    if unnoised_tensor and t_un is None:
+        raise ValueError(f"unnoised_tensor = {unnoised_tensor} is none of the tensors' sizes {list(sizes)}")
+    noised = np.ones(len(m))
+    if t_un is not None:
+        noised[t_un] = 0.0
+    if aggregate_of:
+        var = sigma * sigma * (1 if central else max(aggregate_of - unnoised, 0))
+        share = rng.chisquare(m)
+        share = share / share.sum()
+        sig = clip * np.sqrt(share)  # the real client's clipped update, on each tensor
+        g = rng.standard_normal(len(m))
+        e = noised * ((sig + math.sqrt(var) * g) ** 2 + var * rng.chisquare(np.maximum(m - 1, 1))) \
+            + (1 - noised) * sig ** 2
+        ratio, rest = tensor_ratios(e, m, bound=clip)
+        df = m
+        pooled = ratio
+        return {"names": [f"t{i}" for i in range(len(m))], "df": df.tolist(), "vectors": 1,
+                "pooled_ratio": pooled.tolist(), "min_ratio": ratio.tolist()}
+    df = m - 1
+    scale = np.full(canaries, sigma * sigma)
+    scale[:unnoised] = 1e-32
+    e = scale[:, None] * rng.chisquare(np.maximum(df, 1), (canaries, len(m))) * np.where(df > 0, 1.0, 0.0)
+    if t_un is not None:
+        e[:, t_un] = 0.0
+    ratio, rest = tensor_ratios(e, df)
+    rest_df = df.sum() - df
+    with np.errstate(divide="ignore", invalid="ignore"):
+        pooled = (e.sum(axis=0) / np.where(df > 0, df, 1)) / (rest.sum(axis=0) / np.where(rest_df > 0, rest_df, 1))
+    pooled = np.where(rest.sum(axis=0) > 0, pooled, np.where(e.sum(axis=0) > 0, np.inf, 1.0))
+    return {"names": [f"t{i}" for i in range(len(m))], "df": df.tolist(), "vectors": int(canaries),
+            "pooled_ratio": pooled.tolist(), "min_ratio": ratio.min(axis=0).tolist()}
+
+
 def simulated_check(seed: int, *, noise_multiplier: float = 1.0, central: bool = False, canaries: int = 100,
                     dim: int = 445_636, delta: float = 1e-5, unnoised: int = 0,
-                    noise_scale: float = 1.0, claim: float | None = None, **broken_code) -> tuple[str, list[dict]]:
+                    noise_scale: float = 1.0, claim: float | None = None, tensors: Sequence[int] | None = None,
+                    **broken_code) -> tuple[str, list[dict]]:
     """One simulated check of one round of DP-Gaussian, judged as :func:`gradleak.run.dp_check.dp_check` judges
     (:func:`judge`): the threat models the mechanism covers (local noise: final model = every round, and each
     upload; central: final model = every round), ``canaries`` + 1 uploads, the claim the accountant makes (RDP, as
@@ -753,20 +895,33 @@ def simulated_check(seed: int, *, noise_multiplier: float = 1.0, central: bool =
     text audit's size (``configs/audit/text_adapters.yaml``: 445,636 trainable coordinates). ``claim``: another
     accountant's claimed ε for the same mechanism (DP-SGD's Opacus accountant, ``LocalDpMod``'s); ``broken_code``:
     :func:`simulated_statistics`' breakages of the mechanism's code (``unnoised_tensor``, ``tensor_sizes``,
-    ``clip_scale``). Returns (verdict, measurements)."""
+    ``clip_scale``). ``tensors``: the trainable tensors' sizes (default: the text audit's 14,
+    :data:`TEXT_AUDIT_TENSORS`, at its dimension; one tensor otherwise), whose noise summaries
+    (:func:`simulated_tensor_statistics`) the per-tensor tests read. Returns (verdict, measurements)."""
     from gradleak.accounting import gaussian_rdp_epsilon
 
     rng = np.random.default_rng(seed)
     if claim is None:
         claim = gaussian_rdp_epsilon(noise_multiplier, 1, delta)
+    if tensors is None:
+        tensors = TEXT_AUDIT_TENSORS if dim == sum(TEXT_AUDIT_TENSORS) else (dim,)
     broken = {"unnoised": unnoised, "noise_scale": noise_scale, **broken_code}
     agg, agg_u = simulated_statistics(rng, canaries, dim, noise_multiplier, aggregate_of=canaries + 1, central=central,
                                       **broken)
-    stats = {"final_model": {"seen": agg, "unseen": agg_u, "claimed_epsilon": claim}}
+    trng = np.random.default_rng([seed, 1])  # the tensors' draws: the cosines above stay those of the seed
+    un_t = broken_code.get("unnoised_tensor", 0)
+    sigma = noise_multiplier / noise_scale
+    clip = float(broken_code.get("clip_scale", 1.0))
+    stats = {"final_model": {"seen": agg, "unseen": agg_u, "claimed_epsilon": claim,
+                             "tensors": simulated_tensor_statistics(trng, tensors, sigma, aggregate_of=canaries + 1,
+                                                                    central=central, unnoised=unnoised,
+                                                                    unnoised_tensor=un_t, clip=clip)}}
     stats["every_round"] = dict(stats["final_model"])
     if not central:
         s, u = simulated_statistics(rng, canaries, dim, noise_multiplier, **broken)
-        stats["each_upload"] = {"seen": s, "unseen": u, "claimed_epsilon": claim}
+        stats["each_upload"] = {"seen": s, "unseen": u, "claimed_epsilon": claim,
+                                "tensors": simulated_tensor_statistics(trng, tensors, sigma, canaries=canaries,
+                                                                       unnoised=unnoised, unnoised_tensor=un_t)}
     verdict, _, measured = judge(stats, claim, delta, dim=dim, seed=seed)
     return verdict, measured
 

@@ -19,8 +19,12 @@ round) for ``dp_gaussian`` and Flower's central wrappers; DP-SGD's own Opacus ac
 example per canary client: sampling rate 1); ``LocalDpMod``'s per-round ε as the RDP of its noise multiplier over the
 rounds. With several mechanisms declared, the smallest claim covering a threat model is the claim there. Beside the
 fit, each threat model's statistics go through the claim tests (shift, spread, tail:
-:func:`gradleak.evaluation.empirical_epsilon.claim_tests`, family-wise α = 0.01 over the check), which see a mechanism
-that leaks on a fraction of its uploads or noises at the wrong scale. The verdict
+:func:`gradleak.evaluation.empirical_epsilon.claim_tests`; and each tensor's noise:
+:func:`~gradleak.evaluation.empirical_epsilon.tensor_tests`; family-wise α = 0.01 over the check), which see a
+mechanism that leaks on a fraction of its uploads, noises at the wrong scale or misses a tensor (an isotropic canary
+puts only that tensor's share of its norm there, so its cosine barely moves; the tensor's own noise energy does). The
+statistics are streamed round by round (:class:`gradleak.run.canary_statistics.CanaryStatistics`: running sums,
+O(canaries) memory; the engine still returns every round's uploads, which :func:`fitted_canaries` sizes). The verdict
 (:func:`gradleak.evaluation.empirical_epsilon.judge`, :func:`~gradleak.evaluation.empirical_epsilon.dp_verdict`):
 ``claim_violated``, ``vacuous`` or ``consistent``.
 """
@@ -46,8 +50,11 @@ TESTS_METHOD = ("beside the fit, three tests of the inserted canaries' statistic
                 "(gradleak.evaluation.empirical_epsilon.claim_tests): shift (noise at too small a scale: the mean "
                 "against the claim's μ), spread (a mixture: the spread against a never-inserted canary's, exact "
                 "1/√d for one cosine), tail (uploads that escaped the noise: the count beyond the cosine the claimed "
-                "(ε, δ) allows, exact binomial); family-wise α = 0.01 over every test of every distinct threat "
-                "model (Bonferroni)")
+                "(ε, δ) allows, exact binomial); and two of each tensor's noise (gradleak.evaluation.empirical_epsilon."
+                "tensor_tests: each tensor's noise energy across the canary's part, per degree of freedom, over the "
+                "other tensors' -- F-distributed under the claim, which noises every coordinate with one σ --, "
+                "pooled over the uploads and the smallest in one upload, Bonferroni over the tensors); family-wise "
+                "α = 0.01 over every test of every distinct threat model (Bonferroni)")
 
 
 #: memory the check's uploads may hold (float64 uploads of every client and canary of every round, plus the canaries'
@@ -120,38 +127,21 @@ def declared_mechanisms(cfg, defenses: list) -> list[dict]:
     return out
 
 
-def _cosine(v: torch.Tensor, tensors: dict[str, torch.Tensor], shapes) -> float:
-    """cos(v, the upload ``tensors`` flattened in the order of ``shapes``), without building the flat copy."""
-    dot = sq = 0.0
-    i = 0
-    for name, shape in shapes:
-        k = int(torch.Size(shape).numel())
-        t = tensors.get(name)
-        if t is not None:
-            t = t.reshape(-1).to(torch.float64)
-            dot += float(v[i:i + k] @ t)
-            sq += float(t @ t)
-        i += k
-    return dot / max(sq ** 0.5, 1e-300)
+def _real_signal_weight(real: list, per: int, cfg) -> float:
+    """The real clients' summed aggregation weight over a canary's (FedAvg weighs by samples), times the local steps
+    a FedAvg upload sums: a bound of their clipped updates' norm in units of a canary's clipped part (each is clipped
+    to the bound a canary is clipped to; :class:`gradleak.run.canary_statistics.CanaryStatistics`' ``signal_bound``)."""
+    import math
 
-
-def _statistics(units, k: int, finals: torch.Tensor, iterates: list[torch.Tensor],
-                uploads: list[dict[int, dict]] | None, first_id: int, shapes) -> dict[str, list[float]]:
-    """Per canary j < ``k`` (``units(j)``: its flat unit direction): its cosine with the final delta, its largest
-    cosine with a round's aggregate, and (``uploads``: per round, canary client id -> flat upload) its largest cosine
-    with the upload of canary client ``first_id + j`` (the inserted canary at the same position)."""
-    fn = finals.norm().clamp_min(1e-300)
-    itn = [d.norm().clamp_min(1e-300) for d in iterates]
-    out: dict[str, list[float]] = {"final_model": [], "every_round": [], "each_upload": []}
-    for j in range(k):
-        v = units(j)
-        out["final_model"].append(float(v @ finals / fn))
-        out["every_round"].append(max(float(v @ d / n) for d, n in zip(iterates, itn)))
-        if uploads is not None:
-            cos = [_cosine(v, u[first_id + j], shapes) for u in uploads if first_id + j in u]
-            if cos:
-                out["each_upload"].append(max(cos))
-    return out
+    total = 0.0
+    for c in real:
+        n = max(int(c.num_samples), 1)
+        steps = 1
+        if cfg.fl.algorithm == "fedavg":
+            b = cfg.fl.local_batch_size or n
+            steps = max(int(cfg.fl.local_epochs), 1) * max(math.ceil(n / max(int(b), 1)), 1)
+        total += n / max(per, 1) * steps
+    return total
 
 
 def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = CANARIES,
@@ -162,6 +152,7 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
     of at the model's initial weights."""
     from gradleak.evaluation.empirical_epsilon import ALPHA, judge
     from gradleak.fl.canaries import CANARY_SCALE, CanaryClient, direction, flat
+    from gradleak.run.canary_statistics import CanaryStatistics
     from gradleak.fl.engines import rounds_engine
     from gradleak.run.pipeline import clients_and_truth, federation
 
@@ -211,18 +202,30 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
     eps_c = [v for kk, v in report.items() if kk.startswith("dp_epsilon_client") and int(kk[17:]) >= first_id]
     if eps_c:
         report["canary_epsilon"], report["canary_steps"] = max(eps_c), max(steps)
-    # the trainable parameters sent each round, then the final ones (the last aggregate applied)
-    states = [flat({k: v for k, v in s.items() if k in names}, shapes) for s in outcome.round_states]
-    last = outcome.last_aggregate
-    final = states[-1] - cfg.fl.lr_at(rounds - 1) * flat(last.tensors, shapes)
-    deltas = [states[r] - states[r + 1] for r in range(len(states) - 1)] + [states[-1] - final]
+    # the trainable parameters sent each round, then the final ones (the last aggregate applied), streamed: each round's
+    # step and uploads go through the canaries' running statistics and are let go (CanaryStatistics: O(k) memory)
+    def sent_at(r):
+        return flat({k: v for k, v in outcome.round_states[r].items() if k in names}, shapes)
+
     covered = sorted({t for m in mechanisms for t in m["covers"]})
-    uploads = None
-    if "each_upload" in covered:
-        uploads = [{u.client_id: u.tensors for u in ups if u.client_id >= first_id} for ups in outcome.rounds]
-    seen = _statistics(lambda j: cans[j].unit(), canaries, states[0] - final, deltas, uploads, first_id, shapes)
-    unseen = _statistics(lambda j: direction(shapes, seed, canaries + j), canaries, states[0] - final, deltas, uploads,
-                         first_id, shapes)
+    each = "each_upload" in covered
+    signal = _real_signal_weight(real, per, cfg)
+    seen_s = CanaryStatistics(canaries, shapes, lambda j: cans[j].unit(), first_id=first_id if each else None,
+                              tensors=True, signal_bound=signal)
+    unseen_s = CanaryStatistics(canaries, shapes, lambda j: direction(shapes, seed, canaries + j),
+                                first_id=first_id if each else None)
+    kept = len(outcome.round_states)
+    first = cur = sent_at(0)
+    last = outcome.last_aggregate
+    for r in range(kept):
+        nxt = sent_at(r + 1) if r + 1 < kept else cur - cfg.fl.lr_at(rounds - 1) * flat(last.tensors, shapes)
+        ups = ({u.client_id: u.tensors for u in outcome.rounds[r] if u.client_id >= first_id} if each else None)
+        for st in (seen_s, unseen_s):
+            st.add_round(cur - nxt, ups)
+        outcome.rounds[r] = None  # this round's uploads are measured: let them go
+        cur = nxt
+    final = cur
+    seen, unseen = seen_s.finish(first - final), unseen_s.finish(first - final)
     claims = []
     for m in mechanisms:
         eps, words = m["claim"](rounds, report)
@@ -236,11 +239,11 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
         cl = [c for c in claims if t in c["covers"] and c["claimed_epsilon"] is not None]
         claim = min(cl, key=lambda c: c["claimed_epsilon"]) if cl else None
         # how many cosines each statistic is the largest of: one for the final model, the rounds otherwise
-        maxima = 1 if t == "final_model" else (len(deltas) if t == "every_round" else
-                                               max(sum(1 for u in uploads if first_id + j in u) for j in range(canaries)))
-        statistics[t] = {"seen": seen[t], "unseen": unseen[t], "maxima": maxima,
+        statistics[t] = {"seen": seen[t], "unseen": unseen[t], "maxima": seen["maxima"][t],
                          "claimed_epsilon": claim["claimed_epsilon"] if claim else None,
                          "claimed_by": claim["name"] if claim else None}
+        if t in seen.get("tensors", {}):
+            statistics[t]["tensors"] = seen["tensors"][t]
     claimed = min((c["claimed_epsilon"] for c in claims if c["claimed_epsilon"] is not None), default=None)
     verdict, sentence, measured = judge(statistics, claimed, delta, dim=dim, seed=seed)
     return {"verdict": verdict, "sentence": sentence, "claimed_epsilon": claimed, "mechanisms": claims,
