@@ -294,6 +294,52 @@ class UTRAttack(AttackBase):
             info["verified_sentences"] = 0
         return out, info
 
+    def _ranked_reading(self, view: ServerView, bag: dict, sp: dict, sents: list[list[int]], sinfo: dict[str, Any],
+                        sub_la: Subspace, eps_sentence: float, la_saturated: bool, layer_grad: torch.Tensor, left,
+                        extra=()) -> tuple[list[list[int]], dict[str, Any]]:
+        """A clipped noisy upload (declared per-sample clipping: DP-SGD) whose clipped-sum search did not reach the
+        noise (or had no sentence to move): stage 1's pairs read again by rank
+        (:func:`~gradleak.attacks.common.bert_pairs.bert_pair_ranked`: the reached positions against their
+        chi-square null, each token at its best positions), the chain search and the clipped-sum search on them with
+        the rest of stage 2's budget (the chain search at most half of it), and whichever batch explains the upload
+        better -- the lower clipped-sum z, a truth-free test (:mod:`gradleak.attacks.utr.clipped`) -- is kept.
+        ``info["position_reading"]`` says which; the other's z is reported beside (``clipped_sum_z_other``).
+        ``left``: seconds left of stage 2's budget (a function)."""
+        from gradleak.attacks.common.bert_pairs import bert_pair_ranked
+        from gradleak.defenses.declared import view_declared
+
+        if view_declared(view).per_sample_clip_norm is None or sinfo.get("clipped_sum_consistent"):
+            return sents, sinfo
+        ran = sinfo.get("clipped_sum_search")
+        if ran not in ("ran", "no sentences") or left() < CLIPPED_SUM_MIN_SECONDS:
+            return sents, {**sinfo, "position_reading": "stage 1", "ranked_reading": "not tried (" + (
+                f"clipped-sum search: {ran}" if ran not in ("ran", "no sentences") else "no budget left") + ")"}
+        model = view.model
+        emb = model.base_model.embeddings
+        npos = min(self.max_positions, emb.position_embeddings.weight.shape[0])
+        B = view.public.get("batch_size")
+        ranked = bert_pair_ranked(emb, getattr(model, PREFIX)["embedding"],
+                                  collect_grads(view, adapter_param("embedding")), bag["tokens"], npos,
+                                  bag["noise_std"], sp["sep"], sep_positions=int(B or 4))
+        if ranked is None:
+            return sents, {**sinfo, "position_reading": "stage 1",
+                           "ranked_reading": "not tried (no position above the noise, or too many for the basis)"}
+        pairs, last = ranked
+        search = EncoderChainSearch(model, self.sentence_layer, sub_la, eps_sentence, sp["cls"], sp["sep"],
+                                    sp["mask"], pairs, B, time_budget=0.5 * left(), joint=la_saturated,
+                                    layer_grad=layer_grad, soft_rank=self.soft_rank)
+        alt, ainfo = search.run()
+        alt, ainfo = self._clipped_sum(view, {**bag, "pairs": pairs}, sp, alt, ainfo, left(), extra=extra)
+        inf = float("inf")
+        z0 = sinfo.get("clipped_sum_z") if ran == "ran" else None
+        z1 = ainfo.get("clipped_sum_z") if ainfo.get("clipped_sum_search") == "ran" else None
+        note = {"ranked_reading": "ran", "ranked_pairs": sum(len(p) for p in pairs.values()),
+                "ranked_last_position": last, "ranked_sep_positions": sorted(pairs.get(sp["sep"], ()))}
+        if (inf if z1 is None else z1) < (inf if z0 is None else z0):
+            return alt, {**ainfo, **note, "position_reading": "ranked (clipped upload)", "clipped_sum_z_other": z0,
+                         "search_truncated": bool(sinfo.get("search_truncated") or ainfo.get("search_truncated"))}
+        return sents, {**sinfo, **note, "position_reading": "stage 1", "clipped_sum_z_other": z1}
+
     def _causal_peel(self, view: ServerView, bag: dict, sp: dict, cands: torch.Tensor, sents: list[list[int]],
                      sinfo: dict[str, Any], eps_sentence: float,
                      deadline: float = float("inf")) -> tuple[list[list[int]], dict[str, Any]]:
@@ -448,6 +494,8 @@ class UTRAttack(AttackBase):
                 cap = max(CLIPPED_SUM_MIN_SECONDS, AUTO_BUDGET_PER_SENTENCE * (int(B or 1) + 1))
                 sents, sinfo = self._clipped_sum(view, bag, sp, sents, sinfo, min(left(), cap),
                                                  extra=edge_info.get("sub_edge_bag", ()))
+                sents, sinfo = self._ranked_reading(view, bag, sp, sents, sinfo, sub_la, eps_sentence, la_saturated,
+                                                    grads_la[0], left, extra=edge_info.get("sub_edge_bag", ()))
         t2 = time.perf_counter()
         info = {
             "method": METHOD[self.search],
