@@ -187,6 +187,13 @@ class ImageData:
         held = self._extra[1]
         return held.mean(0) if len(held) else None
 
+    def prior_images(self) -> torch.Tensor | None:
+        """The ``data.prior_size`` held-out images :meth:`prior_image` averages (after :meth:`clients`), disjoint from
+        every client's training and validation images and from the null pool: the public images of the private
+        set's own source a learned decoder trains on (:mod:`gradleak.attacks.learned_image`), or None."""
+        held = self._extra[1]
+        return held if len(held) else None
+
     def null_pool(self, trial: int, k: int | None = None) -> tuple[torch.Tensor, str]:
         """Up to ``k`` images of the private dataset's own source that no client, validation, prior or test chunk
         uses (the chunk after all of them, from the same seeded draw): the nulls' chance reconstructions

@@ -19,8 +19,17 @@ from gradleak.evaluation.base import Evaluation, EvaluationUnit, Truth, attach_n
 from gradleak.evaluation.levels import STRONG_SSIM, bar, beyond, graded, number
 
 
-def null_images(truth: Truth, truth01: torch.Tensor, n: int, match: str, cfg, metrics: dict, notes: list) -> None:
-    """The image nulls (random public images matched like the reconstruction; the mean public, grey and flat images)."""
+def null_images(truth: Truth, truth01: torch.Tensor, n: int, match: str, cfg, metrics: dict, notes: list,
+                decoder_images: torch.Tensor | None = None) -> None:
+    """The image nulls (random public images matched like the reconstruction; the mean public, grey and flat images).
+
+    ``decoder_images``: the images a learned decoder (:mod:`gradleak.attacks.learned_image`) gives held-out public
+    uploads through the same simulation and defenses; then each null draw is, draw for draw, the larger of the random
+    images' score and the decoder images' (``<m>_random_image_null_p99`` and ``<m>_decoder_null_p99`` each alone),
+    so a decoder that only learned the public mean, or a blur of it, is at chance (docs/DESIGN.md §6, "A learned
+    attacker is graded through its own decoder")."""
+    import numpy as np
+
     from gradleak.evaluation.nulls import image_null, reference_images
 
     pool = truth.null_pool
@@ -30,13 +39,25 @@ def null_images(truth: Truth, truth01: torch.Tensor, n: int, match: str, cfg, me
     if pool.shape[1:] != truth01.shape[1:]:
         pool = torch.nn.functional.interpolate(pool, size=truth01.shape[-2:], mode="bilinear", align_corners=False)
     nul = image_null(truth01.float(), pool, n=n, match=match, draws=cfg.metrics.null_draws, seed=cfg.seed + 17)
+    if decoder_images is not None and len(decoder_images):
+        dec = decoder_images.detach().to(torch.float32).cpu()
+        if dec.shape[1:] != truth01.shape[1:]:
+            dec = torch.nn.functional.interpolate(dec, size=truth01.shape[-2:], mode="bilinear", align_corners=False)
+        dn = image_null(truth01.float(), dec, n=n, match=match, draws=cfg.metrics.null_draws, seed=cfg.seed + 19)
+        for k in ("psnr", "ssim", "psnr_max", "ssim_max"):
+            metrics[f"{k}_random_image_null_p99"] = float(np.nanquantile(nul[k], 0.99))
+            metrics[f"{k}_decoder_null_p99"] = float(np.nanquantile(dn[k], 0.99))
+            nul[k] = np.fmax(nul[k], dn[k])
     for k in ("psnr", "ssim", "psnr_max", "ssim_max"):
         attach_null(metrics, k, nul[k])
     metrics.update(reference_images(truth01.float(), pool))
     notes.append(f"null: {cfg.metrics.null_draws} draws of {n} random images of {truth.null_source} "
                  f"({len(pool)} in the pool), matched {'in order' if match == 'paired' else 'by MSE (Hungarian)'} "
                  "as the reconstruction; *_mean_public / *_grey / *_flat: the mean public image, the grey image and each "
-                 "original's own mean colour (the best uniform image).")
+                 "original's own mean colour (the best uniform image)"
+                 + (f"; each draw the larger of that and {n} of the {len(decoder_images)} images the same decoder gives "
+                    "held-out public uploads, matched the same way" if decoder_images is not None
+                    and len(decoder_images) else "") + ".")
 
 
 def image_metrics(truth01: torch.Tensor, recon01: torch.Tensor, cfg) -> dict[str, float]:
@@ -112,7 +133,7 @@ def evaluate_images(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalua
     metrics["psnr_max"] = float(per_image.max())
     metrics["ssim_max"] = float(_ssim(torch.nan_to_num(matched, nan=0.5), truth01).max())
     notes: list[str] = []
-    null_images(truth, truth01, len(x), "hungarian", cfg, metrics, notes)
+    null_images(truth, truth01, len(x), "hungarian", cfg, metrics, notes, rec.info.get("null_images"))
     for key in ("initial_matching_loss", "final_matching_loss"):
         if key in rec.info:
             metrics[key] = float(rec.info[key])

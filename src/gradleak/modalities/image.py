@@ -25,6 +25,7 @@ class ImageModality(Modality):
     def trial_knowledge(self, cfg, data, knowledge: dict) -> None:
         if data.wants_prior and data.prior_image() is not None:
             knowledge.setdefault("public_data", {})["prior_image"] = data.prior_image()
+            knowledge["public_data"]["prior_images"] = data.prior_images()  # the held-out images themselves
 
     def build_kwargs(self, cfg) -> dict[str, Any]:
         return {"num_channels": cfg.image_channels}
