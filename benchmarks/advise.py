@@ -35,7 +35,7 @@ CONFIGS = {"text_adapters": ("configs/audit/text_adapters.yaml", None),
 #: ``--budget`` per config: a vit_lora probe (an audit of the 12-block ViT-S/14 with lora_span's full-strength ladder)
 #: took 230-280 s on the shared 2-core machine and its utility run 560 s, ~3 h for every candidate: the budget bounds
 #: the search and the report lists the candidates it did not finish (``--budget``'s own contract)
-BUDGETS = {"vit_lora": 1800}
+BUDGETS: dict[str, float] = {}  # no budget: every candidate finishes (an unfinished row recommends nothing)
 #: what a config's ``--only`` leaves out (the section's caption says so: a strength found stops only what was searched)
 LEFT_OUT = {"vit_lora": "the optimisation attacks april, dlg, gias, gradvit and ig",
             "text_lora": "DAGER, whose span test reads this config's LoRA query + key gradients"}
@@ -73,9 +73,14 @@ def drew_other_data(row: dict) -> bool:
     return bool(image and seed and f"--set data.seed={seed}" not in cmd)
 
 
+#: processes per cell (``--workers``): the advice's probes and the round trips' attacks in parallel
+WORKERS = [1]
+
+
 def command(name: str, seed: int, out: str = "D") -> str:
     path, only = CONFIGS[name]
-    return (f"gradleak audit {path} --advise --workers 1 --out {out} "
+    w = WORKERS[0]
+    return (f"gradleak audit {path} --advise --workers {w} " + ("--executor local " if w > 1 else "") + f"--out {out} "
             + " ".join(f"--set {o}" for o in cell_overrides(seed))
             + (f" --only {','.join(only)}" if only else "")
             + (f" --budget {BUDGETS[name]}" if name in BUDGETS else ""))
@@ -97,19 +102,20 @@ def advised_cell(name: str, seed: int, out_dir: Path) -> dict:
     path, only = CONFIGS[name]
     raw = load_config(ROOT / path)
     res = run_audit_advised(raw, out_dir, cell_overrides(seed), only=only, command=command(name, seed, str(out_dir)),
-                            log=lambda m: None, workers=1, advise_on=True, budget_seconds=BUDGETS.get(name))
+                            log=lambda m: None, workers=WORKERS[0], advise_on=True, budget_seconds=BUDGETS.get(name),
+                            executor="local" if WORKERS[0] > 1 else "inline")
     adv = res.get("advice") or {}
     rec = adv.get("recommendation")
     trip = None
     if rec:
         # the round trip is a plain audit of every applicable attack (not only those the advice searched against)
         t = run_audit(raw, out_dir / "roundtrip", cell_overrides(seed) + list(rec["set"]), only=None,
-                      log=lambda m: None, workers=1)
+                      log=lambda m: None, workers=WORKERS[0])
         trip = {"verdict": t["verdict"], "levels": {a["name"]: a.get("level") for a in t["attacks"] if a.get("level")}}
         # and at a victim batch the search never drew (neither the audited one nor the advice's extra batches)
         new = seed + UNSEARCHED_STEP
         t = run_audit(raw, out_dir / "roundtrip_unsearched", unsearched_overrides(seed) + list(rec["set"]),
-                      only=None, log=lambda m: None, workers=1)
+                      only=None, log=lambda m: None, workers=WORKERS[0])
         trip["unsearched"] = {"seed": new, "verdict": t["verdict"],
                               "levels": {a["name"]: a.get("level") for a in t["attacks"] if a.get("level")}}
     return {"verdict": res["verdict"], "advice": adv, "roundtrip": trip}
@@ -316,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
                     "JSONL keeps the earlier rows: the before / after of a change)")
     ap.add_argument("--seeds", default="", help="comma-separated seeds (default: all)")
     ap.add_argument("--only", default="", help=f"comma-separated configs: {','.join(CONFIGS)}")
+    ap.add_argument("--workers", type=int, default=1, help="processes per cell: the advice's probes (the local "
+                    "executor) and the round trips' attacks in parallel (default 1)")
     args = ap.parse_args(argv)
+    WORKERS[0] = max(1, args.workers)
     args.out = resolve_out(args.out)
     only = set(args.only.split(",")) - {""} or None
     if only and only - set(CONFIGS):

@@ -4,6 +4,7 @@ the search resumes without rerunning a probe, the budget bounds it, bad input ex
 from __future__ import annotations
 
 import json
+import os
 import math
 
 import pytest
@@ -76,6 +77,10 @@ def one_batch(monkeypatch, request):
     from gradleak.run import advise_options
 
     monkeypatch.setattr(advise_options, "BATCHES", 1)
+    if "post_processing" not in request.node.name:  # the flow tests count every probe of a search without the rule
+        from gradleak.run import advise_carry
+
+        monkeypatch.setattr(advise_carry, "RULE", False)
 
 
 def _fake(calls, threshold=0.05, kill_at=None, clock=None):
@@ -99,7 +104,7 @@ def _fake(calls, threshold=0.05, kill_at=None, clock=None):
 def _fake_utility(calls=None):
     """A utility run: the accuracy falls with the noise like the fake probe's; the baseline reports its norms."""
 
-    def utility(raw, attacks, rounds, device, norms):
+    def utility(raw, attacks, rounds, device, norms, accuracy_start=None):
         if calls is not None:
             calls.append(raw)
         std = next((d["params"]["std"] for d in raw.get("defenses") or [] if d["name"] == "gaussian_noise"), 0.0)
@@ -383,7 +388,7 @@ def test_a_dp_row_with_a_hollow_epsilon_ranks_after_plain_noise_at_the_same_cost
                             for a in only}}
 
     monkeypatch.setattr(mod, "probe", probe)
-    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms: {
+    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms, accuracy_start=None: {
         "accuracy": 0.5, "accuracy_start": 0.4, "rounds": rounds})  # every defense costs nothing
     adv = mod.advise(TEXT, tmp_path / "a", LEAKS, candidates=["dp_gaussian", "gaussian_noise"], steps=1,
                      log=lambda m: None)
@@ -551,7 +556,7 @@ def test_costs_are_flagged_when_the_undefended_model_does_not_learn(tmp_path, mo
 
     monkeypatch.setattr(mod, "probe", _fake([]))
     flat = {"accuracy": 0.5, "accuracy_start": 0.5, "accuracy_curve": [0.5, 0.5, 0.5]}
-    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms: {**flat, "rounds": rounds})
+    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms, accuracy_start=None: {**flat, "rounds": rounds})
     adv = mod.advise(TEXT, tmp_path / "a", LEAKS, candidates=["gaussian_noise"], steps=1, utility_rounds=5,
                      log=lambda m: None)
     assert "does not rise over the 5 utility round(s)" in adv["cost_note"] and adv["rows"][0]["cost"] == 0
@@ -594,7 +599,7 @@ def test_a_utility_run_that_diverges_is_a_measured_outcome_and_ranks_last(tmp_pa
     with pytest.raises(TrainingDiverged, match="fl.lr: training diverged"):  # still a BadInput naming the field
         raise TrainingDiverged(0, 2, 0.05)
 
-    def utility(raw, attacks, rounds, device, norms):  # the stronger noise is cheaper on paper but cannot be trained
+    def utility(raw, attacks, rounds, device, norms, accuracy_start=None):  # the stronger noise is cheaper on paper but cannot be trained
         std = next((d["params"]["std"] for d in raw.get("defenses") or [] if d["name"] == "gaussian_noise"), 0.0)
         out = {"accuracy": 0.8, "accuracy_start": 0.5, "accuracy_curve": [0.5, 0.8], "rounds": rounds}
         if raw.get("defenses") and raw["defenses"][0]["name"] == "topk_pruning":
@@ -633,7 +638,7 @@ def test_a_cost_within_the_test_sets_sampling_error_is_said_to_be_indistinguisha
 
     monkeypatch.setattr(mod, "probe", probe)
     for acc, said in ((0.78, True), (0.5, False)):  # baseline 0.8, 64 test samples: 2 SE = 0.12 and 0.15
-        monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms, acc=acc: {
+        monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms, accuracy_start=None, acc=acc: {
             "accuracy": acc if raw.get("defenses") else 0.8, "accuracy_start": 0.5, "rounds": rounds})
         adv = mod.advise({**TEXT, "data": {**TEXT["data"], "test_size": 64}}, tmp_path / str(acc), LEAKS,
                          candidates=["gaussian_noise"], steps=1, log=lambda m: None)
@@ -647,7 +652,7 @@ def test_an_undefended_run_that_diverges_is_said_to_be_the_baseline_of_every_cos
     from gradleak.run import advise as mod
 
     monkeypatch.setattr(mod, "probe", _fake([]))
-    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms: {
+    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms, accuracy_start=None: {
         "accuracy": 0.3, "accuracy_start": 0.25, "accuracy_curve": [0.25, 0.3], "rounds": rounds,
         **({} if raw.get("defenses") else {"diverged": {"round": 7, "client": 1, "lr": 0.5}})})
     adv = mod.advise(TEXT, tmp_path / "a", LEAKS, candidates=["gaussian_noise"], steps=1, log=lambda m: None)
@@ -854,3 +859,119 @@ def test_advise_section_takes_batches():
     assert advise_section({"batches": 3})["batches"] == 3
     with pytest.raises(BadInput, match="batches"):
         advise_section({"batches": 0})
+
+
+# ------------------------------------------------------------------------------------------------ the post-processing rule
+
+def _fake_rule(calls, spot_leaks=False, variant_leaks=False):
+    """A probe where UTR stops at noise std 0.05 and DLG never leaks, except (``spot_leaks``) in the spot check, or
+    (``variant_leaks``) its noise-aware variant on the raw upload (``audit.params.dlg``)."""
+
+    def probe(raw, out_dir, only, device, workers, utility_from):
+        calls.append((os.path.basename(out_dir), list(only), (raw.get("data") or {}).get("seed", 0)))
+        std = next((d["params"]["std"] for d in raw.get("defenses") or [] if d["name"] == "gaussian_noise"), 0.0)
+        trained = (raw.get("defense") or {}).get("noise_multiplier", 0.0)
+        out = {}
+        for a in only:
+            lv = "none" if max(std, trained) >= 0.05 else "partial"
+            if a == "dlg":
+                aware = ((raw.get("audit") or {}).get("params") or {}).get("dlg")
+                lv = "partial" if (spot_leaks and "spotcheck" in str(out_dir)) or (variant_leaks and aware) else "none"
+            out[a] = {"level": lv, "metric": "m", "value": 1 - std, "null_p99": 0.5, "null_median": 0.4,
+                      "p_value": 0.4}
+        return {"verdict": "no_leak_found", "accuracy": 0.8 - min(std, 0.5), "attacks": out}
+
+    return probe
+
+
+RULE_LEAKS = {"attacks": [{"name": "utr", "level": "partial"},
+                          {"name": "dlg", "level": "none", "p_value": 0.31, "seconds": 5.0}]}
+
+
+def test_post_processing_carries_a_none_attack_past_every_check_of_an_update_defense(tmp_path, monkeypatch,
+                                                                                     fake_utility):
+    """DLG read none on the raw upload: an update defense's checks (3 victim batches) do not rerun it; it comes back
+    as none with the rule's words, each further batch's raw upload is measured once, and the recommendation's spot
+    check reruns it at the recommended strength."""
+    from gradleak.run import advise as mod
+
+    calls: list = []
+    monkeypatch.setattr(mod, "probe", _fake_rule(calls))
+    adv = mod.advise(TEXT, tmp_path, RULE_LEAKS, candidates=["gaussian_noise"], steps=2, log=lambda m: None,
+                     batches=3, post_processing_rule=True)
+    row = next(r for r in adv["rows"] if r["defense"] == "gaussian_noise")
+    assert row["status"] == "stopped" and row["carried"] == ["dlg"]
+    defended = [c for c in calls if c[0].startswith("gaussian_noise")]
+    assert defended and all("dlg" not in only for _, only, _ in defended)  # never rerun under the defense
+    refs = sorted(seed for name, only, seed in calls if name.startswith("reference") and "dlg" in only)
+    assert len(refs) == 2 and 0 not in refs  # batches 1 and 2 on their raw uploads (batch 0: the audit's own)
+    assert row["levels"]["dlg"].startswith("none (post-processing: measured undefended at p = 0.31")
+    assert all(b["levels"]["dlg"].startswith("none (post-processing") for b in row["batches"])
+    spot = [c for c in calls if c[0].startswith("spotcheck")]
+    assert [only for _, only, _ in spot] == [["dlg"]] and row["spot_check"]["level"] == "none"
+    assert adv["recommendation"]["defense"] == "gaussian_noise"
+
+
+def test_post_processing_never_carries_into_a_training_time_defense(tmp_path, monkeypatch, fake_utility):
+    """DP-SGD changes what the client computes: its checks run every tested attack (no shortcut), on each batch."""
+    from gradleak.run import advise as mod
+
+    calls: list = []
+    monkeypatch.setattr(mod, "probe", _fake_rule(calls))
+    adv = mod.advise(TEXT, tmp_path, RULE_LEAKS, candidates=["dpsgd"], steps=1, log=lambda m: None, batches=3,
+                     post_processing_rule=True)
+    row = next(r for r in adv["rows"] if r["defense"] == "dpsgd")
+    assert "carried" not in row and "spot_check" not in row
+    checks = [only for name, only, _ in calls if name.startswith("dpsgd") and "_utr_" not in name]  # not the screen
+    assert len(checks) >= 3 and all("dlg" in only for only in checks)
+    assert not any(name.startswith(("reference", "spotcheck")) for name, _, _ in calls)
+    assert all("post-processing" not in lv for lv in row["levels"].values())
+
+
+def test_post_processing_needs_the_noise_aware_variant_at_none_on_the_raw_upload(tmp_path, monkeypatch,
+                                                                                  fake_utility):
+    """An attack whose noise-aware variant leaks on the raw upload is not carried: the check reruns it."""
+    from gradleak.run import advise as mod
+
+    calls: list = []
+    monkeypatch.setattr(mod, "probe", _fake_rule(calls, variant_leaks=True))
+    monkeypatch.setattr(mod, "noise_aware_variants", lambda raw, attacks: {a: [{"noise_model": "declared"}]
+                                                                          for a in attacks if a == "dlg"})
+    adv = mod.advise(TEXT, tmp_path, RULE_LEAKS, candidates=["gaussian_noise"], steps=1, log=lambda m: None,
+                     batches=1, post_processing_rule=True)
+    row = next(r for r in adv["rows"] if r["defense"] == "gaussian_noise")
+    assert "carried" not in row
+    assert any(name.startswith("reference") and "noise_model" in name for name, _, _ in calls)
+    assert any(name.startswith("gaussian_noise") and "dlg" in only for name, only, _ in calls)
+
+
+def test_post_processing_spot_check_that_leaks_withdraws_the_recommendation(tmp_path, monkeypatch, fake_utility):
+    from gradleak.run import advise as mod
+
+    calls: list = []
+    monkeypatch.setattr(mod, "probe", _fake_rule(calls, spot_leaks=True))
+    adv = mod.advise(TEXT, tmp_path, RULE_LEAKS, candidates=["gaussian_noise"], steps=1, log=lambda m: None,
+                     batches=1, post_processing_rule=True)
+    row = next(r for r in adv["rows"] if r["defense"] == "gaussian_noise")
+    assert row["status"] == "failed" and "spot check failed" in row["note"]
+    assert row["spot_check"]["level"] == "partial" and adv["recommendation"] is None
+
+
+def test_an_update_defense_utility_run_reuses_the_baseline_accuracy_before_training(tmp_path, monkeypatch):
+    """The accuracy before training is measured once: an update defense's run starts from the baseline's model
+    (given to it), DP-SGD's (a training-time defense changes the model) measures its own."""
+    from gradleak.run import advise as mod
+
+    seen: list = []
+
+    def utility(raw, attacks, rounds, device, norms, accuracy_start=None):
+        seen.append(((raw.get("defense") or {}).get("name") or [d["name"] for d in raw.get("defenses") or []],
+                     accuracy_start))
+        return {**_fake_utility()(raw, attacks, rounds, device, norms), "accuracy_start": 0.25}
+
+    monkeypatch.setattr(mod, "utility", utility)
+    monkeypatch.setattr(mod, "probe", _fake_rule([]))
+    mod.advise(TEXT, tmp_path, RULE_LEAKS, candidates=["gaussian_noise", "dpsgd"], steps=1, log=lambda m: None)
+    assert ([], None) in seen  # the baseline measures it
+    assert (["gaussian_noise"], 0.25) in seen and ("dpsgd", None) in seen
+    assert all(s is None for n, s in seen if n == "dpsgd")

@@ -272,7 +272,7 @@ def test_recommendations_are_ranked_cheapest_first(tmp_path, monkeypatch, costs)
 
     monkeypatch.setattr(mod, "probe", _stopping_probe)
 
-    def utility(raw, attacks, rounds, device, norms):
+    def utility(raw, attacks, rounds, device, norms, accuracy_start=None):
         names = [d["name"] for d in raw.get("defenses") or []]
         acc = 0.8 - (costs[names[0]] if names else 0.0)
         return {"accuracy": acc, "accuracy_start": 0.5, "accuracy_curve": [0.5, acc], "rounds": rounds}
@@ -337,7 +337,7 @@ def test_a_failed_or_unmeasured_probe_is_not_a_stop(tmp_path, monkeypatch, failu
         return {"verdict": "undefined", "attacks": {a: lv for a in only}}
 
     monkeypatch.setattr(mod, "probe", probe)
-    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms: {
+    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms, accuracy_start=None: {
         "accuracy": 0.7, "accuracy_start": 0.5, "accuracy_curve": [0.5, 0.7], "rounds": rounds})
     adv = mod.advise(ADVISE_TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=3, log=lambda m: None)
     (row,) = adv["rows"]
@@ -356,7 +356,7 @@ def test_a_failed_strong_end_recommends_nothing(tmp_path, monkeypatch):
         raise RuntimeError("the probe crashed")
 
     monkeypatch.setattr(mod, "probe", probe)
-    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms: {
+    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms, accuracy_start=None: {
         "accuracy": 0.7, "accuracy_start": 0.5, "rounds": rounds})
     adv = mod.advise(ADVISE_TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=2, log=lambda m: None)
     (row,) = adv["rows"]

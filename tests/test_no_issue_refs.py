@@ -21,7 +21,7 @@ ISSUE_REF = re.compile(r"\bissues?[\s#-]*\d+", re.I)
 #: config files whose bytes key stored rows (``benchmarks/advise.py`` ``config_sha``): a comment edited here marks
 #: the advise rows as measured on another version of the file, so their header comment is rewritten when those rows
 #: are next rerun, not before
-HASHED = {"configs/audit/text_adapters.yaml", "configs/audit/text_lora.yaml", "configs/audit/vit_lora.yaml"}
+HASHED = {"configs/audit/text_adapters.yaml", "configs/audit/text_lora.yaml"}
 SELF = "tests/test_no_issue_refs.py"
 
 
@@ -72,7 +72,8 @@ def test_no_issue_numbers():
 
 
 def test_hashed_configs_are_the_advise_configs():
-    """The HASHED exemption is exactly the configs ``benchmarks/advise.py`` hashes, so it cannot hide another file."""
+    """The HASHED exemption holds only configs ``benchmarks/advise.py`` hashes, so it cannot hide another file
+    (vit_lora's comment was rewritten with its advice rerun)."""
     import sys
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -80,4 +81,4 @@ def test_hashed_configs_are_the_advise_configs():
         import advise
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    assert HASHED == {path for path, _ in advise.CONFIGS.values()}
+    assert HASHED <= {path for path, _ in advise.CONFIGS.values()}

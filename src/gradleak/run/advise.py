@@ -67,6 +67,8 @@ from typing import Any, Callable
 from gradleak.errors import BadInput
 from gradleak.run.advise_options import (CANDIDATES, MEANINGFUL_EPSILON, STANDARD, STEPS, UTILITY_ROUNDS,
                                          advise_section, check_budget, check_utility_rounds)
+from gradleak.run.advise_carry import (Carry, carried_entry, carryable, noise_aware_variants, post_processing,
+                                       reference_job, spot_pick)
 from gradleak.run.advise_utility import clip_fit, fitted_clip, improves
 from gradleak.run.advise_utility import utility_job as utility
 
@@ -214,7 +216,7 @@ def probe(raw: dict, out_dir: str, only: list[str], device: str | None, workers:
     out: dict[str, Any] = {"verdict": res["verdict"], "attacks": {}}
     for e in res["attacks"]:
         out["attacks"][e["name"]] = {k: e.get(k) for k in ("level", "metric", "value", "null_median", "null_p99",
-                                                             "reason")}
+                                                             "p_value", "reason")}
         mets = e.get("metrics") or {}
         if e["name"] in utility_from and out.get("accuracy") is None and "accuracy" in mets:
             out["accuracy"], out["accuracy_from"] = mets["accuracy"], e["name"]
@@ -259,7 +261,7 @@ def audit_levels(audit_result: dict) -> dict:
     """The audit's own result in a probe row's shape (:func:`probe`): the undefended baseline of the search."""
     return {"verdict": audit_result.get("verdict"), "from_audit": True,
             "attacks": {e["name"]: {k: e.get(k) for k in ("level", "metric", "value", "null_median", "null_p99",
-                                                           "reason")} for e in audit_result["attacks"]}}
+                                                           "p_value", "reason")} for e in audit_result["attacks"]}}
 
 
 #: the gate's refusal that a defense causes: the server no longer sees an individual update (secure aggregation)
@@ -321,6 +323,9 @@ def _levels(row: dict, attacks: list[str]) -> dict[str, str]:
     for a in attacks:
         e = (row.get("attacks") or {}).get(a) or {}
         reason = str(e.get("reason") or "no result")
+        if e.get("carried"):  # the post-processing rule's: never silently (gradleak.run.advise_carry)
+            out[a] = f"{e['level']} ({e['carried']})"
+            continue
         out[a] = e.get("level") or ("refused: the server sees no individual update" if reason.startswith(GATE_STOP)
                                     else "not run: " + reason[:160])
     return out
@@ -329,7 +334,7 @@ def _levels(row: dict, attacks: list[str]) -> dict[str, str]:
 def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | None = None, workers: int = 1,
            budget_seconds: float | None = None, candidates: list[str] | None = None, steps: int = STEPS,
            log: Callable[[str], Any] = print, extra: list[dict] = (), utility_rounds: int | None = None,
-           executor: str = "inline", batches: int | None = None) -> dict:
+           executor: str = "inline", batches: int | None = None, post_processing_rule: bool | None = None) -> dict:
     """The advice for the audit ``audit_result`` of ``raw`` (the resolved config, e.g. ``audit_result["config"]``):
     see the module docstring. Probes go to ``out_dir/advise/``; returns the ``advice`` dict.
 
@@ -344,7 +349,11 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     :data:`~gradleak.run.advise_options.BATCH_SEED_STEP` each: other samples, other noise); where one still leaks, the
     search resumes above that strength on that batch (bisection between it and the strong end), assuming -- as every
     bisection here does -- that a stronger setting of the same defense stops what a weaker one stopped. The row's
-    ``batches`` lists each batch's data seed, the strength probed there and its levels."""
+    ``batches`` lists each batch's data seed, the strength probed there and its levels.
+
+    ``post_processing_rule`` (default :data:`gradleak.run.advise_carry.RULE`, on): an update defense's probes do not rerun an attack measured at ``none``
+    on the same victim batch's raw upload (with its noise-aware variants), carried as ``none (post-processing: ...)``;
+    the recommendation's spot check reruns one carried attack (:mod:`gradleak.run.advise_carry`)."""
     from gradleak.run.advise_options import BATCHES
 
     batches = BATCHES if batches is None else int(batches)
@@ -424,6 +433,14 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         cand = cid.split(":")[1]  # utility:<candidate>:<param>=<value>
         return cand in held_checks or any(r.get("unverified") for r in advice["rows"] if r["defense"] == cand)
 
+    def shared_start(cid: str) -> float | None:
+        """The baseline's accuracy before training, for the utility run of an update defense (the same model, data
+        and test samples before the first upload: measured once); None for the others (a training-time defense
+        changes the model, secure aggregation the clients' draw)."""
+        spec = next((sp for sp in specs if cid.startswith(f"utility:{key(sp)}:")), None)
+        start = (base_utility or {}).get("accuracy_start")
+        return start if spec is not None and spec["stage"] == "update" and isinstance(start, float) else None
+
     def run_batch(jobs: list[tuple]) -> list[dict]:
         """Probes (``utility=False``) or utility runs (``True``) as cells, in parallel under ``executor``; each
         cell's id holds its config's hash: a changed config (or a changed candidate) is a new cell. A probe job may
@@ -435,7 +452,8 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         for cid, cfg_raw, is_utility, *only in jobs:
             key = f"{cid}#{config_hash(cfg_raw)[:8]}"
             d = out / cell_dir_name(cid)
-            args = ((cfg_raw, utility_from or leaking, utility_rounds, device, cid == "utility:baseline")
+            args = ((cfg_raw, utility_from or leaking, utility_rounds, device, cid == "utility:baseline",
+                     shared_start(cid))
                     if is_utility else (cfg_raw, str(d), (only[0] if only else None) or tested, device,
                                         probe_workers, utility_from))
             cells.append(Cell(key, _utility_job if is_utility else _probe_job, args, info=(cid, d)))
@@ -670,6 +688,55 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         return not set(job[3] if len(job) > 3 and job[3] else tested) <= set(screen)
 
     searches, early = [], []
+    from gradleak.run import advise_carry
+
+    post_processing_rule = advise_carry.RULE if post_processing_rule is None else bool(post_processing_rule)
+    carry = Carry(baseline, carryable(audit_result, tested, leaking) if post_processing_rule else [])
+
+    def carry_jobs(items: list[tuple]) -> tuple[list[tuple], list[dict[str, str]]]:
+        """The post-processing rule on one batch of probes (:mod:`gradleak.run.advise_carry`): each probe of an
+        update defense drops the attacks the rule carries on its victim batch (the raw-upload references run first,
+        once per batch and variant), which come back as ``none (post-processing: ...)``."""
+        plans: list[tuple | None] = []
+        for _, spec, job in items:
+            cid, cfg_raw, is_utility, *rest = job
+            attacks = (rest[0] if rest else None) or tested
+            todo = [a for a in attacks if a in carry.attacks]
+            if is_utility or not todo or not post_processing(spec):
+                plans.append(None)
+                continue
+            b = int(cid.rsplit("@batch", 1)[1]) if "@batch" in cid else 0
+            plans.append((b, noise_aware_variants(cfg_raw, todo), todo, attacks))
+        need: dict[str, tuple] = {}
+        for p in plans:
+            for rid, what in carry.needs(p[0], p[1]) if p else []:
+                names = list(carry.attacks) if what[0] == "plain" else [
+                    a for a in p[2] if what[2] in {json.dumps(v, sort_keys=True) for v in p[1].get(a, [])}]
+                old = need.get(rid, (what, []))[1]
+                need[rid] = (what, sorted(set(old) | set(names)))
+        if need:
+            jobs = []
+            for rid, (what, names) in need.items():
+                cfg_ref, only = reference_job(probe_base, what, names, {what[2]: names}, batch_config)
+                jobs.append((rid, cfg_ref, False, only))
+            for (rid, (what, _)), r in zip(need.items(), run_batch(jobs)):
+                carry.store(what, r)
+        out_jobs, words = [], []
+        for (_, spec, job), p in zip(items, plans):
+            w = carry.split(p[0], p[2], p[1]) if p else {}
+            if not w:
+                out_jobs.append(job)
+                words.append({})
+                continue
+            carry.carried.setdefault(key(spec), set()).update(w)
+            keep = [a for a in p[3] if a not in w]
+            # the id a probe of these attacks alone has: the screen's probe at the same strength and batch is reused
+            at_batch = f"@batch{p[0]}" if p[0] else ""
+            stem = job[0][:-len(at_batch)] if at_batch else job[0]
+            out_jobs.append((stem.split("[", 1)[0] + ("" if set(keep) == set(tested) else f"[{'+'.join(keep)}]")
+                             + at_batch, job[1], False, keep))
+            words.append(w)
+        return out_jobs, words
 
     def begin(chosen_specs: list[dict]) -> None:
         for spec in chosen_specs:
@@ -695,8 +762,14 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
             # check rarely moves it; if it does, measure_utility runs the new strength's after the search)
             early += [(f"utility:{key(sp)}:{sp['param']}={fmt(v)}", defended_config(base, sp, v), True)
                       for sp, v in checking.values()]
-        results = run_batch([job for _, _, job in now] + early
-                            + ([("utility:baseline", base, True)] if base_utility is None else []))
+        probe_jobs, carried = carry_jobs(now)
+        results = run_batch(probe_jobs + early + ([("utility:baseline", base, True)] if base_utility is None else []))
+        for i, w in enumerate(carried):  # the carried attacks back into their probes' rows, with their words
+            if w and "error" not in results[i]:
+                results[i] = {**results[i], "carried": w,
+                              "attacks": {**(results[i].get("attacks") or {}), **{a: carried_entry(t)
+                                                                                  for a, t in w.items()}}}
+                advice["probes"][probe_jobs[i][0]] = results[i]
         early = []
         if base_utility is None:
             base_utility = results[-1]
@@ -717,10 +790,14 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     by_key = {key(sp): sp for sp in specs}  # the candidates as searched (DP: the fitted clipping norm)
     measure_utility(base, [(r, by_key[r["defense"]]) for r in advice["rows"] if "strength" in r], advice, run_batch,
                     cfg0.fl.rounds)
+    for r in advice["rows"]:
+        if carry.carried.get(r["defense"]):
+            r["carried"] = sorted(carry.carried[r["defense"]])
+    advice["post_processing_rule"] = {"on": bool(post_processing_rule), "carryable": carry.attacks}
+    ok = spot_checked(ranked(advice["rows"]), by_key, carry, audit_result, probe_base, run_batch, tested)
     advice["unfinished"] = [r["defense"] for r in advice["rows"] if r.get("status") == "unfinished"]
     advice["ran_now"] = ran
     advice["seconds"] = clock() - t0
-    ok = ranked(advice["rows"])
     advice["ranking"] = [r["defense"] for r in ok]
     b = advice["baseline"]
     if b.get("diverged"):
@@ -754,6 +831,35 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         advice["sentence"] = ("No candidate stopped every leaking attack within its bracket"
                               + (" (some were not finished within the budget)" if advice["unfinished"] else "") + ".")
     return advice
+
+
+def spot_checked(ok: list[dict], by_key: dict, carry, audit_result: dict, probe_base: dict, run_batch,
+                 tested: list[str]) -> list[dict]:
+    """The ranking ``ok`` after the post-processing rule's spot check (:mod:`gradleak.run.advise_carry`): the best
+    row that carried an attack reruns the one whose undefended run was quickest, at its strength on the audited
+    batch, in full (its variants included); the result goes into the row's ``spot_check``. A spot check above
+    ``none`` withdraws that row (status ``failed``: the rule did not hold there) and the next one is checked."""
+    from gradleak.evaluation.levels import LEAKING
+
+    while ok:
+        best = ok[0]
+        a = spot_pick(set(best.get("carried") or []), audit_result)
+        if a is None:
+            return ok
+        spec = by_key[best["defense"]]
+        cid = f"spotcheck:{probe_id(spec, best['strength'], [a], tested)}"
+        r = run_batch([(cid, defended_config(probe_base, spec, best["strength"]), False, [a])])[0]
+        e = (r.get("attacks") or {}).get(a) or {}
+        best["spot_check"] = {"attack": a, "strength": best["strength"], "level": e.get("level"),
+                              **{k: e.get(k) for k in ("metric", "value", "null_p99", "p_value")},
+                              "seconds": r.get("seconds"), **({"error": r["error"]} if "error" in r else {})}
+        if e.get("level") not in LEAKING:
+            return ok
+        best.update({"status": "failed", "note": f"the post-processing rule's spot check failed: {a} reads "
+                                                 f"{e.get('level')} at {fmt(best['strength'])} (it was carried as "
+                                                 "none from the raw upload)"})
+        ok = ok[1:]
+    return ok
 
 
 def _dp_class(spec: dict):
@@ -792,9 +898,11 @@ def _probe_job(raw, out_dir, only, device, workers, utility_from):
     return probe(raw, out_dir, only, device, workers, utility_from)
 
 
-def _utility_job(raw, attacks, rounds, device, norms):
+def _utility_job(raw, attacks, rounds, device, norms, accuracy_start=None):
     """A utility cell's job (:func:`gradleak.run.advise_utility.utility_job`)."""
-    return utility(raw, attacks, rounds, device, norms)
+    if accuracy_start is None:
+        return utility(raw, attacks, rounds, device, norms)
+    return utility(raw, attacks, rounds, device, norms, accuracy_start)
 
 
 def _admitted(base: dict, spec: dict, leaking: list[str]) -> str | None:

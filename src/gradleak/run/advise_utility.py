@@ -80,13 +80,15 @@ def plan_utility(raw: dict, attacks: list[str], rounds: int):
     return (plan(slices) if slices > 1 else one), slices
 
 
-def utility_job(raw: dict, attacks: list[str], rounds: int, device: str | None, norms: bool = False) -> dict:
+def utility_job(raw: dict, attacks: list[str], rounds: int, device: str | None, norms: bool = False,
+                accuracy_start: float | None = None) -> dict:
     """A utility cell's job: train ``raw`` (a probe's config) for ``rounds`` rounds without an attack and measure the
-    test accuracy (:func:`gradleak.run.pipeline.train_global`)."""
+    test accuracy (:func:`gradleak.run.pipeline.train_global`; ``accuracy_start``: the baseline's, for a candidate
+    whose model before training is the baseline's)."""
     from gradleak.run.pipeline import train_global
 
     cfg, slices = plan_utility(raw, attacks, rounds)
-    return train_global(cfg, device or cfg.device, rounds, slices=slices, norms=norms)
+    return train_global(cfg, device or cfg.device, rounds, slices=slices, norms=norms, accuracy_start=accuracy_start)
 
 
 def fitted_clip(spec: dict, baseline: dict) -> dict:

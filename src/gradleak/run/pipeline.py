@@ -167,7 +167,7 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
 
 
 def train_global(cfg: ExperimentConfig, device, rounds: int, *, slices: int | None = None,
-                 norms: bool = False) -> dict[str, Any]:
+                 norms: bool = False, accuracy_start: float | None = None) -> dict[str, Any]:
     """Federated training without an attack: the utility of a setup (``gradleak audit --advise``).
 
     ``cfg``'s clients hold ``slices`` (default ``rounds``) times their round's samples (one seeded draw, disjoint from
@@ -180,7 +180,10 @@ def train_global(cfg: ExperimentConfig, device, rounds: int, *, slices: int | No
     these rounds), ``diverged`` when a client's upload held NaN/inf (the 1-based round, the client, the lr: training
     stops there and ``accuracy`` is the global model's at that point: a measured outcome, not an error) and, with
     ``norms``, every upload's L2 norm (``update_norms``, after the config's own defenses) and
-    every sample's gradient L2 norm at the model sent that round (``sample_gradient_norms``)."""
+    every sample's gradient L2 norm at the model sent that round (``sample_gradient_norms``). ``accuracy_start``:
+    the accuracy before training when another run of the same model, data and test samples measured it (the advice's
+    update-defense candidates start from the baseline's model: an update defense changes nothing before the first
+    upload); it is then not measured again (``accuracy_start_from``: ``given``)."""
     from gradleak.fl.engines import rounds_engine
     from gradleak.fl.engines.builtin import apply_aggregate
 
@@ -203,7 +206,7 @@ def train_global(cfg: ExperimentConfig, device, rounds: int, *, slices: int | No
 
     rounds_fn = rounds_engine(cfg.fl)
     every = max(1, rounds // 2)  # the curve: before training, halfway and at the end
-    curve, update_norms, sample_norms = [accuracy()], [], []
+    curve, update_norms, sample_norms = [accuracy() if accuracy_start is None else float(accuracy_start)], [], []
     diverged: dict[str, Any] | None = None
     t0 = time.perf_counter()
     for r in range(rounds):
@@ -230,6 +233,7 @@ def train_global(cfg: ExperimentConfig, device, rounds: int, *, slices: int | No
             curve.append(accuracy())
     out: dict[str, Any] = {"accuracy": curve[-1], "accuracy_start": curve[0], "accuracy_curve": curve,
                            **({"diverged": diverged} if diverged else {}),
+                           **({"accuracy_start_from": "given"} if accuracy_start is not None else {}),
                            "rounds": rounds, "slices": slices, "test_samples": len(test[0]), "train_seconds": time.perf_counter() - t0,
                            **{k: v for k, v in defense.report([]).items() if isinstance(v, (int, float))}}
     if norms:
