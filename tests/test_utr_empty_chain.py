@@ -72,3 +72,50 @@ def test_a_sentence_read_at_its_positions_is_still_accepted(minilm):
     sents, info = search.run()
     assert sents == [s[1:-1]]
     assert info["verified_sentences"] == 1 and info["unplaced_bag_tokens"] == 0
+
+
+def test_ranked_reading_of_a_clipped_upload_reaches_the_longest_sep(minilm):
+    """bert_pair_ranked on a DP-SGD upload (per-sample clipping, then sigma C noise, / B, as
+    gradleak.defenses.training.DPSGD.privatise): the last position that stands above the noise's chi-square law is
+    the longest sentence's [SEP] (not one further: the positions beyond carry noise only), [SEP] is placed there, and
+    most true (token, position) pairs are among each token's two best positions."""
+    from gradleak.attacks.common.bert_pairs import bert_pair_ranked
+    from gradleak.defenses.training import DPSGD
+    from gradleak.fl.core import Client
+    from gradleak.models.text import text_loss
+    from gradleak.peft.text_adapters import PREFIX, adapter_param
+
+    tok = minilm.tokenizer
+    texts = ["the committee will meet again next week to discuss the budget.",
+             "a small dog barked at the mailman every single morning before breakfast."]
+    ids = [tok(t)["input_ids"] for t in texts]
+    names = [n for n, p in minilm.model.named_parameters() if p.requires_grad]
+    per = []
+    for t, y in zip(texts, [1, 0]):
+        enc = minilm.encode([t])
+        x = torch.stack([enc["input_ids"], enc["attention_mask"]], 1)
+        per.append(Client(0, x, torch.tensor([y]), loss_fn=text_loss(minilm.kind)).local_update(minilm.model))
+    # sigma 1e-8: at sigma 1e-6 this small batch's embedding-adapter signal (~4e-7 RMS per coordinate, against the
+    # noise's 5e-7) leaves positions 1-19 at the noise (chi-square / m 0.87-1.5), so no position is reached
+    C, sigma, B = 1.0, 1e-8, len(texts)
+    dp = DPSGD.__new__(DPSGD)
+    dp.cfg = DPSGD.Config(noise_multiplier=sigma, max_grad_norm=C)
+    grads = [torch.stack([u.tensors[n].double().reshape(-1) for u in per]) for n in names]
+    norms = torch.sqrt(sum((g ** 2).sum(1) for g in grads))
+    assert float((C / norms).max()) < 0.9  # clipping acts
+    priv = dict(zip(names, dp.privatise(grads, torch.Generator().manual_seed(3))))
+    key = adapter_param("embedding")
+    G = priv[key].reshape(dict(minilm.model.named_parameters())[key].shape).float()
+    bag = sorted({v for s in ids for v in s[1:-1]})
+    emb = minilm.model.base_model.embeddings
+    out = bert_pair_ranked(emb, getattr(minilm.model, PREFIX)["embedding"], [G], bag, 64, sigma * C / B,
+                           tok.sep_token_id, cls=tok.cls_token_id, sep_positions=B)
+    assert out is not None
+    pairs, last = out
+    assert last == max(len(s) for s in ids) - 1
+    assert {len(s) - 1 for s in ids} <= pairs[tok.sep_token_id] and 1 not in pairs[tok.sep_token_id]
+    assert pairs[tok.cls_token_id] == {0}
+    truth = {(v, p) for s in ids for p, v in enumerate(s[1:-1], start=1)}
+    found = {(v, p) for v, ps in pairs.items() for p in ps}
+    assert all(len(pairs[v]) == 2 for v in bag)
+    assert len(truth & found) >= 0.7 * len(truth)

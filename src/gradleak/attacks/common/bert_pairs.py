@@ -190,8 +190,8 @@ def bert_pair_decompose(embeddings: nn.Module, adapter: nn.Module, grads: list[t
 
 
 def bert_pair_ranked(embeddings: nn.Module, adapter: nn.Module, grads: list[torch.Tensor], tokens: list[int],
-                     num_positions: int, noise_std: float, sep: int, per_token: int = 2, sep_positions: int = 4,
-                     z: float = 2.0, reach_z: float = 5.0,
+                     num_positions: int, noise_std: float, sep: int, cls: int | None = None, per_token: int = 2,
+                     sep_positions: int = 4, z: float = 2.0, reach_z: float = 5.0,
                      token_type: int = 0) -> tuple[dict[int, set[int]], int] | None:
     """Stage 1's (token, position) pairs read by *rank* on a clipped noisy upload (beyond the paper; the fallback
     of UTR's sentence search under DP-SGD, :meth:`gradleak.attacks.utr.UTRAttack._ranked_reading`). Returns (pairs, the last reached position), or None
@@ -214,9 +214,11 @@ def bert_pair_ranked(embeddings: nn.Module, adapter: nn.Module, grads: list[torc
     best for 77; at 3: best for 50). So every bag token is placed at its ``per_token`` best positions in 1 .. last - 1,
     and [SEP] at the last reached position and its ``sep_positions`` best others in 2 .. last - 1 (a [SEP] at 1 is
     an empty sentence, which a non-empty bag rules out); the chain search picks among them and the clipped-sum test
-    (:mod:`gradleak.attacks.utr.clipped`) grades the result."""
+    (:mod:`gradleak.attacks.utr.clipped`) grades the result. ``cls``: [CLS], at position 0 of every sentence, joins
+    the basis whether or not stage 1 read it (left out, its share of the upload lands on the position rows and
+    every position reads as reached)."""
     f64 = torch.float64
-    toks_l = sorted({int(v) for v in tokens} | {int(sep)})
+    toks_l = sorted({int(v) for v in tokens} | {int(sep)} | ({int(cls)} if cls is not None else set()))
     T, P = len(toks_l), int(num_positions)
     n = embeddings.word_embeddings.weight.shape[1]
     if T == 0 or P < 3 or T + P + 1 > n or not noise_std:
@@ -255,6 +257,8 @@ def bert_pair_ranked(embeddings: nn.Module, adapter: nn.Module, grads: list[torc
         if v == int(sep):
             order = [p for p in frac[i].argsort().tolist() if 2 <= p < last]
             pairs[v] = set(order[:max(0, int(sep_positions))]) | {last}
+        elif cls is not None and v == int(cls):
+            pairs[v] = {0}
         else:
             pairs[v] = {int(p) + 1 for p in frac[i, 1:last].argsort()[:max(1, int(per_token))].tolist()}
     return pairs, last

@@ -320,7 +320,7 @@ class UTRAttack(AttackBase):
         B = view.public.get("batch_size")
         ranked = bert_pair_ranked(emb, getattr(model, PREFIX)["embedding"],
                                   collect_grads(view, adapter_param("embedding")), bag["tokens"], npos,
-                                  bag["noise_std"], sp["sep"], sep_positions=int(B or 4))
+                                  bag["noise_std"], sp["sep"], cls=sp["cls"], sep_positions=int(B or 4))
         if ranked is None:
             return sents, {**sinfo, "position_reading": "stage 1",
                            "ranked_reading": "not tried (no position above the noise, or too many for the basis)"}
