@@ -60,7 +60,12 @@ conditioned); relative residuals; rank cut-off relative to the largest singular 
 
 Noisy uploads (beyond the paper; docs/DESIGN.md §6): :mod:`.clipped` moves the chain search's sentences by their
 exact share of the upload under DP-SGD's clipped-sum model -- each sentence at its own scale c_i / B >= 0 and label,
-c_i = min(1, C / ||g_i||) -- against the chi-square law of the declared noise (sigma C / B); the causal value test
+c_i = min(1, C / ||g_i||) -- against the chi-square law of the declared noise (sigma C / B); where that search does
+not reach the noise under a declared per-sample clip norm, stage 1's pairs are read again by rank
+(:func:`~gradleak.attacks.common.bert_pairs.bert_pair_ranked`: clipping shrinks every coefficient against the same
+noise, so the support test places most tokens at position 1) and the batch with the lower clipped-sum z is kept
+(``info["position_reading"]``); an empty chain never passes as a sentence while bag tokens are unplaced
+(:meth:`~gradleak.attacks.common.encoder_search.EncoderChainSearch._vacuous`); the causal value test
 fits one scale per sentence under a declared per-sample clip norm; and
 :mod:`gradleak.attacks.common.sub_edge` scores every vocabulary token below the noise edge (``info["sub_edge_*"]``,
 ``metrics["subedge_p_value"]``; its tokens are the word bag when no direction stands above the edge).
