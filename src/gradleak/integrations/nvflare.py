@@ -166,6 +166,10 @@ def merge_client_audits(results: dict[Any, dict], threat, not_run: Sequence[dict
         first = per[name][0][1]
         entry = {"name": name, "reconstruction": first.get("reconstruction"), "applicable": True,
                  "threat": first.get("threat"), "seconds": sum(float(e.get("seconds", 0.0)) for _, e in per[name])}
+        # the gate's word on the attack (an attack run under the server upgrade it needs is applicable only under it,
+        # as gradleak audit and the round audit report it) and its full-strength variants
+        entry.update({k: first[k] for k in ("applicable", "applicable_under", "threat_words", "upgrade", "reason",
+                                            "variants") if k in first})
         fold_clients(entry, [_rows_of(cid, e) for cid, e in per[name]], threat)
         entries.append(entry)
     verdict, headline = verdict_and_headline(entries, list(left_out), by)  # as the round audit and the CLI judge it

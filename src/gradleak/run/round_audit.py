@@ -3,12 +3,20 @@ client's own upload, scored against the client's data when a simulation knows it
 step the CLI audit uses (:func:`gradleak.run.audit.judge`), with the one entry shape of ``audit.json``
 (:func:`gradleak.run.audit.client_row` per client, the worst client's judgement on the entry; docs/DESIGN.md §7).
 
-* :func:`attack_update` — one attack on one client's view: reconstruct, then score and judge against the truth, or
-  save the reconstruction for inspection (no truth on a real server). A refused attack is ``refused``, a crashed
-  one ``failed`` — never ``none``.
+* :func:`attack_view` — one attack on one view of the round, as the pipeline's trial body runs it (the public
+  knowledge its threat grants, the evaluation step with the truth fields its kind needs), then :func:`judged_rows`:
+  each client's metrics judged as ``gradleak audit`` judges them, or the reconstruction saved for inspection (no
+  truth on a real server). A refused attack is ``refused``, a crashed one ``failed`` — never ``none``.
 * :class:`RoundAudit` — an ``on_round`` callback over :class:`~gradleak.fl.recorded.RecordedRound`: every client of
-  the round attacked on its own upload (the view's first update is the attacked one); under secure aggregation the
-  one sum, against every client's data. Writes ``OUT/round_<r>/audit.json`` with the report's fields
+  the round attacked on its own upload (the view's first update is the attacked one; the leakage kind: every client in
+  one run, as the pipeline attacks it); under secure aggregation the one sum, against every client's data. It plans
+  with ``gradleak audit``'s gate (:func:`gradleak.run.audit.gate_attack`: an attack that needs a server capability a
+  dishonest server can take -- public data: GradViT's prior, the BN inversion's dataset mean -- runs under that
+  upgrade and counts only under it) and runs each attack at full strength
+  (:func:`gradleak.run.audit.full_strength_variants`, the most leaking variant is the evidence), so a round audit
+  measures the attacks ``gradleak audit`` measures on the same config, at the same levels (the attacks that poison the
+  weights the server sends are the exception: not run on a recorded honest round).
+  Writes ``OUT/round_<r>/audit.json`` with the report's fields
   (:func:`gradleak.run.audit.report_context`) and ``OUT/round_<r>/report.html`` beside it, by the report code of
   ``gradleak audit`` (:func:`write_round`; ``gradleak report OUT/round_<r>/audit.json`` rebuilds it). The Flower audit
   (:class:`gradleak.integrations.flower.FlowerAudit`) adds ``--advise`` to it; the NVFlare result filter
@@ -79,18 +87,22 @@ def save_reconstruction(rec, out_dir: Path, tokenizer=None) -> None:
     write_json_atomic(out_dir / "reconstruction.json", saved)
 
 
-def attack_update(name: str, cfg, handle, view, truth: dict | None, *, device, null_pool=None,
-                  out_dir: Path) -> dict:
-    """Attack ``name`` (validated experiment ``cfg``) on one client's ``view`` of ``handle.model``: its judgement
-    (:func:`gradleak.run.audit.judge`) when ``truth`` is known, else ``{"success": None}`` with the reconstruction
-    saved under ``out_dir``; ``{"refused": why}`` / ``{"failed": error}`` when it could not run."""
+def attack_view(name: str, cfg, handle, view, truth: dict | None, *, device, null_pool=None, out_dir: Path,
+                public: dict | None = None, truth_fields: dict | None = None) -> dict:
+    """Attack ``name`` (validated experiment ``cfg``) on ``view`` of ``handle.model``, as the pipeline's trial body
+    does (:func:`gradleak.run.pipeline.run_experiment`: the public knowledge the threat model grants -- ``public``,
+    e.g. the public images of ``data.public`` -- the evaluation step :func:`~gradleak.run.pipeline.evaluate_update`
+    with ``truth_fields``, e.g. the leakage kind's per-client data or membership): ``{"metrics": ...}`` when ``truth``
+    is known, else ``{"success": None}`` with the reconstruction saved under ``out_dir``; ``{"refused": why}`` /
+    ``{"failed": error}`` when it could not run."""
     from gradleak.attacks.base import AttackContext
-    from gradleak.run.audit import judge
     from gradleak.run.pipeline import evaluate_update, public_protocol
 
     A = cfg.attack_cls
     threat = cfg.threat_model
-    public = {"batch_size": view.updates[0].num_samples} if threat.knows_batch_size else {}
+    public = dict(public or {})
+    if threat.knows_batch_size:
+        public["batch_size"] = view.updates[0].num_samples
     ctx = AttackContext(seed=cfg.seed, device=device, threat=threat, fl=public_protocol(cfg), public=public)
     try:
         attack = A.from_config(cfg.attack_cfg, ctx)
@@ -99,15 +111,33 @@ def attack_update(name: str, cfg, handle, view, truth: dict | None, *, device, n
         if truth is None:
             save_reconstruction(out, out_dir, handle.tokenizer)
             return {"success": None}
-        ev = evaluate_update(out, truth, handle=handle, cfg=cfg, out_dir=out_dir, label=0, null_pool=null_pool)
-        one = judge(A.reconstruction, ev.metrics, cfg)
-        if one.get("n_total") is not None and A.reconstruction != "patches":
-            one["n_total"] = int(len(truth["labels"]))
-        return one
+        ev = evaluate_update(out, truth, handle=handle, cfg=cfg, out_dir=out_dir, label=0, null_pool=null_pool,
+                             **(truth_fields or {}))
+        return {"metrics": ev.metrics, "warning": (out.info or {}).get("warning")}
     except BadInput as err:
         return {"refused": str(err)}
     except Exception as err:  # noqa: BLE001 -- one attack's crash must not stop the federation's audit
         return {"failed": f"{type(err).__name__}: {err}"}
+
+
+def judged_rows(kind: str, client, res: dict, cfg, n_truth: int | None = None) -> list[dict]:
+    """The per-client rows of one attacked view's result (:func:`attack_view`): each client's metrics
+    (:func:`gradleak.run.answer.client_metric_sets`: the leakage kind grades every client of the run, the other kinds
+    the attacked ``client``) judged by :func:`gradleak.run.audit.judge`, as ``gradleak audit`` judges them."""
+    from gradleak.run.audit import judge, client_metric_sets
+
+    if "metrics" not in res:
+        return [{"client": client, **res}]
+    sets = client_metric_sets(kind, res["metrics"])
+    rows = []
+    for c, mets in sets:
+        one = judge(kind, mets, cfg)
+        if one.get("n_total") is not None and kind not in ("patches", "leakage") and n_truth is not None:
+            one["n_total"] = int(n_truth)
+        if res.get("warning"):
+            one["warnings"] = [str(res["warning"])]
+        rows.append({"client": c if kind == "leakage" else client, **one})
+    return rows
 
 
 def _summed(threat):
@@ -117,7 +147,7 @@ def _summed(threat):
 
 
 def fold_clients(entry: dict, rows: list[dict], threat) -> None:
-    """Put the per-client outcomes ``rows`` (``{"client", ...attack_update's result}``) on ``entry`` in the one shape:
+    """Put the per-client outcomes ``rows`` (``{"client", ...}``: :func:`judged_rows`) on ``entry`` in the one shape:
     ``per_client`` (:func:`gradleak.run.audit.client_row` each), the most leaking client's judgement,
     ``worst_client``; an attack that ran on no client is not applicable (refused) or failed, with the reason."""
     from gradleak.run.audit import client_row, leak_rank, server_words
@@ -139,13 +169,13 @@ def fold_clients(entry: dict, rows: list[dict], threat) -> None:
         return
     worst = max(ran, key=leak_rank)
     entry.update({k: worst[k] for k in ENTRY_KEYS if k in worst})
-    entry["threat_words"] = server_words(threat)
+    entry.setdefault("threat_words", server_words(threat))  # the gate's words (an upgraded server) stand
     entry["success"] = any(o["success"] for o in ran)
     if all(o.get("n_success") is not None for o in ran):
         entry["n_success"] = sum(o["n_success"] for o in ran)
         entry["n_total"] = sum(o["n_total"] for o in ran)
     entry["worst_client"] = worst["client"]
-    entry["per_client"] = [client_row(o["client"], o) for o in ran]
+    entry["per_client"] = [client_row(o["client"], o, o.get("warnings")) for o in ran]
     skipped = [o for o in rows if "success" not in o]
     if skipped:  # a client whose attack crashed or was refused: named, never counted as "none"
         entry["clients_not_scored"] = [{"client": o["client"], "reason": o.get("failed") or o.get("refused", "")}
@@ -171,7 +201,7 @@ class RoundAudit:
                  truth: Callable[[int], list] | None = None, device: str = "cpu", log: Callable[[str], Any] = print,
                  command: str = ""):
         from gradleak.registry import ATTACKS
-        from gradleak.run.audit import attack_names, candidate, left_out_split
+        from gradleak.run.audit import attack_names, full_strength_variants, gate_attack, left_out_split
         from gradleak.run.pipeline import build_handle
         from gradleak.run.runner import validate
 
@@ -190,22 +220,28 @@ class RoundAudit:
         if unknown:
             raise BadInput("attacks", f"unknown attack(s) {', '.join(unknown)}.", f"choose from {', '.join(ATTACKS.names())}.")
         self.plans, self.not_run = [], []
+        self.runs: dict[str, dict] = {}  # attack -> its gate entry, full-strength variants and their validated configs
         for name in names:
-            try:
-                _, cfg = validate(candidate(self.raw, name))
-            except BadInput as err:
-                self.not_run.append({"name": name, "applicable": False, "reason": str(err)})
+            # the gate `gradleak audit` plans with (gate_attack): under the configured threat, or under the smallest
+            # server upgrade the attack needs (public data a server can hold: GradViT's prior, the BN inversion's
+            # dataset mean), reported as gradleak audit reports it
+            entry, plan, err = gate_attack(self.raw, name)
+            if plan is None:
+                self.not_run.append({"name": name, "applicable": False,
+                                     "reason": entry.get("reason") or (str(err) if err is not None else "refused")})
                 continue
-            if not cfg.attack_cls.measurable(cfg):  # decided from the architecture, as `gradleak audit` decides it
-                self.not_run.append({"name": name, "applicable": False, "reason": "not applicable to this "
-                                     f"architecture: {cfg.attack_cls.not_measurable_reason(cfg)}"})
-                continue
-            if cfg.attack_cls.rewrites_weights:
+            _, cand, cfg, A = plan
+            if A.rewrites_weights:
                 self.not_run.append({"name": name, "applicable": False, "reason": "poisons the weights the server "
                                      "sends, which a recorded honest federation did not do; run it through the "
                                      "engine's server hook (gradleak run with fl.engine set)"})
                 continue
+            variants = full_strength_variants(A, cand, cfg)  # as gradleak audit runs it: at full strength
+            cfgs = [cfg] + [validate({**cand, "attack": {**cand["attack"], **v}})[1] for v in variants[1:]]
             self.plans.append((name, cfg))
+            self.runs[name] = {"entry": {k: entry[k] for k in ("applicable", "applicable_under", "threat",
+                                                               "threat_words", "upgrade", "reason") if k in entry},
+                               "variants": variants, "cfgs": cfgs}
         # attacks=[...] left the others out: each checked by the gate (validated, none run), so the banner and the
         # report say which of them could have run here (an audit of some attacks must not read as an audit of all)
         self.only_by = f"the audit's attacks={names}" if attacks else None
@@ -218,21 +254,64 @@ class RoundAudit:
         self.handle.model.to(self.device)
         self.summary: list[dict] = []
         self.null_pool = None  # chance, for the levels (public samples of the config's data no client holds)
+        self._data: dict[str, Any] = {}  # each attack's data (its public set and prior), built on first use
         if truth is not None:
             from gradleak.modalities import modality_data
 
             try:
-                self.null_pool = modality_data(self.cfg).null_pool(0)
+                self.null_pool = modality_data(self.cfg).null_pool(0) if self.cfg.metrics.null else None
             except (BadInput, OSError, ValueError) as err:
                 self.log(f"{self.log_prefix} no null pool ({err}): levels will be undefined")
 
-    def targets(self, rec: RecordedRound) -> list[tuple[Any, Any, dict | None]]:
-        """``(client label, view, truth)`` per attacked update of ``rec``: each client on its own upload (first in
-        its view), or the one sum against every client's data."""
-        from gradleak.fl.core import default_classification_loss
-        from gradleak.run.pipeline import always_public, clients_and_truth
+    def data_of(self, cfg):
+        """The modality's data of one attack's validated config (what the pipeline builds for that run: the public
+        set its threat grants, the prior image it wants, held-out validation and non-member samples), or None when
+        it cannot be built (the attack then runs without it and says what it missed)."""
+        from gradleak.modalities import modality_of
 
-        h, base, model = self.handle, self.cfg, self.handle.model
+        key = f"{cfg.attack.name}|{cfg.threat_model.capability}|{cfg.data.model_dump_json()}"
+        if key not in self._data:
+            try:
+                data = modality_of(cfg).data(cfg)
+                data.clients(0, cfg.model.num_classes)  # the one draw its held-out chunks (prior, validation) follow
+                self._data[key] = data
+            except (BadInput, OSError, ValueError) as err:
+                self.log(f"{self.log_prefix} {cfg.attack.name}: no data of its own ({err})")
+                self._data[key] = None
+        return self._data[key]
+
+    def null_pool_of(self, cfg):
+        """Chance for the levels of one attack's run, as the pipeline draws it for that run (its data's held-out
+        samples no client holds: :meth:`data_of`); the config's pool when the attack's data cannot be built; None
+        for the membership kind (its null is the candidates') or with ``metrics.null`` off."""
+        if not cfg.metrics.null or cfg.attack_cls.reconstruction == "membership":
+            return None
+        data = self.data_of(cfg)
+        if data is None:
+            return self.null_pool
+        key = ("null", f"{cfg.attack.name}|{cfg.threat_model.capability}|{cfg.data.model_dump_json()}")
+        if key not in self._data:
+            try:
+                self._data[key] = data.null_pool(0)
+            except (BadInput, OSError, ValueError) as err:
+                self.log(f"{self.log_prefix} {cfg.attack.name}: no null pool of its own ({err})")
+                self._data[key] = self.null_pool
+        return self._data[key]
+
+    def targets(self, rec: RecordedRound, cfg=None) -> list[tuple[Any, Any, dict | None]]:
+        """``(client label, view, truth)`` per attacked update of ``rec`` for the attack of ``cfg`` (default: the
+        config's): each client on its own upload (first in its view) when the attack's evaluation unit grades clients
+        apart, as the pipeline's :func:`~gradleak.run.pipeline.attacked_clients` picks them; else the view as recorded
+        (the leakage kind: every client of the round in one run), or the one sum against every client's data.
+        The truth carries what the pipeline's evaluation step gets beside it (``_fields``: membership, the leakage
+        kind's per-client data) and the view what the pipeline's server is granted (the prior image)."""
+        from gradleak.evaluation import unit
+        from gradleak.fl.core import default_classification_loss
+        from gradleak.modalities import modality_of
+        from gradleak.run.pipeline import _candidates, always_public, clients_and_truth
+
+        h, base, model = self.handle, cfg or self.cfg, self.handle.model
+        kind = base.attack_cls.reconstruction
         with torch.no_grad():
             params = dict(model.named_parameters())
             for k, v in rec.sent.items():
@@ -240,20 +319,36 @@ class RoundAudit:
                     params[k].copy_(v.to(device=params[k].device, dtype=params[k].dtype))
         threat = base.threat_model
         batches = self.truth(rec.server_round) if self.truth is not None else None
+        data = self.data_of(base) if batches is not None else None
         victims = [None] if (rec.aggregated or not threat.individual_updates) else list(range(len(rec.updates)))
+        if victims != [None] and not (base.metrics.attack_clients == "all" and unit(kind).per_client):
+            victims = victims[:1]  # one run over the round as recorded (e.g. the leakage kind: per client inside)
         always = always_public(h, base)
         out = []
         for v in victims:
-            r_v = rec if v is None else RecordedRound(rec.server_round, rec.sent, rec.replies,
-                                                      rec.updates[v:] + rec.updates[:v], rec.aggregated,
-                                                      rec.aggregate, rec.note)
+            r_v = rec if not v else RecordedRound(rec.server_round, rec.sent, rec.replies,
+                                                  rec.updates[v:] + rec.updates[:v], rec.aggregated,
+                                                  rec.aggregate, rec.note)
             knowledge, truth = {}, None
             if batches is not None:
-                b_v = batches if v is None else [batches[rec.updates[v].client_id]] + [
-                    batches[u.client_id] for u in rec.updates if u is not rec.updates[v]]
+                ids = [u.client_id for u in r_v.updates]
+                b_v = batches if v is None else [batches[i] for i in ids] + [b for i, b in enumerate(batches)
+                                                                            if i not in ids]
                 _, truth = clients_and_truth(h, b_v, h.loss_fn or default_classification_loss, self.device,
                                              threat if v is not None else _summed(threat), base)
                 knowledge = truth.pop("_knowledge")
+                fields: dict[str, Any] = {}
+                if data is not None:
+                    modality_of(base).trial_knowledge(base, data, knowledge)  # e.g. a prior image the server holds
+                    if kind == "membership":
+                        cands, membership = _candidates(data, 0, batches, threat, base)
+                        knowledge["public_data"] = {"candidates": cands}
+                        fields["membership"] = membership
+                    if kind == "leakage":  # every client's training and validation images (per-client evaluation)
+                        fields.update(client_inputs=[b[0] for b in batches], client_validation=data.validation(),
+                                      client_steps=[p["epochs"] * -(-p["images"] // p["batch_size"])
+                                                    for p in base.client_plan()])
+                truth["_fields"] = fields
             view = view_of([r_v], model=model, threat=threat, knowledge=knowledge, always_public=always)
             out.append(("sum" if v is None else rec.updates[v].client_id, view, truth))
         return out
@@ -266,20 +361,10 @@ class RoundAudit:
         t_round = time.perf_counter()
         threat = self.cfg.threat_model
         rdir = self.out / f"round_{rec.server_round}"
-        targets = self.targets(rec)
         entries = []
-        for name, cfg in self.plans:
-            entry = {"name": name, "reconstruction": cfg.attack_cls.reconstruction, "applicable": True,
-                     "threat": threat.capability}
-            t0 = time.perf_counter()
-            rows = [{"client": cid, **attack_update(name, cfg, self.handle, view, truth, device=self.device,
-                                                    null_pool=self.null_pool, out_dir=rdir / name / f"client_{cid}")}
-                    for cid, view, truth in targets]
-            entry["seconds"] = time.perf_counter() - t0
-            fold_clients(entry, rows, threat)
-            attach_artifacts(entry, rdir)
-            entries.append(entry)
-            self.log(f"{self.log_prefix} round {rec.server_round} {attack_line(entry)}")
+        for name, _ in self.plans:
+            entries.append(self.audit_attack(name, self.runs[name], rec, rdir, threat))
+            self.log(f"{self.log_prefix} round {rec.server_round} {attack_line(entries[-1])}")
         # the CLI's verdict over every attack that ran (an unscored one -- no ground truth -- is undefined)
         verdict, headline = verdict_and_headline(entries, self.left_out_names(), self.only_by or "--only")
         dp = self.round_dp_check(rec)
@@ -288,6 +373,60 @@ class RoundAudit:
                 "client_scores": {str(k): v for k, v in rec.client_metrics.items() if v},
                 **({"dp_check": dp} if dp is not None else {}),
                 "seconds": time.perf_counter() - t_round, **self.report_fields(entries)}
+
+    def audit_attack(self, name: str, run: dict, rec: RecordedRound, rdir: Path, threat) -> dict:
+        """One attack's entry for round ``rec``: every full-strength variant
+        (:func:`gradleak.run.audit.full_strength_variants`, the parameter sets ``gradleak audit`` runs) on every
+        target of the round, under the threat the gate ran it under (the configured one, or the smallest server
+        upgrade: then applicable only under it, as gradleak audit reports it); the most leaking variant's clients are
+        the entry's (:func:`fold_clients`), each variant's worst level and client rows in ``per_variant`` (a client's
+        own audit, e.g. :func:`gradleak.integrations.flower.client_scorer`, takes its own most leaking variant: one
+        of these rows)."""
+        from gradleak.evaluation.levels import leak_rank
+        from gradleak.modalities import modality_of
+        from gradleak.run.audit import client_row
+
+        cfgs, variants = run["cfgs"], run["variants"]
+        kind = cfgs[0].attack_cls.reconstruction
+        entry = {"name": name, "reconstruction": kind, "applicable": True, "threat": threat.capability,
+                 **run["entry"]}
+        t0 = time.perf_counter()
+        by_variant = []
+        for k, cfg in enumerate(cfgs):
+            rows = []
+            for cid, view, truth in self.targets(rec, cfg):
+                fields = truth.pop("_fields", {}) if truth is not None else {}
+                data = self.data_of(cfg)  # public knowledge (data.public): the server holds it with or without truth
+                public = dict(modality_of(cfg).attack_public(cfg, data, cfg.threat_model)) if data is not None else {}
+                out_dir = rdir / variant_folder(name, k) / f"client_{cid}"
+                res = attack_view(name, cfg, self.handle, view, truth, device=self.device,
+                                  null_pool=self.null_pool_of(cfg) if truth is not None else None,
+                                  out_dir=out_dir, public=public, truth_fields=fields)
+                rows += judged_rows(kind, cid, res, cfg, len(truth["labels"]) if truth is not None else None)
+            if kind == "leakage" and not rec.aggregated:
+                # the leakage kind grades every client of the federation in one run; a round that holds only some
+                # clients' uploads (the NVFlare filter audits each client on its own) is graded on those alone (the
+                # others read as withheld: the prior, RDLV 0, which is not what they sent)
+                sent = {u.client_id for u in rec.updates}
+                rows = [r for r in rows if r["client"] in sent] or rows
+            by_variant.append(rows)
+        entry["seconds"] = time.perf_counter() - t0
+        ranked = [(k, r) for k, rows in enumerate(by_variant) for r in rows if "level" in r]
+        k = max(ranked, key=lambda t: leak_rank(t[1]))[0] if ranked else 0
+        fold_clients(entry, by_variant[k], cfgs[k].threat_model)
+        if len(variants) > 1:
+            entry["variants"] = variants
+            entry["worst_variant"] = variants[k] or "as configured"
+            entry["per_variant"] = []
+            for kk, rows in enumerate(by_variant):
+                judged = [r for r in rows if "level" in r]
+                if judged:  # each variant's worst level, and every client's row of it
+                    w = max(judged, key=leak_rank)
+                    entry["per_variant"].append({"variant": variants[kk] or "as configured", "seed": cfgs[kk].seed,
+                                                 "level": w["level"], "value": w.get("value"),
+                                                 "per_client": [client_row(r["client"], r) for r in judged]})
+        attach_artifacts(entry, rdir, k)
+        return entry
 
     def round_dp_check(self, rec: RecordedRound) -> dict | None:
         """The DP check of the declared mechanism, replayed once (on the first audited round; later rounds carry the
@@ -369,17 +508,25 @@ class RoundAudit:
         return result
 
 
-def attach_artifacts(entry: dict, rdir: Path) -> None:
-    """The PNGs an attack wrote for the clients on ``entry`` (``rdir/<attack>/client_<c>/``: each client's originals
-    beside its reconstruction where the truth is known, the saved reconstruction where it is not), as ``gradleak
-    audit``'s entries list them: ``out`` (the attack's folder, relative to the round's) and ``artifacts`` (relative to
-    ``out``), so the report shows each client's row. Clients not on the entry are not listed."""
+def variant_folder(name: str, k: int = 0) -> str:
+    """An attack's folder in a round's folder: ``<attack>`` for its run as configured, ``<attack>/variant<k>`` for
+    its ``k``-th full-strength variant (as ``gradleak audit`` lays out ``attacks/<attack>/variant<k>``)."""
+    return name + (f"/variant{k}" if k else "")
+
+
+def attach_artifacts(entry: dict, rdir: Path, variant: int = 0) -> None:
+    """The PNGs an attack wrote for the clients on ``entry`` (``rdir/<attack>/[variant<k>/]client_<c>/``: each
+    client's originals beside its reconstruction where the truth is known, the saved reconstruction where it is not;
+    ``variant``: the full-strength variant the entry's clients come from), as ``gradleak audit``'s entries list them:
+    ``out`` (the attack's folder, relative to the round's) and ``artifacts`` (relative to ``out``), so the report
+    shows each client's row. Clients not on the entry are not listed."""
     clients = {str(c.get("client")) for c in entry.get("per_client") or []}
-    folder = Path(rdir) / entry["name"]
+    out = variant_folder(entry["name"], variant)
+    folder = Path(rdir) / out
     pngs = sorted(p.relative_to(folder).as_posix() for p in folder.glob("client_*/*.png")
                   if p.parent.name.removeprefix("client_") in clients)
     if pngs:
-        entry["out"], entry["artifacts"] = entry["name"], pngs
+        entry["out"], entry["artifacts"] = out, pngs
 
 
 def write_round(rdir: Path, result: dict) -> Path:
