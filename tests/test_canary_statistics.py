@@ -53,10 +53,14 @@ def test_the_streamed_statistics_equal_the_batch_ones():
     k, rounds = 5, 4
     units, fed = _federation(k, rounds)
     st = CanaryStatistics(k, SHAPES, lambda j: units[j], first_id=100, tensors=True)
-    for step, ups in fed:
-        st.add_round(step, ups)
     final = sum(step for step, _ in fed)
+    for r, (step, ups) in enumerate(fed):
+        st.add_round(step, ups, final=final if r == rounds - 1 else None)
     got = st.finish(final)
+    late = CanaryStatistics(k, SHAPES, lambda j: units[j], first_id=100, tensors=True)
+    for step, ups in fed:
+        late.add_round(step, ups)
+    assert late.finish(final)["final_model"] == pytest.approx(got["final_model"], rel=1e-12)  # handed late: the same
     df = np.array(SIZES, float) - 1
     for j in range(k):
         v = units[j].numpy()

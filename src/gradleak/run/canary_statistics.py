@@ -78,6 +78,7 @@ class CanaryStatistics:
         self.step_tensors = _Running((t,)) if tensors else None
         self.final_tensors = _Running((t,)) if tensors else None
         self._canary_sum = None  # Σ_j unit(j) (one flat vector), for the canaries' common part of an aggregate
+        self._final = None  # the final-model cosines, when the last round's call was handed the final change
 
     def state_bytes(self) -> int:
         """The bytes of the arrays it holds (tests: the same after 2 rounds and after 20)."""
@@ -116,14 +117,20 @@ class CanaryStatistics:
         ratio, rest = tensor_ratios(e, self.sizes, bound=bound)
         run.add(slice(None), ratio, e, rest)
 
-    def add_round(self, delta: torch.Tensor, uploads: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
+    def add_round(self, delta: torch.Tensor, uploads: dict[int, dict[str, torch.Tensor]] | None = None,
+                  final: torch.Tensor | None = None) -> None:
         """One round: ``delta`` the flat aggregate step the server applied (the parameters sent this round minus
-        those sent next, float64), ``uploads`` (client id -> its upload's tensors) when each upload is measured."""
+        those sent next, float64), ``uploads`` (client id -> its upload's tensors) when each upload is measured;
+        ``final`` (the last round's call): the change over all rounds, whose cosines are then read in the same pass
+        over the canaries (a direction regenerated once, not twice; :meth:`finish` takes the same vector)."""
         import numpy as np
 
         from gradleak.evaluation.empirical_epsilon import tensor_ratios
 
         dn = float(delta.norm().clamp_min(1e-300))
+        if final is not None:
+            fn = float(final.norm().clamp_min(1e-300))
+            self._final = np.zeros(self.k)
         build = self.tensors and self._canary_sum is None
         if build:
             self._canary_sum = torch.zeros_like(delta)
@@ -133,6 +140,8 @@ class CanaryStatistics:
             if build:
                 self._canary_sum += v
             self.every_round[j] = max(self.every_round[j], float(v @ delta) / dn)
+            if final is not None:
+                self._final[j] = float(v @ final) / fn
             u = uploads.get(self.first_id + j) if uploads is not None and self.first_id is not None else None
             if u is None:
                 continue
@@ -165,7 +174,9 @@ class CanaryStatistics:
         import numpy as np
 
         fn = float(final.norm().clamp_min(1e-300))
-        out = {"final_model": [float(self.unit(j) @ final) / fn for j in range(self.k)],
+        cos = self._final.tolist() if self._final is not None else [float(self.unit(j) @ final) / fn
+                                                                      for j in range(self.k)]
+        out = {"final_model": cos,
                "every_round": self.every_round.tolist(),
                "each_upload": [float(x) for x, n in zip(self.each_upload, self.uploads) if n > 0],
                "maxima": {"final_model": 1, "every_round": self.rounds,

@@ -216,15 +216,14 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
                                 first_id=first_id if each else None)
     kept = len(outcome.round_states)
     first = cur = sent_at(0)
-    last = outcome.last_aggregate
+    final = sent_at(kept - 1) - cfg.fl.lr_at(rounds - 1) * flat(outcome.last_aggregate.tensors, shapes)
     for r in range(kept):
-        nxt = sent_at(r + 1) if r + 1 < kept else cur - cfg.fl.lr_at(rounds - 1) * flat(last.tensors, shapes)
+        nxt = sent_at(r + 1) if r + 1 < kept else final
         ups = ({u.client_id: u.tensors for u in outcome.rounds[r] if u.client_id >= first_id} if each else None)
         for st in (seen_s, unseen_s):
-            st.add_round(cur - nxt, ups)
+            st.add_round(cur - nxt, ups, final=first - final if r + 1 == kept else None)
         outcome.rounds[r] = None  # this round's uploads are measured: let them go
         cur = nxt
-    final = cur
     seen, unseen = seen_s.finish(first - final), unseen_s.finish(first - final)
     claims = []
     for m in mechanisms:
