@@ -125,7 +125,7 @@ def fill(res: dict, row: dict) -> str:
     adv = res["advice"]
     keep = ("defense", "parameter", "strength", "bracket", "interval", "levels", "accuracy", "accuracy_curve", "cost",
             "epsilon", "epsilon_attacked", "epsilon_note", "clip_norm", "clip_note", "utility_note", "utility_error",
-            "diverged", "cost_se", "status", "note", "set", "what", "batches")
+            "diverged", "cost_se", "status", "note", "set", "what", "batches", "carried", "spot_check")
     row.update({"verdict": res["verdict"], "attacks": adv.get("attacks"), "baseline": adv.get("baseline"),
                 "rows": [{k: r.get(k) for k in keep if k in r} for r in adv.get("rows", [])],
                 "recommendation": adv.get("recommendation"), "sentence": adv.get("sentence"),
