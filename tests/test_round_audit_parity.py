@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+ROOT = Path(__file__).resolve().parents[1]
 ATTACKS = ["bn_inversion", "gradvit", "ig", "lora_span"]
 CONFIG = {
     "experiment": "image", "name": "round-audit-parity", "seed": 0, "device": "cpu",
@@ -64,11 +66,11 @@ def _measured(result: dict) -> dict[str, dict]:
             for e in result["attacks"] if e.get("level") is not None}
 
 
-def _same(cli: dict, rnd: dict, engine: str) -> None:
+def _same(cli: dict, rnd: dict, engine: str, attacks=ATTACKS, upgraded=("bn_inversion", "gradvit")) -> None:
     a, b = _measured(cli), _measured(rnd)
-    assert set(a) == set(b) == set(ATTACKS), (engine, sorted(a), sorted(b))  # every attack measured on both sides
-    for name in ATTACKS:
-        assert len(a[name]["rows"]) == len(b[name]["rows"]) == CONFIG["fl"]["clients"], (engine, name)
+    assert set(a) == set(b) == set(attacks), (engine, sorted(a), sorted(b))  # every attack measured on both sides
+    for name in attacks:
+        assert a[name]["rows"] and len(a[name]["rows"]) == len(b[name]["rows"]), (engine, name)
         pairs = [(k, a[name][k], b[name][k]) for k in KEYS]
         pairs += [(f"client row {i} {k}", x, y) for i, (ra, rb) in enumerate(zip(a[name]["rows"], b[name]["rows"]))
                   for k, x, y in zip(ROW_KEYS, ra, rb)]
@@ -77,15 +79,15 @@ def _same(cli: dict, rnd: dict, engine: str) -> None:
                 assert math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9) or (x != x and y != y), (engine, name, k, x, y)
             else:
                 assert x == y, (engine, name, k, x, y)
-    assert a["gradvit"]["applicable_under"] == a["bn_inversion"]["applicable_under"] == "upgraded"
+    assert {n for n in attacks if a[n]["applicable_under"] == "upgraded"} == set(upgraded), engine
     assert cli["verdict"] == rnd["verdict"], engine
 
 
-def _cli(path: str, tmp_path) -> dict:
+def _cli(path: str, tmp_path, attacks=ATTACKS) -> dict:
     from gradleak.config.loading import load_yaml
     from gradleak.run.audit import run_audit
 
-    return run_audit(load_yaml(path), tmp_path / "cli", [], only=ATTACKS, log=_quiet)
+    return run_audit(load_yaml(path), tmp_path / "cli", [], only=attacks, log=_quiet)
 
 
 def _builtin_round(path: str):
@@ -120,6 +122,26 @@ def test_builtin_round_audit_measures_what_gradleak_audit_measures(tmp_path):
     _same(cli, rnd, "builtin")
     lora = next(e for e in rnd["attacks"] if e["name"] == "lora_span")
     assert len(lora["variants"]) > 1 and len(lora["per_variant"]) == len(lora["variants"])  # at full strength
+    for e in _measured(rnd).values():  # every client of the round graded (the leakage kind's too)
+        assert len(e["rows"]) == CONFIG["fl"]["clients"]
+
+
+def test_text_round_audit_measures_what_gradleak_audit_measures(tmp_path):
+    """The shipped text audit (MiniLM + adapters, two clients of two real quotes): UTR on each client's upload and
+    ProjRes under the public-data upgrade it needs (the round audit builds the same member / non-member candidates
+    as the pipeline), on the builtin engine's recorded round."""
+    from gradleak.run.round_audit import RoundAudit
+
+    raw = yaml.safe_load((ROOT / "configs" / "audit" / "text_adapters.yaml").read_text())
+    raw["attack"] = {"name": "utr"}  # the setting the federation models
+    raw["fl"]["clients"] = 2
+    path = tmp_path / "text.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    attacks = ["projres", "utr"]
+    cli = _cli(str(path), tmp_path, attacks)
+    rec, batches = _builtin_round(str(path))
+    rnd = RoundAudit(str(path), tmp_path / "round", attacks=attacks, truth=lambda _r: batches, log=_quiet)(rec)
+    _same(cli, rnd, "builtin (text)", attacks, upgraded=("projres",))
 
 
 def test_flower_audit_measures_what_gradleak_audit_measures(tmp_path):
@@ -128,11 +150,10 @@ def test_flower_audit_measures_what_gradleak_audit_measures(tmp_path):
 
     import importlib
     import sys
-    from pathlib import Path
 
     path = _config(tmp_path, "flower")
     cli = _cli(path, tmp_path)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "flower"))
+    sys.path.insert(0, str(ROOT / "examples" / "flower"))
     try:
         app = importlib.import_module("app")  # the example Flower app: FlowerAudit on its GradleakStrategy
     finally:
