@@ -236,3 +236,17 @@ def test_a_rerun_with_a_changed_field_reruns_instead_of_reusing(change, monkeypa
     assert all(c not in first for c in rerun)  # each rerun has the changed config
     ledger = [json.loads(x) for x in (tmp_path / "out" / mod.RUN_LEDGER).read_text().splitlines() if x.strip()]
     assert len(ledger) == len(rerun)
+
+
+def test_a_code_change_changes_every_resume_key(monkeypatch):
+    """Runs measured by other code are never reused: the package's digest is in the attack runs' key and in the
+    advice's probe ledger name (a rerun into the same --out after an edit measures again)."""
+    import gradleak
+    from gradleak.run.audit import run_key
+
+    cand = {"attack": {"name": "utr"}, "seed": 0}
+    before = run_key(cand, None, "attacks/utr")
+    assert run_key(cand, None, "attacks/utr") == before  # stable within one code
+    monkeypatch.setattr(gradleak, "_DIGEST", ["another-code-digest0"])
+    assert run_key(cand, None, "attacks/utr") != before
+    assert len(gradleak.code_digest()) == 20

@@ -406,7 +406,10 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
     kinds = {ATTACKS.get(a).reconstruction for a in leaking}
     out = Path(out_dir) / "advise"
     out.mkdir(parents=True, exist_ok=True)
-    jsonl = out / f"advise-{config_hash({'config': base, 'only': tested})}.jsonl"
+    from gradleak import code_digest
+
+    # the code's digest in the name: a rerun after a code change probes again (no probe of other code is reused)
+    jsonl = out / f"advise-{config_hash({'config': base, 'only': tested, 'code': code_digest()})}.jsonl"
     advice["jsonl"] = str(jsonl.relative_to(Path(out_dir)))
     ran: list[str] = []
 
@@ -1031,7 +1034,9 @@ def run_audit_advised(raw: dict, out_dir: str | Path, overrides: list[str] | Non
         budget_seconds = check_budget(section.get("budget"), "audit.budget")
     out = check_out_dir(out_dir)
     (out / "advise").mkdir(exist_ok=True)
-    h = config_hash({"config": resolved, "only": only})
+    from gradleak import code_digest
+
+    h = config_hash({"config": resolved, "only": only, "code": code_digest()})
     path = out / "audit.json"
 
     def audit_row(cell, res, err, seconds):
