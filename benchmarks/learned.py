@@ -148,7 +148,7 @@ def fill(res: dict, row: dict) -> str:
     row["batch_size"] = batch
     attacks = {}
     for e in res["attacks"]:
-        if e.get("modality") not in (None, "text") and not e.get("applicable") and "level" not in e:
+        if e.get("modality") not in (None, res.get("modality")) and "level" not in e:
             continue  # another modality's attack: not applicable by construction
         a = {k: e.get(k) for k in ("level", "metric", "value", "null_p99", "p_value") if e.get(k) is not None}
         if "level" not in a:
@@ -174,9 +174,8 @@ def _lv(a: dict | None) -> str:
     if "level" not in a:
         r = a.get("reason", "")
         return "n/a" if r.startswith("not applicable") else "not run"
-    d = a.get("decided_by") or {}
-    v, n = (d.get("value"), d.get("null_p99")) if d else (a.get("value"), a.get("null_p99"))
-    return f"{a['level']} ({fmt_num(v, '.3g')} / {fmt_num(n, '.3g')})"
+    d = a.get("decided_by") or a
+    return f"{a['level']} ({d.get('metric', '')} {fmt_num(d.get('value'), '.3g')} / {fmt_num(d.get('null_p99'), '.3g')})"
 
 
 def table(rows: list[dict], advice_out: Path) -> str:
@@ -188,18 +187,18 @@ def table(rows: list[dict], advice_out: Path) -> str:
              "at full strength; command below). Learned: the word-bag recall of `learned_wordbag` (Wu et al. 2023 "
              "Sec. 3, text slice) beside its null's 99th percentile, the larger, draw for draw, of a random public bag "
              "and the same decoder's bags on held-out public batches (docs/DESIGN.md §6); the random bag's and the "
-             "decoder's own p99 follow. Other attacks: level (the deciding metric / its null p99), `n/a` = not "
+             "decoder's own p99 follow. Other attacks: level (the deciding metric's value / its null p99), `n/a` = not "
              "applicable to this setup, `not run` = the threat model withholds what it needs (LAMP: the lengths and "
              "labels). Training: public sentences simulated for the decoder's training (batches x B; the null adds "
              "its own held-out batches), seconds of simulation + fit + null (0 when the decoder came from the "
              "cache), cache hit. Seed 0 is tuned, the other seeds held out (other sentences). Advice strengths from "
              f"benchmarks/out/advise.jsonl rows of revision {ADVICE_REVISION} (`gradleak audit --advise` before the "
              "learned attack existed). " + REVISION_NOTE, ""]
-    head = (["config", "defense", "seed (split)", "learned level", "recall (null p99)", "random-bag / decoder p99"]
+    head = (["config", "defense", "seed (split)", "learned level", "learned recall (null p99)", "random-bag / decoder p99"]
             + others + ["training: sentences, s, cache", "audit s", "revision"])
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        pre = [r["config"], r["label"], f"{r['seed']} ({r['split']})"]
+        pre = [r["config"], label(r), f"{r['seed']} ({r['split']})"]
         if "attacks" not in r:
             err = str(r.get("error", ""))[:100].replace("|", "/").replace("\n", " ")
             lines.append("| " + " | ".join(pre + [f"failed: {err}"] + ["–"] * (len(head) - 5)
@@ -209,7 +208,11 @@ def table(rows: list[dict], advice_out: Path) -> str:
         m = la.get("metrics") or {}
         if "level" in la:
             lev = la["level"]
-            rec = f"{fmt_num(m.get('word_bag_recall'), '.1f')} ({fmt_num(m.get('word_bag_recall_null_p99'), '.1f')})"
+            if "word_bag_recall" in m:  # the text slice's grade
+                rec = f"{fmt_num(m['word_bag_recall'], '.1f')} ({fmt_num(m.get('word_bag_recall_null_p99'), '.1f')})"
+            else:  # another learned attack (an image slice): its deciding metric
+                d = la.get("decided_by") or la
+                rec = f"{d.get('metric', '')} {fmt_num(d.get('value'), '.3g')} ({fmt_num(d.get('null_p99'), '.3g')})"
             parts = (f"{fmt_num(m.get('word_bag_recall_random_bag_null_p99'), '.1f')} / "
                      f"{fmt_num(m.get('word_bag_recall_decoder_null_p99'), '.1f')}")
             n = m.get("decoder_public_batches")
@@ -217,17 +220,23 @@ def table(rows: list[dict], advice_out: Path) -> str:
                     f"{fmt_num(m.get('decoder_train_seconds'), '.0f')}, "
                     f"{'hit' if m.get('decoder_cache_hit') else 'trained'}")
         else:
-            lev, rec, parts, cost = ("not applicable: " + la.get("reason", "")[len("not applicable to this "
-                                                                                  "architecture: "):][:90]
-                                     if la.get("reason", "").startswith("not applicable") else "not run"), "–", "–", "–"
+            why = la.get("reason", "")
+            lev = ("not applicable: " + why.split(": ", 1)[-1] if why.startswith("not applicable")
+                   else "not run: " + why[:120])
+            rec, parts, cost = "–", "–", "–"
         lines.append("| " + " | ".join(pre + [lev, rec, parts] + [_lv(r["attacks"].get(a)) for a in others]
                                        + [cost, fmt_num(r.get("audit_seconds"), ".0f"), revision_label(r)]) + " |")
     lines += [""] + reading(rows) + [""] + advice_moves(rows, advice_out)
-    cmd = next((r["command"] for r in rows if r.get("defense") != "none"), None)
+    cmd = next((command(CONFIGS[r["config"]][0], r["overrides"], "D") for r in rows if r.get("defense") != "none"),
+               None)
     if cmd:
         lines += ["", f"Reproduce: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learned.py --out D` (one cell, e.g. "
                       f"`{cmd}`)."]
     return "\n".join(lines) + "\n"
+
+
+def label(r: dict) -> str:
+    return "undefended" if r.get("defense") == "none" else r["label"]
 
 
 def _leaks(a: dict | None) -> bool:
@@ -247,10 +256,10 @@ def reading(rows: list[dict]) -> list[str]:
         alone = [r for r in learned if not any(_leaks(x) for a, x in r["attacks"].items() if a != r["learned"])]
         na = [r for r in cs if "level" not in r["attacks"].get(r["learned"], {})]
         quiet = [r for r in cs if not any(_leaks(x) for x in r["attacks"].values())]
-        names = lambda rs: ", ".join(r["label"] for r in rs) or "none"  # noqa: E731
+        names = lambda rs: ", ".join(label(r) for r in rs) or "no cell"  # noqa: E731
         out.append(f"* {split} (seed {', '.join(sorted({str(r['seed']) for r in cs}))}, {len(cs)} cells): the learned "
                    f"attack leaks under {len(learned)} ({names(learned)}); it is the only attack above its null under "
-                   f"{len(alone)} ({names(alone)}); every attack at its null under {len(quiet)} ({names(quiet)}); "
+                   f"{len(alone)} ({names(alone)}); every attack that ran at its null under {len(quiet)} ({names(quiet)}); "
                    f"not applicable under {len(na)} ({names(na)}).")
     return out
 
@@ -291,7 +300,8 @@ def advice_moves(rows: list[dict], advice_out: Path) -> list[str]:
             elif r["seed"] in before:
                 after[r["seed"]] = r  # the latest rerun written after the stored row
         if not after:
-            out += [f"No rerun of the {name} advice after {ADVICE_REVISION} is stored: no after to show.", ""]
+            out += [f"No rerun of the {name} advice after {ADVICE_REVISION} is stored: no after to show"
+                    + (" (one is needed: the learned attack leaks at an advice strength above)." if moved else "."), ""]
             continue
         for seed in sorted(after):
             b, a = before[seed], after[seed]
