@@ -107,9 +107,20 @@ def test_an_update_transform_in_the_defense_section_is_simulated():
     assert [e["name"] for e in simulated_defenses(SimpleNamespace(public={
         "update_defenses": [d.model_dump() for d in plain.defenses],
         "declared_defenses": declared_defenses(plain)}))] == ["topk_pruning"]
+    # DP-SGD replaces the client's step and changes the upload: simulated (a copy of the declared object, its own
+    # seed); L2 changes only the objective: not applicable, with its reason
+    from gradleak.attacks.learned_wordbag import simulated_training, training_entry
+
     _, dp = validate(raw, base + ['defense={"name": "dpsgd", "noise_multiplier": 0.3, "max_grad_norm": 1.0}'])
-    assert not LearnedWordBag.measurable(dp)
-    assert "'dpsgd'" in LearnedWordBag.not_measurable_reason(dp)
+    assert LearnedWordBag.measurable(dp)
+    dview = SimpleNamespace(public={"update_defenses": [d.model_dump() for d in dp.defenses],
+                                    "declared_defenses": declared_defenses(dp)})
+    sim = simulated_training(dview, 123)
+    assert type(sim).__name__ == "DPSGD" and sim.seed == 123 and sim is not declared_defenses(dp).training
+    assert training_entry(dview)["name"] == "dpsgd"
+    _, l2 = validate(raw, base + ['defense={"name": "l2", "coefficient": 0.01}'])
+    assert not LearnedWordBag.measurable(l2)
+    assert "'l2'" in LearnedWordBag.not_measurable_reason(l2)
 
 
 def test_decoder_trains_through_svt_named_in_the_defense_section(tmp_path, cache, minilm_available, one_thread):
@@ -123,3 +134,15 @@ def test_decoder_trains_through_svt_named_in_the_defense_section(tmp_path, cache
     res0, _ = _run(tmp_path / "plain")
     assert res0["metrics"]["decoder_cache_hit"] == 0.0  # not the SVT decoder's cache file
     assert len(list(cache.glob("learned_wordbag/*.pt"))) == 2
+
+
+def test_decoder_trains_through_dp_sgd_and_reads_a_leak_its_tiny_noise_leaves(tmp_path, cache, minilm_available,
+                                                                              one_thread):
+    """DP-SGD at sigma 1e-6 (per-sample clipping, noise far below the signal): the decoder simulates the declared
+    mechanism's own step on the public batches and reads the leak beyond its null; its decoder is another one than the
+    undefended setup's (the training defense is in the cache key)."""
+    res, j = _run(tmp_path / "dp", ['defense={"name": "dpsgd", "noise_multiplier": 1.0e-6, "max_grad_norm": 1.0}'])
+    m = res["metrics"]
+    assert m["decoder_cache_hit"] == 0.0
+    assert j["level"] == "partial" and m["word_bag_recall"] > m["word_bag_recall_null_p99"], m
+    assert len(list(cache.glob("learned_wordbag/*.pt"))) == 1

@@ -41,14 +41,19 @@ Decisions the paper leaves open (each a parameter):
   trainable names, the declared defenses, the public protocol, the public sentences, the batch size and every
   parameter of this attack (the projection seed included).
 
-Limits of this slice: training-time defenses (DP-SGD, FISGuard's re-parameterisation is in the sent model already)
-are not simulated -- under one the attack is not applicable (``measurable``; an update transform named in
-``defense:``, as ``--advise`` places NVFlare's SVT filter, is simulated after the ``defenses:`` list, as the pipeline
-applies it); the sequence decoder and
-the image decoder of the same paper are not built.
+Training-time defenses: one that replaces the client's step and changes the upload (DP-SGD: per-sample clipping and
+noise, Abadi et al. 2016) is simulated with a copy of the declared defense object (its noise drawn under a seed apart
+from the victims'), its step on each public batch, then the update list -- the pipeline's order; the others
+(FISGuard's re-parameterisation is in the sent model already; dropout, L2, label smoothing, min-max change the
+objective) are not simulated, and under one the attack is not applicable (``measurable``). An update transform named
+in ``defense:`` (as ``--advise`` places NVFlare's SVT filter) is simulated after the ``defenses:`` list, as the
+pipeline applies it. The sequence decoder of the paper is not built.
+
 """
 
 from __future__ import annotations
+
+import copy
 
 import hashlib
 import json
@@ -146,6 +151,49 @@ def defense_section_entry(view) -> dict | None:
     return {"name": name, "params": transform.cfg.model_dump()}
 
 
+def _simulated_training(name: str) -> bool:
+    """Whether the training-time defense ``name`` is simulated: it replaces the client's step
+    (``local_update``) and changes what the upload carries (DP-SGD)."""
+    from gradleak.defenses.base import TrainingDefense, defense_class
+
+    cls = defense_class(name)
+    return (cls is not None and issubclass(cls, TrainingDefense) and bool(getattr(cls, "changes_upload", False))
+            and getattr(cls, "local_update", None) is not None)
+
+
+def simulated_training(view, seed: int):
+    """A copy of the declared training-time defense whose step the simulation runs (:func:`_simulated_training`),
+    drawing under ``seed`` (never the victims' noise), or None."""
+    from gradleak.defenses.declared import view_declared
+
+    training = getattr(view_declared(view), "training", None)
+    if training is None or getattr(training, "transform", None) is not None:
+        return None
+    name = training_name(training)
+    if name is None or not _simulated_training(name):
+        return None
+    sim = copy.deepcopy(training)
+    if hasattr(sim, "seed"):
+        sim.seed = int(seed)
+    return sim
+
+
+def training_name(training) -> str | None:
+    """The registered name of a training-time defense object."""
+    from gradleak.registry import DEFENSES
+
+    return next((e.name for e in DEFENSES if e.obj is type(training)), None)
+
+
+def training_entry(view) -> dict | None:
+    """The simulated training-time defense as a cache-key entry (name and parameters), or None."""
+    sim = simulated_training(view, 0)
+    if sim is None:
+        return None
+    cfg = getattr(sim, "cfg", None)
+    return {"name": training_name(sim), "params": cfg.model_dump() if hasattr(cfg, "model_dump") else repr(cfg)}
+
+
 def simulated_defenses(view) -> list[dict]:
     """The update defenses a simulated upload goes through, in the pipeline's order: the ``defenses:`` list, then an
     update transform named in ``defense:`` (:func:`defense_section_entry`)."""
@@ -203,12 +251,13 @@ class LearnedWordBag(AttackBase):
         reported; :class:`gradleak.defenses.base.UpdateInDefenseSection`) is simulated like the ``defenses:`` list
         (:func:`defense_section_entry`), so it is measurable."""
         d = getattr(experiment_cfg, "defense", None)
-        return getattr(d, "name", "none") in (None, "none") or _update_stage(d.name)
+        return getattr(d, "name", "none") in (None, "none") or _update_stage(d.name) or _simulated_training(d.name)
 
     @classmethod
     def not_measurable_reason(cls, experiment_cfg) -> str:
         return ("the learned word-bag decoder simulates the declared update defenses (defenses:, or an update "
-                f"transform named in defense:) only, not the training-time defense '{experiment_cfg.defense.name}'")
+                "transform named in defense:) and a training-time defense that replaces the client's step and changes "
+                f"the upload (DP-SGD), not the training-time defense '{experiment_cfg.defense.name}'")
 
     @classmethod
     def from_config(cls, cfg, ctx) -> "LearnedWordBag":
@@ -244,6 +293,7 @@ class LearnedWordBag(AttackBase):
             probe = encode_batch(tok, kind, ["a"], None)
             classes = int(model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits.shape[-1])
         entries = simulated_defenses(view)
+        training = simulated_training(view, self.seed + DEFENSE_SEED_OFFSET)
 
         def simulate(texts: list[str], index: int):
             enc = encode_batch(tok, kind, texts, None)
@@ -255,8 +305,16 @@ class LearnedWordBag(AttackBase):
             defenses = build_defenses([{**e, "params": {**(e.get("params") or {}), "seed": dseed}}
                                        if "seed" in (e.get("params") or {}) else e for e in entries], seed=dseed)
             client = Client(index, x, y, loss_fn=loss_fn)
-            upd = client.local_update(model, algorithm=algorithm, epochs=int(fl.get("local_epochs") or 1), lr=lr,
-                                      batch_size=fl.get("local_batch_size"), defenses=defenses, seed=dseed)
+            if training is None:
+                upd = client.local_update(model, algorithm=algorithm, epochs=int(fl.get("local_epochs") or 1), lr=lr,
+                                          batch_size=fl.get("local_batch_size"), defenses=defenses, seed=dseed)
+            else:  # the training-time defense's own step on a copy of the sent model, then the update list (the
+                # builtin engine's order)
+                upd = training.local_update(client, copy.deepcopy(model), seed=dseed, algorithm=algorithm, lr=lr,
+                                            round_index=0, epochs=int(fl.get("local_epochs") or 1),
+                                            batch_size=fl.get("local_batch_size"))
+                for d in defenses:
+                    upd = d.apply(upd, {"client_id": index, "seed": dseed, "lr": lr})
             return upd.tensors, enc
 
         return simulate, B
@@ -279,6 +337,7 @@ class LearnedWordBag(AttackBase):
         names = sorted(view.updates[0].tensors)
         params = {k: getattr(self, k) for k in LearnedWordBagConfig.model_fields if k != "cache"}
         h.update(json.dumps({"v": CACHE_VERSION, "trainable": names, "defenses": simulated_defenses(view),
+                             "training": training_entry(view),
                              "fl": self.fl, "params": params, "seed": self.seed,
                              "batch": view.public.get("batch_size")}, sort_keys=True, default=str).encode())
         h.update("\n".join(train).encode())
