@@ -975,3 +975,20 @@ def test_an_update_defense_utility_run_reuses_the_baseline_accuracy_before_train
     assert ([], None) in seen  # the baseline measures it
     assert (["gaussian_noise"], 0.25) in seen and ("dpsgd", None) in seen
     assert all(s is None for n, s in seen if n == "dpsgd")
+
+
+def test_a_probe_keeps_a_dp_check_without_an_interval(monkeypatch, tmp_path):
+    """NVFlare SVT's sign-canary check reports a bound, not a fitted interval: the probe keeps what the check measured
+    (it failed with a KeyError before, so the SVT candidate's search read 'failed')."""
+    from gradleak.run import advise as mod
+    from gradleak.run import audit
+
+    def fake_audit(raw, out_dir, overrides, device, only, log, workers):
+        return {"verdict": "no_leak_found", "attacks": [{"name": "utr", "level": "none"}],
+                "dp_check": {"verdict": "vacuous", "claimed_epsilon": 2.41e4,
+                             "measured": [{"epsilon": 1.25e3, "threat_model": "each upload"}]}}
+
+    monkeypatch.setattr(audit, "run_audit", fake_audit)
+    r = mod.probe(TEXT, str(tmp_path), ["utr"], None, 1, [])
+    assert r["dp_check"] == {"verdict": "vacuous", "claimed_epsilon": 2.41e4, "epsilon": 1.25e3, "interval": None,
+                             "threat_model": "each upload"}

@@ -225,9 +225,11 @@ def probe(raw: dict, out_dir: str, only: list[str], device: str | None, workers:
     dp = res.get("dp_check")
     if dp:  # the probe's measured ε (its strongest threat model) beside the claim
         worst = max(dp.get("measured") or [{}], key=lambda m: m.get("epsilon", -1.0))
+        # a measured threat model without an interval (NVFlare SVT's sign-canary check: a bound, not a fit) keeps
+        # what it has
         out["dp_check"] = {"verdict": dp["verdict"], "claimed_epsilon": dp.get("claimed_epsilon"),
-                           **({"epsilon": worst["epsilon"], "interval": worst["interval"],
-                               "threat_model": worst["threat_model"]} if "epsilon" in worst else {})}
+                           **({k: worst.get(k) for k in ("epsilon", "interval", "threat_model")}
+                              if "epsilon" in worst else {})}
     return out
 
 
