@@ -323,11 +323,12 @@ def _write_page(adv: dict, rdir) -> None:
     """``rdir/advice.html``: the CLI report's advice section (table, recommendation, plot) on its own page."""
     import html
 
+    from gradleak.report.html import write_atomic
     from gradleak.run.audit_report import advice_section
 
     rdir.mkdir(parents=True, exist_ok=True)
     title = f"gradleak advice, Flower round {adv.get('server_round')}"
-    (rdir / "advice.html").write_text(
+    write_atomic(rdir / "advice.html",
         f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title></head><body>"
         f"<h1>{html.escape(title)}</h1><p>Basis: {html.escape(adv.get('basis', ''))}.</p>"
-        + advice_section(adv) + "</body></html>", encoding="utf-8")
+        + advice_section(adv) + "</body></html>")

@@ -136,16 +136,12 @@ def _smollm2_truncated(num_layers: int) -> Path:
         raise RuntimeError(f"SmolLM2 conversion mismatch: missing={missing} unexpected={unexpected}")
     if getattr(cfg, "tie_word_embeddings", False):
         small.tie_weights()
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    small.save_pretrained(str(tmp), safe_serialization=True)
-    tok.save_pretrained(str(tmp))
-    (tmp / "gradleak_source.json").write_text(json.dumps({"gguf": str(gguf), "num_layers": num_layers}))
-    if out.exists():
-        import shutil
+    from gradleak.atomic import atomic_dir
 
-        shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    with atomic_dir(out) as tmp:  # a folder filled beside the cache entry, which then takes its place
+        small.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+        (tmp / "gradleak_source.json").write_text(json.dumps({"gguf": str(gguf), "num_layers": num_layers}))
     return out
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import base64
 import json
 import math
-import os
 import re
 from datetime import datetime, timezone
 from pathlib import Path
@@ -230,18 +229,13 @@ def _json_default(o: Any) -> Any:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (a temporary file beside it, then a rename); a private artifact (the
-    report embedding the clients' images) stays 0600 from creation (:func:`gradleak.report.images.artifact_mode`)."""
-    from gradleak.report.images import new_private_file, publish
+    """Write ``text`` to ``path`` atomically (:func:`gradleak.atomic.write_text_atomic`: a temporary file beside it,
+    then a rename); a private artifact (the report embedding the clients' images) stays 0600 from creation
+    (:func:`gradleak.report.images.publish_mode`)."""
+    from gradleak.atomic import write_text_atomic
+    from gradleak.report.images import publish_mode
 
-    fd, tmp = new_private_file(path)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        publish(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_text_atomic(path, text, mode=publish_mode(path), encoding="utf-8")
 
 
 #: the pipeline's notes on the threat model (one per line of ``ThreatModel.describe``): folded under the metrics

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 from pathlib import Path
 
@@ -11,13 +10,15 @@ import numpy as np
 import torch
 from PIL import Image
 
+from gradleak.atomic import atomic_path
+
 UNRECOVERED_GREY = 0.5
 
 #: the one register of the files that hold the clients' private data, by name: the private images (ground truth,
 #: reconstructions), the report embedding them, and every file holding the private sentences or what was recovered
 #: of them -- a run's results.json and report_data.json (the reference and reconstructed sentences), an audit's
 #: audit.json (its evidence rows), a Flower scorer's reconstruction.json / images.png. Each is written owner-only
-#: (0600) from the moment the file exists (:func:`new_private_file`), never readable by others even briefly;
+#: (0600) from the moment the file exists (:func:`gradleak.atomic.atomic_path`), never readable by others even briefly;
 #: :func:`gradleak.run.runner.protect_private_artifacts` is the backstop on a run folder
 PRIVATE_ARTIFACTS = re.compile(r"^(report\.html|report_data\.json|results\.json|audit\.json|reconstruction\.json|"
                                r"images\.png|(ground_truth|reconstruction|reconstructions_client\d+_round\d+)"
@@ -30,28 +31,11 @@ def artifact_mode(path: str | Path) -> int:
     return 0o600 if PRIVATE_ARTIFACTS.match(Path(path).name) else 0o644
 
 
-def new_private_file(path: str | Path, suffix: str = ".tmp") -> tuple[int, str]:
-    """``(fd, tmp)``: a new temporary file beside ``path`` for an atomic write, created owner-only --
-    ``os.open(..., O_CREAT | O_EXCL, 0o600)`` -- so that nothing written to it is ever readable by others; the writer
-    opens it to others (0644) before the rename only when ``path`` is not private (:func:`artifact_mode`)."""
-    import secrets
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}{suffix}"
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o600), str(tmp)
-        except FileExistsError:
-            continue
-
-
-def publish(tmp: str, path: str | Path) -> None:
-    """Rename the finished ``tmp`` to ``path``; a file that is not private is opened to others first (a private one
-    keeps the 0600 it was created with: no chmod)."""
-    if artifact_mode(path) != 0o600:
-        os.chmod(tmp, artifact_mode(path))
-    os.replace(tmp, path)
+def publish_mode(path: str | Path) -> int | None:
+    """The ``mode`` an artifact's atomic write (:func:`gradleak.atomic.atomic_path`) is given: None for a private one,
+    which keeps the 0600 it was created with (no chmod), :func:`artifact_mode` (0644) for the others."""
+    mode = artifact_mode(path)
+    return None if mode == 0o600 else mode
 
 
 def grid_array(images: torch.Tensor, nrow: int = 8, padding: int = 1, pad_value: float = 1.0) -> np.ndarray:
@@ -92,15 +76,10 @@ def save_image_grid(images: torch.Tensor, path: str | Path, nrow: int = 8, upsca
 
 
 def save_png_atomically(path, write) -> Path:
-    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it to ``path``; the file is created 0600
-    (:func:`new_private_file`) and opened to others only when it is not private (:func:`artifact_mode`)."""
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it to ``path``
+    (:func:`gradleak.atomic.atomic_path`: created 0600, opened to others only when it is not private,
+    :func:`publish_mode`)."""
     path = Path(path)
-    fd, tmp = new_private_file(path, ".png.tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path, mode=publish_mode(path), suffix=".png.tmp") as tmp:
         write(tmp)
-        publish(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path

@@ -265,9 +265,7 @@ def _reusable_runs(out: Path, runs: dict[str, str]) -> dict[str, dict]:
     this audit's ``runs`` (cell id -> folder relative to ``out``), and with their folder's ``results.json`` in place
     (a run refused once the data are known has none, and needs none). The ledger is rewritten (atomically) with
     those rows alone: the rows of another config hold another run's metrics and sentences, stale like its files."""
-    import os
-
-    from gradleak.run.results import append_jsonl, latest_by_cell
+    from gradleak.run.results import latest_by_cell, write_jsonl_atomic
 
     path = out / RUN_LEDGER
     if not path.is_file() or path.is_symlink():
@@ -275,12 +273,8 @@ def _reusable_runs(out: Path, runs: dict[str, str]) -> dict[str, dict]:
     keep = {c: r for c, r in latest_by_cell(path).items()
             if c in runs and "error" not in r and r.get("out") == runs[c]
             and ("bad_input" in (r.get("result") or {}) or (out / runs[c] / "results.json").is_file())}
-    tmp = path.with_name(path.name + ".keep")
-    tmp.unlink(missing_ok=True)
-    for r in keep.values():
-        append_jsonl(tmp, r)
     if keep:
-        os.replace(tmp, path)
+        write_jsonl_atomic(path, keep.values())
     else:
         path.unlink()
     return keep

@@ -8,7 +8,9 @@ import json
 import os
 import platform
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
+
+from gradleak.atomic import atomic_open, write_text_atomic
 
 
 def environment() -> dict[str, Any]:
@@ -45,19 +47,12 @@ def _default(o: Any) -> Any:
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """``obj`` as JSON at ``path`` through a temporary file and a rename. Created owner-only (0600,
-    :func:`gradleak.report.images.new_private_file`) and left so: results.json and audit.json hold the private
-    sentences (:data:`gradleak.report.images.PRIVATE_ARTIFACTS`, the one register), and no JSON of a run is ever
-    opened to others."""
-    from gradleak.report.images import new_private_file
-
-    path = Path(path)
-    fd, tmp = new_private_file(path)
-    with os.fdopen(fd, "w") as f:
+    """``obj`` as JSON at ``path`` through a temporary file and a rename (:func:`gradleak.atomic.atomic_open`). Created
+    owner-only (0600) and left so: results.json and audit.json hold the private sentences
+    (:data:`gradleak.report.images.PRIVATE_ARTIFACTS`, the one register), and no JSON of a run is ever opened to
+    others."""
+    with atomic_open(path) as f:
         json.dump(obj, f, indent=2, default=_default, allow_nan=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @contextlib.contextmanager
@@ -82,14 +77,7 @@ def jsonl_lock(path: str | Path) -> Iterator[None]:
 
 
 def _rewrite(path: Path, text: str) -> None:
-    from gradleak.report.images import new_private_file
-
-    fd, tmp = new_private_file(path)  # owner-only, as write_json_atomic
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, text)  # owner-only, as write_json_atomic
 
 
 def append_jsonl(path: str | Path, obj: Any) -> None:
@@ -103,6 +91,14 @@ def append_jsonl(path: str | Path, obj: Any) -> None:
         if old and not old.endswith("\n"):
             old = old.rsplit("\n", 1)[0] + "\n" if "\n" in old else ""
         _rewrite(path, old + json.dumps(obj, default=_default) + "\n")
+
+
+def write_jsonl_atomic(path: str | Path, rows: Iterable[Any]) -> None:
+    """``rows`` as the JSONL at ``path``, one line each as :func:`append_jsonl` writes it, in one atomic rewrite under
+    :func:`jsonl_lock`."""
+    path = Path(path)
+    with jsonl_lock(path):
+        _rewrite(path, "".join(json.dumps(r, default=_default) + "\n" for r in rows))
 
 
 def history_path(path: str | Path) -> Path:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from pydantic import ValidationError
 
+from gradleak.atomic import write_text_atomic
 from gradleak.errors import BadInput, describe_validation_error
 from gradleak.config.loading import apply_overrides, load_yaml, normalize_aliases
 from gradleak.run.results import environment, write_json_atomic
@@ -105,7 +106,7 @@ def check_out_dir(out_dir: str | Path) -> Path:
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".gradleak-write-test"
-        probe.write_text("ok")
+        write_text_atomic(probe, "ok")  # what every artifact's write does: a temporary file in the folder, a rename
         probe.unlink()
     except OSError as err:
         raise BadInput("--out", f"cannot write to '{out}': {err.strerror or err}.",
@@ -136,7 +137,7 @@ def remove_stale_artifacts(out: Path, pattern: re.Pattern = RUN_ARTIFACTS) -> li
 def protect_private_artifacts(out: Path) -> None:
     """Owner-only permissions (0600) on the artifacts that hold the clients' private data -- images, sentences, what
     was recovered of them -- as :data:`gradleak.report.images.PRIVATE_ARTIFACTS` registers them (a backstop: the
-    writers already create them 0600, :func:`gradleak.report.images.new_private_file`)."""
+    writers already create them 0600, :func:`gradleak.atomic.atomic_path`)."""
     from gradleak.report.images import PRIVATE_ARTIFACTS
 
     for p in out.iterdir():

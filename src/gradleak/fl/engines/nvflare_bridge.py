@@ -389,10 +389,13 @@ def run_inprocess(server: ServerRounds, executor, num_clients: int, rounds: int,
 # ------------------------------------------------------------------------------------------ state files
 
 def save_state(obj: Any, path) -> None:
-    """``obj`` cloudpickled to ``path`` (the simulator's processes load the federation from it)."""
+    """``obj`` cloudpickled to ``path`` (the simulator's processes load the federation from it), atomically and
+    owner-only (:func:`gradleak.atomic.atomic_open`): the federation holds the clients' private data."""
     import cloudpickle
 
-    with open(path, "wb") as f:
+    from gradleak.atomic import atomic_open
+
+    with atomic_open(path, binary=True) as f:
         cloudpickle.dump(obj, f)
 
 
@@ -538,13 +541,15 @@ def allow_components(workspace, paths: Sequence[str]) -> None:
     from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
     from nvflare.app_common.widgets.component_path_authorizer import CLASS_ALLOW_LIST
 
+    from gradleak.atomic import write_text_atomic
+
     local = Path(workspace) / "local"
     local.mkdir(parents=True, exist_ok=True)
     target = local / "resources.json"
     resources = json.loads(target.read_text()) if target.exists() else {"format_version": 2}
     listed = list(resources.get(CLASS_ALLOW_LIST, DEFAULT_CLASS_ALLOW_LIST))
     resources[CLASS_ALLOW_LIST] = listed + [p for p in paths if p not in listed]
-    target.write_text(json.dumps(resources, indent=4))
+    write_text_atomic(target, json.dumps(resources, indent=4), mode=0o644)
 
 
 def run_simulator(job, workspace, num_clients: int, *, threads: int | None = None, log_config: str | None = None,
