@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
+from gradleak.atomic import write_text_atomic  # noqa: E402
 from gradleak.run.results import history_path, latest_by_cell, supersede_rows  # noqa: E402
 
 REFERENCE_OUT = ROOT / "benchmarks" / "out"
@@ -176,8 +177,7 @@ def write_section(args: argparse.Namespace, key: str, body: str, title: str, nam
         print(f"updated the '{key}' section of {display(DOCS)}", flush=True)
     else:
         md = args.out / f"{name}.md"
-        md.parent.mkdir(parents=True, exist_ok=True)
-        md.write_text(f"## {title}\n\n{body.rstrip()}\n")
+        write_text_atomic(md, f"## {title}\n\n{body.rstrip()}\n", mode=0o644)  # gradleak.atomic: the one write
         print(f"wrote {display(md)} ({display(DOCS)} not touched: pass --update-docs, or --report-only)", flush=True)
 
 
