@@ -360,3 +360,39 @@ def test_the_canaries_are_fitted_to_the_memory_the_uploads_need():
     few = fitted_canaries(100, 2_363_146, 5, 8)
     assert MIN_CANARIES <= few < 100 and 5 * (8 + few) * 2_363_146 * 8 + few * 2_363_146 * 4 <= 6 * 2 ** 30
     assert fitted_canaries(100, 50_000_000, 10, 8) == MIN_CANARIES
+
+
+def test_the_builtin_engine_streams_the_check_round_by_round_and_keeps_no_round(monkeypatch):
+    """Over several rounds the builtin engine hands each round to the check as it ends (on_round) and keeps none
+    (memory independent of the rounds); the check reads the same statistics as from an engine that returns every
+    round (the Flower / NVFlare path)."""
+    import gradleak.run.dp_check as mod
+    from gradleak.fl.engines.builtin import run_rounds
+
+    cfg = _cfg(fl={"clients": 2, "rounds": 3},
+               defenses=[{"name": "dp_gaussian", "params": {"noise_multiplier": 1.0, "max_norm": 1e-3}}])
+    kept: list = []
+
+    def streaming(model, clients, *, on_round=None, **kw):
+        out = run_rounds(model, clients, on_round=on_round, **kw)
+        kept.append((len(out.rounds), len(out.round_states), on_round is not None))
+        return out
+
+    def returning(model, clients, *, rounds, algorithm, lr, local_epochs=1, local_batch_size=None, defenses=(),
+                  seed=0, secure_aggregation=False, local_update=None, client_settings=None, lr_at=None):
+        return run_rounds(model, clients, rounds=rounds, algorithm=algorithm, lr=lr, local_epochs=local_epochs,
+                          local_batch_size=local_batch_size, defenses=defenses, seed=seed,
+                          secure_aggregation=secure_aggregation, local_update=local_update,
+                          client_settings=client_settings, lr_at=lr_at)
+
+    import gradleak.fl.engines as engines
+
+    monkeypatch.setattr(engines, "rounds_engine", lambda fl: streaming)
+    a = _check(cfg, canaries=40)
+    assert kept == [(0, 0, True)]  # every round measured as it ended, none kept
+    monkeypatch.setattr(engines, "rounds_engine", lambda fl: returning)
+    b = _check(cfg, canaries=40)
+    assert a["verdict"] == b["verdict"]
+    ea = {m["threat_model"]: m.get("epsilon") for m in a["measured"]}
+    eb = {m["threat_model"]: m.get("epsilon") for m in b["measured"]}
+    assert ea.keys() == eb.keys() and all(abs((ea[k] or 0) - (eb[k] or 0)) < 1e-9 for k in ea), (ea, eb)

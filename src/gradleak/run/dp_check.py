@@ -24,13 +24,16 @@ fit, each threat model's statistics go through the claim tests (shift, spread, t
 mechanism that leaks on a fraction of its uploads, noises at the wrong scale or misses a tensor (an isotropic canary
 puts only that tensor's share of its norm there, so its cosine barely moves; the tensor's own noise energy does). The
 statistics are streamed round by round (:class:`gradleak.run.canary_statistics.CanaryStatistics`: running sums,
-O(canaries) memory; the engine still returns every round's uploads, which :func:`fitted_canaries` sizes). The verdict
+O(canaries) memory; the builtin engine reports each round as it ends (``on_round``) and keeps none, so memory does
+not grow with the rounds; the Flower and NVFlare engines return every round, which :func:`fitted_canaries` sizes and
+the check lets go round by round). The verdict
 (:func:`gradleak.evaluation.empirical_epsilon.judge`, :func:`~gradleak.evaluation.empirical_epsilon.dp_verdict`):
 ``claim_violated``, ``vacuous`` or ``consistent``.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any
 
@@ -191,22 +194,6 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
     log(f"[dp_check] {len(real)} client(s) + {canaries} canaries, {rounds} round(s), {dim} trainable coordinates")
     rounds_fn = rounds_engine(cfg.fl)
     plan = cfg.client_plan() if cfg.fl.algorithm == "fedavg" else None
-    outcome = rounds_fn(model, real + cans, rounds=rounds, algorithm=cfg.fl.algorithm, lr=cfg.fl.lr,
-                        local_epochs=cfg.fl.local_epochs, local_batch_size=cfg.fl.local_batch_size,
-                        defenses=defenses, seed=cfg.seed, secure_aggregation=False,
-                        local_update=defense.local_update,
-                        client_settings=(plan + [{}] * canaries) if plan is not None else None, lr_at=cfg.fl.lr_at)
-    report = defense.report([]) if hasattr(defense, "report") else {}
-    report = dict(report or {})
-    steps = [v for kk, v in report.items() if kk.startswith("dp_steps_client") and int(kk[15:]) >= first_id]
-    eps_c = [v for kk, v in report.items() if kk.startswith("dp_epsilon_client") and int(kk[17:]) >= first_id]
-    if eps_c:
-        report["canary_epsilon"], report["canary_steps"] = max(eps_c), max(steps)
-    # the trainable parameters sent each round, then the final ones (the last aggregate applied), streamed: each round's
-    # step and uploads go through the canaries' running statistics and are let go (CanaryStatistics: O(k) memory)
-    def sent_at(r):
-        return flat({k: v for k, v in outcome.round_states[r].items() if k in names}, shapes)
-
     covered = sorted({t for m in mechanisms for t in m["covers"]})
     each = "each_upload" in covered
     signal = _real_signal_weight(real, per, cfg)
@@ -214,16 +201,51 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
                               tensors=True, signal_bound=signal)
     unseen_s = CanaryStatistics(canaries, shapes, lambda j: direction(shapes, seed, canaries + j),
                                 first_id=first_id if each else None)
-    kept = len(outcome.round_states)
-    first = cur = sent_at(0)
-    final = sent_at(kept - 1) - cfg.fl.lr_at(rounds - 1) * flat(outcome.last_aggregate.tensors, shapes)
-    for r in range(kept):
-        nxt = sent_at(r + 1) if r + 1 < kept else final
-        ups = ({u.client_id: u.tensors for u in outcome.rounds[r] if u.client_id >= first_id} if each else None)
-        for st in (seen_s, unseen_s):
-            st.add_round(cur - nxt, ups, final=first - final if r + 1 == kept else None)
-        outcome.rounds[r] = None  # this round's uploads are measured: let them go
-        cur = nxt
+    # the trainable parameters sent each round, then the final ones (the last aggregate applied), streamed: each round's
+    # step and uploads go through the canaries' running statistics and are let go (CanaryStatistics: O(k) memory).
+    # An engine that reports round by round (on_round: the builtin one) keeps no round at all, so memory does not grow
+    # with the rounds; another (Flower, NVFlare) returns every round, measured and let go one at a time
+    held: dict[str, Any] = {}
+
+    def uploads(ups):
+        return {u.client_id: u.tensors for u in ups if u.client_id >= first_id} if each else None
+
+    def measure(sent_flat, ups):
+        """Round r's state arrives: round r - 1 (held) is measured against it and let go."""
+        if "first" not in held:
+            held["first"] = sent_flat
+        if "prev" in held:
+            prev, prev_ups = held.pop("prev")
+            for st in (seen_s, unseen_s):
+                st.add_round(prev - sent_flat, prev_ups)
+        held["prev"] = (sent_flat, ups)
+
+    kw = dict(rounds=rounds, algorithm=cfg.fl.algorithm, lr=cfg.fl.lr, local_epochs=cfg.fl.local_epochs,
+              local_batch_size=cfg.fl.local_batch_size, defenses=defenses, seed=cfg.seed, secure_aggregation=False,
+              local_update=defense.local_update,
+              client_settings=(plan + [{}] * canaries) if plan is not None else None, lr_at=cfg.fl.lr_at)
+    streams = "on_round" in inspect.signature(rounds_fn).parameters
+    if streams:
+        outcome = rounds_fn(model, real + cans, keep_round=lambda _r: False,
+                            on_round=lambda r, sent, ups: measure(flat({k: v for k, v in sent.items() if k in names},
+                                                                       shapes), uploads(ups)), **kw)
+    else:
+        outcome = rounds_fn(model, real + cans, **kw)
+        for r in range(len(outcome.round_states)):
+            measure(flat({k: v for k, v in outcome.round_states[r].items() if k in names}, shapes),
+                    uploads(outcome.rounds[r]))
+            outcome.round_states[r], outcome.rounds[r] = None, None  # measured: let them go
+    report = defense.report([]) if hasattr(defense, "report") else {}
+    report = dict(report or {})
+    steps = [v for kk, v in report.items() if kk.startswith("dp_steps_client") and int(kk[15:]) >= first_id]
+    eps_c = [v for kk, v in report.items() if kk.startswith("dp_epsilon_client") and int(kk[17:]) >= first_id]
+    if eps_c:
+        report["canary_epsilon"], report["canary_steps"] = max(eps_c), max(steps)
+    last, last_ups = held.pop("prev")
+    first = held["first"]
+    final = last - cfg.fl.lr_at(rounds - 1) * flat(outcome.last_aggregate.tensors, shapes)
+    for st in (seen_s, unseen_s):
+        st.add_round(last - final, last_ups, final=first - final)
     seen, unseen = seen_s.finish(first - final), unseen_s.finish(first - final)
     claims = []
     for m in mechanisms:

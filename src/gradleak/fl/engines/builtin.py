@@ -50,11 +50,14 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
                track: Callable[..., Any] | None = None, keep_round: Callable[[int], bool] | None = None,
                local_update: Callable[..., Any] | None = None,
                client_settings: Sequence[dict] | None = None,
-               lr_at: Callable[[int], float] | None = None) -> RoundsOutcome:
+               lr_at: Callable[[int], float] | None = None,
+               on_round: Callable[[int, dict, list], Any] | None = None) -> RoundsOutcome:
     """Run ``rounds`` federated rounds of ``clients`` on ``model`` and return the uploads of the rounds the
     attacker keeps (``keep_round(r)``, default every round: many rounds × clients of uploads add up).
     ``local_update(client, model, seed=...)`` replaces the client's own training step (a training-time
-    defense such as DP-SGD); the defenses still transform its upload.
+    defense such as DP-SGD); the defenses still transform its upload. ``on_round(r, sent, uploads)``: called after
+    each round with the trainable state the server sent that round and the round's uploads, so a caller can measure
+    round by round and keep nothing (with ``keep_round`` False: memory independent of the rounds; the DP check).
 
     The server model is updated after each round by SGD on the aggregate (``w -= lr · mean update``;
     for FedAvg uploads, which are ``Δw / -lr``, that applies the mean local change).
@@ -83,6 +86,8 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
             out.server_hook_seconds += time.perf_counter() - t0
         out.model = model
         keep = keep_round is None or keep_round(r)
+        if on_round is not None:
+            sent = {n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.requires_grad}
         if keep:
             out.kept_rounds.append(r)
             state = {n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.requires_grad}
@@ -132,6 +137,8 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
                                         "pseudo_gradient", 0)
         else:
             out.last_aggregate = server_noise(aggregate(ups), len(ups), r)
+        if on_round is not None:
+            on_round(r, sent, ups)
         if keep:
             out.rounds.append(ups)
             if secure_aggregation:  # the same server-side noise draw as the applied aggregate (seeded per round)
