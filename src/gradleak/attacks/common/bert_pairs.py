@@ -143,13 +143,8 @@ def bert_pair_decompose(embeddings: nn.Module, adapter: nn.Module, grads: list[t
     if T == 0 or P == 0 or T + P + 1 > n:
         return None
     toks = torch.tensor(tokens)
-    E = embeddings.word_embeddings.weight.detach().to(f64)[toks]
-    Pm = embeddings.position_embeddings.weight.detach().to(f64)[:P] \
-        + embeddings.token_type_embeddings.weight.detach().to(f64)[token_type]
+    M, E, Pm = embedding_basis(embeddings, tokens, P, token_type)  # (T+P+1, n)
     ln = embeddings.LayerNorm
-    g = ln.weight.detach().to(f64)
-    M = torch.cat([(E - E.mean(1, keepdim=True)) * g, (Pm - Pm.mean(1, keepdim=True)) * g,
-                   ln.bias.detach().to(f64)[None]], 0)  # (T+P+1, n)
     G = stack_rows(grads)  # (m_total, n)
     X = torch.linalg.lstsq(M.T, G.T).solution  # (T+P+1, m_total)
     XA, XB = X[:T], X[T:T + P]
@@ -189,6 +184,22 @@ def bert_pair_decompose(embeddings: nn.Module, adapter: nn.Module, grads: list[t
 
 
 
+def embedding_basis(embeddings: nn.Module, tokens: list[int], num_positions: int,
+                    token_type: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The known basis a BERT embedding layer's output lies in, float64 (T + P + 1, n): each token's LayerNorm-scaled
+    centred word embedding, each position's (position + token-type embedding, centred, scaled), and the LayerNorm
+    bias -- the rows :func:`bert_pair_decompose` and :func:`bert_pair_ranked` write an adapter's gradient in; with the
+    tokens' and positions' raw embeddings (float64), which both feed the layer again to get each pair's ReLU mask."""
+    f64 = torch.float64
+    E = embeddings.word_embeddings.weight.detach().to(f64)[torch.tensor(tokens)]
+    Pm = embeddings.position_embeddings.weight.detach().to(f64)[:int(num_positions)] \
+        + embeddings.token_type_embeddings.weight.detach().to(f64)[token_type]
+    ln = embeddings.LayerNorm
+    g = ln.weight.detach().to(f64)
+    return torch.cat([(E - E.mean(1, keepdim=True)) * g, (Pm - Pm.mean(1, keepdim=True)) * g,
+                      ln.bias.detach().to(f64)[None]], 0), E, Pm
+
+
 def bert_pair_ranked(embeddings: nn.Module, adapter: nn.Module, grads: list[torch.Tensor], tokens: list[int],
                      num_positions: int, noise_std: float, sep: int, cls: int | None = None, per_token: int = 2,
                      sep_positions: int = 4, z: float = 2.0, reach_z: float = 5.0,
@@ -224,13 +235,8 @@ def bert_pair_ranked(embeddings: nn.Module, adapter: nn.Module, grads: list[torc
     if T == 0 or P < 3 or T + P + 1 > n or not noise_std:
         return None
     toks = torch.tensor(toks_l)
-    E = embeddings.word_embeddings.weight.detach().to(f64)[toks]
-    Pm = embeddings.position_embeddings.weight.detach().to(f64)[:P] \
-        + embeddings.token_type_embeddings.weight.detach().to(f64)[token_type]
+    M, E, Pm = embedding_basis(embeddings, toks_l, P, token_type)  # (T+P+1, n), as in bert_pair_decompose
     ln = embeddings.LayerNorm
-    g = ln.weight.detach().to(f64)
-    M = torch.cat([(E - E.mean(1, keepdim=True)) * g, (Pm - Pm.mean(1, keepdim=True)) * g,
-                   ln.bias.detach().to(f64)[None]], 0)  # (T+P+1, n), as in bert_pair_decompose
     G = stack_rows(grads)
     X = torch.linalg.lstsq(M.T, G.T).solution
     XA, XB = X[:T], X[T:T + P]
