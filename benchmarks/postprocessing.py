@@ -112,9 +112,18 @@ def reading(rows: list[dict]) -> str:
     unmeasured = len(ps) - len(measured)
     if not measured:
         return "No pair measured yet: the rule is untested here."
+    def same_as_dlg(p: dict) -> bool:  # APRIL's numbers are DLG's, raw and defended
+        dlg = next((q for q in measured if q["cell"] == p["cell"] and q["attack"] == "dlg"), None)
+        return dlg is not None and all(p[k].get(f) == dlg[k].get(f) for k in ("raw", "defended")
+                                       for f in ("value", "p_value"))
+
+    shared = sum(1 for p in measured if p["attack"] == "april" and same_as_dlg(p))
     head = (f"{len(measured)} (cell, attack) pairs over {cells_n} defended cells test the rule (the attack read none "
             f"on the same seed's raw upload)" + (f"; {unmeasured} more did not measure (undefined)" if unmeasured
-                                                  else "") + ". ")
+                                                  else "")
+            + (f"; in {shared} of them APRIL, with no PE term to read, is judged on DLG's run "
+               "(`gradleak.run.audit.shared_runs`), so {0} distinct runs".format(len(measured) - shared)
+               if shared else "") + ". ")
     if not broke:
         return head + "None rose above none on the defended upload: the rule held in every pair measured."
     return head + (f"{len(broke)} rose above none, so the rule does not hold here: "

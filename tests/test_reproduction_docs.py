@@ -29,7 +29,7 @@ SECTIONS = {
     "lora_vit": ["lora_vit", "lora_vit_intrinsic", "lora_vit_anchor_probe", "lora_vit_opt_cpu"],
     "leakage": ["leakage"], "anchor": ["anchor"], "flower_dp": ["flower_dp"], "flower_utility": ["flower_utility"],
     "advise": ["advise"], "defended": ["defended"], "optnoise": ["optnoise"], "dp_check": ["dp_check"],
-    "info_limit": ["info_limit"], "learned": ["learned"],
+    "info_limit": ["info_limit"], "postprocessing": ["postprocessing"], "learned": ["learned"],
 }
 #: one table cell of the revision column: short hashes (``+dirty``), ``committed with <hash>[, <hash>]``, ``not
 #: recorded``, ``–`` (no row), joined by ``; `` (an aggregate); advise's before/after table: ``<label> → <label>``
