@@ -123,6 +123,8 @@ def test_an_update_transform_in_the_defense_section_is_simulated():
     assert "'l2'" in LearnedWordBag.not_measurable_reason(l2)
 
 
+@pytest.mark.slow  # the real run (40-55 s); the simulated defenses are checked in the default suite by
+# test_an_update_transform_in_the_defense_section_is_simulated
 def test_decoder_trains_through_svt_named_in_the_defense_section(tmp_path, cache, minilm_available, one_thread):
     """The real run: under ``defense: nvflare_svt`` the attack runs (it was refused as training-time before), its
     decoder is another one than the undefended setup's (the cache key holds the simulated defenses), and it is graded
@@ -136,6 +138,8 @@ def test_decoder_trains_through_svt_named_in_the_defense_section(tmp_path, cache
     assert len(list(cache.glob("learned_wordbag/*.pt"))) == 2
 
 
+@pytest.mark.slow  # the real run (40-55 s); the simulated defenses are checked in the default suite by
+# test_an_update_transform_in_the_defense_section_is_simulated
 def test_decoder_trains_through_dp_sgd_and_reads_a_leak_its_tiny_noise_leaves(tmp_path, cache, minilm_available,
                                                                               one_thread):
     """DP-SGD at sigma 1e-6 (per-sample clipping, noise far below the signal): the decoder simulates the declared
