@@ -382,12 +382,9 @@ def source_digest() -> str:
     ``gradleak list``'s cached catalog (:mod:`gradleak.run.catalog`), so an edited registry entry is never stale."""
     import hashlib
 
-    pkg = Path(__file__).resolve().parent
-    h = hashlib.sha256(sys.prefix.encode())
-    for p in sorted(pkg.rglob("*.py")):
-        h.update(str(p.relative_to(pkg)).encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()[:20]
+    from gradleak import code_digest
+
+    return hashlib.sha256((sys.prefix + "\0" + code_digest()).encode()).hexdigest()[:20]
 
 
 def _cached(kind: str, build):

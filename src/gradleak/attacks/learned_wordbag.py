@@ -145,10 +145,7 @@ def defense_section_entry(view) -> dict | None:
     transform = getattr(getattr(declared, "training", None), "transform", None)
     if transform is None:
         return None
-    from gradleak.registry import DEFENSES
-
-    name = next(e.name for e in DEFENSES if e.obj is type(transform))
-    return {"name": name, "params": transform.cfg.model_dump()}
+    return {"name": training_name(transform), "params": transform.cfg.model_dump()}
 
 
 def _simulated_training(name: str) -> bool:
@@ -161,16 +158,23 @@ def _simulated_training(name: str) -> bool:
             and getattr(cls, "local_update", None) is not None)
 
 
-def simulated_training(view, seed: int):
-    """A copy of the declared training-time defense whose step the simulation runs (:func:`_simulated_training`),
-    drawing under ``seed`` (never the victims' noise), or None."""
+def _declared_training(view):
+    """The declared training-time defense object when the simulation runs its step (:func:`_simulated_training`),
+    else None."""
     from gradleak.defenses.declared import view_declared
 
     training = getattr(view_declared(view), "training", None)
     if training is None or getattr(training, "transform", None) is not None:
         return None
     name = training_name(training)
-    if name is None or not _simulated_training(name):
+    return training if name is not None and _simulated_training(name) else None
+
+
+def simulated_training(view, seed: int):
+    """A copy of the declared training-time defense whose step the simulation runs (:func:`_simulated_training`),
+    drawing under ``seed`` (never the victims' noise), or None."""
+    training = _declared_training(view)
+    if training is None:
         return None
     sim = copy.deepcopy(training)
     if hasattr(sim, "seed"):
@@ -179,7 +183,7 @@ def simulated_training(view, seed: int):
 
 
 def training_name(training) -> str | None:
-    """The registered name of a training-time defense object."""
+    """The registered name of a defense object (a training-time one, or the update transform of ``defense:``)."""
     from gradleak.registry import DEFENSES
 
     return next((e.name for e in DEFENSES if e.obj is type(training)), None)
@@ -187,11 +191,11 @@ def training_name(training) -> str | None:
 
 def training_entry(view) -> dict | None:
     """The simulated training-time defense as a cache-key entry (name and parameters), or None."""
-    sim = simulated_training(view, 0)
-    if sim is None:
+    training = _declared_training(view)  # the declared object itself: a key needs no copy
+    if training is None:
         return None
-    cfg = getattr(sim, "cfg", None)
-    return {"name": training_name(sim), "params": cfg.model_dump() if hasattr(cfg, "model_dump") else repr(cfg)}
+    cfg = getattr(training, "cfg", None)
+    return {"name": training_name(training), "params": cfg.model_dump() if hasattr(cfg, "model_dump") else repr(cfg)}
 
 
 def simulated_defenses(view) -> list[dict]:

@@ -68,7 +68,7 @@ from gradleak.errors import BadInput
 from gradleak.run.advise_options import (CANDIDATES, MEANINGFUL_EPSILON, STANDARD, STEPS, UTILITY_ROUNDS,
                                          advise_section, check_budget, check_utility_rounds)
 from gradleak.run.advise_carry import (Carry, carried_entry, carryable, noise_aware_variants, post_processing,
-                                       reference_job, spot_pick)
+                                       reference_job, spot_pick, variant_key)
 from gradleak.run.advise_utility import clip_fit, fitted_clip, improves
 from gradleak.run.advise_utility import utility_job as utility
 
@@ -716,7 +716,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         for p in plans:
             for rid, what in carry.needs(p[0], p[1]) if p else []:
                 names = list(carry.attacks) if what[0] == "plain" else [
-                    a for a in p[2] if what[2] in {json.dumps(v, sort_keys=True) for v in p[1].get(a, [])}]
+                    a for a in p[2] if what[2] in {variant_key(v) for v in p[1].get(a, [])}]
                 old = need.get(rid, (what, []))[1]
                 need[rid] = (what, sorted(set(old) | set(names)))
         if need:

@@ -64,7 +64,8 @@ def noise_aware_variants(defended_raw: dict, attacks: list[str]) -> dict[str, li
     return out
 
 
-def _vkey(v: dict) -> str:
+def variant_key(v: dict) -> str:
+    """A variant's parameters as one string (the key of its raw-upload reference)."""
     return json.dumps(v, sort_keys=True)
 
 
@@ -95,7 +96,7 @@ class Carry:
         out = []
         if batch not in self.plain:
             out.append((f"reference:raw@batch{batch}", ("plain", batch, None)))
-        for vk in sorted({_vkey(v) for vs in variants.values() for v in vs}):
+        for vk in sorted({variant_key(v) for vs in variants.values() for v in vs}):
             if (batch, vk) not in self.aware:
                 out.append((f"reference:raw@batch{batch}:{vk}", ("aware", batch, vk)))
         return out
@@ -117,7 +118,7 @@ class Carry:
             plain = ((self.plain.get(batch) or {}).get("attacks") or {}).get(a) or {}
             if plain.get("level") != "none":
                 continue
-            aware = [((self.aware.get((batch, _vkey(v))) or {}).get("attacks") or {}).get(a) or {}
+            aware = [((self.aware.get((batch, variant_key(v))) or {}).get("attacks") or {}).get(a) or {}
                      for v in variants.get(a, [])]
             if any(x.get("level") != "none" for x in aware):
                 continue
