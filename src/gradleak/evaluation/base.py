@@ -57,6 +57,24 @@ def _headline_decides(metrics: Mapping[str, Any], level: str) -> str | None:
     return None
 
 
+def _no_truth_fields(data, trial: int, batches: list, threat, cfg) -> tuple[dict, dict]:
+    return {}, {}
+
+
+def _no_hint(metrics: Mapping[str, Any]) -> str:
+    return ""
+
+
+def every_client_data(data, trial: int, batches: list, threat, cfg) -> tuple[dict, dict]:
+    """The truth fields of a unit that scores every client of the federation in one run (``scores_every_client``):
+    every client's training images (``client_inputs``), the held-out validation images (``client_validation``, the
+    IIP pool) and each client's local steps (``client_steps``, which pick the high-risk client); the server is
+    granted nothing more."""
+    steps = [p["epochs"] * -(-p["images"] // p["batch_size"]) for p in cfg.client_plan()]
+    return {}, {"client_inputs": [b[0] for b in batches], "client_validation": data.validation(),
+                "client_steps": steps}
+
+
 @dataclass(frozen=True)
 class EvaluationUnit:
     """Everything one reconstruction kind means, in one place.
@@ -72,7 +90,21 @@ class EvaluationUnit:
     * ``audit_fields(metrics)``: the audit entry's extra fields (samples reconstructed, units, intervals);
     * ``decided_by(metrics, level)``: the metric whose test decided ``grade``'s level (e.g. word-bag recall for a
       word-bag ``partial``), which the audit shows with *its* null (``<m>_null_p99``, ``<m>_p_value``) -- None: the
-      headline.
+      headline;
+    * ``rules``: the level rules in words, as the audit's report lists them (``levels.rules`` of audit.json; the
+      table of :mod:`gradleak.evaluation.levels` is their summary);
+    * ``scores_every_client``: one run scores every client of the federation, each client's metrics suffixed
+      ``<m>_client<c>`` (:meth:`clients_of`); the audit keeps the clients' own labels (a sum of updates is never
+      credited for them) and a round audit grades only the clients whose uploads it holds;
+    * ``counts_batch_samples``: ``audit_fields``' ``n_total`` counts the attacked batch's private samples (images,
+      sentences; not patches), so a round audit reads it from the truth it holds;
+    * ``draws_null_pool``: the null is drawn from public samples of the data's source (the membership kind's null is
+      its candidates: no pool is drawn for it);
+    * ``truth_fields(data, trial, batches, threat, cfg) -> (granted, fields)``: what the kind needs beside the
+      private batch -- ``granted``: public knowledge the server is given for it (membership: the candidates),
+      ``fields``: extra :class:`Truth` fields for the evaluation (membership labels; every client's data);
+    * ``undefined_hint(metrics)``: words appended to an ``undefined`` level's reason, naming the config field that
+      would make it measurable (membership without non-members: ``data.nonmembers``); "" when there is none.
     """
 
     kind: str
@@ -83,6 +115,32 @@ class EvaluationUnit:
     per_client: bool = False
     audit_fields: Callable[[Mapping[str, Any]], dict] = _no_fields
     decided_by: Callable[[Mapping[str, Any], str], "str | None"] = _headline_decides
+    rules: str = ""
+    scores_every_client: bool = False
+    counts_batch_samples: bool = False
+    draws_null_pool: bool = True
+    truth_fields: Callable[..., "tuple[dict, dict]"] = _no_truth_fields
+    undefined_hint: Callable[[Mapping[str, Any]], str] = _no_hint
+
+    def clients_of(self, metrics: Mapping[str, Any]) -> "list[tuple[int, dict]] | None":
+        """Every client's metrics of one run of a unit that scores every client (``<m>_client<c>`` -> client ``c``'s
+        ``<m>``), in client order; a run with no suffixed metric is client 0's. None for a unit that does not
+        (its run's clients are the pipeline's per-client records)."""
+        if not self.scores_every_client:
+            return None
+        import re
+
+        out: dict[int, dict] = {}
+        for k, v in metrics.items():
+            mt = re.fullmatch(r"(.+)_client(\d+)", k)
+            if mt:
+                out.setdefault(int(mt.group(2)), {})[mt.group(1)] = v
+        return sorted(out.items()) or [(0, dict(metrics))]
+
+    def client_suffix(self, client: Any) -> str:
+        """The suffix of a client's own metrics in the run's metrics (``_client<c>`` where :meth:`clients_of` split
+        them; "" otherwise)."""
+        return f"_client{client}" if self.scores_every_client else ""
 
 
 EVALUATORS: Registry[EvaluationUnit] = Registry("evaluator")

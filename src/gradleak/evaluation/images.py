@@ -179,7 +179,11 @@ def _audit_fields(m: Mapping[str, Any]) -> dict:
     return {"n_success": int(m.get("images_above_threshold", 0) or 0), "n_total": int(m.get("images_total", 0) or 0)}
 
 
+RULES = ("exact: an image at PSNR >= the threshold / strong: best-image SSIM beyond the null and >= 0.5 / partial: "
+         "best-image PSNR beyond the null (and the mean public, grey and best flat image)")
+
 UNIT = register(EvaluationUnit("images", evaluate_images, headline="psnr_max", grade=grade_images, sweep_metric="psnr",
                                per_client=True, audit_fields=_audit_fields,
-                               decided_by=decided_by_image_kind("images_above_threshold")),
+                               decided_by=decided_by_image_kind("images_above_threshold"), rules=RULES,
+                               counts_batch_samples=True),
                 "reconstructed images: order-free PSNR/SSIM/MSE, feature distance")

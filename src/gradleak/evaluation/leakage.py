@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
-from gradleak.evaluation.base import Evaluation, EvaluationUnit, Truth, attach_null, register
+from gradleak.evaluation.base import Evaluation, EvaluationUnit, Truth, attach_null, every_client_data, register
 from gradleak.evaluation.levels import STRONG_SSIM, bar, beyond, graded, number
 
 
@@ -208,5 +208,8 @@ def _audit_fields(m: Mapping[str, Any]) -> dict:
 
 UNIT = register(EvaluationUnit("leakage", evaluate_leakage, headline="rdlv", grade=grade_leakage,
                                sweep_metric="rdlv_high_risk_client", audit_fields=_audit_fields,
-                               decided_by=lambda m, level: {"exact": "psnr_max", "strong": "ssim"}.get(level, "rdlv")),
+                               decided_by=lambda m, level: {"exact": "psnr_max", "strong": "ssim"}.get(level, "rdlv"),
+                               rules="exact: a reconstruction at PSNR >= the threshold / strong: SSIM beyond the null "
+                                     "and >= 0.5 / partial: RDLV beyond the null (rdlv_excess > 0)",
+                               scores_every_client=True, truth_fields=every_client_data),
                 "per client and round: SSIM vs prior, RDLV with bootstrap 95 % interval, adjusted IIP")

@@ -203,7 +203,45 @@ def _audit_fields(m: Mapping[str, Any]) -> dict:
     return out
 
 
+def draw_candidates(data, trial, batches, threat, cfg):
+    """Per observed update: the server's candidates (the client's members + disjoint non-members, shuffled)
+    and, for the evaluation only, which of them are members."""
+    import random
+
+    rng = random.Random(cfg.seed * 7919 + trial)
+    observed = range(len(batches)) if threat.individual_updates else [None]
+    cands, member = {}, {}
+    for i, ci in enumerate(observed):
+        if ci is None:  # the secure-aggregation sum: every client's samples are members of it
+            mem = [t for b in batches for t in b[0]]
+            non = [t for c in range(len(batches)) for t in data.nonmembers(trial, c)]
+        else:
+            mem, non = list(batches[ci][0]), data.nonmembers(trial, ci)
+        pairs = [(t, True) for t in mem] + [(t, False) for t in non]
+        rng.shuffle(pairs)
+        cands[i] = [t for t, _ in pairs]
+        member[i] = [m for _, m in pairs]
+    return cands, member
+
+
+def membership_truth(data, trial, batches, threat, cfg) -> tuple[dict, dict]:
+    """The unit's ``truth_fields``: the candidates (:func:`draw_candidates`) are public knowledge the server is
+    granted (``public_data.candidates``); which of them are members goes to the evaluation alone."""
+    cands, member = draw_candidates(data, trial, batches, threat, cfg)
+    return {"public_data": {"candidates": cands}}, {"membership": member}
+
+
+def undefined_hint(m: Mapping[str, Any]) -> str:
+    """What an undefined membership level lacks: without non-member candidates nothing can be told apart."""
+    return "" if (m.get("nonmembers") or 0) else " -- no non-member candidates: set data.nonmembers (e.g. 100)"
+
+
+RULES = ("strong: TPR at 1 % FPR >= 0.1 and beyond the null, graded only with >= 100 non-members (fewer cannot "
+         "resolve a 1 % FPR) / partial: |AUC - 0.5| beyond the null, or with fewer non-members the TPR at FPR 0 >= "
+         "0.1 and beyond the null")
+
 UNIT = register(EvaluationUnit("membership", evaluate_membership, headline="auc", grade=grade_membership,
                                sweep_metric="auc", audit_fields=_audit_fields,
-                               decided_by=decided_by),
+                               decided_by=decided_by, rules=RULES, draws_null_pool=False,
+                               truth_fields=membership_truth, undefined_hint=undefined_hint),
                 "membership scores: ROC AUC, TPR at 1 % / 0.1 % FPR, per layer")

@@ -93,7 +93,9 @@ def _audit_fields(m: Mapping[str, Any]) -> dict:
             "unit": "image patches"}
 
 
+RULES = "exact: patches recovered at PSNR >= the threshold / strong, partial: as images"
+
 UNIT = register(EvaluationUnit("patches", evaluate_patches, headline="psnr_max", grade=grade_patches,
                                sweep_metric="psnr", per_client=True, audit_fields=_audit_fields,
-                               decided_by=decided_by_image_kind("patches_exact")),
+                               decided_by=decided_by_image_kind("patches_exact"), rules=RULES),
                 "PEFTLeak patches: recovery rate, grouping, image PSNR/SSIM")

@@ -226,7 +226,10 @@ def _audit_fields(m: Mapping[str, Any]) -> dict:
             "unit": "sentences"}
 
 
+RULES = ("exact: a sentence word for word / strong: ROUGE-2 F1 beyond the null (and the word bag in random order) "
+         "and >= 50 / partial: word-bag recall (or ROUGE-1 F1) beyond the null")
+
 UNIT = register(EvaluationUnit("token_sequences", evaluate_tokens, headline="rouge1_f1", grade=grade_tokens,
                                sweep_metric="rouge1", per_client=True, audit_fields=_audit_fields,
-                               decided_by=decided_by_tokens),
+                               decided_by=decided_by_tokens, rules=RULES, counts_batch_samples=True),
                 "text: ROUGE recall and F1, exact sentences, word bag, verified sentences")

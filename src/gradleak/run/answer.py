@@ -6,7 +6,7 @@ gives the unit's headline metric beside its chance level -- the bar the level ru
 99th percentile, raised to a trivial reference where the unit has one, :func:`gradleak.evaluation.levels.bar`) --
 and the level of :func:`gradleak.evaluation.levels.grade`, led by the samples recovered exactly where the unit counts
 them (its ``audit_fields``). Every attacked client is graded as the audit grades it
-(:func:`gradleak.run.audit.client_metric_sets`); the most leaking one is the answer. E.g. "PEFTLeak recovered 128 of
+(:func:`gradleak.run.answer.client_metric_sets`); the most leaking one is the answer. E.g. "PEFTLeak recovered 128 of
 128 image patches exactly: best-image PSNR 102 dB against chance at 19.3 dB (level exact)."
 """
 
@@ -45,17 +45,14 @@ def attack_title(A, name: str) -> str:
 
 def client_metric_sets(kind: str, metrics: dict, per_client: list[dict] | None = None) -> list[tuple[Any, dict]]:
     """``[(client, metrics)]`` of one run: the per-client results of ``metrics.attack_clients: all`` (else the run's
-    metrics, client 0); for the leakage kind every client's ``*_client<c>`` metrics (last attacked round). The audit
-    grades each of them (:func:`gradleak.run.audit.judge`), and so does the answer."""
-    if kind == "leakage":
-        import re
+    metrics, client 0); for a unit that scores every client in one run (the leakage kind) every client's
+    ``*_client<c>`` metrics (last attacked round; :meth:`~gradleak.evaluation.base.EvaluationUnit.clients_of`). The
+    audit grades each of them (:func:`gradleak.run.audit_judge.judge`), and so does the answer."""
+    from gradleak.evaluation import EVALUATORS
 
-        out: dict[int, dict] = {}
-        for k, v in metrics.items():
-            mt = re.fullmatch(r"(.+)_client(\d+)", k)
-            if mt:
-                out.setdefault(int(mt.group(2)), {})[mt.group(1)] = v
-        return sorted(out.items()) or [(0, dict(metrics))]
+    every = EVALUATORS.get(kind).clients_of(metrics) if kind in EVALUATORS else None
+    if every is not None:
+        return every
     if per_client:
         return [(p.get("client", 0) if p.get("trial", 0) in (0, None) else f"{p.get('client', 0)}@trial{p['trial']}",
                  p["metrics"]) for p in per_client]
@@ -127,7 +124,7 @@ def run_answer(results: dict) -> dict | None:
     server = (server_words(SimpleNamespace(**{k: threat.get(k) for k in ("malicious", "prescribes_architecture",
                                                                           "public_data")}))
               if isinstance(threat, dict) and "malicious" in threat else None)
-    suffix_keys = f"_client{j['client']}" if kind == "leakage" else ""
+    suffix_keys = unit.client_suffix(j["client"])
     keys = [k for k in (f"{head}{suffix_keys}", f"{head}_null_median{suffix_keys}", f"{head}_null_p99{suffix_keys}",
                         f"{head}_p_value{suffix_keys}") if k in metrics]
     aside = ([f"null median {num(j['null_median'])}{suffix}"] if ok(j["null_median"]) else []) + (

@@ -21,7 +21,7 @@ import torch
 
 from gradleak.errors import BadInput, TrainingDiverged
 from gradleak.evaluation import Truth, evaluate, unit
-from gradleak.evaluation.membership import split_by_guarantee
+from gradleak.evaluation.membership import draw_candidates as _candidates, split_by_guarantee
 from gradleak.config.schema import ExperimentConfig
 from gradleak.modalities import final_global_model, jsonable, modality_of
 
@@ -327,27 +327,6 @@ def clients_and_truth(handle, batches, loss_fn, dev, threat, cfg):
     truth = mod.truth(handle, kept_all[victim], raw_all, lengths, labels, threat, cfg, knowledge)
     truth["_knowledge"] = knowledge
     return clients, truth
-
-
-def _candidates(data, trial, batches, threat, cfg):
-    """Per observed update: the server's candidates (the client's members + disjoint non-members, shuffled)
-    and, for the evaluation only, which of them are members."""
-    import random
-
-    rng = random.Random(cfg.seed * 7919 + trial)
-    observed = range(len(batches)) if threat.individual_updates else [None]
-    cands, member = {}, {}
-    for i, ci in enumerate(observed):
-        if ci is None:  # the secure-aggregation sum: every client's samples are members of it
-            mem = [t for b in batches for t in b[0]]
-            non = [t for c in range(len(batches)) for t in data.nonmembers(trial, c)]
-        else:
-            mem, non = list(batches[ci][0]), data.nonmembers(trial, ci)
-        pairs = [(t, True) for t in mem] + [(t, False) for t in non]
-        rng.shuffle(pairs)
-        cands[i] = [t for t, _ in pairs]
-        member[i] = [m for _, m in pairs]
-    return cands, member
 
 
 def round_defenses_and_loss(cfg: ExperimentConfig, handle, model):

@@ -1,7 +1,7 @@
 """The audit of one recorded round of a framework's federation (Flower, NVFlare): every applicable attack on each
 client's own upload, scored against the client's data when a simulation knows it, and judged by the one judging
-step the CLI audit uses (:func:`gradleak.run.audit.judge`), with the one entry shape of ``audit.json``
-(:func:`gradleak.run.audit.client_row` per client, the worst client's judgement on the entry; docs/DESIGN.md §7).
+step the CLI audit uses (:func:`gradleak.run.audit_judge.judge`), with the one entry shape of ``audit.json``
+(:func:`gradleak.run.audit_judge.client_row` per client, the worst client's judgement on the entry; docs/DESIGN.md §7).
 
 * :func:`attack_view` — one attack on one view of the round, as the pipeline's trial body runs it (the public
   knowledge its threat grants, the evaluation step with the truth fields its kind needs), then :func:`judged_rows`:
@@ -10,14 +10,14 @@ step the CLI audit uses (:func:`gradleak.run.audit.judge`), with the one entry s
 * :class:`RoundAudit` — an ``on_round`` callback over :class:`~gradleak.fl.recorded.RecordedRound`: every client of
   the round attacked on its own upload (the view's first update is the attacked one; the leakage kind: every client in
   one run, as the pipeline attacks it); under secure aggregation the one sum, against every client's data. It plans
-  with ``gradleak audit``'s gate (:func:`gradleak.run.audit.gate_attack`: an attack that needs a server capability a
+  with ``gradleak audit``'s gate (:func:`gradleak.run.audit_plan.gate_attack`: an attack that needs a server capability a
   dishonest server can take -- public data: GradViT's prior, the BN inversion's dataset mean -- runs under that
   upgrade and counts only under it) and runs each attack at full strength
-  (:func:`gradleak.run.audit.full_strength_variants`, the most leaking variant is the evidence), so a round audit
+  (:func:`gradleak.run.audit_plan.full_strength_variants`, the most leaking variant is the evidence), so a round audit
   measures the attacks ``gradleak audit`` measures on the same config, at the same levels (the attacks that poison the
   weights the server sends are the exception: not run on a recorded honest round).
   Writes ``OUT/round_<r>/audit.json`` with the report's fields
-  (:func:`gradleak.run.audit.report_context`) and ``OUT/round_<r>/report.html`` beside it, by the report code of
+  (:func:`gradleak.run.audit_words.report_context`) and ``OUT/round_<r>/report.html`` beside it, by the report code of
   ``gradleak audit`` (:func:`write_round`; ``gradleak report OUT/round_<r>/audit.json`` rebuilds it). The Flower audit
   (:class:`gradleak.integrations.flower.FlowerAudit`) adds ``--advise`` to it; the NVFlare result filter
   (:mod:`gradleak.integrations.nvflare`) calls it per round.
@@ -122,21 +122,26 @@ def attack_view(name: str, cfg, handle, view, truth: dict | None, *, device, nul
 
 def judged_rows(kind: str, client, res: dict, cfg, n_truth: int | None = None) -> list[dict]:
     """The per-client rows of one attacked view's result (:func:`attack_view`): each client's metrics
-    (:func:`gradleak.run.answer.client_metric_sets`: the leakage kind grades every client of the run, the other kinds
-    the attacked ``client``) judged by :func:`gradleak.run.audit.judge`, as ``gradleak audit`` judges them."""
-    from gradleak.run.audit import judge, client_metric_sets
+    (:func:`gradleak.run.answer.client_metric_sets`: a unit that scores every client in one run -- the leakage kind --
+    grades every client of the run, the other kinds the attacked ``client``) judged by
+    :func:`gradleak.run.audit_judge.judge`, as ``gradleak audit`` judges them; a unit whose ``n_total`` counts the batch's
+    private samples has it from the truth (``n_truth``)."""
+    from gradleak.evaluation import unit
+    from gradleak.run.answer import client_metric_sets
+    from gradleak.run.audit_judge import judge
 
     if "metrics" not in res:
         return [{"client": client, **res}]
+    u = unit(kind)
     sets = client_metric_sets(kind, res["metrics"])
     rows = []
     for c, mets in sets:
         one = judge(kind, mets, cfg)
-        if one.get("n_total") is not None and kind not in ("patches", "leakage") and n_truth is not None:
+        if one.get("n_total") is not None and u.counts_batch_samples and n_truth is not None:
             one["n_total"] = int(n_truth)
         if res.get("warning"):
             one["warnings"] = [str(res["warning"])]
-        rows.append({"client": c if kind == "leakage" else client, **one})
+        rows.append({"client": c if u.scores_every_client else client, **one})
     return rows
 
 
@@ -148,9 +153,11 @@ def _summed(threat):
 
 def fold_clients(entry: dict, rows: list[dict], threat) -> None:
     """Put the per-client outcomes ``rows`` (``{"client", ...}``: :func:`judged_rows`) on ``entry`` in the one shape:
-    ``per_client`` (:func:`gradleak.run.audit.client_row` each), the most leaking client's judgement,
+    ``per_client`` (:func:`gradleak.run.audit_judge.client_row` each), the most leaking client's judgement,
     ``worst_client``; an attack that ran on no client is not applicable (refused) or failed, with the reason."""
-    from gradleak.run.audit import client_row, leak_rank, server_words
+    from gradleak.evaluation.levels import leak_rank
+    from gradleak.run.answer import server_words
+    from gradleak.run.audit_judge import client_row
 
     ran = [o for o in rows if "success" in o]
     if not ran:
@@ -201,7 +208,7 @@ class RoundAudit:
                  truth: Callable[[int], list] | None = None, device: str = "cpu", log: Callable[[str], Any] = print,
                  command: str = ""):
         from gradleak.registry import ATTACKS
-        from gradleak.run.audit import attack_names, full_strength_variants, gate_attack, left_out_split
+        from gradleak.run.audit_plan import attack_names, full_strength_variants, gate_attack, left_out_split
         from gradleak.run.pipeline import build_handle
         from gradleak.run.runner import validate
 
@@ -283,8 +290,11 @@ class RoundAudit:
     def null_pool_of(self, cfg):
         """Chance for the levels of one attack's run, as the pipeline draws it for that run (its data's held-out
         samples no client holds: :meth:`data_of`); the config's pool when the attack's data cannot be built; None
-        for the membership kind (its null is the candidates') or with ``metrics.null`` off."""
-        if not cfg.metrics.null or cfg.attack_cls.reconstruction == "membership":
+        for a unit that draws no pool (the membership kind: its null is the candidates') or with ``metrics.null``
+        off."""
+        from gradleak.evaluation import unit
+
+        if not cfg.metrics.null or not unit(cfg.attack_cls.reconstruction).draws_null_pool:
             return None
         data = self.data_of(cfg)
         if data is None:
@@ -303,12 +313,13 @@ class RoundAudit:
         config's): each client on its own upload (first in its view) when the attack's evaluation unit grades clients
         apart, as the pipeline's :func:`~gradleak.run.pipeline.attacked_clients` picks them; else the view as recorded
         (the leakage kind: every client of the round in one run), or the one sum against every client's data.
-        The truth carries what the pipeline's evaluation step gets beside it (``_fields``: membership, the leakage
-        kind's per-client data) and the view what the pipeline's server is granted (the prior image)."""
+        The truth carries what the pipeline's evaluation step gets beside it (``_fields``: the unit's
+        ``truth_fields``, e.g. membership labels, the leakage kind's per-client data) and the view what the pipeline's
+        server is granted (the prior image; the unit's granted knowledge, e.g. the membership candidates)."""
         from gradleak.evaluation import unit
         from gradleak.fl.core import default_classification_loss
         from gradleak.modalities import modality_of
-        from gradleak.run.pipeline import _candidates, always_public, clients_and_truth
+        from gradleak.run.pipeline import always_public, clients_and_truth
 
         h, base, model = self.handle, cfg or self.cfg, self.handle.model
         kind = base.attack_cls.reconstruction
@@ -340,14 +351,9 @@ class RoundAudit:
                 fields: dict[str, Any] = {}
                 if data is not None:
                     modality_of(base).trial_knowledge(base, data, knowledge)  # e.g. a prior image the server holds
-                    if kind == "membership":
-                        cands, membership = _candidates(data, 0, batches, threat, base)
-                        knowledge["public_data"] = {"candidates": cands}
-                        fields["membership"] = membership
-                    if kind == "leakage":  # every client's training and validation images (per-client evaluation)
-                        fields.update(client_inputs=[b[0] for b in batches], client_validation=data.validation(),
-                                      client_steps=[p["epochs"] * -(-p["images"] // p["batch_size"])
-                                                    for p in base.client_plan()])
+                    granted, extra = unit(kind).truth_fields(data, 0, batches, threat, base)
+                    knowledge.update(granted)  # e.g. the membership candidates
+                    fields.update(extra)  # e.g. membership labels, every client's data (the leakage kind)
                 truth["_fields"] = fields
             view = view_of([r_v], model=model, threat=threat, knowledge=knowledge, always_public=always)
             out.append(("sum" if v is None else rec.updates[v].client_id, view, truth))
@@ -355,7 +361,7 @@ class RoundAudit:
 
     def audit(self, rec: RecordedRound) -> dict:
         """The round's result (not written): every plan on every target, judged, with the verdict."""
-        from gradleak.run.audit import verdict_and_headline
+        from gradleak.run.audit_judge import verdict_and_headline
         from gradleak.run.audit_report import attack_line
 
         t_round = time.perf_counter()
@@ -376,15 +382,16 @@ class RoundAudit:
 
     def audit_attack(self, name: str, run: dict, rec: RecordedRound, rdir: Path, threat) -> dict:
         """One attack's entry for round ``rec``: every full-strength variant
-        (:func:`gradleak.run.audit.full_strength_variants`, the parameter sets ``gradleak audit`` runs) on every
+        (:func:`gradleak.run.audit_plan.full_strength_variants`, the parameter sets ``gradleak audit`` runs) on every
         target of the round, under the threat the gate ran it under (the configured one, or the smallest server
         upgrade: then applicable only under it, as gradleak audit reports it); the most leaking variant's clients are
         the entry's (:func:`fold_clients`), each variant's worst level and client rows in ``per_variant`` (a client's
         own audit, e.g. :func:`gradleak.integrations.flower.client_scorer`, takes its own most leaking variant: one
         of these rows)."""
+        from gradleak.evaluation import unit
         from gradleak.evaluation.levels import leak_rank
         from gradleak.modalities import modality_of
-        from gradleak.run.audit import client_row
+        from gradleak.run.audit_judge import client_row
 
         cfgs, variants = run["cfgs"], run["variants"]
         kind = cfgs[0].attack_cls.reconstruction
@@ -403,7 +410,7 @@ class RoundAudit:
                                   null_pool=self.null_pool_of(cfg) if truth is not None else None,
                                   out_dir=out_dir, public=public, truth_fields=fields)
                 rows += judged_rows(kind, cid, res, cfg, len(truth["labels"]) if truth is not None else None)
-            if kind == "leakage" and not rec.aggregated:
+            if unit(kind).scores_every_client and not rec.aggregated:
                 # the leakage kind grades every client of the federation in one run; a round that holds only some
                 # clients' uploads (the NVFlare filter audits each client on its own) is graded on those alone (the
                 # others read as withheld: the prior, RDLV 0, which is not what they sent)
@@ -447,7 +454,7 @@ class RoundAudit:
             if opts is not None and declares_dp(cfg):
                 t0 = time.perf_counter()
                 try:
-                    from gradleak.run.audit import candidate
+                    from gradleak.run.audit_plan import candidate
 
                     raw = copy.deepcopy(self.raw)
                     raw.setdefault("fl", {})["rounds"] = 1  # the recorded round, replayed
@@ -471,9 +478,9 @@ class RoundAudit:
 
     def report_fields(self, entries: list[dict]) -> dict:
         """What a round's ``audit.json`` holds for the report beside its attacks (``gradleak audit``'s fields,
-        :func:`gradleak.run.audit.report_context`, computed once), with the attacks not run and the undefined ones."""
+        :func:`gradleak.run.audit_words.report_context`, computed once), with the attacks not run and the undefined ones."""
         if self._context is None:
-            from gradleak.run.audit import report_context
+            from gradleak.run.audit_words import report_context
             from gradleak.run.evidence import evidence_record  # never raises
 
             self._context = report_context(self.raw, self.cfg, self.command)
