@@ -451,36 +451,44 @@ def banner_colour(verdict: str) -> str:
             "undefined": "#555555"}.get(verdict, "#555555")
 
 
-def write_audit_report(result: dict, out: Path) -> Path:
-    """One self-contained HTML page: verdict banner, what to do next, setup, threat, per-attack table (attacks for
-    another modality on one line), evidence worst first (one row per attacked client, the worst first: its originals
-    beside its own reconstructions, :func:`_image_evidence`), reproducibility."""
+def _applicable_words(a: dict) -> str:
+    return "yes" if a.get("applicable") else ("under upgrade" if a.get("applicable_under") == "upgraded" else "no")
+
+
+def _deciding_measure(a: dict, ev: dict) -> str:
+    """The attack table's "deciding measure" cell: the metric that decided the level and its value, the seeds' worst
+    and median, the headline beside it when another metric decided, and the counts it rests on."""
+    val = ev.get("value")
+    if not (_number(val) and "level" in a):
+        return "–"
+    return (f"{ev['metric']} = {fmt_value(val)}"
+            + (f" (worst of {len(a['per_seed'])} seeds; median {fmt_value(a.get('median'))})"
+               if a.get("per_seed") and "median" in a and not ev.get("headline") else "")
+            + (f"; headline {ev['headline']['metric']} = {fmt_value(ev['headline'].get('value'))}"
+               if ev.get("headline") else "")
+            + (f"; on {a['sample']}" if a.get("sample") else ""))
+
+
+def attack_row(a: dict) -> str:
+    """One attack's row of the report's attack table (the metric that decided the level, beside its own null)."""
     e = html.escape
-    out = Path(out)
-    colour = banner_colour(result["verdict"])
-    groups = not_run_groups(result)
-    grouped = {n for v in groups["other_modality"].values() for n in v}
+    ev = shown_evidence(a)
+    judged = "level" in a
+    cells = (a["name"], _applicable_words(a), a.get("threat_words", a.get("threat", "–")), a.get("level", "not run"),
+             _deciding_measure(a, ev), fmt_value(ev.get("null_p99")) if judged else "–",
+             fmt_p(ev.get("p_value"), bare=True) if judged else "–",
+             client_words(a["worst_client"]) if "worst_client" in a else "–",
+             f"{a['n_success']} / {a['n_total']}" if a.get("n_success") is not None else "–",
+             f"{a['seconds']:.0f} s" if "seconds" in a else "–",
+             "; ".join(x for x in (a.get("rule", "") if judged else "", a.get("reason", "")) if x))
+    return "<tr>" + "".join(f"<td>{e(str(x))}</td>" for x in cells) + "</tr>"
+
+
+def grouped_rows(groups: dict) -> list[str]:
+    """The attack table's grouped rows (:func:`not_run_groups`): the attacks ``--only`` left out, the attacks of
+    another modality (one row per modality), and the left-out attacks that could not run here anyway."""
+    e = html.escape
     rows = []
-    for a in result["attacks"]:
-        if a["name"] in grouped:
-            continue
-        ev = shown_evidence(a)  # the metric that decided the level, beside its own null
-        val = ev.get("value")
-        rows.append("<tr>" + "".join(f"<td>{e(str(x))}</td>" for x in (
-            a["name"], "yes" if a.get("applicable") else ("under upgrade" if a.get("applicable_under") == "upgraded" else "no"),
-            a.get("threat_words", a.get("threat", "–")), a.get("level", "not run"),
-            (f"{ev['metric']} = {fmt_value(val)}"
-             + (f" (worst of {len(a['per_seed'])} seeds; median {fmt_value(a.get('median'))})"
-                if a.get("per_seed") and "median" in a and not ev.get("headline") else "")
-             + (f"; headline {ev['headline']['metric']} = {fmt_value(ev['headline'].get('value'))}"
-                if ev.get("headline") else "")
-             + (f"; on {a['sample']}" if a.get("sample") else ""))
-            if _number(val) and "level" in a else "–",
-            fmt_value(ev.get("null_p99")) if "level" in a else "–", fmt_p(ev.get("p_value"), bare=True) if "level" in a else "–",
-            client_words(a["worst_client"]) if "worst_client" in a else "–",
-            f"{a['n_success']} / {a['n_total']}" if a.get("n_success") is not None else "–",
-            f"{a['seconds']:.0f} s" if "seconds" in a else "–",
-            "; ".join(x for x in (a.get("rule", "") if "level" in a else "", a.get("reason", "")) if x))) + "</tr>")
     if groups["left_out"]:
         rows.append(f'<tr class="grouped"><td>{len(groups["left_out"])} '
                     + ("applicable, not run" if groups["left_out_known"] else "left out")
@@ -496,54 +504,114 @@ def write_audit_report(result: dict, out: Path) -> Path:
                     + f"<td>not applicable to this setup (and left out by {e(groups['by'])}): " + e("; ".join(
                         f"{x['name']}: {short_reason(x.get('reason', ''))}" for x in groups["left_out_not_applicable"]))
                     + "</td></tr>")
-    evidence = []
-    from gradleak.evaluation.levels import level_rank
+    return rows
 
-    ran = sorted([a for a in result["attacks"] if "level" in a], key=lambda a: (-level_rank(a["level"]), a["name"]))
-    for a in ran:
-        parts = [f"<h3>{e(a['name'])} — {e(a['level'].upper())} ({e(a.get('rule', ''))})</h3>"]
-        if a["level"] != "undefined":
-            parts.append(f'<p class="decided">Decided by: {e(evidence_words(a))}'
-                         + (f"; the evidence is {e(client_words(a['worst_client']))}" if "worst_client" in a else "")
-                         + "</p>")
-        for w in dict.fromkeys(a.get("warnings") or []):
-            parts.append(f'<p class="warning"><b>Warning:</b> {e(str(w))}</p>')
-        for layer, m in (a.get("leakage_margin") or {}).items():
-            sm = m.get("spectral_margin")
-            parts.append(f'<p class="margin">Leakage margin ({e(layer)}): '
-                         + (f"the weakest direction the attack used stands {fmt_value(sm)}x the noise edge; "
-                            if isinstance(sm, float) and sm == sm else "no declared noise; ")
-                         + f"noise of per-coordinate std {fmt_value(m.get('drowning_noise_std'))} would drown it, "
-                         f"{fmt_value(m.get('drowning_noise_std_all'))} every direction of this upload.</p>")
-        if a.get("per_client") and len(a["per_client"]) > 1:
-            crow = []
-            for c in a["per_client"]:
-                cv = shown_evidence({"metric": a.get("metric"), **c})  # a client's entry: no headline name of its own
-                crow.append(f"<tr><td>{e(client_words(c['client']))}</td><td>{e(c['level'])}</td>"
-                            f"<td>{e(str(cv.get('metric') or ''))} = {fmt_value(cv.get('value'))}"
-                            f"{e('; on ' + c['sample']) if c.get('sample') else ''}</td>"
-                            f"<td>{fmt_value(cv.get('null_p99'))}</td><td>{fmt_p(cv.get('p_value'), bare=True)}</td>"
-                            f"<td>{e('; '.join(c.get('warnings') or []))}</td></tr>")
-            parts.append("<table><tr><th>client</th><th>level</th><th>deciding measure</th><th>null p99</th><th>p</th>"
-                         "<th>this client's warnings</th></tr>" + "".join(crow) + "</table>")
-        if a.get("per_variant"):
-            parts.append("<p>full-strength settings tried: " + e("; ".join(
-                f"{json.dumps(v['variant']) if isinstance(v['variant'], dict) else v['variant']} (seed {v['seed']}): "
-                f"{v['level']}, {fmt_value(v.get('value'))}" for v in a["per_variant"])) + "</p>")
-        if a.get("out"):
-            parts.append(_image_evidence(a, out))
-        if a.get("evidence_rows"):
-            tr = []
-            for r in a["evidence_rows"]:
-                exact = r["reference"].lower().split() == str(r["reconstruction"]).lower().split()
-                style = ' style="background:#ffd6d6"' if exact else ""
-                tr.append(f"<tr{style}><td>{e(r['reference'])}</td><td>{e(str(r['reconstruction']))}</td>"
-                          f"<td>{'exact' if exact else ''}</td></tr>")
-            parts.append("<table><tr><th>private</th><th>reconstruction</th><th></th></tr>" + "".join(tr) + "</table>")
-        if a.get("out") and (out / str(a["out"]) / "report.html").is_file():  # a round audit's attack has none
-            parts.append(f'<p><a href="{e(a["out"])}/report.html">full report of this attack</a></p>')
-        evidence.append("\n".join(parts))
-    lv = result["levels"]
+
+def attack_table_rows(result: dict) -> list[str]:
+    """Every row of the report's attack table: one per attack, the attacks of another modality and those ``--only``
+    left out grouped (:func:`grouped_rows`)."""
+    groups = not_run_groups(result)
+    grouped = {n for v in groups["other_modality"].values() for n in v}
+    return [attack_row(a) for a in result["attacks"] if a["name"] not in grouped] + grouped_rows(groups)
+
+
+def _margin_lines(a: dict) -> list[str]:
+    """The leakage margin per attacked layer: how far the declared noise is from drowning what the attack read."""
+    out = []
+    for layer, m in (a.get("leakage_margin") or {}).items():
+        sm = m.get("spectral_margin")
+        out.append(f'<p class="margin">Leakage margin ({html.escape(layer)}): '
+                   + (f"the weakest direction the attack used stands {fmt_value(sm)}x the noise edge; "
+                      if isinstance(sm, float) and sm == sm else "no declared noise; ")
+                   + f"noise of per-coordinate std {fmt_value(m.get('drowning_noise_std'))} would drown it, "
+                   f"{fmt_value(m.get('drowning_noise_std_all'))} every direction of this upload.</p>")
+    return out
+
+
+def _client_table(a: dict) -> str:
+    """Every attacked client of the evidence run, its level and deciding measure beside its null and its own
+    warnings ("" with one client)."""
+    e = html.escape
+    if not (a.get("per_client") and len(a["per_client"]) > 1):
+        return ""
+    crow = []
+    for c in a["per_client"]:
+        cv = shown_evidence({"metric": a.get("metric"), **c})  # a client's entry: no headline name of its own
+        crow.append(f"<tr><td>{e(client_words(c['client']))}</td><td>{e(c['level'])}</td>"
+                    f"<td>{e(str(cv.get('metric') or ''))} = {fmt_value(cv.get('value'))}"
+                    f"{e('; on ' + c['sample']) if c.get('sample') else ''}</td>"
+                    f"<td>{fmt_value(cv.get('null_p99'))}</td><td>{fmt_p(cv.get('p_value'), bare=True)}</td>"
+                    f"<td>{e('; '.join(c.get('warnings') or []))}</td></tr>")
+    return ("<table><tr><th>client</th><th>level</th><th>deciding measure</th><th>null p99</th><th>p</th>"
+            "<th>this client's warnings</th></tr>" + "".join(crow) + "</table>")
+
+
+def _rows_table(a: dict) -> str:
+    """The evidence's private samples beside their reconstructions, an exact one highlighted ("" without rows)."""
+    e = html.escape
+    if not a.get("evidence_rows"):
+        return ""
+    tr = []
+    for r in a["evidence_rows"]:
+        exact = r["reference"].lower().split() == str(r["reconstruction"]).lower().split()
+        style = ' style="background:#ffd6d6"' if exact else ""
+        tr.append(f"<tr{style}><td>{e(r['reference'])}</td><td>{e(str(r['reconstruction']))}</td>"
+                  f"<td>{'exact' if exact else ''}</td></tr>")
+    return "<table><tr><th>private</th><th>reconstruction</th><th></th></tr>" + "".join(tr) + "</table>"
+
+
+def evidence_section(a: dict, out: Path) -> str:
+    """One judged attack's evidence: its level and rule, what decided it and on which client, its warnings, the
+    leakage margin, every client's row, the full-strength settings tried, the images (:func:`_image_evidence`) or
+    sentences, and the link to the attack's own report."""
+    e = html.escape
+    parts = [f"<h3>{e(a['name'])} — {e(a['level'].upper())} ({e(a.get('rule', ''))})</h3>"]
+    if a["level"] != "undefined":
+        parts.append(f'<p class="decided">Decided by: {e(evidence_words(a))}'
+                     + (f"; the evidence is {e(client_words(a['worst_client']))}" if "worst_client" in a else "")
+                     + "</p>")
+    for w in dict.fromkeys(a.get("warnings") or []):
+        parts.append(f'<p class="warning"><b>Warning:</b> {e(str(w))}</p>')
+    parts += _margin_lines(a)
+    clients = _client_table(a)
+    if clients:
+        parts.append(clients)
+    if a.get("per_variant"):
+        parts.append("<p>full-strength settings tried: " + e("; ".join(
+            f"{json.dumps(v['variant']) if isinstance(v['variant'], dict) else v['variant']} (seed {v['seed']}): "
+            f"{v['level']}, {fmt_value(v.get('value'))}" for v in a["per_variant"])) + "</p>")
+    if a.get("out"):
+        parts.append(_image_evidence(a, out))
+    rows = _rows_table(a)
+    if rows:
+        parts.append(rows)
+    if a.get("out") and (out / str(a["out"]) / "report.html").is_file():  # a round audit's attack has none
+        parts.append(f'<p><a href="{e(a["out"])}/report.html">full report of this attack</a></p>')
+    return "\n".join(parts)
+
+
+def _defense_items(ds: list[dict] | None) -> list[str]:
+    """The defenses this setup accepts, per stage (facts, not advice; None: an older audit.json without them)."""
+    e = html.escape
+    if ds is None:
+        return ["<li>Defenses that apply: not recorded in this audit.json (rerun the audit); "
+                "<code>gradleak list</code> lists every defense.</li>"]
+    out = []
+    for stage, where in (("update", "<code>defenses: [{name, params}]</code>, on each upload"),
+                         ("training", "<code>defense: {name, ...}</code>, in local training")):
+        names = [d for d in ds if d["stage"] == stage]
+        if names:
+            out.append(f"<li>Defenses this setup accepts ({where}): " + ", ".join(
+                f'<b title="{e(d["summary"])}">{e(d["name"])}</b>' for d in names)
+                + " (<code>gradleak list</code> describes each and its parameters).</li>")
+    return out
+
+
+def next_steps_items(result: dict) -> list[str]:
+    """The "What to do next" list (:func:`next_steps`' facts in words): the leaking attacks, the deployment facts
+    that kept an attack from running and the ``--set`` that grants them, the defenses this setup accepts, how to
+    measure one, and where the advice is (``--advise``) when this audit has none."""
+    e = html.escape
     nxt = next_steps(result)
     todo = []
     if nxt["leaking"]:
@@ -561,17 +629,7 @@ def write_audit_report(result: dict, out: Path) -> Path:
                     + f"; if your deployment leaks {'it' if len(flags) == 1 else 'them'}, rerun with <code>"
                     + e(" ".join(f"--set {f}=true" for f in flags)) + "</code>.</li>")
     ds = nxt["defenses"]
-    if ds is None:
-        todo.append("<li>Defenses that apply: not recorded in this audit.json (rerun the audit); "
-                    "<code>gradleak list</code> lists every defense.</li>")
-    elif ds:
-        for stage, where in (("update", "<code>defenses: [{name, params}]</code>, on each upload"),
-                             ("training", "<code>defense: {name, ...}</code>, in local training")):
-            names = [d for d in ds if d["stage"] == stage]
-            if names:
-                todo.append(f"<li>Defenses this setup accepts ({where}): " + ", ".join(
-                    f'<b title="{e(d["summary"])}">{e(d["name"])}</b>' for d in names)
-                    + " (<code>gradleak list</code> describes each and its parameters).</li>")
+    todo += _defense_items(ds)
     live = "server_round" in result  # a framework round audit (run/round_audit.py): each attack once, as configured
     if nxt["leaking"] and ds and live:
         todo.append("<li>To measure one, add it to the federation (the app and its gradleak config) and rerun it with "
@@ -580,57 +638,91 @@ def write_audit_report(result: dict, out: Path) -> Path:
     elif nxt["leaking"] and ds:
         todo.append("<li>To measure one, add it to the config and rerun this audit (the command under "
                     "Reproducibility); the audit attacks a defended setup at full strength.</li>")
-    advice = result.get("advice")
-    if advice is None:
+    if result.get("advice") is None:
         todo.append("<li>This report does not rank or recommend defenses: <code>gradleak audit CONFIG --advise</code> "
                     + ("(in a Flower app: <code>FlowerAudit(..., advise=True)</code>) " if live else "")
                     + "searches the weakest strength of each that stops every leaking attack, and what it costs.</li>")
-    advice_html = advice_section(advice) if advice is not None else ""
+    return todo
+
+
+#: the report's style sheet (the banner's colour is set per verdict, :func:`banner_colour`)
+REPORT_STYLE = """body{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em}table{border-collapse:collapse}
+td,th{border:1px solid #ccc;padding:4px 8px;vertical-align:top}.banner{color:#fff;background:COLOUR;padding:1em;font-size:1.2em}
+.pair{display:flex;flex-wrap:wrap;gap:1.5em;align-items:flex-start;margin:.5em 0}
+.client-row{border-top:1px solid #ddd;margin:.8em 0;padding-top:.3em}.client-label{margin:.2em 0}
+.pair figure{margin:0;max-width:100%}.pair img{image-rendering:pixelated;image-rendering:crisp-edges;max-width:100%;height:auto;border:1px solid #ddd}
+figcaption{font-size:13px;color:#444}.warning{background:#fff4e5;border-left:4px solid #b36b00;padding:.5em}
+tr.grouped td{color:#666}code{word-break:break-all}"""
+
+#: a real browser marks how many evidence images decoded (the headless check, scripts/check_report_in_browser.py)
+REPORT_SCRIPT = """<script>/* a real browser marks how many evidence images decoded (the headless check reads it) */
+window.addEventListener("load", function () {
+  var imgs = Array.from(document.images), ok = imgs.filter(function (i) { return i.complete && i.naturalWidth > 0; });
+  document.body.setAttribute("data-images", ok.length + "/" + imgs.length);
+  document.body.setAttribute("data-tables", String(document.querySelectorAll("table").length));
+});</script>"""
+
+
+def reproducibility_items(result: dict) -> str:
+    """The "Reproducibility" list: the command, the config hash and seed, the evidence record, the versions, what was
+    not tested and what measured nothing."""
+    e = html.escape
     not_tested = not_tested_lines(result)
     rec = result.get("evidence_record")  # gradleak.run.evidence; an older audit.json has none
     record_words = json.dumps({k: rec.get(k) for k in ("config_sha256", "gradleak_version", "source")}) if rec else "none"
-    dp = result.get("dp_check")
-    dp_html = ("<h2 id=\"dp_check\">Does the DP claim hold? (measured ε beside the accountant's)</h2><ul>"
-               + "".join(f"<li>{e(x)}</li>" for x in dp_check_words(dp)) + "</ul>") if dp else ""
-    coverage = ("Every client of the audited round was attacked; each attack also ran the full-strength settings it "
-                "derives from the declared defenses (listed under its evidence); the worst client and setting are the "
-                "evidence." if not live else
-                "Every client of the audited round was attacked on its own upload, each attack once as configured (a "
-                "framework round audit runs no full-strength variants); the worst client is the evidence.")
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>gradleak audit</title>
-<style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}.banner{{color:#fff;background:{colour};padding:1em;font-size:1.2em}}
-.pair{{display:flex;flex-wrap:wrap;gap:1.5em;align-items:flex-start;margin:.5em 0}}
-.client-row{{border-top:1px solid #ddd;margin:.8em 0;padding-top:.3em}}.client-label{{margin:.2em 0}}
-.pair figure{{margin:0;max-width:100%}}.pair img{{image-rendering:pixelated;image-rendering:crisp-edges;max-width:100%;height:auto;border:1px solid #ddd}}
-figcaption{{font-size:13px;color:#444}}.warning{{background:#fff4e5;border-left:4px solid #b36b00;padding:.5em}}
-tr.grouped td{{color:#666}}code{{word-break:break-all}}</style>
-</head><body>
-<div class="banner" id="verdict">{e(result['headline'])}</div>
-<h2 id="next">What to do next</h2><ul>{''.join(todo)}</ul>{advice_html}
-<p>Levels (each beyond its null: {e(lv['null'])}; exact-image threshold {lv['psnr_db']:g} dB):</p>
-<ul>{''.join(f'<li>{e(k)}: {e(v)}</li>' for k, v in lv['rules'].items())}</ul>
-<p>{e(coverage)}</p>
-{dp_html}<h2>Configuration</h2><ul>{''.join(f'<li>{e(x)}</li>' for x in result['setup'])}</ul>
-<h2>Threat model (configured)</h2><ul>{''.join(f'<li>{e(x)}</li>' for x in result['threat'])}</ul>
-<h2>Attacks</h2><table id="attacks"><tr><th>attack</th><th>applicable</th><th>server</th><th>level</th><th>deciding measure</th>
-<th>null p99</th><th>p</th><th>worst client</th><th>exact samples</th><th>time</th><th>rule / note</th></tr>{''.join(rows)}</table>
-<h2>Evidence (worst level first)</h2>{''.join(evidence) or '<p>no attack ran</p>'}
-<h2>Reproducibility</h2><ul><li>command: <code id="command">{e(result['command'])}</code></li>
+    return f"""<li>command: <code id="command">{e(result['command'])}</code></li>
 <li>config hash: {e(result['config_hash'])}; seed: {e(str(result['seed']))}</li>
 <li>evidence record (<code>evidence_record</code> in audit.json: config, weights, split seeds, source): {e(record_words)}</li>
 <li>versions: {e(json.dumps(result['environment']))}</li>
 <li>not tested: {'<ul>' + ''.join(f'<li>{e(x)}</li>' for x in not_tested) + '</ul>' if not_tested else 'nothing'}</li>
-<li>undefined (measured nothing): {e('; '.join(result.get('undefined') or []) or 'none')}</li></ul>
-<script>/* a real browser marks how many evidence images decoded (the headless check reads it) */
-window.addEventListener("load", function () {{
-  var imgs = Array.from(document.images), ok = imgs.filter(function (i) {{ return i.complete && i.naturalWidth > 0; }});
-  document.body.setAttribute("data-images", ok.length + "/" + imgs.length);
-  document.body.setAttribute("data-tables", String(document.querySelectorAll("table").length));
-}});</script>
-</body></html>"""
+<li>undefined (measured nothing): {e('; '.join(result.get('undefined') or []) or 'none')}</li>"""
+
+
+def coverage_words(result: dict) -> str:
+    """What was attacked: every client of the round, with the full-strength settings (``gradleak audit``) or each
+    attack once as configured (a framework round audit)."""
+    if "server_round" not in result:
+        return ("Every client of the audited round was attacked; each attack also ran the full-strength settings it "
+                "derives from the declared defenses (listed under its evidence); the worst client and setting are the "
+                "evidence.")
+    return ("Every client of the audited round was attacked on its own upload, each attack once as configured (a "
+            "framework round audit runs no full-strength variants); the worst client is the evidence.")
+
+
+def write_audit_report(result: dict, out: Path) -> Path:
+    """One self-contained HTML page: verdict banner, what to do next (:func:`next_steps_items`), setup, threat,
+    per-attack table (:func:`attack_table_rows`: attacks for another modality on one line), evidence worst first
+    (:func:`evidence_section`: one row per attacked client, the worst first: its originals beside its own
+    reconstructions, :func:`_image_evidence`), reproducibility (:func:`reproducibility_items`)."""
+    from gradleak.evaluation.levels import level_rank
     from gradleak.report.html import write_atomic
 
+    e = html.escape
+    out = Path(out)
+    ran = sorted([a for a in result["attacks"] if "level" in a], key=lambda a: (-level_rank(a["level"]), a["name"]))
+    evidence = [evidence_section(a, out) for a in ran]
+    lv = result["levels"]
+    advice = result.get("advice")
+    advice_html = advice_section(advice) if advice is not None else ""
+    dp = result.get("dp_check")
+    dp_html = ("<h2 id=\"dp_check\">Does the DP claim hold? (measured ε beside the accountant's)</h2><ul>"
+               + "".join(f"<li>{e(x)}</li>" for x in dp_check_words(dp)) + "</ul>") if dp else ""
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>gradleak audit</title>
+<style>{REPORT_STYLE.replace("COLOUR", banner_colour(result["verdict"]))}</style>
+</head><body>
+<div class="banner" id="verdict">{e(result['headline'])}</div>
+<h2 id="next">What to do next</h2><ul>{''.join(next_steps_items(result))}</ul>{advice_html}
+<p>Levels (each beyond its null: {e(lv['null'])}; exact-image threshold {lv['psnr_db']:g} dB):</p>
+<ul>{''.join(f'<li>{e(k)}: {e(v)}</li>' for k, v in lv['rules'].items())}</ul>
+<p>{e(coverage_words(result))}</p>
+{dp_html}<h2>Configuration</h2><ul>{''.join(f'<li>{e(x)}</li>' for x in result['setup'])}</ul>
+<h2>Threat model (configured)</h2><ul>{''.join(f'<li>{e(x)}</li>' for x in result['threat'])}</ul>
+<h2>Attacks</h2><table id="attacks"><tr><th>attack</th><th>applicable</th><th>server</th><th>level</th><th>deciding measure</th>
+<th>null p99</th><th>p</th><th>worst client</th><th>exact samples</th><th>time</th><th>rule / note</th></tr>{''.join(attack_table_rows(result))}</table>
+<h2>Evidence (worst level first)</h2>{''.join(evidence) or '<p>no attack ran</p>'}
+<h2>Reproducibility</h2><ul>{reproducibility_items(result)}</ul>
+{REPORT_SCRIPT}
+</body></html>"""
     path = out / "report.html"
     write_atomic(path, page)
     return path
