@@ -421,3 +421,76 @@ def test_an_attack_that_found_nothing_to_use_is_undefined_not_none():
     assert got["level"] == "undefined" and got["rule"].startswith("not applicable")
     assert grade("token_sequences", {**_txt(r1=0.0, r2=0.0, bag=0.0), "attack_failed": 0.0})["level"] == "none"
     assert grade("token_sequences", {**_txt(bag=40.01), "attack_failed": 0.5})["level"] == "partial"  # some trials ran
+
+
+def _toy_unit():
+    """A reconstruction kind registered at test time only: it scores every client in one run (``<m>_client<c>``),
+    grades its own metric ``m`` against its null and says what an undefined result lacks."""
+    from gradleak.evaluation.base import EvaluationUnit
+    from gradleak.evaluation.levels import beyond, graded
+
+    def grade_toy(m, thr):
+        if m.get("m") != m.get("m"):
+            return graded("undefined", "toy: m not measured")
+        return graded("partial" if beyond(m, "m") else "none", "toy: m beyond its null", m=m.get("m"))
+
+    return EvaluationUnit("toy_kind", evaluate=lambda *a: None, headline="m", grade=grade_toy, sweep_metric="m",
+                          rules="partial: toy m beyond its null", scores_every_client=True,
+                          truth_fields=lambda data, trial, batches, threat, cfg: ({}, {"toy_truth": len(batches)}),
+                          undefined_hint=lambda m: " -- set toy.field")
+
+
+def test_a_kind_registered_later_owns_its_rules_and_clients_without_touching_run(monkeypatch):
+    """The level rules, the per-client split and the undefined reason are the evaluation unit's (docs/DESIGN.md §2):
+    the audit's report lists every registered unit's rules (none is empty), and a kind registered at test time that
+    scores every client in one run is split into its clients, keeps their labels under secure aggregation (the image
+    kind's evidence is credited to the sum), is judged by its own grade and says what its undefined result lacks --
+    asked of the unit by run/, which names no kind."""
+    from types import SimpleNamespace
+
+    from gradleak.evaluation import EVALUATORS
+    from gradleak.registry import Entry
+    from gradleak.run.answer import client_metric_sets
+    from gradleak.run.audit_judge import judge, mark_undefined, sum_label
+    from gradleak.run.audit_words import level_rules
+
+    assert all(e.obj.rules for e in EVALUATORS)
+    monkeypatch.setitem(EVALUATORS._entries, "toy_kind", Entry("toy_kind", _toy_unit(), "toy"))
+    rules = level_rules()
+    assert rules["toy_kind"] == "partial: toy m beyond its null"
+    assert set(rules) == set(EVALUATORS.names()) and rules["images"].startswith("exact: an image at PSNR")
+    sets = client_metric_sets("toy_kind", {"m_client2": 3.0, "m_null_p99_client2": 1.0, "m_client0": 0.5,
+                                           "m_null_p99_client0": 1.0})
+    assert sets == [(0, {"m": 0.5, "m_null_p99": 1.0}), (2, {"m": 3.0, "m_null_p99": 1.0})]
+    assert client_metric_sets("images", {"psnr_max_client1": 3.0}) == [(0, {"psnr_max_client1": 3.0})]
+    assert sum_label(2, 3, "toy_kind") == 2 and sum_label(2, 3, "images") == "the sum of 3 clients"
+    cfg = SimpleNamespace(metrics=SimpleNamespace(psnr_threshold_db=30.0))
+    assert [judge("toy_kind", m, cfg)["level"] for _, m in sets] == ["none", "partial"]
+    entry = {"rule": "toy: m not measured"}
+    mark_undefined(entry, "toy_kind", {})
+    assert entry["undefined"] and entry["reason"].startswith("undefined: toy: m not measured -- set toy.field;")
+
+
+def test_the_membership_unit_grants_its_candidates_and_keeps_the_labels_for_the_evaluation():
+    """What the membership kind needs beside the private batch is its unit's (``truth_fields``): the server is
+    granted the candidates (each client's members and its own non-members, shuffled by the seed), the evaluation
+    alone gets which are members; no null pool is drawn (its null is the candidates'); without non-members the
+    undefined reason names data.nonmembers."""
+    from types import SimpleNamespace
+
+    from gradleak.evaluation import unit
+
+    u = unit("membership")
+    data = SimpleNamespace(nonmembers=lambda trial, c: [f"n{c}{i}" for i in range(3)])
+    batches = [(["a0", "a1"], None), (["b0"], None)]
+    cfg = SimpleNamespace(seed=4)
+    granted, fields = u.truth_fields(data, 0, batches, SimpleNamespace(individual_updates=True), cfg)
+    cands, member = granted["public_data"]["candidates"], fields["membership"]
+    assert sorted(cands[0]) == ["a0", "a1", "n00", "n01", "n02"] and sorted(cands[1]) == ["b0", "n10", "n11", "n12"]
+    assert [c for c, m in zip(cands[0], member[0]) if m] == [c for c in cands[0] if c.startswith("a")]
+    again, _ = u.truth_fields(data, 0, batches, SimpleNamespace(individual_updates=True), cfg)
+    assert again == granted  # seeded: the same draw
+    summed, sfields = u.truth_fields(data, 0, batches, SimpleNamespace(individual_updates=False), cfg)
+    assert list(summed["public_data"]["candidates"]) == [0] and sum(sfields["membership"][0]) == 3
+    assert not u.draws_null_pool and unit("images").draws_null_pool
+    assert "data.nonmembers" in u.undefined_hint({"nonmembers": 0}) and u.undefined_hint({"nonmembers": 100}) == ""

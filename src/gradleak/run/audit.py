@@ -37,6 +37,14 @@ over N > 1 clients the evidence is credited to "the sum of N clients"; a warning
 came from (``run_warnings``), the evidence shows only its own; ``--only`` checks the attacks it leaves out with the
 gate (validation only): ``not_tested`` and the banner name those that apply here, ``not_applicable`` those that
 never could.
+
+This module orchestrates (:func:`run_audit`: plan, run every job through the one resumable cell loop, judge, write;
+the DP check's job; the audit grid). Each role has its own module, and the names callers use stay importable here:
+planning -- :mod:`gradleak.run.audit_plan` (candidate configs, the gate, full-strength variants, the setup's error);
+judging -- :mod:`gradleak.run.audit_judge` (a client's level, an attack's entry, the verdict); the runs on disk --
+:mod:`gradleak.run.audit_ledger` (folders, keys, the ledger); wording -- :mod:`gradleak.run.audit_words` (the setup
+in words, the command, the report's context) and :mod:`gradleak.run.audit_report` (console and HTML). The level rules
+and every per-kind decision are the evaluation units' (:class:`gradleak.evaluation.base.EvaluationUnit`).
 """
 
 from __future__ import annotations
