@@ -995,3 +995,45 @@ def test_a_probe_keeps_a_dp_check_without_an_interval(monkeypatch, tmp_path):
     r = probe(TEXT, str(tmp_path), ["utr"], None, 1, [])
     assert r["dp_check"] == {"verdict": "vacuous", "claimed_epsilon": 2.41e4, "epsilon": 1.25e3, "interval": None,
                              "threat_model": "each upload"}
+
+
+def test_secure_aggregation_is_an_fl_stage_object_that_the_advice_asks():
+    """Secure aggregation is :mod:`gradleak.fl.secure_aggregation`'s FL-stage object: its spec carries it, and the
+    probe config, the ``--set`` overrides, the starting point and the utility row's note are its answers. Another
+    FL-stage object with answers of its own is followed the same way (the advice asks the object, not a name)."""
+    from gradleak.fl.secure_aggregation import SECURE_AGGREGATION, SecureAggregation
+    from gradleak.run.advise_candidates import CANDIDATE_BY_NAME as C
+    from gradleak.run.advise_candidates import defended_config, set_strings, starting_point
+    from gradleak.run.advise_utility import fill_utility
+
+    spec = C["secure_aggregation"]
+    assert spec["fl_stage"] is SECURE_AGGREGATION and (spec["stage"], spec["weak"], spec["strong"]) == ("fl", 2, 8)
+    raw = {**TEXT, "fl": {**TEXT["fl"], "clients": 3}, "data": {**TEXT["data"], "nonmembers": 8},
+           "threat": {**TEXT["threat"], "individual_updates": True}}
+    cfg = defended_config(raw, spec, 4)
+    assert cfg["fl"] == {**raw["fl"], "secure_aggregation": True, "clients": 4} and cfg["data"]["nonmembers"] == 6
+    assert "individual_updates" not in cfg["threat"] and raw["threat"]["individual_updates"] is True
+    assert set_strings(raw, spec, 4) == ["fl.secure_aggregation=true", "fl.clients=4", "data.nonmembers=6"]
+    assert starting_point(raw, spec) is None and starting_point(cfg, spec) == 4
+
+    class Toy(SecureAggregation):
+        name = "toy_stage"
+
+        def configure(self, raw, value):
+            return {**raw, "fl": {**raw["fl"], "toy": value}}
+
+        def set_strings(self, raw, value):
+            return [f"fl.toy={value}"]
+
+        def strength(self, raw):
+            return (raw.get("fl") or {}).get("toy")
+
+        def utility_note(self, clients):
+            return f"toy federation of {clients}"
+
+    toy = Toy().advice_spec()
+    assert defended_config(TEXT, toy, 5)["fl"]["toy"] == 5 and set_strings(TEXT, toy, 5) == ["fl.toy=5"]
+    assert starting_point(TEXT, toy) is None and starting_point(defended_config(TEXT, toy, 5), toy) == 5
+    row = {"strength": 5}
+    fill_utility(row, toy, {"accuracy": 0.5, "rounds": 2}, {"baseline": {"accuracy": 0.6}, "test_size": 64}, 1)
+    assert row["utility_note"] == "toy federation of 5" and row["cost"] == pytest.approx(0.1)
