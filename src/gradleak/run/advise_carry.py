@@ -166,7 +166,7 @@ class Carry:
              run_batch: Callable) -> tuple[list[tuple], list[dict[str, str]]]:
         """The rule on one batch of probes ``(search, spec, job)``: each probe of an update defense drops the attacks
         the rule carries on its victim batch (the raw-upload references run first, once per batch and variant);
-        returns the jobs to run and, per job, ``{attack: words}`` of the attacks carried (:meth:`merge`)."""
+        returns the jobs to run and, per job, ``{attack: words}`` of the attacks carried (:func:`merge`)."""
         plans = self.plan(items, tested)
         self.run_references(plans, probe_base, run_batch)
         out_jobs, words = [], []
