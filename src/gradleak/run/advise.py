@@ -334,7 +334,7 @@ def advise(raw: dict, out_dir: str | Path, audit_result: dict, device: str | Non
         return s.advice
     s.prepare(out_dir, device, workers, executor, log)
     chosen = [c for c in CANDIDATES if (candidates is None or key(c) in candidates)
-              and (not c.get("membership_only") or "membership" in s.kinds)]
+              and (not c.get("attack_kinds") or set(c["attack_kinds"]) & set(s.kinds))]
     chosen += [c for c in extra if candidates is None or key(c) in candidates]
     rule = advise_carry.RULE if post_processing_rule is None else bool(post_processing_rule)
     s.carry = Carry(s.baseline, carryable(audit_result, s.tested, s.leaking) if rule else [])
