@@ -83,9 +83,10 @@ MUTATION_EVALUATION := 'gradleak.evaluation.levels.*' 'gradleak.evaluation.image
 MUTATION_SPLITS := 'gradleak.data.splits.xǁImageDataǁnull_pool*' 'gradleak.data.splits.xǁImageDataǁclients*' \
 	'gradleak.data.splits.xǁImageDataǁprior_image*' 'gradleak.data.splits.xǁTextDataǁnull_pool*'
 MUTATION_RUN := 'gradleak.run.pipeline.x_victim_rounds*' 'gradleak.run.pipeline.x_attacked_clients*' \
-	'gradleak.run.advise.x_ranked*' 'gradleak.run.advise.x_hollow_dp*' 'gradleak.run.advise.x_outcome*' \
-	'gradleak.run.advise.x_stopped*' 'gradleak.run.audit_judge.x_record_failures*' \
-	'gradleak.run.audit_judge.x_verdict_and_headline*' 'gradleak.run.audit_report.x_banner_colour*'
+	'gradleak.run.advise_report.x_ranked*' 'gradleak.run.advise_report.x_hollow_dp*' \
+	'gradleak.run.advise_probes.x_outcome*' 'gradleak.run.advise_probes.x_stopped*' \
+	'gradleak.run.audit_judge.x_record_failures*' 'gradleak.run.audit_judge.x_verdict_and_headline*' \
+	'gradleak.run.audit_report.x_banner_colour*'
 MUTATION_TARGETS := $(MUTATION_THREAT) $(MUTATION_AGGREGATION) $(MUTATION_DEFENSES) $(MUTATION_EVALUATION) \
 	$(MUTATION_SPLITS) $(MUTATION_RUN)
 

@@ -140,7 +140,7 @@ def fill(res: dict, row: dict) -> str:
 def cost_se(x: dict, r: dict) -> float | None:
     """The test set's sampling error of a row's cost (the row's own, or from the accuracies and ``test_size`` for
     rows stored before the advice computed it)."""
-    from gradleak.run.advise import cost_sampling_error
+    from gradleak.run.advise_utility import cost_sampling_error
 
     if x.get("cost_se") is not None:
         return x["cost_se"]

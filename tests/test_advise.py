@@ -121,10 +121,8 @@ def _fake_utility(calls=None):
 
 @pytest.fixture
 def fake_utility(monkeypatch):
-    from gradleak.run import advise as mod
-
     calls: list = []
-    monkeypatch.setattr(mod, "utility", _fake_utility(calls))
+    monkeypatch.setattr("gradleak.run.advise_utility.utility_job", _fake_utility(calls))
     return calls
 
 
@@ -135,13 +133,13 @@ def test_bisection_finds_the_weakest_stopping_strength_and_resumes_without_rerun
     from gradleak.run import advise as mod
 
     calls: list = []
-    monkeypatch.setattr(mod, "probe", _fake(calls, kill_at=3))
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake(calls, kill_at=3))
     with pytest.raises(KeyboardInterrupt):
         mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
     # strong end, first bisection step, then killed in the second (no baseline probe: the audit is the baseline)
     assert len(calls) == 3
     calls2: list = []
-    monkeypatch.setattr(mod, "probe", _fake(calls2))
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake(calls2))
     adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
     # the killed probe, 2 more against the screen (utr, the attack that leaked), then the check against every attack
     assert len(calls2) == 4 and adv["ran_now"][0] == "gaussian_noise:std=0.01[utr]"
@@ -164,7 +162,7 @@ def test_bisection_finds_the_weakest_stopping_strength_and_resumes_without_rerun
     assert adv["recommendation"]["defense"] == "gaussian_noise" and adv["attacks"] == ["utr"]
     # a third call runs nothing
     calls3: list = []
-    monkeypatch.setattr(mod, "probe", _fake(calls3))
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake(calls3))
     again = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
     assert calls3 == [] and again["rows"][0]["strength"] == hi
 
@@ -193,7 +191,7 @@ def test_the_search_screens_with_the_leaking_attacks_and_checks_every_attack_at_
     from gradleak.run import advise as mod
 
     calls: list = []
-    monkeypatch.setattr(mod, "probe", _two_attack_probe(calls))
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _two_attack_probe(calls))
     adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
     (row,) = adv["rows"]
     screen = [c for c in calls if c[1] == ("utr",)]  # (no baseline probe: the audit's levels are the baseline)
@@ -208,7 +206,7 @@ def test_the_search_screens_with_the_leaking_attacks_and_checks_every_attack_at_
     assert adv["recommendation"]["strength"] == row["strength"]
     # where the check passes, one extra probe: no resumed search
     calls2: list = []
-    monkeypatch.setattr(mod, "probe", _two_attack_probe(calls2, dlg_leaks=(0.0, 0.0)))
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _two_attack_probe(calls2, dlg_leaks=(0.0, 0.0)))
     adv = mod.advise(TEXT, tmp_path / "b", LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None)
     assert [set(o) for _, o in calls2] == [{"utr"}] * 5 + [{"utr", "dlg"}]
     assert adv["rows"][0]["strength"] == calls2[-1][0] and "verification" not in adv["rows"][0]
@@ -226,7 +224,7 @@ def test_a_strength_the_budget_left_unchecked_is_never_recommended(tmp_path, mon
         clock[0] += 10.0
         return inner(*a, **k)
 
-    monkeypatch.setattr(mod, "probe", probe)
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", probe)
     adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None,
                      budget_seconds=35)
     (row,) = adv["rows"]
@@ -239,7 +237,7 @@ def test_not_stopped_within_the_bracket_and_a_configured_defense_is_the_starting
     from gradleak.run import advise as mod
 
     calls: list = []
-    monkeypatch.setattr(mod, "probe", _fake(calls, threshold=100.0))  # beyond the bracket's strong end
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake(calls, threshold=100.0))  # beyond the bracket's strong end
     raw = {**TEXT, "defenses": [{"name": "gaussian_noise", "params": {"std": 0.01, "per_coordinate": True}}]}
     adv = mod.advise(raw, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=3, log=lambda m: None)
     (row,) = adv["rows"]
@@ -248,7 +246,7 @@ def test_not_stopped_within_the_bracket_and_a_configured_defense_is_the_starting
     assert len(calls) == 1  # the strong end: no bisection (the audit's levels are the baseline)
     # every probe stops: the weak end is measured too, and reported as the strength (weaker ones not searched)
     calls.clear()
-    monkeypatch.setattr(mod, "probe", _fake(calls, threshold=0.0))
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake(calls, threshold=0.0))
     adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=2, log=lambda m: None)
     (row,) = adv["rows"]
     assert [p[0] for p in row["probes"]] == [10.0, 0.1, 0.01, 1e-3, 1e-3] and row["strength"] == 1e-3
@@ -270,7 +268,7 @@ def test_budget_marks_unfinished_defenses(tmp_path, monkeypatch, fake_utility):
     clock = [0.0]
     monkeypatch.setattr(mod, "clock", lambda: clock[0])
     calls: list = []
-    monkeypatch.setattr(mod, "probe", _fake(calls, clock=clock))
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake(calls, clock=clock))
     adv = mod.advise(TEXT, tmp_path, {"attacks": [{"name": "utr", "level": "partial"}]},
                      candidates=["gaussian_noise", "dp_gaussian"], steps=3, budget_seconds=25, log=lambda m: None)
     assert adv["unfinished"] == ["gaussian_noise"] and len(calls) == 3
@@ -291,8 +289,9 @@ def test_budget_marks_unfinished_defenses(tmp_path, monkeypatch, fake_utility):
 
 
 def test_strength_scales_and_the_gaussian_epsilon():
-    from gradleak.run.advise import CANDIDATE_BY_NAME as C
-    from gradleak.run.advise import gaussian_epsilon, midpoint
+    from gradleak.run.advise_candidates import CANDIDATE_BY_NAME as C
+    from gradleak.run.advise_search import midpoint
+    from gradleak.run.advise_utility import gaussian_epsilon
 
     assert midpoint(C["gaussian_noise"], 1e-3, 10.0) == pytest.approx(0.1)
     assert midpoint(C["topk_pruning"], 0.5, 0.999) == pytest.approx(1 - math.sqrt(0.5 * 0.001), abs=1e-3)
@@ -337,7 +336,7 @@ def test_a_probe_whose_attacks_all_fail_to_fit_reports_their_reason_not_a_threat
     config, which for ProjRes needs a threat upgrade, and raised that instead; now an audit whose every run
     is refused is bad input, not an undefined verdict), and the advice counts it as unmeasured, not a stop."""
     from gradleak.run import audit as audit_mod
-    from gradleak.run.advise import outcome, probe
+    from gradleak.run.advise_probes import outcome, probe
 
     monkeypatch.setattr(audit_mod, "_run_one", lambda name, cand, out, dev: {
         "bad_input": "data.batch_size: 8 clients' sentences are more than the 200 texts", "seconds": 0.0})
@@ -363,8 +362,8 @@ def test_the_table_says_when_epsilon_guarantees_nothing():
 def test_a_configured_defense_is_strengthened_in_its_own_mode_only():
     """A configured absolute-noise defense is the absolute candidate's starting point and is replaced by it; the
     per-coordinate candidate is added beside it."""
-    from gradleak.run.advise import CANDIDATE_BY_NAME as C
-    from gradleak.run.advise import defended_config, starting_point
+    from gradleak.run.advise_candidates import CANDIDATE_BY_NAME as C
+    from gradleak.run.advise_candidates import defended_config, starting_point
 
     raw = {**TEXT, "defenses": [{"name": "gaussian_noise", "params": {"std": 1e-5}}, {"name": "clipping",
                                                                                      "params": {"max_norm": 5.0}}]}
@@ -387,8 +386,8 @@ def test_a_dp_row_with_a_hollow_epsilon_ranks_after_plain_noise_at_the_same_cost
                 "attacks": {a: {"level": "none", "metric": "m", "value": 0.1, "null_p99": 0.5, "null_median": 0.4}
                             for a in only}}
 
-    monkeypatch.setattr(mod, "probe", probe)
-    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms, accuracy_start=None: {
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", probe)
+    monkeypatch.setattr("gradleak.run.advise_utility.utility_job", lambda raw, attacks, rounds, device, norms, accuracy_start=None: {
         "accuracy": 0.5, "accuracy_start": 0.4, "rounds": rounds})  # every defense costs nothing
     adv = mod.advise(TEXT, tmp_path / "a", LEAKS, candidates=["dp_gaussian", "gaussian_noise"], steps=1,
                      log=lambda m: None)
@@ -396,7 +395,7 @@ def test_a_dp_row_with_a_hollow_epsilon_ranks_after_plain_noise_at_the_same_cost
     assert dp["strength"] == 1e-3 and dp["epsilon"] > 10  # sigma 0.001 over the utility rounds
     assert dp["cost"] == 0 and "clip_norm" not in dp and "no update norm observed" in dp["clip_note"]
     assert adv["ranking"] == ["gaussian_noise", "dp_gaussian"] and adv["recommendation"]["defense"] == "gaussian_noise"
-    monkeypatch.setattr(mod, "gaussian_epsilon", lambda *a, **k: 2.0)  # a meaningful epsilon: DP first again
+    monkeypatch.setattr("gradleak.run.advise_utility.gaussian_epsilon", lambda *a, **k: 2.0)  # a meaningful epsilon: DP first again
     adv = mod.advise(TEXT, tmp_path / "b", LEAKS, candidates=["dp_gaussian", "gaussian_noise"], steps=1,
                      log=lambda m: None)
     assert adv["recommendation"]["defense"] == "dp_gaussian"
@@ -406,7 +405,7 @@ def test_the_probes_test_set_fits_a_small_fixed_dataset():
     """The 40 CIFAR samples cannot spare 64 held-out images beside up to 8 one-image clients: the probes take what is
     left (40 - 8 - 1 = 31) instead of failing every probe; generated and text sets keep 64."""
     from gradleak.config.loading import load_yaml
-    from gradleak.run.advise import TEST_SIZE, _spare_images
+    from gradleak.run.advise_probes import TEST_SIZE, spare_images
     from gradleak.run.audit import plan_audit
 
     from pathlib import Path
@@ -414,13 +413,13 @@ def test_the_probes_test_set_fits_a_small_fixed_dataset():
     root = Path(__file__).resolve().parents[1] / "configs" / "audit"
     cifar = ["data.name=cifar-samples", "data.public=natural-crops", "model.num_classes=110"]
     cfg = plan_audit(load_yaml(root / "vit_lora.yaml"), cifar, ["lora_span"])[3][0][2]
-    assert _spare_images(cfg) == 31
+    assert spare_images(cfg) == 31
     cfg = plan_audit(load_yaml(root / "vit_lora.yaml"), cifar + ["data.batch_size=4"], ["lora_span"])[3][0][2]
-    assert _spare_images(cfg) == 40 - 8 * 4 - 1
+    assert spare_images(cfg) == 40 - 8 * 4 - 1
     cfg = plan_audit(load_yaml(root / "vit_lora.yaml"), ["data.name=natural-crops", "data.public=public-natural",
                                                          "model.num_classes=110"], ["lora_span"])[3][0][2]
-    assert _spare_images(cfg) == TEST_SIZE
-    assert _spare_images(plan_audit(TEXT, [], ["utr"])[3][0][2]) == TEST_SIZE
+    assert spare_images(cfg) == TEST_SIZE
+    assert spare_images(plan_audit(TEXT, [], ["utr"])[3][0][2]) == TEST_SIZE
 
 
 def test_dp_candidates_clip_at_the_median_observed_norm_and_report_both_epsilons(tmp_path, monkeypatch, fake_utility):
@@ -428,6 +427,7 @@ def test_dp_candidates_clip_at_the_median_observed_norm_and_report_both_epsilons
     norm, DP-SGD: the median per-sample gradient norm), which the probes and the recommendation use; epsilon is
     reported over the utility rounds and over the audited round, and the cost comes from the utility runs."""
     from gradleak.run import advise as mod
+    from gradleak.run.advise_utility import gaussian_epsilon
 
     seen: list = []
 
@@ -437,7 +437,7 @@ def test_dp_candidates_clip_at_the_median_observed_norm_and_report_both_epsilons
                 "attacks": {a: {"level": "none", "metric": "m", "value": 0.1, "null_p99": 0.5, "null_median": 0.4}
                             for a in only}}
 
-    monkeypatch.setattr(mod, "probe", probe)
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", probe)
     adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["dp_gaussian", "dpsgd"], steps=1, utility_rounds=7,
                      log=lambda m: None)
     dp, sgd = adv["rows"]
@@ -447,8 +447,8 @@ def test_dp_candidates_clip_at_the_median_observed_norm_and_report_both_epsilons
     assert probed and all(p["max_norm"] == 0.035 for p in probed)
     assert all((r.get("defense") or {}).get("max_grad_norm") == 0.6 for r in seen if r.get("defense"))
     assert '"max_norm": 0.035' in dp["set"][0] and '"max_grad_norm": 0.6' in sgd["set"][0]
-    assert dp["epsilon"] == pytest.approx(mod.gaussian_epsilon(dp["strength"], 7))
-    assert dp["epsilon_attacked"] == pytest.approx(mod.gaussian_epsilon(dp["strength"], 1))
+    assert dp["epsilon"] == pytest.approx(gaussian_epsilon(dp["strength"], 7))
+    assert dp["epsilon_attacked"] == pytest.approx(gaussian_epsilon(dp["strength"], 1))
     assert dp["epsilon"] > dp["epsilon_attacked"] and "7 utility round" in dp["epsilon_note"]
     assert sgd["epsilon"] == 3.0 and sgd["epsilon_attacked"] == 40.0  # the utility run's accountant, the probe's
     assert adv["baseline"]["accuracy"] == 0.8 and dp["cost"] == 0 and adv["utility_rounds"] == 7
@@ -460,18 +460,20 @@ def test_dp_candidates_clip_at_the_median_observed_norm_and_report_both_epsilons
 
 def test_rdlv_filter_is_listed_as_not_applicable_without_batchnorm_and_admitted_with_it():
     from gradleak.config.loading import load_yaml
-    from gradleak.run.advise import CANDIDATE_BY_NAME as C
-    from gradleak.run.advise import _admitted, defended_config, midpoint
+    from gradleak.run.advise_candidates import CANDIDATE_BY_NAME as C
+    from gradleak.run.advise_candidates import defended_config
+    from gradleak.run.advise_probes import not_admitted
+    from gradleak.run.advise_search import midpoint
 
     from pathlib import Path
 
     spec = C["rdlv_filter"]
-    why = _admitted({**TEXT, "data": {**TEXT["data"], "test_size": 8}}, spec, ["utr"])
+    why = not_admitted({**TEXT, "data": {**TEXT["data"], "test_size": 8}}, spec, ["utr"])
     assert why is not None and "rdlv_filter" in why or "image" in why
     vit = load_yaml(Path(__file__).resolve().parents[1] / "configs" / "audit" / "vit_lora.yaml")
-    assert "no BatchNorm layer" in _admitted(vit, spec, ["lora_span"])
+    assert "no BatchNorm layer" in not_admitted(vit, spec, ["lora_span"])
     leak = load_yaml(Path(__file__).resolve().parents[1] / "configs" / "leakage" / "fmnist_resnet18.yaml")
-    assert _admitted(leak, spec, ["bn_inversion"]) is None
+    assert not_admitted(leak, spec, ["bn_inversion"]) is None
     assert defended_config(leak, spec, 0.5)["defense"] == {"name": "rdlv_filter", "threshold": 0.5}
     assert midpoint(spec, 1.0, 0.0) == 0.5  # a linear scale (the RDLV may be 0)
 
@@ -509,7 +511,7 @@ def test_a_parallel_executor_gets_every_strong_end_at_once_and_picklable_jobs(tm
     from gradleak.run import cells as cells_mod
 
     calls: list = []
-    monkeypatch.setattr(mod, "probe", _fake(calls))
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake(calls))
     real = cells_mod.run_cells
     batches: list = []
 
@@ -554,13 +556,13 @@ def test_the_utility_run_trains_fresh_samples_each_round_with_the_defense_in_pla
 def test_costs_are_flagged_when_the_undefended_model_does_not_learn(tmp_path, monkeypatch):
     from gradleak.run import advise as mod
 
-    monkeypatch.setattr(mod, "probe", _fake([]))
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake([]))
     flat = {"accuracy": 0.5, "accuracy_start": 0.5, "accuracy_curve": [0.5, 0.5, 0.5]}
-    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms, accuracy_start=None: {**flat, "rounds": rounds})
+    monkeypatch.setattr("gradleak.run.advise_utility.utility_job", lambda raw, attacks, rounds, device, norms, accuracy_start=None: {**flat, "rounds": rounds})
     adv = mod.advise(TEXT, tmp_path / "a", LEAKS, candidates=["gaussian_noise"], steps=1, utility_rounds=5,
                      log=lambda m: None)
     assert "does not rise over the 5 utility round(s)" in adv["cost_note"] and adv["rows"][0]["cost"] == 0
-    monkeypatch.setattr(mod, "utility", _fake_utility())  # 0.5 -> 0.8: it learns, no flag
+    monkeypatch.setattr("gradleak.run.advise_utility.utility_job", _fake_utility())  # 0.5 -> 0.8: it learns, no flag
     adv = mod.advise(TEXT, tmp_path / "b", LEAKS, candidates=["gaussian_noise"], steps=1, log=lambda m: None)
     assert "cost_note" not in adv and adv["utility_rounds"] == 20
 
@@ -613,8 +615,8 @@ def test_a_utility_run_that_diverges_is_a_measured_outcome_and_ranks_last(tmp_pa
                 "attacks": {a: {"level": "none", "metric": "m", "value": 0.1, "null_p99": 0.5, "null_median": 0.4}
                             for a in only}}
 
-    monkeypatch.setattr(mod, "probe", probe)
-    monkeypatch.setattr(mod, "utility", utility)
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", probe)
+    monkeypatch.setattr("gradleak.run.advise_utility.utility_job", utility)
     adv = mod.advise(TEXT, tmp_path / "a", LEAKS, candidates=["gaussian_noise", "topk_pruning"], steps=1,
                      log=lambda m: None)
     noise = next(r for r in adv["rows"] if r["defense"] == "gaussian_noise")
@@ -626,19 +628,20 @@ def test_a_cost_within_the_test_sets_sampling_error_is_said_to_be_indistinguisha
     """The cost's standard error from the test samples (two binomial proportions) is in each row and the table; a
     recommendation whose cost is within twice it says so, one beyond it does not."""
     from gradleak.run import advise as mod
+    from gradleak.run.advise_utility import cost_sampling_error
     from gradleak.run.audit_report import advice_rows
 
-    assert mod.cost_sampling_error(0.5, 0.5, 400) == pytest.approx(math.sqrt(0.5 / 400))
-    assert mod.cost_sampling_error(0.5, None, 400) is None and mod.cost_sampling_error(0.5, 0.4, 0) is None
+    assert cost_sampling_error(0.5, 0.5, 400) == pytest.approx(math.sqrt(0.5 / 400))
+    assert cost_sampling_error(0.5, None, 400) is None and cost_sampling_error(0.5, 0.4, 0) is None
 
     def probe(raw, out_dir, only, device, workers, utility_from):
         return {"verdict": "no_leak_found", "accuracy": 0.5,
                 "attacks": {a: {"level": "none", "metric": "m", "value": 0.1, "null_p99": 0.5, "null_median": 0.4}
                             for a in only}}
 
-    monkeypatch.setattr(mod, "probe", probe)
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", probe)
     for acc, said in ((0.78, True), (0.5, False)):  # baseline 0.8, 64 test samples: 2 SE = 0.12 and 0.15
-        monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms, accuracy_start=None, acc=acc: {
+        monkeypatch.setattr("gradleak.run.advise_utility.utility_job", lambda raw, attacks, rounds, device, norms, accuracy_start=None, acc=acc: {
             "accuracy": acc if raw.get("defenses") else 0.8, "accuracy_start": 0.5, "rounds": rounds})
         adv = mod.advise({**TEXT, "data": {**TEXT["data"], "test_size": 64}}, tmp_path / str(acc), LEAKS,
                          candidates=["gaussian_noise"], steps=1, log=lambda m: None)
@@ -651,8 +654,8 @@ def test_a_cost_within_the_test_sets_sampling_error_is_said_to_be_indistinguisha
 def test_an_undefended_run_that_diverges_is_said_to_be_the_baseline_of_every_cost(tmp_path, monkeypatch):
     from gradleak.run import advise as mod
 
-    monkeypatch.setattr(mod, "probe", _fake([]))
-    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms, accuracy_start=None: {
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake([]))
+    monkeypatch.setattr("gradleak.run.advise_utility.utility_job", lambda raw, attacks, rounds, device, norms, accuracy_start=None: {
         "accuracy": 0.3, "accuracy_start": 0.25, "accuracy_curve": [0.25, 0.3], "rounds": rounds,
         **({} if raw.get("defenses") else {"diverged": {"round": 7, "client": 1, "lr": 0.5}})})
     adv = mod.advise(TEXT, tmp_path / "a", LEAKS, candidates=["gaussian_noise"], steps=1, log=lambda m: None)
@@ -671,7 +674,7 @@ def test_a_defense_that_leaves_another_attack_leaking_is_not_a_stop(tmp_path, mo
         return {"verdict": "leaks", "attacks": {a: {"level": levels[a], "metric": "m", "value": 1.0, "null_p99": 0.5,
                                                      "null_median": 0.4} for a in only}}
 
-    monkeypatch.setattr(mod, "probe", probe)
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", probe)
     adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=2, log=lambda m: None)
     (row,) = adv["rows"]
     assert row["status"] == "not_stopped" and row["levels"]["dlg"] == "partial"
@@ -691,7 +694,7 @@ def test_dp_rows_carry_the_measured_epsilon_beside_the_accountants(tmp_path, mon
                 "attacks": {a: {"level": "none", "metric": "m", "value": 0.1, "null_p99": 0.5, "null_median": 0.4}
                             for a in only}}
 
-    monkeypatch.setattr(mod, "probe", probe)
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", probe)
     adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["dp_gaussian"], steps=1, utility_rounds=7, log=lambda m: None)
     (row,) = adv["rows"]
     assert row["epsilon_measured"]["epsilon"] == 3.9 and row["epsilon_measured"]["verdict"] == "consistent"
@@ -701,14 +704,14 @@ def test_dp_rows_carry_the_measured_epsilon_beside_the_accountants(tmp_path, mon
 
 
 def test_a_probe_keeps_the_audits_dp_check_compact(tmp_path, monkeypatch):
-    from gradleak.run import advise as mod
+    from gradleak.run.advise_probes import probe
 
     audit = {"verdict": "no_leak_found", "attacks": [],
              "dp_check": {"verdict": "claim_violated", "claimed_epsilon": 2.0, "sentence": "...",
                           "measured": [{"threat_model": "final_model", "epsilon": 1.0, "interval": [0.5, 1.5]},
                                        {"threat_model": "each_upload", "epsilon": 9.0, "interval": [8.0, 10.0]}]}}
     monkeypatch.setattr("gradleak.run.audit.run_audit", lambda *a, **k: audit)
-    out = mod.probe(TEXT, str(tmp_path), ["utr"], None, 1, [])
+    out = probe(TEXT, str(tmp_path), ["utr"], None, 1, [])
     assert out["dp_check"] == {"verdict": "claim_violated", "claimed_epsilon": 2.0, "epsilon": 9.0,
                                "interval": [8.0, 10.0], "threat_model": "each_upload"}
 
@@ -731,7 +734,7 @@ def test_checks_against_every_attack_wait_for_the_screens_and_run_together(tmp_p
         return {"verdict": "x", "attacks": {a: {"level": lv[a], "metric": "m", "value": 0.5, "null_p99": 0.5,
                                                 "null_median": 0.4} for a in only}}
 
-    monkeypatch.setattr(mod, "probe", probe)
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", probe)
     real = cells_mod.run_cells
     batches: list = []
 
@@ -777,7 +780,7 @@ def test_a_budget_spent_during_the_checks_holds_back_those_not_started(tmp_path,
         return {"verdict": "x", "attacks": {a: {"level": lv if a == "utr" else "none", "metric": "m", "value": 0.5,
                                                 "null_p99": 0.5, "null_median": 0.4} for a in only}}
 
-    monkeypatch.setattr(mod, "probe", probe)
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", probe)
     kw = dict(candidates=["gaussian_noise", "topk_pruning"], steps=4, log=lambda m: None)
     adv = mod.advise(TEXT, tmp_path, LEAKS, budget_seconds=115, **kw)  # 11 screen probes: 110 s, then the checks
     noise, topk = adv["rows"]
@@ -819,7 +822,7 @@ def test_a_strength_that_stops_every_victim_batch_is_checked_on_each(tmp_path, m
 
     calls: list = []
     step = BATCH_SEED_STEP
-    monkeypatch.setattr(mod, "probe", _fake_by_batch(calls, {0: 0.05, step: 0.05, 2 * step: 0.05}))
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake_by_batch(calls, {0: 0.05, step: 0.05, 2 * step: 0.05}))
     adv = mod.advise(TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None, batches=3)
     row = next(r for r in adv["rows"] if r["defense"] == "gaussian_noise")
     assert row["status"] == "stopped"
@@ -838,7 +841,7 @@ def test_a_strength_one_victim_batch_survives_is_raised_until_it_stops_that_batc
 
     calls: list = []
     step = BATCH_SEED_STEP
-    monkeypatch.setattr(mod, "probe", _fake_by_batch(calls, {0: 0.01, step: 0.01, 2 * step: 0.2}))
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake_by_batch(calls, {0: 0.01, step: 0.01, 2 * step: 0.2}))
     one = mod.advise(TEXT, tmp_path / "one", LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None,
                      batches=1)
     three = mod.advise(TEXT, tmp_path / "three", LEAKS, candidates=["gaussian_noise"], steps=4, log=lambda m: None,
@@ -896,7 +899,7 @@ def test_post_processing_carries_a_none_attack_past_every_check_of_an_update_def
     from gradleak.run import advise as mod
 
     calls: list = []
-    monkeypatch.setattr(mod, "probe", _fake_rule(calls))
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake_rule(calls))
     adv = mod.advise(TEXT, tmp_path, RULE_LEAKS, candidates=["gaussian_noise"], steps=2, log=lambda m: None,
                      batches=3, post_processing_rule=True)
     row = next(r for r in adv["rows"] if r["defense"] == "gaussian_noise")
@@ -917,7 +920,7 @@ def test_post_processing_never_carries_into_a_training_time_defense(tmp_path, mo
     from gradleak.run import advise as mod
 
     calls: list = []
-    monkeypatch.setattr(mod, "probe", _fake_rule(calls))
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake_rule(calls))
     adv = mod.advise(TEXT, tmp_path, RULE_LEAKS, candidates=["dpsgd"], steps=1, log=lambda m: None, batches=3,
                      post_processing_rule=True)
     row = next(r for r in adv["rows"] if r["defense"] == "dpsgd")
@@ -934,8 +937,8 @@ def test_post_processing_needs_the_noise_aware_variant_at_none_on_the_raw_upload
     from gradleak.run import advise as mod
 
     calls: list = []
-    monkeypatch.setattr(mod, "probe", _fake_rule(calls, variant_leaks=True))
-    monkeypatch.setattr(mod, "noise_aware_variants", lambda raw, attacks: {a: [{"noise_model": "declared"}]
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake_rule(calls, variant_leaks=True))
+    monkeypatch.setattr("gradleak.run.advise_carry.noise_aware_variants", lambda raw, attacks: {a: [{"noise_model": "declared"}]
                                                                           for a in attacks if a == "dlg"})
     adv = mod.advise(TEXT, tmp_path, RULE_LEAKS, candidates=["gaussian_noise"], steps=1, log=lambda m: None,
                      batches=1, post_processing_rule=True)
@@ -949,7 +952,7 @@ def test_post_processing_spot_check_that_leaks_withdraws_the_recommendation(tmp_
     from gradleak.run import advise as mod
 
     calls: list = []
-    monkeypatch.setattr(mod, "probe", _fake_rule(calls, spot_leaks=True))
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake_rule(calls, spot_leaks=True))
     adv = mod.advise(TEXT, tmp_path, RULE_LEAKS, candidates=["gaussian_noise"], steps=1, log=lambda m: None,
                      batches=1, post_processing_rule=True)
     row = next(r for r in adv["rows"] if r["defense"] == "gaussian_noise")
@@ -969,8 +972,8 @@ def test_an_update_defense_utility_run_reuses_the_baseline_accuracy_before_train
                      accuracy_start))
         return {**_fake_utility()(raw, attacks, rounds, device, norms), "accuracy_start": 0.25}
 
-    monkeypatch.setattr(mod, "utility", utility)
-    monkeypatch.setattr(mod, "probe", _fake_rule([]))
+    monkeypatch.setattr("gradleak.run.advise_utility.utility_job", utility)
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake_rule([]))
     mod.advise(TEXT, tmp_path, RULE_LEAKS, candidates=["gaussian_noise", "dpsgd"], steps=1, log=lambda m: None)
     assert ([], None) in seen  # the baseline measures it
     assert (["gaussian_noise"], 0.25) in seen and ("dpsgd", None) in seen
@@ -980,7 +983,7 @@ def test_an_update_defense_utility_run_reuses_the_baseline_accuracy_before_train
 def test_a_probe_keeps_a_dp_check_without_an_interval(monkeypatch, tmp_path):
     """NVFlare SVT's sign-canary check reports a bound, not a fitted interval: the probe keeps what the check measured
     (it failed with a KeyError before, so the SVT candidate's search read 'failed')."""
-    from gradleak.run import advise as mod
+    from gradleak.run.advise_probes import probe
     from gradleak.run import audit
 
     def fake_audit(raw, out_dir, overrides, device, only, log, workers):
@@ -989,6 +992,48 @@ def test_a_probe_keeps_a_dp_check_without_an_interval(monkeypatch, tmp_path):
                              "measured": [{"epsilon": 1.25e3, "threat_model": "each upload"}]}}
 
     monkeypatch.setattr(audit, "run_audit", fake_audit)
-    r = mod.probe(TEXT, str(tmp_path), ["utr"], None, 1, [])
+    r = probe(TEXT, str(tmp_path), ["utr"], None, 1, [])
     assert r["dp_check"] == {"verdict": "vacuous", "claimed_epsilon": 2.41e4, "epsilon": 1.25e3, "interval": None,
                              "threat_model": "each upload"}
+
+
+def test_secure_aggregation_is_an_fl_stage_object_that_the_advice_asks():
+    """Secure aggregation is :mod:`gradleak.fl.secure_aggregation`'s FL-stage object: its spec carries it, and the
+    probe config, the ``--set`` overrides, the starting point and the utility row's note are its answers. Another
+    FL-stage object with answers of its own is followed the same way (the advice asks the object, not a name)."""
+    from gradleak.fl.secure_aggregation import SECURE_AGGREGATION, SecureAggregation
+    from gradleak.run.advise_candidates import CANDIDATE_BY_NAME as C
+    from gradleak.run.advise_candidates import defended_config, set_strings, starting_point
+    from gradleak.run.advise_utility import fill_utility
+
+    spec = C["secure_aggregation"]
+    assert spec["fl_stage"] is SECURE_AGGREGATION and (spec["stage"], spec["weak"], spec["strong"]) == ("fl", 2, 8)
+    raw = {**TEXT, "fl": {**TEXT["fl"], "clients": 3}, "data": {**TEXT["data"], "nonmembers": 8},
+           "threat": {**TEXT["threat"], "individual_updates": True}}
+    cfg = defended_config(raw, spec, 4)
+    assert cfg["fl"] == {**raw["fl"], "secure_aggregation": True, "clients": 4} and cfg["data"]["nonmembers"] == 6
+    assert "individual_updates" not in cfg["threat"] and raw["threat"]["individual_updates"] is True
+    assert set_strings(raw, spec, 4) == ["fl.secure_aggregation=true", "fl.clients=4", "data.nonmembers=6"]
+    assert starting_point(raw, spec) is None and starting_point(cfg, spec) == 4
+
+    class Toy(SecureAggregation):
+        name = "toy_stage"
+
+        def configure(self, raw, value):
+            return {**raw, "fl": {**raw["fl"], "toy": value}}
+
+        def set_strings(self, raw, value):
+            return [f"fl.toy={value}"]
+
+        def strength(self, raw):
+            return (raw.get("fl") or {}).get("toy")
+
+        def utility_note(self, clients):
+            return f"toy federation of {clients}"
+
+    toy = Toy().advice_spec()
+    assert defended_config(TEXT, toy, 5)["fl"]["toy"] == 5 and set_strings(TEXT, toy, 5) == ["fl.toy=5"]
+    assert starting_point(TEXT, toy) is None and starting_point(defended_config(TEXT, toy, 5), toy) == 5
+    row = {"strength": 5}
+    fill_utility(row, toy, {"accuracy": 0.5, "rounds": 2}, {"baseline": {"accuracy": 0.6}, "test_size": 64}, 1)
+    assert row["utility_note"] == "toy federation of 5" and row["cost"] == pytest.approx(0.1)

@@ -218,7 +218,7 @@ def test_flower_client_side_fixed_clipping_is_the_mapped_dp_gaussian_on_the_serv
 def test_flower_candidates_config_set_and_starting_point():
     """Server-side clipping runs Flower's own wrapper (fl.engine flower, float64 weight replies); a configured Flower
     DP mechanism is the search's weak end and its clipping norm is kept; the settings name Flower's classes."""
-    from gradleak.run.advise import set_strings, starting_point
+    from gradleak.run.advise_candidates import set_strings, starting_point
 
     raw = copy.deepcopy(TEXT)
     raw["fl"]["flower"] = {"reply": "update"}
@@ -274,14 +274,13 @@ def test_flower_advice_flow_rows_recommendation_and_when_to_search_again(tmp_pat
     """The advice of a leaking round: Flower's three classes among gradleak's candidates, each row with the Flower
     setting; at equal cost the CLI's tie-break (a DP row with a hollow epsilon after plain noise); a later round
     leaking through the same attack is not searched again, one leaking through a new attack is."""
-    import gradleak.run.advise as adv_mod
     from gradleak.fl.engines.flower_bridge import RecordedRound
     from gradleak.run.runner import validate
 
     import gradleak.report.plots as plots
 
     calls, plotted = [], []
-    monkeypatch.setattr(adv_mod, "probe", _fake_probe(calls))
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _fake_probe(calls))
     monkeypatch.setattr(plots, "save_privacy_utility_plot", lambda panels, path: plotted.append(panels))  # (slow test)
     logs = []
     audit = SimpleNamespace(raw=copy.deepcopy(TEXT), cfg=validate(copy.deepcopy(TEXT))[1], truth=lambda r: [],

@@ -270,14 +270,14 @@ def test_recommendations_are_ranked_cheapest_first(tmp_path, monkeypatch, costs)
     defense) upwards, and the recommendation is the cheapest."""
     from gradleak.run import advise as mod
 
-    monkeypatch.setattr(mod, "probe", _stopping_probe)
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", _stopping_probe)
 
     def utility(raw, attacks, rounds, device, norms, accuracy_start=None):
         names = [d["name"] for d in raw.get("defenses") or []]
         acc = 0.8 - (costs[names[0]] if names else 0.0)
         return {"accuracy": acc, "accuracy_start": 0.5, "accuracy_curve": [0.5, acc], "rounds": rounds}
 
-    monkeypatch.setattr(mod, "utility", utility)
+    monkeypatch.setattr("gradleak.run.advise_utility.utility_job", utility)
     adv = mod.advise(ADVISE_TEXT, tmp_path, LEAKS, candidates=list(costs), steps=1, log=lambda m: None)
     by = {r["defense"]: r for r in adv["rows"]}
     assert set(by) == set(costs) and all(by[d]["status"] == "stopped" for d in costs)
@@ -290,7 +290,7 @@ def test_recommendations_are_ranked_cheapest_first(tmp_path, monkeypatch, costs)
 
 
 def test_only_a_measured_none_or_the_gates_hidden_update_stops_an_attack():
-    from gradleak.run.advise import GATE_STOP, outcome, stopped
+    from gradleak.run.advise_probes import GATE_STOP, outcome, stopped
 
     attacks = ["utr", "lamp"]
 
@@ -320,7 +320,9 @@ def test_a_failed_or_unmeasured_probe_is_not_a_stop(tmp_path, monkeypatch, failu
     reason other than a hidden update): the strength found stays the strong end, the one measured stop."""
     from gradleak.run import advise as mod
 
-    strong = mod.CANDIDATE_BY_NAME["gaussian_noise"]["strong"]
+    from gradleak.run.advise_candidates import CANDIDATE_BY_NAME
+
+    strong = CANDIDATE_BY_NAME["gaussian_noise"]["strong"]
     calls = []
 
     def probe(raw, out_dir, only, device, workers, utility_from):
@@ -336,8 +338,8 @@ def test_a_failed_or_unmeasured_probe_is_not_a_stop(tmp_path, monkeypatch, failu
         lv = {"level": "undefined"} if failure == "undefined" else {"level": None, "reason": "data.name: too few"}
         return {"verdict": "undefined", "attacks": {a: lv for a in only}}
 
-    monkeypatch.setattr(mod, "probe", probe)
-    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms, accuracy_start=None: {
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", probe)
+    monkeypatch.setattr("gradleak.run.advise_utility.utility_job", lambda raw, attacks, rounds, device, norms, accuracy_start=None: {
         "accuracy": 0.7, "accuracy_start": 0.5, "accuracy_curve": [0.5, 0.7], "rounds": rounds})
     adv = mod.advise(ADVISE_TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=3, log=lambda m: None)
     (row,) = adv["rows"]
@@ -355,8 +357,8 @@ def test_a_failed_strong_end_recommends_nothing(tmp_path, monkeypatch):
             return {"verdict": "leaks", "attacks": {a: {"level": "partial"} for a in only}}
         raise RuntimeError("the probe crashed")
 
-    monkeypatch.setattr(mod, "probe", probe)
-    monkeypatch.setattr(mod, "utility", lambda raw, attacks, rounds, device, norms, accuracy_start=None: {
+    monkeypatch.setattr("gradleak.run.advise_probes.probe", probe)
+    monkeypatch.setattr("gradleak.run.advise_utility.utility_job", lambda raw, attacks, rounds, device, norms, accuracy_start=None: {
         "accuracy": 0.7, "accuracy_start": 0.5, "rounds": rounds})
     adv = mod.advise(ADVISE_TEXT, tmp_path, LEAKS, candidates=["gaussian_noise"], steps=2, log=lambda m: None)
     (row,) = adv["rows"]
@@ -547,7 +549,8 @@ def _adv_row(defense, cost, status="stopped", **kw):
 
 
 def test_ranked_orders_by_cost_then_finished_then_a_meaningful_guarantee():
-    from gradleak.run.advise import MEANINGFUL_EPSILON, STANDARD, hollow_dp, ranked
+    from gradleak.run.advise_options import MEANINGFUL_EPSILON, STANDARD
+    from gradleak.run.advise_report import hollow_dp, ranked
 
     rows = [_adv_row("clipping", 0.30), _adv_row("gaussian_noise", 0.10), _adv_row("topk_pruning", 0.20),
             {"defense": "quantization", "status": "failed"}, {"defense": "fisguard", "status": "stopped"},

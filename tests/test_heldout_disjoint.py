@@ -418,7 +418,7 @@ def _advise_draws() -> dict[str, dict[str, tuple]]:
     ``data.seed`` moved by ``BATCH_SEED_STEP``) and the round trip at the unsearched batch (``unsearched_overrides``)
     -- as ``{id: (seed, kind, what the data follow, samples)}``, each through the config the audit hands an attack
     (:func:`audited`: the attack does not change the draw)."""
-    from gradleak.run.advise import batch_config
+    from gradleak.run.advise_probes import batch_config
     from gradleak.run.advise_options import BATCHES
     from gradleak.run.audit import audit_overrides
 

@@ -39,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "report": set(),
     # a modality plug-in: its data class, encoding, truth, public interface, accuracy (docs/DESIGN.md §7)
     "modalities": {"data", "fl", "models", "metrics"},
-    "config": {"fl", "peft", "models", "data", "defenses", "attacks", "evaluation", "metrics"},
+    "config": {"modalities", "fl", "peft", "models", "data", "defenses", "attacks", "evaluation", "metrics"},
     "run": {"config", "modalities", "fl", "peft", "models", "data", "defenses", "attacks", "evaluation", "metrics", "report"},
     "integrations": {"config", "run", "modalities", "fl", "peft", "models", "data", "defenses", "attacks",
                      "evaluation", "metrics", "report"},

@@ -246,7 +246,8 @@ def audit(config: Path = typer.Argument(..., help="YAML config of the federated 
                 out_console.print(f"{row['cell']}: {row['headline']}")
             out_console.print(f"-> {out}/audit_grid.json")
             return
-        from gradleak.run.advise import check_budget, run_audit_advised
+        from gradleak.run.advise import run_audit_advised
+        from gradleak.run.advise_options import check_budget
 
         check_budget(budget)
         if executor is not None and executor != "inline" and not advise:

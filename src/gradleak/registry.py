@@ -46,6 +46,16 @@ class Registry(Generic[T]):
 
         return deco
 
+    def unregister(self, name: str) -> None:
+        """Remove the entry ``name`` and its aliases (a plug-in registered for a while, e.g. by a test, and taken
+        back); an unknown name is an error."""
+        self._load()
+        if name not in self._entries:
+            raise ValueError(f"{self.kind} '{name}' is not registered")
+        del self._entries[name]
+        for a in [a for a, n in self._aliases.items() if n == name]:
+            del self._aliases[a]
+
     def alias(self, alias: str, name: str) -> None:
         """``alias`` names the entry ``name`` too (``get(alias)`` returns the same object)."""
         if alias in self._entries or alias in self._aliases or name not in self._entries:
@@ -85,7 +95,8 @@ ATTACKS: Registry[Any] = Registry("attack", home="gradleak.attacks")
 DEFENSES: Registry[Any] = Registry("defense", home="gradleak.defenses")
 DATASETS: Registry[Any] = Registry("dataset")
 METRICS: Registry[Any] = Registry("metric")
-EXPERIMENTS: Registry[Any] = Registry("experiment")
+#: the experiment presets, registered by the modality plug-ins (:func:`gradleak.modalities.register_experiment`)
+EXPERIMENTS: Registry[Any] = Registry("experiment", home="gradleak.modalities._discover")
 
 
 def load_all() -> None:
@@ -99,6 +110,7 @@ def load_all() -> None:
         "gradleak.peft",
         "gradleak.defenses",
         "gradleak.metrics",
+        "gradleak.modalities._discover",  # registers the modalities and their experiment presets
         "gradleak.attacks",
         "gradleak.config",
     ):

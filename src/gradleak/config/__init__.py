@@ -1,4 +1,5 @@
 """Experiment configs (docs/DESIGN.md §2): YAML and ``--set`` loading (:mod:`~gradleak.config.loading`) and the validated
-sections and presets (:mod:`~gradleak.config.schema`, which registers the experiment presets on import)."""
+sections (:mod:`~gradleak.config.schema`). The experiment presets and each modality's rules of the config come from
+the modality plug-ins (:mod:`gradleak.modalities`), so this package names no modality."""
 
-from gradleak.config import schema as _schema  # noqa: F401  (registers the experiment presets)
+from gradleak.config import schema as _schema  # noqa: F401  (the sections, and the engines' sections they mount)

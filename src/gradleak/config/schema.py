@@ -1,12 +1,18 @@
 """The one config language (docs/DESIGN.md §4): every experiment is ``data -> model + peft -> fl -> threat -> attack``.
 
-``experiment:`` names a *preset* (``EXPERIMENTS``) that fills defaults before validation:
+``experiment:`` names a *preset* (``EXPERIMENTS``) that fills defaults before validation. The presets are registered
+by the modality plug-ins (:func:`gradleak.modalities.register_experiment`; ``gradleak list experiments``):
 
 * ``peftleak`` — images, ViT-B/16 + adapters, attack ``peftleak``, threat ``malicious`` with public data;
 * ``utr`` — text, MiniLM (2 layers) + adapters, attack ``utr``, threat ``honest-but-curious``;
 * ``leakage`` — images, grey ResNet-18 (full fine-tuning, BatchNorm), FedAvg, attack ``bn_inversion``, evaluated
   per client by RDLV and adjusted IIP (Hatamizadeh et al. 2022, §II-D, §III-E);
 * ``image`` / ``text`` — the same sections with no attack-specific defaults.
+
+The preset's modality (:mod:`gradleak.modalities`, docs/DESIGN.md §7) owns its rules of the config: which ``data.*``
+and ``model.*`` fields are its own, the layer count the PEFT checks assume, its checks of the model's shape, of its
+clients' training and of its public data. This module names no modality: a new modality validates by registering
+its plug-in and a preset.
 
 The ``attack:`` section holds ``name`` plus the attack's parameters, either flat (``attack.sigma``) or
 under ``attack.params`` (``attack.params.eps_bag``); both are validated against the attack's ``Config``
@@ -24,7 +30,8 @@ Defenses (one registry, :mod:`gradleak.defenses.base`) appear in two sections th
   runs after the ``defenses:`` list. ``scale: cpu | paper`` fills the optimisation attacks'
 iteration parameters the config leaves unset from the attack class's ``scales`` table (``ig``: 300 / 2000 steps;
 ``gias``: 300 + 100 / 2000 + 8000); the dump records them under ``scale_resolved``. Fields that belong to the other
-modality (``data.max_length`` in an image experiment, ``model.patch_size`` in a text one) are refused.
+modality (``data.max_length`` in an image experiment, ``model.patch_size`` in a text one) are refused
+(:meth:`gradleak.modalities.Modality.refuse_foreign`).
 """
 
 from __future__ import annotations
@@ -32,22 +39,17 @@ from __future__ import annotations
 import copy
 from typing import Any, Literal, Optional
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, ConfigDict, Field, ValidationError
 
 from gradleak.defenses.base import DefenseConfig, DefenseSection, build_defense_section, build_defenses
 from gradleak.errors import BadInput, describe_validation_error
 from gradleak.config.loading import Strict
 from gradleak.fl.threat import ThreatConfig, ThreatModel, with_article
+from gradleak.modalities import Modality, modality_of
 from gradleak.peft import PeftConfig
 from gradleak.registry import ATTACKS, EXPERIMENTS
 from gradleak.validation import Checked
 
-IMAGE_DATA = {"image_size", "public", "public_size", "resize", "validation_size", "prior_size"}
-TEXT_DATA = {"text_column", "label_column", "split", "subset", "limit", "max_length", "nonmembers", "samples_per_client"}
-IMAGE_MODEL = {"patch_size", "hidden_size", "heads", "adapter_bottleneck", "init_weights", "num_channels"}
-#: image models whose builder takes model.num_channels (the ViTs are built for RGB)
-CHANNEL_MODELS = {"resnet18"}
-TEXT_MODEL: set[str] = {"task"}
 #: the fewest tokens a sentence takes: its two special tokens ([CLS] … [SEP], or BOS … EOS) and one word
 MIN_SENTENCE_TOKENS = 3
 
@@ -262,12 +264,17 @@ class ExperimentConfig(Strict):
     def threat_model(self) -> ThreatModel:
         return self._threat
 
+    @property
+    def modality_plugin(self) -> Modality:
+        """The plug-in of the experiment's modality (:mod:`gradleak.modalities`), which owns its rules of the config."""
+        return modality_of(self._modality)
+
     def check(self) -> None:
         preset = EXPERIMENTS.get(self.experiment, field="experiment")
         self._modality = preset["modality"]
-        _refuse_foreign("data", self.data, TEXT_DATA if self._modality == "image" else IMAGE_DATA, self._modality)
-        _refuse_foreign("model", self.model, IMAGE_MODEL if self._modality == "text" else TEXT_MODEL, self._modality)
-        # the layers the model keeps, where the config decides it (text models: model.layers, default 2)
+        mod = self.modality_plugin
+        mod.refuse_foreign("data", self.data.model_fields_set)
+        mod.refuse_foreign("model", self.model.model_fields_set)
         if self.data.max_length is not None and self.data.max_length < MIN_SENTENCE_TOKENS:
             raise BadInput("data.max_length", f"{self.data.max_length} token(s) is below the minimum a sentence needs, "
                            f"{MIN_SENTENCE_TOKENS} (its two special tokens and one word).",
@@ -276,38 +283,24 @@ class ExperimentConfig(Strict):
             raise BadInput("metrics.high_risk_client", f"client {self.metrics.high_risk_client} does not exist "
                            f"(fl.clients = {self.fl.clients}: clients 0..{self.fl.clients - 1}).",
                            f"use a client id in 0..{self.fl.clients - 1}, or remove it (the default picks one).")
-        self.peft.check(self.model.layers or (2 if self._modality == "text" else None))
+        # the layers the model keeps, where the config decides it (the modality's default when model.layers is unset)
+        self.peft.check(self.model.layers or mod.default_layers)
         if self.model.adapter_bottleneck is not None:
             if "bottleneck" in self.peft.model_fields_set and self.peft.bottleneck != self.model.adapter_bottleneck:
                 raise BadInput("model.adapter_bottleneck", f"is {self.model.adapter_bottleneck} but peft.bottleneck is "
                                f"{self.peft.bottleneck}.", "set only peft.bottleneck.")
             self.peft.bottleneck = self.model.adapter_bottleneck
-        if self.peft.kind == "adapters" and self._modality == "text" and "bottleneck" in self.peft.model_fields_set:
-            raise BadInput("peft.bottleneck", "text adapters are sized by peft.reduction_factor.",
-                           "use e.g. --set peft.reduction_factor=2.")
-        if self._modality == "image":
-            from gradleak.models.vit import PRESETS  # one table of ViT sizes (torch only, no transformers)
-
-            preset = PRESETS.get(self.model.name, PRESETS["vit-b16"])
-            patch = self.model.patch_size or preset["patch_size"]
-            if self.model.name in PRESETS and self.data.image_size % patch:
-                raise BadInput("data.image_size", f"image size {self.data.image_size} is not divisible by the patch size {patch}.",
-                               f"use a multiple of {patch} (e.g. {max(1, round(self.data.image_size / patch)) * patch}) "
-                               "or change model.patch_size.")
-            hidden = self.model.hidden_size or preset["hidden_size"]
-            heads = self.model.heads or preset["num_attention_heads"]
-            if hidden % heads:
-                raise BadInput("model.heads" if self.model.heads else "model.hidden_size",
-                               f"hidden size {hidden} is not divisible by {heads} heads.",
-                               "choose a head count that divides the hidden size.")
+        mod.check_peft(self)  # e.g. text adapters are sized by peft.reduction_factor
+        mod.check_architecture(self)  # e.g. a ViT's patch size divides the image side
         self._check_clients()
+        mod.check_training(self)  # e.g. per-client image counts, input channels, BatchNorm in train mode
         from gradleak.models import model_modality
 
         mm = model_modality(self.model.name)
         if mm != self._modality:
-            raise BadInput("model.name", f"'{self.model.name}' is a{'n' if mm == 'image' else ''} {mm} model but experiment "
+            raise BadInput("model.name", f"'{self.model.name}' is {with_article(mm)} model but experiment "
                            f"'{self.experiment}' works on {self._modality}.",
-                           f"use experiment: {'text' if mm == 'text' else 'image'} or a {self._modality} model.")
+                           f"use experiment: {mm} or a {self._modality} model.")
         if self.model.name != "resnet18" and ("norm" in self.model.model_fields_set or self.model.norm != "batch"):
             raise BadInput("model.norm", f"the normalisation layers are chosen for resnet18, not '{self.model.name}'.",
                            "remove model.norm, or use model.name=resnet18.")
@@ -315,7 +308,7 @@ class ExperimentConfig(Strict):
             raise BadInput("fl.local_batch_size", f"{self.fl.local_batch_size} is larger than the client's batch "
                            f"({self.data.batch_size}).", "use at most data.batch_size.")
         self._check_samples_per_client()
-        from gradleak.data import check_disjoint, dataset_modality
+        from gradleak.data import dataset_modality
 
         dm = dataset_modality(self.data.name)
         if dm != self._modality:
@@ -332,8 +325,7 @@ class ExperimentConfig(Strict):
             raise BadInput("threat.preset", f"peft.layer_pe adds server-prescribed layer-wise positional embeddings, "
                            f"which {with_article(self._threat.capability)} server cannot choose.",
                            "set threat.preset=prescribes-architecture (or malicious), or peft.layer_pe=false.")
-        if self._modality == "image" and self._threat.public_data and self.data.public is not None:
-            check_disjoint(self.data.name, self.data.public)
+        mod.check_public_data(self)  # e.g. the public images share no source image with the private ones
         build_defenses([d.model_dump() for d in self.defenses], seed=self.seed)  # names and parameters
         self._resolve_defense()
         if (self._attack_cls.reconstruction == "membership" and self.peft.kind == "lora" and self.peft.lora_init == "default"
@@ -365,6 +357,8 @@ class ExperimentConfig(Strict):
         return out
 
     def _check_clients(self) -> None:
+        """The ``fl.client_*`` lists: one value per client, each >= 1; local batch sizes and epochs for FedAvg. The
+        modality checks the rest of its clients' training (:meth:`gradleak.modalities.Modality.check_training`)."""
         f = self.fl
         for key in ("client_images", "client_batch_sizes", "client_epochs"):
             vals = getattr(f, key)
@@ -378,40 +372,6 @@ class ExperimentConfig(Strict):
         if (f.client_batch_sizes or f.client_epochs) and f.algorithm != "fedavg":
             raise BadInput("fl.client_batch_sizes" if f.client_batch_sizes else "fl.client_epochs",
                            "per-client local batch sizes and epochs apply to FedAvg clients.", "set fl.algorithm=fedavg.")
-        if self._modality != "image":
-            if f.client_images:
-                raise BadInput("fl.client_images", "per-client image counts apply to image experiments.",
-                               "use data.batch_size (every client the same) for text.")
-            return
-        if self.model.num_channels not in (None, 3) and self.model.name not in CHANNEL_MODELS:
-            raise BadInput("model.num_channels", f"'{self.model.name}' is built for 3-channel (RGB) images.",
-                           f"remove model.num_channels, or use a model that takes other channel counts "
-                           f"({', '.join(sorted(CHANNEL_MODELS))}).")
-        if self.model.train_all and self.peft.kind != "none":
-            raise BadInput("model.train_all", f"trains every parameter, which conflicts with peft.kind={self.peft.kind}.",
-                           "set peft.kind=none with model.train_all=true (full fine-tuning), or remove model.train_all.")
-        if self.model.name == "resnet18" and self.model.norm == "batch":  # train-mode BN: > 1 value per channel
-            from gradleak.models.resnet import check_train_bn_input
-
-            smallest = min(min(c["batch_size"], c["images"] % c["batch_size"] or c["batch_size"])
-                           for c in self.client_plan())
-            check_train_bn_input(self.data.image_size, self.data.image_size, smallest, field="data.image_size")
-        pt = self.model.pretrain
-        if pt is not None:
-            from gradleak.models import VIT_PRESETS
-
-            if self.model.name != "resnet18" and self.model.name not in VIT_PRESETS:
-                raise BadInput("model.pretrain", f"central pretraining is implemented for resnet18 and the random-init "
-                               f"ViT presets ({', '.join(VIT_PRESETS)}), not '{self.model.name}'.",
-                               "remove model.pretrain (vit-s14-pretrained is pretrained already).")
-            from gradleak.data.sources import source_families
-
-            if (source_families(pt.data) & source_families(self.data.name)) and (pt.data != self.data.name
-                                                                                   or pt.split == "train"):
-                raise BadInput("model.pretrain.split", f"pretraining on '{pt.data}/{pt.split}' would share images with "
-                               f"the clients' '{self.data.name}' (they draw from its train split).",
-                               f"pretrain on another split (model.pretrain.split=test with data {self.data.name}) or "
-                               "on a dataset that shares no source image with data.name.")
 
     def _check_samples_per_client(self) -> None:
         """``data.samples_per_client`` (text membership experiments): a dataset of at least one batch per client."""
@@ -473,40 +433,6 @@ class ExperimentConfig(Strict):
         if self._defense is not None:
             out["defense"] = {"name": self.defense.name, **self._defense.params()}
         return out
-
-
-def _refuse_foreign(section: str, obj: BaseModel, foreign: set[str], modality: str) -> None:
-    bad = sorted(f for f in obj.model_fields_set if f in foreign)
-    if bad:
-        other = "text" if modality == "image" else "image"
-        raise BadInput(f"{section}.{bad[0]}", f"applies to {other} experiments only; this one works on {modality}.",
-                       f"remove it, or use experiment: {other}.")
-
-
-# ---------------------------------------------------------------------------------------------------- presets
-
-def _preset(name: str, summary: str, modality: str, defaults: dict[str, Any]) -> None:
-    EXPERIMENTS.register(name, summary)({"modality": modality, "defaults": defaults})
-
-
-_preset("peftleak", "images: PEFTLeak preset (ViT-B/16 + adapters r=64, B=32, malicious server with public data)",
-        "image", {"data": {"name": "cifar-samples", "batch_size": 32}, "model": {"name": "vit-b16"},
-                  "fl": {"lr": 1e-3}, "attack": {"name": "peftleak"},
-                  "threat": {"preset": "malicious", "public_data": True}})
-_preset("utr", "text: UTR preset (MiniLM, 2 layers, adapters rf=2, honest-but-curious server)",
-        "text", {"data": {"name": "rt-sentences", "batch_size": 8}, "model": {"name": "minilm", "layers": 2, "num_classes": 2},
-                 "peft": {"kind": "adapters"}, "fl": {"lr": 0.05}, "attack": {"name": "utr"},
-                 "threat": {"preset": "honest-but-curious"}})
-_preset("image", "images: any image attack; give model/peft/attack/threat yourself (defaults: ViT-B/16, adapters)",
-        "image", {"data": {"name": "cifar-samples", "batch_size": 8}, "model": {"name": "vit-b16"}, "fl": {"lr": 1e-3}})
-_preset("leakage", "images: leakage quantification (Hatamizadeh et al. 2022): grey ResNet-18 trained in full by FedAvg "
-        "with BN statistics, attack bn_inversion, RDLV / IIP per client", "image",
-        {"data": {"name": "fashion-mnist", "batch_size": 8, "image_size": 64}, "peft": {"kind": "none"},
-         "model": {"name": "resnet18", "num_channels": 1, "train_all": True}, "fl": {"algorithm": "fedavg", "lr": 0.01},
-         "attack": {"name": "bn_inversion"}, "threat": {"preset": "honest-but-curious", "public_data": True}})
-_preset("text", "text: any text attack; give model/peft/attack/threat yourself (defaults: MiniLM 2 layers, adapters)",
-        "text", {"data": {"name": "rt-sentences", "batch_size": 8}, "model": {"name": "minilm", "layers": 2, "num_classes": 2},
-                 "fl": {"lr": 0.05}})
 
 
 def with_defaults(raw: dict[str, Any]) -> dict[str, Any]:

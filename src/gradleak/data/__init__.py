@@ -47,9 +47,14 @@ def names() -> list[str]:
 
 
 def dataset_modality(name: str) -> str:
-    """``"text"`` for a dataset registered in ``gradleak.data.text``, else ``"image"``; reads no file.
+    """The modality of the dataset registered as ``name``: the loader's own ``modality`` attribute when it declares
+    one (a dataset of another modality plug-in, as the models' builders declare theirs), else ``"text"`` for a
+    dataset registered in ``gradleak.data.text`` and ``"image"`` for the rest; reads no file.
 
     Unknown names raise the registry's :class:`gradleak.errors.BadInput` (field ``data.name``).
     """
     fn = DATASETS.get(name, field="data.name")
+    declared = getattr(fn, "modality", None)
+    if isinstance(declared, str):
+        return declared
     return "text" if getattr(fn, "__module__", None) == TEXT_MODULE else "image"

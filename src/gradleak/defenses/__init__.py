@@ -4,12 +4,14 @@
 * :mod:`.training` — training-time defenses (``defense:``); :mod:`.filter` — the RDLV filter (also training-time);
 * :mod:`.nvflare` — NVFlare's own privacy filters (``nvflare_percentile``, ``nvflare_svt``, ``nvflare_exclude``).
 
-Importing the package registers every defense.
+Every module of this package is imported (and so registers its defenses) when the package is imported, as the
+attacks are (:mod:`gradleak.attacks`): adding a defense means adding its module, nothing else here; a defense's
+optional dependencies (NVFlare) are imported inside its functions only.
 """
 
-import gradleak.defenses.filter  # noqa: F401  (registers rdlv_filter)
-import gradleak.defenses.nvflare  # noqa: F401  (registers NVFlare's privacy filters; NVFlare imported when used)
-import gradleak.defenses.training  # noqa: F401  (registers the training-time defenses)
+import importlib as _importlib
+import pkgutil as _pkgutil
+
 from gradleak.defenses.base import (
     Defense,
     DefenseConfig,
@@ -28,6 +30,10 @@ from gradleak.defenses.update import (
     StochasticQuantization,
     TopKPruning,
 )
+
+for _info in _pkgutil.iter_modules(__path__):
+    if not _info.name.startswith("_"):
+        _importlib.import_module(f"{__name__}.{_info.name}")
 
 __all__ = ["Clipping", "DPGaussian", "Defense", "DefenseConfig", "DefenseParams", "DefenseSection", "GaussianNoise",
            "PercentileNoise", "StochasticQuantization", "TopKPruning", "TrainingDefense", "UpdateDefense",

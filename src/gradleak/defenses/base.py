@@ -63,7 +63,8 @@ class Defense:
     #: ``log1m`` (on ``unit - x``, ``unit`` default 1), ``int`` (whole numbers, log), ``lin``), ``fixed`` (other
     #: parameters), ``what`` (the words of the advice row); optional ``key`` (its name in the advice when one defense
     #: is searched in two modes), ``mode`` (the parameters that make a configured defense this candidate),
-    #: ``requires`` (what the setup must have), ``membership_only``; ``order`` (its place among the candidates) and
+    #: ``requires`` (what the setup must have), ``attack_kinds`` (searched only when an attack of one of these
+    #: reconstruction kinds leaks; default every kind); ``order`` (its place among the candidates) and
     #: ``rank`` (the tie-break among equally cheap rows: the most standard first). The name is the defense's own.
     advice: ClassVar[tuple[dict[str, Any], ...]] = ()
     #: a differential-privacy mechanism: its advice rows carry an epsilon (:meth:`advice_epsilon`), and one whose

@@ -54,7 +54,7 @@ PUBLIC_TEXT_DEFAULTS = ("wordnet-examples", "news-sentences", "rt-sentences")
 class FISGuard(TrainingDefense):
     Config = FISGuardParams
     advice = ({"stage": "training", "param": "rank", "weak": 64, "strong": 4, "scale": "int", "fixed": {},
-               "what": "rank of the fixed input subspaces", "membership_only": True, "order": 9, "rank": 9},)
+               "what": "rank of the fixed input subspaces", "attack_kinds": ("membership",), "order": 9, "rank": 9},)
 
     def check_experiment(self, cfg) -> None:
         if cfg.peft.kind not in ("adapters", "lora"):

@@ -99,7 +99,7 @@ def flower_candidates(raw: dict, *, clip: float, lr: float, clients: int, coordi
     """The three Flower candidates (specs for :func:`gradleak.run.advise.advise`'s ``extra``) for the federation of
     ``raw``: clipping norm ``clip`` on Δw, the clients' ``lr`` (Δw = lr · update), ``clients`` per round,
     ``coordinates`` trainable coordinates (LocalDpMod's bracket), ``delta`` of LocalDpMod and every epsilon."""
-    from gradleak.run.advise import gaussian_epsilon
+    from gradleak.run.advise_utility import gaussian_epsilon
 
     fl = _flower_section(raw)
     configured = fl.get("dp", "none")
@@ -242,7 +242,9 @@ def round_advice(audit, rec, result: dict, rdir) -> dict | None:
     leaking here. Probes go to ``audit.out/advise/`` (resumable: a rerun redoes no finished probe); the plot and the
     advice page to ``rdir``."""
     from gradleak.evaluation.levels import LEAKING
-    from gradleak.run.advise import DELTA, advise, plot_panels
+    from gradleak.run.advise import advise
+    from gradleak.run.advise_options import DELTA
+    from gradleak.run.advise_report import plot_panels
     from gradleak.run.audit import run_audit
 
     opts = audit.advise_opts

@@ -4,6 +4,12 @@ branching on a modality.
 
 A modality is a module of this package that registers a :class:`Modality` subclass in :data:`MODALITIES` under the
 name ``cfg.modality`` takes (``image``, ``text``); every module here is imported when the registry is first read.
+
+A modality also owns its rules of the config (docs/DESIGN.md §4, §7), so :mod:`gradleak.config` names no modality:
+which ``data.*`` / ``model.*`` fields are its own (:attr:`Modality.data_fields`, :attr:`Modality.model_fields`; a
+field another modality owns is refused, naming it), the layer count the PEFT checks assume, its checks of the model's
+shape, of its clients' training and of its public data, and its experiment presets (:func:`register_experiment`,
+read from :data:`gradleak.registry.EXPERIMENTS`).
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradleak.registry import Registry
+from gradleak.errors import BadInput
+from gradleak.registry import EXPERIMENTS, Registry
 
 
 class Modality:
@@ -22,6 +29,63 @@ class Modality:
     name: ClassVar[str] = ""
     #: which seed decides the data split (``audit.json`` ``evidence_record.split_seeds.decided_by``)
     split_decided_by: ClassVar[str] = "run_seeds"
+    #: the ``data.*`` fields that belong to this modality: set in an experiment of a modality that does not own them,
+    #: they are refused, naming the field (:meth:`foreign_fields`)
+    data_fields: ClassVar[frozenset[str]] = frozenset()
+    #: the ``model.*`` fields that belong to this modality (refused likewise elsewhere)
+    model_fields: ClassVar[frozenset[str]] = frozenset()
+    #: the layers the model keeps when ``model.layers`` is not set, as the PEFT checks count them (None: the model's
+    #: own depth, which the config does not decide)
+    default_layers: ClassVar[int | None] = None
+
+    # ---------------------------------------------------------------------------------------- the config's rules
+
+    def foreign_fields(self, section: str) -> dict[str, list[str]]:
+        """``section``'s (``data`` / ``model``) fields that other registered modalities own and this one does not,
+        each with the names of its owners (the config refuses them in this modality's experiments)."""
+        own = self.section_fields(section)
+        out: dict[str, list[str]] = {}
+        for e in MODALITIES:
+            if e.name == self.name:
+                continue
+            for f in e.obj.section_fields(section) - own:
+                out.setdefault(f, []).append(e.name)
+        return out
+
+    @classmethod
+    def section_fields(cls, section: str) -> frozenset[str]:
+        """The fields of config section ``section`` this modality owns (``data`` or ``model``; no other section has
+        modality-owned fields)."""
+        return {"data": cls.data_fields, "model": cls.model_fields}.get(section, frozenset())
+
+    def refuse_foreign(self, section: str, given: set[str]) -> None:
+        """BadInput naming the first (sorted) of the ``given`` fields of ``section`` that belong to another modality:
+        it applies to that modality's experiments only."""
+        foreign = self.foreign_fields(section)
+        bad = sorted(f for f in given if f in foreign)
+        if bad:
+            other = " or ".join(foreign[bad[0]])
+            raise BadInput(f"{section}.{bad[0]}", f"applies to {other} experiments only; this one works on {self.name}.",
+                           f"remove it, or use experiment: {other}.")
+
+    def check_peft(self, cfg) -> None:
+        """The modality's refusals of the ``peft:`` section (after ``peft.check`` and ``model.adapter_bottleneck``)."""
+
+    def check_architecture(self, cfg) -> None:
+        """The modality's checks of the model's shape against its data (before the clients' plan is checked)."""
+
+    def check_training(self, cfg) -> None:
+        """The modality's checks of how its clients train, after the generic checks of the ``fl.client_*`` lists.
+        By default per-client sample counts (``fl.client_images``) are refused: they are the image clients'."""
+        if cfg.fl.client_images:
+            raise BadInput("fl.client_images", "per-client image counts apply to image experiments.",
+                           f"use data.batch_size (every client the same) for {self.name}.")
+
+    def check_public_data(self, cfg) -> None:
+        """The modality's check of the public data a server granted ``threat.public_data`` holds (after the threat
+        model is resolved: ``cfg.threat_model``)."""
+
+    # ------------------------------------------------------------------------------------------- the pipeline
 
     def data(self, cfg) -> Any:
         """The experiment's data (clients' batches, public data, nulls, test samples)."""
@@ -96,6 +160,12 @@ class Modality:
 
 
 MODALITIES: Registry[type[Modality]] = Registry("modality", home="gradleak.modalities._discover")
+
+
+def register_experiment(name: str, summary: str, modality: str, defaults: dict[str, Any]) -> None:
+    """Register the experiment preset ``name`` (``experiment: name``) of ``modality``: the config sections'
+    ``defaults``, which the user's keys override (:func:`gradleak.config.schema.with_defaults`)."""
+    EXPERIMENTS.register(name, summary)({"modality": modality, "defaults": defaults})
 
 
 def modality_of(cfg_or_name) -> Modality:

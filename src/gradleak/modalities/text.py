@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradleak.modalities import MODALITIES, Modality
+from gradleak.errors import BadInput
+from gradleak.modalities import MODALITIES, Modality, register_experiment
 
 
 def pad_cat(encs: list[dict], tok) -> dict[str, torch.Tensor]:
@@ -24,6 +25,16 @@ def pad_cat(encs: list[dict], tok) -> dict[str, torch.Tensor]:
 @MODALITIES.register("text", "sentences through the model's tokenizer; classification or next-token accuracy")
 class TextModality(Modality):
     name = "text"
+    data_fields = frozenset({"text_column", "label_column", "split", "subset", "limit", "max_length", "nonmembers",
+                             "samples_per_client"})
+    model_fields = frozenset({"task"})
+    default_layers = 2  # the text models keep their first model.layers layers (default 2)
+
+    def check_peft(self, cfg) -> None:
+        """Text adapters are sized by ``peft.reduction_factor`` (hidden size / factor), never by a bottleneck."""
+        if cfg.peft.kind == "adapters" and "bottleneck" in cfg.peft.model_fields_set:
+            raise BadInput("peft.bottleneck", "text adapters are sized by peft.reduction_factor.",
+                           "use e.g. --set peft.reduction_factor=2.")
 
     def data(self, cfg) -> Any:
         from gradleak.data.splits import TextData
@@ -104,7 +115,7 @@ class TextModality(Modality):
         from gradleak.models.text import hf_weight_files, resolve_model
 
         name = cfg.model.name
-        path, _ = resolve_model(name, cfg.model.layers or 2)
+        path, _ = resolve_model(name, cfg.model.layers or self.default_layers)
         if isinstance(path, Path) or Path(str(path)).is_dir():
             files = hf_weight_files(Path(path))
             return [{"role": f"model {name}", "path": f} for f in files] or [
@@ -119,3 +130,13 @@ class TextModality(Modality):
         except Exception:  # noqa: BLE001
             pass
         return [{"role": f"model {name}", "path": str(path), "error": "a hub id without a file in the local HF cache"}]
+
+
+register_experiment("utr", "text: UTR preset (MiniLM, 2 layers, adapters rf=2, honest-but-curious server)", "text",
+                    {"data": {"name": "rt-sentences", "batch_size": 8},
+                     "model": {"name": "minilm", "layers": 2, "num_classes": 2}, "peft": {"kind": "adapters"},
+                     "fl": {"lr": 0.05}, "attack": {"name": "utr"}, "threat": {"preset": "honest-but-curious"}})
+register_experiment("text", "text: any text attack; give model/peft/attack/threat yourself (defaults: MiniLM 2 layers, "
+                    "adapters)", "text",
+                    {"data": {"name": "rt-sentences", "batch_size": 8},
+                     "model": {"name": "minilm", "layers": 2, "num_classes": 2}, "fl": {"lr": 0.05}})

@@ -19,16 +19,15 @@ UTILITY_ROUNDS = 20
 #: an epsilon above this guarantees nothing meaningful: such a DP row ranks after the other equally cheap defenses
 #: (it is absolute noise under a DP name) and the report marks it
 MEANINGFUL_EPSILON = 10.0
-#: secure aggregation, searched over the clients summed (an FL option, not a registered defense): its place among the
-#: candidates (``order``) and in the tie-break (``rank``), as a defense's :attr:`~gradleak.defenses.base.Defense.advice`
-SECURE_AGGREGATION = {"name": "secure_aggregation", "stage": "fl", "param": "clients", "weak": 2, "strong": 8,
-                      "scale": "int", "fixed": {}, "what": "clients summed by secure aggregation", "order": 8, "rank": 2}
+#: delta of every reported epsilon
+DELTA = 1e-5
 
 
 def _specs() -> list[dict[str, Any]]:
     from gradleak.defenses.base import advice_candidates
+    from gradleak.fl.secure_aggregation import fl_candidates
 
-    return sorted(advice_candidates() + [SECURE_AGGREGATION], key=lambda s: s.get("order", float("inf")))
+    return sorted(advice_candidates() + fl_candidates(), key=lambda s: s.get("order", float("inf")))
 
 
 def candidates() -> list[dict[str, Any]]:
@@ -36,7 +35,8 @@ def candidates() -> list[dict[str, Any]]:
     (:attr:`gradleak.defenses.base.Defense.advice`) and secure aggregation, in their order. ``scale``: ``log``,
     ``log1m`` (on ``unit - x``), ``int`` (whole numbers, log), ``lin``; ``requires``: what the setup must have, else
     the candidate is listed as not applicable; ``stage``: where the defense goes (``update``: appended to
-    ``defenses``; ``training``: ``defense:``; ``fl``: secure aggregation); ``param`` the parameter searched, its
+    ``defenses``; ``training``: ``defense:``; ``fl``: an FL option, whose spec's ``fl_stage`` object builds its configs,
+    :class:`gradleak.fl.secure_aggregation.SecureAggregation`); ``param`` the parameter searched, its
     bracket (weak -> strong), ``fixed`` parameters; ``key``: the name in the advice when one defense is searched in
     two modes; ``mode``: the parameters that make a configured defense this candidate (its starting point)."""
     return [{k: v for k, v in s.items() if k not in ("order", "rank")} for s in _specs()]

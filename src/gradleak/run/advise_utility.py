@@ -19,14 +19,23 @@ per-sample gradient norm: the median quantile of adaptive clipping (Andrew et al
 learning with adaptive clipping", NeurIPS), here fitted once from the undefended run. A fixed norm far above the
 updates' (1.0 against adapters' updates of ~1e-2) clips nothing, and the "DP" noise is then absolute noise whose epsilon
 guarantees nothing.
+
+**Epsilon.** DP mechanisms report epsilon at :data:`~gradleak.run.advise_options.DELTA` from their own accounting
+(:meth:`gradleak.defenses.base.Defense.advice_epsilon`; the Gaussian mechanism's RDP epsilon is
+:func:`gaussian_epsilon`): ``epsilon`` over the utility rounds (:func:`measure_utility`) and ``epsilon_attacked`` over
+the audited round(s) (the search's row).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 from gradleak.errors import BadInput
+from gradleak.run.advise_candidates import defended_config, fmt, key
+from gradleak.run.advise_options import DELTA
+from gradleak.run.advise_probes import held_back
 
 
 def clip_fit(spec: dict) -> tuple[str, str, str] | None:
@@ -114,3 +123,89 @@ def improves(baseline: dict) -> bool:
     """Whether the undefended model's test accuracy rose over the utility rounds (else a cost measures nothing)."""
     a, b = baseline.get("accuracy_start"), baseline.get("accuracy")
     return isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > a
+
+
+def utility_cell_job(raw, attacks, rounds, device, norms, accuracy_start=None):
+    """A utility cell's job (:func:`utility_job`; module level: the local and Ray executors pickle it)."""
+    if accuracy_start is None:
+        return utility_job(raw, attacks, rounds, device, norms)
+    return utility_job(raw, attacks, rounds, device, norms, accuracy_start)
+
+
+def gaussian_epsilon(noise_multiplier: float, steps: int, delta: float = DELTA) -> float | None:
+    """Epsilon of ``steps`` compositions of the Gaussian mechanism with ``noise_multiplier`` (sampling rate 1): the
+    RDP accountant's closed form (:func:`gradleak.accounting.gaussian_rdp_epsilon`, equal to Opacus'
+    ``RDPAccountant``)."""
+    from gradleak.accounting import gaussian_rdp_epsilon
+
+    return gaussian_rdp_epsilon(noise_multiplier, steps, delta)
+
+
+def dp_class(spec: dict):
+    """The registered DP mechanism a candidate searches (its class owns the epsilon), or None."""
+    from gradleak.defenses.base import defense_class
+
+    cls = defense_class(spec["name"])
+    return cls if cls is not None and cls.is_dp else None
+
+
+def dp_epsilon(cls, strength: Any, rounds: int, measured: Any) -> Any:
+    """The DP mechanism ``cls``'s own epsilon at ``strength`` over ``rounds`` rounds (``measured``: the run's own
+    accountant's, if any), at :data:`~gradleak.run.advise_options.DELTA`."""
+    return cls.advice_epsilon(strength, rounds, measured, DELTA, gaussian_epsilon)
+
+
+def cost_sampling_error(base: Any, acc: Any, n: Any) -> float | None:
+    """The standard error of a cost (baseline accuracy - accuracy with the defense) from the ``n`` test samples
+    alone: two independent binomial proportions. The training's own seed-to-seed spread is not in it (a lower
+    bound on the cost's uncertainty)."""
+    if not all(isinstance(v, (int, float)) for v in (base, acc)) or not isinstance(n, int) or n <= 0:
+        return None
+    return math.sqrt((base * (1 - base) + acc * (1 - acc)) / n)
+
+
+def measure_utility(base: dict, found: list[tuple[dict, dict]], advice: dict, run_batch, attacked_rounds: int) -> None:
+    """The utility runs of the candidates found (``(row, spec)`` pairs) at their strengths, in one batch of cells;
+    fills each row's ``accuracy``, ``cost`` (against the baseline run) and, for DP, ``epsilon`` over the utility
+    rounds."""
+    runs = run_batch([(f"utility:{key(spec)}:{spec['param']}={fmt(r['strength'])}",
+                       defended_config(base, spec, r["strength"]), True) for r, spec in found]) if found else []
+    for (r, spec), u in zip(found, runs):
+        if held_back(u):  # the budget was spent and the strength is unverified (never recommended): not measured
+            r["utility_note"] = ("accuracy not measured: the budget was spent and this strength was not checked "
+                                 "against every tested attack")
+            continue
+        if "error" in u:
+            r["utility_error"] = u["error"]
+            continue
+        fill_utility(r, spec, u, advice, attacked_rounds)
+
+
+def fill_utility(r: dict, spec: dict, u: dict, advice: dict, attacked_rounds: int) -> None:
+    """A row's utility fields from its utility run ``u``: accuracy, divergence, cost and its sampling error, the DP
+    epsilon over the utility rounds with its words, and an FL-stage candidate's own note."""
+    b = advice["baseline"].get("accuracy")
+    r.update(accuracy=u.get("accuracy"), accuracy_curve=u.get("accuracy_curve"), utility_rounds=u.get("rounds"))
+    if u.get("diverged"):
+        d = u["diverged"]
+        r["diverged"] = d
+        r["utility_note"] = (f"training diverged under this defense: client {d['client']}'s upload in round "
+                             f"{d['round']} of {u.get('rounds')} held NaN/inf (lr = {fmt(d['lr'])}); the accuracy is "
+                             "the global model's when it did (training cannot continue)")
+    if isinstance(b, (int, float)) and isinstance(r["accuracy"], (int, float)):
+        r["cost"] = b - r["accuracy"]
+        se = cost_sampling_error(b, r["accuracy"], advice.get("test_size"))
+        if se is not None:
+            r["cost_se"] = se
+    cls = dp_class(spec)
+    if cls is not None:  # the defense's own accounting over the utility rounds
+        r["epsilon"] = dp_epsilon(cls, r["strength"], u.get("rounds") or 1, u.get("dp_epsilon"))
+        if cls.epsilon_delta is not None:  # the defense's own δ (pure DP: 0), shown beside its ε
+            r["epsilon_delta"] = cls.epsilon_delta
+    if clip_fit(spec) is not None:
+        r["epsilon_note"] = (f"epsilon over the {u.get('rounds')} utility round(s) (the training whose accuracy is "
+                             f"reported); epsilon_attacked over the audited {attacked_rounds} round(s)")
+    if cls is not None and cls.epsilon_words:  # the defense's own words on its accountant
+        r["epsilon_note"] = "; ".join(x for x in (r.get("epsilon_note"), cls.epsilon_words) if x)
+    if "fl_stage" in spec:  # an FL-stage candidate's own words (secure aggregation: federations of other sizes)
+        r["utility_note"] = spec["fl_stage"].utility_note(fmt(r["strength"]))
