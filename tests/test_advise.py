@@ -359,6 +359,26 @@ def test_the_table_says_when_epsilon_guarantees_nothing():
     assert dp[6] == "5.5e+05 (δ = 1e-05; no meaningful guarantee: ε > 10)" and sgd[6] == "2.1 (δ = 1e-05)"
 
 
+def test_the_table_words_a_measured_epsilon_with_and_without_an_interval():
+    """The DP check at the strength found: a fitted epsilon shows its 95 % interval; SVT's sign-canary check gives a
+    one-sided bound without one, and the row (and the HTML report built from it) still renders."""
+    from gradleak.run.audit_report import advice_rows, advice_section
+
+    row = {"parameter": "noise_var", "strength": 100.0, "bracket": [0.01, 100.0], "accuracy": 0.5, "cost": 0.0,
+           "status": "stopped"}
+    adv = {"delta": 1e-5, "baseline": {"accuracy": 0.5}, "ranking": ["nvflare_svt", "dp_gaussian"],
+           "rows": [{**row, "defense": "nvflare_svt", "epsilon": 2.4e7, "epsilon_measured": {
+               "verdict": "vacuous", "claimed_epsilon": 2.4e7, "epsilon": 1.5e5, "interval": None,
+               "threat_model": "each_upload"}},
+                    {**row, "defense": "dp_gaussian", "epsilon": 4.7, "epsilon_measured": {
+                        "verdict": "consistent", "claimed_epsilon": 4.7, "epsilon": 4.65, "interval": [3.37, 6.13],
+                        "threat_model": "each_upload"}}]}
+    svt, dp = advice_rows(adv)
+    assert "measured 1.5e+05 (each upload): vacuous" in svt[6] and "interval" not in svt[6]
+    assert "measured 4.65 (95 % interval 3.37–6.13, each upload): consistent" in dp[6]
+    assert "vacuous" in advice_section(adv)
+
+
 def test_a_configured_defense_is_strengthened_in_its_own_mode_only():
     """A configured absolute-noise defense is the absolute candidate's starting point and is replaced by it; the
     per-coordinate candidate is added beside it."""

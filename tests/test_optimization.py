@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradleak.attacks.base import ThreatModel
-from gradleak.attacks.optimization.inverting_gradients import InvertingGradients, total_variation
+from gradleak.attacks.optimization.inverting_gradients import InvertingGradients
 from gradleak.attacks.optimization.labels import infer_labels_from_bias_gradient
+from gradleak.attacks.optimization.objective import total_variation
 from gradleak.data import load
 from gradleak.errors import BadInput
 from gradleak.fl.core import Client, ServerView

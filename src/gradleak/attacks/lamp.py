@@ -24,6 +24,7 @@ word bag (a second row: LAMP given stage 1).
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
@@ -126,6 +127,35 @@ class LAMPAttack(AttackBase):
             raise BadInput("view.public.lengths", "LAMP needs the sequence lengths (its threat model).",
                            "grant them with threat.knows_lengths=true (LAMP's threat model).")
         t0 = time.perf_counter()
+        pb = self._problem(view, lengths)
+        rec = self._gradient_loss(pb)
+
+        def rec_ids(ids):
+            with torch.enable_grad():
+                return float(rec(pb.E[ids].clone(), False))
+
+        best = (float("inf"), None)
+        gen = torch.Generator().manual_seed(self.seed)
+        stats = {"discrete_steps": 0, "accepted_candidates": 0, "lm_scored": 0}
+        for restart in range(self.restarts):
+            x0 = self._initial_embeddings(pb, rec, gen, stats)
+            best = self._optimise(pb, x0, rec, rec_ids, gen, stats, best)
+        B = pb.B
+        ids = best[1]
+        sents = [ids[i, 1:lengths[i] - 1].tolist() for i in range(B)]
+        secs = time.perf_counter() - t0
+        return Reconstruction(data=sents, info={"steps": self.steps, "restarts": self.restarts, "best_rec": best[0],
+                                                "vocabulary": len(pb.vocab), **stats, "attack_seconds": secs,
+                                                "word_bag_seconds": 0.0, "sentence_seconds": secs,
+                                                # optimisation output: nothing is verified
+                                                "verified": [False] * B, "verified_sentences": 0,
+                                                "unverified_sentences": B})
+
+    def _problem(self, view: ServerView, lengths: list[int]) -> SimpleNamespace:
+        """What the optimisation works on: the uploaded tensors (the non-zero ones) and their parameters, the batch's
+        attention mask from the granted ``lengths``, the labels, the vocabulary searched and its normalised
+        embeddings, the positions fixed to special tokens ([CLS] ... [SEP] / BOS ... EOS, padding), the client's
+        loss (the LM loss only under an LM head) and the auxiliary LM that scores candidates."""
         model, tok = view.model, view.public["tokenizer"]
         causal = is_causal(model)
         sp = specials(tok, causal)
@@ -155,80 +185,85 @@ class LAMPAttack(AttackBase):
         # (a Llama sequence classifier) trains on the labels like a bidirectional one
         lm_loss = causal and has_lm_head(model)
         aux = self._aux_lm(model, tok, lm_loss)
+        return SimpleNamespace(model=model, tok=tok, plist=plist, target=target, B=B, L=L, mask=mask, labels=labels,
+                               E=E, vocab=vocab, Ev=Ev, fixed=fixed, spec_ids=spec_ids, emb_norm=emb_norm,
+                               lm_loss=lm_loss, aux=aux)
+
+    def _gradient_loss(self, pb: SimpleNamespace):
+        """``rec(x, create_graph)``: LAMP's cosine loss of the embeddings ``x`` (specials in place): 1 - cos per
+        uploaded tensor between the client's loss gradient and the upload, averaged over the tensors."""
+        model, E, vocab, Ev, mask = pb.model, pb.E, pb.vocab, pb.Ev, pb.mask
 
         def with_specials(xx):
-            return torch.where(fixed[..., None], E[spec_ids], xx)
+            return torch.where(pb.fixed[..., None], E[pb.spec_ids], xx)
 
         def loss_of(xx):
             xx = with_specials(xx)
             out = model(inputs_embeds=xx, attention_mask=mask)
-            if lm_loss:
+            if pb.lm_loss:
                 logits = out.logits[:, :-1]
                 lab = self._project(xx.detach(), E, vocab, Ev)[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
                 return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1),
                                                    ignore_index=-100)
-            return nn.functional.cross_entropy(out.logits, labels)
+            return nn.functional.cross_entropy(out.logits, pb.labels)
 
         def rec(xx, create_graph):
             """LAMP's cosine loss: 1 - cos per uploaded tensor, averaged over the tensors."""
-            gs = torch.autograd.grad(loss_of(xx), plist, create_graph=create_graph, allow_unused=True)
+            gs = torch.autograd.grad(loss_of(xx), pb.plist, create_graph=create_graph, allow_unused=True)
             terms = []
-            for gg, tt in zip(gs, target):
+            for gg, tt in zip(gs, pb.target):
                 if gg is None:
                     continue
                 gg = gg.double()
                 terms.append(1 - (gg * tt).sum() / (gg.norm() * tt.norm() + 1e-30))
             return torch.stack(terms).mean()
 
-        def rec_ids(ids):
-            with torch.enable_grad():
-                return float(rec(E[ids].clone(), False))
+        return rec
 
-        best = (float("inf"), None)
-        gen = torch.Generator().manual_seed(self.seed)
-        stats = {"discrete_steps": 0, "accepted_candidates": 0, "lm_scored": 0}
-        for restart in range(self.restarts):
-            # the best of init_candidates random inits (by the gradient term)
-            x0, d0 = None, float("inf")
-            for _ in range(self.init_candidates):
-                cand = torch.randn(B, L, E.shape[1], generator=gen) * E[vocab].std()
-                with torch.enable_grad():
-                    d = float(rec(cand, False))
-                if d < d0:
-                    x0, d0 = cand, d
-            stats.setdefault("init_rec", d0)
-            x = x0.clone().requires_grad_(True)
-            opt = torch.optim.Adam([x], lr=self.lr)
-            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=self.decay_every, gamma=self.lr_decay)
-            start = int(self.burn_in * self.steps)
-            for step in range(self.steps):
-                opt.zero_grad()
-                reg = (x.norm(dim=-1)[~fixed].mean() - emb_norm).pow(2)
-                d = rec(x, True) + self.norm_weight * reg
-                d.backward()
-                opt.step()
-                sched.step()
-                last_step = step == self.steps - 1
-                if (step + 1 >= start and (step + 1 - start) % self.discrete_every == 0) or last_step:
+    def _initial_embeddings(self, pb: SimpleNamespace, rec, gen: torch.Generator, stats: dict) -> torch.Tensor:
+        """One restart's start: the best of ``init_candidates`` random embeddings (by the gradient term); the first
+        restart's best term is recorded as ``init_rec``."""
+        E, vocab = pb.E, pb.vocab
+        x0, d0 = None, float("inf")
+        for _ in range(self.init_candidates):
+            cand = torch.randn(pb.B, pb.L, E.shape[1], generator=gen) * E[vocab].std()
+            with torch.enable_grad():
+                d = float(rec(cand, False))
+            if d < d0:
+                x0, d0 = cand, d
+        stats.setdefault("init_rec", d0)
+        return x0
+
+    def _optimise(self, pb: SimpleNamespace, x0: torch.Tensor, rec, rec_ids, gen: torch.Generator, stats: dict,
+                  best: tuple) -> tuple:
+        """One restart: Adam on the embeddings (gradient term + embedding-norm regulariser, step decay), projected
+        onto tokens every ``discrete_every`` steps after the burn-in (and at the last step), with LAMP's discrete
+        step on the projection in between; returns the best (term, token ids) so far."""
+        E, vocab, Ev, fixed, spec_ids = pb.E, pb.vocab, pb.Ev, pb.fixed, pb.spec_ids
+        x = x0.clone().requires_grad_(True)
+        opt = torch.optim.Adam([x], lr=self.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=self.decay_every, gamma=self.lr_decay)
+        start = int(self.burn_in * self.steps)
+        for step in range(self.steps):
+            opt.zero_grad()
+            reg = (x.norm(dim=-1)[~fixed].mean() - pb.emb_norm).pow(2)
+            d = rec(x, True) + self.norm_weight * reg
+            d.backward()
+            opt.step()
+            sched.step()
+            last_step = step == self.steps - 1
+            if (step + 1 >= start and (step + 1 - start) % self.discrete_every == 0) or last_step:
+                with torch.no_grad():
+                    ids = torch.where(fixed, spec_ids, self._project(x.detach(), E, vocab, Ev))
+                if self.candidates and not last_step:
+                    ids = self._discrete_step(ids, pb.mask, fixed, vocab, rec_ids, pb.aux, pb.tok, gen, stats)
                     with torch.no_grad():
-                        ids = torch.where(fixed, spec_ids, self._project(x.detach(), E, vocab, Ev))
-                    if self.candidates and not last_step:
-                        ids = self._discrete_step(ids, mask, fixed, vocab, rec_ids, aux, tok, gen, stats)
-                        with torch.no_grad():
-                            x.copy_(torch.where(fixed[..., None], x, E[ids]))
-                        stats["discrete_steps"] += 1
-                    r = rec_ids(ids)
-                    if r < best[0]:
-                        best = (r, ids.clone())
-        ids = best[1]
-        sents = [ids[i, 1:lengths[i] - 1].tolist() for i in range(B)]
-        secs = time.perf_counter() - t0
-        return Reconstruction(data=sents, info={"steps": self.steps, "restarts": self.restarts, "best_rec": best[0],
-                                                "vocabulary": len(vocab), **stats, "attack_seconds": secs,
-                                                "word_bag_seconds": 0.0, "sentence_seconds": secs,
-                                                # optimisation output: nothing is verified
-                                                "verified": [False] * B, "verified_sentences": 0,
-                                                "unverified_sentences": B})
+                        x.copy_(torch.where(fixed[..., None], x, E[ids]))
+                    stats["discrete_steps"] += 1
+                r = rec_ids(ids)
+                if r < best[0]:
+                    best = (r, ids.clone())
+        return best
 
     def _vocabulary(self, view, E, sp, causal) -> torch.Tensor:
         """Token ids the projection may use: the whole vocabulary minus specials, or UTR's word bag (its stage 1 at

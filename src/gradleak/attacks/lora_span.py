@@ -84,6 +84,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from types import SimpleNamespace
 from typing import Any, Literal, Optional
 
 import torch
@@ -237,7 +238,7 @@ class LoraSpan(AttackBase):
         self._override(fb, state)
         G = torch.cat([upd.tensors[k].detach().to(torch.float64).cpu() for k in keys])  # Σr × d
         _, S, Vh = torch.linalg.svd(G, full_matrices=True)
-        d, n, P, C = fb["d"], fb["E"].shape[1], fb["patch"], fb["channels"]
+        d, P, C = fb["d"], fb["patch"], fb["channels"]
         shape = view.public.get("image_shape")
         side = int(shape[-1]) if shape else int(round(math.sqrt(len(fb["pos"]) - 1))) * P
         grid = side // P
@@ -250,6 +251,58 @@ class LoraSpan(AttackBase):
             k = min(int(self.directions), len(S))
         if self.solver == "measurements":
             return self._measurements(view, fb, G, S, Vh, k, noise_std, N, side, keys, t0)
+        sv = self._solve_patches(fb, Vh, k)
+        n, srank, unknowns = sv.n, sv.srank, sv.unknowns
+        imgs = sv.X.reshape(grid, grid, C, P, P).permute(2, 0, 3, 1, 4).reshape(1, C, side, side)
+        imgs = (imgs + 1) / 2
+        if self.clip:
+            imgs = imgs.clamp(0, 1)
+        t_attack = time.perf_counter() - t0
+        # ---- the regime
+        batch = int(view.public.get("batch_size") or upd.num_samples or 0)
+        rows = G.shape[0]
+        reasons = self._regime_reasons(k, rows, d, n, N, srank, unknowns, batch)
+        holds = not reasons
+        t_fb = self._time_fwdbwd(view, max(batch, 1), side, C) if self.time_fwdbwd else float("nan")
+        info = {
+            "backbone": getattr(view.model, "backbone_name", type(getattr(view.model, "vit", view.model)).__name__),
+            "patch_size": P, "image_size": side, "num_patches": N, "lora_A_parameters": keys,
+            "gradient_rows": rows, "row_space_rank": k, "row_space_rank_max": min(rows, d),
+            "tokens_expected": (batch * (N + 1)) if batch else None, "token_span_dim_max": n + N + 2,
+            "spectrum_head": [float(v) for v in (S / S[0] if len(S) and S[0] > 0 else S)[max(0, k - 3):k + 3]],
+            "rank_cut": self._rank_cut_description(noise_std),
+            "unknowns_per_patch": unknowns, "sigma_unknown": sv.use_sigma, "equations_per_patch": d - k,
+            "system_rank": srank,
+            "system_condition": float(sv.s[0] / sv.s[srank - 1]) if srank else float("inf"),
+            "rank_condition": "holds" if holds else "; ".join(reasons),
+            "timings": {"attack_seconds": t_attack, "fwdbwd_seconds": t_fb,
+                        "attack_to_fwdbwd_ratio": t_attack / t_fb if t_fb == t_fb and t_fb > 0 else float("nan")},
+        }
+        if not holds:
+            info["warning"] = (f"lora_span: under-determined setting, the rank condition fails "
+                               f"({info['rank_condition']}); the image is a least-squares guess, not an exact "
+                               "recovery (lora_span_rank_condition_holds = 0)")
+        metrics = {"lora_span_rank_condition_holds": float(holds), "lora_span_row_space_rank": float(k),
+                   "lora_span_system_rank": float(srank), "lora_span_cls_residual": float(sv.cls_res),
+                   "lora_span_patch_residual_median": float(sv.res.median()),
+                   "lora_span_patch_residual_max": float(sv.res.max()),
+                   "lora_span_sigma_relative_error_median": sv.sigma_err,
+                   "attack_seconds": t_attack, "attack_to_fwdbwd_ratio": info["timings"]["attack_to_fwdbwd_ratio"]}
+        # the leakage margin: the weakest of the B (N + 1) token directions over the noise edge the declared defenses
+        # imply, and the noise that would drown it (gradleak.attacks.common.subspace.spectral_margin)
+        from gradleak.attacks.common.subspace import spectral_margin
+        from gradleak.defenses.declared import view_noise_std
+
+        margin = spectral_margin([G], max(batch, 1) * (N + 1), view_noise_std(view, upd, tensor=keys))
+        info["leakage_margin"] = {"layer": "block0_lora_A", **margin}
+        metrics.update({f"{k}_block0_lora_A": v for k, v in margin.items()})
+        return Reconstruction({"images": imgs.to(torch.float32)}, info, metrics)
+
+    def _solve_patches(self, fb: dict[str, Any], Vh: torch.Tensor, k: int) -> SimpleNamespace:
+        """The per-patch linear system [U⊥ᵀΓCE | U⊥ᵀβ] [x; σ] = −U⊥ᵀΓC(b + pos_t) (module docstring), all positions at
+        once, solved by a truncated SVD (``system_tol``), with its truth-free verification: the recovered patches'
+        exact tokens must lie in the row space V. ``X``: N × n pixels in the model's range."""
+        n = fb["E"].shape[1]
         Uperp = Vh[k:].T  # d × (d − k): the complement of the row space V
         gamma, beta, eps = fb["gamma"], fb["beta"], fb["eps"]
         h_cls = layer_norm(fb["cls"] + fb["pos"][0], gamma, beta, eps)
@@ -273,21 +326,19 @@ class LoraSpan(AttackBase):
         srank = int((s > self.system_tol).sum())
         sol = (Wh[:srank].T @ ((U[:, :srank].T @ rhs) / s[:srank, None])) / scale[:, None]  # unknowns × N
         X = sol[:n].T  # N × n pixels in the model's range
-        unknowns = n + int(use_sigma)
         # ---- truth-free verification: the recovered patches' exact tokens must lie in V
         z = X @ fb["E"].T + fb["b"] + fb["pos"][1:]
         h = layer_norm(z, gamma, beta, eps)
         res = _rel_residual(h, Uperp)
         sigma_true = torch.sqrt(((z - z.mean(1, keepdim=True)) ** 2).mean(1) + eps)
         sigma_err = float(((sol[n] - sigma_true).abs() / sigma_true).median()) if use_sigma else 0.0
-        imgs = X.reshape(grid, grid, C, P, P).permute(2, 0, 3, 1, 4).reshape(1, C, side, side)
-        imgs = (imgs + 1) / 2
-        if self.clip:
-            imgs = imgs.clamp(0, 1)
-        t_attack = time.perf_counter() - t0
-        # ---- the regime
-        batch = int(view.public.get("batch_size") or upd.num_samples or 0)
-        rows = G.shape[0]
+        return SimpleNamespace(X=X, n=n, use_sigma=use_sigma, unknowns=n + int(use_sigma), s=s, srank=srank,
+                               cls_res=cls_res, res=res, sigma_err=sigma_err)
+
+    def _regime_reasons(self, k: int, rows: int, d: int, n: int, N: int, srank: int, unknowns: int,
+                        batch: int) -> list[str]:
+        """Why the rank condition fails (empty when it holds): a zero or saturated row space, a rank reaching the
+        token span's dimension, an under-determined or rank-deficient per-patch system, a batch of several images."""
         reasons = []
         if k == 0:
             reasons.append("the LoRA-A gradient is zero (peft.lora_init=default has B = 0 in round 1)")
@@ -305,45 +356,15 @@ class LoraSpan(AttackBase):
                                "position, e.g. B ≥ 2: patches ambiguous)")
         if batch > 1:
             reasons.append(f"batch of {batch}: the span holds several images' tokens; this attack returns one image")
-        holds = not reasons
-        t_fb = self._time_fwdbwd(view, max(batch, 1), side, C) if self.time_fwdbwd else float("nan")
-        info = {
-            "backbone": getattr(view.model, "backbone_name", type(getattr(view.model, "vit", view.model)).__name__),
-            "patch_size": P, "image_size": side, "num_patches": N, "lora_A_parameters": keys,
-            "gradient_rows": rows, "row_space_rank": k, "row_space_rank_max": min(rows, d),
-            "tokens_expected": (batch * (N + 1)) if batch else None, "token_span_dim_max": n + N + 2,
-            "spectrum_head": [float(v) for v in (S / S[0] if len(S) and S[0] > 0 else S)[max(0, k - 3):k + 3]],
-            "rank_cut": ({"tokens": "the token count B (N + 1) (truncated SVD)",
-                          "noise_edge": f"the noise edge (per-coordinate std {noise_std:.3g})" if noise_std else
-                          "the noise edge"}.get(self.rank_cut) or
-                         (f"rank_rtol {self.rank_rtol:g}" if self.rank_rtol is not None
-                          else f"largest spectral gap (>= {self.min_gap:g}x)")),
-            "unknowns_per_patch": unknowns, "sigma_unknown": use_sigma, "equations_per_patch": d - k,
-            "system_rank": srank,
-            "system_condition": float(s[0] / s[srank - 1]) if srank else float("inf"),
-            "rank_condition": "holds" if holds else "; ".join(reasons),
-            "timings": {"attack_seconds": t_attack, "fwdbwd_seconds": t_fb,
-                        "attack_to_fwdbwd_ratio": t_attack / t_fb if t_fb == t_fb and t_fb > 0 else float("nan")},
-        }
-        if not holds:
-            info["warning"] = (f"lora_span: under-determined setting, the rank condition fails "
-                               f"({info['rank_condition']}); the image is a least-squares guess, not an exact "
-                               "recovery (lora_span_rank_condition_holds = 0)")
-        metrics = {"lora_span_rank_condition_holds": float(holds), "lora_span_row_space_rank": float(k),
-                   "lora_span_system_rank": float(srank), "lora_span_cls_residual": float(cls_res),
-                   "lora_span_patch_residual_median": float(res.median()),
-                   "lora_span_patch_residual_max": float(res.max()),
-                   "lora_span_sigma_relative_error_median": sigma_err,
-                   "attack_seconds": t_attack, "attack_to_fwdbwd_ratio": info["timings"]["attack_to_fwdbwd_ratio"]}
-        # the leakage margin: the weakest of the B (N + 1) token directions over the noise edge the declared defenses
-        # imply, and the noise that would drown it (gradleak.attacks.common.subspace.spectral_margin)
-        from gradleak.attacks.common.subspace import spectral_margin
-        from gradleak.defenses.declared import view_noise_std
+        return reasons
 
-        margin = spectral_margin([G], max(batch, 1) * (N + 1), view_noise_std(view, upd, tensor=keys))
-        info["leakage_margin"] = {"layer": "block0_lora_A", **margin}
-        metrics.update({f"{k}_block0_lora_A": v for k, v in margin.items()})
-        return Reconstruction({"images": imgs.to(torch.float32)}, info, metrics)
+    def _rank_cut_description(self, noise_std: Optional[float]) -> str:
+        """How the row space's rank was cut (``info["rank_cut"]``)."""
+        return ({"tokens": "the token count B (N + 1) (truncated SVD)",
+                 "noise_edge": f"the noise edge (per-coordinate std {noise_std:.3g})" if noise_std else
+                 "the noise edge"}.get(self.rank_cut) or
+                (f"rank_rtol {self.rank_rtol:g}" if self.rank_rtol is not None
+                 else f"largest spectral gap (>= {self.min_gap:g}x)"))
 
     def _prior(self, C: int, side: int, P: int):
         from gradleak.attacks.common.token_measurements import GaussianImagePrior

@@ -188,15 +188,169 @@ def client_level(result: dict) -> str:
 
 # ------------------------------------------------------------------------------------------ the filter
 
+class _AuditFilter:
+    """What :class:`NVFlareAudit` does (its docstring: :func:`_make_audit_class`), without NVFlare's ``DXOFilter``
+    base class, so it can live at module level while ``nvflare`` stays an optional import; the class built by
+    :func:`_make_audit_class` puts ``DXOFilter`` under it."""
+
+    def __init__(self, config: str, out_dir: str, attacks: list | None = None, truth: Any = "config",
+                 block_at: str = "", lr: float = 0.0, device: str = "cpu", quiet: bool = False):
+        from nvflare.apis.dxo import DataKind
+
+        super().__init__(supported_data_kinds=[DataKind.WEIGHTS, DataKind.WEIGHT_DIFF],
+                         data_kinds_to_filter=[DataKind.WEIGHTS, DataKind.WEIGHT_DIFF])
+        if block_at and block_at not in BLOCK_LEVELS:
+            raise BadInput("block_at", f"must be one of {', '.join(BLOCK_LEVELS)} (or empty), got {block_at!r}.",
+                           "block e.g. uploads that leak at least strongly: block_at='strong'.")
+        self.config, self.out_dir, self.attacks, self.truth = str(config), str(out_dir), attacks, truth
+        self.block_at, self.lr, self.device, self.quiet = block_at, float(lr), device, bool(quiet)
+        self._audit = None
+        self._results: dict[int, dict[Any, dict]] = {}  # server round -> client -> its own audit
+        self.blocked: list[dict] = []
+        self.summary: dict[int, dict] = {}
+
+    # -- the pieces
+    def round_audit(self):
+        """The :class:`~gradleak.run.round_audit.RoundAudit` every client is audited with (built on first use)."""
+        if self._audit is None:
+            from gradleak.run.round_audit import RoundAudit
+
+            truth = self.truth
+            if truth == "config":
+                config = self.config
+                truth = lambda _r: list(partitions(config))  # noqa: E731
+            elif not truth:
+                truth = None
+            self._audit = RoundAudit(self.config, Path(self.out_dir), attacks=self.attacks, truth=truth,
+                                     device=self.device, log=(lambda _m: None) if self.quiet else print)
+        return self._audit
+
+    def sent(self) -> dict[int, dict[str, torch.Tensor]]:
+        return _SENT.setdefault(str(Path(self.out_dir).resolve()), {})
+
+    def _direction(self, fl_ctx) -> str:
+        from nvflare.apis.filter import FilterChainType, FilterContextKey
+        from nvflare.apis.fl_constant import FilterKey, FLContextKey
+
+        d = fl_ctx.get_prop(FLContextKey.FILTER_DIRECTION)
+        if d in (FilterKey.IN, FilterKey.OUT):
+            return d
+        chain = self.get_prop(FilterContextKey.CHAIN_TYPE)
+        return FilterKey.OUT if chain == FilterChainType.TASK_DATA_CHAIN else FilterKey.IN
+
+    # -- DXOFilter
+    def process_dxo(self, dxo, shareable, fl_ctx):
+        from nvflare.apis.dxo import DataKind
+        from nvflare.apis.fl_constant import FilterKey
+        from nvflare.app_common.app_constant import AppConstants
+
+        r = shareable.get_header(AppConstants.CURRENT_ROUND, None)
+        if self._direction(fl_ctx) == FilterKey.OUT:  # the task the server sends: remember the model
+            if r is None:
+                r = fl_ctx.get_prop(AppConstants.CURRENT_ROUND, None)
+            if dxo.data_kind == DataKind.WEIGHTS and r is not None and int(r) not in self.sent():
+                self.sent()[int(r)] = to_torch(dxo.data)
+            return None
+        self._audit_result(dxo, shareable, fl_ctx, r)
+        return None
+
+    def _audit_result(self, dxo, shareable, fl_ctx, r) -> None:
+        """Audit one client's result on its own upload, write the round so far, and block it at ``block_at``."""
+        from nvflare.apis.filter import ContentBlockedException
+
+        from gradleak.evaluation.levels import level_rank
+        from gradleak.run.round_audit import round_console
+
+        audit, cid, site, rec = self._recorded_upload(dxo, shareable, fl_ctx, self._result_round(fl_ctx, r))
+        server_round = rec.server_round
+        t0 = time.perf_counter()
+        mine = audit.audit(rec)  # this client, on its own upload
+        mine["seconds"] = time.perf_counter() - t0
+        got = self._results.setdefault(server_round, {})
+        got[cid] = mine
+        merged = merge_client_audits(got, audit.cfg.threat_model, audit.not_run, server_round,
+                                     left_out=audit.left_out_names(), by=audit.only_by or "--only")
+        level = client_level(mine)
+        block = bool(self.block_at) and level_rank(level) >= level_rank(self.block_at)
+        if block:
+            self.blocked.append({"server_round": server_round, "client": cid, "site": site, "level": level})
+        rdir, report = self._write_round(audit, merged, mine, server_round)
+        if not self.quiet:  # this client's level, then the round so far answer first, as gradleak audit words it
+            print(f"[nvflare audit] round {server_round} client {cid} ({site}): level {level}"
+                  + (f" -- BLOCKED (block_at {self.block_at})" if block else ""))
+            print(round_console(merged, rdir / "audit.json", report, "[nvflare audit]"))
+        if block:
+            raise ContentBlockedException(f"gradleak: the upload of client {cid} ({site}) in round {server_round} "
+                                          f"leaks at level {level} (block_at {self.block_at}); see "
+                                          f"{rdir / 'audit.json'}")
+
+    def _result_round(self, fl_ctx, r) -> int:
+        """The round of a client's result (its header, else the context's, else the last sent), which must have its
+        sent model recorded."""
+        from nvflare.app_common.app_constant import AppConstants
+
+        sent_by_round = self.sent()
+        if r is None:
+            r = fl_ctx.get_prop(AppConstants.CURRENT_ROUND, None)
+        if r is None and sent_by_round:
+            r = max(sent_by_round)
+        if r is None or int(r) not in sent_by_round:
+            raise BadInput("NVFlareAudit", f"no model the server sent is recorded for round {r}: the audit needs "
+                           "it (the attacks read the sent weights).", "add the same filter to the server's "
+                           "task-data chain too (FilterType.TASK_DATA), as examples/nvflare/job.py does.")
+        return int(r)
+
+    def _recorded_upload(self, dxo, shareable, fl_ctx, r: int):
+        """``(round audit, client id, site, RecordedRound)``: the client's result of round ``r`` as the update it
+        holds against the model sent (a FULL result's update is ``(sent − new) / lr``)."""
+        from nvflare.apis.dxo import DataKind
+        from nvflare.apis.fl_constant import ReservedKey
+
+        sent = self.sent()[r]
+        meta = dict(dxo.meta or {})
+        site = (shareable.get_peer_props() or {}).get(ReservedKey.IDENTITY_NAME)
+        if not site and fl_ctx.get_peer_context() is not None:
+            site = fl_ctx.get_peer_context().get_identity_name()
+        cid = int(meta[META_CLIENT]) if META_CLIENT in meta else site_index(site)
+        audit = self.round_audit()
+        cfg = audit.cfg
+        lr = float(meta.get(META_LR) or self.lr or cfg.fl.lr_at(r))
+        params = to_torch(dxo.data)
+        plan = cfg.client_plan()
+        samples = int(meta.get(META_SAMPLES) or (plan[cid]["batch_size"] if cid < len(plan) else 1))
+        upd = update_of(sent, params, params_type="FULL" if dxo.data_kind == DataKind.WEIGHTS else "DIFF",
+                        algorithm=cfg.fl.algorithm, lr=lr, num_examples=samples, client_id=cid,
+                        local_steps=int(meta.get(META_STEPS, 1)))
+        return audit, cid, site, RecordedRound(r + 1, sent, [ClientReply(cid + 1, cid, params, samples, {})], [upd])
+
+    def _write_round(self, audit, merged: dict, mine: dict, server_round: int):
+        """Complete the round's merged audit (blocked uploads, the DP check, gradleak audit's report fields) and write
+        ``round_<r>/audit.json``, its ``report.html`` and ``nvflare_audit.json``; returns (round folder, report)."""
+        from gradleak.run.results import write_json_atomic
+        from gradleak.run.round_audit import attach_artifacts, write_round
+
+        merged["blocked"] = [b for b in self.blocked if b["server_round"] == server_round]
+        merged["block_at"] = self.block_at or None
+        if "dp_check" in mine:  # the declared DP mechanism replayed with canaries (RoundAudit.round_dp_check)
+            merged["dp_check"] = mine["dp_check"]
+        merged.update(audit.report_fields(merged["attacks"]))  # gradleak audit's report fields
+        rdir = Path(self.out_dir) / f"round_{server_round}"
+        for entry in merged["attacks"]:
+            if "per_client" in entry:  # every client's PNGs so far, for the report's rows
+                attach_artifacts(entry, rdir)
+        report = write_round(rdir, merged)  # audit.json and report.html (gradleak audit's page), atomically
+        self.summary[server_round] = {k: merged[k] for k in ("server_round", "verdict", "headline", "clients",
+                                                             "blocked", "seconds")}
+        write_json_atomic(Path(self.out_dir) / "nvflare_audit.json",
+                          {"rounds": [self.summary[k] for k in sorted(self.summary)], "config": audit.raw})
+        return rdir, report
+
+
 def _make_audit_class():
     require_nvflare()
-    from nvflare.apis.dxo import DataKind
     from nvflare.apis.dxo_filter import DXOFilter
-    from nvflare.apis.filter import ContentBlockedException, FilterChainType, FilterContextKey
-    from nvflare.apis.fl_constant import FilterKey, FLContextKey, ReservedKey
-    from nvflare.app_common.app_constant import AppConstants
 
-    class NVFlareAudit(DXOFilter):
+    class NVFlareAudit(_AuditFilter, DXOFilter):
         """gradleak's audit on an NVFlare server's filter chains (module docstring).
 
         ``config``: the gradleak config describing the federation (model, PEFT, data kind, threat, fl: the lr and
@@ -208,125 +362,6 @@ def _make_audit_class():
         ``strong`` | ``exact`` raises ``ContentBlockedException`` for a result whose audit reaches that level
         (``""``: never block). ``lr``: the clients' lr when neither the result's meta nor the config says it
         (0: the config's). The constructor arguments are JSON values, as an NVFlare job's config needs."""
-
-        def __init__(self, config: str, out_dir: str, attacks: list | None = None, truth: Any = "config",
-                     block_at: str = "", lr: float = 0.0, device: str = "cpu", quiet: bool = False):
-            super().__init__(supported_data_kinds=[DataKind.WEIGHTS, DataKind.WEIGHT_DIFF],
-                             data_kinds_to_filter=[DataKind.WEIGHTS, DataKind.WEIGHT_DIFF])
-            if block_at and block_at not in BLOCK_LEVELS:
-                raise BadInput("block_at", f"must be one of {', '.join(BLOCK_LEVELS)} (or empty), got {block_at!r}.",
-                               "block e.g. uploads that leak at least strongly: block_at='strong'.")
-            self.config, self.out_dir, self.attacks, self.truth = str(config), str(out_dir), attacks, truth
-            self.block_at, self.lr, self.device, self.quiet = block_at, float(lr), device, bool(quiet)
-            self._audit = None
-            self._results: dict[int, dict[Any, dict]] = {}  # server round -> client -> its own audit
-            self.blocked: list[dict] = []
-            self.summary: dict[int, dict] = {}
-
-        # -- the pieces
-        def round_audit(self):
-            """The :class:`~gradleak.run.round_audit.RoundAudit` every client is audited with (built on first use)."""
-            if self._audit is None:
-                from gradleak.run.round_audit import RoundAudit
-
-                truth = self.truth
-                if truth == "config":
-                    config = self.config
-                    truth = lambda _r: list(partitions(config))  # noqa: E731
-                elif not truth:
-                    truth = None
-                self._audit = RoundAudit(self.config, Path(self.out_dir), attacks=self.attacks, truth=truth,
-                                         device=self.device, log=(lambda _m: None) if self.quiet else print)
-            return self._audit
-
-        def sent(self) -> dict[int, dict[str, torch.Tensor]]:
-            return _SENT.setdefault(str(Path(self.out_dir).resolve()), {})
-
-        def _direction(self, fl_ctx) -> str:
-            d = fl_ctx.get_prop(FLContextKey.FILTER_DIRECTION)
-            if d in (FilterKey.IN, FilterKey.OUT):
-                return d
-            chain = self.get_prop(FilterContextKey.CHAIN_TYPE)
-            return FilterKey.OUT if chain == FilterChainType.TASK_DATA_CHAIN else FilterKey.IN
-
-        # -- DXOFilter
-        def process_dxo(self, dxo, shareable, fl_ctx):
-            r = shareable.get_header(AppConstants.CURRENT_ROUND, None)
-            if self._direction(fl_ctx) == FilterKey.OUT:  # the task the server sends: remember the model
-                if r is None:
-                    r = fl_ctx.get_prop(AppConstants.CURRENT_ROUND, None)
-                if dxo.data_kind == DataKind.WEIGHTS and r is not None and int(r) not in self.sent():
-                    self.sent()[int(r)] = to_torch(dxo.data)
-                return None
-            self._audit_result(dxo, shareable, fl_ctx, r)
-            return None
-
-        def _audit_result(self, dxo, shareable, fl_ctx, r) -> None:
-            from gradleak.run.results import write_json_atomic
-            from gradleak.run.round_audit import attach_artifacts, round_console, write_round
-
-            sent_by_round = self.sent()
-            if r is None:
-                r = fl_ctx.get_prop(AppConstants.CURRENT_ROUND, None)
-            if r is None and sent_by_round:
-                r = max(sent_by_round)
-            if r is None or int(r) not in sent_by_round:
-                raise BadInput("NVFlareAudit", f"no model the server sent is recorded for round {r}: the audit needs "
-                               "it (the attacks read the sent weights).", "add the same filter to the server's "
-                               "task-data chain too (FilterType.TASK_DATA), as examples/nvflare/job.py does.")
-            r = int(r)
-            sent = sent_by_round[r]
-            meta = dict(dxo.meta or {})
-            site = (shareable.get_peer_props() or {}).get(ReservedKey.IDENTITY_NAME)
-            if not site and fl_ctx.get_peer_context() is not None:
-                site = fl_ctx.get_peer_context().get_identity_name()
-            cid = int(meta[META_CLIENT]) if META_CLIENT in meta else site_index(site)
-            audit = self.round_audit()
-            cfg = audit.cfg
-            lr = float(meta.get(META_LR) or self.lr or cfg.fl.lr_at(r))
-            params = to_torch(dxo.data)
-            plan = cfg.client_plan()
-            samples = int(meta.get(META_SAMPLES) or (plan[cid]["batch_size"] if cid < len(plan) else 1))
-            upd = update_of(sent, params, params_type="FULL" if dxo.data_kind == DataKind.WEIGHTS else "DIFF",
-                            algorithm=cfg.fl.algorithm, lr=lr, num_examples=samples, client_id=cid,
-                            local_steps=int(meta.get(META_STEPS, 1)))
-            server_round = r + 1
-            rec = RecordedRound(server_round, sent, [ClientReply(cid + 1, cid, params, samples, {})], [upd])
-            t0 = time.perf_counter()
-            mine = audit.audit(rec)  # this client, on its own upload
-            mine["seconds"] = time.perf_counter() - t0
-            got = self._results.setdefault(server_round, {})
-            got[cid] = mine
-            merged = merge_client_audits(got, cfg.threat_model, audit.not_run, server_round,
-                                         left_out=audit.left_out_names(), by=audit.only_by or "--only")
-            level = client_level(mine)
-            from gradleak.evaluation.levels import level_rank
-
-            block = bool(self.block_at) and level_rank(level) >= level_rank(self.block_at)
-            if block:
-                self.blocked.append({"server_round": server_round, "client": cid, "site": site, "level": level})
-            merged["blocked"] = [b for b in self.blocked if b["server_round"] == server_round]
-            merged["block_at"] = self.block_at or None
-            if "dp_check" in mine:  # the declared DP mechanism replayed with canaries (RoundAudit.round_dp_check)
-                merged["dp_check"] = mine["dp_check"]
-            merged.update(audit.report_fields(merged["attacks"]))  # gradleak audit's report fields
-            rdir = Path(self.out_dir) / f"round_{server_round}"
-            for entry in merged["attacks"]:
-                if "per_client" in entry:  # every client's PNGs so far, for the report's rows
-                    attach_artifacts(entry, rdir)
-            report = write_round(rdir, merged)  # audit.json and report.html (gradleak audit's page), atomically
-            self.summary[server_round] = {k: merged[k] for k in ("server_round", "verdict", "headline", "clients",
-                                                                 "blocked", "seconds")}
-            write_json_atomic(Path(self.out_dir) / "nvflare_audit.json",
-                              {"rounds": [self.summary[k] for k in sorted(self.summary)], "config": audit.raw})
-            if not self.quiet:  # this client's level, then the round so far answer first, as gradleak audit words it
-                print(f"[nvflare audit] round {server_round} client {cid} ({site}): level {level}"
-                      + (f" -- BLOCKED (block_at {self.block_at})" if block else ""))
-                print(round_console(merged, rdir / "audit.json", report, "[nvflare audit]"))
-            if block:
-                raise ContentBlockedException(f"gradleak: the upload of client {cid} ({site}) in round {server_round} "
-                                              f"leaks at level {level} (block_at {self.block_at}); see "
-                                              f"{rdir / 'audit.json'}")
 
     NVFlareAudit.__module__ = __name__
     NVFlareAudit.__qualname__ = "NVFlareAudit"

@@ -387,33 +387,14 @@ def gradient_intrinsic_dimension(
     say = progress or (lambda _msg: None)
     t_start = time.perf_counter()
     named = dict(model.named_parameters())
-    if parameters is None:
-        names = [n for n, p in named.items() if p.requires_grad]
-    else:
-        unknown = [n for n in parameters if n not in named]
-        if unknown:
-            raise BadInput("parameters", f"the model has no parameter named {unknown[0]!r}.",
-                           "pass names from model.named_parameters().")
-        names = list(parameters)
-    if not names:
-        raise BadInput("parameters", "no observed parameter: nothing in the model requires grad.",
-                       "make the parameters the clients train trainable (full FT, LoRA, PEs).")
+    names = _observed_names(named, parameters)
     params = [named[n] for n in names]
     sizes = [p.numel() for p in params]
     P = int(sum(sizes))
     images = torch.as_tensor(images)
     labels = torch.as_tensor(labels)
-    N = int(images.shape[0])
-    if images.ndim < 2 or labels.shape[:1] != (N,):
-        raise BadInput("labels", f"expected one label per image ({N}), got shape {tuple(labels.shape)}.", "")
-    min_points = max(k + 1, 3)
-    if N < min_points:
-        raise BadInput("images", f"{N} images are too few: MLE with k = {k} needs k < N (and TwoNN 3 points).",
-                       f"pass at least {min_points} images or lower k.")
-    if projection_dim is not None and (isinstance(projection_dim, bool) or int(projection_dim) < 1):
-        raise BadInput("projection_dim", f"expected a positive integer or None, got {projection_dim!r}.", "")
+    N = _checked_points(images, labels, k, projection_dim)
     loss_fn = loss_fn or _default_loss
-    dtype = params[0].dtype
     was_training = model.training
     model.eval()
     flags = [p.requires_grad for p in params]
@@ -421,23 +402,9 @@ def gradient_intrinsic_dimension(
         p.requires_grad_(True)
     try:
         t0 = time.perf_counter()
-        group = max(1, min(N, memory_bytes // max(1, P * torch.finfo(dtype).bits // 8)))
         proj = AchlioptasProjection(P, int(projection_dim), seed) if projection_dim is not None else None
-        chunks, raw = [], None
-        for start in range(0, N, group):
-            stop = min(N, start + group)
-            buf = torch.empty(stop - start, P, dtype=dtype)
-            for r, i in enumerate(range(start, stop)):
-                loss = loss_fn(model(images[i:i + 1].to(dtype)), labels[i:i + 1])
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
-                torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)],
-                          out=buf[r])
-            say(f"gradients {stop}/{N}")
-            chunks.append(proj.project(buf) if proj is not None else buf)
-            if group >= N:
-                raw = buf
+        X, raw = _projected_gradients(model, images, labels, params, loss_fn, proj, memory_bytes, say)
         t_grad = time.perf_counter() - t0
-        X = torch.cat(chunks).double().numpy()
         result = {"samples": N, "gradient_coordinates": P, "observed_parameters": len(names),
                   "projection_dim": int(projection_dim) if projection_dim is not None else None,
                   "jl_epsilon": jl_epsilon(N, int(projection_dim)) if projection_dim is not None else 0.0,
@@ -445,19 +412,9 @@ def gradient_intrinsic_dimension(
                   **_point_cloud_report(X, k, discard_fraction, levels)}
         result["exact"] = (_point_cloud_report(_gram_embedding(raw), k, discard_fraction, levels)
                            if raw is not None and proj is not None else None)
-        del raw, chunks
-        if bootstrap:
-            rng = np.random.default_rng(seed)
-            m = int(round(bootstrap_fraction * N))
-            if m <= k:
-                raise BadInput("bootstrap_fraction", f"subsamples of {m} points cannot hold k = {k} neighbours.",
-                               "raise bootstrap_fraction or lower k.")
-            reps = [_point_cloud_report(X[np.sort(rng.choice(N, m, replace=False))], k, discard_fraction, levels)
-                    for _ in range(int(bootstrap))]
-            result["bootstrap"] = {"resamples": int(bootstrap), "subsample": m,
-                                   **{key: _summary(r[key] for r in reps) for key in reps[0]}}
-        else:
-            result["bootstrap"] = None
+        del raw
+        result["bootstrap"] = (_bootstrap_report(X, k, discard_fraction, levels, int(bootstrap), bootstrap_fraction,
+                                                 seed) if bootstrap else None)
         t1 = time.perf_counter()
         result["jacobian"] = (_jacobian_report(model, images, labels, params, sizes, loss_fn, jacobian_samples,
                                                jacobian_dim, jacobian_batch, seed + 1, levels, say)
@@ -469,6 +426,79 @@ def gradient_intrinsic_dimension(
         for p, f in zip(params, flags):
             p.requires_grad_(f)
         model.train(was_training)
+
+
+def _observed_names(named: dict[str, torch.nn.Parameter], parameters: Optional[Sequence[str]]) -> list[str]:
+    """The observed parameters Θ_obs of :func:`gradient_intrinsic_dimension`: ``parameters`` (checked against the
+    model's names) or every parameter with ``requires_grad``; at least one."""
+    if parameters is None:
+        names = [n for n, p in named.items() if p.requires_grad]
+    else:
+        unknown = [n for n in parameters if n not in named]
+        if unknown:
+            raise BadInput("parameters", f"the model has no parameter named {unknown[0]!r}.",
+                           "pass names from model.named_parameters().")
+        names = list(parameters)
+    if not names:
+        raise BadInput("parameters", "no observed parameter: nothing in the model requires grad.",
+                       "make the parameters the clients train trainable (full FT, LoRA, PEs).")
+    return names
+
+
+def _checked_points(images: torch.Tensor, labels: torch.Tensor, k: int, projection_dim: Optional[int]) -> int:
+    """The number of points N of :func:`gradient_intrinsic_dimension`, after checking one label per image, enough
+    points for MLE with ``k`` neighbours and TwoNN, and ``projection_dim``."""
+    N = int(images.shape[0])
+    if images.ndim < 2 or labels.shape[:1] != (N,):
+        raise BadInput("labels", f"expected one label per image ({N}), got shape {tuple(labels.shape)}.", "")
+    min_points = max(k + 1, 3)
+    if N < min_points:
+        raise BadInput("images", f"{N} images are too few: MLE with k = {k} needs k < N (and TwoNN 3 points).",
+                       f"pass at least {min_points} images or lower k.")
+    if projection_dim is not None and (isinstance(projection_dim, bool) or int(projection_dim) < 1):
+        raise BadInput("projection_dim", f"expected a positive integer or None, got {projection_dim!r}.", "")
+    return N
+
+
+def _projected_gradients(model, images: torch.Tensor, labels: torch.Tensor, params: Sequence[torch.Tensor],
+                         loss_fn: Callable, proj: Optional["AchlioptasProjection"], memory_bytes: int,
+                         say: Callable[[str], None]) -> tuple[np.ndarray, Optional[torch.Tensor]]:
+    """Every image's flattened per-sample gradient of ``params`` (zeros where the loss does not reach a parameter),
+    computed in groups that fit ``memory_bytes`` and projected by ``proj`` (``None``: kept raw). Returns the N × D
+    matrix (float64) and the raw N × P gradients when they fit in one group (else ``None``)."""
+    N = int(images.shape[0])
+    P = int(sum(p.numel() for p in params))
+    dtype = params[0].dtype
+    group = max(1, min(N, memory_bytes // max(1, P * torch.finfo(dtype).bits // 8)))
+    chunks, raw = [], None
+    for start in range(0, N, group):
+        stop = min(N, start + group)
+        buf = torch.empty(stop - start, P, dtype=dtype)
+        for r, i in enumerate(range(start, stop)):
+            loss = loss_fn(model(images[i:i + 1].to(dtype)), labels[i:i + 1])
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)],
+                      out=buf[r])
+        say(f"gradients {stop}/{N}")
+        chunks.append(proj.project(buf) if proj is not None else buf)
+        if group >= N:
+            raw = buf
+    return torch.cat(chunks).double().numpy(), raw
+
+
+def _bootstrap_report(X: np.ndarray, k: int, discard_fraction: float, levels: Sequence[float], bootstrap: int,
+                      bootstrap_fraction: float, seed: int) -> dict:
+    """Mean ± std of the point-cloud estimators over ``bootstrap`` subsamples of ``bootstrap_fraction`` of the
+    points of ``X`` (without replacement, seeded)."""
+    N = X.shape[0]
+    rng = np.random.default_rng(seed)
+    m = int(round(bootstrap_fraction * N))
+    if m <= k:
+        raise BadInput("bootstrap_fraction", f"subsamples of {m} points cannot hold k = {k} neighbours.",
+                       "raise bootstrap_fraction or lower k.")
+    reps = [_point_cloud_report(X[np.sort(rng.choice(N, m, replace=False))], k, discard_fraction, levels)
+            for _ in range(bootstrap)]
+    return {"resamples": bootstrap, "subsample": m, **{key: _summary(r[key] for r in reps) for key in reps[0]}}
 
 
 def input_jacobian(model, x: torch.Tensor, y: torch.Tensor, params: Sequence[torch.Tensor],

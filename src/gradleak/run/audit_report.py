@@ -222,6 +222,17 @@ def next_steps(result: dict) -> dict:
             "facts": facts, "defenses": result.get("defenses_available")}
 
 
+def measured_epsilon_words(m: dict | None) -> str:
+    """The advice row's words for the DP check at the strength found: the measured epsilon, its 95 % interval where
+    the check fits one (SVT's sign-canary check gives a one-sided bound, no interval), the threat model, the verdict."""
+    if "epsilon" not in (m or {}):
+        return ""
+    interval = m.get("interval")
+    within = (f"95 % interval {fmt_value(interval[0])}–{fmt_value(interval[1])}, " if interval else "")
+    return (f"; measured {fmt_value(m['epsilon'])} ({within}{m['threat_model'].replace('_', ' ')}): "
+            f"{m['verdict'].replace('_', ' ')}")
+
+
 def advice_rows(advice: dict) -> list[tuple[str, ...]]:
     """The advice table (``--advise``), cheapest first: defense, strength found (parameter), bracket, the leaking
     attacks' levels there, accuracy (vs without), cost, epsilon, status / note."""
@@ -243,11 +254,7 @@ def advice_rows(advice: dict) -> list[tuple[str, ...]]:
                      + ("; no meaningful guarantee: ε > 10" if eps > 10 else "")
                      + (f"; {fmt_value(r['epsilon_attacked'])} over the audited round(s)"
                         if isinstance(r.get("epsilon_attacked"), (int, float)) else "")
-                     + (f"; measured {fmt_value(r['epsilon_measured']['epsilon'])} (95 % interval "
-                        f"{fmt_value(r['epsilon_measured']['interval'][0])}–{fmt_value(r['epsilon_measured']['interval'][1])}"
-                        f", {r['epsilon_measured']['threat_model'].replace('_', ' ')}): "
-                        f"{r['epsilon_measured']['verdict'].replace('_', ' ')}"
-                        if "epsilon" in (r.get("epsilon_measured") or {}) else "") + ")"
+                     + measured_epsilon_words(r.get("epsilon_measured")) + ")"
                      if isinstance(eps, (int, float))
                      else "not computed" if is_dp_defense(r["defense"]) else "–"),
                     "; ".join(x for x in (r.get("status", ""), r.get("note", ""), r.get("clip_note", ""),

@@ -316,92 +316,110 @@ class EncoderChainSearch(ChainLengths):
         for i, pr in zip(live, prof):
             top = [p for p, _ in sorted(pr, key=lambda t: -t[1])[:peaks]]
             hot[i] = {q for p in top for q in range(p - near, p + near + 1)}
-
-        def points(where):
-            cands, owner, blk = [], [], []
-            for i in live:
-                c = chains[i]
-                for q in range(1, len(c) - 1):
-                    if where(i, q):
-                        for v in self.by_pos.get(q, ()):
-                            if v != c[q]:
-                                cands.append(c[:q] + [v] + c[q + 1:])
-                                owner.append((i,))
-                                blk.append(blocked[i])
-            return cands, owner, blk
-
-        def lengths():  # a chain moved to another read [SEP] position: cut, or extended by the leftover tokens
-            cands, owner, blk = [], [], []
-            for i in live:
-                c = chains[i]
-                for ell in self.seps_read:
-                    if ell == len(c) - 1:
-                        continue
-                    if ell < len(c) - 1:
-                        new = c[:ell] + [self.sep]
-                    else:
-                        fill = []
-                        for q in range(len(c) - 1, ell):  # a token no other chain holds there, else no accepted one
-                            opts = self.by_pos.get(q) or [self.mask]
-                            held = {chains[j][q] for j in range(len(chains)) if j != i and len(chains[j]) - 1 > q}
-                            acc = {chains[j][q] for j in frozen if len(chains[j]) - 1 > q}
-                            fill.append(next((v for v in opts if v not in held),
-                                             next((v for v in opts if v not in acc), opts[0])))
-                        new = c[:-1] + fill + [self.sep]
-                    cands.append(new)
-                    owner.append((i,))
-                    blk.append(blocked[i])
-            return cands, owner, blk
-
-        def splices():
-            cands, owner, blk = [], [], []
-            for x in range(len(live)):
-                for y in range(x + 1, len(live)):
-                    i, j = live[x], live[y]
-                    rest = self.value_test.held_by_others(chains, skip=(i, j))[i]
-                    for q in range(2, min(len(chains[i]), len(chains[j]))):
-                        a, b = chains[i][:q] + chains[j][q:], chains[j][:q] + chains[i][q:]
-                        if a == chains[i]:
-                            continue
-                        pa, pb = {(v, p) for p, v in enumerate(a)}, {(v, p) for p, v in enumerate(b)}
-                        cands += [a, b]
-                        owner += [(i, j, 0), (i, j, 1)]
-                        blk += [rest | pb, rest | pa]
-            return cands, owner, blk
-
-        for family in (lengths, lambda: points(lambda i, q: q in hot[i]), lambda: points(lambda i, q: q not in hot[i]),
-                       splices):
+        for family in (lambda: self._length_moves(chains, live, frozen, blocked),
+                       lambda: self._point_moves(chains, live, blocked, lambda i, q: q in hot[i]),
+                       lambda: self._point_moves(chains, live, blocked, lambda i, q: q not in hot[i]),
+                       lambda: self._splice_moves(chains, live)):
             cands, owner, blk = family()
             if not cands:
                 continue
-            cost = self._value_cost(cands, blk)
-            best: dict[tuple, tuple[float, list]] = {}  # move key -> (new total cost, new chains)
-            k = 0
-            while k < len(cands):
-                o = owner[k]
-                if len(o) == 1:
-                    i = o[0]
-                    if cost[k] < gain * cur[i] and cost[k] < best.get((i,), (math.inf,))[0]:
-                        best[(i,)] = (cost[k], [cands[k]])
-                    k += 1
-                else:
-                    i, j, _ = o
-                    tot = cost[k] + cost[k + 1]
-                    if tot < gain * (cur[i] + cur[j]) and tot < best.get((i, j), (math.inf,))[0]:
-                        best[(i, j)] = (tot, [cands[k], cands[k + 1]])
-                    k += 2
+            best = self._best_moves(cands, owner, self._value_cost(cands, blk), cur, gain)
             if not best:
                 continue
-            done: set[int] = set()  # the largest improvements first, each chain moved at most once per call
-            for key, (tot, new) in sorted(best.items(), key=lambda kv: kv[1][0] - sum(cur[i] for i in kv[0])):
-                if done & set(key):
-                    continue
-                for i, c in zip(key, new):
-                    chains[i] = c
-                done |= set(key)
-            self.value_moves += len(done)
+            self._apply_moves(chains, best, cur)
             return True
         return False
+
+    def _point_moves(self, chains: list[list[int]], live: list[int], blocked: list, where) -> tuple[list, list, list]:
+        """Point moves of :meth:`_value_moves` at the positions ``where(i, q)`` accepts: chain ``i``'s token at ``q``
+        replaced by another stage-1 candidate there. (candidates, owners ``(i,)``, blocked pairs)."""
+        cands, owner, blk = [], [], []
+        for i in live:
+            c = chains[i]
+            for q in range(1, len(c) - 1):
+                if where(i, q):
+                    for v in self.by_pos.get(q, ()):
+                        if v != c[q]:
+                            cands.append(c[:q] + [v] + c[q + 1:])
+                            owner.append((i,))
+                            blk.append(blocked[i])
+        return cands, owner, blk
+
+    def _length_moves(self, chains: list[list[int]], live: list[int], frozen: set[int],
+                      blocked: list) -> tuple[list, list, list]:
+        """Length moves of :meth:`_value_moves`: a chain moved to another read [SEP] position -- cut, or extended by
+        the leftover tokens (at each new position a token no other chain holds there, else no accepted one)."""
+        cands, owner, blk = [], [], []
+        for i in live:
+            c = chains[i]
+            for ell in self.seps_read:
+                if ell == len(c) - 1:
+                    continue
+                if ell < len(c) - 1:
+                    new = c[:ell] + [self.sep]
+                else:
+                    fill = []
+                    for q in range(len(c) - 1, ell):  # a token no other chain holds there, else no accepted one
+                        opts = self.by_pos.get(q) or [self.mask]
+                        held = {chains[j][q] for j in range(len(chains)) if j != i and len(chains[j]) - 1 > q}
+                        acc = {chains[j][q] for j in frozen if len(chains[j]) - 1 > q}
+                        fill.append(next((v for v in opts if v not in held),
+                                         next((v for v in opts if v not in acc), opts[0])))
+                    new = c[:-1] + fill + [self.sep]
+                cands.append(new)
+                owner.append((i,))
+                blk.append(blocked[i])
+        return cands, owner, blk
+
+    def _splice_moves(self, chains: list[list[int]], live: list[int]) -> tuple[list, list, list]:
+        """Splices of :meth:`_value_moves`: two live chains' tails exchanged at a cut (their lengths with them);
+        each pair of candidates is owned by ``(i, j, 0)`` and ``(i, j, 1)`` and blocks the other's pairs."""
+        cands, owner, blk = [], [], []
+        for x in range(len(live)):
+            for y in range(x + 1, len(live)):
+                i, j = live[x], live[y]
+                rest = self.value_test.held_by_others(chains, skip=(i, j))[i]
+                for q in range(2, min(len(chains[i]), len(chains[j]))):
+                    a, b = chains[i][:q] + chains[j][q:], chains[j][:q] + chains[i][q:]
+                    if a == chains[i]:
+                        continue
+                    pa, pb = {(v, p) for p, v in enumerate(a)}, {(v, p) for p, v in enumerate(b)}
+                    cands += [a, b]
+                    owner += [(i, j, 0), (i, j, 1)]
+                    blk += [rest | pb, rest | pa]
+        return cands, owner, blk
+
+    @staticmethod
+    def _best_moves(cands: list, owner: list, cost: list, cur: dict, gain: float) -> dict[tuple, tuple[float, list]]:
+        """The best move of each chain (or spliced pair) whose cost is below ``gain`` times its current one:
+        move key -> (new total cost, new chains)."""
+        best: dict[tuple, tuple[float, list]] = {}
+        k = 0
+        while k < len(cands):
+            o = owner[k]
+            if len(o) == 1:
+                i = o[0]
+                if cost[k] < gain * cur[i] and cost[k] < best.get((i,), (math.inf,))[0]:
+                    best[(i,)] = (cost[k], [cands[k]])
+                k += 1
+            else:
+                i, j, _ = o
+                tot = cost[k] + cost[k + 1]
+                if tot < gain * (cur[i] + cur[j]) and tot < best.get((i, j), (math.inf,))[0]:
+                    best[(i, j)] = (tot, [cands[k], cands[k + 1]])
+                k += 2
+        return best
+
+    def _apply_moves(self, chains: list[list[int]], best: dict[tuple, tuple[float, list]], cur: dict) -> None:
+        """Applies the moves of :meth:`_best_moves`, the largest improvements first, each chain moved at most once."""
+        done: set[int] = set()
+        for key, (tot, new) in sorted(best.items(), key=lambda kv: kv[1][0] - sum(cur[i] for i in kv[0])):
+            if done & set(key):
+                continue
+            for i, c in zip(key, new):
+                chains[i] = c
+            done |= set(key)
+        self.value_moves += len(done)
 
     def _segment_swap(self, chains: list[list[int]], frozen: set[int]) -> bool:
         """Two chains that exchanged a middle segment [a, b) need two cuts at once (a single cut only moves the

@@ -101,87 +101,123 @@ def word_bag(view: ServerView, cfg: SpanTestConfig | Any, all_rounds: bool,
     eps_bag = max(cfg.eps_bag, sub.tol)  # noise mode: the tolerance the noise floor implies
     causal = is_causal(model)
     if causal:
-        E = model.get_input_embeddings().weight.detach()
-        res = sub.residual(E)
-        tokens = (res < eps_bag).nonzero().flatten().tolist()
-        if sigma and len(tokens) > sub.rank:  # noise: one direction per distinct token, keep the best `rank`
-            tokens = sorted(res.argsort()[: sub.rank].tolist())
-        pairs = {int(v): set() for v in tokens}
-        min_res = res
-        positions_ok, augmented = True, False
-        signals, exact_info, support = None, {}, None
+        bag = _causal_bag(model, sub, eps_bag, sigma)
     else:
-        emb = model.base_model.embeddings
-        npos = min(cfg.max_positions, emb.position_embeddings.weight.shape[0])
-        positions_ok, augmented = True, False
-        pairs, tokens, min_res = {}, [], None
-        signals, exact_info, support = None, {}, None
-        # Near or at the bottleneck (BERT pairs fill S), test tokens against S + span{b_p, beta} instead; under
-        # noise too: distinct tokens' a_v stand far apart (random tokens' residual ~0.4), while a pair's nearest
-        # false pair (the same token at the next position) is a few degrees away and drowns first (measured,
-        # MiniLM rf=2 B=2 seed 0, per-coordinate noise-to-signal 1e-3: true tokens <= 0.061 against >= 0.409;
-        # pairs: true up to 0.073, 435 false pairs below that)
-        if extended and sigma and sub.rank + npos + 1 < sub.dim:
-            _, min_res = bert_augmented_bag(emb, sub, npos, eps_bag)
-            floor = float(min_res.kthvalue(max(1, len(min_res) // 100)).values)  # non-members' lower tail
-            eps_bag = min(eps_bag, 0.5 * floor)
-            cand = [v for v in (min_res < eps_bag).nonzero().flatten().tolist() if v != model.config.pad_token_id]
-            dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
-                                      collect_grads(view, adapter_param("embedding")), cand, npos,
-                                      noise_std=sigma) if cand else None
-            if dec is not None:
-                pairs = {v: ps for v, ps in dec.items() if ps}
-                tokens, augmented = sorted(pairs), True
-            else:
-                positions_ok = False
-        elif extended and sub.rank >= 0.8 * sub.rows and sub.rows < sub.dim and sub.rank + npos + 1 < sub.dim:
-            cand, min_res = bert_augmented_bag(emb, sub, npos, eps_bag)
-            cand = [v for v in cand if v != model.config.pad_token_id]
-            dec = None
-            if 0 < len(cand) < sub.rows:
-                dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
-                                          collect_grads(view, adapter_param("embedding")), cand, npos,
-                                          noise_std=sigma)
-            if dec is not None:
-                pairs = {v: ps for v, ps in dec.items() if ps}
-                support = pairs
-                pairs, signals, exact_info = exact_pairs(view, pairs, cand, npos, sigma)
-                tokens, augmented = sorted(pairs), True
-            else:
-                positions_ok = False
-        else:
-            screen = min(0.9, max(cfg.screen_tol, 10 * eps_bag))
-            R = bert_pair_residuals(emb, sub, npos, stop_after=None if sigma else sub.rank, screen=screen)
-            vv, pp = (R < screen).nonzero(as_tuple=True)
-            if len(vv) > 200_000:  # saturated subspace: everything passes the screen; keep the best ones
-                keep = R[vv, pp].argsort()[:200_000]
-                vv, pp = vv[keep], pp[keep]
-            exact = bert_pair_exact(emb, sub, vv, pp)
-            ok = exact < eps_bag
-            if sigma and int(ok.sum()) > sub.rank:  # noise: one direction per distinct pair, keep the best
-                ok = torch.zeros_like(ok)
-                ok[exact.argsort()[: sub.rank]] = True
-            for v, p in zip(vv[ok].tolist(), pp[ok].tolist()):
-                pairs.setdefault(int(v), set()).add(int(p))
-            tokens = sorted(pairs)
-            min_res = R.min(1).values.double()
-            if pairs and not sub.saturated and extended:
-                npos_seen = 1 + max(p for ps in pairs.values() for p in ps)
-                dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
-                                          collect_grads(view, adapter_param("embedding")), tokens, npos_seen,
-                                          noise_std=sigma)
-                if dec is not None:
-                    pairs = dec
-                    support = pairs
-                    pairs, signals, exact_info = exact_pairs(view, pairs, tokens, npos_seen, sigma)
-                else:  # T + P + 1 > n: the bag is right but tokens cannot be placed (capacity for positions)
-                    positions_ok = False
-            elif sub.saturated:
-                pairs, tokens, positions_ok = {}, [], False
+        bag = _bidirectional_bag(view, model, sub, cfg, eps_bag, sigma, extended)
     secs = time.perf_counter() - t0
-    return {"tokens": tokens, "pairs": pairs, "subspace": sub, "seconds": secs, "min_residual": min_res,
-            "causal": causal, "positions_ok": positions_ok, "augmented": augmented, "noise_std": sigma,
-            "eps_bag": eps_bag, "signals": signals, "support_pairs": support, **exact_info}
+    return {"tokens": bag["tokens"], "pairs": bag["pairs"], "subspace": sub, "seconds": secs,
+            "min_residual": bag["min_res"], "causal": causal, "positions_ok": bag["positions_ok"],
+            "augmented": bag["augmented"], "noise_std": sigma, "eps_bag": bag["eps_bag"], "signals": bag["signals"],
+            "support_pairs": bag["support"], **bag["exact_info"]}
+
+
+def _reading(eps_bag: float, **fields: Any) -> dict[str, Any]:
+    """One stage-1 reading of :func:`word_bag` (tokens, pairs, smallest residuals, whether positions were
+    recovered, whether the augmented bag was used, pair signals, the exact-pair diagnostics, the support pairs,
+    the tolerance used), its fields defaulting to an empty bag with positions."""
+    out = {"tokens": [], "pairs": {}, "min_res": None, "positions_ok": True, "augmented": False, "signals": None,
+           "exact_info": {}, "support": None, "eps_bag": eps_bag}
+    out.update(fields)
+    return out
+
+
+def _causal_bag(model, sub, eps_bag: float, sigma: float | None) -> dict[str, Any]:
+    """RoPE / position-free models: f_0(v) = E[v], one (V x n) projection; under noise at most ``rank`` tokens."""
+    E = model.get_input_embeddings().weight.detach()
+    res = sub.residual(E)
+    tokens = (res < eps_bag).nonzero().flatten().tolist()
+    if sigma and len(tokens) > sub.rank:  # noise: one direction per distinct token, keep the best `rank`
+        tokens = sorted(res.argsort()[: sub.rank].tolist())
+    return _reading(eps_bag, tokens=tokens, pairs={int(v): set() for v in tokens}, min_res=res)
+
+
+def _bidirectional_bag(view: ServerView, model, sub, cfg, eps_bag: float, sigma: float | None,
+                       extended: bool) -> dict[str, Any]:
+    """BERT (absolute positions): the (token, position) pairs, by the augmented bag under noise or near the
+    bottleneck, else by the pair span test."""
+    emb = model.base_model.embeddings
+    npos = min(cfg.max_positions, emb.position_embeddings.weight.shape[0])
+    # Near or at the bottleneck (BERT pairs fill S), test tokens against S + span{b_p, beta} instead; under
+    # noise too: distinct tokens' a_v stand far apart (random tokens' residual ~0.4), while a pair's nearest
+    # false pair (the same token at the next position) is a few degrees away and drowns first (measured,
+    # MiniLM rf=2 B=2 seed 0, per-coordinate noise-to-signal 1e-3: true tokens <= 0.061 against >= 0.409;
+    # pairs: true up to 0.073, 435 false pairs below that)
+    if extended and sigma and sub.rank + npos + 1 < sub.dim:
+        return _noisy_augmented_bag(view, model, emb, sub, npos, eps_bag, sigma)
+    if extended and sub.rank >= 0.8 * sub.rows and sub.rows < sub.dim and sub.rank + npos + 1 < sub.dim:
+        return _bottleneck_augmented_bag(view, model, emb, sub, npos, eps_bag, sigma)
+    return _pair_bag(view, model, emb, sub, cfg, npos, eps_bag, sigma, extended)
+
+
+def _noisy_augmented_bag(view: ServerView, model, emb, sub, npos: int, eps_bag: float, sigma: float) -> dict[str, Any]:
+    """Under noise: the augmented bag at half the non-members' lower tail, its pairs decomposed (positions lost
+    when the decomposition fails)."""
+    _, min_res = bert_augmented_bag(emb, sub, npos, eps_bag)
+    floor = float(min_res.kthvalue(max(1, len(min_res) // 100)).values)  # non-members' lower tail
+    eps_bag = min(eps_bag, 0.5 * floor)
+    cand = [v for v in (min_res < eps_bag).nonzero().flatten().tolist() if v != model.config.pad_token_id]
+    dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
+                              collect_grads(view, adapter_param("embedding")), cand, npos,
+                              noise_std=sigma) if cand else None
+    if dec is None:
+        return _reading(eps_bag, min_res=min_res, positions_ok=False)
+    pairs = {v: ps for v, ps in dec.items() if ps}
+    return _reading(eps_bag, tokens=sorted(pairs), pairs=pairs, min_res=min_res, augmented=True)
+
+
+def _bottleneck_augmented_bag(view: ServerView, model, emb, sub, npos: int, eps_bag: float,
+                              sigma: float | None) -> dict[str, Any]:
+    """Near the bottleneck: the augmented bag's candidates decomposed into pairs and their exact signals
+    (:func:`exact_pairs`); positions lost when the decomposition fails."""
+    cand, min_res = bert_augmented_bag(emb, sub, npos, eps_bag)
+    cand = [v for v in cand if v != model.config.pad_token_id]
+    dec = None
+    if 0 < len(cand) < sub.rows:
+        dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
+                                  collect_grads(view, adapter_param("embedding")), cand, npos,
+                                  noise_std=sigma)
+    if dec is None:
+        return _reading(eps_bag, min_res=min_res, positions_ok=False)
+    support = {v: ps for v, ps in dec.items() if ps}
+    pairs, signals, exact_info = exact_pairs(view, support, cand, npos, sigma)
+    return _reading(eps_bag, tokens=sorted(pairs), pairs=pairs, min_res=min_res, augmented=True, signals=signals,
+                    exact_info=exact_info, support=support)
+
+
+def _pair_bag(view: ServerView, model, emb, sub, cfg, npos: int, eps_bag: float, sigma: float | None,
+              extended: bool) -> dict[str, Any]:
+    """The pair span test: every (token, position) pair screened, then tested exactly; with ``extended`` the pairs
+    decomposed and their exact signals solved (positions lost when the decomposition fails); a saturated subspace
+    gives no bag."""
+    screen = min(0.9, max(cfg.screen_tol, 10 * eps_bag))
+    R = bert_pair_residuals(emb, sub, npos, stop_after=None if sigma else sub.rank, screen=screen)
+    vv, pp = (R < screen).nonzero(as_tuple=True)
+    if len(vv) > 200_000:  # saturated subspace: everything passes the screen; keep the best ones
+        keep = R[vv, pp].argsort()[:200_000]
+        vv, pp = vv[keep], pp[keep]
+    exact = bert_pair_exact(emb, sub, vv, pp)
+    ok = exact < eps_bag
+    if sigma and int(ok.sum()) > sub.rank:  # noise: one direction per distinct pair, keep the best
+        ok = torch.zeros_like(ok)
+        ok[exact.argsort()[: sub.rank]] = True
+    pairs: dict[int, set[int]] = {}
+    for v, p in zip(vv[ok].tolist(), pp[ok].tolist()):
+        pairs.setdefault(int(v), set()).add(int(p))
+    tokens = sorted(pairs)
+    min_res = R.min(1).values.double()
+    if pairs and not sub.saturated and extended:
+        npos_seen = 1 + max(p for ps in pairs.values() for p in ps)
+        dec = bert_pair_decompose(emb, getattr(model, PREFIX)["embedding"],
+                                  collect_grads(view, adapter_param("embedding")), tokens, npos_seen,
+                                  noise_std=sigma)
+        if dec is None:  # T + P + 1 > n: the bag is right but tokens cannot be placed (capacity for positions)
+            return _reading(eps_bag, tokens=tokens, pairs=pairs, min_res=min_res, positions_ok=False)
+        pairs, signals, exact_info = exact_pairs(view, dec, tokens, npos_seen, sigma)
+        return _reading(eps_bag, tokens=tokens, pairs=pairs, min_res=min_res, signals=signals, exact_info=exact_info,
+                        support=dec)
+    if sub.saturated:
+        return _reading(eps_bag, min_res=min_res, positions_ok=False)
+    return _reading(eps_bag, tokens=tokens, pairs=pairs, min_res=min_res)
 
 
 def _pruned_word_bag(model, grads: list[torch.Tensor], cfg, sigma: float | None, t0: float,

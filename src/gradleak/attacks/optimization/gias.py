@@ -61,8 +61,8 @@ from gradleak.attacks.base import AttackConfig, AttackContext
 from gradleak.attacks.common.parameters import attack_parameters
 from gradleak.attacks.optimization.glr import GroupLazyRegularizer, GroupMember, optimise_group, step_decay_milestones
 from gradleak.attacks.optimization.gradvit import GLRFields, GroupInversion, glr_start_of
-from gradleak.attacks.optimization.inverting_gradients import (CPU_STEPS, LabelMode, MatchingFields, ProgressFn,
-                                                               total_variation)
+from gradleak.attacks.optimization.matching_config import CPU_STEPS, LabelMode, MatchingFields, ProgressFn
+from gradleak.attacks.optimization.objective import total_variation
 from gradleak.errors import BadInput
 from gradleak.fl.core import LossFn, ServerView, default_classification_loss
 from gradleak.registry import ATTACKS

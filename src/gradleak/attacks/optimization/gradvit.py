@@ -32,7 +32,7 @@ anchor checks, eager attention, the iteration-cost timing):
   term is not restated in paper 001.
 * **Restarts = the GLR group**, optimised together (one step of every running restart per iteration; the restarts
   go through one batched double backward and one backbone pass of the feature prior per step where that is exact,
-  :mod:`~gradleak.attacks.optimization.inverting_gradients` "Restarts batched"), default 3
+  :mod:`~gradleak.attacks.optimization.batched_restarts`), default 3
   (paper 001 Sec. 4.2.1: three reconstructions per sample); the restart with the lowest final matching loss (priors excluded)
   is returned. λ_G = 1e-4 (paper 001's experiments; 1e-3 in its Table 7), consensus rebuilt every ``glr_every``
   steps from ``glr_start`` (default a quarter of the steps, as the GIAS code's 500 of 2000) on.
@@ -60,7 +60,9 @@ from pydantic import Field
 
 from gradleak.attacks.base import AttackConfig, AttackContext, Reconstruction
 from gradleak.attacks.optimization.glr import GroupLazyRegularizer, GroupMember, finite_or_inf, optimise_group
-from gradleak.attacks.optimization.inverting_gradients import CPU_STEPS, IG, PAPER_STEPS, IGConfig, total_variation
+from gradleak.attacks.optimization.inverting_gradients import IG
+from gradleak.attacks.optimization.matching_config import CPU_STEPS, PAPER_STEPS, IGConfig
+from gradleak.attacks.optimization.objective import total_variation
 from gradleak.errors import BadInput
 from gradleak.fl.core import ServerView
 from gradleak.registry import ATTACKS

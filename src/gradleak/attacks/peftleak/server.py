@@ -88,28 +88,12 @@ class PEFTLeakServer:
     def prepare(self, model: nn.Module) -> nn.Module:
         """Poison the backbone and head in place; plan the rounds. Returns the model (float64)."""
         cfg = model.config
-        layer0 = model.vit.encoder.layer[0] if hasattr(model, "vit") else None
-        if layer0 is None or not hasattr(getattr(layer0, "output", None), "dense") or not hasattr(layer0, "intermediate"):
-            raise BadInput("model.name", f"PEFTLeak's poisoning is written for the HF ViT block layout (intermediate + "
-                           f"output.dense), not {type(layer0).__name__ if layer0 is not None else type(model).__name__}.",
-                           "use a random-init HF ViT (model.name=vit-b16, vit-s16, vit-tiny ...).")
-        if getattr(model, "pooling", "mean") != "mean":
-            raise BadInput("model.pooling", "PEFTLeak's identity attention gives patch tokens no gradient under CLS pooling.",
-                           "use model.pooling=mean (the server prescribes the head).")
+        self._check_model(model)
         model.to(F64)
         gen = torch.Generator().manual_seed(self.seed)
         D, P, C, S = cfg.hidden_size, cfg.patch_size, cfg.num_channels, cfg.image_size
         full = P * P * C
-        k = 1
-        if full > D:
-            if not self.low_resolution:
-                raise BadInput("model.patch_size", f"the patch dimension P²C = {full} is larger than the width D = {D}, "
-                               "so a patch cannot pass the patch embedding intact.",
-                               "set attack.low_resolution=true (recover k×k block means, Table 3) or use a smaller patch.")
-            k = int(round(math.sqrt(full / D)))
-            if k * k * D != full or P % k:
-                raise BadInput("model.patch_size", f"P²C = {full} is not D = {D} times a square k² with k dividing P.",
-                               "use ViT-B/32 (k = 2) or a patch size whose P²C/D is a perfect square.")
+        k = self._reduction(D, P, full)
         self.reduce = k
         self.D, self.P, self.C, self.S = D, P, C, S
         self.N = (S // P) ** 2
@@ -121,6 +105,50 @@ class PEFTLeakServer:
         pub = image_to_patches(self.public_images.to(F64) * 2 - 1, P, k).reshape(-1, self.Pd)
         self._pub = pub
         ones = torch.ones(1, D, dtype=F64) / math.sqrt(D)
+        self.M = self._patch_basis(pub, ones, gen)  # D × Pd, orthonormal columns
+        self._set_positions(gen)
+        self._poison_embeddings(model, k)
+        self._poison_blocks(model)
+        self._poison_head(model, ones, gen)
+        self._plan_rounds()
+        # the poisoned values of every parameter the clients train (the head; the adapters are rewritten each
+        # round): the server re-sends them every round (round_state), undoing the aggregate step of the
+        # previous round, so the rank-one head and g = ∂L/∂logit_0 hold in every round
+        self.poisoned_trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        return model
+
+    @staticmethod
+    def _check_model(model: nn.Module) -> None:
+        """The poisoning is written for the HF ViT block layout under mean pooling; anything else is refused."""
+        layer0 = model.vit.encoder.layer[0] if hasattr(model, "vit") else None
+        if layer0 is None or not hasattr(getattr(layer0, "output", None), "dense") or not hasattr(layer0, "intermediate"):
+            raise BadInput("model.name", f"PEFTLeak's poisoning is written for the HF ViT block layout (intermediate + "
+                           f"output.dense), not {type(layer0).__name__ if layer0 is not None else type(model).__name__}.",
+                           "use a random-init HF ViT (model.name=vit-b16, vit-s16, vit-tiny ...).")
+        if getattr(model, "pooling", "mean") != "mean":
+            raise BadInput("model.pooling", "PEFTLeak's identity attention gives patch tokens no gradient under CLS pooling.",
+                           "use model.pooling=mean (the server prescribes the head).")
+
+    def _reduction(self, D: int, P: int, full: int) -> int:
+        """The block-mean factor k: 1 when a patch (P²C values) fits the width D, else (``low_resolution``) the k with
+        P²C = k² D and k dividing P (k×k block means, PEFTLeak Table 3)."""
+        if full <= D:
+            return 1
+        if not self.low_resolution:
+            raise BadInput("model.patch_size", f"the patch dimension P²C = {full} is larger than the width D = {D}, "
+                           "so a patch cannot pass the patch embedding intact.",
+                           "set attack.low_resolution=true (recover k×k block means, Table 3) or use a smaller patch.")
+        k = int(round(math.sqrt(full / D)))
+        if k * k * D != full or P % k:
+            raise BadInput("model.patch_size", f"P²C = {full} is not D = {D} times a square k² with k dividing P.",
+                           "use ViT-B/32 (k = 2) or a patch size whose P²C/D is a perfect square.")
+        return k
+
+    def _patch_basis(self, pub: torch.Tensor, ones: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """The patch embedding's D × Pd basis M (orthonormal columns ⊥ 1 when Pd < D; else one low-energy pixel
+        direction carried along 1, ``lost_dir``), and the public patches' principal directions (the improved
+        design's binning directions)."""
+        D = ones.shape[1]
         B0 = householder_complement(ones[0])  # D × (D-1), ⊥ 1
         sub = pub if len(pub) <= 4096 else pub[torch.randperm(len(pub), generator=gen)[:4096]]
         # principal pixel directions (improved design's binning directions), by a randomised SVD
@@ -135,8 +163,12 @@ class PEFTLeakServer:
             M = B0 @ V.T + ones.T @ u[None]
             self.lost_dir, self.lost_mean = u, float((pub @ u).mean())
             self.lost_energy = energy
-        self.M = M  # D × Pd, orthonormal columns
-        # positional embeddings, class token 0
+        return M
+
+    def _set_positions(self, gen: torch.Generator) -> None:
+        """The positional embeddings (class token 0): Gaussian or Laplace of scale ``sigma``, and their centred
+        rows and squared norms."""
+        D = self.D
         if self.pe_distribution == "gaussian":
             pos = torch.randn(self.N + 1, D, generator=gen, dtype=F64) * self.sigma
         else:
@@ -145,14 +177,23 @@ class PEFTLeakServer:
         self.pos = pos
         self.pos_c = pos - pos.mean(1, keepdim=True)
         self._pos_norm2 = (self.pos_c * self.pos_c).sum(1)
+
+    def _poison_embeddings(self, model: nn.Module, k: int) -> None:
+        """The embeddings: the positions, a zero class token, the patch projection 0.5·M (block means when k > 1)."""
+        D, P, C = self.D, self.P, self.C
         emb = model.vit.embeddings
-        emb.position_embeddings.copy_(pos[None])
+        emb.position_embeddings.copy_(self.pos[None])
         emb.cls_token.zero_()
-        E = 0.5 * M  # D × Pd
+        E = 0.5 * self.M  # D × Pd
         if k > 1:
             E = (E.reshape(D, C, P // k, 1, P // k, 1) / (k * k)).expand(D, C, P // k, k, P // k, k)
         emb.patch_embeddings.projection.weight.copy_(E.reshape(D, C, P, P))
         emb.patch_embeddings.projection.bias.zero_()
+
+    def _poison_blocks(self, model: nn.Module) -> None:
+        """Every LayerNorm scaled to ``sigma`` (eps σ²; the final one damped under FedAvg), and every block's
+        attention and MLP made the identity: q = q_scale·I, k = v = out = I, the MLP's ReLU pass-through at ``gamma``."""
+        D = self.D
         for m in model.modules():
             if isinstance(m, nn.LayerNorm):
                 m.weight.fill_(self.sigma)
@@ -160,7 +201,7 @@ class PEFTLeakServer:
                 m.eps = self.eps
         self.final_ln = self.sigma * (1e-4 if self.fedavg_aware else 1.0)
         model.vit.layernorm.weight.fill_(self.final_ln)
-        cfg.layer_norm_eps = self.eps
+        model.config.layer_norm_eps = self.eps
         eye = torch.eye(D, dtype=F64)
         for layer in model.vit.encoder.layer:
             att = layer.attention.attention
@@ -182,6 +223,11 @@ class PEFTLeakServer:
             o2.weight.zero_()
             o2.weight[:, :D].copy_(eye)
             o2.bias.fill_(-self.gamma)
+
+    def _poison_head(self, model: nn.Module, ones: torch.Tensor, gen: torch.Generator) -> None:
+        """The rank-one head along ŵ ⊥ 1 and ⊥ every positional embedding (u_out = ŵ), scaled to an O(1) logit
+        spread over public images, its bias centring p(class 0) at 1/2."""
+        D = self.D
         # head direction ŵ ⊥ 1 and ⊥ every positional embedding; u_out = ŵ
         self._blocked, _ = torch.linalg.qr(torch.cat([ones, self.pos_c / self.pos_c.norm(dim=1, keepdim=True)]).T)
         w = project_out(self._blocked, torch.randn(D, generator=gen, dtype=F64))
@@ -196,12 +242,6 @@ class PEFTLeakServer:
         # (a tiny g would let a colliding patch hide behind a dominant one)
         model.head.bias.zero_()
         model.head.bias[0] = math.log(max(model.head.out_features - 1, 1)) - self.head_scale * float(feat.mean())
-        self._plan_rounds()
-        # the poisoned values of every parameter the clients train (the head; the adapters are rewritten each
-        # round): the server re-sends them every round (round_state), undoing the aggregate step of the
-        # previous round, so the rank-one head and g = ∂L/∂logit_0 hold in every round
-        self.poisoned_trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        return model
 
 
     def _low_energy_direction(self, pub: torch.Tensor) -> tuple[torch.Tensor, float]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -411,10 +412,71 @@ class UTRAttack(AttackBase):
                            "put the tokenizer into ServerView.public['tokenizer'].")
         bag = self.word_bag(view)
         sub_ea: Subspace = bag["subspace"]
-        model = view.model
-        edge_info: dict[str, Any] = {}
         grads_ea = collect_grads(view, adapter_param("embedding"), all_rounds=self.all_rounds and self.search != "paper")
         limit_std = self.limit_std(view, bag)
+        bag, edge_info = self._below_the_edge(view, bag, grads_ea, limit_std)
+        t1 = time.perf_counter()
+        la = self._sentence_layer(view, bag)
+        sp = specials(tok, bag["causal"])
+        B = view.public.get("batch_size")
+        budget = self.sentence_budget(B, bag, sp)
+        deadline = time.perf_counter() + budget  # one budget for all of stage 2 (prefix search and peeling together)
+        lm = has_lm_head(view.model)
+        sents, sinfo = self._sentences(view, bag, edge_info, sp, la, deadline, lm)
+        t2 = time.perf_counter()
+        info = {
+            "method": METHOD[self.search],
+            # a causal backbone with a classification head (no LM head): the client's loss is the classifier's,
+            # every position (the final EOS included) receives a gradient, and the value test fits the head's
+            # coefficients per sentence (gradleak.attacks.utr.causal)
+            "head": "lm" if lm else "classification",
+            "word_bag": (sorted(set(bag["tokens"]) | set(edge_info["sub_edge_bag"]))
+                         if edge_info.get("word_bag_source") == "stage 1 + sub_edge" else bag["tokens"]),
+            **edge_info,
+            "word_bag_size": len(bag["tokens"]),
+            "word_bag_pairs": sum(len(p) for p in bag["pairs"].values()),
+            "rank_embedding_adapter": sub_ea.rank,
+            "rank_layer_adapter": la.sub.rank,
+            "bottleneck_rows": sub_ea.rows,
+            # S_LA holds one vector per distinct layer state (every token of a bidirectional batch, every distinct
+            # prefix of a causal one); near its ceiling the float32 noise floor blurs the rank (measured: SmolLM2
+            # rf=1 B=32, 776 states in d=576, numerical rank 547) -- flag from 90 % of the ceiling on
+            # (BERT past the bottleneck: the augmented bag and the joint batch test verify it; then not exhausted)
+            "capacity_exhausted": bool(((sub_ea.saturated and not bag["augmented"]) or not bag["positions_ok"]
+                                        or la.saturated)
+                                       and not (sinfo.get("joint_residual") is not None
+                                                and sinfo.get("unverified_sentences") == 0)),
+            "noise_std": bag["noise_std"],
+            "noise_edge_embedding_adapter": sub_ea.noise_edge,
+            "eps_bag_used": bag["eps_bag"],
+            "eps_sentence_used": la.eps,
+            "word_bag_seconds": bag["seconds"],
+            "word_bag_augmented": bool(bag["augmented"]),
+            **{k: v for k, v in bag.items() if k.startswith(("exact_pairs", "sparsity_"))},
+            "sentence_seconds": t2 - t1,
+            "time_budget": budget,  # the sentence search's, in seconds (automatic when the config's is null)
+            "time_budget_auto": self.time_budget is None,
+            **sinfo,
+        }
+        self._regime_warning(info, bag, edge_info, sub_ea, la)
+        sents = cap_to_batch(sents, info, view.public.get("batch_size"), bag["causal"])
+        if bag["noise_std"]:  # a test at the noise floor's tolerance proves nothing exact: no sentence is "verified"
+            info["passed_noise_tolerance"] = info.get("verified_sentences", 0)
+            info["verified"] = [False] * len(sents)
+            info["verified_sentences"], info["unverified_sentences"] = 0, len(sents)
+            info["warning"] = (info.get("warning", "") + f" noisy uploads (per-coordinate std {bag['noise_std']:.3g} from "
+                               f"the update defenses): ranks from the noise spectrum's edge, membership at tolerances "
+                               f"{bag['eps_bag']:.3g} (tokens) / {la.eps:.3g} (sentences); nothing is verified "
+                               "exactly.").strip()
+        metrics = self._margin_metrics(info, grads_ea, sub_ea, limit_std, edge_info)
+        return Reconstruction(data=sents, info=info, metrics=metrics)
+
+    def _below_the_edge(self, view: ServerView, bag: dict, grads_ea: list[torch.Tensor],
+                        limit_std: float | None) -> tuple[dict, dict[str, Any]]:
+        """The sub-edge test (``sub_edge``, extended search) under noise or pruning, and what it does to the word
+        bag: under pruning nothing (the ranking is graded against its null only); with no token above the edge its
+        tokens become the bag (no positions); tokens stage 1 missed join the bag. Returns (bag, the test's info)."""
+        edge_info: dict[str, Any] = {}
         pruned = bool(bag.get("sparsity_aware")) or is_pruned(grads_ea)
         if self.sub_edge and self.search == "extended" and bag.get("directions") is None and (
                 (pruned and limit_std) or bag["noise_std"]):
@@ -430,7 +492,12 @@ class UTRAttack(AttackBase):
                 # it -- measured, MiniLM B = 2 DP-SGD sigma 1e-4: stage 1 found 2 tokens, the pursuit all 39, no
                 # false one): they join the word bag and the clipped-sum search's candidates, not stage 1's pairs
                 edge_info["word_bag_source"] = "stage 1 + sub_edge"
-        t1 = time.perf_counter()
+        return bag, edge_info
+
+    def _sentence_layer(self, view: ServerView, bag: dict) -> SimpleNamespace:
+        """The sentence layer's adapter gradients and their row space S_LA (at its own noise level: the public
+        per-tensor noise, or the pruning error's; capped at the oracle ceiling's K directions), the sentence
+        tolerance, and whether S_LA is saturated (rank >= 90 % of its ceiling)."""
         grads_la = collect_grads(view, adapter_param(self.sentence_layer), all_rounds=False)
         la_noise = bag["noise_std"]
         if la_noise and self.noise == "public":  # the sentence layer's own tensor (per-tensor noise: its own step)
@@ -439,31 +506,27 @@ class UTRAttack(AttackBase):
             la_noise = estimate_noise_std(grads_la)
         ceiling = bag.get("directions")  # the oracle ceiling: every subspace capped at the K strongest directions
         sub_la = subspace_from_gradients(grads_la, self.rank_rtol, noise_std=la_noise, max_rank=ceiling)
-        eps_sentence = max(self.eps_sentence, sub_la.tol)
-        sp = specials(tok, bag["causal"])
-        la_saturated = sub_la.rank >= 0.9 * min(sub_la.rows, sub_la.dim)
-        B = view.public.get("batch_size")
-        budget = self.sentence_budget(B, bag, sp)
-        deadline = time.perf_counter() + budget  # one budget for all of stage 2 (prefix search and peeling together)
+        return SimpleNamespace(grads=grads_la, sub=sub_la, eps=max(self.eps_sentence, sub_la.tol), ceiling=ceiling,
+                               saturated=sub_la.rank >= 0.9 * min(sub_la.rows, sub_la.dim))
+
+    def _sentences(self, view: ServerView, bag: dict, edge_info: dict[str, Any], sp: dict, la: SimpleNamespace,
+                   deadline: float, lm: bool) -> tuple[list[list[int]], dict[str, Any]]:
+        """Stage 2 within one budget ending at ``deadline``: no sentences for a bag below the edge or past a
+        bidirectional model's positional capacity; the paper's greedy searches (``search: paper``); else the
+        causal prefix search (and peeling) or the encoder chain search (and, under noise, the clipped-sum search
+        and the ranked reading)."""
+        model, B, ceiling = view.model, view.public.get("batch_size"), la.ceiling
 
         def left() -> float:
             return max(deadline - time.perf_counter(), 0.0)
 
-        lm = has_lm_head(model)
         if edge_info.get("word_bag_source") == "sub_edge":  # a bag below the edge: no positions, no sentences
-            sents, sinfo = [], {"forward_passes": 0}
-        elif self.search == "paper" and bag["causal"]:
+            return [], {"forward_passes": 0}
+        if self.search == "paper":
+            return self._paper_sentences(model, bag, sp, la, B, lm, left)
+        if bag["causal"]:
             cands = torch.tensor([t for t in bag["tokens"] if t not in (sp["bos"], sp["pad"])] or [sp["bos"]])
-            sents, sinfo = GreedyCausalSearch(model, self.sentence_layer, sub_la, eps_sentence, sp["bos"], cands, B,
-                                              max_len=self.max_len, eicw=self.eicw, time_budget=left()).run()
-            sents = strip_eos(sents, sp["eos"], lm)
-        elif self.search == "paper":
-            sents, sinfo = GreedyEncoderSearch(model, self.sentence_layer, sub_la, eps_sentence, sp["cls"], sp["sep"],
-                                               sp["pad"], bag["pairs"] if bag["positions_ok"] else {}, B,
-                                               eicw=self.eicw, time_budget=left()).run()
-        elif bag["causal"]:
-            cands = torch.tensor([t for t in bag["tokens"] if t not in (sp["bos"], sp["pad"])] or [sp["bos"]])
-            search = CausalPrefixSearch(model, [self.sentence_layer], sub_la, eps_sentence, sp["bos"], cands,
+            search = CausalPrefixSearch(model, [self.sentence_layer], la.sub, la.eps, sp["bos"], cands,
                                         max_len=self.max_len,
                                         max_branches=self.max_branches or max(8, int(view.public.get("batch_size") or 8)),
                                         max_sentences=max(4 * int(view.public.get("batch_size") or 64), 64),
@@ -472,65 +535,51 @@ class UTRAttack(AttackBase):
             sents, sinfo = search.run()
             sents = strip_eos(sents, sp["eos"], lm)
             if self.value_test and not bag["noise_std"] and ceiling is None:
-                sents, sinfo = self._causal_peel(view, bag, sp, cands, sents, sinfo, eps_sentence, deadline)
-        elif not bag["positions_ok"]:
+                sents, sinfo = self._causal_peel(view, bag, sp, cands, sents, sinfo, la.eps, deadline)
+            return sents, sinfo
+        if not bag["positions_ok"]:
             # bidirectional model past its positional capacity: every bag token passes at every position, a
             # sentence search over that would only burn time -- report the bag, no sentences
-            sents, sinfo = [], {"forward_passes": 0, "positions_lost": True}
-        else:
-            value_test = None
-            if self.value_test and not bag["noise_std"] and ceiling is None:
-                value_test = TokenGradientTest(model, collect_grads(view, adapter_param("embedding"))[0],
-                                               bag["pairs"], signals=bag["signals"])
-            search = EncoderChainSearch(model, self.sentence_layer, sub_la, eps_sentence, sp["cls"], sp["sep"],
-                                        sp["mask"], bag["pairs"], view.public.get("batch_size"),
-                                        time_budget=left(),
-                                        # S_LA saturated: chains verified in subsets are peeled out of S_LA;
-                                        # the whole batch is verified jointly (beyond the paper)
-                                        joint=la_saturated, value_test=value_test, layer_grad=grads_la[0],
-                                        soft_rank=self.soft_rank)
-            sents, sinfo = search.run()
-            if self.value_test and self.clipped_sum and bag["noise_std"]:
-                cap = max(CLIPPED_SUM_MIN_SECONDS, AUTO_BUDGET_PER_SENTENCE * (int(B or 1) + 1))
-                sents, sinfo = self._clipped_sum(view, bag, sp, sents, sinfo, min(left(), cap),
-                                                 extra=edge_info.get("sub_edge_bag", ()))
-                sents, sinfo = self._ranked_reading(view, bag, sp, sents, sinfo, sub_la, eps_sentence, la_saturated,
-                                                    grads_la[0], left, extra=edge_info.get("sub_edge_bag", ()))
-        t2 = time.perf_counter()
-        info = {
-            "method": METHOD[self.search],
-            # a causal backbone with a classification head (no LM head): the client's loss is the classifier's,
-            # every position (the final EOS included) receives a gradient, and the value test fits the head's
-            # coefficients per sentence (gradleak.attacks.utr.causal)
-            "head": "lm" if lm else "classification",
-            "word_bag": (sorted(set(bag["tokens"]) | set(edge_info["sub_edge_bag"]))
-                         if edge_info.get("word_bag_source") == "stage 1 + sub_edge" else bag["tokens"]),
-            **edge_info,
-            "word_bag_size": len(bag["tokens"]),
-            "word_bag_pairs": sum(len(p) for p in bag["pairs"].values()),
-            "rank_embedding_adapter": sub_ea.rank,
-            "rank_layer_adapter": sub_la.rank,
-            "bottleneck_rows": sub_ea.rows,
-            # S_LA holds one vector per distinct layer state (every token of a bidirectional batch, every distinct
-            # prefix of a causal one); near its ceiling the float32 noise floor blurs the rank (measured: SmolLM2
-            # rf=1 B=32, 776 states in d=576, numerical rank 547) -- flag from 90 % of the ceiling on
-            # (BERT past the bottleneck: the augmented bag and the joint batch test verify it; then not exhausted)
-            "capacity_exhausted": bool(((sub_ea.saturated and not bag["augmented"]) or not bag["positions_ok"]
-                                        or la_saturated)
-                                       and not (sinfo.get("joint_residual") is not None
-                                                and sinfo.get("unverified_sentences") == 0)),
-            "noise_std": bag["noise_std"],
-            "noise_edge_embedding_adapter": sub_ea.noise_edge,
-            "eps_bag_used": bag["eps_bag"],
-            "eps_sentence_used": eps_sentence,
-            "word_bag_seconds": bag["seconds"],
-            "word_bag_augmented": bool(bag["augmented"]),
-            **{k: v for k, v in bag.items() if k.startswith(("exact_pairs", "sparsity_"))},
-            "sentence_seconds": t2 - t1,
-            "time_budget": budget,  # the sentence search's, in seconds (automatic when the config's is null)
-            "time_budget_auto": self.time_budget is None,
-            **sinfo,
-        }
+            return [], {"forward_passes": 0, "positions_lost": True}
+        value_test = None
+        if self.value_test and not bag["noise_std"] and ceiling is None:
+            value_test = TokenGradientTest(model, collect_grads(view, adapter_param("embedding"))[0],
+                                           bag["pairs"], signals=bag["signals"])
+        search = EncoderChainSearch(model, self.sentence_layer, la.sub, la.eps, sp["cls"], sp["sep"],
+                                    sp["mask"], bag["pairs"], view.public.get("batch_size"),
+                                    time_budget=left(),
+                                    # S_LA saturated: chains verified in subsets are peeled out of S_LA;
+                                    # the whole batch is verified jointly (beyond the paper)
+                                    joint=la.saturated, value_test=value_test, layer_grad=la.grads[0],
+                                    soft_rank=self.soft_rank)
+        sents, sinfo = search.run()
+        if self.value_test and self.clipped_sum and bag["noise_std"]:
+            cap = max(CLIPPED_SUM_MIN_SECONDS, AUTO_BUDGET_PER_SENTENCE * (int(B or 1) + 1))
+            sents, sinfo = self._clipped_sum(view, bag, sp, sents, sinfo, min(left(), cap),
+                                             extra=edge_info.get("sub_edge_bag", ()))
+            sents, sinfo = self._ranked_reading(view, bag, sp, sents, sinfo, la.sub, la.eps, la.saturated,
+                                                la.grads[0], left, extra=edge_info.get("sub_edge_bag", ()))
+        return sents, sinfo
+
+    def _paper_sentences(self, model: nn.Module, bag: dict, sp: dict, la: SimpleNamespace, B: Optional[int],
+                         lm: bool, left) -> tuple[list[list[int]], dict[str, Any]]:
+        """``search: paper``: the UTR paper's greedy sentence search, causal or encoder (UTR paper Sec. 4.3), within the
+        budget ``left()`` leaves."""
+        if bag["causal"]:
+            cands = torch.tensor([t for t in bag["tokens"] if t not in (sp["bos"], sp["pad"])] or [sp["bos"]])
+            sents, sinfo = GreedyCausalSearch(model, self.sentence_layer, la.sub, la.eps, sp["bos"], cands, B,
+                                              max_len=self.max_len, eicw=self.eicw, time_budget=left()).run()
+            return strip_eos(sents, sp["eos"], lm), sinfo
+        return GreedyEncoderSearch(model, self.sentence_layer, la.sub, la.eps, sp["cls"], sp["sep"],
+                                   sp["pad"], bag["pairs"] if bag["positions_ok"] else {}, B,
+                                   eicw=self.eicw, time_budget=left()).run()
+
+    @staticmethod
+    def _regime_warning(info: dict[str, Any], bag: dict, edge_info: dict[str, Any], sub_ea: Subspace,
+                        la: SimpleNamespace) -> None:
+        """The reading's regime into ``info``: a word bag of the sub-edge test only, no signal at all, the oracle
+        ceiling, a top-k pruned upload, or an exhausted capacity (each sets ``capacity_exhausted`` and a warning)."""
+        ceiling = la.ceiling
         if edge_info.get("word_bag_source") == "sub_edge":
             info["capacity_exhausted"] = False
             info["warning"] = (f"stage 1 found no token ({sub_ea.rank} direction(s) above the noise edge): word bag of "
@@ -562,18 +611,15 @@ class UTRAttack(AttackBase):
         elif info["capacity_exhausted"]:
             info["warning"] = ("token positions unrecoverable: bag tokens + positions + 1 exceed the hidden size "
                                "(bidirectional model); word bag only. " if not bag["positions_ok"] else "") + (
-                               f"gradient subspace saturated (rank {sub_ea.rank}/{sub_la.rank} vs {sub_ea.rows} "
+                               f"gradient subspace saturated (rank {sub_ea.rank}/{la.sub.rank} vs {sub_ea.rows} "
                                "bottleneck rows): the batch holds more distinct token vectors than the adapter "
                                "can store; the word bag and the sentences are unreliable beyond this point.")
-        sents = cap_to_batch(sents, info, view.public.get("batch_size"), bag["causal"])
-        if bag["noise_std"]:  # a test at the noise floor's tolerance proves nothing exact: no sentence is "verified"
-            info["passed_noise_tolerance"] = info.get("verified_sentences", 0)
-            info["verified"] = [False] * len(sents)
-            info["verified_sentences"], info["unverified_sentences"] = 0, len(sents)
-            info["warning"] = (info.get("warning", "") + f" noisy uploads (per-coordinate std {bag['noise_std']:.3g} from "
-                               f"the update defenses): ranks from the noise spectrum's edge, membership at tolerances "
-                               f"{bag['eps_bag']:.3g} (tokens) / {eps_sentence:.3g} (sentences); nothing is verified "
-                               "exactly.").strip()
+
+    @staticmethod
+    def _margin_metrics(info: dict[str, Any], grads_ea: list[torch.Tensor], sub_ea: Subspace,
+                        limit_std: float | None, edge_info: dict[str, Any]) -> dict[str, float]:
+        """The truth-free metrics: the embedding adapter's leakage margin (also into ``info``) and the sub-edge
+        test's numbers."""
         # the leakage margin of the embedding adapter's upload: how far the weakest direction the word bag used stands
         # above the noise edge, and the noise that would drown it (gradleak.attacks.common.subspace.spectral_margin)
         margin = spectral_margin(grads_ea, sub_ea.rank, limit_std)
@@ -589,4 +635,4 @@ class UTRAttack(AttackBase):
             metrics.update({"sub_edge_min_log10_p": edge_info["sub_edge_min_log10_p"],
                             "sub_edge_significant_tokens": float(edge_info["sub_edge_significant_tokens"]),
                             "sub_edge_bag_size": float(len(edge_info["sub_edge_bag"]))})
-        return Reconstruction(data=sents, info=info, metrics=metrics)
+        return metrics

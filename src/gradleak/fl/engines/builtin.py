@@ -66,85 +66,132 @@ def run_rounds(model, clients: Sequence[Client], *, rounds: int, algorithm: str,
 
     out = RoundsOutcome(model=model, secure_sums=[] if secure_aggregation else None)
     central = [d for d in defenses if getattr(d, "server_side", False)]  # central DP: noise on the aggregate
-
-    def server_noise(agg, k, r):
-        for d in central:
-            agg = d.server_apply(agg, {"seed": seed + r}, k)
-        return agg
-
     has_bn = bool(batchnorm_buffer_names(model))
     lr_of = lr_at or (lambda _r: lr)
+    training = _LocalTraining(algorithm=algorithm, lr=lr, lr_of=lr_of, local_epochs=local_epochs,
+                              local_batch_size=local_batch_size, defenses=defenses, seed=seed,
+                              local_update=local_update, client_settings=client_settings, has_bn=has_bn)
     it = range(rounds)
     if track is not None:
         it = track(it, description=f"FL rounds ({len(clients)} client(s), {algorithm})", total=rounds)
     for r in it:
-        if r > 0:  # the server applies the previous round's aggregate
-            apply_aggregate(model, out.last_aggregate, lr_of(r - 1))
-        if server_hook is not None:
-            t0 = time.perf_counter()
-            model = server_hook(r, model)
-            out.server_hook_seconds += time.perf_counter() - t0
-        out.model = model
+        model = _start_round(out, model, r, lr_of, server_hook)
         keep = keep_round is None or keep_round(r)
-        if on_round is not None:
-            sent = {n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.requires_grad}
+        sent = _trainable_state(model) if on_round is not None else None
         if keep:
             out.kept_rounds.append(r)
-            state = {n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.requires_grad}
-            if has_bn:
-                from gradleak.fl.core import batchnorm_buffers
-
-                state.update(batchnorm_buffers(model))
-            out.round_states.append(state)
-        ups = []
-        for ci, c in enumerate(clients):
-            c = c.for_round(r)  # a client holding a dataset trains on this round's batch of it
-            # the client's own copy (a canary client, which uploads a fixed direction, reads no model: none)
-            reads = getattr(c, "reads_model", True)
-            local = copy.deepcopy(model) if reads else model
-            if has_bn and reads:
-                local.train()  # BN normalises with batch statistics and updates its running statistics
-            own = (client_settings[ci] if client_settings is not None else None) or {}
-            t0 = time.perf_counter()
-            if local_update is None:
-                upd = c.local_update(local, algorithm=algorithm, epochs=own.get("epochs", local_epochs), lr=lr_of(r),
-                                     batch_size=own.get("batch_size", local_batch_size),
-                                     defenses=defenses, seed=seed + r, in_place=True)
-            else:  # a training-time defense's own step; it gets the client's public training configuration
-                upd = local_update(c, local, seed=seed + r, algorithm=algorithm, lr=lr_of(r), round_index=r,
-                                   epochs=own.get("epochs", local_epochs),
-                                   batch_size=own.get("batch_size", local_batch_size))
-                if upd is not None:
-                    for d in defenses:
-                        upd = d.apply(upd, {"client_id": c.client_id, "seed": seed + r, "lr": lr_of(r)})
-            out.client_seconds += time.perf_counter() - t0
-            if upd is None:  # the client withheld its update this round (e.g. the RDLV filter): nothing is sent
-                out.withheld.append((r, c.client_id))
-                del local
-                continue
-            if not all(bool(torch.isfinite(t).all()) for t in upd.tensors.values()):
-                from gradleak.errors import TrainingDiverged
-
-                raise TrainingDiverged(c.client_id, r, lr)
-            ups.append(upd.map(lambda _, v: v.detach().cpu()))
-            del local
+            out.round_states.append(_sent_checkpoint(model, has_bn))
+        ups = [u for ci, c in enumerate(clients) if (u := training.client_upload(out, ci, c, model, r)) is not None]
         if not ups:  # every client withheld: the model stays as it is
-            ref = next(iter(out.last_aggregate.tensors.values())) if out.last_aggregate is not None else None
-            names = [n for n, p in model.named_parameters() if p.requires_grad]
-            params = dict(model.named_parameters())
-            out.last_aggregate = Update({n: torch.zeros_like(params[n].detach().cpu(), dtype=ref.dtype if ref is not None
-                                                             else params[n].dtype) for n in names}, 0, -1,
-                                        "pseudo_gradient", 0)
+            out.last_aggregate = _zero_aggregate(model, out.last_aggregate)
         else:
-            out.last_aggregate = server_noise(aggregate(ups), len(ups), r)
+            out.last_aggregate = _server_noise(central, aggregate(ups), len(ups), seed + r)
         if on_round is not None:
             on_round(r, sent, ups)
         if keep:
             out.rounds.append(ups)
             if secure_aggregation:  # the same server-side noise draw as the applied aggregate (seeded per round)
-                out.secure_sums.append(server_noise(secure_aggregate(ups, seed=seed + 7 * r + 1), len(ups), r)
-                                       if ups else out.last_aggregate)
+                out.secure_sums.append(_server_noise(central, secure_aggregate(ups, seed=seed + 7 * r + 1), len(ups),
+                                                     seed + r) if ups else out.last_aggregate)
     return out
+
+
+def _server_noise(central: Sequence[Any], agg: Update, k: int, seed: int) -> Update:
+    """``agg`` through the server-side defenses (central DP: noise on the aggregate of ``k`` uploads), seeded."""
+    for d in central:
+        agg = d.server_apply(agg, {"seed": seed}, k)
+    return agg
+
+
+def _start_round(out: RoundsOutcome, model, r: int, lr_of: Callable[[int], float],
+                 server_hook: Callable[[int, Any], Any] | None):
+    """The server's side of round ``r`` before the clients: apply the previous round's aggregate, then the attack's
+    ``server_hook`` (timed); returns the model the server sends."""
+    if r > 0:  # the server applies the previous round's aggregate
+        apply_aggregate(model, out.last_aggregate, lr_of(r - 1))
+    if server_hook is not None:
+        t0 = time.perf_counter()
+        model = server_hook(r, model)
+        out.server_hook_seconds += time.perf_counter() - t0
+    out.model = model
+    return model
+
+
+def _trainable_state(model) -> dict[str, torch.Tensor]:
+    """A CPU copy of ``model``'s trainable parameters (what the server sent, as the caller of ``on_round`` reads it)."""
+    return {n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _sent_checkpoint(model, has_bn: bool) -> dict[str, torch.Tensor]:
+    """The checkpoint the server sent, as ``round_states`` keeps it: trainable parameters and BN buffers."""
+    state = _trainable_state(model)
+    if has_bn:
+        from gradleak.fl.core import batchnorm_buffers
+
+        state.update(batchnorm_buffers(model))
+    return state
+
+
+def _zero_aggregate(model, last: Update | None) -> Update:
+    """The aggregate of a round in which every client withheld: zeros on the trainable parameters (in the dtype of
+    the last aggregate, if any), so the model stays as it is."""
+    ref = next(iter(last.tensors.values())) if last is not None else None
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = dict(model.named_parameters())
+    return Update({n: torch.zeros_like(params[n].detach().cpu(), dtype=ref.dtype if ref is not None
+                                       else params[n].dtype) for n in names}, 0, -1, "pseudo_gradient", 0)
+
+
+@dataclass
+class _LocalTraining:
+    """What every client's local step reads (:func:`run_rounds`' arguments), and the step itself."""
+
+    algorithm: str
+    lr: float
+    lr_of: Callable[[int], float]
+    local_epochs: int
+    local_batch_size: int | None
+    defenses: Sequence[Any]
+    seed: int
+    local_update: Callable[..., Any] | None
+    client_settings: Sequence[dict] | None
+    has_bn: bool
+
+    def client_upload(self, out: RoundsOutcome, ci: int, c: Client, model, r: int) -> Update | None:
+        """Client ``ci``'s defended upload in round ``r`` on its own copy of ``model`` (on the CPU; its training time
+        added to ``out.client_seconds``), or None when it withheld it (recorded in ``out.withheld``)."""
+        c = c.for_round(r)  # a client holding a dataset trains on this round's batch of it
+        # the client's own copy (a canary client, which uploads a fixed direction, reads no model: none)
+        reads = getattr(c, "reads_model", True)
+        local = copy.deepcopy(model) if reads else model
+        if self.has_bn and reads:
+            local.train()  # BN normalises with batch statistics and updates its running statistics
+        t0 = time.perf_counter()
+        upd = self._train(ci, c, local, r)
+        out.client_seconds += time.perf_counter() - t0
+        if upd is None:  # the client withheld its update this round (e.g. the RDLV filter): nothing is sent
+            out.withheld.append((r, c.client_id))
+            return None
+        if not all(bool(torch.isfinite(t).all()) for t in upd.tensors.values()):
+            from gradleak.errors import TrainingDiverged
+
+            raise TrainingDiverged(c.client_id, r, self.lr)
+        return upd.map(lambda _, v: v.detach().cpu())
+
+    def _train(self, ci: int, c: Client, local, r: int) -> Update | None:
+        """The local step: the client's own training with the defenses, or the training-time defense's
+        ``local_update`` (given the client's public training configuration) followed by the defenses."""
+        own = (self.client_settings[ci] if self.client_settings is not None else None) or {}
+        epochs, batch_size = own.get("epochs", self.local_epochs), own.get("batch_size", self.local_batch_size)
+        if self.local_update is None:
+            return c.local_update(local, algorithm=self.algorithm, epochs=epochs, lr=self.lr_of(r),
+                                  batch_size=batch_size, defenses=self.defenses, seed=self.seed + r, in_place=True)
+        upd = self.local_update(c, local, seed=self.seed + r, algorithm=self.algorithm, lr=self.lr_of(r),
+                                round_index=r, epochs=epochs, batch_size=batch_size)
+        if upd is not None:
+            for d in self.defenses:
+                upd = d.apply(upd, {"client_id": c.client_id, "seed": self.seed + r, "lr": self.lr_of(r)})
+        return upd
 
 
 def apply_aggregate(model, agg: Update, lr: float) -> None:

@@ -73,6 +73,143 @@ def _dp_mods(flower_cfg) -> list:
     return []
 
 
+def _check_flower_inputs(model, defenses: Sequence[Any], flower) -> None:
+    """What the Flower engine cannot run, as a clear error: BatchNorm models, gradleak's own central DP, Flower's DP
+    with update replies."""
+    from gradleak.fl.core import batchnorm_buffer_names
+
+    if batchnorm_buffer_names(model):
+        raise BadInput("fl.engine", "the Flower engine does not carry BatchNorm running statistics in its messages.",
+                       "use fl.engine=builtin for BatchNorm models (the leakage study's ResNet-18).")
+    if any(getattr(d, "server_side", False) for d in defenses):
+        raise BadInput("defenses", "dp_gaussian with where: server is gradleak's own central DP; on the Flower engine "
+                       "the server's mechanism is Flower's.", "use fl.flower.dp=server-fixed (or client-fixed), or "
+                       "fl.engine=builtin.")
+    if flower.dp != "none" and flower.reply != "weights":
+        raise BadInput("fl.flower.reply", f"Flower's DP mechanisms (fl.flower.dp={flower.dp}) clip the change of the "
+                       "weights, so the clients must reply with their new weights.", "set fl.flower.reply=weights.")
+
+
+class _FlowerRun:
+    """One federation of :func:`run_rounds_flower`: what its server side (:meth:`serve`, :meth:`send`,
+    :meth:`record`) and its client side (:meth:`train`) share -- the server's model, the outcome being recorded, the
+    clocks and what the clients computed."""
+
+    def __init__(self, model, clients: Sequence[Any], *, rounds: int, algorithm: str, lr_of: Callable[[int], float],
+                 local_epochs: int, local_batch_size: int | None, seed: int,
+                 server_hook: Callable[[int, Any], Any] | None, secure_aggregation: bool,
+                 keep_round: Callable[[int], bool] | None, local_update: Callable[..., Any] | None,
+                 client_settings: Sequence[dict] | None, flower):
+        self.model, self.clients, self.rounds, self.algorithm, self.lr_of = model, clients, rounds, algorithm, lr_of
+        self.local_epochs, self.local_batch_size, self.seed = local_epochs, local_batch_size, seed
+        self.server_hook, self.secure_aggregation, self.keep_round = server_hook, secure_aggregation, keep_round
+        self.local_update, self.client_settings, self.flower = local_update, client_settings, flower
+        self.n = len(clients)
+        self.trainable = [nm for nm, p in model.named_parameters() if p.requires_grad]
+        self.base = copy.deepcopy(model)  # what every client downloaded before round 1 (frozen weights included)
+        self.initial = {nm: p.detach().clone() for nm, p in self.base.named_parameters() if not p.requires_grad}
+        self.out = RoundsOutcome(model=model, secure_sums=[] if secure_aggregation else None)
+        self.clock = {"client": 0.0, "hook": 0.0}
+        self.strategy = None
+        self.computed: dict = {}
+        self.bar: Callable[[int], Any] | None = None
+
+    # -- server side: load what FedAvg aggregated into the server's model, let the attack set it, send it
+    def send(self, server_round: int, arrays: dict) -> dict:
+        """The strategy's server hook: what the server sends in round ``server_round``."""
+        r = server_round - 1
+        with torch.no_grad():
+            for nm, p in self.model.named_parameters():
+                if nm in arrays:
+                    p.copy_(arrays[nm].to(device=p.device, dtype=p.dtype))
+        if self.server_hook is not None:
+            t0 = time.perf_counter()
+            self.model = self.server_hook(r, self.model)
+            self.clock["hook"] += time.perf_counter() - t0
+        self.out.model = self.model
+        params = dict(self.model.named_parameters())
+        send = {nm: params[nm].detach().clone().cpu() for nm in self.trainable}
+        if self.server_hook is not None:  # frozen tensors the server rewrote travel too
+            for nm, v in self.initial.items():
+                if not torch.equal(params[nm].detach().cpu(), v.cpu()):
+                    send[nm] = params[nm].detach().clone().cpu()
+        return send
+
+    def record(self, rec: RecordedRound):
+        """The strategy's ``on_round``: a finished round into the outcome (the rounds the attacker keeps)."""
+        r = rec.server_round - 1
+        keep = self.keep_round is None or self.keep_round(r)
+        self.out.last_aggregate = rec.aggregate
+        if keep:
+            self.out.kept_rounds.append(r)
+            self.out.round_states.append({k: v for k, v in rec.sent.items() if k in self.trainable})
+            self.out.rounds.append([] if rec.aggregated else list(rec.updates))
+            if self.secure_aggregation:
+                self.out.secure_sums.append(rec.aggregate)
+        if self.bar is not None:
+            self.bar(r)
+        return None
+
+    def serve(self, grid, context) -> None:
+        """The ``ServerApp``'s main: ``GradleakStrategy(FedAvg)`` (in Flower's central DP when asked) through
+        Flower's own round loop."""
+        from flwr.app import ConfigRecord
+        from flwr.serverapp.strategy import FedAvg
+
+        n = self.n
+        inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=n, min_train_nodes=n,
+                       min_evaluate_nodes=0)
+        strategy = _dp_strategy(self.flower, inner, n)
+        s = GradleakStrategy(strategy, lr=lambda sr: self.lr_of(sr - 1), algorithm=self.algorithm,
+                             reply=self.flower.reply, secure_aggregation=self.secure_aggregation,
+                             on_round=self.record, server_hook=self.send, keep=1, send_lr=True)
+        self.strategy = s
+        first = {nm: p.detach().clone().cpu() for nm, p in self.model.named_parameters() if p.requires_grad}
+        s.start(grid=grid, initial_arrays=to_arrays(first), num_rounds=self.rounds, train_config=ConfigRecord({}),
+                timeout=None)
+
+    # -- client side: the pipeline's Client on its own copy of what it was sent
+    def train(self, msg, ctx):
+        """The ``ClientApp``'s train: the client of partition ``partition-id`` trains on its copy of what it was
+        sent and replies with its new weights (float64) or its update (``fl.flower.reply``)."""
+        from flwr.app import Message, MetricRecord, RecordDict
+
+        pid = int(ctx.node_config["partition-id"])
+        conf = msg.content["config"]
+        r = int(conf["server-round"]) - 1
+        c = self.clients[pid].for_round(r)  # a client holding a dataset trains on this round's batch of it
+        lr_r = float(conf["lr"])
+        sent = to_tensors(msg.content["arrays"])
+        reads = getattr(c, "reads_model", True)  # a canary client reads no weights (only the trainable names)
+        local = model_as_sent(self.base, sent, reads=reads, field="arrays",
+                              fix="the ClientApp and the ServerApp must build the same model.")
+        t0 = time.perf_counter()
+        upd = self._local_step(pid, c, local, r, lr_r)
+        self.clock["client"] += time.perf_counter() - t0
+        tensors = {k: v.detach().cpu() for k, v in upd.tensors.items()}
+        if self.flower.reply == "weights":
+            tensors = {k: sent[k].to(torch.float64) - lr_r * v.to(torch.float64) for k, v in tensors.items()}
+        self.computed[(r, pid)] = tensors
+        metrics = MetricRecord({"num-examples": int(upd.num_samples), "partition-id": pid,
+                                "local-steps": int(upd.local_steps)})
+        return Message(RecordDict({"arrays": to_arrays(tensors), "metrics": metrics}), reply_to=msg)
+
+    def _local_step(self, pid: int, c, local, r: int, lr_r: float):
+        """Client ``pid``'s own training (gradleak's update defenses run in the client mod), or the training-time
+        defense's ``local_update``; a withheld update is an error here."""
+        own = (self.client_settings[pid] if self.client_settings is not None else None) or {}
+        epochs, batch_size = own.get("epochs", self.local_epochs), own.get("batch_size", self.local_batch_size)
+        if self.local_update is None:
+            return c.local_update(local, algorithm=self.algorithm, epochs=epochs, lr=lr_r, batch_size=batch_size,
+                                  defenses=(), seed=self.seed + r, in_place=True)
+        upd = self.local_update(c, local, seed=self.seed + r, algorithm=self.algorithm, lr=lr_r, round_index=r,
+                                epochs=epochs, batch_size=batch_size)
+        if upd is None:
+            raise BadInput("defense", "a client withheld its update (the RDLV filter); the Flower engine has no "
+                           "withheld replies.", "use fl.engine=builtin with this defense.")
+        return upd
+
+
 def run_rounds_flower(model, clients: Sequence[Any], *, rounds: int, algorithm: str, lr: float, local_epochs: int = 1,
                       local_batch_size: int | None = None, defenses: Sequence[Any] = (), seed: int = 0,
                       server_hook: Callable[[int, Any], Any] | None = None, secure_aggregation: bool = False,
@@ -91,85 +228,21 @@ def run_rounds_flower(model, clients: Sequence[Any], *, rounds: int, algorithm: 
     plus every frozen tensor that differs from the model the clients downloaded (a malicious server's poisoning).
     ``flower`` is the ``fl.flower`` section (:class:`FlowerConfig`: runtime, reply, dp)."""
     require_flower()
-    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
-    from flwr.serverapp.strategy import FedAvg
 
-    from gradleak.fl.core import batchnorm_buffer_names
-
-    if batchnorm_buffer_names(model):
-        raise BadInput("fl.engine", "the Flower engine does not carry BatchNorm running statistics in its messages.",
-                       "use fl.engine=builtin for BatchNorm models (the leakage study's ResNet-18).")
-    if any(getattr(d, "server_side", False) for d in defenses):
-        raise BadInput("defenses", "dp_gaussian with where: server is gradleak's own central DP; on the Flower engine "
-                       "the server's mechanism is Flower's.", "use fl.flower.dp=server-fixed (or client-fixed), or "
-                       "fl.engine=builtin.")
-    if flower.dp != "none" and flower.reply != "weights":
-        raise BadInput("fl.flower.reply", f"Flower's DP mechanisms (fl.flower.dp={flower.dp}) clip the change of the "
-                       "weights, so the clients must reply with their new weights.", "set fl.flower.reply=weights.")
+    _check_flower_inputs(model, defenses, flower)
     _quiet_flower(verbose)
-    lr_of = lr_at or (lambda _r: lr)
-    n = len(clients)
-    trainable = [nm for nm, p in model.named_parameters() if p.requires_grad]
-    base = copy.deepcopy(model)  # what every client downloaded before round 1 (frozen weights included)
-    initial = {nm: p.detach().clone() for nm, p in base.named_parameters() if not p.requires_grad}
-    out = RoundsOutcome(model=model, secure_sums=[] if secure_aggregation else None)
-    clock = {"client": 0.0, "hook": 0.0}
-    holder: dict[str, Any] = {}
-    progress = {"bar": None}
-
-    # -- server side: load what FedAvg aggregated into the server's model, let the attack set it, send it
-    def hook(server_round: int, arrays: dict) -> dict:
-        nonlocal model
-        r = server_round - 1
-        with torch.no_grad():
-            for nm, p in model.named_parameters():
-                if nm in arrays:
-                    p.copy_(arrays[nm].to(device=p.device, dtype=p.dtype))
-        if server_hook is not None:
-            t0 = time.perf_counter()
-            model = server_hook(r, model)
-            clock["hook"] += time.perf_counter() - t0
-        out.model = model
-        params = dict(model.named_parameters())
-        send = {nm: params[nm].detach().clone().cpu() for nm in trainable}
-        if server_hook is not None:  # frozen tensors the server rewrote travel too
-            for nm, v in initial.items():
-                if not torch.equal(params[nm].detach().cpu(), v.cpu()):
-                    send[nm] = params[nm].detach().clone().cpu()
-        return send
-
-    def on_round(rec: RecordedRound):
-        r = rec.server_round - 1
-        keep = keep_round is None or keep_round(r)
-        out.last_aggregate = rec.aggregate
-        if keep:
-            out.kept_rounds.append(r)
-            out.round_states.append({k: v for k, v in rec.sent.items() if k in trainable})
-            out.rounds.append([] if rec.aggregated else list(rec.updates))
-            if secure_aggregation:
-                out.secure_sums.append(rec.aggregate)
-        if progress["bar"] is not None:
-            progress["bar"](r)
-        return None
-
+    run = _FlowerRun(model, clients, rounds=rounds, algorithm=algorithm, lr_of=lr_at or (lambda _r: lr),
+                     local_epochs=local_epochs, local_batch_size=local_batch_size, seed=seed, server_hook=server_hook,
+                     secure_aggregation=secure_aggregation, keep_round=keep_round, local_update=local_update,
+                     client_settings=client_settings, flower=flower)
     sapp = ServerApp()
 
     @sapp.main()
     def _main(grid, context):
-        inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=n, min_train_nodes=n,
-                       min_evaluate_nodes=0)
-        strategy = _dp_strategy(flower, inner, n)
-        s = GradleakStrategy(strategy, lr=lambda sr: lr_of(sr - 1), algorithm=algorithm, reply=flower.reply,
-                             secure_aggregation=secure_aggregation, on_round=on_round, server_hook=hook, keep=1,
-                             send_lr=True)
-        holder["strategy"] = s
-        first = {nm: p.detach().clone().cpu() for nm, p in model.named_parameters() if p.requires_grad}
-        s.start(grid=grid, initial_arrays=to_arrays(first), num_rounds=rounds, train_config=ConfigRecord({}),
-                timeout=None)
+        run.serve(grid, context)
 
-    # -- client side: the pipeline's Client on its own copy of what it was sent
     capp_mods = _dp_mods(flower)  # outermost: Flower's DP acts last on the reply, as its docs ask
     if defenses:
         capp_mods.append(update_defense_mod(list(defenses), seed=seed, algorithm=algorithm, names=None))
@@ -177,51 +250,24 @@ def run_rounds_flower(model, clients: Sequence[Any], *, rounds: int, algorithm: 
 
     @capp.train()
     def _train(msg, ctx):
-        pid = int(ctx.node_config["partition-id"])
-        conf = msg.content["config"]
-        r = int(conf["server-round"]) - 1
-        c = clients[pid].for_round(r)  # a client holding a dataset trains on this round's batch of it
-        lr_r = float(conf["lr"])
-        sent = to_tensors(msg.content["arrays"])
-        reads = getattr(c, "reads_model", True)  # a canary client reads no weights (only the trainable names)
-        local = model_as_sent(base, sent, reads=reads, field="arrays",
-                              fix="the ClientApp and the ServerApp must build the same model.")
-        own = (client_settings[pid] if client_settings is not None else None) or {}
-        t0 = time.perf_counter()
-        if local_update is None:
-            upd = c.local_update(local, algorithm=algorithm, epochs=own.get("epochs", local_epochs), lr=lr_r,
-                                 batch_size=own.get("batch_size", local_batch_size), defenses=(), seed=seed + r,
-                                 in_place=True)
-        else:
-            upd = local_update(c, local, seed=seed + r, algorithm=algorithm, lr=lr_r, round_index=r,
-                               epochs=own.get("epochs", local_epochs), batch_size=own.get("batch_size", local_batch_size))
-            if upd is None:
-                raise BadInput("defense", "a client withheld its update (the RDLV filter); the Flower engine has no "
-                               "withheld replies.", "use fl.engine=builtin with this defense.")
-        clock["client"] += time.perf_counter() - t0
-        tensors = {k: v.detach().cpu() for k, v in upd.tensors.items()}
-        if flower.reply == "weights":
-            tensors = {k: sent[k].to(torch.float64) - lr_r * v.to(torch.float64) for k, v in tensors.items()}
-        holder.setdefault("computed", {})[(r, pid)] = tensors
-        metrics = MetricRecord({"num-examples": int(upd.num_samples), "partition-id": pid,
-                                "local-steps": int(upd.local_steps)})
-        return Message(RecordDict({"arrays": to_arrays(tensors), "metrics": metrics}), reply_to=msg)
+        return run.train(msg, ctx)
 
     if track is not None:
-        bar_it = iter(track(range(rounds), description=f"Flower rounds ({n} client(s), {algorithm}, "
+        bar_it = iter(track(range(rounds), description=f"Flower rounds ({run.n} client(s), {algorithm}, "
                                                        f"{flower.runtime})", total=rounds))
-        progress["bar"] = lambda _r: next(bar_it, None)
+        run.bar = lambda _r: next(bar_it, None)
     if flower.runtime == "simulation":
-        run_simulation_engine(sapp, capp, n)
+        run_simulation_engine(sapp, capp, run.n)
     else:
-        run_inprocess(sapp, capp, n)
-    if progress["bar"] is not None:
+        run_inprocess(sapp, capp, run.n)
+    if run.bar is not None:
         for _ in bar_it:
             pass
-    if holder.get("strategy") is None or out.last_aggregate is None:
+    out = run.out
+    if run.strategy is None or out.last_aggregate is None:
         raise RuntimeError("the Flower run recorded no round (see Flower's log above)")
-    out.client_seconds, out.server_hook_seconds = clock["client"], clock["hook"]
-    out.flower_computed = holder.get("computed", {})  # what the clients computed (tests compare the record to it)
+    out.client_seconds, out.server_hook_seconds = run.clock["client"], run.clock["hook"]
+    out.flower_computed = run.computed  # what the clients computed (tests compare the record to it)
     return out
 
 

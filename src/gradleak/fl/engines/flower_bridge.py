@@ -94,11 +94,139 @@ from gradleak.fl.recorded import ClientReply, RecordedRound, reply_update, round
 
 # ------------------------------------------------------------------------------------------ the strategy wrapper
 
+class _RecordingStrategy:
+    """What :class:`GradleakStrategy` does (its docstring: :func:`_make_strategy_class`), without Flower's base
+    class, so it can live at module level while ``flwr`` stays an optional import; the class built by
+    :func:`_make_strategy_class` puts Flower's ``Strategy`` under it."""
+
+    def __init__(self, strategy, *, lr: float | Callable[[int], float], algorithm: str = "fedavg",
+                 reply: str = "weights", secure_aggregation: bool = False, audit_every: int = 1,
+                 on_round: Callable[[RecordedRound], Any] | None = None,
+                 server_hook: Callable[[int, dict], dict] | None = None, keep: int | None = None,
+                 send_lr: bool = False):
+        from flwr.serverapp.strategy import Strategy
+
+        if not isinstance(strategy, Strategy):
+            raise BadInput("strategy", f"{type(strategy).__name__} is not a flwr.serverapp.strategy.Strategy "
+                           "(the Message API).", "wrap a Message-API strategy such as "
+                           "flwr.serverapp.strategy.FedAvg(...).")
+        if reply not in ("weights", "update"):
+            raise BadInput("reply", f"must be 'weights' or 'update', got {reply!r}.",
+                           "use 'weights' (Flower's convention: clients return their new weights).")
+        if algorithm not in ("fedavg", "fedsgd"):
+            raise BadInput("algorithm", f"must be 'fedavg' or 'fedsgd', got {algorithm!r}.", "use 'fedavg'.")
+        if int(audit_every) < 1:
+            raise BadInput("audit_every", f"must be >= 1, got {audit_every}.", "audit e.g. every round: 1.")
+        self.strategy, self.reply, self.algorithm = strategy, reply, algorithm
+        self._lr = lr if callable(lr) else (lambda _r, v=float(lr): v)
+        self.secure_aggregation, self.audit_every = bool(secure_aggregation), int(audit_every)
+        self.on_round, self.server_hook, self.keep = on_round, server_hook, keep
+        self.send_lr = bool(send_lr)
+        self.rounds: list[RecordedRound] = []
+        self._sent: dict[int, dict[str, torch.Tensor]] = {}
+        self.audit_results: dict[int, Any] = {}
+
+    def lr(self, server_round: int) -> float:
+        return float(self._lr(server_round))
+
+    # -- Strategy protocol
+    def configure_train(self, server_round, arrays, config, grid):
+        if self.server_hook is not None:
+            arrays = to_arrays(self.server_hook(server_round, to_tensors(arrays)))
+        self._sent[server_round] = to_tensors(arrays)
+        if self.send_lr:  # the round's learning rate travels with the round (step decay)
+            config["lr"] = self.lr(server_round)
+        if self.reply == "update":
+            config[UPDATE_KEY] = True
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round, replies):
+        replies = list(replies)
+        errors = [m.error for m in replies if m.has_error()]
+        if errors:
+            raise RuntimeError(f"{len(errors)} client(s) failed in round {server_round}: "
+                               + "; ".join(str(getattr(e, "reason", e)) for e in errors[:3]))
+        rec = self._record(server_round, replies)  # before the wrapped strategy: it may clip replies in place
+        arrays, metrics = self.strategy.aggregate_train(server_round, replies)
+        if arrays is not None:
+            agg = to_tensors(arrays)
+            if self.reply == "update":  # the mean update -> the new global weights
+                from gradleak.fl.core import Update
+
+                rec.aggregate = Update(agg, sum(r.num_examples for r in rec.replies) or 1, -1,
+                                       rec.updates[0].kind if rec.updates else "pseudo_gradient")
+                new = {k: (rec.sent[k].to(torch.float64) - self.lr(server_round) * agg[k].to(torch.float64))
+                       .to(rec.sent[k].dtype) for k in agg}
+                arrays = to_arrays(new)
+            else:
+                rec.aggregate = reply_update(rec.sent, agg, reply="weights", algorithm=self.algorithm,
+                                             lr=self.lr(server_round), client_id=-1,
+                                             num_examples=sum(r.num_examples for r in rec.replies) or 1)
+            if rec.aggregated:  # only the sum was ever held: it is what the attacks read
+                rec.updates = [rec.aggregate]
+        if server_round % self.audit_every == 0 and self.on_round is not None:
+            self.audit_results[server_round] = self.on_round(rec)
+        return arrays, metrics
+
+    def configure_evaluate(self, server_round, arrays, config, grid):
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round, replies):
+        return self.strategy.aggregate_evaluate(server_round, replies)
+
+    def summary(self) -> None:
+        self.strategy.summary()
+
+    # -- recording
+    def _record(self, server_round: int, replies: list) -> RecordedRound:
+        sent = self._sent.pop(server_round)
+        rec = RecordedRound(server_round, sent)
+        got = []
+        for m in replies:
+            _, arr = single_record(m.content.array_records, "ArrayRecord", "reply")
+            metrics = {k: float(v) for mr in m.content.metric_records.values() for k, v in mr.items()
+                       if isinstance(v, (int, float))}
+            cid = int(metrics.get("partition-id", m.metadata.src_node_id))
+            got.append(ClientReply(int(m.metadata.src_node_id), cid, to_tensors(arr),
+                                   int(metrics.get("num-examples", 1)), metrics))
+        got.sort(key=lambda r: r.client_id)
+        rec.client_metrics = {r.client_id: {k: v for k, v in r.metrics.items() if k.startswith("gradleak.")}
+                              for r in got}
+        identical = len(got) > 1 and all(
+            r.arrays.keys() == got[0].arrays.keys() and all(torch.equal(r.arrays[k], got[0].arrays[k])
+                                                            for k in r.arrays) for r in got[1:])
+        if self.secure_aggregation or identical:
+            rec.aggregated = True
+            rec.note = ("secure aggregation: the server holds only the aggregate, which is what is attacked"
+                        if self.secure_aggregation else
+                        f"all {len(got)} replies carry identical arrays: the results are already aggregated "
+                        "(e.g. SecAgg+), so only the sum is attackable; the attacks read the sum")
+            rec.replies = [ClientReply(-1, -1, {}, sum(r.num_examples for r in got), {})]
+        else:
+            rec.replies = got
+            steps = lambda r: int(r.metrics.get("local-steps", 1))  # noqa: E731
+            rec.updates = [reply_update(sent, r.arrays, reply=self.reply, algorithm=self.algorithm,
+                                        lr=self.lr(server_round), num_examples=r.num_examples,
+                                        client_id=r.client_id, local_steps=steps(r)) for r in got]
+        self.rounds.append(rec)
+        if self.keep is not None and len(self.rounds) > self.keep:
+            self.rounds.pop(0)
+        return rec
+
+    def server_view(self, *, model, threat, knowledge: dict | None = None, always_public: dict | None = None,
+                    rounds: Sequence[RecordedRound] | None = None):
+        """gradleak's :class:`~gradleak.fl.core.ServerView` of the recorded rounds (default: all kept), built by
+        the threat model's one gate, :func:`gradleak.fl.threat.build_view`. A round that held only the aggregate
+        gives the view the sum even if the threat model would grant individual updates."""
+        return view_of(list(rounds if rounds is not None else self.rounds), model=model, threat=threat,
+                       knowledge=knowledge, always_public=always_public)
+
+
 def _make_strategy_class():
     require_flower()
     from flwr.serverapp.strategy import Strategy
 
-    class GradleakStrategy(Strategy):
+    class GradleakStrategy(_RecordingStrategy, Strategy):
         """Wrap ``strategy`` and record every client's reply as the server sees it (see the module docstring).
 
         ``lr`` (a number or ``round -> lr`` for a 1-based round) is the clients' public learning rate, needed to
@@ -107,126 +235,6 @@ def _make_strategy_class():
         ``on_round(recorded)`` runs every ``audit_every`` rounds (e.g. the audit); ``server_hook(round, arrays)`` may
         replace the arrays sent (a malicious server: PEFTLeak's poisoning); ``keep`` bounds the rounds kept in
         memory (``None``: all); ``send_lr`` puts the round's ``lr`` into every train config."""
-
-        def __init__(self, strategy, *, lr: float | Callable[[int], float], algorithm: str = "fedavg",
-                     reply: str = "weights", secure_aggregation: bool = False, audit_every: int = 1,
-                     on_round: Callable[[RecordedRound], Any] | None = None,
-                     server_hook: Callable[[int, dict], dict] | None = None, keep: int | None = None,
-                     send_lr: bool = False):
-            if not isinstance(strategy, Strategy):
-                raise BadInput("strategy", f"{type(strategy).__name__} is not a flwr.serverapp.strategy.Strategy "
-                               "(the Message API).", "wrap a Message-API strategy such as "
-                               "flwr.serverapp.strategy.FedAvg(...).")
-            if reply not in ("weights", "update"):
-                raise BadInput("reply", f"must be 'weights' or 'update', got {reply!r}.",
-                               "use 'weights' (Flower's convention: clients return their new weights).")
-            if algorithm not in ("fedavg", "fedsgd"):
-                raise BadInput("algorithm", f"must be 'fedavg' or 'fedsgd', got {algorithm!r}.", "use 'fedavg'.")
-            if int(audit_every) < 1:
-                raise BadInput("audit_every", f"must be >= 1, got {audit_every}.", "audit e.g. every round: 1.")
-            self.strategy, self.reply, self.algorithm = strategy, reply, algorithm
-            self._lr = lr if callable(lr) else (lambda _r, v=float(lr): v)
-            self.secure_aggregation, self.audit_every = bool(secure_aggregation), int(audit_every)
-            self.on_round, self.server_hook, self.keep = on_round, server_hook, keep
-            self.send_lr = bool(send_lr)
-            self.rounds: list[RecordedRound] = []
-            self._sent: dict[int, dict[str, torch.Tensor]] = {}
-            self.audit_results: dict[int, Any] = {}
-
-        def lr(self, server_round: int) -> float:
-            return float(self._lr(server_round))
-
-        # -- Strategy protocol
-        def configure_train(self, server_round, arrays, config, grid):
-            if self.server_hook is not None:
-                arrays = to_arrays(self.server_hook(server_round, to_tensors(arrays)))
-            self._sent[server_round] = to_tensors(arrays)
-            if self.send_lr:  # the round's learning rate travels with the round (step decay)
-                config["lr"] = self.lr(server_round)
-            if self.reply == "update":
-                config[UPDATE_KEY] = True
-            return self.strategy.configure_train(server_round, arrays, config, grid)
-
-        def aggregate_train(self, server_round, replies):
-            replies = list(replies)
-            errors = [m.error for m in replies if m.has_error()]
-            if errors:
-                raise RuntimeError(f"{len(errors)} client(s) failed in round {server_round}: "
-                                   + "; ".join(str(getattr(e, "reason", e)) for e in errors[:3]))
-            rec = self._record(server_round, replies)  # before the wrapped strategy: it may clip replies in place
-            arrays, metrics = self.strategy.aggregate_train(server_round, replies)
-            if arrays is not None:
-                agg = to_tensors(arrays)
-                if self.reply == "update":  # the mean update -> the new global weights
-                    from gradleak.fl.core import Update
-
-                    rec.aggregate = Update(agg, sum(r.num_examples for r in rec.replies) or 1, -1,
-                                           rec.updates[0].kind if rec.updates else "pseudo_gradient")
-                    new = {k: (rec.sent[k].to(torch.float64) - self.lr(server_round) * agg[k].to(torch.float64))
-                           .to(rec.sent[k].dtype) for k in agg}
-                    arrays = to_arrays(new)
-                else:
-                    rec.aggregate = reply_update(rec.sent, agg, reply="weights", algorithm=self.algorithm,
-                                                 lr=self.lr(server_round), client_id=-1,
-                                                 num_examples=sum(r.num_examples for r in rec.replies) or 1)
-                if rec.aggregated:  # only the sum was ever held: it is what the attacks read
-                    rec.updates = [rec.aggregate]
-            if server_round % self.audit_every == 0 and self.on_round is not None:
-                self.audit_results[server_round] = self.on_round(rec)
-            return arrays, metrics
-
-        def configure_evaluate(self, server_round, arrays, config, grid):
-            return self.strategy.configure_evaluate(server_round, arrays, config, grid)
-
-        def aggregate_evaluate(self, server_round, replies):
-            return self.strategy.aggregate_evaluate(server_round, replies)
-
-        def summary(self) -> None:
-            self.strategy.summary()
-
-        # -- recording
-        def _record(self, server_round: int, replies: list) -> RecordedRound:
-            sent = self._sent.pop(server_round)
-            rec = RecordedRound(server_round, sent)
-            got = []
-            for m in replies:
-                _, arr = single_record(m.content.array_records, "ArrayRecord", "reply")
-                metrics = {k: float(v) for mr in m.content.metric_records.values() for k, v in mr.items()
-                           if isinstance(v, (int, float))}
-                cid = int(metrics.get("partition-id", m.metadata.src_node_id))
-                got.append(ClientReply(int(m.metadata.src_node_id), cid, to_tensors(arr),
-                                       int(metrics.get("num-examples", 1)), metrics))
-            got.sort(key=lambda r: r.client_id)
-            rec.client_metrics = {r.client_id: {k: v for k, v in r.metrics.items() if k.startswith("gradleak.")}
-                                  for r in got}
-            identical = len(got) > 1 and all(
-                r.arrays.keys() == got[0].arrays.keys() and all(torch.equal(r.arrays[k], got[0].arrays[k])
-                                                                for k in r.arrays) for r in got[1:])
-            if self.secure_aggregation or identical:
-                rec.aggregated = True
-                rec.note = ("secure aggregation: the server holds only the aggregate, which is what is attacked"
-                            if self.secure_aggregation else
-                            f"all {len(got)} replies carry identical arrays: the results are already aggregated "
-                            "(e.g. SecAgg+), so only the sum is attackable; the attacks read the sum")
-                rec.replies = [ClientReply(-1, -1, {}, sum(r.num_examples for r in got), {})]
-            else:
-                rec.replies = got
-                steps = lambda r: int(r.metrics.get("local-steps", 1))  # noqa: E731
-                rec.updates = [reply_update(sent, r.arrays, reply=self.reply, algorithm=self.algorithm,
-                                            lr=self.lr(server_round), num_examples=r.num_examples,
-                                            client_id=r.client_id, local_steps=steps(r)) for r in got]
-            self.rounds.append(rec)
-            if self.keep is not None and len(self.rounds) > self.keep:
-                self.rounds.pop(0)
-            return rec
-
-        def server_view(self, *, model, threat, knowledge: dict | None = None, always_public: dict | None = None,
-                        rounds: Sequence[RecordedRound] | None = None):
-            """gradleak's :class:`~gradleak.fl.core.ServerView` of the recorded rounds (default: all kept), built by
-            the threat model's one gate, :func:`gradleak.fl.threat.build_view`. A round that held only the aggregate
-            gives the view the sum even if the threat model would grant individual updates."""
-            return view_of(list(rounds if rounds is not None else self.rounds), model=model, threat=threat,
-                           knowledge=knowledge, always_public=always_public)
 
     return GradleakStrategy
 
