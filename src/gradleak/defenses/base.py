@@ -53,8 +53,17 @@ class Defense:
     #: parameters, with their defaults and documentation (the one place a default is written)
     Config: ClassVar[type[DefenseParams]] = DefenseParams
     stage: ClassVar[Stage]
-    #: data modalities the defense is implemented for (checked when it is named in ``defense:``)
-    modalities: ClassVar[tuple[str, ...]] = ("image", "text")
+    #: data modalities the defense is implemented for (checked when it is named in ``defense:``); None: every
+    #: registered modality (an update-stage transform reads tensors, whatever the data)
+    modalities: ClassVar[Optional[tuple[str, ...]]] = None
+    #: False only for the no-defense entry (``defense: {name: none}``): it protects nothing, so it is never offered
+    #: as a defense to add
+    protects: ClassVar[bool] = True
+
+    @classmethod
+    def implemented_for(cls, modality: str) -> bool:
+        """Whether the defense is implemented for ``modality``'s clients (:attr:`modalities`)."""
+        return cls.modalities is None or modality in cls.modalities
     #: True: the Config has a ``seed`` field that the builders set to the run's seed when the config leaves it out
     seeded: ClassVar[bool] = False
     #: ``gradleak audit --advise``: the brackets this defense is searched over (none: not a candidate). Each is a dict:
@@ -194,7 +203,7 @@ class TrainingDefense(Defense):
     """A change to how clients train (``defense:``)."""
 
     stage: ClassVar[Stage] = "training"
-    modalities: ClassVar[tuple[str, ...]] = ("text",)  # most of paper 004's MIA defenses are for text clients
+    modalities: ClassVar[Optional[tuple[str, ...]]] = ("text",)  # most of paper 004's MIA defenses are for text clients
     #: True: the defense changes what the upload carries (noise, clipping, filtering), so the audit attacks it with
     #: full-strength variants (:mod:`gradleak.defenses.declared`); False: it changes only how the model learns
     changes_upload: ClassVar[bool] = False
@@ -235,7 +244,7 @@ class UpdateInDefenseSection(TrainingDefense):
     """An update-stage defense named in ``defense:``: it trains nothing; its transform runs on every upload after the
     ``defenses:`` list, and its report joins the metrics."""
 
-    modalities: ClassVar[tuple[str, ...]] = ("image", "text")
+    modalities: ClassVar[Optional[tuple[str, ...]]] = None
     changes_upload: ClassVar[bool] = True
 
     def server_knowledge(self) -> dict[str, Any]:
@@ -328,7 +337,7 @@ def build_defense_section(section: DefenseSection, modality: str, seed: int = 0)
     :class:`UpdateInDefenseSection`); BadInput naming ``defense.<field>``."""
     name = section.name
     cls = _lookup(name, "defense.name", None)
-    if name != "none" and modality not in cls.modalities:
+    if cls.protects and not cls.implemented_for(modality):
         raise BadInput("defense.name", f"training defense '{name}' is implemented for "
                        f"{' and '.join(cls.modalities)} clients.",
                        "use defense.name=none, or the update defenses in `defenses:`.")

@@ -33,7 +33,8 @@ from gradleak.registry import DEFENSES
 
 @DEFENSES.register("none", "no training-time defense")
 class NoDefense(TrainingDefense):
-    pass
+    protects = False
+    modalities = None
 
 
 class FISGuardParams(DefenseParams):

@@ -91,15 +91,13 @@ def audit_command(config: str | Path, out: str | Path, sets: list[str] | None = 
 def applicable_defenses(cfg) -> list[dict]:
     """The registered defenses this setup accepts (its modality, the defense's own ``check_experiment``), each with
     its stage and one-line summary: facts for "what to do next", not advice (nothing here is ranked)."""
-    from gradleak.modalities import MODALITIES
     from gradleak.registry import DEFENSES, load_all
 
     load_all()
-    every_modality = tuple(MODALITIES.names())  # a defense that names no modalities accepts every registered one
     out = []
     for e in DEFENSES:
         cls = e.obj
-        if e.name == "none" or cfg.modality not in getattr(cls, "modalities", every_modality):
+        if not cls.protects or not cls.implemented_for(cfg.modality):
             continue
         try:
             cls.check_experiment(cls.__new__(cls), cfg)  # the hook reads the experiment only
