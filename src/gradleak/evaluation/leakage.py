@@ -9,6 +9,7 @@ PSNR >= the threshold; strong = SSIM beyond the null and >= 0.5; partial = RDLV 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -34,87 +35,157 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
     * ``rdlv_max_other_clients``: the largest RDLV *lower* confidence bound among the other attacked clients
       (> 0: some other client leaks beyond its interval); NaN when no other client was attacked.
     """
-    from gradleak.metrics.leakage import identifiability_precision, rdlv
-    from gradleak.report.leakage import save_reconstruction_grid
-
     if truth.client_inputs is None:
         raise ValueError("the leakage evaluation needs every client's images (pipeline bug)")
     originals = [x.to(torch.float64).cpu() for x in truth.client_inputs]
     val = truth.client_validation or [x[:0] for x in originals]
     prior = rec.data["prior"].to(torch.float64).cpu()
-    per = list(rec.data["per_client"])
-    withheld = {(int(c), int(r)) for c, r in (rec.info.get("no_update") or [])}
-    for c, r in sorted(withheld):  # the client sent nothing: the server's best guess is the prior itself (RDLV 0)
-        per.append({"client": c, "round": r, "images": prior.expand(len(originals[c]), *prior.shape).clone(),
-                    "steps": 0, "withheld": True})
-    per.sort(key=lambda d: (d["round"], d["client"]))
-    use_iip = cfg.metrics.iip
-    pool_feats = owner = is_train = None
-    if use_iip:
-        from gradleak.models.features import image_features
-
-        pool = [x for c in range(len(originals)) for x in (originals[c], val[c])]
-        owner = torch.tensor([c for c in range(len(originals)) for x in (originals[c], val[c]) for _ in range(len(x))])
-        is_train = torch.tensor([k == 0 for c in range(len(originals)) for k, x in enumerate((originals[c], val[c]))
-                                 for _ in range(len(x))])
-        pool_feats = image_features(torch.cat(pool).float())
-        offsets = torch.cumsum(torch.tensor([0] + [len(x) for x in pool]), 0)
+    per = _attacked_updates(rec, originals, prior)
+    pool = _iip_pool(originals, val) if cfg.metrics.iip else None
     metrics: dict[str, float] = {}
     figs, arts = [], []
     rec_feats: dict = {}  # (client, round) → reconstruction features (IIP), reused by the t-SNE map
     last_round = max(d["round"] for d in per) if per else None
     null_pool = None
     if cfg.metrics.null and truth.null_pool is not None and len(truth.null_pool):
-        from gradleak.evaluation.nulls import rdlv_null
-
         null_pool = truth.null_pool.to(torch.float64).cpu()
     null_cache: dict = {}
     suffix = "" if trial == 0 else f"_trial{trial}"
     for d in per:
         c, r, x = d["client"], d["round"], d["images"].to(torch.float64)
-        res = rdlv(x, originals[c], prior, ssim=cfg.metrics.leakage_ssim, match="best", seed=cfg.seed)
-        vals = {"ssim": float(res.ssim_reconstruction.mean()), "ssim_prior": float(res.ssim_prior.mean()),
-                "rdlv": res.mean, "rdlv_low": res.low, "rdlv_high": res.high, "rdlv_max": res.max}
-        from gradleak.metrics import psnr as _psnr
-
-        vals["psnr_max"] = float(_psnr(x[res.matched_index].float(), originals[c].float()).max())
-        if null_pool is not None:  # chance: random held-out images as the client's reconstructions, best of N
-            key = (c, len(x))
-            if key not in null_cache:
-                null_cache[key] = rdlv_null(originals[c], null_pool, prior, n=len(x), ssim=cfg.metrics.leakage_ssim,
-                                            draws=cfg.metrics.null_draws, seed=cfg.seed + 31 + c)
-            for k in ("rdlv", "ssim"):
-                tmp = {k: vals[k]}
-                attach_null(tmp, k, null_cache[key][k])
-                vals.update({kk: vv for kk, vv in tmp.items() if kk != k})
-            vals["rdlv_excess"] = vals["rdlv"] - vals["rdlv_null_p99"]
-        if use_iip:
-            own = pool_feats[int(offsets[2 * c]):int(offsets[2 * c + 1])]
-            feats = image_features(x.float())
-            if not d.get("withheld"):  # kept for the t-SNE map (the features are not computed twice)
-                rec_feats[(c, r)] = feats
-            ip = identifiability_precision(feats, pool_feats, owner, is_train, c, original_features=own)
-            vals.update({"iip": ip.iip, "iip_matched_cosine": ip.matched_cosine,
-                         "iip_nearest_cosine": float(ip.nearest_cosine.mean())})
+        vals, res = _scores(x, originals[c], prior, cfg, c, null_pool, null_cache)
+        if pool is not None:
+            vals.update(_iip_scores(x, c, pool, rec_feats if not d.get("withheld") else None, r))
         vals["withheld"] = float(bool(d.get("withheld")))
-        for k, v in vals.items():
-            metrics[f"{k}_client{c}_round{r}"] = float(v)
-            if r == last_round:
-                metrics[f"{k}_client{c}"] = float(v)
-        metrics[f"images_client{c}_round{r}"] = float(len(originals[c]))  # the report's per-client table
-        if d.get("steps") is not None:
-            metrics[f"local_steps_client{c}_round{r}"] = float(d["steps"])
+        _record(metrics, vals, d, len(originals[c]), last_round)
         if not d.get("withheld"):  # every attacked (client, round): prior, originals over best-matching reconstructions
             name = f"reconstructions_client{c}_round{r}{suffix}.png"
-            show = min(len(originals[c]), 16)
-            save_reconstruction_grid(originals[c], x, prior, out_dir / name, order=res.matched_index, max_images=show)
-            figs.append({"title": f"client {c}, round {r}: prior (first column), originals (top), reconstructions "
-                         "(bottom)", "path": name,
-                         "caption": f"RDLV {res.mean:+.3f} [{res.low:+.3f}, {res.high:+.3f}], SSIM {vals['ssim']:.3f} "
-                         f"vs prior {vals['ssim_prior']:.3f}" + (f"; first {show} of {len(originals[c])} originals"
-                                                                if show < len(originals[c]) else "")})
-            arts.append(name)
+            _grid_figure(originals[c], x, prior, res, vals, c, r, out_dir / name, figs, arts)
     attacked = sorted({d["client"] for d in per if d["round"] == last_round})
+    high = _high_risk(metrics, originals, truth, cfg, attacked)
+    notes = _notes(cfg, truth, high, attacked, last_round, null_pool, pool)
+    if pool is not None and rec_feats and getattr(cfg.metrics, "figures", True):
+        # t-SNE of the IIP's features: all clients' training images and the reconstructions
+        from gradleak.models.features import BACKBONE_NAME
+
+        _tsne_figure(pool.feats, pool.offsets, len(originals), rec_feats, cfg.seed, BACKBONE_NAME,
+                     out_dir / f"tsne{suffix}.png", figs, arts, notes)
+    tables: list = []  # the report builds the per-client, per-round table from these metrics (gradleak.report.leakage)
+    return Evaluation(metrics, figs, tables, arts, notes=notes)
+
+
+def _attacked_updates(rec, originals: list, prior: torch.Tensor) -> list[dict]:
+    """The reconstruction's per-(client, round) entries, plus one per update a client withheld (the server's best
+    guess is the prior itself: RDLV 0), ordered by round, then client."""
+    per = list(rec.data["per_client"])
+    withheld = {(int(c), int(r)) for c, r in (rec.info.get("no_update") or [])}
+    for c, r in sorted(withheld):  # the client sent nothing: the server's best guess is the prior itself (RDLV 0)
+        per.append({"client": c, "round": r, "images": prior.expand(len(originals[c]), *prior.shape).clone(),
+                    "steps": 0, "withheld": True})
+    per.sort(key=lambda d: (d["round"], d["client"]))
+    return per
+
+
+@dataclass
+class _IipPool:
+    """The adjusted IIP's pool: every client's training then validation images' features, each row's owner and
+    whether it is a training image, and the offsets of each (client, split) block in the rows."""
+
+    feats: torch.Tensor
+    owner: torch.Tensor
+    is_train: torch.Tensor
+    offsets: torch.Tensor
+
+
+def _iip_pool(originals: list, val: list) -> _IipPool:
+    """The features of all clients' training and validation images (:func:`gradleak.models.features.image_features`)."""
+    from gradleak.models.features import image_features
+
+    pool = [x for c in range(len(originals)) for x in (originals[c], val[c])]
+    owner = torch.tensor([c for c in range(len(originals)) for x in (originals[c], val[c]) for _ in range(len(x))])
+    is_train = torch.tensor([k == 0 for c in range(len(originals)) for k, x in enumerate((originals[c], val[c]))
+                             for _ in range(len(x))])
+    feats = image_features(torch.cat(pool).float())
+    offsets = torch.cumsum(torch.tensor([0] + [len(x) for x in pool]), 0)
+    return _IipPool(feats, owner, is_train, offsets)
+
+
+def _scores(x: torch.Tensor, originals: torch.Tensor, prior: torch.Tensor, cfg, c: int, null_pool,
+            null_cache: dict) -> tuple[dict, Any]:
+    """One (client, round)'s SSIM, RDLV (with its interval) and best-match PSNR against client ``c``'s originals,
+    with the null beside RDLV and SSIM when a null pool is given (cached per client and reconstruction count):
+    ``(values, the RDLV result)``."""
+    from gradleak.metrics import psnr as _psnr
+    from gradleak.metrics.leakage import rdlv
+
+    res = rdlv(x, originals, prior, ssim=cfg.metrics.leakage_ssim, match="best", seed=cfg.seed)
+    vals = {"ssim": float(res.ssim_reconstruction.mean()), "ssim_prior": float(res.ssim_prior.mean()),
+            "rdlv": res.mean, "rdlv_low": res.low, "rdlv_high": res.high, "rdlv_max": res.max}
+    vals["psnr_max"] = float(_psnr(x[res.matched_index].float(), originals.float()).max())
+    if null_pool is not None:  # chance: random held-out images as the client's reconstructions, best of N
+        from gradleak.evaluation.nulls import rdlv_null
+
+        key = (c, len(x))
+        if key not in null_cache:
+            null_cache[key] = rdlv_null(originals, null_pool, prior, n=len(x), ssim=cfg.metrics.leakage_ssim,
+                                        draws=cfg.metrics.null_draws, seed=cfg.seed + 31 + c)
+        for k in ("rdlv", "ssim"):
+            tmp = {k: vals[k]}
+            attach_null(tmp, k, null_cache[key][k])
+            vals.update({kk: vv for kk, vv in tmp.items() if kk != k})
+        vals["rdlv_excess"] = vals["rdlv"] - vals["rdlv_null_p99"]
+    return vals, res
+
+
+def _iip_scores(x: torch.Tensor, c: int, pool: _IipPool, rec_feats: dict | None, r: int) -> dict:
+    """The adjusted IIP of client ``c``'s reconstructions ``x`` against the pool; their features kept in
+    ``rec_feats`` under ``(c, r)`` (for the t-SNE map) unless it is None (a withheld update)."""
+    from gradleak.metrics.leakage import identifiability_precision
+    from gradleak.models.features import image_features
+
+    own = pool.feats[int(pool.offsets[2 * c]):int(pool.offsets[2 * c + 1])]
+    feats = image_features(x.float())
+    if rec_feats is not None:  # kept for the t-SNE map (the features are not computed twice)
+        rec_feats[(c, r)] = feats
+    ip = identifiability_precision(feats, pool.feats, pool.owner, pool.is_train, c, original_features=own)
+    return {"iip": ip.iip, "iip_matched_cosine": ip.matched_cosine,
+            "iip_nearest_cosine": float(ip.nearest_cosine.mean())}
+
+
+def _record(metrics: dict, vals: dict, d: dict, n_images: int, last_round) -> None:
+    """One (client, round)'s values as metrics with the client and round suffix (and without the round for the last
+    attacked round), its image count and its local steps (the report's per-client table)."""
+    c, r = d["client"], d["round"]
+    for k, v in vals.items():
+        metrics[f"{k}_client{c}_round{r}"] = float(v)
+        if r == last_round:
+            metrics[f"{k}_client{c}"] = float(v)
+    metrics[f"images_client{c}_round{r}"] = float(n_images)  # the report's per-client table
+    if d.get("steps") is not None:
+        metrics[f"local_steps_client{c}_round{r}"] = float(d["steps"])
+
+
+def _grid_figure(originals: torch.Tensor, x: torch.Tensor, prior: torch.Tensor, res, vals: dict, c: int, r: int,
+                 path: Path, figs: list, arts: list) -> None:
+    """Save client ``c``'s round ``r`` grid (prior, originals over their best-matching reconstructions; the first 16)
+    to ``path`` and list it as a figure and an artifact."""
+    from gradleak.report.leakage import save_reconstruction_grid
+
+    show = min(len(originals), 16)
+    save_reconstruction_grid(originals, x, prior, path, order=res.matched_index, max_images=show)
+    figs.append({"title": f"client {c}, round {r}: prior (first column), originals (top), reconstructions "
+                 "(bottom)", "path": path.name,
+                 "caption": f"RDLV {res.mean:+.3f} [{res.low:+.3f}, {res.high:+.3f}], SSIM {vals['ssim']:.3f} "
+                 f"vs prior {vals['ssim_prior']:.3f}" + (f"; first {show} of {len(originals)} originals"
+                                                        if show < len(originals) else "")})
+    arts.append(path.name)
+
+
+def _high_risk(metrics: dict, originals: list, truth: Truth, cfg, attacked: list) -> int:
+    """The high-risk client (``metrics.high_risk_client``, else the fewest training images, then the fewest local
+    steps, then the highest id) and the study's headline numbers added to ``metrics``: its values under
+    ``*_high_risk_client`` and ``rdlv_max_other_clients`` (the largest RDLV lower bound among the other attacked
+    clients; NaN when none)."""
     sizes = [len(x) for x in originals]
     steps = truth.client_steps or [0] * len(originals)
     high = cfg.metrics.high_risk_client
@@ -131,6 +202,11 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
         metrics[f"{k}_high_risk_client"] = metrics.get(f"{k}_client{high}", nan)
     others = [metrics[f"rdlv_low_client{c}"] for c in attacked if c != high and math.isfinite(metrics[f"rdlv_low_client{c}"])]
     metrics["rdlv_max_other_clients"] = max(others) if others else nan
+    return high
+
+
+def _notes(cfg, truth: Truth, high: int, attacked: list, last_round, null_pool, pool: _IipPool | None) -> list[str]:
+    """The evaluation's notes: what RDLV is, the high-risk client, the null and the IIP's pool."""
     notes = [f"RDLV = (SSIM(x̂, x) − SSIM(prior, x)) / SSIM(prior, x) per original, best-matching reconstruction; "
              f"client value = mean with a percentile-bootstrap 95 % interval ({cfg.metrics.leakage_ssim} SSIM). A client "
              "with one image has a degenerate interval.",
@@ -141,18 +217,13 @@ def evaluate_leakage(truth: Truth, rec, cfg, out_dir: Path, trial: int) -> Evalu
                      f"({len(null_pool)} in the pool) as a client's N reconstructions, each original taking its best "
                      "match, as the attack's RDLV does; rdlv_excess_client<c> = RDLV − the null's 99th percentile "
                      "(> 0: beyond chance).")
-    if use_iip:
+    if pool is not None:
         from gradleak.models.features import BACKBONE_NAME
 
         notes.append(f"adjusted IIP: nearest neighbour (cosine of {BACKBONE_NAME} features) among all clients' training "
-                     f"and validation images ({int(len(owner))} in the pool) must be a training image of the attacked "
+                     f"and validation images ({int(len(pool.owner))} in the pool) must be a training image of the attacked "
                      "client; the paper's embedding network is unnamed (A4.4).")
-        # t-SNE of the IIP's features: all clients' training images and the reconstructions
-        if rec_feats and getattr(cfg.metrics, "figures", True):
-            _tsne_figure(pool_feats, offsets, len(originals), rec_feats, cfg.seed, BACKBONE_NAME,
-                         out_dir / f"tsne{suffix}.png", figs, arts, notes)
-    tables: list = []  # the report builds the per-client, per-round table from these metrics (gradleak.report.leakage)
-    return Evaluation(metrics, figs, tables, arts, notes=notes)
+    return notes
 
 
 def _tsne_figure(pool_feats, offsets, n_clients: int, rec_feats: dict, seed: int, backbone: str, path: Path,

@@ -108,6 +108,16 @@ def _build_vit_s14_pretrained(mcfg, *, image_size: int, seed: int, dtype: str, *
 _build_vit_s14_pretrained.modality = "image"
 
 
+def _vit_s14_weight_files(mcfg) -> list[dict]:
+    """The source ONNX the pretrained ViT-S/14's weights are converted from (:mod:`gradleak.models.dinov2`)."""
+    from gradleak.models.features import onnx_path
+
+    return [{"role": f"model {mcfg.name} (source ONNX of the converted weights)", "path": onnx_path()}]
+
+
+_build_vit_s14_pretrained.weight_files = _vit_s14_weight_files
+
+
 def _text_builder(mcfg, *, seed: int, dtype: str, **_: Any) -> ModelHandle:
     import torch
 
@@ -125,6 +135,15 @@ def _text_builder(mcfg, *, seed: int, dtype: str, **_: Any) -> ModelHandle:
 _text_builder.modality = "text"
 MODELS.register("minilm", "all-MiniLM-L6-v2 (BERT family, d=384), offline package; first model.layers layers")(_text_builder)
 MODELS.register("smollm2", "SmolLM2-135M-Instruct (Llama family, d=576), offline GGUF; first model.layers layers")(_text_builder)
+
+
+def model_weight_files(mcfg) -> list[dict]:
+    """The weights files the registered builder of ``mcfg.name`` reads itself (``{"role", "path"}``; a builder
+    declares them as its ``weight_files(mcfg)``): the pretrained ViT-S/14's source ONNX. Random-init models, a text
+    model (its modality names its files) and a checkpoint pretrained by us (the cache file a build reports) give none
+    here. An asset that is not installed raises (:class:`gradleak.errors.MissingAsset`)."""
+    files = getattr(MODELS.get(mcfg.name), "weight_files", None) if mcfg.name in MODELS else None
+    return files(mcfg) if files is not None else []
 
 
 def model_modality(name: str) -> str:

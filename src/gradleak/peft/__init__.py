@@ -21,13 +21,14 @@ positional embeddings of paper 001 eq. 6 on top of the kind (:mod:`gradleak.peft
 ``zeros`` or ``input``): a trainable p_l added to the input of every block but the first, the input position
 table made trainable too. It needs ``threat.preset: prescribes-architecture`` (checked with the config).
 
-Later kinds (FISGuard's fixed-input modules) register here with ``@PEFT_KINDS.register``.
+Each kind is a :class:`PeftKind` subclass registered with ``@PEFT_KINDS.register``: its fields, its config rules,
+how it is applied and the bottleneck width the evaluation reads.
 Importing this module imports no torch.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator
 
@@ -35,15 +36,7 @@ from gradleak.errors import BadInput
 from gradleak.registry import Registry
 from gradleak.validation import Checked
 
-PEFT_KINDS: Registry[Any] = Registry("peft kind")
-
-#: which fields of PeftConfig each kind reads (a field set for another kind is refused)
-KIND_FIELDS = {
-    "adapters": {"bottleneck", "reduction_factor", "embedding_adapter", "layer_adapters", "init_std", "train_head"},
-    "lora": {"lora_rank", "lora_alpha", "lora_targets", "lora_layers", "lora_init", "train_head", "layer_pe",
-             "layer_pe_init"},
-    "none": {"train_head", "layer_pe", "layer_pe_init"},
-}
+PEFT_KINDS: Registry[type["PeftKind"]] = Registry("peft kind")
 
 
 class PeftConfig(Checked):
@@ -101,9 +94,7 @@ class PeftConfig(Checked):
                         "trains the head alone")):
             if getattr(self, f) is not None and len(getattr(self, f)) == 0:
                 raise BadInput(f"peft.{f}", "is an empty list.", fix + ".")
-        if self.kind == "adapters" and self.layer_adapters == [] and not self.embedding_adapter:
-            raise BadInput("peft.layer_adapters", "is empty and peft.embedding_adapter is false: no adapter anywhere.",
-                           "name layers (e.g. [0]), remove peft.layer_adapters, or set peft.embedding_adapter=true.")
+        peft_kind(self.kind).check(self)  # the kind's own rules
         if num_layers is not None:
             for f in ("layer_adapters", "lora_layers"):
                 bad = [i for i in (getattr(self, f) or []) if not 0 <= i < num_layers]
@@ -112,37 +103,100 @@ class PeftConfig(Checked):
                                    f"use indices in 0..{num_layers - 1}, or keep more layers (model.layers).")
 
 
+class PeftKind:
+    """One PEFT kind (a plug-in of :data:`PEFT_KINDS`, docs/DESIGN.md §2): the ``peft.*`` fields it reads, its own
+    config rules, what it inserts into a model and the bottleneck width the evaluation reads of it, so the pipeline
+    asks the kind instead of naming it."""
+
+    #: the fields of :class:`PeftConfig` this kind reads (a field set for another kind is refused)
+    fields: ClassVar[frozenset[str]] = frozenset()
+
+    def check(self, spec: "PeftConfig") -> None:
+        """The kind's own config-time rules (no model loaded), beyond :meth:`PeftConfig.check`'s shared ones."""
+
+    def apply(self, handle, spec: "PeftConfig", seed: int) -> list[str]:
+        """Insert the kind's trainable modules into ``handle.model`` (in place); the names of the trainable
+        parameters."""
+        raise NotImplementedError
+
+    def bottleneck(self, cfg, handle, modality) -> int | None:
+        """The PEFT bottleneck width the evaluation reads (:class:`gradleak.evaluation.Truth`'s ``bottleneck``) for
+        the experiment ``cfg`` on ``handle``; ``modality``: the experiment's modality plug-in
+        (:class:`gradleak.modalities.Modality`). None: the kind has no bottleneck."""
+        return None
+
+
 @PEFT_KINDS.register("adapters", "bottleneck adapters: ViT Houlsby placement (bottleneck) / text embedding + layer adapters")
-def _apply_adapters(handle, spec: PeftConfig, seed: int) -> list[str]:
-    if handle.modality == "image":
-        from gradleak.peft.adapters import add_vit_adapters
+class AdaptersKind(PeftKind):
+    fields = frozenset({"bottleneck", "reduction_factor", "embedding_adapter", "layer_adapters", "init_std",
+                        "train_head"})
 
-        add_vit_adapters(handle.model, spec.bottleneck or 64, train_head=spec.train_head)
-    else:
-        from gradleak.peft.text_adapters import add_text_adapters
+    def check(self, spec: "PeftConfig") -> None:
+        if spec.layer_adapters == [] and not spec.embedding_adapter:
+            raise BadInput("peft.layer_adapters", "is empty and peft.embedding_adapter is false: no adapter anywhere.",
+                           "name layers (e.g. [0]), remove peft.layer_adapters, or set peft.embedding_adapter=true.")
 
-        add_text_adapters(handle.model, handle.layers(), handle.hidden_size, spec.reduction_factor,
-                          embedding=spec.embedding_adapter, layer_ids=spec.layer_adapters, init_std=spec.init_std,
-                          seed=seed)
-        _set_head(handle.model, spec.train_head)
-    return trainable(handle.model)
+    def apply(self, handle, spec: "PeftConfig", seed: int) -> list[str]:
+        if handle.modality == "image":
+            from gradleak.peft.adapters import add_vit_adapters
+
+            add_vit_adapters(handle.model, spec.bottleneck or 64, train_head=spec.train_head)
+        else:
+            from gradleak.peft.text_adapters import add_text_adapters
+
+            add_text_adapters(handle.model, handle.layers(), handle.hidden_size, spec.reduction_factor,
+                              embedding=spec.embedding_adapter, layer_ids=spec.layer_adapters, init_std=spec.init_std,
+                              seed=seed)
+            _set_head(handle.model, spec.train_head)
+        return trainable(handle.model)
+
+    def bottleneck(self, cfg, handle, modality) -> int | None:
+        """The adapter width of the modality's models (``peft.bottleneck``; text: hidden size / reduction factor)."""
+        return modality.bottleneck(cfg, handle)
 
 
 @PEFT_KINDS.register("lora", "LoRA through HF peft on the named modules (rank, alpha, targets, layers, init)")
-def _apply_lora(handle, spec: PeftConfig, seed: int) -> list[str]:
-    import torch
+class LoraKind(PeftKind):
+    fields = frozenset({"lora_rank", "lora_alpha", "lora_targets", "lora_layers", "lora_init", "train_head",
+                        "layer_pe", "layer_pe_init"})
+
+    def apply(self, handle, spec: "PeftConfig", seed: int) -> list[str]:
+        try:
+            from peft import LoraConfig, inject_adapter_in_model
+        except ModuleNotFoundError:
+            raise BadInput("peft.kind", "LoRA needs the `peft` package.", "pip install 'gradleak[peft]'.") from None
+        model = handle.model
+        targets = _lora_targets(handle, spec)
+        n_layers = handle.num_layers
+        layers = spec.lora_layers if spec.lora_layers is not None else list(range(n_layers))
+        bad = [i for i in layers if not 0 <= i < n_layers]
+        if bad:
+            raise BadInput("peft.lora_layers", f"layer {bad[0]} does not exist (the model has {n_layers}).",
+                           f"use indices in 0..{n_layers - 1}.")
+        for p in model.parameters():
+            p.requires_grad_(False)
+        conf = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha or spec.lora_rank, target_modules=targets,
+                          layers_to_transform=layers, lora_dropout=0.0, bias="none")
+        inject_adapter_in_model(conf, model)
+        _init_lora(model, spec.lora_init, seed)
+        _set_head(model, spec.train_head)
+        return trainable(model)
+
+    def bottleneck(self, cfg, handle, modality) -> int | None:
+        """The LoRA rank (``peft.lora_rank``)."""
+        return cfg.peft.lora_rank
+
+
+def _lora_targets(handle, spec: "PeftConfig") -> list[str]:
+    """The module names LoRA goes on (``peft.lora_targets``, else the model kind's default); a name that matches no
+    linear module of the model is refused with the model's own names."""
     from torch import nn
 
-    try:
-        from peft import LoraConfig, inject_adapter_in_model
-    except ModuleNotFoundError:
-        raise BadInput("peft.kind", "LoRA needs the `peft` package.", "pip install 'gradleak[peft]'.") from None
-    model = handle.model
     from gradleak.models import DEFAULT_LORA_TARGETS
 
     default = DEFAULT_LORA_TARGETS.get(handle.kind, DEFAULT_LORA_TARGETS["bidirectional"])
     targets = spec.lora_targets or default
-    linear_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+    linear_names = sorted({n.rsplit(".", 1)[-1] for n, m in handle.model.named_modules() if isinstance(m, nn.Linear)})
     missing = [t for t in targets if t not in linear_names]
     if missing:
         # the same projection under another family's name (a Llama config's q_proj on a BERT-family model)
@@ -152,40 +206,47 @@ def _apply_lora(handle, spec: PeftConfig, seed: int) -> list[str]:
         hint = (f"; this model names them [{', '.join(meant)}]" if all(m in linear_names for m in meant) else "")
         raise BadInput("peft.lora_targets", f"no linear module is named {missing[0]!r} in {handle.name}{hint}.",
                        f"use module names of this model: {', '.join(linear_names)}.")
-    n_layers = handle.num_layers
-    layers = spec.lora_layers if spec.lora_layers is not None else list(range(n_layers))
-    bad = [i for i in layers if not 0 <= i < n_layers]
-    if bad:
-        raise BadInput("peft.lora_layers", f"layer {bad[0]} does not exist (the model has {n_layers}).",
-                       f"use indices in 0..{n_layers - 1}.")
-    for p in model.parameters():
-        p.requires_grad_(False)
-    conf = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha or spec.lora_rank, target_modules=targets,
-                      layers_to_transform=layers, lora_dropout=0.0, bias="none")
-    inject_adapter_in_model(conf, model)
+    return targets
+
+
+def _init_lora(model, init: str, seed: int) -> None:
+    """Make the injected LoRA factors trainable and initialise them as ``peft.lora_init`` says (module docstring):
+    ``nonzero`` draws B ~ N(0, 0.02²), ``uniform`` A and B ~ U(−1/√d_in, 1/√d_in), ``default`` keeps peft's."""
+    import torch
+
     g = torch.Generator().manual_seed(seed + 31)
     params = dict(model.named_parameters())
     for n, p in params.items():
         if "lora_" in n:
             p.requires_grad_(True)
-            if "lora_B" in n and spec.lora_init == "nonzero":
+            if "lora_B" in n and init == "nonzero":
                 with torch.no_grad():
                     p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.02)
-            elif spec.lora_init == "uniform" and ("lora_A" in n or "lora_B" in n):
+            elif init == "uniform" and ("lora_A" in n or "lora_B" in n):
                 d_in = params[n.replace("lora_B", "lora_A")].shape[1]  # A is (r, d_in): the layer's input dim
                 bound = 1.0 / d_in ** 0.5
                 with torch.no_grad():
                     p.copy_((torch.rand(p.shape, generator=g, dtype=torch.float64) * 2 - 1).mul_(bound).to(p.dtype))
-    _set_head(model, spec.train_head)
-    return trainable(model)
 
 
 @PEFT_KINDS.register("none", "no PEFT module: only the task head trains")
-def _apply_none(handle, spec: PeftConfig, seed: int) -> list[str]:
-    for p in handle.model.parameters():
-        p.requires_grad_(False)
-    _set_head(handle.model, True)
-    return trainable(handle.model)
+class NoPeftKind(PeftKind):
+    fields = frozenset({"train_head", "layer_pe", "layer_pe_init"})
+
+    def apply(self, handle, spec: "PeftConfig", seed: int) -> list[str]:
+        for p in handle.model.parameters():
+            p.requires_grad_(False)
+        _set_head(handle.model, True)
+        return trainable(handle.model)
+
+
+#: which fields of PeftConfig each kind reads (a field set for another kind is refused), from the kinds' own ``fields``
+KIND_FIELDS: dict[str, set[str]] = {e.name: set(e.obj.fields) for e in PEFT_KINDS}
+
+
+def peft_kind(name: str) -> PeftKind:
+    """The PEFT kind plug-in named ``name`` (``peft.kind``)."""
+    return PEFT_KINDS.get(name, field="peft.kind")()
 
 
 def _set_head(model, train: bool) -> None:
@@ -204,7 +265,7 @@ def trainable(model) -> list[str]:
 def apply_peft(handle, spec: PeftConfig, seed: int = 0) -> list[str]:
     """Insert the trainable modules ``spec`` describes into ``handle.model`` (in place, like peft's
     ``get_peft_model``) and return the names of the parameters the clients train."""
-    names = PEFT_KINDS.get(spec.kind, field="peft.kind")(handle, spec, seed)
+    names = peft_kind(spec.kind).apply(handle, spec, seed)
     if spec.layer_pe:
         if handle.modality != "image":
             raise BadInput("peft.layer_pe", "layer-wise positional embeddings are defined for image ViTs (paper 001 "

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -147,17 +148,32 @@ def _real_signal_weight(real: list, per: int, cfg) -> float:
     return total
 
 
+@dataclass
+class _Canaries:
+    """The check's federation: the real clients and the canary clients added to them, and what the statistics need
+    of the trainable parameters (``shapes``, their ``names``, ``dim`` coordinates)."""
+
+    shapes: list
+    names: set
+    dim: int
+    clip: float  # the smallest declared clip bound: a canary's norm is CANARY_SCALE times it
+    asked: int  # canaries asked for
+    k: int  # canaries inserted (fitted to MEMORY_GIB)
+    real: list  # the real clients
+    per: int  # samples a canary stands for (a real client's per round)
+    seed: int
+    first_id: int  # the first canary's client id
+    cans: list
+
+
 def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = CANARIES,
              log=lambda m: None, sent: dict[str, torch.Tensor] | None = None) -> dict | None:
     """The DP check of ``cfg`` (a validated experiment config), or None when it declares no DP mechanism.
     ``sent``: the weights a recorded round started from (a live framework audit's replay,
     :meth:`gradleak.run.round_audit.RoundAudit.round_dp_check`): the federation with its canaries starts there instead
     of at the model's initial weights."""
-    from gradleak.evaluation.empirical_epsilon import ALPHA, judge
-    from gradleak.fl.canaries import CANARY_SCALE, CanaryClient, direction, flat
-    from gradleak.run.canary_statistics import CanaryStatistics
-    from gradleak.fl.engines import rounds_engine
-    from gradleak.run.pipeline import clients_and_truth, federation
+    from gradleak.evaluation.empirical_epsilon import judge
+    from gradleak.run.pipeline import federation
 
     t0 = time.perf_counter()
     dev = torch.device(device or cfg.device or "cpu") if not isinstance(device, torch.device) else device
@@ -173,38 +189,70 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
         return svt_dp_check(cfg, model, svt[0], canaries=canaries, first_id=int(cfg.fl.clients), log=log,
                             shapes=[(n, p.shape) for n, p in model.named_parameters() if p.requires_grad])
     if sent:
-        with torch.no_grad():
-            params = dict(model.named_parameters())
-            for k, v in sent.items():
-                if k in params:
-                    params[k].copy_(v.to(device=params[k].device, dtype=params[k].dtype))
+        _start_from(model, sent)
+    c = _canaries(cfg, data, handle, mcfg, loss_fn, dev, mechanisms, canaries)
+    rounds = int(cfg.fl.rounds)
+    log(f"[dp_check] {len(c.real)} client(s) + {c.k} canaries, {rounds} round(s), {c.dim} trainable coordinates")
+    covered = sorted({t for m in mechanisms for t in m["covers"]})
+    seen, unseen = _streamed_statistics(cfg, model, c, defense, defenses, "each_upload" in covered)
+    claims = _claims(mechanisms, rounds, _canary_report(defense, c.first_id))
+    delta = min(m["delta"] for m in mechanisms)
+    statistics = _threat_statistics(covered, seen, unseen, claims)
+    claimed = min((cl["claimed_epsilon"] for cl in claims if cl["claimed_epsilon"] is not None), default=None)
+    verdict, sentence, measured = judge(statistics, claimed, delta, dim=c.dim, seed=c.seed)
+    return _result(cfg, c, verdict, sentence, claimed, claims, measured, delta, rounds, sent, t0)
+
+
+def _start_from(model, sent: dict[str, torch.Tensor]) -> None:
+    """The model's parameters set to the recorded round's sent weights (those it has)."""
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for k, v in sent.items():
+            if k in params:
+                params[k].copy_(v.to(device=params[k].device, dtype=params[k].dtype))
+
+
+def _canaries(cfg, data, handle, mcfg, loss_fn, dev, mechanisms: list, canaries: int) -> _Canaries:
+    """The real clients of the configured federation and ``canaries`` canary clients (fewer when their uploads would
+    not fit :data:`MEMORY_GIB`: :func:`fitted_canaries`), each uploading its direction at CANARY_SCALE × the
+    smallest declared clip bound and standing for a real client's samples per round."""
+    from gradleak.fl.canaries import CANARY_SCALE, CanaryClient
+    from gradleak.run.pipeline import clients_and_truth
+
+    model = handle.model
     shapes = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
-    names = {n for n, _ in shapes}
     dim = sum(int(s.numel()) for _, s in shapes)
     clip = min(m["clip"] for m in mechanisms)
-    asked = canaries
-    canaries = fitted_canaries(canaries, dim, int(cfg.fl.rounds), int(cfg.fl.clients))
+    k = fitted_canaries(canaries, dim, int(cfg.fl.rounds), int(cfg.fl.clients))
     batches = data.clients(0, mcfg.num_classes)
     real, _ = clients_and_truth(handle, batches, loss_fn, dev, cfg.threat_model, cfg)
     per = max(real[0].num_samples, 1) if cfg.data.samples_per_client is None else cfg.data.batch_size
     seed = int(cfg.seed) * 31 + 5
     first_id = len(real)
-    cans = [CanaryClient(first_id + i, i, shapes, seed, CANARY_SCALE * clip, num_samples=per) for i in range(canaries)]
-    rounds = int(cfg.fl.rounds)
-    log(f"[dp_check] {len(real)} client(s) + {canaries} canaries, {rounds} round(s), {dim} trainable coordinates")
+    cans = [CanaryClient(first_id + i, i, shapes, seed, CANARY_SCALE * clip, num_samples=per) for i in range(k)]
+    return _Canaries(shapes=shapes, names={n for n, _ in shapes}, dim=dim, clip=clip, asked=canaries, k=k, real=real,
+                     per=per, seed=seed, first_id=first_id, cans=cans)
+
+
+def _streamed_statistics(cfg, model, c: _Canaries, defense, defenses: list, each: bool) -> tuple[dict, dict]:
+    """The federation with its canaries run through the configured engine, streamed: the trainable parameters sent
+    each round, then the final ones (the last aggregate applied); each round's step and uploads go through the
+    inserted and the never-inserted canaries' running statistics and are let go (CanaryStatistics: O(k) memory).
+    An engine that reports round by round (on_round: the builtin one) keeps no round at all, so memory does not grow
+    with the rounds; another (Flower, NVFlare) returns every round, measured and let go one at a time. ``each``:
+    the uploads are measured too (a mechanism claims ``each_upload``). Returns the (seen, unseen) statistics."""
+    from gradleak.fl.canaries import direction, flat
+    from gradleak.fl.engines import rounds_engine
+    from gradleak.run.canary_statistics import CanaryStatistics
+
+    shapes, first_id, rounds = c.shapes, c.first_id, int(cfg.fl.rounds)
     rounds_fn = rounds_engine(cfg.fl)
     plan = cfg.client_plan() if cfg.fl.algorithm == "fedavg" else None
-    covered = sorted({t for m in mechanisms for t in m["covers"]})
-    each = "each_upload" in covered
-    signal = _real_signal_weight(real, per, cfg)
-    seen_s = CanaryStatistics(canaries, shapes, lambda j: cans[j].unit(), first_id=first_id if each else None,
+    signal = _real_signal_weight(c.real, c.per, cfg)
+    seen_s = CanaryStatistics(c.k, shapes, lambda j: c.cans[j].unit(), first_id=first_id if each else None,
                               tensors=True, signal_bound=signal)
-    unseen_s = CanaryStatistics(canaries, shapes, lambda j: direction(shapes, seed, canaries + j),
+    unseen_s = CanaryStatistics(c.k, shapes, lambda j: direction(shapes, c.seed, c.k + j),
                                 first_id=first_id if each else None)
-    # the trainable parameters sent each round, then the final ones (the last aggregate applied), streamed: each round's
-    # step and uploads go through the canaries' running statistics and are let go (CanaryStatistics: O(k) memory).
-    # An engine that reports round by round (on_round: the builtin one) keeps no round at all, so memory does not grow
-    # with the rounds; another (Flower, NVFlare) returns every round, measured and let go one at a time
     held: dict[str, Any] = {}
 
     def uploads(ups):
@@ -220,39 +268,54 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
                 st.add_round(prev - sent_flat, prev_ups)
         held["prev"] = (sent_flat, ups)
 
+    def sent_flat(sent):
+        return flat({k: v for k, v in sent.items() if k in c.names}, shapes)
+
     kw = dict(rounds=rounds, algorithm=cfg.fl.algorithm, lr=cfg.fl.lr, local_epochs=cfg.fl.local_epochs,
               local_batch_size=cfg.fl.local_batch_size, defenses=defenses, seed=cfg.seed, secure_aggregation=False,
               local_update=defense.local_update,
-              client_settings=(plan + [{}] * canaries) if plan is not None else None, lr_at=cfg.fl.lr_at)
-    streams = "on_round" in inspect.signature(rounds_fn).parameters
-    if streams:
-        outcome = rounds_fn(model, real + cans, keep_round=lambda _r: False,
-                            on_round=lambda r, sent, ups: measure(flat({k: v for k, v in sent.items() if k in names},
-                                                                       shapes), uploads(ups)), **kw)
+              client_settings=(plan + [{}] * c.k) if plan is not None else None, lr_at=cfg.fl.lr_at)
+    if "on_round" in inspect.signature(rounds_fn).parameters:
+        outcome = rounds_fn(model, c.real + c.cans, keep_round=lambda _r: False,
+                            on_round=lambda r, sent, ups: measure(sent_flat(sent), uploads(ups)), **kw)
     else:
-        outcome = rounds_fn(model, real + cans, **kw)
+        outcome = rounds_fn(model, c.real + c.cans, **kw)
         for r in range(len(outcome.round_states)):
-            measure(flat({k: v for k, v in outcome.round_states[r].items() if k in names}, shapes),
-                    uploads(outcome.rounds[r]))
+            measure(sent_flat(outcome.round_states[r]), uploads(outcome.rounds[r]))
             outcome.round_states[r], outcome.rounds[r] = None, None  # measured: let them go
+    last, last_ups = held.pop("prev")
+    first = held["first"]
+    final = last - cfg.fl.lr_at(rounds - 1) * flat(outcome.last_aggregate.tensors, shapes)
+    for st in (seen_s, unseen_s):
+        st.add_round(last - final, last_ups, final=first - final)
+    return seen_s.finish(first - final), unseen_s.finish(first - final)
+
+
+def _canary_report(defense, first_id: int) -> dict:
+    """The training-time defense's report after the rounds, with the canaries' own DP-SGD ε and steps (the largest
+    over the canary clients) where it reports them per client."""
     report = defense.report([]) if hasattr(defense, "report") else {}
     report = dict(report or {})
     steps = [v for kk, v in report.items() if kk.startswith("dp_steps_client") and int(kk[15:]) >= first_id]
     eps_c = [v for kk, v in report.items() if kk.startswith("dp_epsilon_client") and int(kk[17:]) >= first_id]
     if eps_c:
         report["canary_epsilon"], report["canary_steps"] = max(eps_c), max(steps)
-    last, last_ups = held.pop("prev")
-    first = held["first"]
-    final = last - cfg.fl.lr_at(rounds - 1) * flat(outcome.last_aggregate.tensors, shapes)
-    for st in (seen_s, unseen_s):
-        st.add_round(last - final, last_ups, final=first - final)
-    seen, unseen = seen_s.finish(first - final), unseen_s.finish(first - final)
+    return report
+
+
+def _claims(mechanisms: list, rounds: int, report: dict) -> list[dict]:
+    """Each declared mechanism's claim over the rounds run: its ε, the accountant in words, δ and what it covers."""
     claims = []
     for m in mechanisms:
         eps, words = m["claim"](rounds, report)
         claims.append({"name": m["name"], **({"where": m["where"]} if "where" in m else {}), "claimed_epsilon": eps,
                        "accountant": words, "delta": m["delta"], "covers": m["covers"]})
-    delta = min(m["delta"] for m in mechanisms)
+    return claims
+
+
+def _threat_statistics(covered: list, seen: dict, unseen: dict, claims: list) -> dict:
+    """Per threat model a mechanism covers (and the canaries measured): the inserted and never-inserted canaries'
+    statistics, how many cosines each is the largest of, and the smallest claim covering it."""
     statistics = {}
     for t in ("final_model", "every_round", "each_upload"):
         if t not in covered or not seen[t]:
@@ -265,13 +328,21 @@ def dp_check(cfg, device: str | torch.device | None = None, *, canaries: int = C
                          "claimed_by": claim["name"] if claim else None}
         if t in seen.get("tensors", {}):
             statistics[t]["tensors"] = seen["tensors"][t]
-    claimed = min((c["claimed_epsilon"] for c in claims if c["claimed_epsilon"] is not None), default=None)
-    verdict, sentence, measured = judge(statistics, claimed, delta, dim=dim, seed=seed)
+    return statistics
+
+
+def _result(cfg, c: _Canaries, verdict, sentence, claimed, claims, measured, delta, rounds: int, sent,
+            t0: float) -> dict:
+    """``audit.json``'s ``dp_check`` (module docstring)."""
+    from gradleak.evaluation.empirical_epsilon import ALPHA
+    from gradleak.fl.canaries import CANARY_SCALE
+
+    canaries, asked, dim = c.k, c.asked, c.dim
     return {"verdict": verdict, "sentence": sentence, "claimed_epsilon": claimed, "mechanisms": claims,
             "measured": measured, "delta": delta, "canaries": canaries, "unseen_canaries": canaries,
-            "dimension": dim, "rounds": rounds, "engine": cfg.fl.engine, "clients": len(real),
+            "dimension": dim, "rounds": rounds, "engine": cfg.fl.engine, "clients": len(c.real),
             "started_from": "the recorded round's sent weights" if sent else "the model's initial weights",
-            "canary_norm": CANARY_SCALE * clip, "method": METHOD, "tests_alpha": ALPHA, "tests_method": TESTS_METHOD,
+            "canary_norm": CANARY_SCALE * c.clip, "method": METHOD, "tests_alpha": ALPHA, "tests_method": TESTS_METHOD,
             "seconds": time.perf_counter() - t0,
             **({"canaries_asked": asked, "canaries_note": f"{asked} canaries would hold more than {MEMORY_GIB:g} GiB "
                 f"of uploads for {dim} coordinates over {cfg.fl.rounds} round(s): {canaries} inserted (a wider "

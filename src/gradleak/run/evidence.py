@@ -165,6 +165,7 @@ def _pretrain_cache_file(cfg) -> str | None:
 def _model_files(cfg) -> list[dict]:
     """The weights files the model of ``cfg`` loads (see :func:`weights_files`)."""
     from gradleak.modalities import modality_of
+    from gradleak.models import model_weight_files
 
     name = cfg.model.name
     out = [file_record(r["path"], r["role"]) if r.get("path") and not r.get("error") else
@@ -175,10 +176,7 @@ def _model_files(cfg) -> list[dict]:
         out.append(file_record(f, f"model {name} (pretrained by gradleak.models.pretrain)") if f else
                    {"role": f"model {name} (pretrained)", "path": None, "bytes": None, "sha256": None,
                     "error": "the pretrained checkpoint is not in the cache (no run loaded it)"})
-    if name == "vit-s14-pretrained":
-        from gradleak.models.features import onnx_path
-
-        out.append(file_record(onnx_path(), f"model {name} (source ONNX of the converted weights)"))
+    out += [file_record(r["path"], r["role"]) for r in model_weight_files(cfg.model)]  # e.g. a converted model's source
     return out
 
 

@@ -12,8 +12,8 @@ Timings: ``attack_to_client_step_ratio`` = (attack prepare + per-round server mo
 from __future__ import annotations
 
 import contextlib
-
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,35 +44,78 @@ def victim_rounds(rounds: list, v: int) -> list:
     return [list(r[v:]) + list(r[:v]) for r in rounds] if v else rounds
 
 
-def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
-    from gradleak.attacks.base import AttackContext
-    from gradleak.fl.engines import rounds_engine
-    from gradleak.fl.threat import build_view
+@dataclass
+class _Experiment:
+    """One experiment's parts, built once by :func:`run_experiment` and shared by its trials, and the clocks its
+    steps advance (seconds: the clients' local training, the attack's per-round server model, its reconstruction)."""
 
-    A, acfg, threat, mod = cfg.attack_cls, cfg.attack_cfg, cfg.threat_model, modality_of(cfg)
-    dev = ctx.device
-    if dev.type not in A.devices:
-        raise BadInput("--device", f"attack '{A.name}' runs on {', '.join(A.devices)} only, not on {dev.type}.",
-                       "use --device cpu.")
+    cfg: ExperimentConfig
+    ctx: Any
+    mod: Any  # the modality plug-in
+    data: Any
+    handle: Any
+    mcfg: Any
+    defense: Any  # the training-time defense (``defense:``)
+    attack: Any
+    model: Any
+    rounds: int  # the rounds the attack wants run
+    defenses: list  # the update defenses of every round
+    loss_fn: Any
+    start_state: dict = field(default_factory=dict)
+    t_client: float = 0.0
+    t_hook: float = 0.0
+    t_rec: float = 0.0
+
+
+def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
+    """The experiment ``cfg`` (module docstring): the data and model built once, the attack prepared, then every
+    trial's federation, attacked updates and evaluations; the mean metrics, the timings and the report."""
+    mod = modality_of(cfg)
+    _check_device(cfg.attack_cls, ctx.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     timings: dict[str, float] = {}
-    # ---- data (private: the clients'; public: the server's, only if the threat model grants it)
     t0 = time.perf_counter()
+    data, public, handle, mcfg, defense = _setup(cfg, ctx, mod)
+    timings["model_load_seconds"] = time.perf_counter() - t0
+    ex, t_prepare = _prepared(cfg, ctx, mod, data, public, handle, mcfg, defense)
+    evals, infos = [], []
+    for trial in range(cfg.trials):
+        _run_trial(ex, trial, evals, infos)
+    metrics = {k: float(np.mean([e.metrics[k] for e in evals if k in e.metrics])) for k in evals[0].metrics}
+    _add_timings(timings, ex, t_prepare, infos)
+    return _results(cfg, handle, evals, infos, metrics, timings)
+
+
+def _check_device(A, dev) -> None:
+    """Refuse a device the attack does not run on."""
+    if dev.type not in A.devices:
+        raise BadInput("--device", f"attack '{A.name}' runs on {', '.join(A.devices)} only, not on {dev.type}.",
+                       "use --device cpu.")
+
+
+def _setup(cfg: ExperimentConfig, ctx, mod):
+    """The data (private: the clients'; public: the server's, only if the threat model grants it) and the model +
+    PEFT with the training-time defense applied: ``(data, public, handle, model config, training defense)``."""
     data = mod.data(cfg)
     data.check_labels(cfg.model.num_classes)  # a user's labels beyond model.num_classes: refused before any model loads
-    public: dict[str, Any] = dict(mod.attack_public(cfg, data, threat))  # public data the threat model grants
-    # ---- model + PEFT
+    public: dict[str, Any] = dict(mod.attack_public(cfg, data, cfg.threat_model))  # public data the threat model grants
     handle, mcfg = build_handle(cfg, ctx.stage)
     defense = cfg.training_defense
     defense.apply(handle, cfg, data=data)  # training-time defense (FISGuard re-parameterises the protected layers)
-    timings["model_load_seconds"] = time.perf_counter() - t0
-    # ---- attack: built from its config and what the threat model grants before any round
+    return data, public, handle, mcfg, defense
+
+
+def _prepared(cfg: ExperimentConfig, ctx, mod, data, public: dict, handle, mcfg, defense) -> tuple[_Experiment, float]:
+    """The attack built from its config and what the threat model grants before any round, its ``prepare`` run on
+    the model (timed: the second value, seconds), the model on the device, and the round defenses and loss."""
+    from gradleak.attacks.base import AttackContext
+
+    threat, dev = cfg.threat_model, ctx.device
     if threat.knows_batch_size:
         public["batch_size"] = cfg.data.batch_size * (1 if threat.individual_updates else cfg.fl.clients)
-    fl_public = public_protocol(cfg)
-    actx = AttackContext(seed=cfg.seed, device=dev, threat=threat, fl=fl_public, public=public)
-    attack = A.from_config(acfg, actx)
+    actx = AttackContext(seed=cfg.seed, device=dev, threat=threat, fl=public_protocol(cfg), public=public)
+    attack = cfg.attack_cls.from_config(cfg.attack_cfg, actx)
     t0 = time.perf_counter()
     model = attack.prepare(handle.model, threat)
     t_prepare = time.perf_counter() - t0
@@ -81,89 +124,141 @@ def run_experiment(cfg: ExperimentConfig, ctx) -> dict[str, Any]:
     start_state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     rounds = attack.rounds_wanted(cfg.fl.rounds)
     defenses, loss_fn = round_defenses_and_loss(cfg, handle, model)
-    evals, infos = [], []
-    t_client = t_hook = t_rec = 0.0
-    for trial in range(cfg.trials):
-        if trial:
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if n in start_state:
-                        p.copy_(start_state[n])
-        batches = data.clients(trial, mcfg.num_classes)
-        clients, truth = clients_and_truth(handle, batches, loss_fn, dev, threat, cfg)
-        knowledge = truth.pop("_knowledge")
-        mod.trial_knowledge(cfg, data, knowledge)  # e.g. a prior image the server is granted
-        membership = None
-        if A.reconstruction == "membership":
-            cands, membership = _candidates(data, trial, batches, threat, cfg)
-            knowledge["public_data"] = {"candidates": cands}
-        # builtin, or the same rounds through a real Flower federation (fl.engine: flower)
-        rounds_fn = rounds_engine(cfg.fl)
-        outcome = rounds_fn(model, clients, rounds=rounds, algorithm=cfg.fl.algorithm, lr=cfg.fl.lr,
-                             local_epochs=cfg.fl.local_epochs, local_batch_size=cfg.fl.local_batch_size,
-                             defenses=defenses, seed=cfg.seed, server_hook=attack.server_model,
-                             secure_aggregation=not threat.individual_updates, track=ctx.track,
-                             keep_round=lambda r: attack.observes_round(r, rounds) and
-                             (threat.rounds_observed is None or r < threat.rounds_observed),
-                             local_update=defense.local_update,
-                             client_settings=cfg.client_plan() if cfg.fl.algorithm == "fedavg" else None,
-                             lr_at=cfg.fl.lr_at)
-        t_client += outcome.client_seconds
-        t_hook += outcome.server_hook_seconds
-        # the attacked updates: the first client's (the view's first update), or every client's in turn
-        # (metrics.attack_clients = all; the audit): the view's rounds rotated so the victim comes first
-        victims = attacked_clients(len(batches), cfg, threat, A.reconstruction)
-        per_client = len(victims) > 1
-        null_pool = None
-        if cfg.metrics.null and A.reconstruction != "membership":
-            null_pool = data.null_pool(trial)
-        for v in victims:
-            rounds_v = victim_rounds(outcome.rounds, v)
-            truth_v, knowledge_v = truth, knowledge
-            if v:
-                _, truth_v = clients_and_truth(handle, batches[v:] + batches[:v], loss_fn, dev, threat, cfg)
-                knowledge_v = truth_v.pop("_knowledge")
-                for k in ("public_data",):
-                    if k in knowledge:
-                        knowledge_v[k] = knowledge[k]
-            view = build_view(model=outcome.model, rounds=rounds_v, round_states=outcome.round_states,
-                              threat=threat, secure_sum=outcome.secure_sums, knowledge=knowledge_v,
-                              always_public=always_public(handle, cfg))
-            label = (f" (trial {trial + 1}/{cfg.trials})" if cfg.trials > 1 else "") + \
-                (f" (client {v + 1}/{len(victims)})" if per_client else "")
-            with ctx.stage(f"attack {A.name}" + label):
-                t0 = time.perf_counter()
-                rec = attack.reconstruct(view)
-                t_rec += time.perf_counter() - t0
-            with ctx.stage("evaluation"):
-                per_client_truth = {}
-                if A.reconstruction == "leakage":  # every client's training and validation images (per-client evaluation)
-                    per_client_truth = {"client_inputs": [b[0] for b in batches], "client_validation": data.validation(),
-                                        "client_steps": [p["epochs"] * -(-p["images"] // p["batch_size"])
-                                                         for p in cfg.client_plan()]}
-                ev = evaluate_update(rec, truth_v, handle=handle, cfg=cfg, out_dir=ctx.out_dir,
-                                     label=trial if not v else f"{trial}_client{v}", null_pool=null_pool,
-                                     membership=membership, **per_client_truth)
-                split_by_guarantee(ev, defense.layer_condition(view.rounds))  # {}: no per-layer guarantee
-                ev.metrics.update(defense.report(view.rounds))
-                test = data.test(mcfg.num_classes) if cfg.metrics.utility else None
-                if test is not None:
-                    with final_global_model(model, outcome, cfg, eval_mode=mod.eval_mode_for_release()):
-                        ev.metrics.update(mod.accuracy(handle, model, cfg, test, dev))
-                ev.client, ev.trial = v, trial
-                evals.append(ev)
-            infos.append(rec.info)
-    metrics = {k: float(np.mean([e.metrics[k] for e in evals if k in e.metrics])) for k in evals[0].metrics}
-    attack_time = t_prepare + t_hook + t_rec
-    timings.update({"attack_prepare_seconds": t_prepare, "attack_adapter_state_seconds": t_hook,
-                    "attack_reconstruct_seconds": t_rec, "attack_total_seconds": attack_time,
-                    "client_step_seconds": t_client,
-                    "attack_to_client_step_ratio": attack_time / max(t_client, 1e-12)})
-    timings.update(mod.timings(cfg, infos, t_client, t_rec))  # the modality's benchmark names
+    ex = _Experiment(cfg=cfg, ctx=ctx, mod=mod, data=data, handle=handle, mcfg=mcfg, defense=defense, attack=attack,
+                     model=model, rounds=rounds, defenses=defenses, loss_fn=loss_fn, start_state=start_state)
+    return ex, t_prepare
+
+
+def _run_trial(ex: _Experiment, trial: int, evals: list, infos: list) -> None:
+    """One trial: the model restored to its prepared weights (after the first), the clients' batches, the rounds,
+    then every attacked update reconstructed and evaluated (appended to ``evals`` and ``infos``)."""
+    cfg, A, threat = ex.cfg, ex.cfg.attack_cls, ex.cfg.threat_model
+    if trial:
+        _restore(ex.model, ex.start_state)
+    batches = ex.data.clients(trial, ex.mcfg.num_classes)
+    clients, truth = clients_and_truth(ex.handle, batches, ex.loss_fn, ex.ctx.device, threat, cfg)
+    knowledge = truth.pop("_knowledge")
+    ex.mod.trial_knowledge(cfg, ex.data, knowledge)  # e.g. a prior image the server is granted
+    membership = None
+    if A.reconstruction == "membership":
+        cands, membership = _candidates(ex.data, trial, batches, threat, cfg)
+        knowledge["public_data"] = {"candidates": cands}
+    outcome = _federate(ex, clients)
+    # the attacked updates: the first client's (the view's first update), or every client's in turn
+    # (metrics.attack_clients = all; the audit): the view's rounds rotated so the victim comes first
+    victims = attacked_clients(len(batches), cfg, threat, A.reconstruction)
+    null_pool = None
+    if cfg.metrics.null and A.reconstruction != "membership":
+        null_pool = ex.data.null_pool(trial)
+    for v in victims:
+        truth_v, knowledge_v = _victim_truth(ex, batches, v, truth, knowledge)
+        rec, view = _attack_victim(ex, outcome, v, knowledge_v, _stage_label(cfg, trial, v, len(victims)))
+        with ex.ctx.stage("evaluation"):
+            ev = _evaluate_victim(ex, rec, view, outcome, truth_v, batches, trial, v, null_pool, membership)
+            evals.append(ev)
+        infos.append(rec.info)
+
+
+def _restore(model, start_state: dict) -> None:
+    """The trainable parameters back to the prepared model's (a later trial starts where the first did)."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in start_state:
+                p.copy_(start_state[n])
+
+
+def _federate(ex: _Experiment, clients: list):
+    """The trial's federated rounds through the configured engine (builtin, or the same rounds through a real Flower
+    federation: ``fl.engine: flower``), the attack's server model each round; the clocks advanced."""
+    from gradleak.fl.engines import rounds_engine
+
+    cfg, threat, attack, rounds = ex.cfg, ex.cfg.threat_model, ex.attack, ex.rounds
+    rounds_fn = rounds_engine(cfg.fl)
+    outcome = rounds_fn(ex.model, clients, rounds=rounds, algorithm=cfg.fl.algorithm, lr=cfg.fl.lr,
+                        local_epochs=cfg.fl.local_epochs, local_batch_size=cfg.fl.local_batch_size,
+                        defenses=ex.defenses, seed=cfg.seed, server_hook=attack.server_model,
+                        secure_aggregation=not threat.individual_updates, track=ex.ctx.track,
+                        keep_round=lambda r: attack.observes_round(r, rounds) and
+                        (threat.rounds_observed is None or r < threat.rounds_observed),
+                        local_update=ex.defense.local_update,
+                        client_settings=cfg.client_plan() if cfg.fl.algorithm == "fedavg" else None,
+                        lr_at=cfg.fl.lr_at)
+    ex.t_client += outcome.client_seconds
+    ex.t_hook += outcome.server_hook_seconds
+    return outcome
+
+
+def _victim_truth(ex: _Experiment, batches: list, v: int, truth: dict, knowledge: dict) -> tuple[dict, dict]:
+    """The truth and the server's knowledge of victim ``v``'s upload: client 0's as computed, another client's from
+    the batches rotated so it comes first (the public data granted, e.g. the membership candidates, carried over)."""
+    if not v:
+        return truth, knowledge
+    _, truth_v = clients_and_truth(ex.handle, batches[v:] + batches[:v], ex.loss_fn, ex.ctx.device,
+                                   ex.cfg.threat_model, ex.cfg)
+    knowledge_v = truth_v.pop("_knowledge")
+    for k in ("public_data",):
+        if k in knowledge:
+            knowledge_v[k] = knowledge[k]
+    return truth_v, knowledge_v
+
+
+def _stage_label(cfg: ExperimentConfig, trial: int, v: int, n_victims: int) -> str:
+    """The attack stage's suffix: the trial (several trials) and the client (several attacked clients)."""
+    return (f" (trial {trial + 1}/{cfg.trials})" if cfg.trials > 1 else "") + \
+        (f" (client {v + 1}/{n_victims})" if n_victims > 1 else "")
+
+
+def _attack_victim(ex: _Experiment, outcome, v: int, knowledge_v: dict, label: str):
+    """The server's view of victim ``v``'s upload (the threat model's) and the attack's reconstruction from it
+    (timed): ``(reconstruction, view)``."""
+    from gradleak.fl.threat import build_view
+
+    cfg = ex.cfg
+    view = build_view(model=outcome.model, rounds=victim_rounds(outcome.rounds, v), round_states=outcome.round_states,
+                      threat=cfg.threat_model, secure_sum=outcome.secure_sums, knowledge=knowledge_v,
+                      always_public=always_public(ex.handle, cfg))
+    with ex.ctx.stage(f"attack {cfg.attack_cls.name}" + label):
+        t0 = time.perf_counter()
+        rec = ex.attack.reconstruct(view)
+        ex.t_rec += time.perf_counter() - t0
+    return rec, view
+
+
+def _evaluate_victim(ex: _Experiment, rec, view, outcome, truth_v: dict, batches: list, trial: int, v: int,
+                     null_pool, membership):
+    """The evaluation of one attacked update: the unit's metrics against the truth, the training-time defense's
+    per-layer guarantee and report, and the released model's accuracy when ``metrics.utility`` asks for it."""
+    cfg, data, defense, mod = ex.cfg, ex.data, ex.defense, ex.mod
+    per_client_truth = {}
+    if cfg.attack_cls.reconstruction == "leakage":  # every client's training and validation images (per-client evaluation)
+        per_client_truth = {"client_inputs": [b[0] for b in batches], "client_validation": data.validation(),
+                            "client_steps": [p["epochs"] * -(-p["images"] // p["batch_size"])
+                                             for p in cfg.client_plan()]}
+    ev = evaluate_update(rec, truth_v, handle=ex.handle, cfg=cfg, out_dir=ex.ctx.out_dir,
+                         label=trial if not v else f"{trial}_client{v}", null_pool=null_pool,
+                         membership=membership, **per_client_truth)
+    split_by_guarantee(ev, defense.layer_condition(view.rounds))  # {}: no per-layer guarantee
+    ev.metrics.update(defense.report(view.rounds))
+    test = data.test(ex.mcfg.num_classes) if cfg.metrics.utility else None
+    if test is not None:
+        with final_global_model(ex.model, outcome, cfg, eval_mode=mod.eval_mode_for_release()):
+            ev.metrics.update(mod.accuracy(ex.handle, ex.model, cfg, test, ex.ctx.device))
+    ev.client, ev.trial = v, trial
+    return ev
+
+
+def _add_timings(timings: dict[str, float], ex: _Experiment, t_prepare: float, infos: list[dict]) -> None:
+    """Add to ``timings`` the attack's cost against the clients' (module docstring), the modality's benchmark names
+    and the attack's own timings (mean over trials; a name already there is kept)."""
+    attack_time = t_prepare + ex.t_hook + ex.t_rec
+    timings.update({"attack_prepare_seconds": t_prepare, "attack_adapter_state_seconds": ex.t_hook,
+               "attack_reconstruct_seconds": ex.t_rec, "attack_total_seconds": attack_time,
+               "client_step_seconds": ex.t_client,
+               "attack_to_client_step_ratio": attack_time / max(ex.t_client, 1e-12)})
+    timings.update(ex.mod.timings(ex.cfg, infos, ex.t_client, ex.t_rec))  # the modality's benchmark names
     for k in sorted({k for i in infos for k in (i.get("timings") or {})}):  # the attack's own timings (mean over trials)
         vals = [float(i["timings"][k]) for i in infos if k in (i.get("timings") or {})]
         timings.setdefault(k, float(np.mean(vals)))
-    return _results(cfg, handle, evals, infos, metrics, timings)
 
 
 def train_global(cfg: ExperimentConfig, device, rounds: int, *, slices: int | None = None,
@@ -359,12 +454,11 @@ def always_public(handle, cfg) -> dict[str, Any]:
 
 
 def peft_bottleneck(cfg, handle) -> int | None:
-    """The PEFT bottleneck width the evaluation reads (adapter width, LoRA rank), or None."""
-    if cfg.peft.kind == "adapters":
-        return modality_of(handle.modality).bottleneck(cfg, handle)
-    if cfg.peft.kind == "lora":
-        return cfg.peft.lora_rank
-    return None
+    """The PEFT bottleneck width the evaluation reads (adapter width, LoRA rank), or None: the PEFT kind's own
+    (:meth:`gradleak.peft.PeftKind.bottleneck`)."""
+    from gradleak.peft import peft_kind
+
+    return peft_kind(cfg.peft.kind).bottleneck(cfg, handle, modality_of(handle.modality))
 
 
 def _results(cfg, handle, evals, infos, metrics, timings) -> dict[str, Any]:
