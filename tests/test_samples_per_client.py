@@ -71,7 +71,7 @@ def test_fedsgd_rounds_upload_the_gradient_of_the_rounds_batch():
 
 def test_members_are_the_client_dataset_and_nonmembers_are_held_by_no_client():
     from gradleak.data.splits import TextData
-    from gradleak.run.pipeline import _candidates
+    from gradleak.evaluation.membership import draw_candidates as _candidates
 
     cfg = _cfg()
     data = TextData(cfg)

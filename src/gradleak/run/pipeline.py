@@ -21,7 +21,7 @@ import torch
 
 from gradleak.errors import BadInput, TrainingDiverged
 from gradleak.evaluation import Truth, evaluate, unit
-from gradleak.evaluation.membership import draw_candidates as _candidates, split_by_guarantee
+from gradleak.evaluation.membership import split_by_guarantee
 from gradleak.config.schema import ExperimentConfig
 from gradleak.modalities import final_global_model, jsonable, modality_of
 
@@ -139,22 +139,23 @@ def _run_trial(ex: _Experiment, trial: int, evals: list, infos: list) -> None:
     clients, truth = clients_and_truth(ex.handle, batches, ex.loss_fn, ex.ctx.device, threat, cfg)
     knowledge = truth.pop("_knowledge")
     ex.mod.trial_knowledge(cfg, ex.data, knowledge)  # e.g. a prior image the server is granted
-    membership = None
-    if A.reconstruction == "membership":
-        cands, membership = _candidates(ex.data, trial, batches, threat, cfg)
-        knowledge["public_data"] = {"candidates": cands}
+    # what the kind needs beside the private batch (its evaluation unit's truth_fields): knowledge the server is
+    # granted (the membership candidates) and truth fields for the evaluation (membership labels; the leakage kind's
+    # every client's training and validation images)
+    granted, fields = unit(A.reconstruction).truth_fields(ex.data, trial, batches, threat, cfg)
+    knowledge.update(granted)
     outcome = _federate(ex, clients)
     # the attacked updates: the first client's (the view's first update), or every client's in turn
     # (metrics.attack_clients = all; the audit): the view's rounds rotated so the victim comes first
     victims = attacked_clients(len(batches), cfg, threat, A.reconstruction)
     null_pool = None
-    if cfg.metrics.null and A.reconstruction != "membership":
+    if cfg.metrics.null and unit(A.reconstruction).draws_null_pool:
         null_pool = ex.data.null_pool(trial)
     for v in victims:
         truth_v, knowledge_v = _victim_truth(ex, batches, v, truth, knowledge)
         rec, view = _attack_victim(ex, outcome, v, knowledge_v, _stage_label(cfg, trial, v, len(victims)))
         with ex.ctx.stage("evaluation"):
-            ev = _evaluate_victim(ex, rec, view, outcome, truth_v, batches, trial, v, null_pool, membership)
+            ev = _evaluate_victim(ex, rec, view, outcome, truth_v, trial, v, null_pool, fields)
             evals.append(ev)
         infos.append(rec.info)
 
@@ -224,19 +225,14 @@ def _attack_victim(ex: _Experiment, outcome, v: int, knowledge_v: dict, label: s
     return rec, view
 
 
-def _evaluate_victim(ex: _Experiment, rec, view, outcome, truth_v: dict, batches: list, trial: int, v: int,
-                     null_pool, membership):
-    """The evaluation of one attacked update: the unit's metrics against the truth, the training-time defense's
-    per-layer guarantee and report, and the released model's accuracy when ``metrics.utility`` asks for it."""
+def _evaluate_victim(ex: _Experiment, rec, view, outcome, truth_v: dict, trial: int, v: int, null_pool,
+                     fields: dict):
+    """The evaluation of one attacked update: the unit's metrics against the truth (with the kind's ``fields``:
+    :meth:`~gradleak.evaluation.base.EvaluationUnit.truth_fields`), the training-time defense's per-layer guarantee
+    and report, and the released model's accuracy when ``metrics.utility`` asks for it."""
     cfg, data, defense, mod = ex.cfg, ex.data, ex.defense, ex.mod
-    per_client_truth = {}
-    if cfg.attack_cls.reconstruction == "leakage":  # every client's training and validation images (per-client evaluation)
-        per_client_truth = {"client_inputs": [b[0] for b in batches], "client_validation": data.validation(),
-                            "client_steps": [p["epochs"] * -(-p["images"] // p["batch_size"])
-                                             for p in cfg.client_plan()]}
     ev = evaluate_update(rec, truth_v, handle=ex.handle, cfg=cfg, out_dir=ex.ctx.out_dir,
-                         label=trial if not v else f"{trial}_client{v}", null_pool=null_pool,
-                         membership=membership, **per_client_truth)
+                         label=trial if not v else f"{trial}_client{v}", null_pool=null_pool, **fields)
     split_by_guarantee(ev, defense.layer_condition(view.rounds))  # {}: no per-layer guarantee
     ev.metrics.update(defense.report(view.rounds))
     test = data.test(ex.mcfg.num_classes) if cfg.metrics.utility else None
