@@ -117,6 +117,13 @@ class Modality:
         """The architecture's interface the protocol makes public."""
         return {}
 
+    def loss_with_options(self, handle, options: dict[str, Any]):
+        """The clients' loss shaped by a training-time defense's loss options (label smoothing, ...); a modality
+        whose clients' loss takes no options refuses them (the defense's ``modalities`` normally stops it first)."""
+        raise BadInput("defense.name", f"the training-time defense shapes the clients' loss ({', '.join(options)}), "
+                       f"which the {self.name} clients' loss does not take.",
+                       f"use a defense implemented for {self.name} clients (`gradleak list defenses`).")
+
     def accuracy(self, handle, model, cfg, test, dev) -> dict[str, float]:
         """``model``'s accuracy on held-out ``test`` samples."""
         raise NotImplementedError

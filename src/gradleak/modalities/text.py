@@ -64,6 +64,12 @@ class TextModality(Modality):
     def always_public(self, handle, cfg) -> dict[str, Any]:
         return {"tokenizer": handle.tokenizer, "model_kind": handle.kind, "model_task": handle.info.get("task")}
 
+    def loss_with_options(self, handle, options: dict[str, Any]):
+        """The text clients' loss with a training-time defense's options (label smoothing, ...)."""
+        from gradleak.models.text import text_loss
+
+        return text_loss(handle.kind, task=handle.info.get("task"), **options)
+
     def accuracy(self, handle, model, cfg, test, dev) -> dict[str, float]:
         """Accuracy on held-out ``test`` texts: the classification accuracy (bidirectional models) or the next-token
         accuracy (causal LMs, whose clients train the LM loss)."""

@@ -430,10 +430,10 @@ def round_defenses_and_loss(cfg: ExperimentConfig, handle, model):
     defenses = build_defenses([d.model_dump() for d in cfg.defenses], seed=cfg.seed)
     defenses = defenses + defense.update_transforms(seed=cfg.seed)  # a `defense:` that is an update transform
     loss_fn = handle.loss_fn or default_classification_loss
-    if defense.loss_options():
-        from gradleak.models.text import text_loss
+    if defense.loss_options():  # the modality shapes its clients' loss
+        from gradleak.modalities import modality_of
 
-        loss_fn = text_loss(handle.kind, task=handle.info.get("task"), **defense.loss_options())
+        loss_fn = modality_of(cfg).loss_with_options(handle, defense.loss_options())
     return defenses, defense.wrap_loss(loss_fn, model)
 
 
