@@ -60,8 +60,9 @@ def describe_setup(cfg) -> list[str]:
         lines.append(f"defense {d.name} {json.dumps(p)}" + (cls.describe(p) if cls is not None else ""))
     # the training-time `defense:` section (DP-SGD, FISGuard, ...): declared as much as the update list is
     section = getattr(cfg, "defense", None)
-    tname = getattr(section, "name", "none") or "none"
-    if tname != "none":
+    tname = getattr(section, "name", None)
+    tcls = defense_class(tname) if tname else None
+    if tcls is not None and tcls.protects:  # the no-defense entry protects nothing
         params = {k: v for k, v in section.model_dump(mode="json").items() if k != "name"}
         lines.append(f"training defense {tname} {json.dumps(params)} (the `defense:` section: it changes each "
                      "client's local training)")
