@@ -9,16 +9,18 @@ DAGER's and LAMP's, each beside its null), with the decoder's training cost.
 
 Cells = config x defense x split, through the one cell loop (resumable; rows carry the code revision and the
 equivalent ``gradleak audit`` command). Configs (:data:`CONFIGS`): ``text_adapters`` (configs/audit/text_adapters.yaml:
-MiniLM 2 layers, bottleneck adapters, fortunes-topics, one client of B = 2); an image config (vit_lora, when the image
-slice of the learned attack exists) is one more entry with its own learned attack's name. Defenses
+MiniLM 2 layers, bottleneck adapters, fortunes-topics, one client of B = 2) with ``learned_wordbag``, every applicable
+attack beside it; ``vit_lora`` (configs/audit/vit_lora.yaml: LoRA ViT, B = 1) with ``learned_image`` beside
+``lora_span``, the analytic attack that decides its audit (:data:`ONLY`: the optimisation attacks DLG, APRIL, IG,
+GradViT and GIAS take about 25 minutes a cell on 2 cores, so the image cells leave them out and say so). Defenses
 (:func:`defenses`):
 
 * none; NVFlare ``PercentilePrivacy`` at percentile 90 and 99; top-k pruning 90 % and 99 % read globally and per
   tensor; stochastic quantisation to 4 and 8 bits;
-* the strengths ``gradleak audit --advise`` found for this config (benchmarks/advise.py's stored rows of revision
-  :data:`ADVICE_REVISION`, read from ``benchmarks/out/advise.jsonl`` and its history): NVFlare ``SVTPrivacy`` at each
-  seed's weakest stopping ``noise_var``, DP-Gaussian at each seed's stopping ``noise_multiplier`` (with its fitted
-  clipping norm), and each seed's recommendation where it is another defense -- each as the advice's own ``--set``
+* the strengths ``gradleak audit --advise`` found for this config (benchmarks/advise.py's stored rows of the config's
+  revision in :data:`ADVICE_REVISION`, read from ``benchmarks/out/advise.jsonl`` and its history): NVFlare
+  ``SVTPrivacy`` at each seed's weakest stopping ``noise_var``, DP-Gaussian at each seed's stopping
+  ``noise_multiplier`` (with its fitted clipping norm), and each seed's recommendation where it is another defense -- each as the advice's own ``--set``
   strings (SVT in ``defense:``, where the advice places it).
 
 Splits: seed 0 is *tuned* (the learned attack's defaults were set on the text audit at seed 0); the *held-out* cells
@@ -43,11 +45,15 @@ from _bench import (REFERENCE_OUT, REVISION_NOTE, ROOT, add_out_args, display, f
 
 NAME = "learned"
 #: config name -> (path, the learned attack that reads it)
-CONFIGS = {"text_adapters": ("configs/audit/text_adapters.yaml", "learned_wordbag")}
+CONFIGS = {"text_adapters": ("configs/audit/text_adapters.yaml", "learned_wordbag"),
+           "vit_lora": ("configs/audit/vit_lora.yaml", "learned_image")}
+#: config name -> the attacks its cells run (absent: every applicable attack); named in the table
+ONLY = {"vit_lora": ("learned_image", "lora_span")}
 #: seed -> split (``seed`` and ``data.seed`` both set to it)
 SPLITS = {0: "tuned", 11: "held out"}
-#: the stored advice the advice-strength cells test (benchmarks/advise.py rows written at this revision)
-ADVICE_REVISION = "4c4f312"
+#: config name -> the stored advice its advice-strength cells test (benchmarks/advise.py rows written at this revision,
+#: before the learned attack was searched against)
+ADVICE_REVISION = {"text_adapters": "4c4f312", "vit_lora": "23355de"}
 LEAK = ("partial", "strong", "exact")
 FIXED = [
     ("none", "none", []),
@@ -67,10 +73,12 @@ ADVICE_DEFENSES = ("nvflare_svt", "dp_gaussian")
 REV = revision()
 
 
-def advice_rows(config: str, out: Path = REFERENCE_OUT, rev: str = ADVICE_REVISION) -> list[dict]:
-    """benchmarks/advise.py's finished rows of ``config`` written at ``rev`` (the JSONL and its history), by seed."""
+def advice_rows(config: str, out: Path = REFERENCE_OUT, rev: str | None = None) -> list[dict]:
+    """benchmarks/advise.py's finished rows of ``config`` written at ``rev`` (default: the config's
+    :data:`ADVICE_REVISION`; the JSONL and its history), by seed."""
     from gradleak.run.results import history_path, read_jsonl
 
+    rev = rev or ADVICE_REVISION[config]
     jsonl = out / "advise.jsonl"
     rows = [r for r in read_jsonl(history_path(jsonl)) + read_jsonl(jsonl)
             if r.get("config") == config and r.get("revision") == rev and "error" not in r]
@@ -103,9 +111,9 @@ def defenses(config: str, out: Path = REFERENCE_OUT) -> list[tuple[str, str, lis
     return cells
 
 
-def command(path: str, overrides: list[str], out: str) -> str:
+def command(path: str, overrides: list[str], out: str, only: tuple[str, ...] | None = None) -> str:
     return (f"OMP_NUM_THREADS=1 .venv/bin/gradleak audit {path} --workers 1 --out {out} "
-            + " ".join(f"--set {shlex.quote(o)}" for o in overrides))
+            + " ".join(f"--set {shlex.quote(o)}" for o in overrides) + (f" --only {','.join(only)}" if only else ""))
 
 
 def split_overrides(seed: int) -> list[str]:
@@ -122,7 +130,7 @@ def cells(out: Path, advice_out: Path = REFERENCE_OUT) -> list[dict]:
                 run_dir = out / NAME / cid.replace("|", "_")
                 todo.append({"cell": cid, "config": name, "learned": learned, "defense": tag, "label": label,
                              "source": source, "seed": seed, "split": split, "overrides": ov,
-                             "run_dir": run_dir, "command": command(path, ov, display(run_dir))})
+                             "run_dir": run_dir, "command": command(path, ov, display(run_dir), ONLY.get(name))})
     return todo
 
 
@@ -130,14 +138,16 @@ def run_audit_cell(config: str, overrides: list[str], out: str) -> dict:
     from gradleak.config.loading import load_yaml
     from gradleak.run.audit import run_audit
 
-    return run_audit(load_yaml(ROOT / CONFIGS[config][0]), out, overrides, None, only=None, log=lambda m: None,
-                     workers=1)
+    only = ONLY.get(config)
+    return run_audit(load_yaml(ROOT / CONFIGS[config][0]), out, overrides, None, only=list(only) if only else None,
+                     log=lambda m: None, workers=1)
 
 
 #: what a row keeps of the learned attack's metrics
 LEARNED_KEEP = ("word_bag_recall", "word_bag_recall_null_p99", "word_bag_recall_random_bag_null_p99",
                 "word_bag_recall_decoder_null_p99", "word_bag_recall_p_value", "decoder_train_seconds",
-                "decoder_cache_hit", "decoder_public_batches", "learned_attack_seconds")
+                "decoder_cache_hit", "decoder_public_batches", "decoder_public_images", "decoder_heldout_psnr",
+                "learned_attack_seconds")
 
 
 def fill(res: dict, row: dict) -> str:
@@ -192,8 +202,11 @@ def table(rows: list[dict], advice_out: Path) -> str:
              "labels). Training: public sentences simulated for the decoder's training (batches x B; the null adds "
              "its own held-out batches), seconds of simulation + fit + null (0 when the decoder came from the "
              "cache), cache hit. Seed 0 is tuned, the other seeds held out (other sentences). Advice strengths from "
-             f"benchmarks/out/advise.jsonl rows of revision {ADVICE_REVISION} (`gradleak audit --advise` before the "
-             "learned attack existed). " + REVISION_NOTE, ""]
+             "benchmarks/out/advise.jsonl rows of revision "
+             + ", ".join(f"{ADVICE_REVISION[c]} ({c})" for c in CONFIGS) + " (`gradleak audit --advise` searched "
+             "against the other attacks only). "
+             + "".join(f"The {c} cells run {' and '.join(o)} only (`--only`; its optimisation attacks take about 25 "
+                       "minutes a cell). " for c, o in ONLY.items()) + REVISION_NOTE, ""]
     head = (["config", "defense", "seed (split)", "learned level", "learned recall (null p99)", "random-bag / decoder p99"]
             + others + ["training: sentences, s, cache", "audit s", "revision"])
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -216,7 +229,8 @@ def table(rows: list[dict], advice_out: Path) -> str:
             parts = (f"{fmt_num(m.get('word_bag_recall_random_bag_null_p99'), '.1f')} / "
                      f"{fmt_num(m.get('word_bag_recall_decoder_null_p99'), '.1f')}")
             n = m.get("decoder_public_batches")
-            cost = (f"{int(n * r['batch_size']) if n is not None else '–'}, "
+            n = n * r["batch_size"] if n is not None else m.get("decoder_public_images")  # sentences, or images
+            cost = (f"{int(n) if n is not None else '–'}, "
                     f"{fmt_num(m.get('decoder_train_seconds'), '.0f')}, "
                     f"{'hit' if m.get('decoder_cache_hit') else 'trained'}")
         else:
@@ -227,8 +241,8 @@ def table(rows: list[dict], advice_out: Path) -> str:
         lines.append("| " + " | ".join(pre + [lev, rec, parts] + [_lv(r["attacks"].get(a)) for a in others]
                                        + [cost, fmt_num(r.get("audit_seconds"), ".0f"), revision_label(r)]) + " |")
     lines += [""] + reading(rows) + [""] + advice_moves(rows, advice_out)
-    cmd = next((command(CONFIGS[r["config"]][0], r["overrides"], "D") for r in rows if r.get("defense") != "none"),
-               None)
+    cmd = next((command(CONFIGS[r["config"]][0], r["overrides"], "D", ONLY.get(r["config"])) for r in rows
+                if r.get("defense") != "none"), None)
     if cmd:
         lines += ["", f"Reproduce: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learned.py --out D` (one cell, e.g. "
                       f"`{cmd}`)."]
@@ -295,12 +309,12 @@ def advice_moves(rows: list[dict], advice_out: Path) -> list[str]:
         for r in every:  # the history (superseded rows) first, then the JSONL, each in the order written
             if r.get("config") != name:
                 continue
-            if r.get("revision") == ADVICE_REVISION:
+            if r.get("revision") == ADVICE_REVISION[name]:
                 before[r["seed"]], _ = r, after.pop(r["seed"], None)
             elif r["seed"] in before:
                 after[r["seed"]] = r  # the latest rerun written after the stored row
         if not after:
-            out += [f"No rerun of the {name} advice after {ADVICE_REVISION} is stored: no after to show"
+            out += [f"No rerun of the {name} advice after {ADVICE_REVISION[name]} is stored: no after to show"
                     + (" (one is needed: the learned attack leaks at an advice strength above)." if moved else "."), ""]
             continue
         for seed in sorted(after):
@@ -359,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         bad = 0
         for c in todo:  # the audit's own plan: schema, defenses, every attack's gate
             try:
-                plan_audit(load_yaml(ROOT / CONFIGS[c["config"]][0]), c["overrides"], None)
+                only = ONLY.get(c["config"])
+                plan_audit(load_yaml(ROOT / CONFIGS[c["config"]][0]), c["overrides"], list(only) if only else None)
             except Exception as err:  # report every bad cell, not just the first
                 bad += 1
                 print(f"INVALID {c['cell']}: {type(err).__name__}: {err}", flush=True)

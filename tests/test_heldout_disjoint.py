@@ -501,18 +501,25 @@ def test_defended_held_out_cells_draw_no_sample_a_tuned_cell_draws():
 def test_learned_held_out_cells_draw_no_sample_a_tuned_cell_draws():
     """benchmarks/learned.py: every cell sets ``seed`` and ``data.seed`` to its split's seed (sentences follow
     ``seed``, images ``data.seed``); its defenses do not change the draw. The held-out cells (seed 11) draw no sentence
-    any tuned cell (seed 0) draws, in the overrides each cell's audit runs."""
+    any tuned cell (seed 0) draws, and the held-out image cells no image a tuned one draws, in the overrides each cell's
+    audit runs (beside the learned attack: UTR on text, lora_span on images)."""
     lr = _bench("learned")
     cells = lr.cells(Path("unused"))
     assert {c["split"] for c in cells} == {"tuned", "held out"} and lr.SPLITS[0] == "tuned"
     assert all(f"seed={c['seed']}" in c["overrides"] and f"data.seed={c['seed']}" in c["overrides"] for c in cells)
     from gradleak.run.audit import audit_overrides, gate_attack
 
-    got = {}
-    for c in cells:  # the configs the audit hands the learned attack (its threat upgrade) and UTR (configured)
+    assert {c["config"] for c in cells} == {"text_adapters", "vit_lora"}
+    got: dict[str, dict] = {}
+    for c in cells:  # the configs the audit hands the learned attack (its threat upgrade) and the reference attack
         raw = audit_overrides(copy.deepcopy(_raw(str(BENCH.parent / lr.CONFIGS[c["config"]][0]))), c["overrides"])
-        for attack in (c["learned"], "utr"):
+        reference = "utr" if raw.get("experiment") == "text" else "lora_span"
+        for attack in (c["learned"], reference):
             if gate_attack(raw, attack)[1] is not None:  # the learned one is not applicable under DP-SGD
-                got[f"{c['cell']}/{attack}"] = (c["split"], *draw(audited(raw, attack)))
-    assert sum(k.endswith("/utr") for k in got) == len(cells) and sum(k.endswith("/learned_wordbag") for k in got) > 20
-    assert_held_out_disjoint(got)
+                got.setdefault(c["config"], {})[f"{c['cell']}/{attack}"] = (c["split"], *draw(audited(raw, attack)))
+    text, image = got["text_adapters"], got["vit_lora"]
+    assert sum(k.endswith("/utr") for k in text) == sum(c["config"] == "text_adapters" for c in cells)
+    assert sum(k.endswith("/learned_wordbag") for k in text) > 20 and sum(k.endswith("/learned_image") for k in image) > 10
+    assert sum(k.endswith("/lora_span") for k in image) == sum(c["config"] == "vit_lora" for c in cells)
+    for drawn in got.values():
+        assert_held_out_disjoint(drawn)
