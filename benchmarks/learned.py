@@ -184,8 +184,17 @@ def _lv(a: dict | None) -> str:
     if "level" not in a:
         r = a.get("reason", "")
         return "n/a" if r.startswith("not applicable") else "not run"
+    return f"{a['level']} ({_against_null(a)})"
+
+
+def _against_null(a: dict) -> str:
+    """The deciding metric's value / its null p99; where the level was decided by a count without a null (an exact
+    image: images above the PSNR threshold), the headline metric against its null beside it."""
     d = a.get("decided_by") or a
-    return f"{a['level']} ({d.get('metric', '')} {fmt_num(d.get('value'), '.3g')} / {fmt_num(d.get('null_p99'), '.3g')})"
+    out = f"{d.get('metric', '')} {fmt_num(d.get('value'), '.3g')} / {fmt_num(d.get('null_p99'), '.3g')}"
+    if d is not a and d.get("null_p99") is None and a.get("null_p99") is not None:
+        out += f"; {a.get('metric', '')} {fmt_num(a.get('value'), '.3g')} / {fmt_num(a.get('null_p99'), '.3g')}"
+    return out
 
 
 def table(rows: list[dict], advice_out: Path) -> str:
@@ -223,9 +232,8 @@ def table(rows: list[dict], advice_out: Path) -> str:
             lev = la["level"]
             if "word_bag_recall" in m:  # the text slice's grade
                 rec = f"{fmt_num(m['word_bag_recall'], '.1f')} ({fmt_num(m.get('word_bag_recall_null_p99'), '.1f')})"
-            else:  # another learned attack (an image slice): its deciding metric
-                d = la.get("decided_by") or la
-                rec = f"{d.get('metric', '')} {fmt_num(d.get('value'), '.3g')} ({fmt_num(d.get('null_p99'), '.3g')})"
+            else:  # another learned attack (an image slice): its deciding metric / its null p99
+                rec = _against_null(la)
             parts = (f"{fmt_num(m.get('word_bag_recall_random_bag_null_p99'), '.1f')} / "
                      f"{fmt_num(m.get('word_bag_recall_decoder_null_p99'), '.1f')}")
             n = m.get("decoder_public_batches")
@@ -264,14 +272,14 @@ def reading(rows: list[dict]) -> list[str]:
     if not done:
         return ["**Reading**: no finished cell yet."]
     out = ["**Reading** (computed from the rows above):", ""]
-    for split in dict.fromkeys(r["split"] for r in done):
-        cs = [r for r in done if r["split"] == split]
+    for config, split in dict.fromkeys((r["config"], r["split"]) for r in done):
+        cs = [r for r in done if r["config"] == config and r["split"] == split]
         learned = [r for r in cs if _leaks(r["attacks"].get(r["learned"]))]
         alone = [r for r in learned if not any(_leaks(x) for a, x in r["attacks"].items() if a != r["learned"])]
         na = [r for r in cs if "level" not in r["attacks"].get(r["learned"], {})]
         quiet = [r for r in cs if not any(_leaks(x) for x in r["attacks"].values())]
         names = lambda rs: ", ".join(label(r) for r in rs) or "no cell"  # noqa: E731
-        out.append(f"* {split} (seed {', '.join(sorted({str(r['seed']) for r in cs}))}, {len(cs)} cells): the learned "
+        out.append(f"* {config}, {split} (seed {', '.join(sorted({str(r['seed']) for r in cs}))}, {len(cs)} cells): the learned "
                    f"attack leaks under {len(learned)} ({names(learned)}); it is the only attack above its null under "
                    f"{len(alone)} ({names(alone)}); every attack that ran at its null under {len(quiet)} ({names(quiet)}); "
                    f"not applicable under {len(na)} ({names(na)}).")
