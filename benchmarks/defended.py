@@ -383,7 +383,7 @@ def run_one(raw: dict, out: str) -> dict:
     res = run_config(copy.deepcopy(raw), out)
     _, cfg = validate(copy.deepcopy(raw))
     per = (res.get("details") or {}).get("per_client") or [{"metrics": res["metrics"]}]
-    j = judge(cfg.attack_cls.reconstruction, per[0]["metrics"], cfg)
+    j = judge(cfg.attack_cls.reconstruction, per[0]["metrics"], cfg).as_dict()
     return {"metrics": res["metrics"], "judge": j}
 
 

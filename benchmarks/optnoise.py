@@ -152,7 +152,7 @@ def run_attack(overrides: list[str], out: str) -> dict:
                            "would be plain cosine matching, the 'off' arm again); not run")
     res = run_config(raw, out, overrides)
     per = (res.get("details") or {}).get("per_client") or [{"metrics": res["metrics"]}]
-    return {"metrics": res["metrics"], "judge": judge(cfg.attack_cls.reconstruction, per[0]["metrics"], cfg),
+    return {"metrics": res["metrics"], "judge": judge(cfg.attack_cls.reconstruction, per[0]["metrics"], cfg).as_dict(),
             "timings": res.get("timings", {})}
 
 

@@ -33,7 +33,7 @@ def _run(out: Path, extra: list[str] = ()):
     raw = load_yaml(ROOT / "configs/audit/vit_lora.yaml")
     raw.pop("audit", None)
     res = run_config(raw, out, overrides=QUICK + list(extra))
-    return res, judge("images", res["metrics"], _Cfg())
+    return res, judge("images", res["metrics"], _Cfg()).as_dict()
 
 
 class _Cfg:

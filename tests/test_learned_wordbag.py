@@ -35,7 +35,7 @@ def _run(out: Path, extra: list[str] = ()):
 
     raw = load_yaml(ROOT / "configs/audit/text_adapters.yaml")
     res = run_config(raw, out, overrides=QUICK + list(extra))
-    return res, judge("token_sequences", res["metrics"], _Cfg())
+    return res, judge("token_sequences", res["metrics"], _Cfg()).as_dict()
 
 
 class _Cfg:

@@ -465,7 +465,7 @@ def test_a_kind_registered_later_owns_its_rules_and_clients_without_touching_run
     assert client_metric_sets("images", {"psnr_max_client1": 3.0}) == [(0, {"psnr_max_client1": 3.0})]
     assert sum_label(2, 3, "toy_kind") == 2 and sum_label(2, 3, "images") == "the sum of 3 clients"
     cfg = SimpleNamespace(metrics=SimpleNamespace(psnr_threshold_db=30.0))
-    assert [judge("toy_kind", m, cfg)["level"] for _, m in sets] == ["none", "partial"]
+    assert [judge("toy_kind", m, cfg).level for _, m in sets] == ["none", "partial"]
     entry = {"rule": "toy: m not measured"}
     mark_undefined(entry, "toy_kind", {})
     assert entry["undefined"] and entry["reason"].startswith("undefined: toy: m not measured -- set toy.field;")

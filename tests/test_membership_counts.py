@@ -60,7 +60,7 @@ def _entry(tmp_path, members, nonmembers):
     cfg = SimpleNamespace(metrics=SimpleNamespace(psnr_threshold_db=30.0))
     j = judge("membership", m, cfg)
     return {"name": "projres", "applicable": False, "applicable_under": "upgraded", "threat": "honest-but-curious",
-            "worst_client": 0, **j}
+            "worst_client": 0, **j.as_dict()}
 
 
 @pytest.mark.parametrize("members, nonmembers", [(2, 16), (2, 48), (16, 200)])

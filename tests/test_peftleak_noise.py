@@ -140,7 +140,7 @@ def test_declared_gaussian_noise_end_to_end(tmp_path, std, noise, level):
     res = run_config(copy.deepcopy(raw), tmp_path)
     _, cfg = validate(copy.deepcopy(raw))
     m = res["metrics"]
-    assert judge(cfg.attack_cls.reconstruction, m, cfg)["level"] == level
+    assert judge(cfg.attack_cls.reconstruction, m, cfg).level == level
     if level == "exact":
         assert m["psnr_max"] > m["psnr_max_null_p99"] + 20 and m["noise_std_used"] == pytest.approx(std)
     else:

@@ -83,16 +83,16 @@ def test_decided_by_follows_each_route_of_the_text_rule():
 
     cfg = SimpleNamespace(metrics=SimpleNamespace(psnr_threshold_db=30.0))
     r1_route = judge("token_sequences", _text_metrics(bag=10.0, bag_p=0.5, r1=40.0, r1_p=0.001), cfg)
-    assert r1_route["level"] == "partial" and r1_route["decided_by"]["metric"] == "rouge1_f1"
-    assert r1_route["decided_by"]["null_p99"] == 21.28
+    assert r1_route.level == "partial" and r1_route.decided_by["metric"] == "rouge1_f1"
+    assert r1_route.decided_by["null_p99"] == 21.28
     none = judge("token_sequences", _text_metrics(bag=10.0, bag_p=0.5), cfg)
-    assert none["level"] == "none" and none["decided_by"]["metric"] == "word_bag_recall"
+    assert none.level == "none" and none.decided_by["metric"] == "word_bag_recall"
     exact = judge("token_sequences", _text_metrics(exact=2, r1=100.0, r1_p=0.001), cfg)
-    assert exact["level"] == "exact" and exact["decided_by"]["metric"] == "sentences_exact"
+    assert exact.level == "exact" and exact.decided_by["metric"] == "sentences_exact"
     img = judge("images", {"psnr_max": 20.0, "psnr_max_null_p99": 12.0, "ssim_max": 0.6, "ssim_max_null_p99": 0.3,
                            "ssim_max_p_value": 0.002}, cfg)
-    assert img["level"] == "strong" and img["decided_by"]["metric"] == "ssim_max"
-    assert img["decided_by"]["null_p99"] == 0.3
+    assert img.level == "strong" and img.decided_by["metric"] == "ssim_max"
+    assert img.decided_by["null_p99"] == 0.3
 
 
 # --------------------------------------------------------------------- 2-3. every declared defense; the sum of N clients

@@ -27,7 +27,7 @@ def _run(tmp_path, name, **attack):
     raw["defenses"] = []
     res = run_config(copy.deepcopy(raw), str(tmp_path / name))
     _, cfg = validate(copy.deepcopy(raw))
-    return res, judge(cfg.attack_cls.reconstruction, res["metrics"], cfg)
+    return res, judge(cfg.attack_cls.reconstruction, res["metrics"], cfg).as_dict()
 
 
 @pytest.fixture(scope="module")

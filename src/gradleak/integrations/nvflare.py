@@ -126,9 +126,9 @@ def controller_for(config: str, *, rounds: int | None = None):
 # ------------------------------------------------------------------------------------------ merging clients' audits
 
 def _rows_of(cid: Any, entry: dict) -> dict:
-    """One client's outcome of one attack (a row :func:`gradleak.run.round_audit.fold_clients` folds) from the entry
-    of that client's own audit."""
-    from gradleak.run.round_audit import ENTRY_KEYS
+    """One client's outcome of one attack (a row :func:`gradleak.run.audit_judge.fold_clients` folds) from the entry
+    of that client's own audit: its judgement (:data:`gradleak.run.audit_judge.ENTRY_KEYS`) and its client row."""
+    from gradleak.run.audit_judge import ENTRY_KEYS
 
     if entry.get("failed") and not entry.get("per_client"):  # crashed on this client: named, never counted
         return {"client": cid, "failed": entry["failed"]}
@@ -149,7 +149,7 @@ def merge_client_audits(results: dict[Any, dict], threat, not_run: Sequence[dict
     worst level (``left_out``: applicable attacks ``by`` left out, named in the banner). The one entry shape of
     ``audit.json``."""
     from gradleak.run.audit import verdict_and_headline
-    from gradleak.run.round_audit import fold_clients
+    from gradleak.run.round_audit import fold_round
 
     skip = {e["name"] for e in not_run}
     order: list[str] = []
@@ -170,7 +170,7 @@ def merge_client_audits(results: dict[Any, dict], threat, not_run: Sequence[dict
         # as gradleak audit and the round audit report it) and its full-strength variants
         entry.update({k: first[k] for k in ("applicable", "applicable_under", "threat_words", "upgrade", "reason",
                                             "variants") if k in first})
-        fold_clients(entry, [_rows_of(cid, e) for cid, e in per[name]], threat)
+        fold_round(entry, [_rows_of(cid, e) for cid, e in per[name]], threat)  # the round audit's one fold
         entries.append(entry)
     verdict, headline = verdict_and_headline(entries, list(left_out), by)  # as the round audit and the CLI judge it
     return {"server_round": server_round, "verdict": verdict, "headline": headline, "aggregated": False, "note": "",

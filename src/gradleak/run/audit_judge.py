@@ -8,6 +8,7 @@ evidence; a crash is ``undefined``, never ``none``: :func:`record_failures`), an
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from gradleak.evaluation.levels import leak_rank
@@ -21,13 +22,52 @@ def headline_metric(kind: str) -> str | None:
     return EVALUATORS.get(kind).headline if kind in EVALUATORS else None
 
 
+@dataclass(frozen=True)
+class Judgement:
+    """One client's judgement (:func:`judge`): its level and the rule that gave it (docs/DESIGN.md §7), the headline
+    metric beside its null (median, 99th percentile, p-value), the counts of private samples exact, the metric that
+    decided the level (``decided_by``: its value, null and p-value, and the bar it cleared) and the kind's own extra
+    fields (``extra``: :attr:`~gradleak.evaluation.base.EvaluationUnit.audit_fields`, e.g. membership's ``sample``).
+    A field whose metadata says ``row`` is on each client's row of ``per_client`` (:data:`ROW_KEYS`); every field is
+    on the attack's entry from its most leaking client (:data:`ENTRY_KEYS`): the one entry shape of ``audit.json``,
+    CLI and framework audits."""
+
+    level: str = field(metadata={"row": True})
+    rule: str
+    evidence: Any
+    success: bool = field(metadata={"row": True})
+    metric: str | None
+    value: Any = field(metadata={"row": True})
+    null_median: Any
+    null_p99: Any = field(metadata={"row": True})
+    p_value: Any = field(metadata={"row": True})
+    n_success: Any = field(default=None, metadata={"row": True})
+    n_total: Any = field(default=None, metadata={"row": True})
+    criterion: str | None = None
+    decided_by: dict | None = field(default=None, metadata={"row": True})
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        """The judgement as ``audit.json`` holds it: every field, the kind's extra fields beside them, no
+        ``decided_by`` when no metric decided."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("decided_by", "extra")}
+        out.update(self.extra)
+        if self.decided_by is not None:
+            out["decided_by"] = self.decided_by
+        return out
+
+
 #: the judgement keys a per-client row carries (the one entry shape of ``audit.json``, CLI and framework audits)
-ROW_KEYS = ("level", "success", "value", "null_p99", "p_value", "n_success", "n_total", "decided_by")
+ROW_KEYS = tuple(f.name for f in fields(Judgement) if f.metadata.get("row"))
+#: the judgement keys an attack's entry carries from its most leaking client (every field, and the unit's ``unit``)
+ENTRY_KEYS = tuple(f.name for f in fields(Judgement) if f.name != "extra") + ("unit",)
 
 
-def client_row(client: Any, judgement: dict, warnings: list | None = None) -> dict:
+def client_row(client: Any, judgement: dict | Judgement, warnings: list | None = None) -> dict:
     """One client's row of an attack's ``per_client`` list: its label and its judgement (the keys of
     :data:`ROW_KEYS`), with the attack's warnings for that client."""
+    if isinstance(judgement, Judgement):
+        judgement = judgement.as_dict()
     row = {"client": client}
     row.update({k: judgement.get(k) for k in ROW_KEYS})
     if judgement.get("sample"):  # the counts the client's measurement rests on (membership: members vs non-members)
@@ -36,7 +76,21 @@ def client_row(client: Any, judgement: dict, warnings: list | None = None) -> di
     return row
 
 
-def judge(kind: str, metrics: dict, cfg) -> dict:
+def fold_clients(entry: dict, rows: list[dict], keys: tuple[str, ...] | None = ENTRY_KEYS) -> dict:
+    """The one per-client fold of an attack's entry, CLI and framework audits: ``rows`` (one run's clients, each
+    ``{"client", <judgement keys>, "warnings"}``) in ``per_client`` (:func:`client_row` each), the most leaking
+    client's judgement on the entry (:func:`gradleak.evaluation.levels.leak_rank`, the first on a tie; ``keys``: the
+    judgement keys copied, :data:`ENTRY_KEYS`, or ``None``: every key of its row) and its label in ``worst_client``.
+    Returns the most leaking row."""
+    worst = max(rows, key=leak_rank)
+    entry.update({k: v for k, v in worst.items() if k not in ("client", "warnings")} if keys is None
+                 else {k: worst[k] for k in keys if k in worst})
+    entry["worst_client"] = worst["client"]
+    entry["per_client"] = [client_row(o["client"], o, o.get("warnings")) for o in rows]
+    return worst
+
+
+def judge(kind: str, metrics: dict, cfg) -> Judgement:
     """The level of one client's metrics, with the headline metric beside its null (module docstring)."""
     from gradleak.evaluation import EVALUATORS
     from gradleak.evaluation.levels import LEAKING, grade
@@ -48,17 +102,20 @@ def judge(kind: str, metrics: dict, cfg) -> dict:
            "metric": head, "value": m.get(head), "null_median": m.get(f"{head}_null_median"),
            "null_p99": m.get(f"{head}_null_p99"), "p_value": m.get(f"{head}_p_value"),
            "n_success": None, "n_total": None, "criterion": g["rule"]}
+    extra: dict = {}
+    decided = None
     if kind in EVALUATORS:
-        out.update(EVALUATORS.get(kind).audit_fields(m))
+        extra = dict(EVALUATORS.get(kind).audit_fields(m))
         # the metric whose test decided the level, with *its* null and p-value (the headline may not have decided:
         # a word-bag `partial` rests on word-bag recall, not ROUGE-1 F1); the banner and the rows show it
         key = EVALUATORS.get(kind).decided_by(m, g["level"]) or head
         if key:
             bar_value = (g["evidence"] or {}).get(f"{key}_bar")
-            out["decided_by"] = {"metric": key, "value": m.get(key), "null_p99": m.get(f"{key}_null_p99"),
-                                 "p_value": m.get(f"{key}_p_value"),
-                                 **({"bar": bar_value} if bar_value is not None and bar_value == bar_value else {})}
-    return out
+            decided = {"metric": key, "value": m.get(key), "null_p99": m.get(f"{key}_null_p99"),
+                       "p_value": m.get(f"{key}_p_value"),
+                       **({"bar": bar_value} if bar_value is not None and bar_value == bar_value else {})}
+    out.update({k: extra.pop(k) for k in list(extra) if k in out})  # the unit's counts (n_success, n_total)
+    return Judgement(**out, decided_by=decided, extra=extra)
 
 
 MARGIN_KEYS = ("spectral_margin", "drowning_noise_std_all", "drowning_noise_std", "signal_rank", "directions_above_edge",
@@ -181,7 +238,7 @@ def verdict_and_headline(entries: list[dict], not_run: list[str] | None = None,
 
 def judge_clients(runs: list[tuple], cfg, kind: str) -> tuple[list[tuple], dict]:
     """Every client of every measured run of one attack judged (:func:`judge`): ``(judged, warned)`` -- ``judged``:
-    ``(seed, variant, result, client, judgement)`` each, the client labelled as what the server saw
+    ``(seed, variant, result, client, judgement)`` each (the judgement as :meth:`Judgement.as_dict`), the client labelled as what the server saw
     (:func:`sum_label`); ``warned``: ``(seed, variant, client) -> `` that client's warnings in that run."""
     judged = []
     warned: dict = {}
@@ -191,7 +248,7 @@ def judge_clients(runs: list[tuple], cfg, kind: str) -> tuple[list[tuple], dict]
         sets = client_metric_sets(kind, r["metrics"], per)
         for i, (client, mets) in enumerate(sets):
             warned[(sd, k, sum_label(client, summed, kind))] = client_warnings(r, per, i, len(sets))
-            judged.append((sd, k, r, sum_label(client, summed, kind), judge(kind, mets, cfg)))
+            judged.append((sd, k, r, sum_label(client, summed, kind), judge(kind, mets, cfg).as_dict()))
     return judged, warned
 
 
@@ -280,12 +337,10 @@ def judge_attack(entry: dict, cfg, kind: str, runs: list[tuple], variants: list[
     judged, warned = judge_clients([(sd, k, r) for sd, k, r in runs if "metrics" in r], cfg, kind)
     sd, k, res, client, j = max(judged, key=lambda t: leak_rank(t[4]))  # the most leaking client/run is the evidence
     entry["out"] = run_folder(shared[0] if shared is not None else entry["name"], sd, k, multi)
-    entry.update(j)
-    entry["worst_client"] = client
+    fold_clients(entry, [{"client": t[3], **t[4], "warnings": warned.get((t[0], t[1], t[3]), [])}
+                         for t in judged if t[0] == sd and t[1] == k], keys=None)  # the same client: the first worst
     if len(variants) > 1:
         entry["worst_variant"] = variants[k] or "as configured"
-    entry["per_client"] = [client_row(t[3], t[4], warned.get((t[0], t[1], t[3]), []))
-                           for t in judged if t[0] == sd and t[1] == k]  # one shape
     add_spread(entry, worst_by_run(judged), variants, sd, multi)
     if entry["level"] == "undefined":
         mark_undefined(entry, kind, res["metrics"])

@@ -43,11 +43,6 @@ import torch
 from gradleak.errors import BadInput
 from gradleak.fl.recorded import RecordedRound, view_of
 
-#: the judgement keys copied onto an attack's entry from its most leaking client
-ENTRY_KEYS = ("success", "level", "rule", "evidence", "metric", "value", "null_median", "null_p99", "p_value",
-              "criterion", "decided_by", "n_success", "n_total", "unit")
-
-
 def raw_config(config) -> dict:
     """A gradleak config (a path or a mapping) as a raw mapping (a copy)."""
     from gradleak.config.loading import load_yaml
@@ -128,6 +123,8 @@ def judged_rows(kind: str, client, res: dict, cfg, n_truth: int | None = None) -
     private samples has it from the truth (``n_truth``)."""
     from gradleak.evaluation import unit
     from gradleak.run.answer import client_metric_sets
+    from dataclasses import replace as dc_replace
+
     from gradleak.run.audit_judge import judge
 
     if "metrics" not in res:
@@ -137,11 +134,10 @@ def judged_rows(kind: str, client, res: dict, cfg, n_truth: int | None = None) -
     rows = []
     for c, mets in sets:
         one = judge(kind, mets, cfg)
-        if one.get("n_total") is not None and u.counts_batch_samples and n_truth is not None:
-            one["n_total"] = int(n_truth)
-        if res.get("warning"):
-            one["warnings"] = [str(res["warning"])]
-        rows.append({"client": c if u.scores_every_client else client, **one})
+        if one.n_total is not None and u.counts_batch_samples and n_truth is not None:
+            one = dc_replace(one, n_total=int(n_truth))
+        rows.append({"client": c if u.scores_every_client else client, **one.as_dict(),
+                     **({"warnings": [str(res["warning"])]} if res.get("warning") else {})})
     return rows
 
 
@@ -151,13 +147,13 @@ def _summed(threat):
     return dc_replace(threat, individual_updates=False)
 
 
-def fold_clients(entry: dict, rows: list[dict], threat) -> None:
-    """Put the per-client outcomes ``rows`` (``{"client", ...}``: :func:`judged_rows`) on ``entry`` in the one shape:
-    ``per_client`` (:func:`gradleak.run.audit_judge.client_row` each), the most leaking client's judgement,
-    ``worst_client``; an attack that ran on no client is not applicable (refused) or failed, with the reason."""
-    from gradleak.evaluation.levels import leak_rank
+def fold_round(entry: dict, rows: list[dict], threat) -> None:
+    """Put the per-client outcomes ``rows`` (``{"client", ...}``: :func:`judged_rows`) on ``entry`` in the one shape
+    (:func:`gradleak.run.audit_judge.fold_clients`: ``per_client``, the most leaking client's judgement,
+    ``worst_client``), with the round's sums (any client leaking; the private samples exact over every client); an
+    attack that ran on no client is not applicable (refused) or failed, with the reason."""
     from gradleak.run.answer import server_words
-    from gradleak.run.audit_judge import client_row
+    from gradleak.run.audit_judge import fold_clients
 
     ran = [o for o in rows if "success" in o]
     if not ran:
@@ -174,15 +170,12 @@ def fold_clients(entry: dict, rows: list[dict], threat) -> None:
                       "reason": why,
                       "per_client": [{"client": o["client"], "level": "undefined", "success": None} for o in ran]})
         return
-    worst = max(ran, key=leak_rank)
-    entry.update({k: worst[k] for k in ENTRY_KEYS if k in worst})
+    fold_clients(entry, ran)
     entry.setdefault("threat_words", server_words(threat))  # the gate's words (an upgraded server) stand
     entry["success"] = any(o["success"] for o in ran)
     if all(o.get("n_success") is not None for o in ran):
         entry["n_success"] = sum(o["n_success"] for o in ran)
         entry["n_total"] = sum(o["n_total"] for o in ran)
-    entry["worst_client"] = worst["client"]
-    entry["per_client"] = [client_row(o["client"], o, o.get("warnings")) for o in ran]
     skipped = [o for o in rows if "success" not in o]
     if skipped:  # a client whose attack crashed or was refused: named, never counted as "none"
         entry["clients_not_scored"] = [{"client": o["client"], "reason": o.get("failed") or o.get("refused", "")}
@@ -385,7 +378,7 @@ class RoundAudit:
         (:func:`gradleak.run.audit_plan.full_strength_variants`, the parameter sets ``gradleak audit`` runs) on every
         target of the round, under the threat the gate ran it under (the configured one, or the smallest server
         upgrade: then applicable only under it, as gradleak audit reports it); the most leaking variant's clients are
-        the entry's (:func:`fold_clients`), each variant's worst level and client rows in ``per_variant`` (a client's
+        the entry's (:func:`fold_round`), each variant's worst level and client rows in ``per_variant`` (a client's
         own audit, e.g. :func:`gradleak.integrations.flower.client_scorer`, takes its own most leaking variant: one
         of these rows)."""
         from gradleak.evaluation import unit
@@ -420,7 +413,7 @@ class RoundAudit:
         entry["seconds"] = time.perf_counter() - t0
         ranked = [(k, r) for k, rows in enumerate(by_variant) for r in rows if "level" in r]
         k = max(ranked, key=lambda t: leak_rank(t[1]))[0] if ranked else 0
-        fold_clients(entry, by_variant[k], cfgs[k].threat_model)
+        fold_round(entry, by_variant[k], cfgs[k].threat_model)
         if len(variants) > 1:
             entry["variants"] = variants
             entry["worst_variant"] = variants[k] or "as configured"
