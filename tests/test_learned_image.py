@@ -97,3 +97,19 @@ def test_too_few_public_images_name_the_field(tmp_path, cache, vit_s14_available
     with pytest.raises(BadInput) as e:
         _run(tmp_path / "e", ["data.prior_size=20"])
     assert e.value.field == "data.prior_size"
+
+
+def test_an_update_transform_in_the_defense_section_is_simulated_a_training_time_defense_is_not():
+    """``--advise`` places SVT in ``defense:`` (an update transform applied after ``defenses:``): the decoder
+    simulates it, so the attack is measurable there; DP-SGD changes the clients' training, which this slice does not
+    simulate."""
+    from gradleak.attacks.learned_image import LearnedImage
+    from gradleak.config.loading import load_yaml
+    from gradleak.run.runner import validate
+
+    raw = load_yaml(Path(__file__).resolve().parents[1] / "configs" / "audit" / "vit_lora.yaml")
+    attack = "attack.name=lora_span"  # the audit config names no attack; measurable reads the defense only
+    svt = validate(raw, [attack, 'defense={"name": "nvflare_svt", "noise_var": 1.0}'])[1]
+    sgd = validate(raw, [attack, 'defense={"name": "dpsgd", "noise_multiplier": 1.0}'])[1]
+    assert LearnedImage.measurable(svt) and LearnedImage.measurable(validate(raw, [attack])[1])
+    assert not LearnedImage.measurable(sgd) and "dpsgd" in LearnedImage.not_measurable_reason(sgd)

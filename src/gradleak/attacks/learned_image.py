@@ -41,7 +41,8 @@ Decisions the papers leave open (each a parameter):
   weights, the trainable names, the declared defenses, the public protocol, the public images, the batch size, the
   seed and every parameter of this attack.
 
-Limits of this slice: training-time defenses (DP-SGD, dropout) are not simulated -- under one the attack is not
+Limits of this slice: training-time defenses (DP-SGD, dropout) are not simulated (an update transform named in
+``defense:``, e.g. SVT, is) -- under one the attack is not
 applicable (``measurable``); a batch of B > 1 gives one image (the coarse stage then mixes the batch's tokens, as
 lora_span reports), trained against the batch's first image.
 """
@@ -136,13 +137,19 @@ class LearnedImage(AttackBase):
     @classmethod
     def measurable(cls, experiment_cfg) -> bool:
         """False under a training-time ``defense:`` (DP-SGD, dropout, ...): this slice simulates the update defenses
-        only, and a decoder trained without the clients' training-time defense would be graded on a mismatch."""
+        only, and a decoder trained without the clients' training-time defense would be graded on a mismatch. An
+        *update* transform named in ``defense:`` (``nvflare_svt``, which ``--advise`` places there) is simulated after
+        the ``defenses:`` list, as the pipeline applies it (:func:`gradleak.attacks.learned_wordbag.simulated_defenses`),
+        so it is measurable."""
+        from gradleak.attacks.learned_wordbag import _update_stage
+
         d = getattr(experiment_cfg, "defense", None)
-        return getattr(d, "name", "none") in (None, "none")
+        return getattr(d, "name", "none") in (None, "none") or _update_stage(d.name)
 
     @classmethod
     def not_measurable_reason(cls, experiment_cfg) -> str:
-        return ("the learned image decoder simulates the declared update defenses (defenses:) only, not the "
+        return ("the learned image decoder simulates the declared update defenses (defenses:, or an update transform "
+                "named in defense:) only, not the "
                 f"training-time defense '{experiment_cfg.defense.name}'; declare it under defenses: if it is an update "
                 "transform")
 
@@ -170,6 +177,7 @@ class LearnedImage(AttackBase):
         return train, imgs[:self.null_images]
 
     def _simulator(self, view):
+        from gradleak.attacks.learned_wordbag import simulated_defenses
         from gradleak.defenses import build_defenses
         from gradleak.fl.core import Client, default_classification_loss
 
@@ -180,7 +188,7 @@ class LearnedImage(AttackBase):
         B = int(sizes[0])
         lr = float((fl.get("lr_at") or [fl.get("lr", 0.01)])[0])
         classes = int(view.public.get("num_classes") or 2)
-        entries = list(view.public.get("update_defenses") or [])
+        entries = simulated_defenses(view)
 
         def simulate(images01: torch.Tensor, index: int):
             x = (images01.to(p0.dtype) * 2 - 1).to(p0.device)  # the image modality's encoding (model reads [-1, 1])
@@ -209,13 +217,15 @@ class LearnedImage(AttackBase):
         return torch.nan_to_num(x, nan=0.5, posinf=COARSE_CLAMP[1], neginf=COARSE_CLAMP[0]).clamp(*COARSE_CLAMP)
 
     def _key(self, view, train: torch.Tensor, held: torch.Tensor) -> str:
+        from gradleak.attacks.learned_wordbag import simulated_defenses
+
         h = hashlib.sha256(Path(__file__).read_bytes())  # this module's code: a changed decoder never reads an old one
         for n, p in sorted(view.model.state_dict().items()):
             h.update(n.encode())
             h.update(p.detach().cpu().contiguous().numpy().tobytes())
         params = {k: getattr(self, k) for k in LearnedImageConfig.model_fields if k != "cache"}
         h.update(json.dumps({"v": CACHE_VERSION, "trainable": sorted(view.updates[0].tensors),
-                             "defenses": view.public.get("update_defenses"), "fl": self.fl, "params": params,
+                             "defenses": simulated_defenses(view), "fl": self.fl, "params": params,
                              "seed": self.seed, "batch": view.public.get("batch_size"),
                              "shape": list(view.public.get("image_shape") or [])}, sort_keys=True,
                             default=str).encode())
