@@ -42,9 +42,9 @@ Decisions the papers leave open (each a parameter):
   seed and every parameter of this attack.
 
 Limits of this slice: training-time defenses (DP-SGD, dropout) are not simulated (an update transform named in
-``defense:``, e.g. SVT, is) -- under one the attack is not
-applicable (``measurable``); a batch of B > 1 gives one image (the coarse stage then mixes the batch's tokens, as
-lora_span reports), trained against the batch's first image.
+``defense:``, e.g. SVT, is) -- under one the attack is not applicable (``measurable``); a batch of B > 1 gives one
+image (the coarse stage then mixes the batch's tokens, as lora_span reports), trained against the batch's first
+image.
 """
 
 from __future__ import annotations
@@ -141,10 +141,10 @@ class LearnedImage(AttackBase):
         *update* transform named in ``defense:`` (``nvflare_svt``, which ``--advise`` places there) is simulated after
         the ``defenses:`` list, as the pipeline applies it (:func:`gradleak.attacks.learned_wordbag.simulated_defenses`),
         so it is measurable."""
-        from gradleak.attacks.learned_wordbag import _update_stage
+        from gradleak.attacks.learned_wordbag import update_stage
 
         d = getattr(experiment_cfg, "defense", None)
-        return getattr(d, "name", "none") in (None, "none") or _update_stage(d.name)
+        return getattr(d, "name", "none") in (None, "none") or update_stage(d.name)
 
     @classmethod
     def not_measurable_reason(cls, experiment_cfg) -> str:

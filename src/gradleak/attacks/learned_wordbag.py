@@ -131,7 +131,9 @@ class WordBagDecoder(torch.nn.Module):
         return self.a + (self.beta + self.b) * z + self.U(s)
 
 
-def _update_stage(name: str) -> bool:
+def update_stage(name: str) -> bool:
+    """Whether the defense ``name`` transforms the upload (an update transform, simulated by both learned attacks
+    when it is named in ``defense:``)."""
     from gradleak.registry import DEFENSES
 
     return name in DEFENSES and DEFENSES.get(name).stage == "update"
@@ -255,7 +257,7 @@ class LearnedWordBag(AttackBase):
         reported; :class:`gradleak.defenses.base.UpdateInDefenseSection`) is simulated like the ``defenses:`` list
         (:func:`defense_section_entry`), so it is measurable."""
         d = getattr(experiment_cfg, "defense", None)
-        return getattr(d, "name", "none") in (None, "none") or _update_stage(d.name) or _simulated_training(d.name)
+        return getattr(d, "name", "none") in (None, "none") or update_stage(d.name) or _simulated_training(d.name)
 
     @classmethod
     def not_measurable_reason(cls, experiment_cfg) -> str:
