@@ -177,7 +177,8 @@ def pursuit(G: torch.Tensor, F: torch.Tensor, sigma: float, ok: torch.Tensor, lo
     chosen: list[int] = []
     taken = 0
     while len(chosen) < cap and taken < min(F.shape[1], cap + (len(F) - V)):
-        q = (R ** 2).sum(1) / (float(sigma) ** 2 * nrm.clamp_min(1e-12))
+        # the rows' energies in one pass over R (no (V, M) temporary: this loop is the attack's hot spot)
+        q = torch.einsum("vm,vm->v", R, R) / (float(sigma) ** 2 * nrm.clamp_min(1e-12))
         q = torch.where(avail & (nrm > 1e-3), q, torch.full_like(q, -1.0))
         v = int(q.argmax())
         if q[v] <= 0 or float(chi2.logsf(float(q[v]), M)) >= log_cut:
@@ -189,7 +190,7 @@ def pursuit(G: torch.Tensor, F: torch.Tensor, sigma: float, ok: torch.Tensor, lo
         r = F[v] - Q @ (Q.T @ F[v])
         u = r / r.norm().clamp_min(1e-300)
         c = F @ u  # (V,)
-        R -= c[:, None] * (G @ u)[None, :]
+        R.addr_(c, G @ u, alpha=-1.0)  # R -= c (G u)^T, in place
         nrm -= c ** 2
         Q = torch.cat([Q, u[:, None]], 1)
     return chosen
