@@ -177,6 +177,7 @@ class LearnedImage(AttackBase):
         return train, imgs[:self.null_images]
 
     def _simulator(self, view):
+        from gradleak.attacks.common.raw_uploads import defended_upload, group_digest
         from gradleak.attacks.learned_wordbag import simulated_defenses
         from gradleak.defenses import build_defenses
         from gradleak.fl.core import Client, default_classification_loss
@@ -189,6 +190,10 @@ class LearnedImage(AttackBase):
         lr = float((fl.get("lr_at") or [fl.get("lr", 0.01)])[0])
         classes = int(view.public.get("num_classes") or 2)
         entries = simulated_defenses(view)
+        # the raw uploads (before the update defenses) are the same for every update defense: computed once per
+        # process (:mod:`gradleak.attacks.common.raw_uploads`)
+        group = group_digest(model, {"attack": "learned_image", "classes": classes, "fl": fl,
+                                     "dtype": str(p0.dtype), "device": str(p0.device)})
 
         def simulate(images01: torch.Tensor, index: int):
             x = (images01.to(p0.dtype) * 2 - 1).to(p0.device)  # the image modality's encoding (model reads [-1, 1])
@@ -198,8 +203,8 @@ class LearnedImage(AttackBase):
             defenses = build_defenses([{**e, "params": {**(e.get("params") or {}), "seed": dseed}}
                                        if "seed" in (e.get("params") or {}) else e for e in entries], seed=dseed)
             client = Client(index, x, y, loss_fn=default_classification_loss)
-            return client.local_update(model, algorithm=algorithm, epochs=int(fl.get("local_epochs") or 1), lr=lr,
-                                       batch_size=fl.get("local_batch_size"), defenses=defenses, seed=dseed)
+            return defended_upload(client, model, group, algorithm=algorithm, epochs=int(fl.get("local_epochs") or 1),
+                                   lr=lr, batch_size=fl.get("local_batch_size"), defenses=defenses, seed=dseed)
 
         return simulate, B
 

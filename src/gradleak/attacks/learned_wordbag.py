@@ -282,6 +282,7 @@ class LearnedWordBag(AttackBase):
         return texts[self.heldout_sentences:], texts[:self.heldout_sentences]
 
     def _simulator(self, view):
+        from gradleak.attacks.common.raw_uploads import defended_upload, group_digest
         from gradleak.defenses import build_defenses
         from gradleak.fl.core import Client
         from gradleak.models.text import encode_batch, text_loss
@@ -300,6 +301,10 @@ class LearnedWordBag(AttackBase):
             classes = int(model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits.shape[-1])
         entries = simulated_defenses(view)
         training = simulated_training(view, self.seed + DEFENSE_SEED_OFFSET)
+        # the raw uploads (before the update defenses) are the same for every update defense: computed once per
+        # process (:mod:`gradleak.attacks.common.raw_uploads`); a simulated training-time step changes them
+        group = None if training is not None else group_digest(model, {"attack": "learned_wordbag", "kind": kind,
+                                                                       "task": task, "classes": classes, "fl": fl})
 
         def simulate(texts: list[str], index: int):
             enc = encode_batch(tok, kind, texts, None)
@@ -312,8 +317,9 @@ class LearnedWordBag(AttackBase):
                                        if "seed" in (e.get("params") or {}) else e for e in entries], seed=dseed)
             client = Client(index, x, y, loss_fn=loss_fn)
             if training is None:
-                upd = client.local_update(model, algorithm=algorithm, epochs=int(fl.get("local_epochs") or 1), lr=lr,
-                                          batch_size=fl.get("local_batch_size"), defenses=defenses, seed=dseed)
+                upd = defended_upload(client, model, group, algorithm=algorithm,
+                                      epochs=int(fl.get("local_epochs") or 1), lr=lr,
+                                      batch_size=fl.get("local_batch_size"), defenses=defenses, seed=dseed)
             else:  # the training-time defense's own step on a copy of the sent model, then the update list (the
                 # builtin engine's order)
                 upd = training.local_update(client, copy.deepcopy(model), seed=dseed, algorithm=algorithm, lr=lr,
