@@ -110,3 +110,34 @@ def test_the_word_bag_decoder_is_the_same_with_and_without_the_cache(tmp_path, m
     assert ru.stats()["misses"] == misses and ru.stats()["hits"] >= 60  # every raw upload came from the cache
     for k in ("word_bag_recall", "word_bag_recall_null_p99", "word_bag_recall_decoder_null_p99"):
         assert cached["metrics"][k] == plain["metrics"][k], k
+
+
+def test_a_simulated_dpsgd_step_on_a_copy_sharing_the_frozen_weights_is_the_full_copys():
+    """learned_wordbag's DP-SGD simulation steps a copy of the sent model whose frozen parameters are shared
+    (``trainable_copy``): the upload equals the step on a full deep copy bit for bit (FedSGD and FedAvg), the sent
+    model's weights and mode are untouched, and the trainable ones are not shared."""
+    pytest.importorskip("opacus")
+    import copy
+
+    from gradleak.attacks.learned_wordbag import trainable_copy
+    from gradleak.defenses.training import DPSGD
+
+    model, client = _setup()
+    for p in model[0].parameters():
+        p.requires_grad_(False)  # a frozen "backbone"
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    light = trainable_copy(model)
+    assert light[0].weight is model[0].weight and light[2].weight is not model[2].weight
+    for algorithm in ("fedsgd", "fedavg"):
+        def dp():
+            d = DPSGD(noise_multiplier=0.5, max_grad_norm=0.3)
+            d.seed = 4
+            return d
+
+        kw = dict(seed=9, algorithm=algorithm, lr=0.1, epochs=2, batch_size=2)
+        a = dp().local_update(client, trainable_copy(model), **kw)
+        b = dp().local_update(client, copy.deepcopy(model), **kw)
+        assert set(a.tensors) == set(b.tensors) == {"2.weight", "2.bias"}
+        assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors), algorithm
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and not model.training
