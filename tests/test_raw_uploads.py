@@ -41,7 +41,7 @@ def test_a_cached_raw_upload_gives_the_uncached_defended_upload_bit_for_bit(entr
     model, client = _setup()
     kw = dict(algorithm=algorithm, epochs=2, lr=0.1, batch_size=2, seed=11)
     want = client.local_update(model, defenses=build_defenses(entries, seed=11), **kw)
-    group = ru.group_digest(model, {"test": 1})
+    group = ru.group_digest(ru.model_digest(model), {"test": 1})
     for call in range(3):  # a miss, then hits
         got = ru.defended_upload(client, model, group, defenses=build_defenses(entries, seed=11), **kw)
         assert set(got.tensors) == set(want.tensors)
@@ -58,11 +58,11 @@ def test_a_cached_raw_upload_gives_the_uncached_defended_upload_bit_for_bit(entr
 def test_the_key_separates_models_batches_and_seeds():
     model, client = _setup()
     kw = dict(algorithm="fedsgd", epochs=1, lr=0.1, batch_size=None)
-    g0 = ru.group_digest(model, {"test": 1})
+    g0 = ru.group_digest(ru.model_digest(model), {"test": 1})
     a = ru.defended_upload(client, model, g0, seed=1, **kw)
     other, _ = _setup(seed=3)  # other weights: another group
-    g1 = ru.group_digest(other, {"test": 1})
-    assert g1 != g0 and ru.group_digest(model, {"test": 2}) != g0
+    g1 = ru.group_digest(ru.model_digest(other), {"test": 1})
+    assert g1 != g0 and ru.group_digest(ru.model_digest(model), {"test": 2}) != g0
     b = ru.defended_upload(client, other, g1, seed=1, **kw)
     assert not torch.equal(a.tensors["0.weight"], b.tensors["0.weight"])
     c2 = Client(5, client._inputs + 1.0, client._labels, loss_fn=default_classification_loss)  # another batch
@@ -76,7 +76,7 @@ def test_the_bound_holds_and_a_new_group_evicts_the_old_one(monkeypatch):
     kw = dict(algorithm="fedsgd", epochs=1, lr=0.1, batch_size=None)
     one = sum(p.numel() * p.element_size() for p in model.parameters())
     monkeypatch.setattr(ru, "MAX_BYTES", 2 * one)  # room for two uploads
-    g0, g1 = ru.group_digest(model, {"g": 0}), ru.group_digest(model, {"g": 1})
+    g0, g1 = ru.group_digest(ru.model_digest(model), {"g": 0}), ru.group_digest(ru.model_digest(model), {"g": 1})
     for s in range(3):  # the third does not fit: computed, not stored, nothing of its own group evicted
         ru.defended_upload(client, model, g0, seed=s, **kw)
     assert len(ru._GROUPS[g0]) == 2 and ru.stats()["bytes"] == 2 * one

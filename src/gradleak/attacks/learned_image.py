@@ -62,6 +62,7 @@ from pydantic import Field
 
 from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction
 from gradleak.attacks.common.parameters import set_config_fields
+from gradleak.attacks.common.raw_uploads import defended_upload, group_digest, model_digest
 from gradleak.errors import BadInput
 from gradleak.registry import ATTACKS
 
@@ -176,8 +177,7 @@ class LearnedImage(AttackBase):
             train = train[:self.train_images]
         return train, imgs[:self.null_images]
 
-    def _simulator(self, view):
-        from gradleak.attacks.common.raw_uploads import defended_upload, group_digest
+    def _simulator(self, view, model_sha: str):
         from gradleak.attacks.learned_wordbag import simulated_defenses
         from gradleak.defenses import build_defenses
         from gradleak.fl.core import Client, default_classification_loss
@@ -192,7 +192,7 @@ class LearnedImage(AttackBase):
         entries = simulated_defenses(view)
         # the raw uploads (before the update defenses) are the same for every update defense: computed once per
         # process (:mod:`gradleak.attacks.common.raw_uploads`)
-        group = group_digest(model, {"attack": "learned_image", "classes": classes, "fl": fl,
+        group = group_digest(model_sha, {"attack": "learned_image", "classes": classes, "fl": fl,
                                      "dtype": str(p0.dtype), "device": str(p0.device)})
 
         def simulate(images01: torch.Tensor, index: int):
@@ -221,13 +221,11 @@ class LearnedImage(AttackBase):
             x = span.reconstruct(sub).data["images"][:1].to(torch.float64)
         return torch.nan_to_num(x, nan=0.5, posinf=COARSE_CLAMP[1], neginf=COARSE_CLAMP[0]).clamp(*COARSE_CLAMP)
 
-    def _key(self, view, train: torch.Tensor, held: torch.Tensor) -> str:
+    def _key(self, view, train: torch.Tensor, held: torch.Tensor, model_sha: str) -> str:
         from gradleak.attacks.learned_wordbag import simulated_defenses
 
         h = hashlib.sha256(Path(__file__).read_bytes())  # this module's code: a changed decoder never reads an old one
-        for n, p in sorted(view.model.state_dict().items()):
-            h.update(n.encode())
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        h.update(model_sha.encode())  # the sent model's weights (:func:`gradleak.attacks.common.raw_uploads.model_digest`)
         params = {k: getattr(self, k) for k in LearnedImageConfig.model_fields if k != "cache"}
         h.update(json.dumps({"v": CACHE_VERSION, "trainable": sorted(view.updates[0].tensors),
                              "defenses": simulated_defenses(view), "fl": self.fl, "params": params,
@@ -242,7 +240,8 @@ class LearnedImage(AttackBase):
     def _train(self, view) -> dict:
         """Train (or load) the decoder and its null images for this view's model, defenses and public images."""
         train, held = self._public_split(view)
-        key = self._key(view, train, held)
+        model_sha = model_digest(view.model)
+        key = self._key(view, train, held, model_sha)
         path = cache_dir() / f"{key}.pt"
         if self.cache and path.is_file():
             t0 = time.perf_counter()
@@ -252,7 +251,7 @@ class LearnedImage(AttackBase):
         if self.kernel % 2 == 0:
             raise BadInput("attack.kernel", f"the filter's side must be odd, got {self.kernel}.", "use e.g. 3, 5 or 7.")
         t0 = time.perf_counter()
-        simulate, B = self._simulator(view)
+        simulate, B = self._simulator(view, model_sha)
         batches = [train[i:i + B] for i in range(0, len(train) - B + 1, B)]
         null_batches = [held[i:i + B] for i in range(0, len(held) - B + 1, B)]
         coarse = torch.cat([self._coarse(view, simulate(x, i)) for i, x in enumerate(batches)])

@@ -69,6 +69,7 @@ from pydantic import Field
 
 from gradleak.attacks.base import AttackBase, AttackConfig, Reconstruction
 from gradleak.attacks.common.parameters import set_config_fields
+from gradleak.attacks.common.raw_uploads import defended_upload, group_digest, model_digest
 from gradleak.errors import BadInput
 from gradleak.registry import ATTACKS
 
@@ -289,8 +290,7 @@ class LearnedWordBag(AttackBase):
                            "attack.heldout_sentences.")
         return texts[self.heldout_sentences:], texts[:self.heldout_sentences]
 
-    def _simulator(self, view):
-        from gradleak.attacks.common.raw_uploads import defended_upload, group_digest
+    def _simulator(self, view, model_sha: str):
         from gradleak.defenses import build_defenses
         from gradleak.fl.core import Client
         from gradleak.models.text import encode_batch, text_loss
@@ -311,7 +311,7 @@ class LearnedWordBag(AttackBase):
         training = simulated_training(view, self.seed + DEFENSE_SEED_OFFSET)
         # the raw uploads (before the update defenses) are the same for every update defense: computed once per
         # process (:mod:`gradleak.attacks.common.raw_uploads`); a simulated training-time step changes them
-        group = None if training is not None else group_digest(model, {"attack": "learned_wordbag", "kind": kind,
+        group = None if training is not None else group_digest(model_sha, {"attack": "learned_wordbag", "kind": kind,
                                                                        "task": task, "classes": classes, "fl": fl})
 
         def simulate(texts: list[str], index: int):
@@ -349,11 +349,9 @@ class LearnedWordBag(AttackBase):
                 z = z + torch.log(((vocab_dirs @ G.T) ** 2).sum(1) / tot + 1e-12)
         return z, s
 
-    def _key(self, view, train: list[str], held: list[str]) -> str:
+    def _key(self, view, train: list[str], held: list[str], model_sha: str) -> str:
         h = hashlib.sha256(Path(__file__).read_bytes())  # this module's code: a changed decoder never reads an old one
-        for n, p in sorted(view.model.state_dict().items()):
-            h.update(n.encode())
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        h.update(model_sha.encode())  # the sent model's weights (:func:`gradleak.attacks.common.raw_uploads.model_digest`)
         names = sorted(view.updates[0].tensors)
         params = {k: getattr(self, k) for k in LearnedWordBagConfig.model_fields if k != "cache"}
         h.update(json.dumps({"v": CACHE_VERSION, "trainable": names, "defenses": simulated_defenses(view),
@@ -368,7 +366,8 @@ class LearnedWordBag(AttackBase):
     def _train(self, view) -> dict:
         """Train (or load) the decoder and its null bags for this view's model, defenses and public data."""
         train, held = self._public_split()
-        key = self._key(view, train, held)
+        model_sha = model_digest(view.model)
+        key = self._key(view, train, held, model_sha)
         path = cache_dir() / f"{key}.pt"
         if self.cache and path.is_file():
             t0 = time.perf_counter()
@@ -376,7 +375,7 @@ class LearnedWordBag(AttackBase):
             state["cache_hit"], state["load_seconds"] = True, time.perf_counter() - t0
             return state
         t0 = time.perf_counter()
-        simulate, B = self._simulator(view)
+        simulate, B = self._simulator(view, model_sha)
         tok = view.public["tokenizer"]
         special = set(getattr(tok, "all_special_ids", []) or [])
         shapes = {n: tuple(t.shape) for n, t in view.updates[0].tensors.items()}

@@ -35,13 +35,21 @@ _GROUPS: "OrderedDict[str, dict[str, Any]]" = OrderedDict()
 _SIZE = {"bytes": 0, "hits": 0, "misses": 0}
 
 
-def group_digest(model: torch.nn.Module, protocol: dict) -> str:
-    """The digest of one simulation's fixed parts: the sent model's state (names, values) and ``protocol`` (the
-    public protocol, the loss, the labels' classes: everything besides the batch that shapes the raw upload)."""
+def model_digest(model: torch.nn.Module) -> str:
+    """The digest of the sent model's state (every name and value): computed once per decoder training, it enters the
+    decoder's cache key and the simulation's :func:`group_digest`."""
     h = hashlib.sha256()
     for n, p in sorted(model.state_dict().items()):
         h.update(n.encode())
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def group_digest(model_sha: str, protocol: dict) -> str:
+    """The digest of one simulation's fixed parts: the sent model's state (``model_sha``, :func:`model_digest`) and
+    ``protocol`` (the public protocol, the loss, the labels' classes: everything besides the batch that shapes the raw
+    upload)."""
+    h = hashlib.sha256(model_sha.encode())
     h.update(json.dumps(protocol, sort_keys=True, default=str).encode())
     return h.hexdigest()
 
@@ -114,4 +122,4 @@ def clear() -> None:
     _SIZE.update(bytes=0, hits=0, misses=0)
 
 
-__all__ = ["MAX_BYTES", "clear", "defended_upload", "group_digest", "stats", "upload_digest"]
+__all__ = ["MAX_BYTES", "clear", "defended_upload", "group_digest", "model_digest", "stats", "upload_digest"]
