@@ -142,13 +142,15 @@ TEXT = {"experiment": "text", "seed": 0, "model": {"name": "minilm", "layers": 2
 @pytest.mark.timeout(600)
 def test_text_audit_every_client_tiny_noise_is_a_leak_and_nothing_is_lost(tmp_path):
     """The issue's green-over-a-leak cases on the text audit, in one run: DP noise of 1e-9 (near-verbatim sentences)
-    gives `leaks`; both clients are attacked (builtin engine); `--only projres,utr` (ProjRes under the public-data
+    gives `leaks` (one sentence per client: UTR's search on two-sentence batches quadrupled this test's time, and the
+    batch paths have their own tests in tests/test_utr.py); both clients are attacked (builtin engine); `--only projres,utr` (ProjRes under the public-data
     upgrade) writes audit.json with both results; ProjRes with non-members is measured, not undefined."""
     import json
 
     from gradleak.run.audit import run_audit
 
-    raw = {**TEXT, "defenses": [{"name": "dp_gaussian", "params": {"noise_multiplier": 1.0e-9, "max_norm": 1.0}}]}
+    raw = {**TEXT, "data": {**TEXT["data"], "batch_size": 1},
+           "defenses": [{"name": "dp_gaussian", "params": {"noise_multiplier": 1.0e-9, "max_norm": 1.0}}]}
     res = run_audit(raw, tmp_path, only=["projres", "utr"], log=lambda m: None)
     by = {a["name"]: a for a in res["attacks"]}
     assert res["verdict"] == "leaks" and res["headline"].startswith("LEAKS: ")
