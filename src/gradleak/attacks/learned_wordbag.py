@@ -292,7 +292,7 @@ class LearnedWordBag(AttackBase):
 
     def _simulator(self, view, model_sha: str):
         from gradleak.defenses import build_defenses
-        from gradleak.fl.core import Client
+        from gradleak.fl.core import Client, apply_update_defenses
         from gradleak.models.text import encode_batch, text_loss
 
         tok, kind, task = view.public["tokenizer"], view.public.get("model_kind", "bidirectional"), view.public.get("model_task")
@@ -333,8 +333,7 @@ class LearnedWordBag(AttackBase):
                 upd = training.local_update(client, trainable_copy(model), seed=dseed, algorithm=algorithm, lr=lr,
                                             round_index=0, epochs=int(fl.get("local_epochs") or 1),
                                             batch_size=fl.get("local_batch_size"))
-                for d in defenses:
-                    upd = d.apply(upd, {"client_id": index, "seed": dseed, "lr": lr})
+                upd = apply_update_defenses(upd, defenses, client_id=index, seed=dseed, lr=lr)
             return upd.tensors, enc
 
         return simulate, B

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from gradleak.fl.core import Update
+from gradleak.fl.core import Update, apply_update_defenses
 
 #: a canary's norm over the clipping bound it should be clipped to
 CANARY_SCALE = 1e3
@@ -72,8 +72,7 @@ class CanaryClient:
                      in_place: bool = False) -> Update:
         kind = "gradient" if algorithm == "fedsgd" else "pseudo_gradient"
         upd = Update(self.tensors(), self._n, self.client_id, kind, 1)
-        for d in defenses:
-            upd = d.apply(upd, {"client_id": self.client_id, "seed": seed, "lr": lr})
+        upd = apply_update_defenses(upd, defenses, client_id=self.client_id, seed=seed, lr=lr)
         return upd
 
 

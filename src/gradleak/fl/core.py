@@ -63,6 +63,14 @@ class Update:
         return Update(out, self.num_samples, self.client_id, self.kind, self.local_steps, self.buffers)
 
 
+def apply_update_defenses(upd: "Update", defenses: Sequence[Any], *, client_id: Any, seed: int, lr: float) -> "Update":
+    """``upd`` through the update defenses in order, each given the context every engine gives it: the client, the
+    round's seed and its lr (:meth:`gradleak.defenses.base.UpdateDefense.apply`)."""
+    for d in defenses:
+        upd = d.apply(upd, {"client_id": client_id, "seed": seed, "lr": lr})
+    return upd
+
+
 def batchnorm_buffer_names(model: nn.Module) -> list[str]:
     """State-dict names of the buffers of every ``_BatchNorm`` module that tracks running statistics."""
     out = []
@@ -230,9 +238,7 @@ class Client:
         else:
             raise BadInput("fl.algorithm", f"unknown algorithm '{algorithm}'.", "use 'fedsgd' or 'fedavg'.")
         upd.buffers = _buffer_change(bn_before, model if (algorithm == "fedsgd" or in_place) else local)
-        for d in defenses:
-            upd = d.apply(upd, {"client_id": self.client_id, "seed": seed, "lr": lr})
-        return upd
+        return apply_update_defenses(upd, defenses, client_id=self.client_id, seed=seed, lr=lr)
 
 
 def aggregate(updates: Iterable[Update]) -> Update:

@@ -92,6 +92,8 @@ def defended_upload(client, model: torch.nn.Module, group: str | None, *, defens
     """``client.local_update(model, ..., defenses=defenses, seed=seed)``, its raw upload (before ``defenses``) taken
     from the process's cache when the same ``group`` (:func:`group_digest`) simulated the same batch and seed before.
     ``group`` None: no cache."""
+    from gradleak.fl.core import apply_update_defenses
+
     kw = dict(algorithm=algorithm, epochs=epochs, lr=lr, batch_size=batch_size, seed=seed)
     if group is None or MAX_BYTES <= 0:
         return client.local_update(model, defenses=defenses, **kw)
@@ -106,9 +108,7 @@ def defended_upload(client, model: torch.nn.Module, group: str | None, *, defens
         _GROUPS.move_to_end(group)
         raw = cached
     upd = _copy(raw)
-    for d in defenses:  # Client.local_update's order and context
-        upd = d.apply(upd, {"client_id": client.client_id, "seed": seed, "lr": lr})
-    return upd
+    return apply_update_defenses(upd, defenses, client_id=client.client_id, seed=seed, lr=lr)  # as local_update
 
 
 def stats() -> dict[str, int]:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from gradleak.fl.core import Client, Update, aggregate, secure_aggregate
+from gradleak.fl.core import Client, Update, aggregate, apply_update_defenses, secure_aggregate
 
 
 @dataclass
@@ -189,8 +189,8 @@ class _LocalTraining:
         upd = self.local_update(c, local, seed=self.seed + r, algorithm=self.algorithm, lr=self.lr_of(r),
                                 round_index=r, epochs=epochs, batch_size=batch_size)
         if upd is not None:
-            for d in self.defenses:
-                upd = d.apply(upd, {"client_id": c.client_id, "seed": self.seed + r, "lr": self.lr_of(r)})
+            upd = apply_update_defenses(upd, self.defenses, client_id=c.client_id, seed=self.seed + r,
+                                        lr=self.lr_of(r))
         return upd
 
 

@@ -295,6 +295,8 @@ def update_defense_mod(built: list, *, seed: int = 0, algorithm: str = "fedavg",
     model's parameter names; a message whose arrays do not match them is refused (wrong model). Server-side
     mechanisms (``dp_gaussian`` with ``where: server``) belong to the server: use Flower's central-DP wrappers.
     From config entries: :func:`gradleak.integrations.flower.defense_mod`."""
+    from gradleak.fl.core import apply_update_defenses
+
     require_flower()
     built = list(built)
     central = [d for d in built if getattr(d, "server_side", False)]
@@ -321,8 +323,7 @@ def update_defense_mod(built: list, *, seed: int = 0, algorithm: str = "fedavg",
                                                               mod="defense_mod")
         cid = upd.client_id
         server_round = int(conf.get("server-round", 1))
-        for d in built:
-            upd = d.apply(upd, {"client_id": cid, "seed": seed + server_round - 1, "lr": step})
+        upd = apply_update_defenses(upd, built, client_id=cid, seed=seed + server_round - 1, lr=step)
         new = upd.tensors if is_update else {k: (sent[k].to(torch.float64) - step * v.to(torch.float64)).to(got[k].dtype)
                                              for k, v in upd.tensors.items()}
         return _rebuild_reply(out, key, new)

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from gradleak.errors import BadInput
-from gradleak.fl.core import model_as_sent
+from gradleak.fl.core import apply_update_defenses, model_as_sent
 
 #: the NVFlare version the integration is written and tested against (``FLModel``, ``ModelController``, ``FedJob``)
 NVFLARE_RANGE = ((2, 9), (2, 10))
@@ -173,8 +173,7 @@ def client_step(c, base, sent: dict[str, torch.Tensor], *, round_index: int, lr:
         upd = local_update(c, local, seed=seed + r, algorithm=algorithm, lr=lr, round_index=r, epochs=epochs,
                            batch_size=batch_size)
         if upd is not None:
-            for d in defenses:
-                upd = d.apply(upd, {"client_id": c.client_id, "seed": seed + r, "lr": lr})
+            upd = apply_update_defenses(upd, defenses, client_id=c.client_id, seed=seed + r, lr=lr)
     meta = {META_CLIENT: int(c.client_id), META_LR: float(lr), "current_round": r}
     if upd is None:
         return FLModel(metrics={META_WITHHELD: 1.0}, current_round=r, meta={**meta, META_WITHHELD: True}), None
