@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import replace as dc_replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -123,8 +124,6 @@ def judged_rows(kind: str, client, res: dict, cfg, n_truth: int | None = None) -
     private samples has it from the truth (``n_truth``)."""
     from gradleak.evaluation import unit
     from gradleak.run.answer import client_metric_sets
-    from dataclasses import replace as dc_replace
-
     from gradleak.run.audit_judge import judge
 
     if "metrics" not in res:
@@ -142,8 +141,6 @@ def judged_rows(kind: str, client, res: dict, cfg, n_truth: int | None = None) -
 
 
 def _summed(threat):
-    from dataclasses import replace as dc_replace
-
     return dc_replace(threat, individual_updates=False)
 
 
